@@ -1,0 +1,647 @@
+//! The deployment's say (SPEC §4): `set_budgets` validation and the budget answers.
+//!
+//! A [`BudgetTable`] is immutable. [`BudgetTable::with_settings`] validates a whole new setting
+//! against the model's policies and returns a new table, or every problem at once; the caller
+//! keeps the previous table on error, so a refused setting changes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+
+use crate::policy::{ChunkingPolicy, ModelPolicies};
+use crate::Name;
+
+/// `min_chunk_tokens` when the serving config sets none.
+pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
+
+/// One budget as a serving config writes it: a token count (validated to be positive) or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetValue {
+    /// A token count as written; 0 and negative counts are refused by validation.
+    Tokens(i64),
+    /// Chunking off for the walk (the config's null / `"off"`).
+    Off,
+}
+
+impl fmt::Display for BudgetValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BudgetValue::Tokens(t) => write!(f, "{t}"),
+            BudgetValue::Off => f.write_str("off"),
+        }
+    }
+}
+
+/// A node's override: one budget for every walk the model budgets there, or one per walk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeBudget {
+    All(BudgetValue),
+    PerWalk(BTreeMap<Name, BudgetValue>),
+}
+
+/// The arguments of `set_budgets`: a serving config applied on top of the model's policies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetSettings {
+    /// Per node, one budget or `walk -> budget`.
+    pub overrides: BTreeMap<Name, NodeBudget>,
+    /// The walks this deployment serves.
+    pub walks: BTreeSet<Name>,
+    /// `member walk -> combined walk` (`prefill -> mixed`, `decode -> mixed`).
+    pub combined_walk_of: BTreeMap<Name, Name>,
+    /// Nodes whose submodule can cap member walks inside a combined step.
+    pub override_mixed: BTreeSet<Name>,
+    /// Nodes this worker chunks nowhere.
+    pub no_chunking: BTreeSet<Name>,
+    /// The floor a row is cut to; refused when 0.
+    pub min_chunk_tokens: u32,
+    /// Optional per-row cap: a row runs at most this many tokens a step. Refused when 0.
+    pub max_row_tokens: Option<u32>,
+    /// Optional: a new row is not started with a non-final chunk while this many rows would
+    /// stay mid-prefill after the step. Refused when 0.
+    pub max_partial_prefills: Option<u32>,
+}
+
+impl BudgetSettings {
+    /// No overrides, the default floor; serves every walk the model names and combines none.
+    pub fn defaults_for(model: &ModelPolicies) -> Self {
+        Self {
+            overrides: BTreeMap::new(),
+            walks: model.walks(),
+            combined_walk_of: BTreeMap::new(),
+            override_mixed: BTreeSet::new(),
+            no_chunking: BTreeSet::new(),
+            min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
+            max_row_tokens: None,
+            max_partial_prefills: None,
+        }
+    }
+}
+
+/// Why a setting was refused. Each names the node, the walk and the rule of SPEC §4.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetError {
+    #[error("no model policies are bound yet: `set_budgets` runs after `set_policies`")]
+    PoliciesNotSet,
+    #[error("`{setting}` names node `{node}`, which the model does not have")]
+    UnknownNode { setting: &'static str, node: Name },
+    #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
+    WalkNotServed { node: Name, walk: Name },
+    #[error("`combined_walk_of` names walk `{walk}`, which is not served by this deployment")]
+    CombinedWalkNotServed { walk: Name },
+    #[error("budget for `{node}`/`{walk}` would do nothing: the model does not budget `{walk}` on `{node}`")]
+    WalkNotBudgeted { node: Name, walk: Name },
+    #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
+    NodeBudgetsNothing { node: Name },
+    #[error("budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}` and `{node}` cannot cap member walks; set `{combined}` instead")]
+    MemberWalk {
+        node: Name,
+        walk: Name,
+        combined: Name,
+    },
+    #[error("budget for `{node}`{} must be a positive whole number of tokens or off, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
+    BadBudget {
+        node: Name,
+        walk: Option<Name>,
+        value: BudgetValue,
+    },
+    #[error("`{key}` must be at least 1, got 0")]
+    ZeroSetting { key: &'static str },
+    #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
+    WalkInTwoCombined {
+        walk: Name,
+        first: Name,
+        second: Name,
+    },
+}
+
+/// Every problem with a refused setting, in the order found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", self.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct BudgetErrors(pub Vec<BudgetError>);
+
+/// The accepted budgets: a pure function of the policies, the submodules and the last accepted
+/// settings.
+#[derive(Debug, Clone)]
+pub struct BudgetTable {
+    model: Arc<ModelPolicies>,
+    settings: BudgetSettings,
+    /// Effective per-walk overrides after expanding node-wide budgets: `None` = off.
+    overrides: BTreeMap<(Name, Name), Option<u32>>,
+    /// `combined walk -> member walks`, derived from `combined_walk_of`.
+    members: BTreeMap<Name, Vec<Name>>,
+}
+
+impl BudgetTable {
+    /// The table before any serving config: the model's budgets as declared.
+    pub fn from_policies(model: Arc<ModelPolicies>) -> Self {
+        let settings = BudgetSettings::defaults_for(&model);
+        Self {
+            model,
+            settings,
+            overrides: BTreeMap::new(),
+            members: BTreeMap::new(),
+        }
+    }
+
+    /// Validates `settings` whole against the model and returns the table they give.
+    ///
+    /// # Errors
+    /// Every refusal of SPEC §4 found, each naming node, walk and reason. Nothing is applied.
+    pub fn with_settings(&self, settings: BudgetSettings) -> Result<Self, BudgetErrors> {
+        Self::build(self.model.clone(), settings)
+    }
+
+    /// Validates `settings` against `model`, as [`BudgetTable::with_settings`].
+    ///
+    /// # Errors
+    /// Every refusal of SPEC §4 found.
+    pub fn build(
+        model: Arc<ModelPolicies>,
+        settings: BudgetSettings,
+    ) -> Result<Self, BudgetErrors> {
+        let mut errors = Vec::new();
+        for (key, value) in [
+            ("min_chunk_tokens", Some(settings.min_chunk_tokens)),
+            ("max_row_tokens", settings.max_row_tokens),
+            ("max_partial_prefills", settings.max_partial_prefills),
+        ] {
+            if value == Some(0) {
+                errors.push(BudgetError::ZeroSetting { key });
+            }
+        }
+        for (setting, nodes) in [
+            ("override_mixed", &settings.override_mixed),
+            ("no_chunking", &settings.no_chunking),
+        ] {
+            for node in nodes.iter().filter(|n| !model.has_node(n)) {
+                errors.push(BudgetError::UnknownNode {
+                    setting,
+                    node: node.clone(),
+                });
+            }
+        }
+        // combined_walk_of is a map, so a member cannot be listed twice there; a walk in two
+        // combined walks shows up when a combined walk is itself a member of another.
+        let mut members: BTreeMap<Name, Vec<Name>> = BTreeMap::new();
+        for (member, combined) in &settings.combined_walk_of {
+            for w in [member, combined] {
+                if !settings.walks.contains(w) {
+                    errors.push(BudgetError::CombinedWalkNotServed { walk: w.clone() });
+                }
+            }
+            if let Some(outer) = settings.combined_walk_of.get(combined) {
+                errors.push(BudgetError::WalkInTwoCombined {
+                    walk: member.clone(),
+                    first: combined.clone(),
+                    second: outer.clone(),
+                });
+            }
+            members
+                .entry(combined.clone())
+                .or_default()
+                .push(member.clone());
+        }
+        let mut overrides = BTreeMap::new();
+        for (node, budget) in &settings.overrides {
+            if !model.has_node(node) {
+                errors.push(BudgetError::UnknownNode {
+                    setting: "max_batch_tokens",
+                    node: node.clone(),
+                });
+                continue;
+            }
+            match budget {
+                NodeBudget::All(value) => {
+                    let parsed = check_value(node, None, *value, &mut errors);
+                    let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
+                    if walks.is_empty() {
+                        errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
+                    }
+                    if let Some(parsed) = parsed {
+                        for walk in walks {
+                            overrides.insert((node.clone(), walk), parsed);
+                        }
+                    }
+                }
+                NodeBudget::PerWalk(walks) => {
+                    for (walk, value) in walks {
+                        let parsed = check_value(node, Some(walk), *value, &mut errors);
+                        let refusal = Self::walk_refusal(&model, &settings, node, walk);
+                        match (refusal, parsed) {
+                            (Some(e), _) => errors.push(e),
+                            (None, Some(parsed)) => {
+                                overrides.insert((node.clone(), walk.clone()), parsed);
+                            }
+                            (None, None) => {}
+                        }
+                    }
+                }
+            }
+        }
+        if !errors.is_empty() {
+            return Err(BudgetErrors(errors));
+        }
+        Ok(Self {
+            model,
+            settings,
+            overrides,
+            members,
+        })
+    }
+
+    /// Why a per-walk override of `node`/`walk` is refused (rules 2, 5 and 3), if it is.
+    fn walk_refusal(
+        model: &ModelPolicies,
+        settings: &BudgetSettings,
+        node: &Name,
+        walk: &Name,
+    ) -> Option<BudgetError> {
+        let (node, walk) = (node.clone(), walk.clone());
+        if !settings.walks.contains(&walk) {
+            return Some(BudgetError::WalkNotServed { node, walk });
+        }
+        if let Some(combined) = settings.combined_walk_of.get(&walk) {
+            if !settings.override_mixed.contains(&node) {
+                let combined = combined.clone();
+                return Some(BudgetError::MemberWalk {
+                    node,
+                    walk,
+                    combined,
+                });
+            }
+        }
+        if model.policy(&node, &walk).max_batch_tokens.is_none() {
+            return Some(BudgetError::WalkNotBudgeted { node, walk });
+        }
+        None
+    }
+
+    /// The model's policies this table is layered on.
+    pub fn model(&self) -> &Arc<ModelPolicies> {
+        &self.model
+    }
+
+    /// The accepted settings.
+    pub fn settings(&self) -> &BudgetSettings {
+        &self.settings
+    }
+
+    /// The model's declared policy, or `NO_CHUNKING`.
+    pub fn policy(&self, node: &str, walk: &str) -> ChunkingPolicy {
+        self.model.policy(node, walk)
+    }
+
+    /// The budget a step of `node`/`walk` runs under: `None` on a `no_chunking` node; else the
+    /// override for that walk (off gives `None`); else the policy's budget.
+    pub fn max_batch_tokens(&self, node: &str, walk: &str) -> Option<u32> {
+        if self.settings.no_chunking.contains(node) {
+            return None;
+        }
+        match self.overrides.get(&(Name::from(node), Name::from(walk))) {
+            Some(over) => *over,
+            None => self.model.policy(node, walk).max_batch_tokens,
+        }
+    }
+
+    /// Whether rows of `walk` can be cut on `node`: the submodule's say, unless the budget is
+    /// off or none, or the node is `no_chunking`.
+    pub fn chunkable(&self, node: &str, walk: &str) -> bool {
+        self.max_batch_tokens(node, walk).is_some()
+            && self
+                .model
+                .submodule(node)
+                .is_some_and(|s| s.chunkable_walks.contains(walk))
+    }
+
+    /// The fewest tokens a row is cut to under `budget`: the floor, or the budget when smaller.
+    pub fn min_chunk_tokens(&self, budget: u32) -> u32 {
+        self.settings.min_chunk_tokens.min(budget)
+    }
+
+    /// The member walks of a combined walk (empty for a plain walk).
+    pub fn members(&self, walk: &str) -> &[Name] {
+        self.members
+            .get(walk)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+
+    /// The combined walk `walk` runs inside, if any.
+    pub fn combined_walk_of(&self, walk: &str) -> Option<&Name> {
+        self.settings.combined_walk_of.get(walk)
+    }
+
+    /// Under a combined walk on an `override_mixed` node (not `no_chunking`, with a budget):
+    /// member walk -> the most tokens its rows may run in one step, for each member walk with a
+    /// budget of its own. `None` otherwise.
+    pub fn walk_caps(&self, node: &str, walk: &str) -> Option<BTreeMap<Name, u32>> {
+        let members = self.members.get(walk)?;
+        if !self.settings.override_mixed.contains(node)
+            || self.max_batch_tokens(node, walk).is_none()
+        {
+            return None;
+        }
+        Some(
+            members
+                .iter()
+                .filter_map(|m| Some((m.clone(), self.max_batch_tokens(node, m)?)))
+                .collect(),
+        )
+    }
+}
+
+/// Checks one budget value (rule 6); returns the effective budget (`None` = off) when valid.
+fn check_value(
+    node: &Name,
+    walk: Option<&Name>,
+    value: BudgetValue,
+    errors: &mut Vec<BudgetError>,
+) -> Option<Option<u32>> {
+    match value {
+        BudgetValue::Off => Some(None),
+        BudgetValue::Tokens(t) => match u32::try_from(t) {
+            Ok(t) if t > 0 => Some(Some(t)),
+            _ => {
+                errors.push(BudgetError::BadBudget {
+                    node: node.clone(),
+                    walk: walk.cloned(),
+                    value,
+                });
+                None
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::SubmoduleCaps;
+
+    fn n(s: &str) -> Name {
+        Name::from(s)
+    }
+
+    /// The omni-demo model of SPEC §7.
+    fn omni() -> Arc<ModelPolicies> {
+        let subs = BTreeMap::from([
+            (n("thinker"), SubmoduleCaps::new(["prefill", "mixed"], true)),
+            (n("vision"), SubmoduleCaps::new::<_, &str>([], false)),
+            (n("talker"), SubmoduleCaps::new(["prefill"], false)),
+            (n("llm"), SubmoduleCaps::new(["prefill", "mixed"], false)),
+        ]);
+        let pols = BTreeMap::from([
+            (
+                (n("thinker"), n("prefill")),
+                ChunkingPolicy::budget(4096).aligned(16),
+            ),
+            (
+                (n("thinker"), n("mixed")),
+                ChunkingPolicy::budget(8192).aligned(16),
+            ),
+            ((n("thinker"), n("decode")), ChunkingPolicy::budget(256)),
+            ((n("vision"), n("prefill")), ChunkingPolicy::budget(8192)),
+            ((n("talker"), n("prefill")), ChunkingPolicy::budget(2048)),
+            ((n("llm"), n("prefill")), ChunkingPolicy::budget(2048)),
+            ((n("llm"), n("mixed")), ChunkingPolicy::budget(4096)),
+        ]);
+        ModelPolicies::new(subs, pols).unwrap().shared()
+    }
+
+    fn settings() -> BudgetSettings {
+        BudgetSettings {
+            overrides: BTreeMap::new(),
+            walks: [n("prefill"), n("decode"), n("mixed")].into(),
+            combined_walk_of: BTreeMap::from([
+                (n("prefill"), n("mixed")),
+                (n("decode"), n("mixed")),
+            ]),
+            override_mixed: [n("thinker")].into(),
+            no_chunking: BTreeSet::new(),
+            min_chunk_tokens: 64,
+            max_row_tokens: None,
+            max_partial_prefills: None,
+        }
+    }
+
+    fn per_walk(node: &str, walks: &[(&str, BudgetValue)]) -> BTreeMap<Name, NodeBudget> {
+        BTreeMap::from([(
+            n(node),
+            NodeBudget::PerWalk(walks.iter().map(|(w, v)| (n(w), *v)).collect()),
+        )])
+    }
+
+    fn refused(s: BudgetSettings) -> Vec<BudgetError> {
+        BudgetTable::from_policies(omni())
+            .with_settings(s)
+            .unwrap_err()
+            .0
+    }
+
+    #[test]
+    fn policy_budgets_apply_without_overrides() {
+        let t = BudgetTable::build(omni(), settings()).unwrap();
+        assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(8192));
+        assert_eq!(t.max_batch_tokens("thinker", "spec_verify"), None);
+        assert!(t.chunkable("thinker", "prefill"));
+        assert!(
+            !t.chunkable("vision", "prefill"),
+            "the submodule cuts nothing"
+        );
+        assert!(
+            !t.chunkable("thinker", "decode"),
+            "not a chunkable walk of the submodule"
+        );
+    }
+
+    #[test]
+    fn per_walk_override_and_off() {
+        let mut s = settings();
+        s.overrides = per_walk(
+            "thinker",
+            &[
+                ("mixed", BudgetValue::Tokens(6144)),
+                ("prefill", BudgetValue::Off),
+            ],
+        );
+        let t = BudgetTable::build(omni(), s).unwrap();
+        assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(6144));
+        assert_eq!(t.max_batch_tokens("thinker", "prefill"), None);
+        assert!(!t.chunkable("thinker", "prefill"), "off turns chunking off");
+        assert_eq!(
+            t.walk_caps("thinker", "mixed"),
+            Some(BTreeMap::from([(n("decode"), 256)]))
+        );
+    }
+
+    #[test]
+    fn node_wide_budget_covers_every_budgeted_walk() {
+        let mut s = settings();
+        s.overrides = BTreeMap::from([(n("llm"), NodeBudget::All(BudgetValue::Tokens(1000)))]);
+        let t = BudgetTable::build(omni(), s).unwrap();
+        assert_eq!(t.max_batch_tokens("llm", "prefill"), Some(1000));
+        assert_eq!(t.max_batch_tokens("llm", "mixed"), Some(1000));
+        assert_eq!(
+            t.max_batch_tokens("llm", "decode"),
+            None,
+            "not budgeted by the model"
+        );
+    }
+
+    #[test]
+    fn no_chunking_node_has_no_budget_but_its_budget_is_still_validated() {
+        let mut s = settings();
+        s.no_chunking = [n("talker")].into();
+        s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(BudgetValue::Tokens(512)))]);
+        let t = BudgetTable::build(omni(), s.clone()).unwrap();
+        assert_eq!(t.max_batch_tokens("talker", "prefill"), None);
+        assert!(!t.chunkable("talker", "prefill"));
+        s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(BudgetValue::Tokens(0)))]);
+        assert!(matches!(refused(s)[..], [BudgetError::BadBudget { .. }]));
+    }
+
+    #[test]
+    fn min_chunk_tokens_is_capped_by_the_budget() {
+        let t = BudgetTable::build(omni(), settings()).unwrap();
+        assert_eq!(t.min_chunk_tokens(4096), 64);
+        assert_eq!(t.min_chunk_tokens(16), 16);
+    }
+
+    #[test]
+    fn walk_caps_only_under_a_combined_walk_on_an_override_node() {
+        let t = BudgetTable::build(omni(), settings()).unwrap();
+        let caps = t.walk_caps("thinker", "mixed").unwrap();
+        assert_eq!(
+            caps,
+            BTreeMap::from([(n("decode"), 256), (n("prefill"), 4096)])
+        );
+        assert_eq!(
+            t.walk_caps("thinker", "prefill"),
+            None,
+            "not a combined walk"
+        );
+        assert_eq!(
+            t.walk_caps("llm", "mixed"),
+            None,
+            "llm cannot cap member walks"
+        );
+        let mut s = settings();
+        s.no_chunking = [n("thinker")].into();
+        let t = BudgetTable::build(omni(), s).unwrap();
+        assert_eq!(t.walk_caps("thinker", "mixed"), None, "no_chunking node");
+    }
+
+    #[test]
+    fn rule_1_unknown_node() {
+        let mut s = settings();
+        s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(BudgetValue::Tokens(5)))]);
+        let e = refused(s);
+        assert_eq!(
+            e[0].to_string(),
+            "`max_batch_tokens` names node `ghost`, which the model does not have"
+        );
+    }
+
+    #[test]
+    fn rule_2_walk_not_served() {
+        let mut s = settings();
+        s.overrides = per_walk("thinker", &[("spec_verify", BudgetValue::Tokens(5))]);
+        assert!(
+            matches!(&refused(s)[..], [BudgetError::WalkNotServed { walk, .. }] if &**walk == "spec_verify")
+        );
+    }
+
+    #[test]
+    fn rule_3_walk_not_budgeted_by_the_model() {
+        let mut s = settings();
+        s.walks.insert(n("spec_verify"));
+        s.overrides = per_walk("thinker", &[("spec_verify", BudgetValue::Tokens(5))]);
+        assert!(matches!(
+            &refused(s)[..],
+            [BudgetError::WalkNotBudgeted { .. }]
+        ));
+    }
+
+    #[test]
+    fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
+        let subs = BTreeMap::from([(n("enc"), SubmoduleCaps::default())]);
+        let model = ModelPolicies::new(subs, BTreeMap::new()).unwrap().shared();
+        let mut s = BudgetSettings::defaults_for(&model);
+        s.overrides = BTreeMap::from([(n("enc"), NodeBudget::All(BudgetValue::Tokens(5)))]);
+        let e = BudgetTable::build(model, s).unwrap_err().0;
+        assert!(matches!(&e[..], [BudgetError::NodeBudgetsNothing { .. }]));
+    }
+
+    #[test]
+    fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
+        let mut s = settings();
+        s.overrides = per_walk("llm", &[("prefill", BudgetValue::Tokens(512))]);
+        let e = refused(s);
+        assert_eq!(
+            e[0].to_string(),
+            "budget for `llm`/`prefill` would do nothing: `prefill` runs inside `mixed` and `llm` cannot cap member walks; set `mixed` instead"
+        );
+        // The same override on the override_mixed node is a cap, and accepted.
+        let mut s = settings();
+        s.overrides = per_walk("thinker", &[("prefill", BudgetValue::Tokens(512))]);
+        assert!(BudgetTable::build(omni(), s).is_ok());
+    }
+
+    #[test]
+    fn rule_6_bad_values() {
+        for v in [0, -1, i64::from(u32::MAX) + 1] {
+            let mut s = settings();
+            s.overrides = per_walk("thinker", &[("mixed", BudgetValue::Tokens(v))]);
+            assert!(
+                matches!(&refused(s)[..], [BudgetError::BadBudget { .. }]),
+                "{v}"
+            );
+        }
+        let mut s = settings();
+        s.min_chunk_tokens = 0;
+        assert_eq!(
+            refused(s)[0].to_string(),
+            "`min_chunk_tokens` must be at least 1, got 0"
+        );
+        let mut s = settings();
+        s.overrides = per_walk(
+            "thinker",
+            &[("mixed", BudgetValue::Tokens(i64::from(u32::MAX)))],
+        );
+        assert!(
+            BudgetTable::build(omni(), s).is_ok(),
+            "u32::MAX is a valid budget"
+        );
+    }
+
+    #[test]
+    fn rule_7_unknown_nodes_in_lists_and_walk_in_two_combined_walks() {
+        let mut s = settings();
+        s.override_mixed.insert(n("ghost"));
+        s.no_chunking.insert(n("phantom"));
+        s.walks.insert(n("super"));
+        s.combined_walk_of.insert(n("mixed"), n("super"));
+        let e = refused(s);
+        assert_eq!(e.len(), 4, "{e:?}");
+        assert!(e
+            .iter()
+            .any(|e| matches!(e, BudgetError::WalkInTwoCombined { .. })));
+    }
+
+    #[test]
+    fn every_problem_is_reported_and_the_previous_table_stays() {
+        let first = BudgetTable::build(omni(), settings()).unwrap();
+        let mut s = settings();
+        s.overrides = per_walk(
+            "thinker",
+            &[
+                ("mixed", BudgetValue::Tokens(100)),
+                ("ghost_walk", BudgetValue::Tokens(1)),
+            ],
+        );
+        s.min_chunk_tokens = 0;
+        let e = first.with_settings(s).unwrap_err();
+        assert_eq!(e.0.len(), 2);
+        assert_eq!(first.max_batch_tokens("thinker", "mixed"), Some(8192));
+    }
+}

@@ -1,0 +1,66 @@
+//! # mstar-chunking
+//!
+//! Chunked prefill for an LLM serving engine: long prompts are cut into chunks so that every
+//! engine step stays inside a token budget and decode rows never stall behind a long prompt.
+//!
+//! ## A tour of the modules
+//!
+//! The functional core, plain structs without a runtime:
+//! - [`range`]: [`ChunkRange`], the tokens a chunked row runs in one step, and its stride rule;
+//! - [`policy`]: the model's say: [`ChunkingPolicy`], [`NO_CHUNKING`], submodule capabilities;
+//! - [`budget`]: the deployment's say: `set_budgets` validation and the budget answers;
+//! - [`snapshot`]: the immutable budget snapshot with every `(node, walk)`'s step parameters;
+//! - [`planner`]: the step planner, a pure function from queues and parameters to a step plan;
+//! - [`queues`]: one node's row queues and their progress;
+//! - [`scheduler`]: all nodes' queues, the step in flight, assembly and completion;
+//! - [`prepared`]: whole prepared inputs and the zero-copy chunk views cut from them;
+//! - [`overrun`]: overrun classification, counts and the 1/2/4/8… warning cadence;
+//! - [`metrics`]: every exported metric.
+//!
+//! The actor shell ([`actors`]), one actor per piece of state:
+//!
+//! ```text
+//!  engine ──► ChunkingManagement (facade)
+//!               │ SetPolicies      ┌────────────────┐ BindPolicies ┌──────────────┐ UseSnapshot (Arc)
+//!               ├─────────────────►│ PolicyRegistry ├─────────────►│ BudgetConfig ├──────────────┐
+//!               │ SetBudgets       └────────────────┘              └──────────────┘              ▼
+//!               ├──────────────────────────────────────────────────────►            ┌───────────┐
+//!               │ Admit / Continue / Assemble / Complete / Forget                   │ Scheduler │
+//!               ├──────────────────────────────────────────────────────────────────►└─┬───────┬─┘
+//!               │ Insert / Cut / Forget   ┌────────────────┐   Release (final chunks)  │       │ Record
+//!               └────────────────────────►│ PreparedInputs │◄──────────────────────────┘       ▼ (overruns)
+//!                                         └────────────────┘                   ┌───────────────────┐
+//!                                                                              │ OverrunAccounting │
+//!                                                                              └───────────────────┘
+//! ```
+//!
+//! A step costs the engine two messages to assemble (plan, then cut chunk inputs) and one to
+//! complete; budgets reach the scheduler as an `Arc` snapshot, never per row.
+
+use std::sync::Arc;
+
+pub mod actors;
+pub mod budget;
+pub mod error;
+pub mod metrics;
+pub mod overrun;
+pub mod planner;
+pub mod policy;
+pub mod prepared;
+pub mod queues;
+pub mod range;
+pub mod scheduler;
+pub mod snapshot;
+
+/// A node or walk name. Cloning is a reference-count increment.
+pub type Name = Arc<str>;
+
+pub use actors::ChunkingManagement;
+pub use budget::{BudgetSettings, BudgetTable, BudgetValue, NodeBudget, DEFAULT_MIN_CHUNK_TOKENS};
+pub use error::ChunkingError;
+pub use overrun::{Overrun, OverrunReason};
+pub use planner::Work;
+pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
+pub use prepared::{ChunkInput, PreparedInput};
+pub use range::ChunkRange;
+pub use scheduler::{Batch, BatchRow, StepOutcome};

@@ -1,0 +1,195 @@
+//! Overrun accounting (SPEC §5): whether a completed step ran over the budget it was scheduled
+//! under, why, and the 1st/2nd/4th/8th… warning cadence per `(node, walk)`.
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::Name;
+
+/// Why a step ran over its budget. Bounded: used as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverrunReason {
+    /// A row too long to cut (or a lone continuing row larger than the budget) ran whole.
+    UncutRow,
+    /// Continuing rows ran more tokens than their estimates (speculation merges size them first).
+    SpeculationEstimate,
+    /// Anything else: the engine ran more than was scheduled.
+    Other,
+}
+
+impl OverrunReason {
+    /// Every reason, in label order.
+    pub const ALL: [OverrunReason; 3] = [Self::UncutRow, Self::SpeculationEstimate, Self::Other];
+
+    /// The metric label and step-log value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UncutRow => "uncut_row",
+            Self::SpeculationEstimate => "speculation_estimate",
+            Self::Other => "other",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What a step was scheduled as and what it ran, for the check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepTokens {
+    /// The budget the step was scheduled under; `None`: no budget, no overrun possible.
+    pub budget: Option<u32>,
+    /// Tokens the plan scheduled.
+    pub scheduled: u64,
+    /// Tokens the rows actually ran.
+    pub ran: u64,
+    /// The continuing rows' estimates, and what they actually ran.
+    pub continue_estimate: u64,
+    pub continue_ran: u64,
+    /// The plan ran a row whole over the budget because it could not be cut.
+    pub uncut_over_budget: bool,
+}
+
+/// A step that ran over its budget.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Overrun {
+    pub node: Name,
+    pub walk: Name,
+    pub budget: u32,
+    pub tokens: u64,
+    pub reason: OverrunReason,
+}
+
+/// Whether `t` ran over its budget, and why: continuing rows that ran past their estimates come
+/// first (the plan could not know), then a planned uncut row, else `other`.
+pub fn classify(t: &StepTokens) -> Option<(u32, OverrunReason)> {
+    let budget = t.budget?;
+    if t.ran <= u64::from(budget) {
+        return None;
+    }
+    let reason = if t.continue_ran > t.continue_estimate {
+        OverrunReason::SpeculationEstimate
+    } else if t.uncut_over_budget {
+        OverrunReason::UncutRow
+    } else {
+        OverrunReason::Other
+    };
+    Some((budget, reason))
+}
+
+/// Overrun counts per `(node, walk)` and reason.
+#[derive(Debug, Default)]
+pub struct OverrunCounter {
+    counts: FxHashMap<(Name, Name), [u64; 3]>,
+}
+
+impl OverrunCounter {
+    /// Counts an overrun. Returns the `(node, walk)`'s overrun count so far and whether this one
+    /// is logged: the 1st, 2nd, 4th, 8th, … of that `(node, walk)`.
+    pub fn record(&mut self, o: &Overrun) -> (u64, bool) {
+        let counts = self
+            .counts
+            .entry((o.node.clone(), o.walk.clone()))
+            .or_default();
+        counts[o.reason.index()] += 1;
+        let n: u64 = counts.iter().sum();
+        (n, n.is_power_of_two())
+    }
+
+    /// Overruns of `(node, walk)` for `reason`.
+    pub fn count(&self, node: &str, walk: &str, reason: OverrunReason) -> u64 {
+        self.counts
+            .get(&(Name::from(node), Name::from(walk)))
+            .map_or(0, |c| c[reason.index()])
+    }
+
+    /// Overruns of `(node, walk)`, all reasons.
+    pub fn total(&self, node: &str, walk: &str) -> u64 {
+        self.counts
+            .get(&(Name::from(node), Name::from(walk)))
+            .map_or(0, |c| c.iter().sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(budget: u32, ran: u64) -> StepTokens {
+        StepTokens {
+            budget: Some(budget),
+            scheduled: ran,
+            ran,
+            ..StepTokens::default()
+        }
+    }
+
+    #[test]
+    fn within_budget_or_without_one_is_no_overrun() {
+        assert_eq!(classify(&tokens(100, 100)), None);
+        assert_eq!(
+            classify(&StepTokens {
+                budget: None,
+                ran: 1 << 40,
+                ..Default::default()
+            }),
+            None
+        );
+    }
+
+    #[test]
+    fn reasons() {
+        let t = StepTokens {
+            continue_estimate: 10,
+            continue_ran: 14,
+            ..tokens(100, 104)
+        };
+        assert_eq!(
+            classify(&t),
+            Some((100, OverrunReason::SpeculationEstimate))
+        );
+        let t = StepTokens {
+            uncut_over_budget: true,
+            ..tokens(100, 500)
+        };
+        assert_eq!(classify(&t), Some((100, OverrunReason::UncutRow)));
+        assert_eq!(
+            classify(&tokens(100, 101)),
+            Some((100, OverrunReason::Other))
+        );
+    }
+
+    #[test]
+    fn warning_cadence_is_powers_of_two_per_node_and_walk() {
+        let mut c = OverrunCounter::default();
+        let o = |walk: &str, reason| Overrun {
+            node: Name::from("llm"),
+            walk: Name::from(walk),
+            budget: 8,
+            tokens: 9,
+            reason,
+        };
+        let warned: Vec<u64> = (0..20)
+            .map(|i| {
+                let reason = if i % 2 == 0 {
+                    OverrunReason::UncutRow
+                } else {
+                    OverrunReason::Other
+                };
+                c.record(&o("mixed", reason))
+            })
+            .filter(|(_, warn)| *warn)
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(warned, vec![1, 2, 4, 8, 16]);
+        assert_eq!(c.count("llm", "mixed", OverrunReason::UncutRow), 10);
+        assert_eq!(c.total("llm", "mixed"), 20);
+        assert_eq!(
+            c.record(&o("prefill", OverrunReason::Other)),
+            (1, true),
+            "counted per walk"
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! One node's row queues: continuing rows and prefill rows in admission order, with their
+//! progress. Pure state; the Scheduler actor holds one per node.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::ChunkingError;
+use crate::planner::{ContRow, PlannedRow, PrefillRow, Work};
+use crate::range::clamp_cached;
+use crate::Name;
+
+/// The rows of one node waiting for, or in the middle of, their work.
+#[derive(Debug, Default)]
+pub struct NodeQueues {
+    node: Name,
+    /// Continuing rows, sorted by `seq`. A continuing row stays queued (it runs in every step it
+    /// fits) until `finish` or `forget`.
+    cont: Vec<ContRow>,
+    /// Prefill rows, sorted by `seq`, until their final chunk completes.
+    prefill: Vec<PrefillRow>,
+    /// `rid -> seq`: a request keeps one admission position per node while it has a row here,
+    /// so its decode rows keep the place its prompt had.
+    seq_of: FxHashMap<u64, u64>,
+    next_seq: u64,
+}
+
+/// What completing a step's chunk did to its row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advance {
+    /// The row moved on and waits for its next chunk.
+    Progressed,
+    /// The final chunk completed: the row left the queue and its prepared input can go.
+    Finished,
+    /// The row is gone (forgotten during the step): nothing to do.
+    Gone,
+}
+
+impl NodeQueues {
+    /// Empty queues for `node`.
+    pub fn new(node: Name) -> Self {
+        Self {
+            node,
+            ..Self::default()
+        }
+    }
+
+    /// The continuing rows, in admission order.
+    pub fn cont(&self) -> &[ContRow] {
+        &self.cont
+    }
+
+    /// The prefill rows, in admission order.
+    pub fn prefill(&self) -> &[PrefillRow] {
+        &self.prefill
+    }
+
+    /// Whether nothing is queued.
+    pub fn is_empty(&self) -> bool {
+        self.cont.is_empty() && self.prefill.is_empty()
+    }
+
+    fn seq(&mut self, rid: u64) -> u64 {
+        let next = &mut self.next_seq;
+        *self.seq_of.entry(rid).or_insert_with(|| {
+            *next += 1;
+            *next
+        })
+    }
+
+    fn prefill_index(&self, rid: u64) -> Option<usize> {
+        let seq = *self.seq_of.get(&rid)?;
+        self.prefill.binary_search_by_key(&seq, |r| r.seq).ok()
+    }
+
+    fn cont_index(&self, rid: u64) -> Option<usize> {
+        let seq = *self.seq_of.get(&rid)?;
+        self.cont.binary_search_by_key(&seq, |r| r.seq).ok()
+    }
+
+    /// Queues a prompt of `total` tokens, of which `cached` are a cached prefix (clamped to
+    /// `total - 1`).
+    ///
+    /// # Errors
+    /// An empty prompt, or a row of `rid` already prefilling or continuing on this node.
+    pub fn admit(
+        &mut self,
+        rid: u64,
+        walk: Name,
+        total: u32,
+        cached: u32,
+    ) -> Result<(), ChunkingError> {
+        if total == 0 {
+            return Err(ChunkingError::EmptyInput {
+                rid,
+                node: self.node.clone(),
+            });
+        }
+        if self.prefill_index(rid).is_some() || self.cont_index(rid).is_some() {
+            return Err(ChunkingError::AlreadyQueued {
+                rid,
+                node: self.node.clone(),
+            });
+        }
+        let seq = self.seq(rid);
+        let cached = clamp_cached(cached, total);
+        let row = PrefillRow {
+            seq,
+            rid,
+            walk,
+            total,
+            cached,
+            progress: cached,
+            started: false,
+        };
+        let at = self.prefill.partition_point(|r| r.seq < seq);
+        self.prefill.insert(at, row);
+        Ok(())
+    }
+
+    /// Keeps a continuing row of `rid` queued: it runs `estimate` tokens in every step it fits,
+    /// until [`NodeQueues::finish`]. Calling it again updates the walk and estimate.
+    ///
+    /// # Errors
+    /// A zero estimate, or `rid` still prefilling on this node.
+    pub fn continue_row(
+        &mut self,
+        rid: u64,
+        walk: Name,
+        estimate: u32,
+    ) -> Result<(), ChunkingError> {
+        if estimate == 0 {
+            return Err(ChunkingError::ZeroEstimate {
+                rid,
+                node: self.node.clone(),
+            });
+        }
+        if self.prefill_index(rid).is_some() {
+            return Err(ChunkingError::StillPrefilling {
+                rid,
+                node: self.node.clone(),
+            });
+        }
+        if let Some(i) = self.cont_index(rid) {
+            self.cont[i].walk = walk;
+            self.cont[i].estimate = estimate;
+            return Ok(());
+        }
+        let seq = self.seq(rid);
+        let at = self.cont.partition_point(|r| r.seq < seq);
+        self.cont.insert(
+            at,
+            ContRow {
+                seq,
+                rid,
+                walk,
+                estimate,
+            },
+        );
+        Ok(())
+    }
+
+    /// Drops the continuing row of `rid` (its request finished generating). Returns whether
+    /// there was one.
+    pub fn finish(&mut self, rid: u64) -> bool {
+        let Some(i) = self.cont_index(rid) else {
+            return false;
+        };
+        self.cont.remove(i);
+        self.drop_seq_if_idle(rid);
+        true
+    }
+
+    /// Drops every row of `rid`. Returns whether a prefill row (with a prepared input) was
+    /// dropped.
+    pub fn forget(&mut self, rid: u64) -> bool {
+        let had_prefill = self
+            .prefill_index(rid)
+            .map(|i| self.prefill.remove(i))
+            .is_some();
+        if let Some(i) = self.cont_index(rid) {
+            self.cont.remove(i);
+        }
+        self.seq_of.remove(&rid);
+        had_prefill
+    }
+
+    fn drop_seq_if_idle(&mut self, rid: u64) {
+        if self.prefill_index(rid).is_none() && self.cont_index(rid).is_none() {
+            self.seq_of.remove(&rid);
+        }
+    }
+
+    /// Applies a completed chunk of a planned row: its row moves to the chunk's end, and leaves
+    /// the queue on the final chunk. Continuing rows need nothing.
+    pub fn advance(&mut self, row: &PlannedRow) -> Advance {
+        let Work::Chunk { range, .. } = row.work else {
+            return Advance::Progressed;
+        };
+        let Ok(i) = self.prefill.binary_search_by_key(&row.seq, |r| r.seq) else {
+            return Advance::Gone;
+        };
+        let r = &mut self.prefill[i];
+        if r.rid != row.rid || r.progress != range.start {
+            // Not the row this chunk was cut for (it was forgotten and re-admitted).
+            return Advance::Gone;
+        }
+        if range.is_final() {
+            self.prefill.remove(i);
+            self.drop_seq_if_idle(row.rid);
+            return Advance::Finished;
+        }
+        r.progress = range.end;
+        r.started = true;
+        Advance::Progressed
+    }
+
+    /// Rows held mid-prefill or waiting to start, and the tokens of their whole inputs.
+    pub fn prefill_rows(&self) -> usize {
+        self.prefill.len()
+    }
+}

@@ -1,0 +1,339 @@
+//! The scheduler's state without a runtime: row queues per node, the budget snapshot, and the
+//! step in flight per node. Assembles each step's batch (SPEC §5) and applies its completion.
+//!
+//! One step per node is in flight at a time: a node runs its steps one after another, and the
+//! next step's plan depends on how far the previous one moved its rows.
+
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+
+use crate::error::ChunkingError;
+use crate::overrun::{classify, Overrun, StepTokens};
+use crate::planner::{plan, StepParams, StepPlan, Work};
+use crate::prepared::ChunkInput;
+use crate::queues::{Advance, NodeQueues};
+use crate::snapshot::BudgetSnapshot;
+use crate::Name;
+
+/// One row of an assembled step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchRow {
+    pub rid: u64,
+    pub walk: Name,
+    pub work: Work,
+    /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
+    pub input: Option<ChunkInput>,
+}
+
+impl BatchRow {
+    /// Tokens the row is scheduled to run.
+    pub fn tokens(&self) -> u32 {
+        self.work.tokens()
+    }
+}
+
+/// The batch of one step, as handed to the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    pub step: u64,
+    pub node: Name,
+    pub walk: Name,
+    /// `B`, the budget the step is scheduled under (`None`: no budget).
+    pub budget: Option<u32>,
+    /// `F`, the floor (`None` without a budget).
+    pub floor: Option<u32>,
+    /// Member walk caps under a combined walk on an `override_mixed` node.
+    pub caps: Option<Arc<[(Name, u32)]>>,
+    pub rows: Vec<BatchRow>,
+    pub scheduled_tokens: u64,
+    /// Eligible rows that wait for a later step.
+    pub waiting: u32,
+}
+
+/// What completing a step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    pub step: u64,
+    pub node: Name,
+    pub walk: Name,
+    pub tokens: StepTokens,
+    pub overrun: Option<Overrun>,
+    /// Rids whose final chunk completed: their prepared inputs on `node` are released.
+    pub finished: Vec<u64>,
+    /// Chunks run, and how many of them were final.
+    pub chunks: u32,
+    pub final_chunks: u32,
+}
+
+/// A step assembled and not yet completed.
+#[derive(Debug)]
+struct InFlight {
+    step: u64,
+    params: Arc<StepParams>,
+    plan: StepPlan,
+}
+
+/// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
+#[derive(Debug, Default)]
+pub struct SchedulerState {
+    snapshot: Option<Arc<BudgetSnapshot>>,
+    nodes: FxHashMap<Name, NodeQueues>,
+    in_flight: FxHashMap<Name, InFlight>,
+    next_step: u64,
+    /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
+    spare: StepPlan,
+}
+
+impl SchedulerState {
+    /// Uses `snapshot` from the next assembled step on. Steps in flight keep their budgets.
+    pub fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
+        self.snapshot = Some(snapshot);
+    }
+
+    /// The snapshot the next step is planned under.
+    pub fn snapshot(&self) -> Option<&Arc<BudgetSnapshot>> {
+        self.snapshot.as_ref()
+    }
+
+    fn resolve(&self, node: &str, walk: &str) -> Result<(Name, Name), ChunkingError> {
+        let snap = self
+            .snapshot
+            .as_ref()
+            .ok_or(ChunkingError::PoliciesNotSet)?;
+        let n = snap
+            .node_name(node)
+            .ok_or_else(|| ChunkingError::UnknownNode { node: node.into() })?;
+        let w = snap
+            .walk_name(node, walk)
+            .ok_or_else(|| ChunkingError::UnknownWalk {
+                node: n.clone(),
+                walk: walk.into(),
+            })?;
+        Ok((n.clone(), w.clone()))
+    }
+
+    fn queues(&mut self, node: &Name) -> &mut NodeQueues {
+        self.nodes
+            .entry(node.clone())
+            .or_insert_with(|| NodeQueues::new(node.clone()))
+    }
+
+    /// Queues a prompt of `total` tokens with a `cached` prefix for `rid` at `node`.
+    ///
+    /// # Errors
+    /// Unknown node or walk, an empty prompt, or `(rid, node)` already queued.
+    pub fn admit(
+        &mut self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        total: u32,
+        cached: u32,
+    ) -> Result<(), ChunkingError> {
+        let (node, walk) = self.resolve(node, walk)?;
+        self.queues(&node).admit(rid, walk, total, cached)
+    }
+
+    /// Keeps a continuing row of `rid` at `node` queued with an `estimate` of tokens a step.
+    ///
+    /// # Errors
+    /// Unknown node or walk, a zero estimate, or `rid` still prefilling there.
+    pub fn continue_row(
+        &mut self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        estimate: u32,
+    ) -> Result<(), ChunkingError> {
+        let (node, walk) = self.resolve(node, walk)?;
+        self.queues(&node).continue_row(rid, walk, estimate)
+    }
+
+    /// Drops the continuing row of `rid` at `node`; returns whether there was one.
+    pub fn finish(&mut self, rid: u64, node: &str) -> bool {
+        self.nodes.get_mut(node).is_some_and(|q| q.finish(rid))
+    }
+
+    /// Drops every row of `rid` on every node (an aborted request). Rows of `rid` in a step in
+    /// flight run, but do not advance. Returns the nodes where a prefill row was dropped.
+    pub fn forget(&mut self, rid: u64) -> Vec<Name> {
+        self.nodes
+            .iter_mut()
+            .filter_map(|(node, q)| q.forget(rid).then(|| node.clone()))
+            .collect()
+    }
+
+    /// Drops the rows of `rid` on `node` only (its prepared input was released by hand).
+    pub fn forget_at(&mut self, rid: u64, node: &str) -> bool {
+        self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
+    }
+
+    /// Assembles the next step of `node`/`walk`. Chunk rows carry no input yet: PreparedInputs
+    /// cuts them.
+    ///
+    /// # Errors
+    /// Unknown node or walk, no policies bound, or a step of `node` still in flight.
+    pub fn assemble(&mut self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
+        let snap = self
+            .snapshot
+            .as_ref()
+            .ok_or(ChunkingError::PoliciesNotSet)?;
+        let params = snap
+            .step_params(node, walk)
+            .ok_or_else(|| match snap.node_name(node) {
+                None => ChunkingError::UnknownNode { node: node.into() },
+                Some(n) => ChunkingError::UnknownWalk {
+                    node: n.clone(),
+                    walk: walk.into(),
+                },
+            })?;
+        if let Some(f) = self.in_flight.get(node) {
+            return Err(ChunkingError::StepInFlight {
+                node: params.node.clone(),
+                step: f.step,
+            });
+        }
+        let params = params.clone();
+        let mut step_plan = std::mem::take(&mut self.spare);
+        match self.nodes.get(node) {
+            Some(q) => plan(&params, q.cont(), q.prefill(), &mut step_plan),
+            None => step_plan.clear(),
+        }
+        self.next_step += 1;
+        let step = self.next_step;
+        let batch = Batch {
+            step,
+            node: params.node.clone(),
+            walk: params.walk.clone(),
+            budget: params.budget,
+            floor: params.budget.map(|_| params.floor),
+            caps: (params.budget.is_some() && !params.caps.is_empty()).then(|| params.caps.clone()),
+            rows: step_plan
+                .rows
+                .iter()
+                .map(|r| BatchRow {
+                    rid: r.rid,
+                    walk: r.walk.clone(),
+                    work: r.work,
+                    input: None,
+                })
+                .collect(),
+            scheduled_tokens: step_plan.scheduled_tokens,
+            waiting: step_plan.waiting,
+        };
+        self.in_flight.insert(
+            params.node.clone(),
+            InFlight {
+                step,
+                params,
+                plan: step_plan,
+            },
+        );
+        Ok(batch)
+    }
+
+    fn take_in_flight(&mut self, step: u64) -> Result<InFlight, ChunkingError> {
+        let node = self
+            .in_flight
+            .iter()
+            .find(|(_, f)| f.step == step)
+            .map(|(n, _)| n.clone())
+            .ok_or(ChunkingError::UnknownStep { step })?;
+        Ok(self.in_flight.remove(&node).expect("found above"))
+    }
+
+    /// Abandons a step in flight without advancing its rows, and drops the rows of `drop_rids`
+    /// on its node (rows whose prepared input went missing).
+    ///
+    /// # Errors
+    /// The step is not in flight.
+    pub fn abandon(&mut self, step: u64, drop_rids: &[u64]) -> Result<(), ChunkingError> {
+        let f = self.take_in_flight(step)?;
+        for rid in drop_rids {
+            self.forget_at(*rid, &f.params.node);
+        }
+        self.spare = f.plan;
+        Ok(())
+    }
+
+    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran.
+    /// Checks them against the budget the step was scheduled under, advances every chunk's row,
+    /// and drops finished rows from the queue.
+    ///
+    /// # Errors
+    /// The step is not in flight, or `ran` does not have one entry per row (the step stays in
+    /// flight).
+    pub fn complete(&mut self, step: u64, ran: &[u32]) -> Result<StepOutcome, ChunkingError> {
+        let f = self.take_in_flight(step)?;
+        if ran.len() != f.plan.rows.len() {
+            let err = ChunkingError::RanLengthMismatch {
+                step,
+                expected: f.plan.rows.len(),
+                got: ran.len(),
+            };
+            self.in_flight.insert(f.params.node.clone(), f);
+            return Err(err);
+        }
+        let mut tokens = StepTokens {
+            budget: f.params.budget,
+            scheduled: f.plan.scheduled_tokens,
+            continue_estimate: f.plan.continue_estimate,
+            uncut_over_budget: f.plan.uncut_over_budget,
+            ..StepTokens::default()
+        };
+        let mut finished = Vec::new();
+        let (mut chunks, mut final_chunks) = (0, 0);
+        let mut queues = self.nodes.get_mut(&f.params.node);
+        for (row, &r) in f.plan.rows.iter().zip(ran) {
+            tokens.ran += u64::from(r);
+            if matches!(row.work, Work::Continue { .. }) {
+                tokens.continue_ran += u64::from(r);
+                continue;
+            }
+            chunks += 1;
+            if matches!(row.work, Work::Chunk { range, .. } if range.is_final()) {
+                final_chunks += 1;
+            }
+            let Some(q) = queues.as_deref_mut() else {
+                continue;
+            };
+            if q.advance(row) == Advance::Finished {
+                finished.push(row.rid);
+            }
+        }
+        let overrun = classify(&tokens).map(|(budget, reason)| Overrun {
+            node: f.params.node.clone(),
+            walk: f.params.walk.clone(),
+            budget,
+            tokens: tokens.ran,
+            reason,
+        });
+        self.spare = f.plan;
+        Ok(StepOutcome {
+            step,
+            node: f.params.node.clone(),
+            walk: f.params.walk.clone(),
+            tokens,
+            overrun,
+            finished,
+            chunks,
+            final_chunks,
+        })
+    }
+
+    /// The queues of `node`, for inspection.
+    pub fn node(&self, node: &str) -> Option<&NodeQueues> {
+        self.nodes.get(node)
+    }
+
+    /// Prefill rows queued over all nodes (each holds a prepared input).
+    pub fn prefill_rows(&self) -> usize {
+        self.nodes.values().map(NodeQueues::prefill_rows).sum()
+    }
+
+    /// Steps in flight.
+    pub fn steps_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
