@@ -42,6 +42,7 @@ use std::sync::Arc;
 pub mod actors;
 pub mod budget;
 pub mod error;
+pub mod manifest;
 pub mod metrics;
 pub mod overrun;
 pub mod planner;
@@ -50,6 +51,7 @@ pub mod prepared;
 pub mod queues;
 pub mod range;
 pub mod scheduler;
+pub mod settings;
 pub mod snapshot;
 
 /// A node or walk name. Cloning is a reference-count increment.

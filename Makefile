@@ -1,0 +1,27 @@
+# mstar-chunking: `make help` lists the targets.
+SHELL := /bin/bash
+CARGO ?= cargo
+
+.PHONY: help run test lint fmt doc bench soak fuzz
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+run: ## Replay the bundled trace with the default config and the demo model
+	$(CARGO) run --release --bin mstar-chunking -- replay
+
+lint: ## rustfmt check and clippy with warnings as errors
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt
+
+doc: ## Build the API docs
+	$(CARGO) doc --no-deps
+
+test: lint ## Lint, then the whole test suite (installs what the tests need)
+	$(CARGO) test --all-targets
+
+bench: ## Criterion benchmarks (not in CI)
+	$(CARGO) bench
