@@ -17,6 +17,8 @@
 //! - [`overrun`]: overrun classification, counts and the 1/2/4/8… warning cadence;
 //! - [`metrics`]: every exported metric.
 //!
+//! [`replay`] drives the actors through a request trace on a simulated clock (SPEC §8).
+//!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
 //! ```text
@@ -50,6 +52,7 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+pub mod replay;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;
