@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Number;
+use serde_json::Value;
 
 /// The bundled default trace: Azure LLM inference trace 2023, code (CC BY 4.0, Microsoft; see
 /// `data/traces/AzureLLMInferenceTrace_code.csv.LICENSE.txt`). Its prompts are long enough that
@@ -519,10 +519,10 @@ const MOONCAKE_FIELDS: [&str; 3] = ["timestamp", "input_length", "output_length"
 /// One Mooncake line, every field loosely typed so that a bad value is reported by field name.
 #[derive(Deserialize)]
 struct MooncakeLine {
-    timestamp: Option<Number>,
-    input_length: Option<Number>,
-    output_length: Option<Number>,
-    hash_ids: Option<Vec<Number>>,
+    timestamp: Option<Value>,
+    input_length: Option<Value>,
+    output_length: Option<Value>,
+    hash_ids: Option<Value>,
 }
 
 fn read_mooncake<R: BufRead>(b: &mut Builder, mut reader: R) -> Result<(), TraceError> {
@@ -587,7 +587,7 @@ fn parse_mooncake(
                 format!("must be a non-negative number of ms, got {time}"),
             )
         })?;
-    let count = |f: &str, n: Option<Number>| -> Result<u64, BadLine> {
+    let count = |f: &str, n: Option<Value>| -> Result<u64, BadLine> {
         let n = n.ok_or_else(|| missing(f))?;
         n.as_u64().ok_or_else(|| {
             b.bad(
@@ -600,12 +600,15 @@ fn parse_mooncake(
     let input = count("input_length", v.input_length)?;
     let output = count("output_length", v.output_length)?;
     hashes.clear();
-    for (i, h) in v
-        .hash_ids
-        .ok_or_else(|| missing("hash_ids"))?
-        .iter()
-        .enumerate()
-    {
+    let ids = v.hash_ids.ok_or_else(|| missing("hash_ids"))?;
+    let ids = ids.as_array().ok_or_else(|| {
+        b.bad(
+            line,
+            "hash_ids",
+            format!("must be a list of block hashes, got {ids}"),
+        )
+    })?;
+    for (i, h) in ids.iter().enumerate() {
         let h = h.as_u64().ok_or_else(|| {
             b.bad(
                 line,
