@@ -345,3 +345,54 @@ pub async fn run(
     }
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_off_names_only_nodes_that_budget_a_walk() {
+        let m: Manifest = toml::from_str(
+            r#"
+            name = "two"
+            walks = ["prefill", "decode"]
+            [nodes.llm]
+            chunkable_walks = ["prefill"]
+            policies = { prefill = { max_batch_tokens = 512 } }
+            [nodes.talker]
+            policies = { prefill = { max_batch_tokens = 512, align = 4 }, decode = {} }
+            [nodes.vision]
+            "#,
+        )
+        .unwrap();
+        let off = budget_off_overrides(&m);
+        assert_eq!(
+            off.keys().map(|k| &**k).collect::<Vec<_>>(),
+            ["llm", "talker"]
+        );
+        assert!(off
+            .values()
+            .all(|b| *b == NodeBudget::All(BudgetValue::Off)));
+    }
+
+    #[test]
+    fn setup_defaults_to_the_first_node_and_the_combined_walk() {
+        let m: Manifest = toml::from_str(
+            r#"
+            name = "m"
+            walks = ["prefill", "decode", "mixed"]
+            [combined_walks]
+            mixed = ["prefill", "decode"]
+            [nodes.b]
+            [nodes.a]
+            "#,
+        )
+        .unwrap();
+        let s = Setup::resolve(&m, &Settings::default()).unwrap();
+        assert_eq!(
+            (s.node.as_str(), s.walks.as_slice()),
+            ("a", &["mixed".to_owned()][..])
+        );
+        assert_eq!((s.base_ms, s.per_token_ms, s.spec_tokens), (8.0, 0.02, 0));
+    }
+}

@@ -31,6 +31,10 @@ pub struct ReplayReport {
     pub tokens: TokenCounts,
     /// `sum(min(scheduled, budget)) / sum(budget)` over the steps with a budget; null if none.
     pub budget_utilisation: Option<f64>,
+    /// Steps that cut a prompt (ran a non-final chunk), and their utilisation: a cut step
+    /// should be full, since a prompt is cut only to what is left of the budget.
+    pub cut_steps: u64,
+    pub cut_step_utilisation: Option<f64>,
     pub chunks: ChunkCounts,
     pub overruns: OverrunCounts,
     /// Step slots a decode row (already generating) waited without running: "decode stalls".
@@ -183,8 +187,16 @@ impl fmt::Display for ReplayReport {
         row(
             f,
             "budget utilisation",
-            self.budget_utilisation
-                .map_or("no budgeted step".into(), |u| format!("{:.1}%", u * 100.0)),
+            match (self.budget_utilisation, self.cut_step_utilisation) {
+                (None, _) => "no budgeted step".into(),
+                (Some(u), None) => format!("{:.1}% (no step cut a prompt)", u * 100.0),
+                (Some(u), Some(c)) => format!(
+                    "{:.1}% of all budgeted steps; {:.1}% of the {} steps that cut a prompt",
+                    u * 100.0,
+                    c * 100.0,
+                    self.cut_steps
+                ),
+            },
         )?;
         let c = &self.chunks;
         row(

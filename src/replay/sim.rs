@@ -69,6 +69,9 @@ pub struct Sim<'a> {
     report: ReplayReport,
     budget_sum: u64,
     budget_used: u64,
+    /// The same sums over the steps that cut a prompt.
+    cut_budget_sum: u64,
+    cut_budget_used: u64,
     ttft: Vec<f64>,
     tbt: Vec<f32>,
 }
@@ -113,6 +116,8 @@ impl<'a> Sim<'a> {
             budgeted_steps: 0,
             tokens: TokenCounts::default(),
             budget_utilisation: None,
+            cut_steps: 0,
+            cut_step_utilisation: None,
             chunks: ChunkCounts::default(),
             overruns: OverrunCounts::default(),
             decode_row_waits: 0,
@@ -153,6 +158,8 @@ impl<'a> Sim<'a> {
             report,
             budget_sum: 0,
             budget_used: 0,
+            cut_budget_sum: 0,
+            cut_budget_used: 0,
             ttft: Vec::with_capacity(reqs.len()),
             tbt: Vec::with_capacity(usize::try_from(decode_tokens).unwrap_or(0)),
         }
@@ -287,13 +294,17 @@ impl<'a> Sim<'a> {
         self.ran.clear();
         let mut ran_tokens: u64 = 0;
         let mut decode_rows = 0usize;
+        let mut cuts = false;
         for row in &batch.rows {
             let r = match row.work {
                 Work::Continue { estimate } => {
                     decode_rows += 1;
                     self.continue_ran(estimate)
                 }
-                Work::Chunk { range, .. } => range.tokens(),
+                Work::Chunk { range, .. } => {
+                    cuts |= !range.is_final();
+                    range.tokens()
+                }
             };
             ran_tokens += u64::from(r);
             self.ran.push(r);
@@ -325,7 +336,13 @@ impl<'a> Sim<'a> {
         if let Some(b) = batch.budget {
             rep.budgeted_steps += 1;
             self.budget_sum += u64::from(b);
-            self.budget_used += batch.scheduled_tokens.min(u64::from(b));
+            let used = batch.scheduled_tokens.min(u64::from(b));
+            self.budget_used += used;
+            if cuts {
+                rep.cut_steps += 1;
+                self.cut_budget_sum += u64::from(b);
+                self.cut_budget_used += used;
+            }
         }
         if let Some(o) = &outcome.overrun {
             let c = &mut rep.overruns;
@@ -338,7 +355,7 @@ impl<'a> Sim<'a> {
         }
         // Decode rows registered before this step that it did not run waited a step.
         if walk != PREFILL_WALK {
-            rep.decode_row_waits += (self.decoding - decode_rows) as u64;
+            rep.decode_row_waits += self.decoding.saturating_sub(decode_rows) as u64;
         }
 
         for k in 0..batch.rows.len() {
@@ -359,7 +376,7 @@ impl<'a> Sim<'a> {
                     let s = &mut self.state[i];
                     self.tbt.push((t_end - s.last_token_ms) as f32);
                     s.last_token_ms = t_end;
-                    s.remaining -= 1;
+                    s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
                         self.cm
                             .finish_row(row.rid, node)
@@ -435,6 +452,8 @@ impl<'a> Sim<'a> {
         rep.simulated_ms = self.t_ms - first;
         rep.budget_utilisation =
             (self.budget_sum > 0).then(|| self.budget_used as f64 / self.budget_sum as f64);
+        rep.cut_step_utilisation = (self.cut_budget_sum > 0)
+            .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
         rep.ttft_ms = Latency::of(&mut self.ttft);
         rep.tbt_ms = Latency::of(&mut self.tbt);
         Ok(rep)

@@ -351,7 +351,7 @@ fn read_azure<R: Read>(b: &mut Builder, reader: R) -> Result<(), TraceError> {
     for (col, name) in cols.iter_mut().zip(AZURE_FIELDS) {
         *col = headers
             .iter()
-            .position(|h| h.eq_ignore_ascii_case(name))
+            .position(|h| h.trim_start_matches('\u{feff}').eq_ignore_ascii_case(name))
             .ok_or_else(|| {
                 b.bad(
                     1,
@@ -657,5 +657,47 @@ mod tests {
         ] {
             assert!(parse_wall_clock(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn csv_with_bom_crlf_and_reordered_columns_reads() {
+        let text = "\u{feff}GeneratedTokens, TIMESTAMP ,ContextTokens\r\n\
+                    3,2023-11-16 18:17:03.9799600,100\r\n\
+                    0,2023-11-16 18:17:04.0799600,7\r\n";
+        let t = Trace::read(
+            "t.csv".into(),
+            TraceFormat::AzureCsv,
+            text.as_bytes(),
+            ReadOptions::default(),
+        )
+        .unwrap();
+        let got: Vec<(u64, f64, u32, u32)> = t
+            .requests
+            .iter()
+            .map(|r| (r.rid, r.arrival_ms, r.input_tokens, r.output_tokens))
+            .collect();
+        assert_eq!(got, [(0, 0.0, 100, 3), (1, 100.0, 7, 0)]);
+        assert!(!t.has_hashes());
+    }
+
+    #[test]
+    fn limit_stops_reading_and_hashes_stay_with_their_request() {
+        let text = "{\"timestamp\": 3, \"input_length\": 513, \"output_length\": 2, \"hash_ids\": [4, 5]}\n\
+                    {\"timestamp\": 9, \"input_length\": 1, \"output_length\": 2, \"hash_ids\": [6]}\n\
+                    not json\n";
+        let t = Trace::read(
+            "t.jsonl".into(),
+            TraceFormat::MooncakeJsonl,
+            text.as_bytes(),
+            ReadOptions {
+                limit: Some(2),
+                skip_bad_lines: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(t.requests.len(), 2);
+        assert_eq!(t.hashes(&t.requests[0]), &[4, 5]);
+        assert_eq!(t.hashes(&t.requests[1]), &[6]);
+        assert_eq!(t.requests[1].arrival_ms, 9.0);
     }
 }

@@ -521,3 +521,26 @@ fn bad_replay_settings_are_refused_naming_the_key() {
     .unwrap_err();
     assert!(err.to_string().contains("`gpu`"), "{err}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+    /// No input makes a trace reader panic: raw bytes, and lines built from trace-like pieces.
+    #[test]
+    fn trace_readers_never_panic(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        lines in proptest::collection::vec(
+            r#"(TIMESTAMP,ContextTokens,GeneratedTokens|2023-11-1[0-9] [0-2][0-9]:[0-6][0-9]:[0-9]{2}(\.[0-9]{0,10})?,-?[0-9]{1,12},-?[0-9]{0,3}|\{"timestamp": -?[0-9e.]{1,6}, "input_length": -?[0-9]{1,12}, "output_length": [0-9a"]{0,4}, "hash_ids": \[[0-9, -]{0,12}\]\}|[ -~]{0,20})"#,
+            0..8,
+        ),
+    ) {
+        let text = lines.join("\n");
+        for format in [replay::TraceFormat::AzureCsv, replay::TraceFormat::MooncakeJsonl] {
+            for skip in [false, true] {
+                let opts = ReadOptions { limit: None, skip_bad_lines: skip };
+                let _ = Trace::read("fuzz".into(), format, bytes.as_slice(), opts);
+                let _ = Trace::read("fuzz".into(), format, text.as_bytes(), opts);
+            }
+        }
+    }
+}
