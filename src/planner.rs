@@ -38,7 +38,7 @@ impl StepParams {
     }
 
     /// The most tokens rows of `walk` may run in a step: its cap, or unlimited.
-    fn cap(&self, walk: &Name) -> u64 {
+    pub fn cap(&self, walk: &Name) -> u64 {
         self.cap_index(walk)
             .map_or(u64::MAX, |i| u64::from(self.caps[i].1))
     }
@@ -244,6 +244,16 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
                         .max_partial_prefills
                         .is_some_and(|p| staying_partial >= p);
                 let end = (progress + left.min(row_cap)) / align * align;
+                // The floor keeps continuing rows from leaving a prompt a token or two a step.
+                // A row alone in the step is not held back by it (an unaligned cached prefix
+                // could otherwise keep it from ever running), and a walk cap below the floor
+                // lowers it, or the walk's long rows would never run.
+                let alone = out.rows.is_empty();
+                let floor = if alone {
+                    1
+                } else {
+                    floor.min(params.cap(&r.walk))
+                };
                 (!partial_full && end > progress && end - progress >= floor).then_some(end)
             } else if need <= left || (need > budget.min(params.cap(&r.walk)) && !prefill_in_step) {
                 // An uncut row: whole when it fits, or whole over the budget when first, since
@@ -332,21 +342,44 @@ mod tests {
     }
 
     fn decode(seq: u64, estimate: u32) -> ContRow {
-        ContRow { seq, rid: seq, walk: n("decode"), estimate }
+        ContRow {
+            seq,
+            rid: seq,
+            walk: n("decode"),
+            estimate,
+        }
     }
 
     fn prompt(seq: u64, total: u32) -> PrefillRow {
-        PrefillRow { seq, rid: seq, walk: n("prefill"), total, cached: 0, progress: 0, started: false }
+        PrefillRow {
+            seq,
+            rid: seq,
+            walk: n("prefill"),
+            total,
+            cached: 0,
+            progress: 0,
+            started: false,
+        }
     }
 
     fn mid(seq: u64, total: u32, progress: u32) -> PrefillRow {
-        PrefillRow { progress, started: true, ..prompt(seq, total) }
+        PrefillRow {
+            progress,
+            started: true,
+            ..prompt(seq, total)
+        }
     }
 
     fn run(p: &StepParams, cont: &[ContRow], prefill: &[PrefillRow]) -> StepPlan {
         let mut out = StepPlan::default();
         plan(p, cont, prefill, &mut out);
-        assert_eq!(out.scheduled_tokens, out.rows.iter().map(|r| u64::from(r.work.tokens())).sum::<u64>());
+        assert_eq!(
+            out.scheduled_tokens,
+            out.rows
+                .iter()
+                .map(|r| u64::from(r.work.tokens()))
+                .sum::<u64>()
+        );
         out
     }
 
@@ -365,8 +398,20 @@ mod tests {
     fn no_budget_runs_every_eligible_row_whole() {
         let mut p = params(None, 0);
         p.chunkable = false;
-        let out = run(&p, &[decode(1, 1), decode(2, 4)], &[prompt(3, 100_000), mid(4, 50, 10)]);
-        assert_eq!(shape(&out), vec![(1, 1, false), (2, 4, false), (4, 40, true), (3, 100_000, true)]);
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 4)],
+            &[prompt(3, 100_000), mid(4, 50, 10)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![
+                (1, 1, false),
+                (2, 4, false),
+                (4, 40, true),
+                (3, 100_000, true)
+            ]
+        );
         assert!(!out.uncut_over_budget);
         assert_eq!(out.waiting, 0);
     }
@@ -374,10 +419,17 @@ mod tests {
     #[test]
     fn continuing_rows_go_first_in_order_without_overtaking() {
         let p = params(Some(10), 1);
-        let out = run(&p, &[decode(1, 4), decode(2, 4), decode(3, 4), decode(4, 1)], &[prompt(5, 100)]);
+        let out = run(
+            &p,
+            &[decode(1, 4), decode(2, 4), decode(3, 4), decode(4, 1)],
+            &[prompt(5, 100)],
+        );
         // Row 3 does not fit in the 2 tokens left; row 4 (1 token) must not overtake it. The
         // prompt still gets what is left.
-        assert_eq!(shape(&out), vec![(1, 4, false), (2, 4, false), (5, 2, false)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 4, false), (2, 4, false), (5, 2, false)]
+        );
         assert_eq!(out.waiting, 2);
         assert_eq!(out.continue_estimate, 8);
     }
@@ -394,7 +446,16 @@ mod tests {
     #[test]
     fn mid_prefill_rows_come_before_new_ones_each_fcfs() {
         let p = params(Some(100), 1);
-        let out = run(&p, &[], &[prompt(1, 30), mid(2, 60, 20), prompt(3, 30), mid(4, 500, 100)]);
+        let out = run(
+            &p,
+            &[],
+            &[
+                prompt(1, 30),
+                mid(2, 60, 20),
+                prompt(3, 30),
+                mid(4, 500, 100),
+            ],
+        );
         assert_eq!(shape(&out), vec![(2, 40, true), (4, 60, false)]);
         assert_eq!(out.waiting, 2);
     }
@@ -404,22 +465,61 @@ mod tests {
         let mut p = params(Some(1000), 64);
         p.align = 16;
         // 1000 - 3 decode = 997 left: rounded down to 992.
-        let out = run(&p, &[decode(1, 1), decode(2, 1), decode(3, 1)], &[prompt(4, 5000)]);
-        let Work::Chunk { range, .. } = out.rows[3].work else { panic!("a chunk") };
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 1), decode(3, 1)],
+            &[prompt(4, 5000)],
+        );
+        let Work::Chunk { range, .. } = out.rows[3].work else {
+            panic!("a chunk")
+        };
         assert_eq!((range.start, range.end, range.stride), (0, 992, 992));
         // A later chunk is aligned on its end, not its length.
         let out = run(&p, &[], &[mid(4, 5000, 990)]);
-        let Work::Chunk { range, .. } = out.rows[0].work else { panic!("a chunk") };
+        let Work::Chunk { range, .. } = out.rows[0].work else {
+            panic!("a chunk")
+        };
         assert_eq!((range.start, range.end, range.stride), (990, 1984, 994));
     }
 
     #[test]
     fn a_tiny_chunk_waits_but_later_rows_that_fit_whole_still_run() {
         let p = params(Some(100), 64);
-        let out = run(&p, &[], &[prompt(1, 60), prompt(2, 500), prompt(3, 30), prompt(4, 5)]);
+        let out = run(
+            &p,
+            &[],
+            &[prompt(1, 60), prompt(2, 500), prompt(3, 30), prompt(4, 5)],
+        );
         // 40 left after row 1: row 2 would get 40 < floor 64 and waits; rows 3 and 4 fit whole.
-        assert_eq!(shape(&out), vec![(1, 60, true), (3, 30, true), (4, 5, true)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 60, true), (3, 30, true), (4, 5, true)]
+        );
         assert_eq!(out.waiting, 1);
+    }
+
+    #[test]
+    fn a_row_alone_in_the_step_is_not_held_back_by_the_floor() {
+        // An unaligned cached prefix: the aligned cut is 28 tokens, below the floor of 64.
+        let mut p = params(Some(70), 64);
+        p.align = 64;
+        let mut r = prompt(1, 1000);
+        r.cached = 100;
+        r.progress = 100;
+        assert_eq!(shape(&run(&p, &[], &[r.clone()])), vec![(1, 28, false)]);
+        assert_eq!(
+            shape(&run(&p, &[decode(2, 1)], &[r])),
+            vec![(2, 1, false)],
+            "not alone: waits"
+        );
+    }
+
+    #[test]
+    fn a_walk_cap_below_the_floor_lowers_it() {
+        let mut p = params(Some(1000), 64);
+        p.caps = vec![(n("prefill"), 32)].into();
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 100)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, 32, false)]);
     }
 
     #[test]
@@ -452,8 +552,15 @@ mod tests {
     fn caps_limit_member_walks_inside_a_combined_step() {
         let mut p = params(Some(100), 1);
         p.caps = vec![(n("prefill"), 30), (n("decode"), 3)].into();
-        let out = run(&p, &[decode(1, 1), decode(2, 1), decode(3, 1), decode(4, 1)], &[prompt(5, 80), prompt(6, 10)]);
-        assert_eq!(shape(&out), vec![(1, 1, false), (2, 1, false), (3, 1, false), (5, 30, false)]);
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 1), decode(3, 1), decode(4, 1)],
+            &[prompt(5, 80), prompt(6, 10)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1, false), (2, 1, false), (3, 1, false), (5, 30, false)]
+        );
         assert_eq!(out.waiting, 2);
     }
 
@@ -464,7 +571,10 @@ mod tests {
         p.eligible = vec![n("prefill")].into();
         let out = run(&p, &[decode(1, 1)], &[prompt(2, 10)]);
         assert_eq!(shape(&out), vec![(2, 10, true)]);
-        assert_eq!(out.waiting, 0, "decode rows are not eligible in a prefill step");
+        assert_eq!(
+            out.waiting, 0,
+            "decode rows are not eligible in a prefill step"
+        );
     }
 
     #[test]
@@ -473,11 +583,24 @@ mod tests {
         let mut p = params(Some(1024), 1);
         p.max_row_tokens = Some(400);
         let out = run(&p, &[], &[prompt(1, 800), prompt(2, 800), prompt(3, 800)]);
-        assert_eq!(shape(&out), vec![(1, 400, false), (2, 400, false), (3, 224, false)]);
-        let out = run(&p, &[], &[mid(1, 800, 400), mid(2, 800, 400), mid(3, 800, 224)]);
-        assert_eq!(shape(&out), vec![(1, 400, true), (2, 400, true), (3, 224, false)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 400, false), (2, 400, false), (3, 224, false)]
+        );
+        let out = run(
+            &p,
+            &[],
+            &[mid(1, 800, 400), mid(2, 800, 400), mid(3, 800, 224)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![(1, 400, true), (2, 400, true), (3, 224, false)]
+        );
         let out = run(&p, &[decode(1, 1), decode(2, 1)], &[mid(3, 800, 448)]);
-        assert_eq!(shape(&out), vec![(1, 1, false), (2, 1, false), (3, 352, true)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1, false), (2, 1, false), (3, 352, true)]
+        );
     }
 
     #[test]
@@ -485,12 +608,30 @@ mod tests {
         let mut p = params(Some(1000), 1);
         p.max_partial_prefills = Some(2);
         // One row mid-prefill that will not finish, one that will: one slot for a new partial.
-        let rows = [mid(1, 10_000, 100), mid(2, 150, 100), prompt(3, 5000), prompt(4, 5000), prompt(5, 20)];
+        let rows = [
+            mid(1, 10_000, 100),
+            mid(2, 150, 100),
+            prompt(3, 5000),
+            prompt(4, 5000),
+            prompt(5, 20),
+        ];
         let out = run(&p, &[], &rows);
-        assert_eq!(shape(&out), vec![(1, 1000, false)], "row 1 takes the whole budget");
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1000, false)],
+            "row 1 takes the whole budget"
+        );
         p.max_row_tokens = Some(300);
         let out = run(&p, &[], &rows);
-        assert_eq!(shape(&out), vec![(1, 300, false), (2, 50, true), (3, 300, false), (5, 20, true)]);
+        assert_eq!(
+            shape(&out),
+            vec![
+                (1, 300, false),
+                (2, 50, true),
+                (3, 300, false),
+                (5, 20, true)
+            ]
+        );
         assert_eq!(out.waiting, 1, "row 4 would be a third partial prefill");
     }
 
@@ -501,14 +642,23 @@ mod tests {
         r.cached = 512;
         r.progress = 512;
         let out = run(&p, &[], &[r]);
-        let Work::Chunk { range, cached } = out.rows[0].work else { panic!("a chunk") };
-        assert_eq!((range.start, range.end, range.stride, cached), (512, 612, 612, 512));
+        let Work::Chunk { range, cached } = out.rows[0].work else {
+            panic!("a chunk")
+        };
+        assert_eq!(
+            (range.start, range.end, range.stride, cached),
+            (512, 612, 612, 512)
+        );
     }
 
     #[test]
     fn huge_budgets_and_prompts_do_not_overflow() {
         let p = params(Some(u32::MAX), 64);
-        let out = run(&p, &[decode(1, u32::MAX)], &[prompt(2, u32::MAX), prompt(3, u32::MAX)]);
+        let out = run(
+            &p,
+            &[decode(1, u32::MAX)],
+            &[prompt(2, u32::MAX), prompt(3, u32::MAX)],
+        );
         assert_eq!(shape(&out), vec![(1, u32::MAX, false)]);
         let out = run(&p, &[decode(1, 1)], &[prompt(2, u32::MAX)]);
         assert_eq!(shape(&out), vec![(1, 1, false), (2, u32::MAX - 1, false)]);

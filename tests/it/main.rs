@@ -1,0 +1,4 @@
+//! The integration tests, as one test binary.
+
+mod core;
+mod props;
