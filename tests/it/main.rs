@@ -2,3 +2,4 @@
 
 mod core;
 mod props;
+mod state_machine;
