@@ -500,3 +500,43 @@ async fn check_budget_counts_a_step_run_outside_the_scheduler() {
     assert_eq!(cm.overrun_count("llm", "mixed", None).await.unwrap(), 1);
     cm.complete(b.step, vec![2]).await.unwrap();
 }
+
+#[actix::test]
+async fn a_panicking_actor_is_restarted_with_its_state_and_no_row_is_lost() {
+    use mstar_chunking::actors::ActorKind;
+    let cm = omni(16).await;
+    for rid in 0..6 {
+        cm.admit(rid, "llm", "prefill", tokens(700), 0)
+            .await
+            .unwrap();
+    }
+    let mut finished = Vec::new();
+    for step in 0..100 {
+        if step == 3 {
+            for actor in [
+                ActorKind::Scheduler,
+                ActorKind::PreparedInputs,
+                ActorKind::BudgetConfig,
+                ActorKind::OverrunAccounting,
+                ActorKind::PolicyRegistry,
+            ] {
+                let err = cm.inject_panic(actor).await.unwrap_err();
+                assert!(matches!(err, ChunkingError::ActorPanicked { .. }), "{err}");
+            }
+        }
+        let b = cm.assemble("llm", "mixed").await.unwrap();
+        if b.rows.is_empty() {
+            break;
+        }
+        let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+        finished.extend(out.finished);
+    }
+    finished.sort_unstable();
+    assert_eq!(finished, (0..6).collect::<Vec<u64>>(), "every row finished");
+    assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
+    assert_eq!(
+        cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+        Some(256),
+        "budgets kept"
+    );
+}
