@@ -807,6 +807,28 @@ fn env_layer(opts: &LoadOptions, problems: &mut Vec<ConfigProblem>) -> Option<La
             (key, format!("environment variable {k}"))
         })
         .collect();
+    // `MSTAR__CHUNKING=3` next to `MSTAR__CHUNKING__MIN_CHUNK_TOKENS=32`: which one wins
+    // would depend on the map's order, so neither is taken.
+    let mut conflict = false;
+    for (outer, who) in &keys {
+        for (inner, inner_who) in &keys {
+            if inner
+                .strip_prefix(outer.as_str())
+                .is_some_and(|r| r.starts_with('.'))
+            {
+                conflict = true;
+                problems.push(ConfigProblem::Setting {
+                    key: outer.clone(),
+                    layer: who.clone(),
+                    value: None,
+                    reason: format!("sets a whole section while {inner_who} sets `{inner}` inside it; set single keys"),
+                });
+            }
+        }
+    }
+    if conflict {
+        return None;
+    }
     let source = Environment::with_prefix(ENV_PREFIX.trim_end_matches('_'))
         .prefix_separator("__")
         .separator("__")
@@ -1095,4 +1117,213 @@ fn one_line(s: &str) -> String {
 
 fn line_of(text: &str, at: usize) -> usize {
     text.get(..at).map_or(0, |t| t.matches('\n').count()) + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn repo_config() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config")
+    }
+
+    fn opts(model: &str, env: &[(&str, &str)]) -> LoadOptions {
+        LoadOptions {
+            model: Some(repo_config().join("models").join(model)),
+            config_dir: repo_config(),
+            env: Some(
+                env.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..LoadOptions::default()
+        }
+    }
+
+    fn problems(o: &LoadOptions) -> Vec<String> {
+        load(o)
+            .unwrap_err()
+            .0
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn default_toml_states_exactly_the_built_in_defaults() {
+        let loaded = load(&opts("demo.toml", &[])).unwrap();
+        assert_eq!(loaded.settings, Settings::default());
+        let parsed: Settings = toml::from_str(DEFAULT_CONFIG_TOML).unwrap();
+        assert_eq!(parsed, Settings::default());
+        assert_eq!(loaded.manifest.name, "demo");
+        assert_eq!(loaded.table.max_batch_tokens("llm", "mixed"), Some(2048));
+    }
+
+    #[test]
+    fn the_built_in_copies_load_from_an_empty_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = LoadOptions {
+            config_dir: dir.path().to_path_buf(),
+            env: Some(HashMap::new()),
+            ..LoadOptions::default()
+        };
+        let loaded = load(&o).unwrap();
+        assert_eq!(loaded.model_origin, "built-in config/models/demo.toml");
+        assert_eq!(loaded.layers, ["built-in config/default.toml"]);
+        assert!(o.config_files().is_empty());
+    }
+
+    #[test]
+    fn environment_overrides_are_typed_and_lowercased() {
+        let o = opts(
+            "omni.toml",
+            &[
+                ("MSTAR__CHUNKING__MIN_CHUNK_TOKENS", "32"),
+                ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__THINKER__MIXED", "4096"),
+                ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__VISION", "off"),
+                ("MSTAR__CHUNKING__NO_CHUNKING", "talker"),
+                ("MSTAR_ENV", "ignored: not an override"),
+                ("OTHER", "x"),
+            ],
+        );
+        let l = load(&o).unwrap();
+        assert_eq!(l.settings.chunking.min_chunk_tokens, 32);
+        assert_eq!(l.table.max_batch_tokens("thinker", "mixed"), Some(4096));
+        assert_eq!(l.table.max_batch_tokens("vision", "prefill"), None);
+        assert_eq!(l.table.max_batch_tokens("talker", "prefill"), None);
+        assert_eq!(l.settings.chunking.no_chunking, ["talker"]);
+    }
+
+    #[test]
+    fn later_layers_win_and_errors_name_the_layer_that_set_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.toml");
+        let b = dir.path().join("b.toml");
+        std::fs::write(
+            &a,
+            "[chunking]\nmin_chunk_tokens = 0\nmax_row_tokens = 512\n",
+        )
+        .unwrap();
+        std::fs::write(&b, "[chunking]\nmin_chunk_tokens = 16\n").unwrap();
+        let mut o = opts("demo.toml", &[]);
+        o.configs = vec![a.clone(), b.clone()];
+        let l = load(&o).unwrap();
+        assert_eq!(l.settings.chunking.min_chunk_tokens, 16);
+        assert_eq!(l.settings.chunking.max_row_tokens, Some(512));
+        o.configs = vec![b, a.clone()];
+        let p = problems(&o);
+        assert_eq!(
+            p,
+            [format!(
+                "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (SPEC §4 rule 6)",
+                a.display()
+            )]
+        );
+        o.env = Some(HashMap::from([(
+            "MSTAR__CHUNKING__MIN_CHUNK_TOKENS".into(),
+            "8".into(),
+        )]));
+        assert!(load(&o).is_ok(), "the environment is the last layer");
+    }
+
+    #[test]
+    fn budgets_refuse_false_none_negative_and_fractions() {
+        let parse = |v: serde_json::Value| serde_json::from_value::<BudgetSetting>(v).map(|b| b.0);
+        assert_eq!(
+            parse(serde_json::json!(4096)).unwrap(),
+            BudgetValue::Tokens(4096)
+        );
+        assert_eq!(
+            parse(serde_json::json!(" 4096 ")).unwrap(),
+            BudgetValue::Tokens(4096)
+        );
+        assert_eq!(parse(serde_json::json!("OFF")).unwrap(), BudgetValue::Off);
+        assert_eq!(parse(serde_json::json!(null)).unwrap(), BudgetValue::Off);
+        // -1 parses (so that validation can name node and walk) and is refused there.
+        assert_eq!(
+            parse(serde_json::json!(-1)).unwrap(),
+            BudgetValue::Tokens(-1)
+        );
+        for bad in [
+            serde_json::json!(false),
+            serde_json::json!("false"),
+            serde_json::json!("none"),
+            serde_json::json!("no"),
+            serde_json::json!(1.5),
+            serde_json::json!(2048.0),
+            serde_json::json!("1.5"),
+            serde_json::json!("1e3"),
+            serde_json::json!("0x10"),
+            serde_json::json!(""),
+            serde_json::json!([1]),
+        ] {
+            assert!(parse(bad.clone()).is_err(), "{bad} was accepted");
+        }
+        let node = |v: serde_json::Value| serde_json::from_value::<NodeBudgetSetting>(v);
+        assert_eq!(
+            node(serde_json::json!({"mixed": "off", "prefill": 8})).unwrap(),
+            NodeBudgetSetting::PerWalk(BTreeMap::from([
+                ("mixed".into(), BudgetSetting(BudgetValue::Off)),
+                ("prefill".into(), BudgetSetting(BudgetValue::Tokens(8))),
+            ]))
+        );
+        let e = node(serde_json::json!({"mixed": false}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("invalid type: boolean `false`"), "{e}");
+        let o = opts(
+            "demo.toml",
+            &[("MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED", "-1")],
+        );
+        assert_eq!(
+            problems(&o),
+            ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: budget for `llm`/`mixed` must be a positive whole number of tokens or off, got -1 (SPEC §4 rule 6)"]
+        );
+    }
+
+    #[test]
+    fn every_problem_of_one_load_is_reported() {
+        let o = opts(
+            "omni.toml",
+            &[
+                ("MSTAR__CHUNKING__MIN_CHUNK_TOKEN", "3"),
+                ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__DECODE", "5"),
+                ("MSTAR__LOG__LEVEL", "info,[[bad"),
+                ("MSTAR__REPLAY__WALK", "spec_verify"),
+                ("MSTAR__METRICS__LISTEN", "everywhere"),
+            ],
+        );
+        let p = problems(&o);
+        for want in [
+            "`chunking.min_chunk_token` = 3: unknown field `min_chunk_token`",
+            "`metrics.listen` = \"everywhere\": expected an address",
+            "`log.level` = \"info,[[bad\": not a tracing filter",
+            "`replay.walk` = \"spec_verify\": walk `spec_verify` is not in the walks",
+            "`chunking.max_batch_tokens.talker.decode` = 5: budget for `talker`/`decode` would do nothing",
+        ] {
+            assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
+        }
+        assert_eq!(p.len(), 5, "{p:#?}");
+        assert!(
+            p.iter()
+                .all(|l| l.starts_with("environment variable MSTAR__")),
+            "{p:#?}"
+        );
+    }
+
+    #[test]
+    fn load_settings_reloads_against_a_loaded_manifest() {
+        let o = opts("omni.toml", &[]);
+        let l = load(&o).unwrap();
+        let mut o2 = o.clone();
+        o2.configs = vec![repo_config().join("omni-worker.toml")];
+        let (settings, table) = load_settings(&o2, &l.manifest).unwrap();
+        assert_eq!(settings.chunking.no_chunking, ["talker"]);
+        assert_eq!(table.max_batch_tokens("thinker", "mixed"), Some(6144));
+        o2.env = Some(HashMap::from([(
+            "MSTAR__CHUNKING__MAX_BATCH_TOKENS__GHOST".into(),
+            "1".into(),
+        )]));
+        assert!(load_settings(&o2, &l.manifest).is_err());
+    }
 }
