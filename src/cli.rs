@@ -154,6 +154,11 @@ pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
     match settings::load(opts) {
         Ok(loaded) => {
             crate::logging::init(&loaded.settings.log);
+            tracing::debug!(
+                model = %loaded.model_origin,
+                layers = %loaded.layers.join(" -> "),
+                "configuration loaded"
+            );
             Ok(loaded)
         }
         Err(errors) => {

@@ -236,6 +236,30 @@ fn budgets_without_json_prints_only_the_table() {
     );
 }
 
+#[test]
+fn logs_go_to_stderr_as_json_lines_when_asked_and_rust_log_wins() {
+    let c = fixture("layers/c.json");
+    let args = ["check", "--config", c.to_str().unwrap()];
+    let r = run(&args, &[("RUST_LOG", "debug")]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let line = r
+        .stderr
+        .lines()
+        .find(|l| l.contains("configuration loaded"))
+        .unwrap_or_else(|| panic!("no log line: {}", r.stderr));
+    let v: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+    assert_eq!(v["level"], "DEBUG");
+    assert_eq!(v["fields"]["message"], "configuration loaded");
+    assert!(!r.stdout.contains("configuration loaded"));
+    // Without RUST_LOG, log.level = "info" hides the debug line.
+    let r = run(&args, &[]);
+    assert!(r.stderr.is_empty(), "{}", r.stderr);
+    // Text format.
+    let r = run(&["check"], &[("MSTAR__LOG__LEVEL", "debug")]);
+    assert!(r.stderr.contains("configuration loaded"), "{}", r.stderr);
+    assert!(!r.stderr.trim_start().starts_with('{'), "{}", r.stderr);
+}
+
 // === bad configs: exit 2, every problem named with key and layer ===
 
 /// One refused configuration: a layer file written to a temp dir (`{file}` in `expect` stands
