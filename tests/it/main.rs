@@ -1,5 +1,7 @@
 //! The integration tests, as one test binary.
 
+mod config_cli;
 mod core;
+mod helpers;
 mod props;
 mod state_machine;
