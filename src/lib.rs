@@ -55,6 +55,7 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+pub mod reload;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;

@@ -4,4 +4,5 @@ mod config_cli;
 mod core;
 mod helpers;
 mod props;
+mod reload;
 mod state_machine;
