@@ -17,7 +17,9 @@
 //! - [`overrun`]: overrun classification, counts and the 1/2/4/8… warning cadence;
 //! - [`metrics`]: every exported metric.
 //!
-//! [`replay`] drives the actors through a request trace on a simulated clock (SPEC §8).
+//! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
+//! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`). [`replay`] drives
+//! the actors through a request trace on a simulated clock (SPEC §8).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -43,7 +45,9 @@ use std::sync::Arc;
 
 pub mod actors;
 pub mod budget;
+pub mod cli;
 pub mod error;
+pub mod logging;
 pub mod manifest;
 pub mod metrics;
 pub mod overrun;
@@ -52,6 +56,7 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+pub mod reload;
 pub mod replay;
 pub mod scheduler;
 pub mod settings;

@@ -274,6 +274,22 @@ pub async fn run(
     settings: &Settings,
     opts: &ReplayOptions,
 ) -> Result<ReplayReport, ReplayError> {
+    let cm = ChunkingManagement::start(manifest.submodules());
+    run_on(&cm, manifest, settings, opts).await
+}
+
+/// [`run`] on actors the caller started (`ChunkingManagement::start(manifest.submodules())`),
+/// so that it can hold the handle too, e.g. to reload budgets while the replay runs. Binds the
+/// policies and applies the budgets itself; `cm` must not have run another replay.
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_on(
+    cm: &ChunkingManagement,
+    manifest: &Manifest,
+    settings: &Settings,
+    opts: &ReplayOptions,
+) -> Result<ReplayReport, ReplayError> {
     let wall = Instant::now();
     if !(opts.rate_scale.is_finite() && opts.rate_scale > 0.0) {
         return Err(ReplayError::RateScale(opts.rate_scale));
@@ -288,7 +304,6 @@ pub async fn run(
         None => Trace::bundled(read)?,
     };
 
-    let cm = ChunkingManagement::start(manifest.submodules());
     cm.set_policies(manifest.policies())
         .await
         .map_err(ReplayError::chunking("setting the model's policies"))?;
@@ -310,7 +325,7 @@ pub async fn run(
         ),
         None => None,
     };
-    let mut report = sim::Sim::new(&cm, &setup, &trace, opts, step_log)
+    let mut report = sim::Sim::new(cm, &setup, &trace, opts, step_log)
         .run()
         .await?;
 
@@ -376,7 +391,7 @@ mod tests {
     }
 
     #[test]
-    fn setup_defaults_to_the_first_node_and_the_combined_walk() {
+    fn setup_defaults_to_the_first_node_in_the_file_and_the_combined_walk() {
         let m: Manifest = toml::from_str(
             r#"
             name = "m"
@@ -391,7 +406,7 @@ mod tests {
         let s = Setup::resolve(&m, &Settings::default()).unwrap();
         assert_eq!(
             (s.node.as_str(), s.walks.as_slice()),
-            ("a", &["mixed".to_owned()][..])
+            ("b", &["mixed".to_owned()][..])
         );
         assert_eq!((s.base_ms, s.per_token_ms, s.spec_tokens), (8.0, 0.02, 0));
     }

@@ -1,1 +1,9 @@
+//! The integration tests, as one test binary.
+
+mod config_cli;
+mod core;
+mod helpers;
+mod props;
+mod reload;
 mod replay;
+mod state_machine;

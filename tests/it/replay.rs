@@ -544,3 +544,36 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
+    // What `make run` replays: the demo model and the layered default config.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let loaded = mstar_chunking::settings::load(&mstar_chunking::settings::LoadOptions {
+        config_dir: root.join("config"),
+        env: Some(Default::default()),
+        ..Default::default()
+    })
+    .expect("the default config loads against the demo model");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("steps.jsonl");
+    let r = replay(
+        &loaded.manifest,
+        &loaded.settings,
+        &ReplayOptions {
+            requests: Some(400),
+            step_log: Some(log.clone()),
+            ..ReplayOptions::default()
+        },
+    )
+    .unwrap();
+    println!("{r}");
+    assert!(r.chunks.prompts_cut > 0, "no prompt was cut\n{r}");
+    assert!(
+        r.cut_step_utilisation.unwrap() > 0.9,
+        "cut steps not full\n{r}"
+    );
+    assert_eq!(r.decode_row_waits, 0, "decode rows stalled\n{r}");
+    assert_eq!(r.overruns.total, 0);
+    check(&log, 16);
+}
