@@ -91,8 +91,8 @@ pub struct ReplayArgs {
     /// Keep serving metrics after the replay ends, until interrupted
     #[arg(long)]
     pub hold: bool,
-    /// Reload the config files when they change while replaying
-    #[arg(long)]
+    /// Reload the config files when they change (or on SIGHUP) while replaying
+    #[arg(long, conflicts_with = "budget_off")]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
@@ -106,6 +106,72 @@ fn positive_f64(s: &str) -> Result<f64, String> {
             "expected a positive number such as 1.0 or 2.5, got {s:?}"
         )),
     }
+}
+
+/// `replay`: loads the config, starts the metrics endpoint and the actors, replays the trace
+/// and prints the summary. Exit codes: 0 done, 2 refused config, 1 any other failure.
+pub fn replay(args: &ReplayArgs) -> ExitCode {
+    let load = args.config.load_options();
+    let loaded = match load_or_report(&load) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    if let Listen::Addr(addr) = args
+        .metrics_listen
+        .unwrap_or(loaded.settings.metrics.listen)
+    {
+        if let Err(e) = crate::metrics::install_prometheus(addr) {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let opts = crate::replay::ReplayOptions {
+        trace: args.trace.clone(),
+        requests: args
+            .requests
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        rate_scale: args.rate_scale,
+        budget_off: args.budget_off,
+        step_log: args.step_log.clone(),
+        report_json: args.report_json.clone(),
+        skip_bad_lines: args.skip_bad_lines,
+        progress: !args.no_progress,
+    };
+    actix::System::new().block_on(async {
+        let cm = crate::ChunkingManagement::start(loaded.manifest.submodules());
+        // Bound before the watcher starts, so that a reload always has policies to layer on.
+        if let Err(e) = cm.set_policies(loaded.manifest.policies()).await {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+        let _watcher = if args.watch_config {
+            let reloader =
+                crate::reload::Reloader::new(cm.clone(), load.clone(), loaded.manifest.clone());
+            match crate::reload::watch(reloader) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        } else {
+            None
+        };
+        match crate::replay::run_on(&cm, &loaded.manifest, &loaded.settings, &opts).await {
+            Ok(report) => {
+                println!("{report}");
+                if args.hold {
+                    eprintln!("holding: metrics stay served until interrupted (Ctrl-C)");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
 }
 
 /// `check`: loads and validates everything, prints the layers and the effective table.
@@ -348,7 +414,6 @@ mod tests {
             "--metrics-listen",
             "off",
             "--hold",
-            "--watch-config",
             "--no-progress",
         ])
         .unwrap();
@@ -362,7 +427,17 @@ mod tests {
         assert_eq!(r.requests, Some(10));
         assert_eq!(r.rate_scale, 2.5);
         assert_eq!(r.metrics_listen, Some(Listen::Off));
-        assert!(r.budget_off && r.skip_bad_lines && r.hold && r.watch_config && r.no_progress);
+        assert!(r.budget_off && r.skip_bad_lines && r.hold && !r.watch_config && r.no_progress);
+        // A reload would apply the config's budgets over --budget-off: refused together.
+        assert!(Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--budget-off",
+            "--watch-config"
+        ])
+        .is_err());
+        let cli = Cli::try_parse_from(["mstar-chunking", "replay", "--watch-config"]).unwrap();
+        assert!(matches!(cli.command, Command::Replay(r) if r.watch_config));
         let cli = Cli::try_parse_from(["mstar-chunking", "replay"]).unwrap();
         let Command::Replay(r) = cli.command else {
             panic!("not replay")

@@ -22,11 +22,15 @@ can_override_mixed_max_tokens = true
 policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
 "#;
 
-/// The shared reference traces and tools: `$MSTAR_SHARED_DIR`, else `../shared` next to the crate.
+/// The shared reference traces and tools: `$MSTAR_SHARED_DIR`, else `../shared` next to the
+/// crate, else the copies in `tests/fixtures/shared` (the checker, and each trace's first 400
+/// requests).
 fn shared(rel: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = std::env::var_os("MSTAR_SHARED_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared"));
+        .or_else(|| Some(root.join("../shared")).filter(|d| d.join(rel).exists()))
+        .unwrap_or_else(|| root.join("tests/fixtures/shared"));
     let p = dir.join(rel);
     assert!(
         p.exists(),
