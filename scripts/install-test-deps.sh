@@ -40,11 +40,13 @@ if ! command -v npm >/dev/null; then
     exit 1
 fi
 mkdir -p "$scratch"
-cp "$root/dashboards/typecheck/package.json" "$root/dashboards/typecheck/tsconfig.json" "$scratch/"
-if [ ! -x "$scratch/node_modules/.bin/tsc" ] || [ ! -d "$scratch/node_modules/@grafana/schema" ] \
-    || [ "$root/dashboards/typecheck/package.json" -nt "$scratch/node_modules" ]; then
+src="$root/dashboards/typecheck"
+# Reinstall when the pinned versions changed (the lock file is newer than the install).
+if [ ! -f "$scratch/node_modules/typescript/bin/tsc" ] || [ ! -d "$scratch/node_modules/@grafana/schema" ] \
+    || [ "$src/package-lock.json" -nt "$scratch/node_modules/.package-lock.json" ]; then
     echo "install-test-deps: installing @grafana/schema and typescript into $scratch"
-    (cd "$scratch" && npm install --no-audit --no-fund --loglevel=error)
+    cp "$src/package.json" "$src/package-lock.json" "$scratch/"
+    (cd "$scratch" && npm ci --no-audit --no-fund --loglevel=error)
 fi
-echo "install-test-deps: typescript $("$scratch/node_modules/.bin/tsc" --version)," \
+echo "install-test-deps: typescript $(node "$scratch/node_modules/typescript/bin/tsc" --version)," \
     "@grafana/schema $(node -p "require('$scratch/node_modules/@grafana/schema/package.json').version")"
