@@ -45,6 +45,23 @@ impl Actor for Scheduler {
     type Context = Context<Self>;
 }
 
+super::supervised!(
+    Scheduler,
+    "Scheduler",
+    [
+        Admit,
+        ContinueRow,
+        Finish,
+        ForgetRequest,
+        ForgetRow,
+        Assemble,
+        Abandon,
+        Complete,
+        SchedulerStats,
+        super::InjectPanic
+    ]
+);
+
 impl Handler<UseSnapshot> for Scheduler {
     type Result = ();
 
@@ -203,13 +220,23 @@ impl Handler<Complete> for Scheduler {
 
 /// Prefill rows queued over all nodes, and steps in flight.
 #[derive(Message)]
-#[rtype(result = "(usize, usize)")]
+#[rtype(result = "QueueStats")]
 pub struct SchedulerStats;
 
-impl Handler<SchedulerStats> for Scheduler {
-    type Result = MessageResult<SchedulerStats>;
+/// Prefill rows queued over all nodes, and steps in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
+pub struct QueueStats {
+    pub prefill_rows: usize,
+    pub steps_in_flight: usize,
+}
 
-    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> Self::Result {
-        MessageResult((self.state.prefill_rows(), self.state.steps_in_flight()))
+impl Handler<SchedulerStats> for Scheduler {
+    type Result = QueueStats;
+
+    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> QueueStats {
+        QueueStats {
+            prefill_rows: self.state.prefill_rows(),
+            steps_in_flight: self.state.steps_in_flight(),
+        }
     }
 }

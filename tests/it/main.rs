@@ -1,3 +1,8 @@
-//! The integration tests, one binary: each module covers one area.
+//! The integration tests, as one test binary.
 
+mod config_cli;
+mod core;
+mod helpers;
 mod metrics_live;
+mod props;
+mod state_machine;

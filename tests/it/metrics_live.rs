@@ -24,8 +24,15 @@ const ALERTS: &str = "dashboards/alerts.yml";
 const ALERTS_TEST: &str = "dashboards/alerts.test.yml";
 const TYPECHECK: &str = "dashboards/typecheck/check.mjs";
 
-/// A replay config that makes continuing rows overshoot their estimates, so overruns happen.
+/// The model the live replay runs (the bundled demo: node `llm`, combined walk `mixed`).
+const MODEL: &str = "config/models/demo.toml";
+
+/// A replay config that forces overruns: a small budget filled by prefill chunks, and
+/// continuing rows that overshoot their speculative estimates.
 const OVERRUN_CONFIG: &str = "\
+[chunking.max_batch_tokens]
+llm = { mixed = 512 }
+
 [replay]
 speculation = { tokens = 3, overshoot_rate = 0.3, seed = 1 }
 ";
@@ -295,11 +302,13 @@ impl Replay {
         std::fs::write(&config_path, config).expect("write the replay config");
         let metrics = free_addr();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_mstar-chunking"));
-        cmd.args(["replay", "--requests", "300", "--hold", "--metrics-listen"])
+        cmd.args(["replay", "--model", MODEL, "--requests", "300", "--hold"])
+            .arg("--metrics-listen")
             .arg(metrics.to_string())
             .arg("--config")
             .arg(&config_path)
-            .env_remove("MSTAR_ENV")
+            // Nothing from the developer's shell (`MSTAR_ENV`, `MSTAR__…`) changes the run.
+            .env_clear()
             .current_dir(REPO);
         let process = KillOnDrop::spawn("replay", cmd, dir.path().join("replay.log"));
         Self {
