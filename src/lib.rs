@@ -18,7 +18,8 @@
 //! - [`metrics`]: every exported metric.
 //!
 //! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
-//! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`).
+//! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`). [`replay`] drives
+//! the actors through a request trace on a simulated clock (SPEC §8).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -55,6 +56,8 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+pub mod reload;
+pub mod replay;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;

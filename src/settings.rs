@@ -421,7 +421,7 @@ impl LoadOptions {
     }
 
     /// The manifest file to read, or `None` for the built-in demo.
-    fn model_path(&self) -> Option<PathBuf> {
+    pub fn model_path(&self) -> Option<PathBuf> {
         if let Some(model) = &self.model {
             return Some(model.clone());
         }

@@ -140,6 +140,17 @@ impl ChunkingManagement {
         Ok(())
     }
 
+    /// Applies new serving settings while running: the same as [`ChunkingManagement::set_budgets`],
+    /// named for the hot-reload path. Effective from the next assembled step; a step in flight
+    /// is checked against the budget it was scheduled under. [`crate::reload::Reloader`]
+    /// re-reads the layered config files and calls this.
+    ///
+    /// # Errors
+    /// As `set_budgets`; the previous budgets stay.
+    pub async fn reload(&self, settings: BudgetSettings) -> Result<(), ChunkingError> {
+        self.set_budgets(settings).await
+    }
+
     /// The current budget snapshot (all budget answers at once).
     ///
     /// # Errors

@@ -5,4 +5,6 @@ mod core;
 mod helpers;
 mod metrics_live;
 mod props;
+mod reload;
+mod replay;
 mod state_machine;

@@ -1,0 +1,115 @@
+//! A simulated prefix (KV) cache: an LRU of fixed-size token blocks keyed by a trace's block
+//! hashes (Mooncake `hash_ids`, which form a prefix tree: equal leading ids, equal prefix).
+//!
+//! A request's cached prefix is the longest run of its leading block hashes present in the
+//! cache; its blocks go in once its prefill completed (only then is its KV cache computed).
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
+
+/// The LRU of blocks.
+#[derive(Debug)]
+pub struct PrefixCache {
+    capacity: usize,
+    block_tokens: u32,
+    /// `hash -> last use`; the tick orders blocks for eviction.
+    blocks: FxHashMap<u64, u64>,
+    /// `last use -> hash`, oldest first: the eviction order.
+    by_use: BTreeMap<u64, u64>,
+    tick: u64,
+}
+
+impl PrefixCache {
+    /// A cache of `capacity` blocks of `block_tokens` tokens each.
+    pub fn new(capacity: usize, block_tokens: u32) -> Self {
+        Self {
+            capacity,
+            block_tokens,
+            blocks: FxHashMap::default(),
+            by_use: BTreeMap::new(),
+            tick: 0,
+        }
+    }
+
+    fn touch(&mut self, hash: u64) {
+        self.tick += 1;
+        if let Some(old) = self.blocks.insert(hash, self.tick) {
+            self.by_use.remove(&old);
+        }
+        self.by_use.insert(self.tick, hash);
+    }
+
+    /// The tokens of the longest cached prefix of a prompt of `input_tokens` with block hashes
+    /// `hashes`, at most `input_tokens - 1` (the last token always runs). The blocks hit become
+    /// the most recently used.
+    pub fn lookup(&mut self, hashes: &[u64], input_tokens: u32) -> u32 {
+        let hits = hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h))
+            .count();
+        for &h in &hashes[..hits] {
+            self.touch(h);
+        }
+        let tokens = u64::from(self.block_tokens) * hits as u64;
+        tokens.min(u64::from(input_tokens.saturating_sub(1))) as u32
+    }
+
+    /// Puts a prefilled prompt's blocks in, evicting the least recently used beyond capacity.
+    pub fn insert(&mut self, hashes: &[u64]) {
+        if self.capacity == 0 {
+            return;
+        }
+        for &h in hashes {
+            self.touch(h);
+        }
+        while self.blocks.len() > self.capacity {
+            let Some((_, oldest)) = self.by_use.pop_first() else {
+                break;
+            };
+            self.blocks.remove(&oldest);
+        }
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_leading_run_hits_and_lru_evicts() {
+        let mut c = PrefixCache::new(3, 512);
+        assert_eq!(c.lookup(&[1, 2, 3], 1500), 0);
+        c.insert(&[1, 2]);
+        // Leading run [1, 2]; 3 is missing.
+        assert_eq!(c.lookup(&[1, 2, 3], 1500), 1024);
+        // A gap stops the run even when later blocks are present.
+        assert_eq!(c.lookup(&[9, 2], 1000), 0);
+        // A full hit still leaves the last token to run.
+        assert_eq!(c.lookup(&[1, 2], 1024), 1023);
+        c.insert(&[7]);
+        c.lookup(&[1], 600); // 1 is now more recent than 2
+        c.insert(&[8]); // evicts 2, the least recently used
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.lookup(&[1, 2], 2000), 512);
+        assert_eq!(c.lookup(&[8], 600), 512);
+    }
+
+    #[test]
+    fn zero_capacity_holds_nothing() {
+        let mut c = PrefixCache::new(0, 512);
+        c.insert(&[1]);
+        assert!(c.is_empty());
+        assert_eq!(c.lookup(&[1], 600), 0);
+    }
+}

@@ -1,0 +1,461 @@
+//! The simulation loop of SPEC §8.
+//!
+//! Simulated time, in ms, is never slept: a step that starts at `t` ends at
+//! `t + base_ms + per_token_ms * ran_tokens`. Before each step every request that arrived by `t`
+//! is admitted (in trace order); when nothing is queued the clock jumps to the next arrival.
+//! A prompt's final chunk yields its first token at the end of its step; each further token
+//! takes its continuing `decode` row one step it runs in.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::prefix_cache::PrefixCache;
+use super::report::{ChunkCounts, Latency, OverrunCounts, ReplayReport, TokenCounts};
+use super::step_log::StepLog;
+use super::trace::Trace;
+use super::{ReplayError, ReplayOptions, Setup, DECODE_WALK, PREFILL_WALK};
+use crate::overrun::OverrunReason;
+use crate::planner::Work;
+use crate::prepared::PreparedInput;
+use crate::ChunkingManagement;
+
+/// Steps between progress bar updates (drawing per step would cost more than the step).
+const PROGRESS_EVERY: u64 = 256;
+
+/// A request's life in the simulation.
+#[derive(Debug, Clone, Copy, Default)]
+struct ReqState {
+    /// Tokens still to generate after the current one.
+    remaining: u32,
+    /// When its last token was generated (simulated ms).
+    last_token_ms: f64,
+    /// Chunks its prompt ran in.
+    chunks: u32,
+}
+
+/// One replay in progress.
+pub struct Sim<'a> {
+    cm: &'a ChunkingManagement,
+    setup: &'a Setup,
+    trace: &'a Trace,
+    opts: &'a ReplayOptions,
+    step_log: Option<StepLog>,
+    /// Arrivals in simulated ms (trace times scaled by `1 / rate_scale`).
+    arrivals: Vec<f64>,
+    /// `rid -> index` into the trace's requests (rids skip bad lines).
+    index_of_rid: Vec<u32>,
+    state: Vec<ReqState>,
+    cache: Option<PrefixCache>,
+    rng: SmallRng,
+    /// The estimate a decode row is registered with: 1, or `k + 1` with `k` speculative tokens.
+    estimate: u32,
+
+    t_ms: f64,
+    /// Prompts admitted and not yet through their final chunk; decode rows registered.
+    prefilling: usize,
+    decoding: usize,
+    /// Prepared inputs held, mirrored from admissions and final chunks, for the peak.
+    held_rows: usize,
+    held_tokens: u64,
+    /// Requests whose last token was generated.
+    done: usize,
+    /// Reused per step: the tokens each row ran.
+    ran: Vec<u32>,
+
+    report: ReplayReport,
+    budget_sum: u64,
+    budget_used: u64,
+    /// The same sums over the steps that cut a prompt.
+    cut_budget_sum: u64,
+    cut_budget_used: u64,
+    ttft: Vec<f64>,
+    tbt: Vec<f32>,
+}
+
+/// What one step did.
+enum Stepped {
+    Ran,
+    /// The step had no row: nothing eligible for its walk.
+    Empty,
+}
+
+impl<'a> Sim<'a> {
+    /// Prepares a replay of `trace` on `cm` (policies and budgets already set).
+    pub fn new(
+        cm: &'a ChunkingManagement,
+        setup: &'a Setup,
+        trace: &'a Trace,
+        opts: &'a ReplayOptions,
+        step_log: Option<StepLog>,
+    ) -> Self {
+        let reqs = &trace.requests;
+        let last_rid = reqs.last().map_or(0, |r| r.rid);
+        let mut index_of_rid = vec![u32::MAX; usize::try_from(last_rid).unwrap_or(0) + 1];
+        for (i, r) in reqs.iter().enumerate() {
+            index_of_rid[r.rid as usize] = i as u32;
+        }
+        let decode_tokens: u64 = reqs
+            .iter()
+            .map(|r| u64::from(r.output_tokens.saturating_sub(1)))
+            .sum();
+        let report = ReplayReport {
+            trace: trace.file.clone(),
+            format: trace.format,
+            node: setup.node.clone(),
+            walks: setup.walks.clone(),
+            budget_off: opts.budget_off,
+            rate_scale: opts.rate_scale,
+            requests: reqs.len(),
+            skipped_lines: trace.skipped_lines,
+            bad_line_examples: trace.bad_line_examples.clone(),
+            steps: 0,
+            budgeted_steps: 0,
+            tokens: TokenCounts::default(),
+            budget_utilisation: None,
+            cut_steps: 0,
+            cut_step_utilisation: None,
+            chunks: ChunkCounts::default(),
+            overruns: OverrunCounts::default(),
+            decode_row_waits: 0,
+            ttft_ms: None,
+            tbt_ms: None,
+            peak_prepared_rows: 0,
+            peak_prepared_tokens: 0,
+            prepared_left_rows: 0,
+            prepared_left_tokens: 0,
+            simulated_ms: 0.0,
+            wall_ms: 0.0,
+            steps_per_second: 0.0,
+            step_log: step_log.as_ref().map(|l| l.path().display().to_string()),
+        };
+        Self {
+            cm,
+            setup,
+            trace,
+            opts,
+            step_log,
+            arrivals: reqs
+                .iter()
+                .map(|r| r.arrival_ms / opts.rate_scale)
+                .collect(),
+            index_of_rid,
+            state: vec![ReqState::default(); reqs.len()],
+            cache: (setup.cache_blocks > 0)
+                .then(|| PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens)),
+            rng: SmallRng::seed_from_u64(setup.seed),
+            estimate: setup.spec_tokens + 1,
+            t_ms: 0.0,
+            prefilling: 0,
+            decoding: 0,
+            held_rows: 0,
+            held_tokens: 0,
+            done: 0,
+            ran: Vec::new(),
+            report,
+            budget_sum: 0,
+            budget_used: 0,
+            cut_budget_sum: 0,
+            cut_budget_used: 0,
+            ttft: Vec::with_capacity(reqs.len()),
+            tbt: Vec::with_capacity(usize::try_from(decode_tokens).unwrap_or(0)),
+        }
+    }
+
+    /// Runs the replay to the end: every request admitted, prefilled and done generating.
+    ///
+    /// # Errors
+    /// An actor refused or did not answer, the step log could not be written, or the queues
+    /// stalled (rows queued that no step schedules).
+    pub async fn run(mut self) -> Result<ReplayReport, ReplayError> {
+        let progress = self.progress_bar();
+        let n = self.arrivals.len();
+        let mut next = 0usize;
+        let mut turn = 0usize;
+        let mut empty_streak = 0usize;
+        loop {
+            if self.prefilling == 0 && self.decoding == 0 {
+                if next == n {
+                    break;
+                }
+                self.t_ms = self.t_ms.max(self.arrivals[next]);
+            }
+            while next < n && self.arrivals[next] <= self.t_ms {
+                self.admit(next).await?;
+                next += 1;
+            }
+            let setup = self.setup;
+            let walk = &setup.walks[turn % setup.walks.len()];
+            turn += 1;
+            match self.step(walk).await? {
+                Stepped::Ran => empty_streak = 0,
+                Stepped::Empty => {
+                    empty_streak += 1;
+                    // Every step walk had its turn and none scheduled a row: nothing will change.
+                    if empty_streak >= self.setup.walks.len() {
+                        return Err(ReplayError::Stalled {
+                            t_ms: self.t_ms,
+                            node: self.setup.node.clone(),
+                            prefilling: self.prefilling,
+                            decoding: self.decoding,
+                        });
+                    }
+                }
+            }
+            if let Some(pb) = &progress {
+                if self.report.steps % PROGRESS_EVERY == 0 {
+                    pb.set_position(self.done as u64);
+                }
+            }
+        }
+        if let Some(pb) = progress {
+            pb.finish_and_clear();
+        }
+        self.finish()
+    }
+
+    fn progress_bar(&self) -> Option<ProgressBar> {
+        if !self.opts.progress || !std::io::stderr().is_terminal() {
+            return None;
+        }
+        let pb = ProgressBar::new(self.arrivals.len() as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{spinner} replay [{elapsed_precise}] {wide_bar} {pos}/{len} requests done ({eta})",
+        ) {
+            pb.set_style(style);
+        }
+        Some(pb)
+    }
+
+    /// Admits request `i`: its prompt as a real prepared input, its cached prefix looked up.
+    async fn admit(&mut self, i: usize) -> Result<(), ReplayError> {
+        let r = &self.trace.requests[i];
+        let n = r.input_tokens;
+        // Synthetic token ids, but a real allocation of the prompt's length.
+        let base = (r.rid as u32).wrapping_mul(31);
+        let ids: Arc<[u32]> = (0..n).map(|t| base.wrapping_add(t)).collect();
+        let cached = match &mut self.cache {
+            Some(c) => c.lookup(self.trace.hashes(r), n),
+            None => 0,
+        };
+        self.cm
+            .admit(
+                r.rid,
+                &self.setup.node,
+                PREFILL_WALK,
+                PreparedInput::tokens(ids),
+                cached,
+            )
+            .await
+            .map_err(ReplayError::chunking("admitting a prompt"))?;
+        if cached > 0 {
+            self.report.chunks.prefix_cache_hits += 1;
+            self.report.tokens.cached += u64::from(cached);
+        }
+        self.prefilling += 1;
+        self.held_rows += 1;
+        self.held_tokens += u64::from(n);
+        self.report.peak_prepared_rows = self.report.peak_prepared_rows.max(self.held_rows);
+        self.report.peak_prepared_tokens = self.report.peak_prepared_tokens.max(self.held_tokens);
+        Ok(())
+    }
+
+    /// Tokens a continuing row actually runs: its estimate, or with speculation and probability
+    /// `overshoot_rate`, 1 to `k` more (the merge sized it before its input existed).
+    fn continue_ran(&mut self, estimate: u32) -> u32 {
+        let k = self.setup.spec_tokens;
+        if k == 0 || self.setup.overshoot_rate <= 0.0 {
+            return estimate;
+        }
+        if self.rng.gen_bool(self.setup.overshoot_rate) {
+            estimate + self.rng.gen_range(1..=k)
+        } else {
+            estimate
+        }
+    }
+
+    async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
+        let cm = self.cm;
+        let node = self.setup.node.as_str();
+        let batch = cm
+            .assemble(node, walk)
+            .await
+            .map_err(ReplayError::chunking("assembling a step"))?;
+        if batch.rows.is_empty() {
+            cm.complete(batch.step, Vec::new())
+                .await
+                .map_err(ReplayError::chunking("completing an empty step"))?;
+            return Ok(Stepped::Empty);
+        }
+
+        self.ran.clear();
+        let mut ran_tokens: u64 = 0;
+        let mut decode_rows = 0usize;
+        let mut cuts = false;
+        for row in &batch.rows {
+            let r = match row.work {
+                Work::Continue { estimate } => {
+                    decode_rows += 1;
+                    self.continue_ran(estimate)
+                }
+                Work::Chunk { range, .. } => {
+                    cuts |= !range.is_final();
+                    range.tokens()
+                }
+            };
+            ran_tokens += u64::from(r);
+            self.ran.push(r);
+        }
+        let t_start = self.t_ms;
+        let t_end = t_start + self.setup.base_ms + self.setup.per_token_ms * ran_tokens as f64;
+        let outcome = cm
+            .complete(batch.step, self.ran.clone())
+            .await
+            .map_err(ReplayError::chunking("completing a step"))?;
+        if let Some(log) = &mut self.step_log {
+            log.write(
+                t_start,
+                &batch,
+                outcome.tokens.ran,
+                outcome.overrun.as_ref(),
+            )
+            .map_err(|source| ReplayError::Write {
+                what: "step log",
+                path: log.path().to_owned(),
+                source,
+            })?;
+        }
+
+        let rep = &mut self.report;
+        rep.steps += 1;
+        rep.tokens.scheduled += batch.scheduled_tokens;
+        rep.tokens.ran += outcome.tokens.ran;
+        if let Some(b) = batch.budget {
+            rep.budgeted_steps += 1;
+            self.budget_sum += u64::from(b);
+            let used = batch.scheduled_tokens.min(u64::from(b));
+            self.budget_used += used;
+            if cuts {
+                rep.cut_steps += 1;
+                self.cut_budget_sum += u64::from(b);
+                self.cut_budget_used += used;
+            }
+        }
+        if let Some(o) = &outcome.overrun {
+            let c = &mut rep.overruns;
+            c.total += 1;
+            match o.reason {
+                OverrunReason::UncutRow => c.uncut_row += 1,
+                OverrunReason::SpeculationEstimate => c.speculation_estimate += 1,
+                OverrunReason::Other => c.other += 1,
+            }
+        }
+        // Decode rows registered before this step that it did not run waited a step.
+        if walk != PREFILL_WALK {
+            rep.decode_row_waits += self.decoding.saturating_sub(decode_rows) as u64;
+        }
+
+        for k in 0..batch.rows.len() {
+            let (row, r) = (&batch.rows[k], self.ran[k]);
+            let Some(i) = self
+                .index_of_rid
+                .get(row.rid as usize)
+                .copied()
+                .filter(|i| *i != u32::MAX)
+            else {
+                continue;
+            };
+            let i = i as usize;
+            match row.work {
+                Work::Continue { .. } => {
+                    self.report.tokens.decode += u64::from(r);
+                    self.report.tokens.generated += 1;
+                    let s = &mut self.state[i];
+                    self.tbt.push((t_end - s.last_token_ms) as f32);
+                    s.last_token_ms = t_end;
+                    s.remaining = s.remaining.saturating_sub(1);
+                    if s.remaining == 0 {
+                        self.cm
+                            .finish_row(row.rid, node)
+                            .await
+                            .map_err(ReplayError::chunking("finishing a decode row"))?;
+                        self.decoding -= 1;
+                        self.done += 1;
+                    }
+                }
+                Work::Chunk { range, .. } => {
+                    self.report.tokens.prefill += u64::from(r);
+                    self.report.chunks.total += 1;
+                    self.state[i].chunks += 1;
+                    if !range.is_final() {
+                        continue;
+                    }
+                    self.first_token(i, row.rid, range.total, t_end).await?;
+                }
+            }
+        }
+        self.t_ms = t_end;
+        Ok(Stepped::Ran)
+    }
+
+    /// A prompt's final chunk ran: its prepared input is released, its first token is out, and
+    /// it continues as a decode row if it generates more.
+    async fn first_token(
+        &mut self,
+        i: usize,
+        rid: u64,
+        total: u32,
+        t_end: f64,
+    ) -> Result<(), ReplayError> {
+        let req = &self.trace.requests[i];
+        self.report.chunks.final_chunks += 1;
+        self.report.tokens.generated += 1;
+        if self.state[i].chunks > 1 {
+            self.report.chunks.prompts_cut += 1;
+        }
+        self.prefilling -= 1;
+        self.held_rows -= 1;
+        self.held_tokens -= u64::from(total);
+        self.ttft.push(t_end - self.arrivals[i]);
+        if let Some(c) = &mut self.cache {
+            c.insert(self.trace.hashes(req));
+        }
+        let s = &mut self.state[i];
+        s.last_token_ms = t_end;
+        s.remaining = req.output_tokens.saturating_sub(1);
+        if s.remaining == 0 {
+            self.done += 1;
+            return Ok(());
+        }
+        self.cm
+            .continue_row(rid, &self.setup.node, DECODE_WALK, self.estimate)
+            .await
+            .map_err(ReplayError::chunking("continuing a request on `decode`"))?;
+        self.decoding += 1;
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<ReplayReport, ReplayError> {
+        if let Some(log) = self.step_log.take() {
+            let path = log.path().to_owned();
+            log.finish().map_err(|source| ReplayError::Write {
+                what: "step log",
+                path,
+                source,
+            })?;
+        }
+        let first = self.arrivals.first().copied().unwrap_or(0.0);
+        let mut rep = self.report;
+        rep.simulated_ms = self.t_ms - first;
+        rep.budget_utilisation =
+            (self.budget_sum > 0).then(|| self.budget_used as f64 / self.budget_sum as f64);
+        rep.cut_step_utilisation = (self.cut_budget_sum > 0)
+            .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
+        rep.ttft_ms = Latency::of(&mut self.ttft);
+        rep.tbt_ms = Latency::of(&mut self.tbt);
+        Ok(rep)
+    }
+}

@@ -1,0 +1,166 @@
+//! The step log (`replay --step-log FILE`): one JSON object per step, in the schema of SPEC §7.
+//!
+//! ```text
+//! {"step", "t_ms", "node", "walk", "budget" (null when none), "floor", "caps" (object or null),
+//!  "rows": [{"rid", "walk", "kind": "continue"|"chunk", "tokens",
+//!            chunks only: "start", "end", "total", "stride", "final", first chunks only: "cached"}],
+//!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting"}
+//! ```
+//!
+//! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`.
+
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+
+use crate::overrun::Overrun;
+use crate::planner::Work;
+use crate::scheduler::{Batch, BatchRow};
+use crate::Name;
+
+/// A step log being written.
+pub struct StepLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl StepLog {
+    /// Creates (truncates) the log at `path`.
+    ///
+    /// # Errors
+    /// The file cannot be created.
+    pub fn create(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            path: path.to_owned(),
+            out: BufWriter::with_capacity(1 << 16, File::create(path)?),
+        })
+    }
+
+    /// The log's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes one step: `batch` as assembled, started at `t_ms` of simulated time, which ran
+    /// `ran_tokens` and overran (or not) as its completion said.
+    ///
+    /// # Errors
+    /// The write failed.
+    pub fn write(
+        &mut self,
+        t_ms: f64,
+        batch: &Batch,
+        ran_tokens: u64,
+        overrun: Option<&Overrun>,
+    ) -> io::Result<()> {
+        let line = StepLine {
+            t_ms,
+            batch,
+            ran_tokens,
+            overrun,
+        };
+        serde_json::to_writer(&mut self.out, &line)?;
+        self.out.write_all(b"\n")
+    }
+
+    /// Flushes the log.
+    ///
+    /// # Errors
+    /// The flush failed.
+    pub fn finish(mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+struct StepLine<'a> {
+    t_ms: f64,
+    batch: &'a Batch,
+    ran_tokens: u64,
+    overrun: Option<&'a Overrun>,
+}
+
+impl Serialize for StepLine<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let b = self.batch;
+        let mut m = s.serialize_map(Some(12))?;
+        m.serialize_entry("step", &b.step)?;
+        // Simulated ms, to the µs: enough to order steps, short to print.
+        m.serialize_entry("t_ms", &((self.t_ms * 1000.0).round() / 1000.0))?;
+        m.serialize_entry("node", &*b.node)?;
+        m.serialize_entry("walk", &*b.walk)?;
+        m.serialize_entry("budget", &b.budget)?;
+        m.serialize_entry("floor", &b.floor)?;
+        m.serialize_entry("caps", &b.caps.as_deref().map(Caps))?;
+        m.serialize_entry("rows", &Rows(&b.rows))?;
+        m.serialize_entry("scheduled_tokens", &b.scheduled_tokens)?;
+        m.serialize_entry("ran_tokens", &self.ran_tokens)?;
+        m.serialize_entry("overrun", &self.overrun.map(|o| Reason(o.reason.as_str())))?;
+        m.serialize_entry("waiting", &b.waiting)?;
+        m.end()
+    }
+}
+
+struct Caps<'a>(&'a [(Name, u32)]);
+
+impl Serialize for Caps<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(w, c)| (&**w, c)))
+    }
+}
+
+struct Reason(&'static str);
+
+impl Serialize for Reason {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(1))?;
+        m.serialize_entry("reason", self.0)?;
+        m.end()
+    }
+}
+
+struct Rows<'a>(&'a [BatchRow]);
+
+impl Serialize for Rows<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(Row))
+    }
+}
+
+struct Row<'a>(&'a BatchRow);
+
+impl Serialize for Row<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let r = self.0;
+        match r.work {
+            Work::Continue { estimate } => {
+                let mut m = s.serialize_map(Some(4))?;
+                m.serialize_entry("rid", &r.rid)?;
+                m.serialize_entry("walk", &*r.walk)?;
+                m.serialize_entry("kind", "continue")?;
+                m.serialize_entry("tokens", &estimate)?;
+                m.end()
+            }
+            Work::Chunk { range, cached } => {
+                // A first chunk moves the Loop by its `end`; a later one never starts at 0.
+                let first = range.stride == range.end;
+                let mut m = s.serialize_map(Some(if first { 10 } else { 9 }))?;
+                m.serialize_entry("rid", &r.rid)?;
+                m.serialize_entry("walk", &*r.walk)?;
+                m.serialize_entry("kind", "chunk")?;
+                m.serialize_entry("tokens", &range.tokens())?;
+                m.serialize_entry("start", &range.start)?;
+                m.serialize_entry("end", &range.end)?;
+                m.serialize_entry("total", &range.total)?;
+                m.serialize_entry("stride", &range.stride)?;
+                m.serialize_entry("final", &range.is_final())?;
+                if first {
+                    m.serialize_entry("cached", &cached)?;
+                }
+                m.end()
+            }
+        }
+    }
+}
