@@ -739,3 +739,31 @@ fn the_dashboard_type_checks_as_a_grafana_dashboard_and_mistakes_do_not() {
         );
     }
 }
+
+#[test]
+fn a_metrics_address_in_use_is_a_clear_startup_error() {
+    let taken = TcpListener::bind("127.0.0.1:0").expect("a local port");
+    let addr = taken.local_addr().unwrap();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("replay.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mstar-chunking"));
+    cmd.args(["replay", "--model", MODEL, "--requests", "10", "--hold"])
+        .arg("--metrics-listen")
+        .arg(addr.to_string())
+        .env_clear()
+        .current_dir(REPO);
+    let mut replay = KillOnDrop::spawn("replay", cmd, log.clone());
+    // With `--hold` it would serve forever; it must stop at startup instead.
+    let status = poll(
+        "the replay to refuse the address in use",
+        Duration::from_secs(30),
+        || replay.child.try_wait().ok().flatten(),
+    );
+    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !status.success(),
+        "exit {status} with {addr} in use:\n{out}"
+    );
+    let want = format!("cannot listen for metrics on `{addr}`");
+    assert!(out.contains(&want), "expected `{want}` in:\n{out}");
+}
