@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test lint fmt doc bench soak fuzz
+.PHONY: help run test test-deps lint fmt doc bench soak fuzz
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -22,6 +22,9 @@ doc: ## Build the API docs
 
 test: lint ## Lint, then the whole test suite (installs what the tests need)
 	$(CARGO) test --all-targets
+
+test-deps: ## Install what the tests need: prometheus + promtool (apt), @grafana/schema + typescript (npm, into target/)
+	scripts/install-test-deps.sh
 
 bench: ## Criterion benchmarks (not in CI)
 	$(CARGO) bench

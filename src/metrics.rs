@@ -1,17 +1,27 @@
 //! Every metric the component exports (SPEC §7), in one place: names, HELP texts, units, label
-//! values and histogram buckets. Call sites use the handles and functions here, never string
-//! literals. The library records through the `metrics` facade and never installs a recorder;
-//! the binary installs the Prometheus exporter ([`install_prometheus`]), an embedding engine may
-//! install its own.
+//! names and values, and histogram buckets. Call sites use the handles and functions here, never
+//! string literals.
+//!
+//! The library records through the `metrics` facade and never installs a recorder: the binary
+//! installs the Prometheus exporter ([`install_prometheus`]); an embedding engine may install its
+//! own recorder instead and then call [`describe_all`].
+//!
+//! The dashboards and alert rules in `dashboards/` query these names; a test checks that every
+//! metric they use is in [`ALL`]. Renaming one means changing them too.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
 use crate::overrun::OverrunReason;
+use crate::scheduler::{Batch, StepOutcome};
 use crate::Name;
+
+// === names ===
 
 pub const STEPS_TOTAL: &str = "mstar_chunking_steps_total";
 pub const STEP_TOKENS: &str = "mstar_chunking_step_tokens";
@@ -40,6 +50,35 @@ pub const ALL: [&str; 11] = [
     CONFIG_RELOADS_TOTAL,
 ];
 
+// === labels ===
+// Bounded on purpose: node and walk names come from the model manifest, the rest are fixed
+// sets. No per-request label ever: it would create a series per request.
+
+pub const LABEL_NODE: &str = "node";
+pub const LABEL_WALK: &str = "walk";
+/// On [`BUDGET_OVERRUNS_TOTAL`]: an [`OverrunReason::as_str`].
+pub const LABEL_REASON: &str = "reason";
+/// On [`CHUNKS_TOTAL`]: [`FINAL_TRUE`] or [`FINAL_FALSE`].
+pub const LABEL_FINAL: &str = "final";
+/// On [`CONFIG_RELOADS_TOTAL`]: [`RESULT_OK`] or [`RESULT_ERROR`].
+pub const LABEL_RESULT: &str = "result";
+
+/// Every label name a metric may carry.
+pub const LABELS: [&str; 5] = [
+    LABEL_NODE,
+    LABEL_WALK,
+    LABEL_REASON,
+    LABEL_FINAL,
+    LABEL_RESULT,
+];
+
+pub const FINAL_TRUE: &str = "true";
+pub const FINAL_FALSE: &str = "false";
+pub const RESULT_OK: &str = "ok";
+pub const RESULT_ERROR: &str = "error";
+
+// === buckets ===
+
 /// Token histogram buckets: powers of two from 1 to 2^20 (1M).
 pub fn token_buckets() -> Vec<f64> {
     (0..=20).map(|p| f64::from(1u32 << p)).collect()
@@ -47,104 +86,152 @@ pub fn token_buckets() -> Vec<f64> {
 
 /// Seconds histogram buckets: 1 µs to 1 s, 1-2.5-5 per decade.
 pub fn seconds_buckets() -> Vec<f64> {
-    let mut b = Vec::new();
-    let mut decade = 1e-6;
-    while decade < 1.0 {
-        b.extend([decade, decade * 2.5, decade * 5.0]);
-        decade *= 10.0;
-    }
-    b.push(1.0);
-    b
+    // Written out rather than multiplied up so that the `le` labels read 2.5e-05, not
+    // 2.4999999999999998e-05.
+    vec![
+        1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+        2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+    ]
 }
 
-/// Registers the HELP text and unit of every metric with the installed recorder.
+// === descriptions ===
+
+/// Registers the HELP text and unit of every metric with the installed recorder. HELP texts
+/// name the unit and list each label's allowed values.
 pub fn describe_all() {
     describe_counter!(
         STEPS_TOTAL,
         Unit::Count,
-        "Steps assembled and completed, by node and walk."
+        "Steps completed, by node and walk."
     );
     describe_histogram!(
         STEP_TOKENS,
         Unit::Count,
-        "Tokens a completed step actually ran (unit: tokens)."
+        "Tokens a completed step actually ran, in tokens, by node and walk."
     );
     describe_gauge!(
         STEP_BUDGET_TOKENS,
         Unit::Count,
-        "The accepted token budget of each (node, walk); 0 where there is none (chunking off)."
+        "Token budget of each node and walk in the accepted config, in tokens; 0 where chunking is off (no budget)."
     );
     describe_counter!(
         BUDGET_OVERRUNS_TOTAL,
         Unit::Count,
-        "Steps that ran more tokens than the budget they were scheduled under; reason: uncut_row, speculation_estimate, other."
+        "Steps that ran more tokens than the budget they were scheduled under, by node, walk and reason (uncut_row, speculation_estimate, other)."
     );
     describe_histogram!(
         OVERRUN_TOKENS,
         Unit::Count,
-        "Tokens by which an overrunning step exceeded its budget (unit: tokens)."
+        "Tokens by which an overrunning step exceeded its budget, in tokens, by node and walk."
     );
     describe_counter!(
         CHUNKS_TOTAL,
         Unit::Count,
-        "Prefill chunks run; final: true for a row's last chunk, false otherwise."
+        "Prefill chunks run, by node, walk and final (true: a row's last chunk, false: a partial chunk)."
     );
     describe_counter!(
         DEFERRED_ROWS_TOTAL,
         Unit::Count,
-        "Eligible rows left waiting by an assembled step."
+        "Eligible rows an assembled step left waiting for a later step, by node and walk."
     );
     describe_gauge!(
         PREPARED_INPUTS,
         Unit::Count,
-        "Rows whose whole prepared input is held, by node."
+        "Rows whose whole prepared input is held until their final chunk, by node."
     );
     describe_gauge!(
         PREPARED_INPUT_TOKENS,
         Unit::Count,
-        "Tokens of the whole prepared inputs held, by node (unit: tokens)."
+        "Tokens of the whole prepared inputs held, in tokens, by node."
     );
     describe_histogram!(
         STEP_ASSEMBLY_SECONDS,
         Unit::Seconds,
-        "Time to plan one step's batch in the scheduler."
+        "Time the scheduler took to plan one step's batch, in seconds, by node and walk."
     );
     describe_counter!(
         CONFIG_RELOADS_TOTAL,
         Unit::Count,
-        "Serving config reloads; result: ok or error."
+        "Serving config changes applied (result ok) or refused whole (result error)."
     );
 }
 
-/// Installs the Prometheus exporter as the global recorder, listening on `listen`, with the
-/// buckets above, and describes every metric.
+// === the Prometheus exporter ===
+
+/// The exporter could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
+    Bind { addr: SocketAddr, reason: String },
+    #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
+    AlreadyInstalled,
+    #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
+    Exporter { addr: SocketAddr, reason: String },
+}
+
+/// The exporter's settings: histograms get explicit buckets (without them the exporter renders
+/// summaries, which cannot be aggregated across nodes or over time windows).
+fn prometheus_builder() -> PrometheusBuilder {
+    let tokens = token_buckets();
+    let seconds = seconds_buckets();
+    [
+        (STEP_TOKENS, &tokens),
+        (OVERRUN_TOKENS, &tokens),
+        (STEP_ASSEMBLY_SECONDS, &seconds),
+    ]
+    .into_iter()
+    .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
+        b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+            .expect("bucket lists are non-empty constants")
+    })
+}
+
+/// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
+/// a thread of its own (so that scrapes are answered even while the actors are busy), and
+/// describes every metric.
 ///
 /// # Errors
-/// The address cannot be bound, or a global recorder is already installed.
-pub fn install_prometheus(listen: SocketAddr) -> Result<(), String> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let std_listener = std::net::TcpListener::bind(listen)
-        .map_err(|e| format!("cannot listen for metrics on {listen}: {e}"))?;
-    drop(std_listener);
-    let builder = PrometheusBuilder::new()
-        .with_http_listener(listen)
-        .set_buckets_for_metric(Matcher::Full(STEP_TOKENS.into()), &token_buckets())
-        .and_then(|b| {
-            b.set_buckets_for_metric(Matcher::Full(OVERRUN_TOKENS.into()), &token_buckets())
+/// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
+/// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
+pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+    let exporter_error = |reason: String| MetricsError::Exporter {
+        addr: listen,
+        reason,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| exporter_error(e.to_string()))?;
+    // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
+    // the exporter's upkeep task on `runtime`.
+    let (recorder, exporter) = {
+        let _entered = runtime.enter();
+        prometheus_builder()
+            .with_http_listener(listen)
+            .build()
+            .map_err(|e| match e {
+                BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
+                    addr: listen,
+                    reason,
+                },
+                other => exporter_error(other.to_string()),
+            })?
+    };
+    metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+    std::thread::Builder::new()
+        .name("mstar-metrics".into())
+        .spawn(move || {
+            if let Err(e) = runtime.block_on(exporter) {
+                tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
+            }
         })
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                Matcher::Full(STEP_ASSEMBLY_SECONDS.into()),
-                &seconds_buckets(),
-            )
-        })
-        .map_err(|e| e.to_string())?;
-    builder
-        .install()
-        .map_err(|e| format!("cannot start the metrics endpoint on {listen}: {e}"))?;
+        .map_err(|e| exporter_error(e.to_string()))?;
     describe_all();
+    tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
     Ok(())
 }
+
+// === recording ===
 
 /// The handles of one `(node, walk)`'s step metrics, resolved once and reused every step.
 #[derive(Clone)]
@@ -160,49 +247,454 @@ pub struct StepMetrics {
 impl StepMetrics {
     /// Resolves the handles for `node`/`walk` in the current recorder.
     pub fn new(node: &Name, walk: &Name) -> Self {
-        let labels = [("node", node.to_string()), ("walk", walk.to_string())];
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, "node" => node.to_string(), "walk" => walk.to_string(), "final" => fin);
+        let labels = [
+            (LABEL_NODE, node.to_string()),
+            (LABEL_WALK, walk.to_string()),
+        ];
+        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
         Self {
             steps: metrics::counter!(STEPS_TOTAL, &labels),
             tokens: metrics::histogram!(STEP_TOKENS, &labels),
-            chunks_final: chunks("true"),
-            chunks_partial: chunks("false"),
+            chunks_final: chunks(FINAL_TRUE),
+            chunks_partial: chunks(FINAL_FALSE),
             deferred: metrics::counter!(DEFERRED_ROWS_TOTAL, &labels),
             assembly_seconds: metrics::histogram!(STEP_ASSEMBLY_SECONDS, &labels),
         }
+    }
+
+    /// Records an assembled step: the time planning took, and the rows it left waiting.
+    pub fn assembled(&self, batch: &Batch, took: Duration) {
+        self.assembly_seconds.record(took.as_secs_f64());
+        self.deferred.increment(u64::from(batch.waiting));
+    }
+
+    /// Records a completed step: one step, the tokens it ran, its chunks final and partial.
+    /// Overruns are recorded by the overrun accounting ([`record_overrun`]).
+    pub fn completed(&self, outcome: &StepOutcome) {
+        self.steps.increment(1);
+        self.tokens.record(outcome.tokens.ran as f64);
+        self.chunks_final.increment(u64::from(outcome.final_chunks));
+        self.chunks_partial.increment(u64::from(
+            outcome.chunks.saturating_sub(outcome.final_chunks),
+        ));
     }
 }
 
 /// Records an overrun of `node`/`walk` by `over` tokens.
 pub fn record_overrun(node: &Name, walk: &Name, reason: OverrunReason, over: u64) {
-    metrics::counter!(BUDGET_OVERRUNS_TOTAL, "node" => node.to_string(), "walk" => walk.to_string(), "reason" => reason.as_str())
+    metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())
         .increment(1);
-    metrics::histogram!(OVERRUN_TOKENS, "node" => node.to_string(), "walk" => walk.to_string())
+    metrics::histogram!(OVERRUN_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
         .record(over as f64);
 }
 
 /// Sets the budget gauge of `node`/`walk` (0 where there is no budget).
 pub fn set_budget(node: &Name, walk: &Name, budget: Option<u32>) {
-    metrics::gauge!(STEP_BUDGET_TOKENS, "node" => node.to_string(), "walk" => walk.to_string())
+    metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
         .set(f64::from(budget.unwrap_or(0)));
 }
 
 /// Sets the prepared-input gauges of `node`.
 pub fn set_prepared(node: &Name, rows: usize, tokens: u64) {
-    metrics::gauge!(PREPARED_INPUTS, "node" => node.to_string()).set(rows as f64);
-    metrics::gauge!(PREPARED_INPUT_TOKENS, "node" => node.to_string()).set(tokens as f64);
+    let (rows_gauge, tokens_gauge) = prepared_gauge(node);
+    rows_gauge.set(rows as f64);
+    tokens_gauge.set(tokens as f64);
 }
 
 /// Counts a config reload; `ok` is its result.
 pub fn record_reload(ok: bool) {
-    metrics::counter!(CONFIG_RELOADS_TOTAL, "result" => if ok { "ok" } else { "error" })
-        .increment(1);
+    let result = if ok { RESULT_OK } else { RESULT_ERROR };
+    metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_RESULT => result).increment(1);
 }
 
-/// The gauge of prepared inputs on `node`, for callers that hold it.
+/// The prepared-input gauges of `node` (rows, tokens), for callers that hold them.
 pub fn prepared_gauge(node: &Name) -> (Gauge, Gauge) {
     (
-        metrics::gauge!(PREPARED_INPUTS, "node" => node.to_string()),
-        metrics::gauge!(PREPARED_INPUT_TOKENS, "node" => node.to_string()),
+        metrics::gauge!(PREPARED_INPUTS, LABEL_NODE => node.to_string()),
+        metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_NODE => node.to_string()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use metrics_util::MetricKind;
+
+    use super::*;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::scheduler::SchedulerState;
+    use crate::snapshot::BudgetSnapshot;
+
+    fn n(s: &str) -> Name {
+        Name::from(s)
+    }
+
+    /// One metric as the debugging recorder saw it.
+    struct Seen {
+        kind: MetricKind,
+        name: String,
+        labels: Vec<(String, String)>,
+        unit: Option<Unit>,
+        help: Option<String>,
+        value: DebugValue,
+    }
+
+    /// Runs `f` with a fresh thread-local recorder and returns what it recorded.
+    fn recorded(f: impl FnOnce()) -> Vec<Seen> {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter: Snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, f);
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, unit, help, value)| {
+                let mut labels: Vec<(String, String)> = key
+                    .key()
+                    .labels()
+                    .map(|l| (l.key().to_string(), l.value().to_string()))
+                    .collect();
+                labels.sort();
+                Seen {
+                    kind: key.kind(),
+                    name: key.key().name().to_string(),
+                    labels,
+                    unit,
+                    help: help.map(|h| h.to_string()),
+                    value,
+                }
+            })
+            .collect()
+    }
+
+    /// The value of `name` with exactly `labels`.
+    fn value<'a>(seen: &'a [Seen], name: &str, labels: &[(&str, &str)]) -> &'a DebugValue {
+        let mut want: Vec<(String, String)> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        want.sort();
+        let found: Vec<&Seen> = seen
+            .iter()
+            .filter(|s| s.name == name && s.labels == want)
+            .collect();
+        assert_eq!(
+            found.len(),
+            1,
+            "{name}{want:?} recorded {} times",
+            found.len()
+        );
+        &found[0].value
+    }
+
+    fn counter(seen: &[Seen], name: &str, labels: &[(&str, &str)]) -> u64 {
+        match value(seen, name, labels) {
+            DebugValue::Counter(c) => *c,
+            other => panic!("{name} is not a counter: {other:?}"),
+        }
+    }
+
+    fn gauge(seen: &[Seen], name: &str, labels: &[(&str, &str)]) -> f64 {
+        match value(seen, name, labels) {
+            DebugValue::Gauge(g) => g.into_inner(),
+            other => panic!("{name} is not a gauge: {other:?}"),
+        }
+    }
+
+    fn histogram(seen: &[Seen], name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+        match value(seen, name, labels) {
+            DebugValue::Histogram(h) => h.iter().map(|v| v.into_inner()).collect(),
+            other => panic!("{name} is not a histogram: {other:?}"),
+        }
+    }
+
+    /// A scheduler for node `llm` whose `prefill` walk has a budget of 100 tokens.
+    fn scheduler() -> SchedulerState {
+        let model = ModelPolicies::new(
+            BTreeMap::from([(n("llm"), SubmoduleCaps::new(["prefill"], false))]),
+            BTreeMap::from([((n("llm"), n("prefill")), ChunkingPolicy::budget(100))]),
+        )
+        .unwrap()
+        .shared();
+        let mut state = SchedulerState::default();
+        state.set_snapshot(Arc::new(BudgetSnapshot::new(
+            BudgetTable::from_policies(model),
+            1,
+        )));
+        state
+    }
+
+    const LLM_PREFILL: [(&str, &str); 2] = [(LABEL_NODE, "llm"), (LABEL_WALK, "prefill")];
+
+    #[test]
+    fn names_follow_the_prometheus_conventions() {
+        for name in ALL {
+            assert!(name.starts_with("mstar_chunking_"), "{name}: no prefix");
+            assert!(
+                name.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                "{name}: not snake_case"
+            );
+            assert_eq!(
+                ALL.iter().filter(|m| **m == name).count(),
+                1,
+                "{name} twice"
+            );
+        }
+    }
+
+    #[test]
+    fn buckets_cover_tokens_to_1m_and_seconds_from_1us_to_1s() {
+        let tokens = token_buckets();
+        assert_eq!(tokens.first(), Some(&1.0));
+        assert_eq!(tokens.last(), Some(&1_048_576.0));
+        assert!(tokens.windows(2).all(|w| w[1] == 2.0 * w[0]));
+
+        let seconds = seconds_buckets();
+        assert_eq!(seconds.first(), Some(&1e-6));
+        assert_eq!(seconds.last(), Some(&1.0));
+        assert!(seconds.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(
+            seconds.len(),
+            19,
+            "1, 2.5 and 5 in each of 6 decades, then 1 s"
+        );
+    }
+
+    #[test]
+    fn every_metric_is_described_with_its_kind_and_unit() {
+        let seen = recorded(|| {
+            describe_all();
+            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            m.steps.increment(1);
+            m.tokens.record(1.0);
+            m.chunks_final.increment(1);
+            m.deferred.increment(1);
+            m.assembly_seconds.record(1e-5);
+            set_budget(&n("llm"), &n("prefill"), Some(100));
+            record_overrun(&n("llm"), &n("prefill"), OverrunReason::UncutRow, 3);
+            set_prepared(&n("llm"), 1, 10);
+            record_reload(true);
+        });
+        for name in ALL {
+            let s = seen
+                .iter()
+                .find(|s| s.name == name)
+                .unwrap_or_else(|| panic!("{name} was not recorded"));
+            let help = s.help.as_deref().unwrap_or_default();
+            assert!(help.len() > 20, "{name}: HELP text missing or too short");
+            let want_kind = if name.ends_with("_total") {
+                MetricKind::Counter
+            } else if [STEP_BUDGET_TOKENS, PREPARED_INPUTS, PREPARED_INPUT_TOKENS].contains(&name) {
+                MetricKind::Gauge
+            } else {
+                MetricKind::Histogram
+            };
+            assert_eq!(s.kind, want_kind, "{name}");
+            let want_unit = if name.ends_with("_seconds") {
+                Unit::Seconds
+            } else {
+                Unit::Count
+            };
+            assert_eq!(s.unit, Some(want_unit), "{name}");
+            for (label, _) in &s.labels {
+                assert!(LABELS.contains(&label.as_str()), "{name}: label {label}");
+            }
+        }
+        let overruns = seen
+            .iter()
+            .find(|s| s.name == BUDGET_OVERRUNS_TOTAL)
+            .unwrap();
+        for reason in OverrunReason::ALL {
+            assert!(
+                overruns.help.as_deref().unwrap().contains(reason.as_str()),
+                "HELP of {BUDGET_OVERRUNS_TOTAL} does not list reason {}",
+                reason.as_str()
+            );
+        }
+    }
+
+    #[test]
+    fn steps_chunks_tokens_and_deferred_rows_follow_the_scheduler() {
+        let mut state = scheduler();
+        state.admit(1, "llm", "prefill", 250, 0).unwrap();
+        state.admit(2, "llm", "prefill", 120, 0).unwrap();
+        let (mut ran_tokens, mut waiting, mut chunks, mut finals) = (Vec::new(), 0, 0, 0);
+        let seen = recorded(|| {
+            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            // Until both prompts are through; bounded so a planner bug cannot hang the test.
+            for _ in 0..20 {
+                let batch = state.assemble("llm", "prefill").unwrap();
+                m.assembled(&batch, Duration::from_micros(30));
+                if batch.rows.is_empty() {
+                    state.abandon(batch.step, &[]).unwrap();
+                    break;
+                }
+                let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
+                let outcome = state.complete(batch.step, &ran).unwrap();
+                m.completed(&outcome);
+                ran_tokens.push(outcome.tokens.ran as f64);
+                waiting += u64::from(batch.waiting);
+                chunks += u64::from(outcome.chunks);
+                finals += u64::from(outcome.final_chunks);
+            }
+        });
+        assert_eq!(finals, 2, "both prompts finished");
+        assert!(
+            chunks > finals,
+            "the 250-token prompt was cut under a 100 budget"
+        );
+        assert!(waiting > 0, "two prompts under one budget: one waited");
+        assert_eq!(ran_tokens.iter().sum::<f64>(), 370.0);
+
+        assert_eq!(
+            counter(&seen, STEPS_TOTAL, &LLM_PREFILL),
+            ran_tokens.len() as u64
+        );
+        assert_eq!(histogram(&seen, STEP_TOKENS, &LLM_PREFILL), ran_tokens);
+        let chunk_labels = |fin| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_FINAL, fin)];
+        assert_eq!(counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_TRUE)), 2);
+        assert_eq!(
+            counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_FALSE)),
+            chunks - finals
+        );
+        assert_eq!(counter(&seen, DEFERRED_ROWS_TOTAL, &LLM_PREFILL), waiting);
+        let assembly = histogram(&seen, STEP_ASSEMBLY_SECONDS, &LLM_PREFILL);
+        assert_eq!(
+            assembly.len(),
+            ran_tokens.len() + 1,
+            "one per assembled step"
+        );
+        assert!(assembly.iter().all(|s| *s == 30e-6));
+    }
+
+    #[test]
+    fn an_overrun_is_counted_by_reason_with_the_tokens_over_budget() {
+        let mut state = scheduler();
+        state.admit(1, "llm", "prefill", 500, 0).unwrap();
+        let batch = state.assemble("llm", "prefill").unwrap();
+        assert_eq!(batch.scheduled_tokens, 100);
+        // The engine ran 37 tokens more than scheduled: an `other` overrun.
+        let outcome = state.complete(batch.step, &[137]).unwrap();
+        let o = outcome.overrun.expect("137 tokens under a budget of 100");
+        let seen = recorded(|| {
+            record_overrun(&o.node, &o.walk, o.reason, o.tokens - u64::from(o.budget));
+            record_overrun(&o.node, &o.walk, OverrunReason::UncutRow, 900);
+        });
+        let with_reason =
+            |r: OverrunReason| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_REASON, r.as_str())];
+        assert_eq!(
+            counter(
+                &seen,
+                BUDGET_OVERRUNS_TOTAL,
+                &with_reason(OverrunReason::Other)
+            ),
+            1
+        );
+        assert_eq!(
+            counter(
+                &seen,
+                BUDGET_OVERRUNS_TOTAL,
+                &with_reason(OverrunReason::UncutRow)
+            ),
+            1
+        );
+        assert_eq!(
+            histogram(&seen, OVERRUN_TOKENS, &LLM_PREFILL),
+            vec![37.0, 900.0]
+        );
+    }
+
+    #[test]
+    fn gauges_hold_the_last_value_and_no_budget_reads_zero() {
+        let seen = recorded(|| {
+            set_budget(&n("llm"), &n("prefill"), Some(4096));
+            set_budget(&n("llm"), &n("prefill"), Some(2048));
+            set_budget(&n("llm"), &n("decode"), None);
+            set_prepared(&n("llm"), 3, 900);
+            set_prepared(&n("llm"), 1, 250);
+            set_prepared(&n("vision"), 0, 0);
+        });
+        assert_eq!(gauge(&seen, STEP_BUDGET_TOKENS, &LLM_PREFILL), 2048.0);
+        assert_eq!(
+            gauge(
+                &seen,
+                STEP_BUDGET_TOKENS,
+                &[(LABEL_NODE, "llm"), (LABEL_WALK, "decode")]
+            ),
+            0.0
+        );
+        assert_eq!(gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "llm")]), 1.0);
+        assert_eq!(
+            gauge(&seen, PREPARED_INPUT_TOKENS, &[(LABEL_NODE, "llm")]),
+            250.0
+        );
+        assert_eq!(
+            gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "vision")]),
+            0.0
+        );
+    }
+
+    #[test]
+    fn reloads_are_counted_by_result() {
+        let seen = recorded(|| {
+            record_reload(true);
+            record_reload(false);
+            record_reload(true);
+        });
+        assert_eq!(
+            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_OK)]),
+            2
+        );
+        assert_eq!(
+            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_ERROR)]),
+            1
+        );
+    }
+
+    #[test]
+    fn the_exporter_renders_histograms_with_our_buckets() {
+        let recorder = prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_all();
+            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            m.tokens.record(100.0);
+            m.assembly_seconds.record(3e-5);
+            record_overrun(&n("llm"), &n("prefill"), OverrunReason::Other, 5);
+        });
+        let text = handle.render();
+        for name in [STEP_TOKENS, OVERRUN_TOKENS, STEP_ASSEMBLY_SECONDS] {
+            assert!(
+                text.contains(&format!("# TYPE {name} histogram")),
+                "{name} not rendered as a histogram:\n{text}"
+            );
+            assert!(text.contains(&format!("# HELP {name} ")), "{name}: no HELP");
+        }
+        assert!(text.contains(&format!(
+            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"1048576\"}} 1"
+        )));
+        assert!(text.contains(&format!(
+            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"64\"}} 0"
+        )));
+        assert!(text.contains(&format!(
+            "{STEP_ASSEMBLY_SECONDS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"0.00005\"}} 1"
+        )));
+    }
+
+    #[test]
+    fn an_address_in_use_is_a_clear_startup_error() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        // Fails before any recorder is installed, so the process-wide state stays untouched.
+        let err = install_prometheus(addr).unwrap_err();
+        assert!(matches!(err, MetricsError::Bind { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains(&addr.to_string()), "{msg}");
+        assert!(msg.contains("`metrics.listen`"), "{msg}");
+    }
 }

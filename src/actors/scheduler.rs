@@ -167,10 +167,9 @@ impl Handler<Assemble> for Scheduler {
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         let started = Instant::now();
         let batch = self.state.assemble(&m.node, &m.walk)?;
-        let elapsed = started.elapsed().as_secs_f64();
-        let metrics = self.step_metrics(&batch.node, &batch.walk);
-        metrics.assembly_seconds.record(elapsed);
-        metrics.deferred.increment(u64::from(batch.waiting));
+        let took = started.elapsed();
+        self.step_metrics(&batch.node, &batch.walk)
+            .assembled(&batch, took);
         Ok(batch)
     }
 }
@@ -213,15 +212,8 @@ impl Handler<Complete> for Scheduler {
                 rids: outcome.finished.clone(),
             });
         }
-        let metrics = self.step_metrics(&outcome.node, &outcome.walk);
-        metrics.steps.increment(1);
-        metrics.tokens.record(outcome.tokens.ran as f64);
-        metrics
-            .chunks_final
-            .increment(u64::from(outcome.final_chunks));
-        metrics
-            .chunks_partial
-            .increment(u64::from(outcome.chunks - outcome.final_chunks));
+        self.step_metrics(&outcome.node, &outcome.walk)
+            .completed(&outcome);
         Ok(outcome)
     }
 }

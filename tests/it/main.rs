@@ -3,6 +3,7 @@
 mod config_cli;
 mod core;
 mod helpers;
+mod metrics_live;
 mod props;
 mod reload;
 mod replay;

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs what the integration tests need and is idempotent:
+# - `prometheus` and `promtool` (Debian's `prometheus` package) for the live metrics tests;
+# - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+scratch="${DASHBOARD_TYPECHECK_DIR:-$root/target/dashboard-typecheck}"
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null; then
+        sudo -n "$@"
+    else
+        echo "install-test-deps: need root (or sudo) to run: $*" >&2
+        return 1
+    fi
+}
+
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    if ! command -v apt-get >/dev/null; then
+        echo "install-test-deps: prometheus/promtool missing and no apt-get; install Prometheus 2.x so both are on PATH" >&2
+        exit 1
+    fi
+    echo "install-test-deps: installing Debian's prometheus package (prometheus, promtool)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    # The package's service is not wanted: the tests start their own server.
+    as_root apt-get install -y -qq --no-install-recommends prometheus
+    if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+        as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+fi
+prometheus --version 2>&1 | head -n1
+promtool --version 2>&1 | head -n1
+
+if ! command -v npm >/dev/null; then
+    echo "install-test-deps: npm missing; install Node.js (Debian: apt-get install nodejs npm)" >&2
+    exit 1
+fi
+mkdir -p "$scratch"
+src="$root/dashboards/typecheck"
+# Reinstall when the pinned versions changed (the lock file is newer than the install).
+if [ ! -f "$scratch/node_modules/typescript/bin/tsc" ] || [ ! -d "$scratch/node_modules/@grafana/schema" ] \
+    || [ "$src/package-lock.json" -nt "$scratch/node_modules/.package-lock.json" ]; then
+    echo "install-test-deps: installing @grafana/schema and typescript into $scratch"
+    cp "$src/package.json" "$src/package-lock.json" "$scratch/"
+    (cd "$scratch" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+echo "install-test-deps: typescript $(node "$scratch/node_modules/typescript/bin/tsc" --version)," \
+    "@grafana/schema $(node -p "require('$scratch/node_modules/@grafana/schema/package.json').version")"
