@@ -20,7 +20,7 @@ fmt: ## Format the code
 doc: ## Build the API docs
 	$(CARGO) doc --no-deps
 
-test: lint ## Lint, then the whole test suite (installs what the tests need)
+test: test-deps lint ## Install what the tests need, lint, then the whole test suite
 	$(CARGO) test --all-targets
 
 test-deps: ## Install what the tests need: prometheus + promtool (apt), @grafana/schema + typescript (npm, into target/)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the integration tests need and is idempotent:
 # - `prometheus` and `promtool` (Debian's `prometheus` package) for the live metrics tests;
+# - `python3` for the step-log checker;
 # - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
 set -euo pipefail
 
@@ -34,6 +35,15 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
 fi
 prometheus --version 2>&1 | head -n1
 promtool --version 2>&1 | head -n1
+
+# The step-log checker (tests/fixtures/shared/tools/check_step_log.py) needs a Python 3.
+if ! command -v python3 >/dev/null; then
+    echo "install-test-deps: installing Debian's python3"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq --no-install-recommends python3
+fi
+python3 --version
 
 if ! command -v npm >/dev/null; then
     echo "install-test-deps: npm missing; install Node.js (Debian: apt-get install nodejs npm)" >&2
