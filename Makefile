@@ -23,5 +23,6 @@ doc: ## Build the API docs
 test: lint ## Lint, then the whole test suite (installs what the tests need)
 	$(CARGO) test --all-targets
 
-bench: ## Criterion benchmarks (not in CI)
-	$(CARGO) bench
+bench: ## Criterion benchmarks of one step (not in CI), then their table
+	$(CARGO) bench --bench step
+	python3 scripts/bench_table.py
