@@ -265,18 +265,22 @@ struct Allocs {
     finished_per_step: f64,
 }
 
-fn bench_workload(c: &mut Criterion, w: Workload) -> Allocs {
+/// Benchmarks `w`; counts its allocations per step when `count` (not in criterion's test mode,
+/// where `cargo test --all-targets` runs each benchmark once as a smoke test).
+fn bench_workload(c: &mut Criterion, w: Workload, count: bool) -> Option<Allocs> {
     let (state, params) = planner_state(w);
     let mut out = StepPlan::default();
     plan_once(&state, &params, &mut out);
     c.benchmark_group("planner").bench_function(w.name, |b| {
         b.iter(|| plan_once(black_box(&state), black_box(&params), &mut out))
     });
-    let before = allocations();
-    for _ in 0..COUNTED_STEPS {
-        plan_once(&state, &params, &mut out);
-    }
-    let planner = (allocations() - before) as f64 / COUNTED_STEPS as f64;
+    let planner = count.then(|| {
+        let before = allocations();
+        for _ in 0..COUNTED_STEPS {
+            plan_once(&state, &params, &mut out);
+        }
+        (allocations() - before) as f64 / COUNTED_STEPS as f64
+    });
 
     let sys = actix::System::new();
     let mut engine = sys.block_on(Engine::start(w));
@@ -291,6 +295,7 @@ fn bench_workload(c: &mut Criterion, w: Workload) -> Allocs {
             })
         })
     });
+    let planner = planner?;
     let (steps, finished) = (engine.steps, engine.finished);
     let before = allocations();
     sys.block_on(async {
@@ -300,12 +305,12 @@ fn bench_workload(c: &mut Criterion, w: Workload) -> Allocs {
     });
     let actors = (allocations() - before) as f64 / COUNTED_STEPS as f64;
     let finished_per_step = (engine.finished - finished) as f64 / (engine.steps - steps) as f64;
-    Allocs {
+    Some(Allocs {
         workload: w.name,
         planner,
         actors,
         finished_per_step,
-    }
+    })
 }
 
 /// Where criterion writes its results: `CRITERION_HOME`, else `<target dir>/criterion`.
@@ -324,11 +329,19 @@ fn main() {
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(4))
         .configure_from_args();
+    // Criterion benchmarks only under `--bench` without `--test` or `--list` (as `cargo bench`
+    // runs it); otherwise it runs each benchmark once, and the counts are skipped too.
+    let args: Vec<String> = std::env::args().collect();
+    let has = |flag: &str| args.iter().any(|a| a == flag);
+    let count = has("--bench") && !has("--test") && !has("--list");
     let allocs: Vec<Allocs> = WORKLOADS
         .iter()
-        .map(|w| bench_workload(&mut c, *w))
+        .filter_map(|w| bench_workload(&mut c, *w, count))
         .collect();
     c.final_summary();
+    if !count {
+        return;
+    }
 
     let rows: Vec<serde_json::Value> = allocs
         .iter()
