@@ -282,28 +282,7 @@ impl ChunkingManagement {
             node: node.into(),
             walk: walk.into(),
         };
-        let batch = ask(&self.scheduler, "Scheduler", self.timeout, msg).await??;
-        if !batch
-            .rows
-            .iter()
-            .any(|r| matches!(r.work, Work::Chunk { .. }))
-        {
-            return Ok(batch);
-        }
-        match ask(&self.prepared, "PreparedInputs", self.timeout, Cut(batch)).await? {
-            Ok(batch) => Ok(batch),
-            Err((batch, missing)) => {
-                let abandon = Abandon {
-                    step: batch.step,
-                    drop_rids: missing.clone(),
-                };
-                ask(&self.scheduler, "Scheduler", self.timeout, abandon).await??;
-                Err(ChunkingError::MissingPreparedInput {
-                    rid: missing[0],
-                    node: batch.node,
-                })
-            }
-        }
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await?
     }
 
     /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. Checks them

@@ -9,9 +9,10 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{PreparedInputs, Release};
+use super::prepared_inputs::{Cut, PreparedInputs, Release};
 use crate::error::ChunkingError;
 use crate::metrics::StepMetrics;
+use crate::planner::Work;
 use crate::scheduler::{Batch, SchedulerState, StepOutcome};
 use crate::Name;
 
@@ -136,7 +137,11 @@ impl Handler<ForgetRow> for Scheduler {
     }
 }
 
-/// Assembles the next step of `node`/`walk` (chunk inputs not cut yet).
+/// Assembles the next step of `node`/`walk`, with every chunk's input cut by PreparedInputs.
+///
+/// The Scheduler asks PreparedInputs itself, so the engine waits for one answer per step: a
+/// message between actors of one arbiter costs less than waking the engine's task twice. A
+/// chunk whose input went missing (forgotten meanwhile) abandons the step and drops that row.
 #[derive(Message)]
 #[rtype(result = "Result<Batch, ChunkingError>")]
 pub struct Assemble {
@@ -145,16 +150,49 @@ pub struct Assemble {
 }
 
 impl Handler<Assemble> for Scheduler {
-    type Result = Result<Batch, ChunkingError>;
+    type Result = ResponseActFuture<Self, Result<Batch, ChunkingError>>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         let started = Instant::now();
-        let batch = self.state.assemble(&m.node, &m.walk)?;
+        let batch = match self.state.assemble(&m.node, &m.walk) {
+            Ok(batch) => batch,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
         let elapsed = started.elapsed().as_secs_f64();
         let metrics = self.step_metrics(&batch.node, &batch.walk);
         metrics.assembly_seconds.record(elapsed);
         metrics.deferred.increment(u64::from(batch.waiting));
-        Ok(batch)
+        if !batch
+            .rows
+            .iter()
+            .any(|r| matches!(r.work, Work::Chunk { .. }))
+        {
+            return Box::pin(fut::ready(Ok(batch)));
+        }
+        let (step, node) = (batch.step, batch.node.clone());
+        let cut = self.prepared.send(Cut(batch));
+        Box::pin(
+            cut.into_actor(self)
+                .map(move |answer, act, _| match answer {
+                    Ok(Ok(batch)) => Ok(batch),
+                    Ok(Err((_, missing))) => {
+                        act.state.abandon(step, &missing)?;
+                        Err(ChunkingError::MissingPreparedInput {
+                            rid: missing[0],
+                            node,
+                        })
+                    }
+                    Err(e) => {
+                        // Without the batch the engine cannot complete the step: do not leave it
+                        // blocking the node.
+                        act.state.abandon(step, &[])?;
+                        Err(ChunkingError::ActorUnavailable {
+                            actor: "PreparedInputs",
+                            reason: e.to_string(),
+                        })
+                    }
+                }),
+        )
     }
 }
 
@@ -219,5 +257,70 @@ impl Handler<SchedulerStats> for Scheduler {
 
     fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> Self::Result {
         MessageResult((self.state.prefill_rows(), self.state.steps_in_flight()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::actors::Insert;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::prepared::PreparedInput;
+    use crate::snapshot::BudgetSnapshot;
+
+    #[actix::test]
+    async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
+        let model = ModelPolicies::new(
+            BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
+            BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
+        )
+        .unwrap()
+        .shared();
+        let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
+        let prepared = PreparedInputs::default().start();
+        let scheduler =
+            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
+        scheduler
+            .send(UseSnapshot(Arc::new(snapshot)))
+            .await
+            .unwrap();
+        let (node, walk) = (Name::from("llm"), Name::from("prefill"));
+        for rid in [1, 2] {
+            let admit = Admit {
+                rid,
+                node: node.clone(),
+                walk: walk.clone(),
+                total: 10,
+                cached: 0,
+            };
+            scheduler.send(admit).await.unwrap().unwrap();
+        }
+        // Only rid 2's input is held: rid 1's went missing.
+        let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
+        let insert = Insert {
+            rid: 2,
+            node: node.clone(),
+            input,
+        };
+        prepared.send(insert).await.unwrap().unwrap();
+        let assemble = || Assemble {
+            node: node.clone(),
+            walk: walk.clone(),
+        };
+
+        let err = scheduler.send(assemble()).await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
+            "{err}"
+        );
+        let batch = scheduler.send(assemble()).await.unwrap().unwrap();
+        assert_eq!(batch.rows.len(), 1);
+        assert_eq!(batch.rows[0].rid, 2);
+        let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
+        assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
     }
 }
