@@ -205,30 +205,14 @@ impl ChunkingManagement {
         input: PreparedInput,
         cached: u32,
     ) -> Result<(), ChunkingError> {
-        let node = Name::from(node);
-        let total = input.measure(rid, &node)?;
-        let admit = Admit {
+        let admit = AdmitPrepared {
             rid,
-            node: node.clone(),
+            node: node.into(),
             walk: walk.into(),
-            total,
+            input,
             cached,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, admit).await??;
-        let insert = Insert {
-            rid,
-            node: node.clone(),
-            input,
-        };
-        if let Err(e) = ask(&self.prepared, "PreparedInputs", self.timeout, insert)
-            .await
-            .and_then(|r| r)
-        {
-            // Keep the two actors in step: no queued row without its input.
-            self.scheduler.do_send(ForgetRow { rid, node });
-            return Err(e);
-        }
-        Ok(())
+        ask(&self.scheduler, "Scheduler", self.timeout, admit).await?
     }
 
     /// Keeps a continuing row of `rid` (decode, speculative verify) queued at `node`: it runs

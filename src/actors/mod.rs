@@ -21,6 +21,6 @@ pub use prepared_inputs::{
     Cut, ForgetInputs, GetPrepared, Insert, PreparedInputs, PreparedTotals, Release, ReleaseOne,
 };
 pub use scheduler::{
-    Abandon, Admit, Assemble, Complete, ContinueRow, Finish, ForgetRequest, ForgetRow, Scheduler,
-    SchedulerStats,
+    Abandon, Admit, AdmitPrepared, Assemble, Complete, ContinueRow, Finish, ForgetRequest,
+    ForgetRow, Scheduler, SchedulerStats,
 };

@@ -9,10 +9,11 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{Cut, PreparedInputs, Release};
+use super::prepared_inputs::{Cut, Insert, PreparedInputs, Release};
 use crate::error::ChunkingError;
 use crate::metrics::StepMetrics;
 use crate::planner::Work;
+use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, SchedulerState, StepOutcome};
 use crate::Name;
 
@@ -70,6 +71,52 @@ impl Handler<Admit> for Scheduler {
 
     fn handle(&mut self, m: Admit, _: &mut Self::Context) -> Self::Result {
         self.state.admit(m.rid, &m.node, &m.walk, m.total, m.cached)
+    }
+}
+
+/// Admits a prompt whole: queues its row, then has PreparedInputs hold its input (the engine
+/// waits for one answer). If PreparedInputs refuses the input, the row is dropped again, so no
+/// row is ever queued without its input. PreparedInputs gets the input before any later `Cut`
+/// of this Scheduler, as an actor's mailbox is first in, first out.
+#[derive(Message)]
+#[rtype(result = "Result<(), ChunkingError>")]
+pub struct AdmitPrepared {
+    pub rid: u64,
+    pub node: Name,
+    pub walk: Name,
+    pub input: PreparedInput,
+    pub cached: u32,
+}
+
+impl Handler<AdmitPrepared> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
+
+    fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
+        let queued = m
+            .input
+            .measure(m.rid, &m.node)
+            .and_then(|total| self.state.admit(m.rid, &m.node, &m.walk, total, m.cached));
+        if let Err(e) = queued {
+            return Box::pin(fut::ready(Err(e)));
+        }
+        let (rid, node) = (m.rid, m.node);
+        let insert = self.prepared.send(Insert {
+            rid,
+            node: node.clone(),
+            input: m.input,
+        });
+        Box::pin(insert.into_actor(self).map(move |answer, act, _| {
+            let refused = match answer {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => e,
+                Err(e) => ChunkingError::ActorUnavailable {
+                    actor: "PreparedInputs",
+                    reason: e.to_string(),
+                },
+            };
+            act.state.forget_at(rid, &node);
+            Err(refused)
+        }))
     }
 }
 
@@ -322,5 +369,46 @@ mod tests {
         assert_eq!(batch.rows[0].rid, 2);
         let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
         assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[actix::test]
+    async fn an_input_prepared_inputs_refuses_leaves_no_row_queued() {
+        let model = ModelPolicies::new(
+            BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
+            BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
+        )
+        .unwrap()
+        .shared();
+        let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
+        let prepared = PreparedInputs::default().start();
+        let scheduler =
+            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
+        scheduler
+            .send(UseSnapshot(Arc::new(snapshot)))
+            .await
+            .unwrap();
+        let node = Name::from("llm");
+        let input = PreparedInput::tokens(vec![1, 2, 3]);
+        let insert = Insert {
+            rid: 3,
+            node: node.clone(),
+            input: input.clone(),
+        };
+        prepared.send(insert).await.unwrap().unwrap();
+        let admit = |rid| AdmitPrepared {
+            rid,
+            node: node.clone(),
+            walk: "prefill".into(),
+            input: input.clone(),
+            cached: 0,
+        };
+        let err = scheduler.send(admit(3)).await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
+            "{err}"
+        );
+        assert_eq!(scheduler.send(SchedulerStats).await.unwrap(), (0, 0));
+        scheduler.send(admit(4)).await.unwrap().unwrap();
+        assert_eq!(scheduler.send(SchedulerStats).await.unwrap(), (1, 0));
     }
 }
