@@ -214,7 +214,7 @@ impl SchedulerState {
                 .iter()
                 .map(|r| BatchRow {
                     rid: r.rid,
-                    walk: r.walk.clone(),
+                    walk: params.eligible[r.walk].clone(),
                     work: r.work,
                     input: None,
                 })

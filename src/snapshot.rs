@@ -2,6 +2,7 @@
 //! budget table plus the [`StepParams`] of every `(node, walk)`, so that assembling a step costs
 //! one lookup and no message per row.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
@@ -29,7 +30,10 @@ impl BudgetSnapshot {
         for node in table.model().nodes() {
             let per_walk = params.entry(node.clone()).or_default();
             for walk in &walks {
-                per_walk.insert(walk.clone(), Arc::new(step_params(&table, node, walk)));
+                per_walk.insert(
+                    walk.clone(),
+                    Arc::new(step_params(&table, node, walk, &walks)),
+                );
             }
         }
         Self {
@@ -65,7 +69,14 @@ impl BudgetSnapshot {
     }
 }
 
-fn step_params(table: &BudgetTable, node: &Name, walk: &Name) -> StepParams {
+/// `walks` interns the walk names: `eligible` holds the same `Arc`s as the snapshot's keys (which
+/// queued rows carry), so the planner matches a row's walk by pointer.
+fn step_params(
+    table: &BudgetTable,
+    node: &Name,
+    walk: &Name,
+    walks: &BTreeSet<Name>,
+) -> StepParams {
     let budget = table.max_batch_tokens(node, walk);
     let settings = table.settings();
     let floor = budget.map_or(0, |b| {
@@ -78,7 +89,12 @@ fn step_params(table: &BudgetTable, node: &Name, walk: &Name) -> StepParams {
         .map(|c| c.into_iter().collect())
         .unwrap_or_else(|| Arc::from(Vec::new()));
     let mut eligible = vec![walk.clone()];
-    eligible.extend(table.members(walk).iter().cloned());
+    eligible.extend(
+        table
+            .members(walk)
+            .iter()
+            .map(|m| walks.get(m).unwrap_or(m).clone()),
+    );
     StepParams {
         node: node.clone(),
         walk: walk.clone(),
