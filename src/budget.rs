@@ -106,6 +106,20 @@ pub enum BudgetError {
     },
     #[error("`{key}` must be at least 1, got 0")]
     ZeroSetting { key: &'static str },
+    #[error("budget for `{node}`/`{walk}` is {budget}, below the policy's `align` of {align} tokens: no aligned chunk would fit")]
+    BelowAlign {
+        node: Name,
+        walk: Name,
+        budget: u32,
+        align: u32,
+    },
+    #[error("`max_row_tokens` {max_row} is below the `align` of {align} tokens of `{node}`/`{walk}`: rows there could never be cut")]
+    RowCapBelowAlign {
+        max_row: u32,
+        node: Name,
+        walk: Name,
+        align: u32,
+    },
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
         walk: Name,
@@ -236,6 +250,32 @@ impl BudgetTable {
                         }
                     }
                 }
+            }
+        }
+        for ((node, walk), budget) in &overrides {
+            let align = model.policy(node, walk).align;
+            if let Some(budget) = budget.filter(|b| *b < align) {
+                errors.push(BudgetError::BelowAlign {
+                    node: node.clone(),
+                    walk: walk.clone(),
+                    budget,
+                    align,
+                });
+            }
+        }
+        if let Some(max_row) = settings.max_row_tokens.filter(|m| *m > 0) {
+            let widest = model
+                .policies()
+                .iter()
+                .filter(|(_, p)| p.max_batch_tokens.is_some() && p.align > max_row)
+                .max_by_key(|(_, p)| p.align);
+            if let Some(((node, walk), p)) = widest {
+                errors.push(BudgetError::RowCapBelowAlign {
+                    max_row,
+                    node: node.clone(),
+                    walk: walk.clone(),
+                    align: p.align,
+                });
             }
         }
         if !errors.is_empty() {
@@ -612,6 +652,26 @@ mod tests {
             BudgetTable::build(omni(), s).is_ok(),
             "u32::MAX is a valid budget"
         );
+    }
+
+    #[test]
+    fn a_budget_below_the_align_is_refused() {
+        let mut s = settings();
+        s.overrides = per_walk("thinker", &[("mixed", BudgetValue::Tokens(8))]);
+        assert_eq!(
+            refused(s)[0].to_string(),
+            "budget for `thinker`/`mixed` is 8, below the policy's `align` of 16 tokens: no aligned chunk would fit"
+        );
+    }
+
+    #[test]
+    fn a_row_cap_below_an_align_is_refused() {
+        let mut s = settings();
+        s.max_row_tokens = Some(8);
+        assert!(matches!(
+            &refused(s)[..],
+            [BudgetError::RowCapBelowAlign { align: 16, .. }]
+        ));
     }
 
     #[test]

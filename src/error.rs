@@ -57,6 +57,8 @@ pub enum ChunkingError {
     Budget(#[from] BudgetErrors),
     #[error("refused policies: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Policy(Vec<PolicyError>),
+    #[error("the {actor} actor panicked handling the request and was restarted: {reason}")]
+    ActorPanicked { actor: &'static str, reason: String },
     #[error("the {actor} actor did not answer: {reason}")]
     ActorUnavailable { actor: &'static str, reason: String },
 }

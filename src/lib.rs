@@ -17,6 +17,9 @@
 //! - [`overrun`]: overrun classification, counts and the 1/2/4/8… warning cadence;
 //! - [`metrics`]: every exported metric.
 //!
+//! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
+//! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`).
+//!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
 //! ```text
@@ -42,7 +45,9 @@ use std::sync::Arc;
 
 pub mod actors;
 pub mod budget;
+pub mod cli;
 pub mod error;
+pub mod logging;
 pub mod manifest;
 pub mod metrics;
 pub mod overrun;
@@ -51,6 +56,7 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+pub mod reload;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;

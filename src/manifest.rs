@@ -1,7 +1,13 @@
 //! Model manifests (`config/models/*.toml`, SPEC §7): the model's say, as a file.
+//!
+//! [`Manifest::from_toml`] parses and validates a manifest whole: every problem is reported at
+//! once, each naming the manifest, so a bad model file never reaches `set_policies`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::Path;
 
+use indexmap::IndexMap;
 use serde::Deserialize;
 
 use crate::budget::{BudgetSettings, NodeBudget};
@@ -19,8 +25,8 @@ pub struct Manifest {
     /// `combined walk -> member walks`.
     #[serde(default)]
     pub combined_walks: BTreeMap<String, Vec<String>>,
-    /// Nodes, in the manifest's order of names.
-    pub nodes: BTreeMap<String, NodeManifest>,
+    /// Nodes, in the manifest file's order (replay drives the first one by default).
+    pub nodes: IndexMap<String, NodeManifest>,
 }
 
 /// One node of a manifest.
@@ -50,6 +56,140 @@ fn one() -> u32 {
 }
 
 impl Manifest {
+    /// Parses and validates a manifest; `origin` names it in errors (a file path).
+    ///
+    /// # Errors
+    /// Malformed TOML or unknown keys, or every problem [`Manifest::validate`] finds.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ManifestErrors> {
+        let manifest: Manifest = toml::from_str(text).map_err(|e| {
+            ManifestErrors::new(
+                origin,
+                vec![ManifestError::Parse {
+                    reason: e.message().to_string(),
+                    line: e.span().map(|s| line_of(text, s.start)),
+                }],
+            )
+        })?;
+        let errors = manifest.validate();
+        if errors.is_empty() {
+            Ok(manifest)
+        } else {
+            Err(ManifestErrors::new(origin, errors))
+        }
+    }
+
+    /// Reads, parses and validates the manifest file at `path`.
+    ///
+    /// # Errors
+    /// An unreadable file, or as [`Manifest::from_toml`].
+    pub fn load(path: &Path) -> Result<Self, ManifestErrors> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ManifestErrors::new(
+                &origin,
+                vec![ManifestError::Read {
+                    reason: e.to_string(),
+                }],
+            )
+        })?;
+        Self::from_toml(&text, &origin)
+    }
+
+    /// Every problem with the manifest: names that are not lowercase (environment variables
+    /// arrive lowercased, so `Thinker` could never be overridden), combined walks and policies
+    /// on walks the model does not list, a walk in two combined walks, zero budgets and aligns.
+    pub fn validate(&self) -> Vec<ManifestError> {
+        let mut errors = Vec::new();
+        if self.walks.is_empty() {
+            errors.push(ManifestError::NoWalks);
+        }
+        if self.nodes.is_empty() {
+            errors.push(ManifestError::NoNodes);
+        }
+        let mut seen = BTreeSet::new();
+        for walk in &self.walks {
+            check_name("walk", walk, &mut errors);
+            if !seen.insert(walk.as_str()) {
+                errors.push(ManifestError::DuplicateWalk { walk: walk.clone() });
+            }
+        }
+        let listed = |w: &str| self.walks.iter().any(|x| x == w);
+        // member walk -> the first combined walk that lists it
+        let mut member_of: BTreeMap<&str, &str> = BTreeMap::new();
+        for (combined, members) in &self.combined_walks {
+            if !listed(combined) {
+                errors.push(ManifestError::CombinedNotInWalks {
+                    combined: combined.clone(),
+                });
+            }
+            if members.is_empty() {
+                errors.push(ManifestError::EmptyCombined {
+                    combined: combined.clone(),
+                });
+            }
+            for member in members {
+                if !listed(member) {
+                    errors.push(ManifestError::MemberNotInWalks {
+                        combined: combined.clone(),
+                        member: member.clone(),
+                    });
+                }
+                if member == combined || self.combined_walks.contains_key(member) {
+                    errors.push(ManifestError::NestedCombined {
+                        combined: combined.clone(),
+                        member: member.clone(),
+                    });
+                }
+                match member_of.get(member.as_str()) {
+                    Some(first) if *first != combined.as_str() => {
+                        errors.push(ManifestError::WalkInTwoCombined {
+                            walk: member.clone(),
+                            first: (*first).to_string(),
+                            second: combined.clone(),
+                        })
+                    }
+                    Some(_) => errors.push(ManifestError::DuplicateMember {
+                        combined: combined.clone(),
+                        member: member.clone(),
+                    }),
+                    None => {
+                        member_of.insert(member, combined);
+                    }
+                }
+            }
+        }
+        for (node, m) in &self.nodes {
+            check_name("node", node, &mut errors);
+            for walk in m.chunkable_walks.iter().filter(|w| !listed(w)) {
+                errors.push(ManifestError::ChunkableWalkUnknown {
+                    node: node.clone(),
+                    walk: walk.clone(),
+                });
+            }
+            for (walk, p) in &m.policies {
+                let at = || (node.clone(), walk.clone());
+                if !listed(walk) {
+                    let (node, walk) = at();
+                    errors.push(ManifestError::PolicyUnknownWalk { node, walk });
+                }
+                if p.max_batch_tokens == Some(0) {
+                    let (node, walk) = at();
+                    errors.push(ManifestError::ZeroBudget { node, walk });
+                }
+                if p.align == 0 {
+                    let (node, walk) = at();
+                    errors.push(ManifestError::ZeroAlign { node, walk });
+                }
+            }
+        }
+        errors
+    }
+
+    /// The first node in the manifest file, which replay drives unless told otherwise.
+    pub fn first_node(&self) -> Option<&str> {
+        self.nodes.keys().next().map(String::as_str)
+    }
+
     /// Each node's submodule capabilities.
     pub fn submodules(&self) -> BTreeMap<Name, SubmoduleCaps> {
         self.nodes
@@ -122,5 +262,201 @@ impl Manifest {
             max_row_tokens: chunking.max_row_tokens,
             max_partial_prefills: chunking.max_partial_prefills,
         }
+    }
+}
+
+/// The 1-based line of byte offset `at` in `text`.
+fn line_of(text: &str, at: usize) -> usize {
+    text.get(..at).map_or(0, |t| t.matches('\n').count()) + 1
+}
+
+/// Node and walk names are lowercase letters, digits, `_` and `-`: environment variables
+/// arrive lowercased, and a `.` would split a config key.
+fn check_name(what: &'static str, name: &str, errors: &mut Vec<ManifestError>) {
+    let ok = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+    if !ok {
+        errors.push(ManifestError::BadName {
+            what,
+            name: name.to_string(),
+        });
+    }
+}
+
+/// One problem with a model manifest. The manifest it is in is named by [`ManifestErrors`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    #[error("cannot be read: {reason}")]
+    Read { reason: String },
+    #[error("malformed manifest{}: {reason}", line.map(|l| format!(" at line {l}")).unwrap_or_default())]
+    Parse { reason: String, line: Option<usize> },
+    #[error("`walks` is empty; a model runs at least one walk")]
+    NoWalks,
+    #[error("`nodes` is empty; a model has at least one node")]
+    NoNodes,
+    #[error("{what} name {name:?} must be lowercase letters, digits, `_` or `-` (environment variables arrive lowercased)")]
+    BadName { what: &'static str, name: String },
+    #[error("walk `{walk}` is listed twice in `walks`")]
+    DuplicateWalk { walk: String },
+    #[error("combined walk `{combined}` is not in `walks`")]
+    CombinedNotInWalks { combined: String },
+    #[error("`combined_walks.{combined}` names walk `{member}`, which is not in `walks`")]
+    MemberNotInWalks { combined: String, member: String },
+    #[error("`combined_walks.{combined}` has no member walks")]
+    EmptyCombined { combined: String },
+    #[error("`combined_walks.{combined}` names `{member}`, which is itself a combined walk; combined walks do not nest")]
+    NestedCombined { combined: String, member: String },
+    #[error("walk `{walk}` is in two combined walks, `{first}` and `{second}`; a walk belongs to at most one")]
+    WalkInTwoCombined {
+        walk: String,
+        first: String,
+        second: String,
+    },
+    #[error("`combined_walks.{combined}` lists `{member}` twice")]
+    DuplicateMember { combined: String, member: String },
+    #[error("`nodes.{node}.chunkable_walks` names walk `{walk}`, which is not in `walks`")]
+    ChunkableWalkUnknown { node: String, walk: String },
+    #[error(
+        "`nodes.{node}.policies.{walk}` is a policy on walk `{walk}`, which is not in `walks`"
+    )]
+    PolicyUnknownWalk { node: String, walk: String },
+    #[error("`nodes.{node}.policies.{walk}.max_batch_tokens` is 0; a budget is at least 1 token (leave the policy out for no chunking)")]
+    ZeroBudget { node: String, walk: String },
+    #[error("`nodes.{node}.policies.{walk}.align` is 0; align is at least 1 token")]
+    ZeroAlign { node: String, walk: String },
+}
+
+/// Every problem with one manifest, which it names (its file path).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestErrors {
+    pub origin: String,
+    pub errors: Vec<ManifestError>,
+}
+
+impl ManifestErrors {
+    fn new(origin: &str, errors: Vec<ManifestError>) -> Self {
+        Self {
+            origin: origin.to_string(),
+            errors,
+        }
+    }
+}
+
+impl fmt::Display for ManifestErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "model manifest {}: {e}", self.origin)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ManifestErrors {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OMNI: &str = r#"
+name = "omni"
+walks = ["prefill", "decode", "mixed"]
+[combined_walks]
+mixed = ["prefill", "decode"]
+[nodes.vision]
+policies = { prefill = { max_batch_tokens = 8192 } }
+[nodes.thinker]
+chunkable_walks = ["prefill", "mixed"]
+can_override_mixed_max_tokens = true
+policies = { prefill = { max_batch_tokens = 4096, align = 16 } }
+[nodes.audio]
+"#;
+
+    fn problems(text: &str) -> Vec<String> {
+        Manifest::from_toml(text, "m.toml")
+            .unwrap_err()
+            .to_string()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn nodes_keep_the_file_order() {
+        let m = Manifest::from_toml(OMNI, "m.toml").unwrap();
+        assert_eq!(m.first_node(), Some("vision"));
+        assert_eq!(
+            m.nodes.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["vision", "thinker", "audio"]
+        );
+        assert_eq!(m.combined_walk(), Some("mixed"));
+        assert_eq!(m.policies().len(), 2);
+        assert_eq!(
+            m.policies()[&(Name::from("thinker"), Name::from("prefill"))].align,
+            16
+        );
+    }
+
+    #[test]
+    fn every_problem_is_reported_naming_the_manifest() {
+        let text = r#"
+name = "bad"
+walks = ["prefill", "decode", "mixed", "super", "Verify"]
+[combined_walks]
+mixed = ["prefill", "decode"]
+super = ["decode", "ghost"]
+[nodes.llm]
+chunkable_walks = ["prefill", "spec"]
+policies = { prefill = { max_batch_tokens = 0 }, mixed = { max_batch_tokens = 64, align = 0 }, verify = { max_batch_tokens = 8 } }
+"#;
+        let p = problems(text);
+        for want in [
+            "model manifest m.toml: walk name \"Verify\" must be lowercase",
+            "walk `decode` is in two combined walks, `mixed` and `super`",
+            "`combined_walks.super` names walk `ghost`, which is not in `walks`",
+            "`nodes.llm.chunkable_walks` names walk `spec`",
+            "`nodes.llm.policies.prefill.max_batch_tokens` is 0",
+            "`nodes.llm.policies.mixed.align` is 0",
+            "`nodes.llm.policies.verify` is a policy on walk `verify`, which is not in `walks`",
+        ] {
+            assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
+        }
+        assert_eq!(p.len(), 7, "{p:#?}");
+    }
+
+    #[test]
+    fn unknown_keys_and_malformed_toml_are_refused_with_a_line() {
+        let p = problems("name = \"x\"\nwalks = [\"prefill\"]\n[nodes.llm]\nchunkable = []\n");
+        assert!(p[0].contains("unknown field `chunkable`"), "{p:?}");
+        assert!(p[0].contains("line 4"), "{p:?}");
+        let p = problems("name = \"x\"\nwalks = [\"prefill\"\n");
+        assert!(
+            p[0].starts_with("model manifest m.toml: malformed manifest at line"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let e = Manifest::load(Path::new("/nonexistent/omni.toml")).unwrap_err();
+        assert!(e
+            .to_string()
+            .starts_with("model manifest /nonexistent/omni.toml: cannot be read"));
+    }
+
+    #[test]
+    fn combined_walks_do_not_nest() {
+        let text = "name = \"x\"\nwalks = [\"a\", \"b\", \"c\"]\n[combined_walks]\nb = [\"a\"]\nc = [\"b\"]\n[nodes.n]\n";
+        let p = problems(text);
+        assert!(
+            p.iter().any(
+                |l| l.contains("`combined_walks.c` names `b`, which is itself a combined walk")
+            ),
+            "{p:?}"
+        );
     }
 }

@@ -45,7 +45,7 @@ impl StepParams {
     }
 
     /// The most tokens rows of `walk` may run in a step: its cap, or unlimited.
-    fn cap(&self, walk: &Name) -> u64 {
+    pub fn cap(&self, walk: &Name) -> u64 {
         self.cap_index(walk)
             .map_or(u64::MAX, |i| u64::from(self.caps[i].1))
     }
@@ -270,6 +270,16 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
                         .max_partial_prefills
                         .is_some_and(|p| staying_partial >= p);
                 let end = (progress + left.min(row_cap)) / align * align;
+                // The floor keeps continuing rows from leaving a prompt a token or two a step.
+                // A row alone in the step is not held back by it (an unaligned cached prefix
+                // could otherwise keep it from ever running), and a walk cap below the floor
+                // lowers it, or the walk's long rows would never run.
+                let alone = out.rows.is_empty();
+                let floor = if alone {
+                    1
+                } else {
+                    floor.min(params.cap(&r.walk))
+                };
                 (!partial_full && end > progress && end - progress >= floor).then_some(end)
             } else if need <= left || (need > budget.min(params.cap(&r.walk)) && !prefill_in_step) {
                 // An uncut row: whole when it fits, or whole over the budget when first, since
@@ -334,4 +344,352 @@ fn plan_unbudgeted(
 
 fn count_u32<I: Iterator>(it: I) -> u32 {
     u32::try_from(it.count()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn n(s: &str) -> Name {
+        Name::from(s)
+    }
+
+    /// A `mixed` step over `prefill` and `decode` rows, chunkable, align 1.
+    fn params(budget: Option<u32>, floor: u32) -> StepParams {
+        StepParams {
+            node: n("llm"),
+            walk: n("mixed"),
+            budget,
+            floor,
+            caps: Arc::from(Vec::new()),
+            chunkable: true,
+            align: 1,
+            eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
+            max_row_tokens: None,
+            max_partial_prefills: None,
+        }
+    }
+
+    fn decode(seq: u64, estimate: u32) -> ContRow {
+        ContRow {
+            seq,
+            rid: seq,
+            walk: n("decode"),
+            estimate,
+        }
+    }
+
+    fn prompt(seq: u64, total: u32) -> PrefillRow {
+        PrefillRow {
+            seq,
+            rid: seq,
+            walk: n("prefill"),
+            total,
+            cached: 0,
+            progress: 0,
+            started: false,
+        }
+    }
+
+    fn mid(seq: u64, total: u32, progress: u32) -> PrefillRow {
+        PrefillRow {
+            progress,
+            started: true,
+            ..prompt(seq, total)
+        }
+    }
+
+    fn run(p: &StepParams, cont: &[ContRow], prefill: &[PrefillRow]) -> StepPlan {
+        let mut out = StepPlan::default();
+        plan(p, cont, prefill, &mut out);
+        assert_eq!(
+            out.scheduled_tokens,
+            out.rows
+                .iter()
+                .map(|r| u64::from(r.work.tokens()))
+                .sum::<u64>()
+        );
+        out
+    }
+
+    /// `(rid, tokens, final)` per row; continuing rows are never final.
+    fn shape(p: &StepPlan) -> Vec<(u64, u32, bool)> {
+        p.rows
+            .iter()
+            .map(|r| match r.work {
+                Work::Continue { estimate } => (r.rid, estimate, false),
+                Work::Chunk { range, .. } => (r.rid, range.tokens(), range.is_final()),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_budget_runs_every_eligible_row_whole() {
+        let mut p = params(None, 0);
+        p.chunkable = false;
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 4)],
+            &[prompt(3, 100_000), mid(4, 50, 10)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![
+                (1, 1, false),
+                (2, 4, false),
+                (4, 40, true),
+                (3, 100_000, true)
+            ]
+        );
+        assert!(!out.uncut_over_budget);
+        assert_eq!(out.waiting, 0);
+    }
+
+    #[test]
+    fn continuing_rows_go_first_in_order_without_overtaking() {
+        let p = params(Some(10), 1);
+        let out = run(
+            &p,
+            &[decode(1, 4), decode(2, 4), decode(3, 4), decode(4, 1)],
+            &[prompt(5, 100)],
+        );
+        // Row 3 does not fit in the 2 tokens left; row 4 (1 token) must not overtake it. The
+        // prompt still gets what is left.
+        assert_eq!(
+            shape(&out),
+            vec![(1, 4, false), (2, 4, false), (5, 2, false)]
+        );
+        assert_eq!(out.waiting, 2);
+        assert_eq!(out.continue_estimate, 8);
+    }
+
+    #[test]
+    fn a_first_continuing_row_over_the_budget_runs_alone() {
+        let p = params(Some(4), 1);
+        let out = run(&p, &[decode(1, 9), decode(2, 1)], &[prompt(3, 10)]);
+        assert_eq!(shape(&out), vec![(1, 9, false)]);
+        assert!(out.uncut_over_budget);
+        assert_eq!(out.waiting, 2);
+    }
+
+    #[test]
+    fn mid_prefill_rows_come_before_new_ones_each_fcfs() {
+        let p = params(Some(100), 1);
+        let out = run(
+            &p,
+            &[],
+            &[
+                prompt(1, 30),
+                mid(2, 60, 20),
+                prompt(3, 30),
+                mid(4, 500, 100),
+            ],
+        );
+        assert_eq!(shape(&out), vec![(2, 40, true), (4, 60, false)]);
+        assert_eq!(out.waiting, 2);
+    }
+
+    #[test]
+    fn chunks_end_on_the_align_and_never_below_the_floor() {
+        let mut p = params(Some(1000), 64);
+        p.align = 16;
+        // 1000 - 3 decode = 997 left: rounded down to 992.
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 1), decode(3, 1)],
+            &[prompt(4, 5000)],
+        );
+        let Work::Chunk { range, .. } = out.rows[3].work else {
+            panic!("a chunk")
+        };
+        assert_eq!((range.start, range.end, range.stride), (0, 992, 992));
+        // A later chunk is aligned on its end, not its length.
+        let out = run(&p, &[], &[mid(4, 5000, 990)]);
+        let Work::Chunk { range, .. } = out.rows[0].work else {
+            panic!("a chunk")
+        };
+        assert_eq!((range.start, range.end, range.stride), (990, 1984, 994));
+    }
+
+    #[test]
+    fn a_tiny_chunk_waits_but_later_rows_that_fit_whole_still_run() {
+        let p = params(Some(100), 64);
+        let out = run(
+            &p,
+            &[],
+            &[prompt(1, 60), prompt(2, 500), prompt(3, 30), prompt(4, 5)],
+        );
+        // 40 left after row 1: row 2 would get 40 < floor 64 and waits; rows 3 and 4 fit whole.
+        assert_eq!(
+            shape(&out),
+            vec![(1, 60, true), (3, 30, true), (4, 5, true)]
+        );
+        assert_eq!(out.waiting, 1);
+    }
+
+    #[test]
+    fn a_row_alone_in_the_step_is_not_held_back_by_the_floor() {
+        // An unaligned cached prefix: the aligned cut is 28 tokens, below the floor of 64.
+        let mut p = params(Some(70), 64);
+        p.align = 64;
+        let mut r = prompt(1, 1000);
+        r.cached = 100;
+        r.progress = 100;
+        assert_eq!(shape(&run(&p, &[], &[r.clone()])), vec![(1, 28, false)]);
+        assert_eq!(
+            shape(&run(&p, &[decode(2, 1)], &[r])),
+            vec![(2, 1, false)],
+            "not alone: waits"
+        );
+    }
+
+    #[test]
+    fn a_walk_cap_below_the_floor_lowers_it() {
+        let mut p = params(Some(1000), 64);
+        p.caps = vec![(n("prefill"), 32)].into();
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 100)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, 32, false)]);
+    }
+
+    #[test]
+    fn the_floor_is_what_the_budget_allows_when_smaller() {
+        // F = min(floor, B) is computed by the snapshot; a floor equal to the budget still cuts.
+        let p = params(Some(32), 32);
+        let out = run(&p, &[], &[prompt(1, 100)]);
+        assert_eq!(shape(&out), vec![(1, 32, false)]);
+    }
+
+    #[test]
+    fn an_uncut_row_over_the_budget_runs_whole_only_as_the_first_prefill_row() {
+        let mut p = params(Some(100), 1);
+        p.chunkable = false;
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 300), prompt(3, 10)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, 300, true)]);
+        assert!(out.uncut_over_budget);
+        assert_eq!(out.waiting, 1, "nothing is left for row 3");
+
+        let out = run(&p, &[], &[prompt(3, 10), prompt(2, 300)]);
+        assert_eq!(shape(&out), vec![(3, 10, true)], "not first: waits");
+        assert!(!out.uncut_over_budget);
+
+        // An uncut row within the budget but larger than what is left waits.
+        let out = run(&p, &[], &[prompt(3, 50), prompt(2, 60)]);
+        assert_eq!(shape(&out), vec![(3, 50, true)]);
+    }
+
+    #[test]
+    fn caps_limit_member_walks_inside_a_combined_step() {
+        let mut p = params(Some(100), 1);
+        p.caps = vec![(n("prefill"), 30), (n("decode"), 3)].into();
+        let out = run(
+            &p,
+            &[decode(1, 1), decode(2, 1), decode(3, 1), decode(4, 1)],
+            &[prompt(5, 80), prompt(6, 10)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1, false), (2, 1, false), (3, 1, false), (5, 30, false)]
+        );
+        assert_eq!(out.waiting, 2);
+    }
+
+    #[test]
+    fn rows_of_other_walks_are_not_taken() {
+        let mut p = params(Some(100), 1);
+        p.walk = n("prefill");
+        p.eligible = vec![n("prefill")].into();
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 10)]);
+        assert_eq!(shape(&out), vec![(2, 10, true)]);
+        assert_eq!(
+            out.waiting, 0,
+            "decode rows are not eligible in a prefill step"
+        );
+    }
+
+    #[test]
+    fn max_row_tokens_lets_long_prompts_progress_side_by_side() {
+        // The scenario of issue 4: budget 1024, max_row_tokens 400, floor 1, three 800-token prompts.
+        let mut p = params(Some(1024), 1);
+        p.max_row_tokens = Some(400);
+        let out = run(&p, &[], &[prompt(1, 800), prompt(2, 800), prompt(3, 800)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 400, false), (2, 400, false), (3, 224, false)]
+        );
+        let out = run(
+            &p,
+            &[],
+            &[mid(1, 800, 400), mid(2, 800, 400), mid(3, 800, 224)],
+        );
+        assert_eq!(
+            shape(&out),
+            vec![(1, 400, true), (2, 400, true), (3, 224, false)]
+        );
+        let out = run(&p, &[decode(1, 1), decode(2, 1)], &[mid(3, 800, 448)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1, false), (2, 1, false), (3, 352, true)]
+        );
+    }
+
+    #[test]
+    fn max_partial_prefills_holds_back_new_rows_that_would_stay_partial() {
+        let mut p = params(Some(1000), 1);
+        p.max_partial_prefills = Some(2);
+        // One row mid-prefill that will not finish, one that will: one slot for a new partial.
+        let rows = [
+            mid(1, 10_000, 100),
+            mid(2, 150, 100),
+            prompt(3, 5000),
+            prompt(4, 5000),
+            prompt(5, 20),
+        ];
+        let out = run(&p, &[], &rows);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 1000, false)],
+            "row 1 takes the whole budget"
+        );
+        p.max_row_tokens = Some(300);
+        let out = run(&p, &[], &rows);
+        assert_eq!(
+            shape(&out),
+            vec![
+                (1, 300, false),
+                (2, 50, true),
+                (3, 300, false),
+                (5, 20, true)
+            ]
+        );
+        assert_eq!(out.waiting, 1, "row 4 would be a third partial prefill");
+    }
+
+    #[test]
+    fn a_cached_prefix_moves_the_first_chunk_start_but_not_its_stride() {
+        let p = params(Some(100), 1);
+        let mut r = prompt(1, 1000);
+        r.cached = 512;
+        r.progress = 512;
+        let out = run(&p, &[], &[r]);
+        let Work::Chunk { range, cached } = out.rows[0].work else {
+            panic!("a chunk")
+        };
+        assert_eq!(
+            (range.start, range.end, range.stride, cached),
+            (512, 612, 612, 512)
+        );
+    }
+
+    #[test]
+    fn huge_budgets_and_prompts_do_not_overflow() {
+        let p = params(Some(u32::MAX), 64);
+        let out = run(
+            &p,
+            &[decode(1, u32::MAX)],
+            &[prompt(2, u32::MAX), prompt(3, u32::MAX)],
+        );
+        assert_eq!(shape(&out), vec![(1, u32::MAX, false)]);
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, u32::MAX)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, u32::MAX - 1, false)]);
+    }
 }

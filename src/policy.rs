@@ -80,6 +80,13 @@ pub enum PolicyError {
     ZeroBudget { node: Name, walk: Name },
     #[error("policy for `{node}`/`{walk}` has `align` 0; align must be at least 1 token")]
     ZeroAlign { node: Name, walk: Name },
+    #[error("policy for `{node}`/`{walk}` has `max_batch_tokens` {budget} below its `align` {align}: no aligned chunk fits")]
+    BudgetBelowAlign {
+        node: Name,
+        walk: Name,
+        budget: u32,
+        align: u32,
+    },
     #[error("the model's policies are fixed at load and differ from the ones already bound; restart to load a new model")]
     AlreadyBound,
     #[error("no model policies are bound yet: call `set_policies` first")]
@@ -111,6 +118,13 @@ impl ModelPolicies {
                 errors.push(PolicyError::ZeroBudget { node, walk });
             } else if p.align == 0 {
                 errors.push(PolicyError::ZeroAlign { node, walk });
+            } else if let Some(budget) = p.max_batch_tokens.filter(|b| *b < p.align) {
+                errors.push(PolicyError::BudgetBelowAlign {
+                    node,
+                    walk,
+                    budget,
+                    align: p.align,
+                });
             }
         }
         if errors.is_empty() {

@@ -337,3 +337,61 @@ impl SchedulerState {
         self.in_flight.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+
+    fn state() -> SchedulerState {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(100),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let mut s = SchedulerState::default();
+        s.set_snapshot(Arc::new(BudgetSnapshot::new(
+            BudgetTable::from_policies(model),
+            1,
+        )));
+        s
+    }
+
+    #[test]
+    fn an_abandoned_step_advances_nothing_and_drops_the_named_rows() {
+        let mut s = state();
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        s.admit(2, "llm", "prefill", 30, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap();
+        assert_eq!(b.rows.len(), 1, "row 1 takes the whole budget");
+        s.abandon(b.step, &[2]).unwrap();
+        assert_eq!(s.steps_in_flight(), 0);
+        assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
+        let b = s.assemble("llm", "prefill").unwrap();
+        let Work::Chunk { range, .. } = b.rows[0].work else {
+            panic!("a chunk")
+        };
+        assert_eq!(
+            (range.start, range.end),
+            (0, 100),
+            "row 1 starts over from where it was"
+        );
+        assert!(matches!(
+            s.abandon(999, &[]),
+            Err(ChunkingError::UnknownStep { step: 999 })
+        ));
+    }
+
+    #[test]
+    fn a_step_with_no_rows_can_be_completed() {
+        let mut s = state();
+        let b = s.assemble("llm", "prefill").unwrap();
+        assert!(b.rows.is_empty());
+        let out = s.complete(b.step, &[]).unwrap();
+        assert_eq!((out.chunks, out.overrun), (0, None));
+    }
+}

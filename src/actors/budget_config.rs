@@ -40,6 +40,12 @@ impl Actor for BudgetConfig {
     type Context = Context<Self>;
 }
 
+super::supervised!(
+    BudgetConfig,
+    "BudgetConfig",
+    [SetBudgets, GetSnapshot, super::InjectPanic]
+);
+
 /// The scheduler's new snapshot, effective from its next assembled step.
 #[derive(Message, Clone)]
 #[rtype(result = "()")]

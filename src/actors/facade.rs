@@ -35,6 +35,8 @@ pub struct ChunkingManagement {
     timeout: Duration,
 }
 
+/// Sends `msg` to `actor` and waits at most `timeout` for the answer. A panic while handling it
+/// (the actor restarts), a stopped actor or a timeout are errors, never a hang.
 async fn ask<A, M>(
     addr: &Addr<A>,
     actor: &'static str,
@@ -42,18 +44,18 @@ async fn ask<A, M>(
     msg: M,
 ) -> Result<M::Result, ChunkingError>
 where
-    A: Actor + Handler<M>,
-    A::Context: ToEnvelope<A, M>,
+    A: Actor + Handler<Guarded<M>>,
+    A::Context: ToEnvelope<A, Guarded<M>>,
     M: Message + Send + 'static,
-    M::Result: Send,
+    M::Result: Send + 'static,
 {
-    addr.send(msg)
+    addr.send(Guarded(msg))
         .timeout(timeout)
         .await
         .map_err(|e| ChunkingError::ActorUnavailable {
             actor,
             reason: e.to_string(),
-        })
+        })?
 }
 
 impl ChunkingManagement {
@@ -67,11 +69,18 @@ impl ChunkingManagement {
             .into_iter()
             .map(|(n, c)| (Name::from(n.as_ref()), c))
             .collect();
-        let budgets = BudgetConfig::default().start();
-        let policies = PolicyRegistry::new(budgets.clone()).start();
-        let prepared = PreparedInputs::default().start();
-        let overruns = OverrunAccounting::default().start();
-        let scheduler = Scheduler::new(prepared.clone(), overruns.clone()).start();
+        // Supervised: an actor that panics is restarted with its state, on this arbiter.
+        let budgets = Supervisor::start(|_| BudgetConfig::default());
+        let policies = {
+            let budgets = budgets.clone();
+            Supervisor::start(move |_| PolicyRegistry::new(budgets))
+        };
+        let prepared = Supervisor::start(|_| PreparedInputs::default());
+        let overruns = Supervisor::start(|_| OverrunAccounting::default());
+        let scheduler = {
+            let (prepared, overruns) = (prepared.clone(), overruns.clone());
+            Supervisor::start(move |_| Scheduler::new(prepared, overruns))
+        };
         budgets.do_send(Subscribe(scheduler.clone().recipient()));
         Self {
             submodules: Arc::new(submodules),
@@ -129,6 +138,17 @@ impl ChunkingManagement {
         )
         .await??;
         Ok(())
+    }
+
+    /// Applies new serving settings while running: the same as [`ChunkingManagement::set_budgets`],
+    /// named for the hot-reload path. Effective from the next assembled step; a step in flight
+    /// is checked against the budget it was scheduled under. [`crate::reload::Reloader`]
+    /// re-reads the layered config files and calls this.
+    ///
+    /// # Errors
+    /// As `set_budgets`; the previous budgets stay.
+    pub async fn reload(&self, settings: BudgetSettings) -> Result<(), ChunkingError> {
+        self.set_budgets(settings).await
     }
 
     /// The current budget snapshot (all budget answers at once).
@@ -402,13 +422,14 @@ impl ChunkingManagement {
     /// # Errors
     /// The actor did not answer.
     pub async fn prepared_totals(&self) -> Result<(usize, u64), ChunkingError> {
-        ask(
+        let t = ask(
             &self.prepared,
             "PreparedInputs",
             self.timeout,
             PreparedTotals,
         )
-        .await
+        .await?;
+        Ok((t.rows, t.tokens))
     }
 
     /// Prefill rows queued over all nodes, and steps in flight.
@@ -416,7 +437,30 @@ impl ChunkingManagement {
     /// # Errors
     /// The actor did not answer.
     pub async fn scheduler_stats(&self) -> Result<(usize, usize), ChunkingError> {
-        ask(&self.scheduler, "Scheduler", self.timeout, SchedulerStats).await
+        let s = ask(&self.scheduler, "Scheduler", self.timeout, SchedulerStats).await?;
+        Ok((s.prefill_rows, s.steps_in_flight))
+    }
+
+    /// Makes one actor panic inside a handler, to exercise supervision: the call returns
+    /// [`ChunkingError::ActorPanicked`] and the actor is restarted with its state.
+    ///
+    /// # Errors
+    /// Always the panic's error (or the actor's unavailability).
+    pub async fn inject_panic(&self, actor: ActorKind) -> Result<(), ChunkingError> {
+        let t = self.timeout;
+        match actor {
+            ActorKind::PolicyRegistry => {
+                ask(&self.policies, "PolicyRegistry", t, InjectPanic).await
+            }
+            ActorKind::BudgetConfig => ask(&self.budgets, "BudgetConfig", t, InjectPanic).await,
+            ActorKind::PreparedInputs => {
+                ask(&self.prepared, "PreparedInputs", t, InjectPanic).await
+            }
+            ActorKind::OverrunAccounting => {
+                ask(&self.overruns, "OverrunAccounting", t, InjectPanic).await
+            }
+            ActorKind::Scheduler => ask(&self.scheduler, "Scheduler", t, InjectPanic).await,
+        }
     }
 
     /// Overruns counted for `node`/`walk`, for one reason or (`None`) all.

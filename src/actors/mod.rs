@@ -4,6 +4,95 @@
 //! Keep the actors of one engine on one arbiter (the facade starts them on the current one): a
 //! message to an actor on the same arbiter costs well under a microsecond.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use actix::prelude::*;
+
+use crate::error::ChunkingError;
+
+/// A message sent through the facade: the actor answers it, or an error if handling it
+/// panicked. Every actor is supervised: after a panic it is restarted with its state kept, and
+/// later messages are handled as before.
+pub struct Guarded<M>(pub M);
+
+impl<M> Message for Guarded<M>
+where
+    M: Message,
+    M::Result: Send + 'static,
+{
+    type Result = Result<M::Result, ChunkingError>;
+}
+
+/// Makes the actor panic inside a handler, to exercise supervision (tests and soak runs).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct InjectPanic;
+
+/// The actors a caller can name, e.g. to inject a panic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActorKind {
+    PolicyRegistry,
+    BudgetConfig,
+    PreparedInputs,
+    OverrunAccounting,
+    Scheduler,
+}
+
+/// Runs a handler, turning a panic into an error and a restart of the actor.
+fn guard<A, R>(
+    ctx: &mut Context<A>,
+    actor: &'static str,
+    f: impl FnOnce(&mut Context<A>) -> R,
+) -> Result<R, ChunkingError>
+where
+    A: Actor<Context = Context<A>>,
+{
+    match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+        Ok(r) => Ok(r),
+        Err(panic) => {
+            let reason = panic
+                .downcast_ref::<&str>()
+                .map(ToString::to_string)
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!(actor, %reason, "actor panicked handling a message; restarting it with its state");
+            ctx.stop();
+            Err(ChunkingError::ActorPanicked { actor, reason })
+        }
+    }
+}
+
+/// Makes an actor supervised: answers [`Guarded`] versions of the listed messages, and
+/// [`InjectPanic`].
+macro_rules! supervised {
+    ($actor:ty, $name:literal, [$($msg:ty),* $(,)?]) => {
+        impl actix::Supervised for $actor {
+            fn restarting(&mut self, _: &mut Self::Context) {
+                tracing::warn!(actor = $name, "actor restarted; its state is kept");
+            }
+        }
+
+        $(
+            impl actix::Handler<$crate::actors::Guarded<$msg>> for $actor {
+                type Result = Result<<$msg as actix::Message>::Result, $crate::error::ChunkingError>;
+
+                fn handle(&mut self, msg: $crate::actors::Guarded<$msg>, ctx: &mut Self::Context) -> Self::Result {
+                    $crate::actors::guard(ctx, $name, |ctx| <Self as actix::Handler<$msg>>::handle(self, msg.0, ctx))
+                }
+            }
+        )*
+
+        impl actix::Handler<$crate::actors::InjectPanic> for $actor {
+            type Result = ();
+
+            fn handle(&mut self, _: $crate::actors::InjectPanic, _: &mut Self::Context) {
+                panic!("injected panic in {}", $name);
+            }
+        }
+    };
+}
+use supervised;
+
 mod budget_config;
 mod facade;
 mod overrun_accounting;
@@ -18,9 +107,10 @@ pub use facade::ChunkingManagement;
 pub use overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount, RecordOverrun};
 pub use policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 pub use prepared_inputs::{
-    Cut, ForgetInputs, GetPrepared, Insert, PreparedInputs, PreparedTotals, Release, ReleaseOne,
+    Cut, CutBatch, ForgetInputs, GetPrepared, HeldTotals, Insert, PreparedInputs, PreparedTotals,
+    Release, ReleaseOne,
 };
 pub use scheduler::{
     Abandon, Admit, AdmitPrepared, Assemble, Complete, ContinueRow, Finish, ForgetRequest,
-    ForgetRow, Scheduler, SchedulerStats,
+    ForgetRow, QueueStats, Scheduler, SchedulerStats,
 };

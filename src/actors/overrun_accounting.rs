@@ -48,6 +48,12 @@ impl Actor for OverrunAccounting {
     type Context = Context<Self>;
 }
 
+super::supervised!(
+    OverrunAccounting,
+    "OverrunAccounting",
+    [CheckStep, OverrunCount, super::InjectPanic]
+);
+
 /// Counts an overrun the Scheduler found on completing a step.
 #[derive(Message)]
 #[rtype(result = "()")]

@@ -27,6 +27,12 @@ impl Actor for PolicyRegistry {
     type Context = Context<Self>;
 }
 
+super::supervised!(
+    PolicyRegistry,
+    "PolicyRegistry",
+    [SetPolicies, GetPolicies, super::InjectPanic]
+);
+
 /// Binds the model's policies. Binding the same policies again is a no-op; different ones are
 /// refused, since a model's policies are fixed at load.
 #[derive(Message)]

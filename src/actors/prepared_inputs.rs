@@ -32,6 +32,20 @@ impl Actor for PreparedInputs {
     type Context = Context<Self>;
 }
 
+super::supervised!(
+    PreparedInputs,
+    "PreparedInputs",
+    [
+        Insert,
+        Cut,
+        ReleaseOne,
+        ForgetInputs,
+        GetPrepared,
+        PreparedTotals,
+        super::InjectPanic
+    ]
+);
+
 /// Holds a row's whole input; answers its measured length.
 #[derive(Message)]
 #[rtype(result = "Result<u32, ChunkingError>")]
@@ -51,16 +65,23 @@ impl Handler<Insert> for PreparedInputs {
     }
 }
 
-/// Cuts the input of every chunk row of a batch. On a row without an input, answers the rids
-/// that had none (and the batch back).
+/// Cuts the input of every chunk row of a batch; answers the batch and the rids of chunk rows
+/// that had no input (forgotten meanwhile).
 #[derive(Message)]
-#[rtype(result = "Result<Batch, (Batch, Vec<u64>)>")]
+#[rtype(result = "CutBatch")]
 pub struct Cut(pub Batch);
 
-impl Handler<Cut> for PreparedInputs {
-    type Result = Result<Batch, (Batch, Vec<u64>)>;
+/// A batch with its chunk inputs cut, and the rids whose input was missing.
+#[derive(Debug, MessageResponse)]
+pub struct CutBatch {
+    pub batch: Batch,
+    pub missing: Vec<u64>,
+}
 
-    fn handle(&mut self, msg: Cut, _: &mut Self::Context) -> Self::Result {
+impl Handler<Cut> for PreparedInputs {
+    type Result = CutBatch;
+
+    fn handle(&mut self, msg: Cut, _: &mut Self::Context) -> CutBatch {
         let mut batch = msg.0;
         let inputs = self.store.node(&batch.node);
         let mut missing = Vec::new();
@@ -75,11 +96,7 @@ impl Handler<Cut> for PreparedInputs {
                 None => missing.push(row.rid),
             }
         }
-        if missing.is_empty() {
-            Ok(batch)
-        } else {
-            Err((batch, missing))
-        }
+        CutBatch { batch, missing }
     }
 }
 
@@ -155,13 +172,23 @@ impl Handler<GetPrepared> for PreparedInputs {
 
 /// Rows and tokens held over all nodes.
 #[derive(Message)]
-#[rtype(result = "(usize, u64)")]
+#[rtype(result = "HeldTotals")]
 pub struct PreparedTotals;
 
-impl Handler<PreparedTotals> for PreparedInputs {
-    type Result = MessageResult<PreparedTotals>;
+/// Prepared inputs held: rows and their tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
+pub struct HeldTotals {
+    pub rows: usize,
+    pub tokens: u64,
+}
 
-    fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> Self::Result {
-        MessageResult((self.store.rows(), self.store.tokens()))
+impl Handler<PreparedTotals> for PreparedInputs {
+    type Result = HeldTotals;
+
+    fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> HeldTotals {
+        HeldTotals {
+            rows: self.store.rows(),
+            tokens: self.store.tokens(),
+        }
     }
 }

@@ -9,7 +9,8 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{Cut, Insert, PreparedInputs, Release};
+use super::prepared_inputs::{Cut, CutBatch, Insert, PreparedInputs, Release};
+use super::Guarded;
 use crate::error::ChunkingError;
 use crate::metrics::StepMetrics;
 use crate::planner::Work;
@@ -45,6 +46,55 @@ impl Scheduler {
 
 impl Actor for Scheduler {
     type Context = Context<Self>;
+}
+
+super::supervised!(
+    Scheduler,
+    "Scheduler",
+    [
+        Admit,
+        ContinueRow,
+        Finish,
+        ForgetRequest,
+        ForgetRow,
+        Abandon,
+        Complete,
+        SchedulerStats,
+        super::InjectPanic
+    ]
+);
+
+/// The supervised form of a handler that answers later (it waits for PreparedInputs): a panic
+/// while handling is an error to the caller and restarts the actor, as for the other messages.
+fn guard_later<R: 'static>(
+    act: &mut Scheduler,
+    ctx: &mut Context<Scheduler>,
+    handle: impl FnOnce(&mut Scheduler, &mut Context<Scheduler>) -> ResponseActFuture<Scheduler, R>,
+) -> ResponseActFuture<Scheduler, Result<R, ChunkingError>> {
+    match super::guard(ctx, "Scheduler", |ctx| handle(act, ctx)) {
+        Ok(later) => Box::pin(later.map(|r, _, _| Ok(r))),
+        Err(e) => Box::pin(fut::ready(Err(e))),
+    }
+}
+
+impl Handler<Guarded<Assemble>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Result<Batch, ChunkingError>, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
+        })
+    }
+}
+
+impl Handler<Guarded<AdmitPrepared>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Result<(), ChunkingError>, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<AdmitPrepared>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<AdmitPrepared>>::handle(act, msg.0, ctx)
+        })
+    }
 }
 
 impl Handler<UseSnapshot> for Scheduler {
@@ -100,15 +150,15 @@ impl Handler<AdmitPrepared> for Scheduler {
             return Box::pin(fut::ready(Err(e)));
         }
         let (rid, node) = (m.rid, m.node);
-        let insert = self.prepared.send(Insert {
+        let insert = self.prepared.send(Guarded(Insert {
             rid,
             node: node.clone(),
             input: m.input,
-        });
+        }));
         Box::pin(insert.into_actor(self).map(move |answer, act, _| {
             let refused = match answer {
-                Ok(Ok(_)) => return Ok(()),
-                Ok(Err(e)) => e,
+                Ok(Ok(Ok(_))) => return Ok(()),
+                Ok(Ok(Err(e)) | Err(e)) => e,
                 Err(e) => ChunkingError::ActorUnavailable {
                     actor: "PreparedInputs",
                     reason: e.to_string(),
@@ -217,21 +267,25 @@ impl Handler<Assemble> for Scheduler {
             return Box::pin(fut::ready(Ok(batch)));
         }
         let (step, node) = (batch.step, batch.node.clone());
-        let cut = self.prepared.send(Cut(batch));
+        let cut = self.prepared.send(Guarded(Cut(batch)));
         Box::pin(
             cut.into_actor(self)
                 .map(move |answer, act, _| match answer {
-                    Ok(Ok(batch)) => Ok(batch),
-                    Ok(Err((_, missing))) => {
+                    Ok(Ok(CutBatch { batch, missing })) if missing.is_empty() => Ok(batch),
+                    Ok(Ok(CutBatch { missing, .. })) => {
                         act.state.abandon(step, &missing)?;
                         Err(ChunkingError::MissingPreparedInput {
                             rid: missing[0],
                             node,
                         })
                     }
+                    // Without the batch the engine cannot complete the step: do not leave it
+                    // blocking the node.
+                    Ok(Err(e)) => {
+                        act.state.abandon(step, &[])?;
+                        Err(e)
+                    }
                     Err(e) => {
-                        // Without the batch the engine cannot complete the step: do not leave it
-                        // blocking the node.
                         act.state.abandon(step, &[])?;
                         Err(ChunkingError::ActorUnavailable {
                             actor: "PreparedInputs",
@@ -296,14 +350,24 @@ impl Handler<Complete> for Scheduler {
 
 /// Prefill rows queued over all nodes, and steps in flight.
 #[derive(Message)]
-#[rtype(result = "(usize, usize)")]
+#[rtype(result = "QueueStats")]
 pub struct SchedulerStats;
 
-impl Handler<SchedulerStats> for Scheduler {
-    type Result = MessageResult<SchedulerStats>;
+/// Prefill rows queued over all nodes, and steps in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
+pub struct QueueStats {
+    pub prefill_rows: usize,
+    pub steps_in_flight: usize,
+}
 
-    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> Self::Result {
-        MessageResult((self.state.prefill_rows(), self.state.steps_in_flight()))
+impl Handler<SchedulerStats> for Scheduler {
+    type Result = QueueStats;
+
+    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> QueueStats {
+        QueueStats {
+            prefill_rows: self.state.prefill_rows(),
+            steps_in_flight: self.state.steps_in_flight(),
+        }
     }
 }
 
@@ -407,8 +471,10 @@ mod tests {
             matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
             "{err}"
         );
-        assert_eq!(scheduler.send(SchedulerStats).await.unwrap(), (0, 0));
+        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        assert_eq!(stats.prefill_rows, 0);
         scheduler.send(admit(4)).await.unwrap().unwrap();
-        assert_eq!(scheduler.send(SchedulerStats).await.unwrap(), (1, 0));
+        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        assert_eq!(stats.prefill_rows, 1);
     }
 }

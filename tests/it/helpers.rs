@@ -1,0 +1,61 @@
+//! Running the `mstar-chunking` binary the way a user does, in a clean environment.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The crate's root, where `config/` lives.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A file under `tests/fixtures/config/`.
+pub fn fixture(rel: &str) -> PathBuf {
+    repo_root().join("tests/fixtures/config").join(rel)
+}
+
+/// What one run of the binary did.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the binary in `cwd` with exactly the environment `env` (nothing inherited, so an
+/// `MSTAR__…` variable of the developer's shell cannot change a result).
+pub fn run_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_mstar-chunking"))
+        .args(args)
+        .current_dir(cwd)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .expect("the mstar-chunking binary runs");
+    Run {
+        // A signal has no code; -1 fails every assertion on a code.
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs the binary from the crate's root.
+pub fn run(args: &[&str], env: &[(&str, &str)]) -> Run {
+    run_in(&repo_root(), args, env)
+}
+
+/// `budgets --json` output, parsed.
+pub fn budgets_json(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
+    let mut all = vec!["budgets", "--json"];
+    all.extend_from_slice(args);
+    let r = run(&all, env);
+    assert_eq!(r.code, 0, "budgets failed: {r:?}");
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout))
+}
+
+/// The row of `node`/`walk` in `budgets --json` output.
+pub fn row<'a>(rows: &'a serde_json::Value, node: &str, walk: &str) -> &'a serde_json::Value {
+    rows.as_array()
+        .and_then(|a| a.iter().find(|r| r["node"] == node && r["walk"] == walk))
+        .unwrap_or_else(|| panic!("no row {node}/{walk} in {rows}"))
+}
