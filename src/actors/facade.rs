@@ -59,6 +59,14 @@ where
 }
 
 impl ChunkingManagement {
+    /// `node` as the model names it: the submodule's `Arc` when it has one (no allocation per
+    /// request), else a new name (the Scheduler refuses it as unknown).
+    fn node_name(&self, node: &str) -> Name {
+        self.submodules
+            .get_key_value(node)
+            .map_or_else(|| Name::from(node), |(name, _)| name.clone())
+    }
+
     /// Starts the actors on the current arbiter for a model with these node submodules.
     pub fn start<I, S>(submodules: I) -> Self
     where
@@ -227,7 +235,7 @@ impl ChunkingManagement {
     ) -> Result<(), ChunkingError> {
         let admit = AdmitPrepared {
             rid,
-            node: node.into(),
+            node: self.node_name(node),
             walk: walk.into(),
             input,
             cached,
@@ -251,7 +259,7 @@ impl ChunkingManagement {
     ) -> Result<(), ChunkingError> {
         let msg = ContinueRow {
             rid,
-            node: node.into(),
+            node: self.node_name(node),
             walk: walk.into(),
             estimate,
         };
@@ -269,7 +277,7 @@ impl ChunkingManagement {
             self.timeout,
             Finish {
                 rid,
-                node: node.into(),
+                node: self.node_name(node),
             },
         )
         .await
@@ -283,7 +291,7 @@ impl ChunkingManagement {
     /// input forgotten meanwhile (the step is abandoned; assemble again).
     pub async fn assemble(&self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
         let msg = Assemble {
-            node: node.into(),
+            node: self.node_name(node),
             walk: walk.into(),
         };
         ask(&self.scheduler, "Scheduler", self.timeout, msg).await?
