@@ -23,8 +23,9 @@ doc: ## Build the API docs
 test: test-deps lint ## Install what the tests need, lint, then the whole test suite
 	$(CARGO) test --all-targets
 
-test-deps: ## Install what the tests need: prometheus + promtool (apt), @grafana/schema + typescript (npm, into target/)
+test-deps: ## Install what the tests need: prometheus + promtool (apt), python3, @grafana/schema + typescript (npm, into target/)
 	scripts/install-test-deps.sh
 
-bench: ## Criterion benchmarks (not in CI)
-	$(CARGO) bench
+bench: ## Criterion benchmarks of one step (not in CI), then their table
+	$(CARGO) bench --bench step
+	python3 scripts/bench_table.py

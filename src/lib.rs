@@ -38,8 +38,9 @@
 //!                                                                              └───────────────────┘
 //! ```
 //!
-//! A step costs the engine two messages to assemble (plan, then cut chunk inputs) and one to
-//! complete; budgets reach the scheduler as an `Arc` snapshot, never per row.
+//! A step costs the engine one message to assemble (the Scheduler plans, then has
+//! PreparedInputs cut the chunk inputs) and one to complete; budgets reach the scheduler as an
+//! `Arc` snapshot, never per row.
 
 use std::sync::Arc;
 

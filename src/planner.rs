@@ -24,6 +24,8 @@ pub struct StepParams {
     pub align: u32,
     /// The walks whose rows this step takes: the step walk and, for a combined walk, its members.
     pub eligible: Arc<[Name]>,
+    /// The same walks as `eligible`, interned for the process: what batch rows carry.
+    pub eligible_interned: Arc<[&'static str]>,
     /// Optional per-row cap on tokens a step.
     pub max_row_tokens: Option<u32>,
     /// Optional limit on rows left mid-prefill by starting new ones.
@@ -31,10 +33,17 @@ pub struct StepParams {
 }
 
 impl StepParams {
-    fn takes(&self, walk: &Name) -> bool {
+    /// The index of `walk` in `eligible`, if this step takes its rows. Row walks are interned
+    /// from the same snapshot, so the pointer comparison settles it without comparing names.
+    pub fn walk_index(&self, walk: &Name) -> Option<usize> {
         self.eligible
             .iter()
-            .any(|w| Arc::ptr_eq(w, walk) || w == walk)
+            .position(|w| Arc::ptr_eq(w, walk))
+            .or_else(|| self.eligible.iter().position(|w| w == walk))
+    }
+
+    fn takes(&self, walk: &Name) -> bool {
+        self.walk_index(walk).is_some()
     }
 
     /// The most tokens rows of `walk` may run in a step: its cap, or unlimited.
@@ -98,12 +107,14 @@ impl Work {
     }
 }
 
-/// One row of a planned step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One row of a planned step. Plain data (no reference counts), so planning and clearing a
+/// plan touch no shared counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedRow {
     pub seq: u64,
     pub rid: u64,
-    pub walk: Name,
+    /// The row's walk, as an index into the step's [`StepParams::eligible`].
+    pub walk: usize,
     pub work: Work,
 }
 
@@ -131,7 +142,7 @@ impl StepPlan {
         self.uncut_over_budget = false;
     }
 
-    fn push(&mut self, seq: u64, rid: u64, walk: &Name, work: Work) {
+    fn push(&mut self, seq: u64, rid: u64, walk: usize, work: Work) {
         let tokens = u64::from(work.tokens());
         self.scheduled_tokens += tokens;
         if matches!(work, Work::Continue { .. }) {
@@ -140,7 +151,7 @@ impl StepPlan {
         self.rows.push(PlannedRow {
             seq,
             rid,
-            walk: walk.clone(),
+            walk,
             work,
         });
     }
@@ -165,31 +176,49 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
     };
     let budget = u64::from(budget);
     let mut used: u64 = 0;
-    // Tokens taken per cap, indexed like `params.caps` (no allocation without caps).
-    let mut cap_used = vec![0u64; params.caps.len()];
-    let cap_left = |cap_used: &[u64], walk: &Name| -> u64 {
-        params.cap_index(walk).map_or(u64::MAX, |i| {
+    // Tokens taken per cap, indexed like `params.caps`: on the stack for the few member walks a
+    // combined walk has, so a step allocates nothing.
+    let mut cap_used_inline = [0u64; 8];
+    let mut cap_used_heap;
+    let cap_used: &mut [u64] = match params.caps.len() {
+        n if n <= cap_used_inline.len() => &mut cap_used_inline[..n],
+        n => {
+            cap_used_heap = vec![0u64; n];
+            &mut cap_used_heap
+        }
+    };
+    // The cap index of an eligible walk (by its index in `params.eligible`).
+    let cap_of = |walk: usize| -> Option<usize> {
+        if params.caps.is_empty() {
+            return None;
+        }
+        params.cap_index(&params.eligible[walk])
+    };
+    let cap_left = |cap_used: &[u64], walk: usize| -> u64 {
+        cap_of(walk).map_or(u64::MAX, |i| {
             u64::from(params.caps[i].1).saturating_sub(cap_used[i])
         })
     };
-    let take = |cap_used: &mut [u64], walk: &Name, tokens: u64| {
-        if let Some(i) = params.cap_index(walk) {
+    let take = |cap_used: &mut [u64], walk: usize, tokens: u64| {
+        if let Some(i) = cap_of(walk) {
             cap_used[i] += tokens;
         }
     };
 
     // Rule 2: continuing rows, never cut, no overtaking.
-    let mut eligible_cont = cont.iter().filter(|r| params.takes(&r.walk));
-    for r in eligible_cont.by_ref() {
+    let mut eligible_cont = cont
+        .iter()
+        .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
+    for (r, walk) in eligible_cont.by_ref() {
         let est = u64::from(r.estimate);
-        let fits = est <= budget.saturating_sub(used) && est <= cap_left(&cap_used, &r.walk);
+        let fits = est <= budget.saturating_sub(used) && est <= cap_left(cap_used, walk);
         if fits {
             used += est;
-            take(&mut cap_used, &r.walk, est);
+            take(cap_used, walk, est);
             out.push(
                 r.seq,
                 r.rid,
-                &r.walk,
+                walk,
                 Work::Continue {
                     estimate: r.estimate,
                 },
@@ -205,7 +234,7 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
             out.push(
                 r.seq,
                 r.rid,
-                &r.walk,
+                walk,
                 Work::Continue {
                     estimate: r.estimate,
                 },
@@ -227,13 +256,12 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
     let mut staying_partial = count_u32(prefill.iter().filter(|p| p.started));
     let mut prefill_in_step = false;
     for mid in [true, false] {
-        for r in prefill
+        let group = prefill
             .iter()
-            .filter(|p| p.started == mid && params.takes(&p.walk))
-        {
-            let left = budget
-                .saturating_sub(used)
-                .min(cap_left(&cap_used, &r.walk));
+            .filter(|p| p.started == mid)
+            .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
+        for (r, walk) in group {
+            let left = budget.saturating_sub(used).min(cap_left(cap_used, walk));
             let progress = u64::from(r.progress);
             let need = u64::from(r.total) - progress;
             let work = if need <= left.min(row_cap) {
@@ -277,9 +305,9 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
                 _ => {}
             }
             used += u64::from(range.tokens());
-            take(&mut cap_used, &r.walk, u64::from(range.tokens()));
+            take(cap_used, walk, u64::from(range.tokens()));
             prefill_in_step = true;
-            out.push(r.seq, r.rid, &r.walk, Work::Chunk { range, cached });
+            out.push(r.seq, r.rid, walk, Work::Chunk { range, cached });
         }
     }
 }
@@ -291,24 +319,27 @@ fn plan_unbudgeted(
     prefill: &[PrefillRow],
     out: &mut StepPlan,
 ) {
-    for r in cont.iter().filter(|r| params.takes(&r.walk)) {
+    for r in cont {
+        let Some(walk) = params.walk_index(&r.walk) else {
+            continue;
+        };
         out.push(
             r.seq,
             r.rid,
-            &r.walk,
+            walk,
             Work::Continue {
                 estimate: r.estimate,
             },
         );
     }
     for mid in [true, false] {
-        for r in prefill
-            .iter()
-            .filter(|p| p.started == mid && params.takes(&p.walk))
-        {
+        for r in prefill.iter().filter(|p| p.started == mid) {
+            let Some(walk) = params.walk_index(&r.walk) else {
+                continue;
+            };
             let range = ChunkRange::new(!r.started, r.progress, r.total, r.total);
             let cached = if r.started { 0 } else { r.cached };
-            out.push(r.seq, r.rid, &r.walk, Work::Chunk { range, cached });
+            out.push(r.seq, r.rid, walk, Work::Chunk { range, cached });
         }
     }
 }
@@ -336,6 +367,7 @@ mod tests {
             chunkable: true,
             align: 1,
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
+            eligible_interned: vec!["mixed", "prefill", "decode"].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
         }

@@ -20,7 +20,9 @@ use crate::Name;
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchRow {
     pub rid: u64,
-    pub walk: Name,
+    /// The row's walk, interned for the process ([`crate::snapshot::intern_walk`]): a plain
+    /// pointer, so building and dropping a batch of a thousand rows touches no reference count.
+    pub walk: &'static str,
     pub work: Work,
     /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
     pub input: Option<ChunkInput>,
@@ -214,7 +216,7 @@ impl SchedulerState {
                 .iter()
                 .map(|r| BatchRow {
                     rid: r.rid,
-                    walk: r.walk.clone(),
+                    walk: params.eligible_interned[r.walk],
                     work: r.work,
                     input: None,
                 })

@@ -2,7 +2,8 @@
 //! budget table plus the [`StepParams`] of every `(node, walk)`, so that assembling a step costs
 //! one lookup and no message per row.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rustc_hash::FxHashMap;
 
@@ -29,7 +30,10 @@ impl BudgetSnapshot {
         for node in table.model().nodes() {
             let per_walk = params.entry(node.clone()).or_default();
             for walk in &walks {
-                per_walk.insert(walk.clone(), Arc::new(step_params(&table, node, walk)));
+                per_walk.insert(
+                    walk.clone(),
+                    Arc::new(step_params(&table, node, walk, &walks)),
+                );
             }
         }
         Self {
@@ -65,7 +69,14 @@ impl BudgetSnapshot {
     }
 }
 
-fn step_params(table: &BudgetTable, node: &Name, walk: &Name) -> StepParams {
+/// `walks` interns the walk names: `eligible` holds the same `Arc`s as the snapshot's keys (which
+/// queued rows carry), so the planner matches a row's walk by pointer.
+fn step_params(
+    table: &BudgetTable,
+    node: &Name,
+    walk: &Name,
+    walks: &BTreeSet<Name>,
+) -> StepParams {
     let budget = table.max_batch_tokens(node, walk);
     let settings = table.settings();
     let floor = budget.map_or(0, |b| {
@@ -78,7 +89,12 @@ fn step_params(table: &BudgetTable, node: &Name, walk: &Name) -> StepParams {
         .map(|c| c.into_iter().collect())
         .unwrap_or_else(|| Arc::from(Vec::new()));
     let mut eligible = vec![walk.clone()];
-    eligible.extend(table.members(walk).iter().cloned());
+    eligible.extend(
+        table
+            .members(walk)
+            .iter()
+            .map(|m| walks.get(m).unwrap_or(m).clone()),
+    );
     StepParams {
         node: node.clone(),
         walk: walk.clone(),
@@ -87,8 +103,45 @@ fn step_params(table: &BudgetTable, node: &Name, walk: &Name) -> StepParams {
         caps,
         chunkable: table.chunkable(node, walk),
         align: table.policy(node, walk).align.max(1),
+        eligible_interned: eligible.iter().map(|w| intern_walk(w)).collect(),
         eligible: eligible.into(),
         max_row_tokens: settings.max_row_tokens,
         max_partial_prefills: settings.max_partial_prefills,
+    }
+}
+
+/// Walk names interned for the life of the process.
+static INTERNED_WALKS: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+
+/// `walk` as a `&'static str`, the same pointer for every call with the same name. Batch rows
+/// carry their walk this way, so a step's batch costs no reference-count operation per row.
+/// Each distinct name is leaked once: walk names come from the model and the serving config, a
+/// handful per deployment, and snapshots (not steps) intern them.
+pub fn intern_walk(walk: &str) -> &'static str {
+    // The set stays consistent even if a holder panicked: an insert is one operation.
+    let mut interned = INTERNED_WALKS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(&w) = interned.get(walk) {
+        return w;
+    }
+    let leaked: &'static str = Box::leak(walk.into());
+    interned.insert(leaked);
+    leaked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interned_walks_are_one_pointer_per_name() {
+        let a = intern_walk("decode");
+        let b = intern_walk(&String::from("decode"));
+        assert_eq!(a, "decode");
+        assert!(std::ptr::eq(a, b));
+        let c = intern_walk("prefill");
+        assert_eq!(c, "prefill");
+        assert!(!std::ptr::eq(a, c));
     }
 }

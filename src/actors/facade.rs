@@ -59,6 +59,14 @@ where
 }
 
 impl ChunkingManagement {
+    /// `node` as the model names it: the submodule's `Arc` when it has one (no allocation per
+    /// request), else a new name (the Scheduler refuses it as unknown).
+    fn node_name(&self, node: &str) -> Name {
+        self.submodules
+            .get_key_value(node)
+            .map_or_else(|| Name::from(node), |(name, _)| name.clone())
+    }
+
     /// Starts the actors on the current arbiter for a model with these node submodules.
     pub fn start<I, S>(submodules: I) -> Self
     where
@@ -225,30 +233,14 @@ impl ChunkingManagement {
         input: PreparedInput,
         cached: u32,
     ) -> Result<(), ChunkingError> {
-        let node = Name::from(node);
-        let total = input.measure(rid, &node)?;
-        let admit = Admit {
+        let admit = AdmitPrepared {
             rid,
-            node: node.clone(),
+            node: self.node_name(node),
             walk: walk.into(),
-            total,
+            input,
             cached,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, admit).await??;
-        let insert = Insert {
-            rid,
-            node: node.clone(),
-            input,
-        };
-        if let Err(e) = ask(&self.prepared, "PreparedInputs", self.timeout, insert)
-            .await
-            .and_then(|r| r)
-        {
-            // Keep the two actors in step: no queued row without its input.
-            self.scheduler.do_send(ForgetRow { rid, node });
-            return Err(e);
-        }
-        Ok(())
+        ask(&self.scheduler, "Scheduler", self.timeout, admit).await?
     }
 
     /// Keeps a continuing row of `rid` (decode, speculative verify) queued at `node`: it runs
@@ -267,7 +259,7 @@ impl ChunkingManagement {
     ) -> Result<(), ChunkingError> {
         let msg = ContinueRow {
             rid,
-            node: node.into(),
+            node: self.node_name(node),
             walk: walk.into(),
             estimate,
         };
@@ -285,7 +277,7 @@ impl ChunkingManagement {
             self.timeout,
             Finish {
                 rid,
-                node: node.into(),
+                node: self.node_name(node),
             },
         )
         .await
@@ -299,31 +291,10 @@ impl ChunkingManagement {
     /// input forgotten meanwhile (the step is abandoned; assemble again).
     pub async fn assemble(&self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
         let msg = Assemble {
-            node: node.into(),
+            node: self.node_name(node),
             walk: walk.into(),
         };
-        let batch = ask(&self.scheduler, "Scheduler", self.timeout, msg).await??;
-        if !batch
-            .rows
-            .iter()
-            .any(|r| matches!(r.work, Work::Chunk { .. }))
-        {
-            return Ok(batch);
-        }
-        let CutBatch { batch, missing } =
-            ask(&self.prepared, "PreparedInputs", self.timeout, Cut(batch)).await?;
-        let Some(&rid) = missing.first() else {
-            return Ok(batch);
-        };
-        let abandon = Abandon {
-            step: batch.step,
-            drop_rids: missing,
-        };
-        ask(&self.scheduler, "Scheduler", self.timeout, abandon).await??;
-        Err(ChunkingError::MissingPreparedInput {
-            rid,
-            node: batch.node,
-        })
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await?
     }
 
     /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. Checks them

@@ -111,6 +111,6 @@ pub use prepared_inputs::{
     Release, ReleaseOne,
 };
 pub use scheduler::{
-    Abandon, Admit, Assemble, Complete, ContinueRow, Finish, ForgetRequest, ForgetRow, QueueStats,
-    Scheduler, SchedulerStats,
+    Abandon, Admit, AdmitPrepared, Assemble, Complete, ContinueRow, Finish, ForgetRequest,
+    ForgetRow, QueueStats, Scheduler, SchedulerStats,
 };

@@ -1,7 +1,9 @@
 //! PreparedInputs: `(rid, node) -> whole prepared input`; cuts each step's chunk inputs as views,
 //! releases a row's input after its final chunk, and forgets aborted requests.
 
+use ::metrics::Gauge;
 use actix::prelude::*;
+use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
 use crate::metrics;
@@ -14,12 +16,22 @@ use crate::Name;
 #[derive(Default)]
 pub struct PreparedInputs {
     store: PreparedStore,
+    /// The prepared-input gauges per node, resolved on the node's first change, so that holding
+    /// and releasing inputs (every step) builds no metric labels.
+    gauges: FxHashMap<Name, (Gauge, Gauge)>,
 }
 
 impl PreparedInputs {
-    fn publish(&self, node: &Name) {
+    fn publish(&mut self, node: &Name) {
         let (rows, tokens) = self.store.node_totals(node);
-        metrics::set_prepared(node, rows, tokens);
+        if !self.gauges.contains_key(node) {
+            self.gauges
+                .insert(node.clone(), metrics::prepared_gauge(node));
+        }
+        if let Some((rows_gauge, tokens_gauge)) = self.gauges.get(node) {
+            rows_gauge.set(rows as f64);
+            tokens_gauge.set(tokens as f64);
+        }
     }
 
     /// The store, for tests and inspection.

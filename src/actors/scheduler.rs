@@ -9,9 +9,12 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{PreparedInputs, Release};
+use super::prepared_inputs::{Cut, CutBatch, Insert, PreparedInputs, Release};
+use super::Guarded;
 use crate::error::ChunkingError;
 use crate::metrics::StepMetrics;
+use crate::planner::Work;
+use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, SchedulerState, StepOutcome};
 use crate::Name;
 
@@ -54,13 +57,45 @@ super::supervised!(
         Finish,
         ForgetRequest,
         ForgetRow,
-        Assemble,
         Abandon,
         Complete,
         SchedulerStats,
         super::InjectPanic
     ]
 );
+
+/// The supervised form of a handler that answers later (it waits for PreparedInputs): a panic
+/// while handling is an error to the caller and restarts the actor, as for the other messages.
+fn guard_later<R: 'static>(
+    act: &mut Scheduler,
+    ctx: &mut Context<Scheduler>,
+    handle: impl FnOnce(&mut Scheduler, &mut Context<Scheduler>) -> ResponseActFuture<Scheduler, R>,
+) -> ResponseActFuture<Scheduler, Result<R, ChunkingError>> {
+    match super::guard(ctx, "Scheduler", |ctx| handle(act, ctx)) {
+        Ok(later) => Box::pin(later.map(|r, _, _| Ok(r))),
+        Err(e) => Box::pin(fut::ready(Err(e))),
+    }
+}
+
+impl Handler<Guarded<Assemble>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Result<Batch, ChunkingError>, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
+        })
+    }
+}
+
+impl Handler<Guarded<AdmitPrepared>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Result<(), ChunkingError>, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<AdmitPrepared>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<AdmitPrepared>>::handle(act, msg.0, ctx)
+        })
+    }
+}
 
 impl Handler<UseSnapshot> for Scheduler {
     type Result = ();
@@ -86,6 +121,52 @@ impl Handler<Admit> for Scheduler {
 
     fn handle(&mut self, m: Admit, _: &mut Self::Context) -> Self::Result {
         self.state.admit(m.rid, &m.node, &m.walk, m.total, m.cached)
+    }
+}
+
+/// Admits a prompt whole: queues its row, then has PreparedInputs hold its input (the engine
+/// waits for one answer). If PreparedInputs refuses the input, the row is dropped again, so no
+/// row is ever queued without its input. PreparedInputs gets the input before any later `Cut`
+/// of this Scheduler, as an actor's mailbox is first in, first out.
+#[derive(Message)]
+#[rtype(result = "Result<(), ChunkingError>")]
+pub struct AdmitPrepared {
+    pub rid: u64,
+    pub node: Name,
+    pub walk: Name,
+    pub input: PreparedInput,
+    pub cached: u32,
+}
+
+impl Handler<AdmitPrepared> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
+
+    fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
+        let queued = m
+            .input
+            .measure(m.rid, &m.node)
+            .and_then(|total| self.state.admit(m.rid, &m.node, &m.walk, total, m.cached));
+        if let Err(e) = queued {
+            return Box::pin(fut::ready(Err(e)));
+        }
+        let (rid, node) = (m.rid, m.node);
+        let insert = self.prepared.send(Guarded(Insert {
+            rid,
+            node: node.clone(),
+            input: m.input,
+        }));
+        Box::pin(insert.into_actor(self).map(move |answer, act, _| {
+            let refused = match answer {
+                Ok(Ok(Ok(_))) => return Ok(()),
+                Ok(Ok(Err(e)) | Err(e)) => e,
+                Err(e) => ChunkingError::ActorUnavailable {
+                    actor: "PreparedInputs",
+                    reason: e.to_string(),
+                },
+            };
+            act.state.forget_at(rid, &node);
+            Err(refused)
+        }))
     }
 }
 
@@ -153,7 +234,11 @@ impl Handler<ForgetRow> for Scheduler {
     }
 }
 
-/// Assembles the next step of `node`/`walk` (chunk inputs not cut yet).
+/// Assembles the next step of `node`/`walk`, with every chunk's input cut by PreparedInputs.
+///
+/// The Scheduler asks PreparedInputs itself, so the engine waits for one answer per step: a
+/// message between actors of one arbiter costs less than waking the engine's task twice. A
+/// chunk whose input went missing (forgotten meanwhile) abandons the step and drops that row.
 #[derive(Message)]
 #[rtype(result = "Result<Batch, ChunkingError>")]
 pub struct Assemble {
@@ -162,15 +247,52 @@ pub struct Assemble {
 }
 
 impl Handler<Assemble> for Scheduler {
-    type Result = Result<Batch, ChunkingError>;
+    type Result = ResponseActFuture<Self, Result<Batch, ChunkingError>>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         let started = Instant::now();
-        let batch = self.state.assemble(&m.node, &m.walk)?;
+        let batch = match self.state.assemble(&m.node, &m.walk) {
+            Ok(batch) => batch,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
         let took = started.elapsed();
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, took);
-        Ok(batch)
+        if !batch
+            .rows
+            .iter()
+            .any(|r| matches!(r.work, Work::Chunk { .. }))
+        {
+            return Box::pin(fut::ready(Ok(batch)));
+        }
+        let (step, node) = (batch.step, batch.node.clone());
+        let cut = self.prepared.send(Guarded(Cut(batch)));
+        Box::pin(
+            cut.into_actor(self)
+                .map(move |answer, act, _| match answer {
+                    Ok(Ok(CutBatch { batch, missing })) if missing.is_empty() => Ok(batch),
+                    Ok(Ok(CutBatch { missing, .. })) => {
+                        act.state.abandon(step, &missing)?;
+                        Err(ChunkingError::MissingPreparedInput {
+                            rid: missing[0],
+                            node,
+                        })
+                    }
+                    // Without the batch the engine cannot complete the step: do not leave it
+                    // blocking the node.
+                    Ok(Err(e)) => {
+                        act.state.abandon(step, &[])?;
+                        Err(e)
+                    }
+                    Err(e) => {
+                        act.state.abandon(step, &[])?;
+                        Err(ChunkingError::ActorUnavailable {
+                            actor: "PreparedInputs",
+                            reason: e.to_string(),
+                        })
+                    }
+                }),
+        )
     }
 }
 
@@ -238,5 +360,113 @@ impl Handler<SchedulerStats> for Scheduler {
             prefill_rows: self.state.prefill_rows(),
             steps_in_flight: self.state.steps_in_flight(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::actors::Insert;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::prepared::PreparedInput;
+    use crate::snapshot::BudgetSnapshot;
+
+    #[actix::test]
+    async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
+        let model = ModelPolicies::new(
+            BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
+            BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
+        )
+        .unwrap()
+        .shared();
+        let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
+        let prepared = PreparedInputs::default().start();
+        let scheduler =
+            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
+        scheduler
+            .send(UseSnapshot(Arc::new(snapshot)))
+            .await
+            .unwrap();
+        let (node, walk) = (Name::from("llm"), Name::from("prefill"));
+        for rid in [1, 2] {
+            let admit = Admit {
+                rid,
+                node: node.clone(),
+                walk: walk.clone(),
+                total: 10,
+                cached: 0,
+            };
+            scheduler.send(admit).await.unwrap().unwrap();
+        }
+        // Only rid 2's input is held: rid 1's went missing.
+        let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
+        let insert = Insert {
+            rid: 2,
+            node: node.clone(),
+            input,
+        };
+        prepared.send(insert).await.unwrap().unwrap();
+        let assemble = || Assemble {
+            node: node.clone(),
+            walk: walk.clone(),
+        };
+
+        let err = scheduler.send(assemble()).await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
+            "{err}"
+        );
+        let batch = scheduler.send(assemble()).await.unwrap().unwrap();
+        assert_eq!(batch.rows.len(), 1);
+        assert_eq!(batch.rows[0].rid, 2);
+        let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
+        assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[actix::test]
+    async fn an_input_prepared_inputs_refuses_leaves_no_row_queued() {
+        let model = ModelPolicies::new(
+            BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
+            BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
+        )
+        .unwrap()
+        .shared();
+        let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
+        let prepared = PreparedInputs::default().start();
+        let scheduler =
+            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
+        scheduler
+            .send(UseSnapshot(Arc::new(snapshot)))
+            .await
+            .unwrap();
+        let node = Name::from("llm");
+        let input = PreparedInput::tokens(vec![1, 2, 3]);
+        let insert = Insert {
+            rid: 3,
+            node: node.clone(),
+            input: input.clone(),
+        };
+        prepared.send(insert).await.unwrap().unwrap();
+        let admit = |rid| AdmitPrepared {
+            rid,
+            node: node.clone(),
+            walk: "prefill".into(),
+            input: input.clone(),
+            cached: 0,
+        };
+        let err = scheduler.send(admit(3)).await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
+            "{err}"
+        );
+        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        assert_eq!(stats.prefill_rows, 0);
+        scheduler.send(admit(4)).await.unwrap().unwrap();
+        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        assert_eq!(stats.prefill_rows, 1);
     }
 }

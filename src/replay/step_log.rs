@@ -138,7 +138,7 @@ impl Serialize for Row<'_> {
             Work::Continue { estimate } => {
                 let mut m = s.serialize_map(Some(4))?;
                 m.serialize_entry("rid", &r.rid)?;
-                m.serialize_entry("walk", &*r.walk)?;
+                m.serialize_entry("walk", r.walk)?;
                 m.serialize_entry("kind", "continue")?;
                 m.serialize_entry("tokens", &estimate)?;
                 m.end()
@@ -148,7 +148,7 @@ impl Serialize for Row<'_> {
                 let first = range.stride == range.end;
                 let mut m = s.serialize_map(Some(if first { 10 } else { 9 }))?;
                 m.serialize_entry("rid", &r.rid)?;
-                m.serialize_entry("walk", &*r.walk)?;
+                m.serialize_entry("walk", r.walk)?;
                 m.serialize_entry("kind", "chunk")?;
                 m.serialize_entry("tokens", &range.tokens())?;
                 m.serialize_entry("start", &range.start)?;
