@@ -29,3 +29,17 @@ test-deps: ## Install what the tests need: prometheus + promtool (apt), python3,
 bench: ## Criterion benchmarks of one step (not in CI), then their table
 	$(CARGO) bench --bench step
 	python3 scripts/bench_table.py
+
+SOAK_STEPS ?= 1000000
+soak: ## Soak: a million steps with reloads and aborts; nothing held, flat memory (CI runs 20,000)
+	MSTAR_SOAK_STEPS=$(SOAK_STEPS) $(CARGO) test --release --test soak -- --nocapture
+
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := config_loader trace_readers
+fuzz: ## cargo fuzz each target for FUZZ_SECONDS (stable toolchain, no sanitizer)
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	for t in $(FUZZ_TARGETS); do \
+		mkdir -p target/fuzz-corpus/$$t && \
+		RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --sanitizer none -O $$t target/fuzz-corpus/$$t fuzz/seeds/$$t \
+			-- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
