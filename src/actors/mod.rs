@@ -11,8 +11,9 @@ use actix::prelude::*;
 use crate::error::ChunkingError;
 
 /// A message sent through the facade: the actor answers it, or an error if handling it
-/// panicked. Every actor is supervised: after a panic it is restarted with its state kept, and
-/// later messages are handled as before.
+/// panicked. A panic is contained: the actor restarts in place with its state, mailbox and
+/// pending work, and handles later messages as before. Every actor also runs under an actix
+/// `Supervisor`, which restarts it should its context ever stop.
 pub struct Guarded<M>(pub M);
 
 impl<M> Message for Guarded<M>
@@ -38,16 +39,19 @@ pub enum ActorKind {
     Scheduler,
 }
 
-/// Runs a handler, turning a panic into an error and a restart of the actor.
+/// Runs a handler, turning a panic into an error for the caller and a restart of the actor in
+/// place: its state, mailbox and the futures it waits on are kept (stopping the context would
+/// drop a step's pending answer and leave the step in flight for ever).
 fn guard<A, R>(
+    act: &mut A,
     ctx: &mut Context<A>,
     actor: &'static str,
-    f: impl FnOnce(&mut Context<A>) -> R,
+    f: impl FnOnce(&mut A, &mut Context<A>) -> R,
 ) -> Result<R, ChunkingError>
 where
-    A: Actor<Context = Context<A>>,
+    A: Actor<Context = Context<A>> + Supervised,
 {
-    match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+    match catch_unwind(AssertUnwindSafe(|| f(act, ctx))) {
         Ok(r) => Ok(r),
         Err(panic) => {
             let reason = panic
@@ -55,8 +59,8 @@ where
                 .map(ToString::to_string)
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            tracing::error!(actor, %reason, "actor panicked handling a message; restarting it with its state");
-            ctx.stop();
+            tracing::error!(actor, %reason, "actor panicked handling a message");
+            act.restarting(ctx);
             Err(ChunkingError::ActorPanicked { actor, reason })
         }
     }
@@ -68,7 +72,7 @@ macro_rules! supervised {
     ($actor:ty, $name:literal, [$($msg:ty),* $(,)?]) => {
         impl actix::Supervised for $actor {
             fn restarting(&mut self, _: &mut Self::Context) {
-                tracing::warn!(actor = $name, "actor restarted; its state is kept");
+                tracing::warn!(actor = $name, "actor restarted in place; its state and mailbox are kept");
             }
         }
 
@@ -77,7 +81,7 @@ macro_rules! supervised {
                 type Result = Result<<$msg as actix::Message>::Result, $crate::error::ChunkingError>;
 
                 fn handle(&mut self, msg: $crate::actors::Guarded<$msg>, ctx: &mut Self::Context) -> Self::Result {
-                    $crate::actors::guard(ctx, $name, |ctx| <Self as actix::Handler<$msg>>::handle(self, msg.0, ctx))
+                    $crate::actors::guard(self, ctx, $name, |act, ctx| <Self as actix::Handler<$msg>>::handle(act, msg.0, ctx))
                 }
             }
         )*

@@ -71,7 +71,7 @@ fn guard_later<R: 'static>(
     ctx: &mut Context<Scheduler>,
     handle: impl FnOnce(&mut Scheduler, &mut Context<Scheduler>) -> ResponseActFuture<Scheduler, R>,
 ) -> ResponseActFuture<Scheduler, Result<R, ChunkingError>> {
-    match super::guard(ctx, "Scheduler", |ctx| handle(act, ctx)) {
+    match super::guard(act, ctx, "Scheduler", handle) {
         Ok(later) => Box::pin(later.map(|r, _, _| Ok(r))),
         Err(e) => Box::pin(fut::ready(Err(e))),
     }

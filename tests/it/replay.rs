@@ -581,3 +581,56 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     assert_eq!(r.overruns.total, 0);
     check(&log, 16);
 }
+
+/// Kills (panics) each actor in turn while a replay runs on the same actors: the replay
+/// finishes, every prompt through its final chunk, nothing held.
+#[test]
+fn a_replay_survives_actors_panicking_midway() {
+    use mstar_chunking::actors::ActorKind;
+    use mstar_chunking::{ChunkingError, ChunkingManagement};
+    let m = model(DEMO_MODEL);
+    let s = demo_settings("");
+    let opts = ReplayOptions {
+        requests: Some(300),
+        ..ReplayOptions::default()
+    };
+    let (report, kills) = actix::System::new().block_on(async {
+        let cm = ChunkingManagement::start(m.submodules());
+        let killer = {
+            let cm = cm.clone();
+            actix::spawn(async move {
+                let mut kills = Vec::new();
+                for actor in [
+                    ActorKind::Scheduler,
+                    ActorKind::PreparedInputs,
+                    ActorKind::OverrunAccounting,
+                    ActorKind::BudgetConfig,
+                    ActorKind::PolicyRegistry,
+                ] {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    let err = cm.inject_panic(actor).await.unwrap_err();
+                    assert!(matches!(err, ChunkingError::ActorPanicked { .. }), "{err}");
+                    // Mid-replay: prompts are still queued when the actor dies.
+                    kills.push(cm.scheduler_stats().await.unwrap());
+                }
+                kills
+            })
+        };
+        let report = replay::run_on(&cm, &m, &s, &opts).await.unwrap();
+        (report, killer.await.unwrap())
+    });
+    assert_eq!(kills.len(), 5);
+    assert!(
+        kills.iter().any(|(queued, _)| *queued > 0),
+        "no kill landed mid-replay: {kills:?}"
+    );
+    assert_eq!(report.requests, 300);
+    assert_eq!(
+        report.chunks.final_chunks, 300,
+        "every prompt finished its prefill"
+    );
+    assert_eq!(
+        (report.prepared_left_rows, report.prepared_left_tokens),
+        (0, 0)
+    );
+}
