@@ -938,11 +938,15 @@ fn check_ranges(settings: &Settings, layers: &Layers, problems: &mut Vec<ConfigP
             "must be a probability from 0.0 to 1.0".into(),
         ));
     }
-    if r.prefix_cache.block_tokens == 0 {
+    let cache = r.prefix_cache;
+    if cache.blocks > 0 && cache.block_tokens != crate::replay::trace::HASH_BLOCK_TOKENS {
         problems.push(layers.problem(
             "replay.prefix_cache.block_tokens",
-            Some("0".into()),
-            "must be at least 1 token (set `blocks = 0` to turn the cache off)".into(),
+            Some(cache.block_tokens.to_string()),
+            format!(
+                "must be {} (the tokens one trace block hash covers) while the cache is on; set `blocks = 0` to turn it off",
+                crate::replay::trace::HASH_BLOCK_TOKENS
+            ),
         ));
     }
 }

@@ -418,6 +418,11 @@ const BAD: &[Bad] = &[
         &["{file}: `replay.node` = \"llm\"", "not a node of model `omni`"],
     ),
     bad(
+        "a prefix cache whose blocks are not the traces' 512-token hash blocks",
+        "[replay.prefix_cache]\nblocks = 64\nblock_tokens = 256\n",
+        &["{file}: `replay.prefix_cache.block_tokens` = 256", "must be 512"],
+    ),
+    bad(
         "malformed TOML",
         "[chunking\nmin_chunk_tokens = 32\n",
         &["{file}: malformed TOML at line 1"],
