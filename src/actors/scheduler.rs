@@ -375,8 +375,8 @@ mod tests {
     use crate::prepared::PreparedInput;
     use crate::snapshot::BudgetSnapshot;
 
-    #[actix::test]
-    async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
+    /// A Scheduler and its PreparedInputs for one node `llm` with a `prefill` budget of 8.
+    async fn start() -> (Addr<Scheduler>, Addr<PreparedInputs>) {
         let model = ModelPolicies::new(
             BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
             BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
@@ -391,6 +391,12 @@ mod tests {
             .send(UseSnapshot(Arc::new(snapshot)))
             .await
             .unwrap();
+        (scheduler, prepared)
+    }
+
+    #[actix::test]
+    async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
+        let (scheduler, prepared) = start().await;
         let (node, walk) = (Name::from("llm"), Name::from("prefill"));
         for rid in [1, 2] {
             let admit = Admit {
@@ -429,20 +435,7 @@ mod tests {
 
     #[actix::test]
     async fn an_input_prepared_inputs_refuses_leaves_no_row_queued() {
-        let model = ModelPolicies::new(
-            BTreeMap::from([("llm".into(), SubmoduleCaps::new(["prefill"], false))]),
-            BTreeMap::from([(("llm".into(), "prefill".into()), ChunkingPolicy::budget(8))]),
-        )
-        .unwrap()
-        .shared();
-        let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
-        let prepared = PreparedInputs::default().start();
-        let scheduler =
-            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
-        scheduler
-            .send(UseSnapshot(Arc::new(snapshot)))
-            .await
-            .unwrap();
+        let (scheduler, prepared) = start().await;
         let node = Name::from("llm");
         let input = PreparedInput::tokens(vec![1, 2, 3]);
         let insert = Insert {
