@@ -4,6 +4,7 @@
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use crate::planner::Work;
 use crate::Name;
 
 /// Why a step ran over its budget. Bounded: used as a metric label.
@@ -50,6 +51,27 @@ pub struct StepTokens {
     pub continue_ran: u64,
     /// The plan ran a row whole over the budget because it could not be cut.
     pub uncut_over_budget: bool,
+}
+
+impl StepTokens {
+    /// A step as planned, before any row's actual tokens are counted.
+    pub fn planned(budget: Option<u32>, scheduled: u64, uncut_over_budget: bool) -> Self {
+        Self {
+            budget,
+            scheduled,
+            uncut_over_budget,
+            ..Self::default()
+        }
+    }
+
+    /// Counts one row: `work` as planned, `ran` the tokens it actually ran.
+    pub fn add_row(&mut self, work: &Work, ran: u32) {
+        self.ran += u64::from(ran);
+        if let Work::Continue { estimate } = work {
+            self.continue_estimate += u64::from(*estimate);
+            self.continue_ran += u64::from(ran);
+        }
+    }
 }
 
 /// A step that ran over its budget.

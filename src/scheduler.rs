@@ -49,6 +49,8 @@ pub struct Batch {
     pub caps: Option<Arc<[(Name, u32)]>>,
     pub rows: Vec<BatchRow>,
     pub scheduled_tokens: u64,
+    /// A row that cannot be cut runs whole over the budget: the step overruns by plan.
+    pub uncut_over_budget: bool,
     /// Eligible rows that wait for a later step.
     pub waiting: u32,
 }
@@ -222,6 +224,7 @@ impl SchedulerState {
                 })
                 .collect(),
             scheduled_tokens: step_plan.scheduled_tokens,
+            uncut_over_budget: step_plan.uncut_over_budget,
             waiting: step_plan.waiting,
         };
         self.in_flight.insert(
@@ -277,20 +280,17 @@ impl SchedulerState {
             self.in_flight.insert(f.params.node.clone(), f);
             return Err(err);
         }
-        let mut tokens = StepTokens {
-            budget: f.params.budget,
-            scheduled: f.plan.scheduled_tokens,
-            continue_estimate: f.plan.continue_estimate,
-            uncut_over_budget: f.plan.uncut_over_budget,
-            ..StepTokens::default()
-        };
+        let mut tokens = StepTokens::planned(
+            f.params.budget,
+            f.plan.scheduled_tokens,
+            f.plan.uncut_over_budget,
+        );
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks) = (0, 0);
         let mut queues = self.nodes.get_mut(&f.params.node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
-            tokens.ran += u64::from(r);
+            tokens.add_row(&row.work, r);
             if matches!(row.work, Work::Continue { .. }) {
-                tokens.continue_ran += u64::from(r);
                 continue;
             }
             chunks += 1;

@@ -12,7 +12,6 @@ use super::*;
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::overrun::{Overrun, OverrunReason, StepTokens};
-use crate::planner::Work;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, StepOutcome};
@@ -320,33 +319,27 @@ impl ChunkingManagement {
     /// [`complete`]: ChunkingManagement::complete
     ///
     /// # Errors
-    /// The actor did not answer.
+    /// `ran` does not have one entry per row, or the actor did not answer.
     pub async fn check_budget(
         &self,
         batch: &Batch,
         ran: &[u32],
     ) -> Result<Option<Overrun>, ChunkingError> {
-        let mut tokens = StepTokens {
-            budget: batch.budget,
-            scheduled: batch.scheduled_tokens,
-            ..StepTokens::default()
-        };
-        for (i, row) in batch.rows.iter().enumerate() {
-            let r = u64::from(ran.get(i).copied().unwrap_or(row.tokens()));
-            tokens.ran += r;
-            match row.work {
-                Work::Continue { estimate } => {
-                    tokens.continue_estimate += u64::from(estimate);
-                    tokens.continue_ran += r;
-                }
-                Work::Chunk { range, .. } => {
-                    tokens.uncut_over_budget |= batch.budget.is_some_and(|b| range.tokens() > b);
-                }
-            }
+        if ran.len() != batch.rows.len() {
+            return Err(ChunkingError::RanLengthMismatch {
+                step: batch.step,
+                expected: batch.rows.len(),
+                got: ran.len(),
+            });
         }
-        tokens.uncut_over_budget |= batch
-            .budget
-            .is_some_and(|b| tokens.scheduled > u64::from(b));
+        let mut tokens = StepTokens::planned(
+            batch.budget,
+            batch.scheduled_tokens,
+            batch.uncut_over_budget,
+        );
+        for (row, &r) in batch.rows.iter().zip(ran) {
+            tokens.add_row(&row.work, r);
+        }
         let msg = CheckStep {
             node: batch.node.clone(),
             walk: batch.walk.clone(),

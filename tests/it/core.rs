@@ -498,7 +498,25 @@ async fn check_budget_counts_a_step_run_outside_the_scheduler() {
     let o = cm.check_budget(&b, &[300]).await.unwrap().expect("overrun");
     assert_eq!(o.reason, OverrunReason::SpeculationEstimate);
     assert_eq!(cm.overrun_count("llm", "mixed", None).await.unwrap(), 1);
+    assert!(matches!(
+        cm.check_budget(&b, &[]).await,
+        Err(ChunkingError::RanLengthMismatch {
+            expected: 1,
+            got: 0,
+            ..
+        })
+    ));
     cm.complete(b.step, vec![2]).await.unwrap();
+
+    // An uncut row over the budget: the batch carries the plan's reason.
+    cm.admit(9, "vision", "prefill", tokens(150), 0)
+        .await
+        .unwrap();
+    let b = cm.assemble("vision", "prefill").await.unwrap();
+    assert!(b.uncut_over_budget);
+    let o = cm.check_budget(&b, &[150]).await.unwrap().expect("overrun");
+    assert_eq!((o.budget, o.reason), (100, OverrunReason::UncutRow));
+    cm.complete(b.step, vec![150]).await.unwrap();
 }
 
 #[actix::test]
