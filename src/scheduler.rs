@@ -160,12 +160,13 @@ impl SchedulerState {
     }
 
     /// Drops every row of `rid` on every node (an aborted request). Rows of `rid` in a step in
-    /// flight run, but do not advance. Returns the nodes where a prefill row was dropped.
-    pub fn forget(&mut self, rid: u64) -> Vec<Name> {
+    /// flight run, but do not advance. Returns how many prefill rows were dropped.
+    pub fn forget(&mut self, rid: u64) -> usize {
         self.nodes
-            .iter_mut()
-            .filter_map(|(node, q)| q.forget(rid).then(|| node.clone()))
-            .collect()
+            .values_mut()
+            .map(|q| q.forget(rid))
+            .filter(|&dropped| dropped)
+            .count()
     }
 
     /// Drops the rows of `rid` on `node` only (its prepared input was released by hand).
