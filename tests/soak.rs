@@ -5,11 +5,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
+use mstar_chunking::budget::{BudgetSettings, BudgetValue};
+use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::{ReadOptions, Trace};
-use mstar_chunking::{
-    ChunkingManagement, ChunkingPolicy, Name, PreparedInput, SubmoduleCaps, Work,
+use mstar_chunking::settings::{
+    BudgetSetting, ChunkingSection, NodeBudgetSetting, DEMO_MANIFEST_TOML,
 };
+use mstar_chunking::{ChunkingManagement, PreparedInput, Work};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -18,21 +20,16 @@ const MAX_QUEUED_PROMPTS: usize = 48;
 /// The soak stops after this long even if its steps are not done.
 const TIME_LIMIT: Duration = Duration::from_secs(600);
 
-fn n(s: &str) -> Name {
-    Name::from(s)
-}
-
-fn settings(budget: i64, min_chunk: u32) -> BudgetSettings {
-    BudgetSettings {
-        overrides: BTreeMap::from([(n("llm"), NodeBudget::All(BudgetValue::Tokens(budget)))]),
-        walks: [n("prefill"), n("decode"), n("mixed")].into(),
-        combined_walk_of: BTreeMap::from([(n("prefill"), n("mixed")), (n("decode"), n("mixed"))]),
-        override_mixed: Default::default(),
-        no_chunking: Default::default(),
+/// The demo model's `set_budgets` arguments with `llm`'s budgets set to `budget`, as a config
+/// layer would give them.
+fn settings(demo: &Manifest, budget: i64, min_chunk: u32) -> BudgetSettings {
+    let value = NodeBudgetSetting::All(BudgetSetting(BudgetValue::Tokens(budget)));
+    let chunking = ChunkingSection {
         min_chunk_tokens: min_chunk,
-        max_row_tokens: None,
-        max_partial_prefills: None,
-    }
+        max_batch_tokens: BTreeMap::from([("llm".to_owned(), value)]),
+        ..ChunkingSection::default()
+    };
+    demo.budget_settings(&chunking)
 }
 
 /// Resident set size in bytes, from `/proc/self/statm`.
@@ -54,9 +51,10 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
         .unwrap_or(20_000);
     let trace = Trace::bundled(ReadOptions::default()).expect("bundled trace");
     actix::System::new().block_on(async move {
-        let cm = ChunkingManagement::start([("llm", SubmoduleCaps::new(["prefill", "mixed"], false))]);
-        cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(2048).aligned(16))]).await.unwrap();
-        cm.set_budgets(settings(2048, 64)).await.unwrap();
+        let demo = Manifest::from_toml(DEMO_MANIFEST_TOML, "demo").expect("the demo manifest");
+        let cm = ChunkingManagement::start(demo.submodules());
+        cm.set_policies(demo.policies()).await.unwrap();
+        cm.set_budgets(settings(&demo, 2048, 64)).await.unwrap();
         let mut rng = SmallRng::seed_from_u64(7);
         let mut next = 0usize;
         let mut next_rid = 0u64;
@@ -115,11 +113,11 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             }
             if step % 500 == 0 {
                 budget = if budget == 2048 { 1024 } else { 2048 };
-                cm.set_budgets(settings(budget, 64)).await.unwrap();
+                cm.set_budgets(settings(&demo, budget, 64)).await.unwrap();
                 reloads += 1;
             }
             if step % 1000 == 0 {
-                assert!(cm.set_budgets(settings(0, 0)).await.is_err());
+                assert!(cm.set_budgets(settings(&demo, 0, 0)).await.is_err());
                 refused += 1;
                 assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget as u32));
             }
