@@ -46,9 +46,12 @@ use std::sync::Arc;
 
 pub mod actors;
 pub mod budget;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod error;
+#[cfg(feature = "cli")]
 pub mod logging;
+#[cfg(feature = "config")]
 pub mod manifest;
 pub mod metrics;
 pub mod overrun;
@@ -57,18 +60,21 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+#[cfg(feature = "config")]
 pub mod reload;
+#[cfg(feature = "replay")]
 pub mod replay;
 pub mod scheduler;
+#[cfg(feature = "config")]
 pub mod settings;
 pub mod snapshot;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;
 
-pub use actors::ChunkingManagement;
+pub use actors::{ActorThread, ChunkingManagement, QueueStats};
 pub use budget::{BudgetSettings, BudgetTable, BudgetValue, NodeBudget, DEFAULT_MIN_CHUNK_TOKENS};
-pub use error::ChunkingError;
+pub use error::{ChunkingError, ErrorKind};
 pub use overrun::{Overrun, OverrunReason};
 pub use planner::Work;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};

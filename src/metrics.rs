@@ -9,15 +9,14 @@
 //! The dashboards and alert rules in `dashboards/` query these names; a test checks that every
 //! metric they use is in [`ALL`]. Renaming one means changing them too.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
 use crate::overrun::OverrunReason;
+use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
 use crate::Name;
 
@@ -34,9 +33,12 @@ pub const PREPARED_INPUTS: &str = "mstar_chunking_prepared_inputs";
 pub const PREPARED_INPUT_TOKENS: &str = "mstar_chunking_prepared_input_tokens";
 pub const STEP_ASSEMBLY_SECONDS: &str = "mstar_chunking_step_assembly_seconds";
 pub const CONFIG_RELOADS_TOTAL: &str = "mstar_chunking_config_reloads_total";
+pub const ROWS_WAITING: &str = "mstar_chunking_rows_waiting";
+pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
+pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 14] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -48,12 +50,17 @@ pub const ALL: [&str; 11] = [
     PREPARED_INPUT_TOKENS,
     STEP_ASSEMBLY_SECONDS,
     CONFIG_RELOADS_TOTAL,
+    ROWS_WAITING,
+    ROWS_MID_PREFILL,
+    ROWS_CONTINUING,
 ];
 
 // === labels ===
 // Bounded on purpose: node and walk names come from the model manifest, the rest are fixed
 // sets. No per-request label ever: it would create a series per request.
 
+/// On every series: the facade instance (one per model or engine in a process).
+pub const LABEL_MODEL: &str = "model";
 pub const LABEL_NODE: &str = "node";
 pub const LABEL_WALK: &str = "walk";
 /// On [`BUDGET_OVERRUNS_TOTAL`]: an [`OverrunReason::as_str`].
@@ -64,7 +71,8 @@ pub const LABEL_FINAL: &str = "final";
 pub const LABEL_RESULT: &str = "result";
 
 /// Every label name a metric may carry.
-pub const LABELS: [&str; 5] = [
+pub const LABELS: [&str; 6] = [
+    LABEL_MODEL,
     LABEL_NODE,
     LABEL_WALK,
     LABEL_REASON,
@@ -84,14 +92,17 @@ pub fn token_buckets() -> Vec<f64> {
     (0..=20).map(|p| f64::from(1u32 << p)).collect()
 }
 
-/// Seconds histogram buckets: 1 µs to 1 s, 1-2.5-5 per decade.
+/// Buckets of [`STEP_ASSEMBLY_SECONDS`]: 0.1 µs to 100 µs at 1-2-5 per decade, where a step's
+/// planning falls (a few µs for hundreds of rows), then coarser up to 1 s. Public so that an
+/// engine with a recorder of its own can use the same buckets. Written out rather than
+/// multiplied up so that the `le` labels read `2e-7`, not `1.9999999999999999e-7`.
+pub const STEP_ASSEMBLY_BUCKETS: [f64; 15] = [
+    1e-7, 2e-7, 5e-7, 1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2, 0.1, 1.0,
+];
+
+/// Seconds histogram buckets ([`STEP_ASSEMBLY_BUCKETS`]).
 pub fn seconds_buckets() -> Vec<f64> {
-    // Written out rather than multiplied up so that the `le` labels read 2.5e-05, not
-    // 2.4999999999999998e-05.
-    vec![
-        1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-        2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-    ]
+    STEP_ASSEMBLY_BUCKETS.to_vec()
 }
 
 // === descriptions ===
@@ -152,11 +163,37 @@ pub fn describe_all() {
     describe_counter!(
         CONFIG_RELOADS_TOTAL,
         Unit::Count,
-        "Serving config changes applied (result ok) or refused whole (result error)."
+        "Serving config changes after the first applied (result ok) or refused whole (result error)."
+    );
+    describe_gauge!(
+        ROWS_WAITING,
+        Unit::Count,
+        "Prefill rows admitted that have not run a chunk yet, by node."
+    );
+    describe_gauge!(
+        ROWS_MID_PREFILL,
+        Unit::Count,
+        "Prefill rows with at least one completed chunk and more to run, by node."
+    );
+    describe_gauge!(
+        ROWS_CONTINUING,
+        Unit::Count,
+        "Continuing rows (decode, speculative verify) queued, by node."
     );
 }
 
 // === the Prometheus exporter ===
+
+#[cfg(feature = "prometheus")]
+pub use exporter::{install_prometheus, MetricsError};
+
+#[cfg(feature = "prometheus")]
+mod exporter {
+    use std::net::SocketAddr;
+
+    use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+
+    use super::*;
 
 /// The exporter could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -171,7 +208,7 @@ pub enum MetricsError {
 
 /// The exporter's settings: histograms get explicit buckets (without them the exporter renders
 /// summaries, which cannot be aggregated across nodes or over time windows).
-fn prometheus_builder() -> PrometheusBuilder {
+pub(super) fn prometheus_builder() -> PrometheusBuilder {
     let tokens = token_buckets();
     let seconds = seconds_buckets();
     [
@@ -231,28 +268,61 @@ pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
     Ok(())
 }
 
-// === recording ===
-
-/// The handles of one `(node, walk)`'s step metrics, resolved once and reused every step.
-#[derive(Clone)]
-pub struct StepMetrics {
-    pub steps: Counter,
-    pub tokens: Histogram,
-    pub chunks_final: Counter,
-    pub chunks_partial: Counter,
-    pub deferred: Counter,
-    pub assembly_seconds: Histogram,
 }
 
-impl StepMetrics {
-    /// Resolves the handles for `node`/`walk` in the current recorder.
-    pub fn new(node: &Name, walk: &Name) -> Self {
+// === recording ===
+
+/// The metrics of one facade instance: every handle it resolves carries the instance's `model`
+/// label, so two facades in one process export separate series.
+#[derive(Clone, Debug)]
+pub(crate) struct Instance {
+    model: Name,
+}
+
+impl Instance {
+    pub(crate) fn new(model: Name) -> Self {
+        Self { model }
+    }
+
+    fn model(&self) -> String {
+        self.model.to_string()
+    }
+
+    /// Creates the series that exist from start-up with value 0: the reload results.
+    pub(crate) fn started(&self) {
+        for result in [RESULT_OK, RESULT_ERROR] {
+            metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+                .increment(0);
+        }
+    }
+
+    /// Counts a config reload; `ok` is its result.
+    pub(crate) fn record_reload(&self, ok: bool) {
+        let result = if ok { RESULT_OK } else { RESULT_ERROR };
+        metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+            .increment(1);
+    }
+
+    /// Sets the budget gauge of `node`/`walk` (0 where there is no budget); a budgeted pair's
+    /// overrun series are created at 0.
+    pub(crate) fn set_budget(&self, node: &Name, walk: &Name, budget: Option<u32>) {
+        metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
+            .set(f64::from(budget.unwrap_or(0)));
+        if budget.is_some() {
+            // Resolving the handles registers the series: counters at 0, an empty histogram.
+            let _ = self.overruns(node, walk);
+        }
+    }
+
+    /// The step metrics of `node`/`walk`.
+    pub(crate) fn step(&self, node: &Name, walk: &Name) -> StepMetrics {
         let labels = [
+            (LABEL_MODEL, self.model()),
             (LABEL_NODE, node.to_string()),
             (LABEL_WALK, walk.to_string()),
         ];
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
-        Self {
+        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
+        StepMetrics {
             steps: metrics::counter!(STEPS_TOTAL, &labels),
             tokens: metrics::histogram!(STEP_TOKENS, &labels),
             chunks_final: chunks(FINAL_TRUE),
@@ -262,15 +332,59 @@ impl StepMetrics {
         }
     }
 
+    /// The overrun metrics of `node`/`walk`, one counter per reason.
+    pub(crate) fn overruns(&self, node: &Name, walk: &Name) -> OverrunMetrics {
+        let by_reason = OverrunReason::ALL.map(|reason| {
+            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str());
+            c.increment(0);
+            c
+        });
+        OverrunMetrics {
+            by_reason,
+            tokens: metrics::histogram!(OVERRUN_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string()),
+        }
+    }
+
+    /// The prepared-input gauges of `node` (rows, tokens).
+    pub(crate) fn prepared(&self, node: &Name) -> (Gauge, Gauge) {
+        (
+            metrics::gauge!(PREPARED_INPUTS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
+            metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
+        )
+    }
+
+    /// The queue-depth gauges of `node`.
+    pub(crate) fn queue(&self, node: &Name) -> QueueGauges {
+        let gauge = |name: &'static str| metrics::gauge!(name, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string());
+        QueueGauges {
+            waiting: gauge(ROWS_WAITING),
+            mid_prefill: gauge(ROWS_MID_PREFILL),
+            continuing: gauge(ROWS_CONTINUING),
+        }
+    }
+}
+
+/// The handles of one `(node, walk)`'s step metrics, resolved once and reused every step.
+#[derive(Clone)]
+pub(crate) struct StepMetrics {
+    steps: Counter,
+    tokens: Histogram,
+    chunks_final: Counter,
+    chunks_partial: Counter,
+    deferred: Counter,
+    assembly_seconds: Histogram,
+}
+
+impl StepMetrics {
     /// Records an assembled step: the time planning took, and the rows it left waiting.
-    pub fn assembled(&self, batch: &Batch, took: Duration) {
+    pub(crate) fn assembled(&self, batch: &Batch, took: Duration) {
         self.assembly_seconds.record(took.as_secs_f64());
         self.deferred.increment(u64::from(batch.waiting));
     }
 
     /// Records a completed step: one step, the tokens it ran, its chunks final and partial.
-    /// Overruns are recorded by the overrun accounting ([`record_overrun`]).
-    pub fn completed(&self, outcome: &StepOutcome) {
+    /// Overruns are recorded by the overrun accounting ([`OverrunMetrics`]).
+    pub(crate) fn completed(&self, outcome: &StepOutcome) {
         self.steps.increment(1);
         self.tokens.record(outcome.tokens.ran as f64);
         self.chunks_final.increment(u64::from(outcome.final_chunks));
@@ -280,39 +394,36 @@ impl StepMetrics {
     }
 }
 
-/// Records an overrun of `node`/`walk` by `over` tokens.
-pub fn record_overrun(node: &Name, walk: &Name, reason: OverrunReason, over: u64) {
-    metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())
-        .increment(1);
-    metrics::histogram!(OVERRUN_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-        .record(over as f64);
+/// The overrun metrics of one `(node, walk)`.
+#[derive(Clone)]
+pub(crate) struct OverrunMetrics {
+    by_reason: [Counter; 3],
+    tokens: Histogram,
 }
 
-/// Sets the budget gauge of `node`/`walk` (0 where there is no budget).
-pub fn set_budget(node: &Name, walk: &Name, budget: Option<u32>) {
-    metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-        .set(f64::from(budget.unwrap_or(0)));
+impl OverrunMetrics {
+    /// Records an overrun by `over` tokens.
+    pub(crate) fn record(&self, reason: OverrunReason, over: u64) {
+        self.by_reason[reason.index()].increment(1);
+        self.tokens.record(over as f64);
+    }
 }
 
-/// Sets the prepared-input gauges of `node`.
-pub fn set_prepared(node: &Name, rows: usize, tokens: u64) {
-    let (rows_gauge, tokens_gauge) = prepared_gauge(node);
-    rows_gauge.set(rows as f64);
-    tokens_gauge.set(tokens as f64);
+/// The queue-depth gauges of one node.
+#[derive(Clone)]
+pub(crate) struct QueueGauges {
+    waiting: Gauge,
+    mid_prefill: Gauge,
+    continuing: Gauge,
 }
 
-/// Counts a config reload; `ok` is its result.
-pub fn record_reload(ok: bool) {
-    let result = if ok { RESULT_OK } else { RESULT_ERROR };
-    metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_RESULT => result).increment(1);
-}
-
-/// The prepared-input gauges of `node` (rows, tokens), for callers that hold them.
-pub fn prepared_gauge(node: &Name) -> (Gauge, Gauge) {
-    (
-        metrics::gauge!(PREPARED_INPUTS, LABEL_NODE => node.to_string()),
-        metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_NODE => node.to_string()),
-    )
+impl QueueGauges {
+    /// Sets the gauges from the node's queue counts.
+    pub(crate) fn set(&self, counts: QueueCounts) {
+        self.waiting.set(counts.waiting as f64);
+        self.mid_prefill.set(counts.mid_prefill as f64);
+        self.continuing.set(counts.continuing as f64);
+    }
 }
 
 #[cfg(test)]

@@ -32,7 +32,7 @@ impl OverrunReason {
         }
     }
 
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 }

@@ -24,8 +24,6 @@ pub struct StepParams {
     pub align: u32,
     /// The walks whose rows this step takes: the step walk and, for a combined walk, its members.
     pub eligible: Arc<[Name]>,
-    /// The same walks as `eligible`, interned for the process: what batch rows carry.
-    pub eligible_interned: Arc<[&'static str]>,
     /// Optional per-row cap on tokens a step.
     pub max_row_tokens: Option<u32>,
     /// Optional limit on rows left mid-prefill by starting new ones.
@@ -367,7 +365,6 @@ mod tests {
             chunkable: true,
             align: 1,
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
-            eligible_interned: vec!["mixed", "prefill", "decode"].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
         }
