@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use crate::policy::{ChunkingPolicy, ModelPolicies};
@@ -23,6 +24,15 @@ pub enum BudgetValue {
     Off,
 }
 
+impl From<Option<NonZeroU32>> for BudgetValue {
+    /// A token count, or off for `None`.
+    fn from(budget: Option<NonZeroU32>) -> Self {
+        budget.map_or(BudgetValue::Off, |b| {
+            BudgetValue::Tokens(i64::from(b.get()))
+        })
+    }
+}
+
 impl fmt::Display for BudgetValue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -35,7 +45,9 @@ impl fmt::Display for BudgetValue {
 /// A node's override: one budget for every walk the model budgets there, or one per walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeBudget {
+    /// One budget for every walk the model budgets on the node.
     All(BudgetValue),
+    /// A budget per walk.
     PerWalk(BTreeMap<Name, BudgetValue>),
 }
 
@@ -61,7 +73,108 @@ pub struct BudgetSettings {
     pub max_partial_prefills: Option<u32>,
 }
 
+/// A builder over the fields: every method takes and returns the settings, and budgets are
+/// [`NonZeroU32`] (`None` is off), so a zero budget cannot be written.
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use mstar_chunking::BudgetSettings;
+///
+/// let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
+///     .combined("mixed", ["prefill", "decode"])
+///     .budget("llm", NonZeroU32::new(2048))
+///     .walk_budget("thinker", "prefill", None) // chunking off for this walk
+///     .min_chunk_tokens(NonZeroU32::new(32).unwrap());
+/// assert_eq!(settings.combined_walk_of["decode"].as_ref(), "mixed");
+/// assert_eq!(settings.min_chunk_tokens, 32);
+/// ```
 impl BudgetSettings {
+    /// Settings serving `walks`, with no overrides (every budget the model's), no combined
+    /// walk and the default floor ([`DEFAULT_MIN_CHUNK_TOKENS`]).
+    pub fn new<I, S>(walks: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self {
+            overrides: BTreeMap::new(),
+            walks: walks.into_iter().map(|w| Name::from(w.as_ref())).collect(),
+            combined_walk_of: BTreeMap::new(),
+            override_mixed: BTreeSet::new(),
+            no_chunking: BTreeSet::new(),
+            min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
+            max_row_tokens: None,
+            max_partial_prefills: None,
+        }
+    }
+
+    /// Makes `combined` a combined walk whose steps run the rows of `members` (and serves all
+    /// of them).
+    pub fn combined<I, S>(mut self, combined: &str, members: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let combined = Name::from(combined);
+        self.walks.insert(combined.clone());
+        for m in members {
+            let m = Name::from(m.as_ref());
+            self.walks.insert(m.clone());
+            self.combined_walk_of.insert(m, combined.clone());
+        }
+        self
+    }
+
+    /// One budget for every walk the model budgets on `node`; `None` turns chunking off there.
+    pub fn budget(mut self, node: &str, budget: Option<NonZeroU32>) -> Self {
+        self.overrides
+            .insert(node.into(), NodeBudget::All(BudgetValue::from(budget)));
+        self
+    }
+
+    /// The budget of `walk` on `node`; `None` turns chunking off for that walk there.
+    pub fn walk_budget(mut self, node: &str, walk: &str, budget: Option<NonZeroU32>) -> Self {
+        let per_walk = match self.overrides.remove(node) {
+            Some(NodeBudget::PerWalk(m)) => m,
+            _ => BTreeMap::new(),
+        };
+        let mut per_walk = per_walk;
+        per_walk.insert(walk.into(), BudgetValue::from(budget));
+        self.overrides
+            .insert(node.into(), NodeBudget::PerWalk(per_walk));
+        self
+    }
+
+    /// The floor a row is cut to.
+    pub fn min_chunk_tokens(mut self, tokens: NonZeroU32) -> Self {
+        self.min_chunk_tokens = tokens.get();
+        self
+    }
+
+    /// The most tokens one row runs in a step.
+    pub fn max_row_tokens(mut self, tokens: NonZeroU32) -> Self {
+        self.max_row_tokens = Some(tokens.get());
+        self
+    }
+
+    /// The most rows left mid-prefill by starting new ones.
+    pub fn max_partial_prefills(mut self, rows: NonZeroU32) -> Self {
+        self.max_partial_prefills = Some(rows.get());
+        self
+    }
+
+    /// Lets `node`'s submodule cap member walks inside a combined step.
+    pub fn override_mixed(mut self, node: &str) -> Self {
+        self.override_mixed.insert(node.into());
+        self
+    }
+
+    /// Chunks nothing on `node` (sequence parallelism).
+    pub fn no_chunking(mut self, node: &str) -> Self {
+        self.no_chunking.insert(node.into());
+        self
+    }
+
     /// No overrides, the default floor; serves every walk the model names and combines none.
     pub fn defaults_for(model: &ModelPolicies) -> Self {
         Self {

@@ -220,9 +220,9 @@ impl ChunkingError {
             | Self::PoliciesNotSet
             | Self::StepInFlight { .. } => ErrorKind::Conflict,
             Self::Budget(_) | Self::Policy(_) => ErrorKind::RefusedSettings,
-            Self::MissingPreparedInput { .. } | Self::ActorPanicked { .. } | Self::Timeout { .. } => {
-                ErrorKind::Transient
-            }
+            Self::MissingPreparedInput { .. }
+            | Self::ActorPanicked { .. }
+            | Self::Timeout { .. } => ErrorKind::Transient,
             Self::ActorStopped { .. } | Self::NoActixSystem | Self::ThreadStart { .. } => {
                 ErrorKind::Fatal
             }

@@ -195,79 +195,78 @@ mod exporter {
 
     use super::*;
 
-/// The exporter could not be started.
-#[derive(Debug, thiserror::Error)]
-pub enum MetricsError {
-    #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
-    Bind { addr: SocketAddr, reason: String },
-    #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
-    AlreadyInstalled,
-    #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
-    Exporter { addr: SocketAddr, reason: String },
-}
+    /// The exporter could not be started.
+    #[derive(Debug, thiserror::Error)]
+    pub enum MetricsError {
+        #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
+        Bind { addr: SocketAddr, reason: String },
+        #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
+        AlreadyInstalled,
+        #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
+        Exporter { addr: SocketAddr, reason: String },
+    }
 
-/// The exporter's settings: histograms get explicit buckets (without them the exporter renders
-/// summaries, which cannot be aggregated across nodes or over time windows).
-pub(super) fn prometheus_builder() -> PrometheusBuilder {
-    let tokens = token_buckets();
-    let seconds = seconds_buckets();
-    [
-        (STEP_TOKENS, &tokens),
-        (OVERRUN_TOKENS, &tokens),
-        (STEP_ASSEMBLY_SECONDS, &seconds),
-    ]
-    .into_iter()
-    .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
-        b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
-            .expect("bucket lists are non-empty constants")
-    })
-}
-
-/// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
-/// a thread of its own (so that scrapes are answered even while the actors are busy), and
-/// describes every metric.
-///
-/// # Errors
-/// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
-/// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
-pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
-    let exporter_error = |reason: String| MetricsError::Exporter {
-        addr: listen,
-        reason,
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| exporter_error(e.to_string()))?;
-    // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
-    // the exporter's upkeep task on `runtime`.
-    let (recorder, exporter) = {
-        let _entered = runtime.enter();
-        prometheus_builder()
-            .with_http_listener(listen)
-            .build()
-            .map_err(|e| match e {
-                BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
-                    addr: listen,
-                    reason,
-                },
-                other => exporter_error(other.to_string()),
-            })?
-    };
-    metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
-    std::thread::Builder::new()
-        .name("mstar-metrics".into())
-        .spawn(move || {
-            if let Err(e) = runtime.block_on(exporter) {
-                tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
-            }
+    /// The exporter's settings: histograms get explicit buckets (without them the exporter renders
+    /// summaries, which cannot be aggregated across nodes or over time windows).
+    pub(super) fn prometheus_builder() -> PrometheusBuilder {
+        let tokens = token_buckets();
+        let seconds = seconds_buckets();
+        [
+            (STEP_TOKENS, &tokens),
+            (OVERRUN_TOKENS, &tokens),
+            (STEP_ASSEMBLY_SECONDS, &seconds),
+        ]
+        .into_iter()
+        .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
+            b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+                .expect("bucket lists are non-empty constants")
         })
-        .map_err(|e| exporter_error(e.to_string()))?;
-    describe_all();
-    tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
-    Ok(())
-}
+    }
 
+    /// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
+    /// a thread of its own (so that scrapes are answered even while the actors are busy), and
+    /// describes every metric.
+    ///
+    /// # Errors
+    /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
+    /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
+    pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+        let exporter_error = |reason: String| MetricsError::Exporter {
+            addr: listen,
+            reason,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| exporter_error(e.to_string()))?;
+        // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
+        // the exporter's upkeep task on `runtime`.
+        let (recorder, exporter) = {
+            let _entered = runtime.enter();
+            prometheus_builder()
+                .with_http_listener(listen)
+                .build()
+                .map_err(|e| match e {
+                    BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
+                        addr: listen,
+                        reason,
+                    },
+                    other => exporter_error(other.to_string()),
+                })?
+        };
+        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        std::thread::Builder::new()
+            .name("mstar-metrics".into())
+            .spawn(move || {
+                if let Err(e) = runtime.block_on(exporter) {
+                    tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
+                }
+            })
+            .map_err(|e| exporter_error(e.to_string()))?;
+        describe_all();
+        tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
+        Ok(())
+    }
 }
 
 // === recording ===
@@ -444,6 +443,16 @@ mod tests {
         Name::from(s)
     }
 
+    fn inst() -> Instance {
+        Instance::new(n("m"))
+    }
+
+    fn set_prepared(node: &Name, rows: usize, tokens: u64) {
+        let (r, t) = inst().prepared(node);
+        r.set(rows as f64);
+        t.set(tokens as f64);
+    }
+
     /// One metric as the debugging recorder saw it.
     struct Seen {
         kind: MetricKind,
@@ -539,7 +548,11 @@ mod tests {
         state
     }
 
-    const LLM_PREFILL: [(&str, &str); 2] = [(LABEL_NODE, "llm"), (LABEL_WALK, "prefill")];
+    const LLM_PREFILL: [(&str, &str); 3] = [
+        (LABEL_MODEL, "m"),
+        (LABEL_NODE, "llm"),
+        (LABEL_WALK, "prefill"),
+    ];
 
     #[test]
     fn names_follow_the_prometheus_conventions() {
@@ -559,20 +572,23 @@ mod tests {
     }
 
     #[test]
-    fn buckets_cover_tokens_to_1m_and_seconds_from_1us_to_1s() {
+    fn buckets_cover_tokens_to_1m_and_seconds_from_100ns_to_1s() {
         let tokens = token_buckets();
         assert_eq!(tokens.first(), Some(&1.0));
         assert_eq!(tokens.last(), Some(&1_048_576.0));
         assert!(tokens.windows(2).all(|w| w[1] == 2.0 * w[0]));
 
         let seconds = seconds_buckets();
-        assert_eq!(seconds.first(), Some(&1e-6));
+        assert_eq!(seconds.first(), Some(&1e-7));
         assert_eq!(seconds.last(), Some(&1.0));
         assert!(seconds.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(
-            seconds.len(),
-            19,
-            "1, 2.5 and 5 in each of 6 decades, then 1 s"
+            seconds
+                .iter()
+                .filter(|&&b| (1e-7..=1e-4).contains(&b))
+                .count(),
+            10,
+            "1-2-5 per decade from 0.1 µs to 100 µs, where steps are planned"
         );
     }
 
@@ -580,16 +596,19 @@ mod tests {
     fn every_metric_is_described_with_its_kind_and_unit() {
         let seen = recorded(|| {
             describe_all();
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             m.steps.increment(1);
             m.tokens.record(1.0);
             m.chunks_final.increment(1);
             m.deferred.increment(1);
             m.assembly_seconds.record(1e-5);
-            set_budget(&n("llm"), &n("prefill"), Some(100));
-            record_overrun(&n("llm"), &n("prefill"), OverrunReason::UncutRow, 3);
+            inst().set_budget(&n("llm"), &n("prefill"), Some(100));
+            inst()
+                .overruns(&n("llm"), &n("prefill"))
+                .record(OverrunReason::UncutRow, 3);
             set_prepared(&n("llm"), 1, 10);
-            record_reload(true);
+            inst().record_reload(true);
+            inst().queue(&n("llm")).set(QueueCounts::default());
         });
         for name in ALL {
             let s = seen
@@ -600,7 +619,16 @@ mod tests {
             assert!(help.len() > 20, "{name}: HELP text missing or too short");
             let want_kind = if name.ends_with("_total") {
                 MetricKind::Counter
-            } else if [STEP_BUDGET_TOKENS, PREPARED_INPUTS, PREPARED_INPUT_TOKENS].contains(&name) {
+            } else if [
+                STEP_BUDGET_TOKENS,
+                PREPARED_INPUTS,
+                PREPARED_INPUT_TOKENS,
+                ROWS_WAITING,
+                ROWS_MID_PREFILL,
+                ROWS_CONTINUING,
+            ]
+            .contains(&name)
+            {
                 MetricKind::Gauge
             } else {
                 MetricKind::Histogram
@@ -636,10 +664,10 @@ mod tests {
         state.admit(2, "llm", "prefill", 120, 0).unwrap();
         let (mut ran_tokens, mut waiting, mut chunks, mut finals) = (Vec::new(), 0, 0, 0);
         let seen = recorded(|| {
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             // Until both prompts are through; bounded so a planner bug cannot hang the test.
             for _ in 0..20 {
-                let batch = state.assemble("llm", "prefill").unwrap();
+                let batch = state.assemble("llm", "prefill").unwrap().into_batch();
                 m.assembled(&batch, Duration::from_micros(30));
                 if batch.rows.is_empty() {
                     state.abandon(batch.step, &[]).unwrap();
@@ -667,7 +695,14 @@ mod tests {
             ran_tokens.len() as u64
         );
         assert_eq!(histogram(&seen, STEP_TOKENS, &LLM_PREFILL), ran_tokens);
-        let chunk_labels = |fin| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_FINAL, fin)];
+        let chunk_labels = |fin| {
+            [
+                LLM_PREFILL[0],
+                LLM_PREFILL[1],
+                LLM_PREFILL[2],
+                (LABEL_FINAL, fin),
+            ]
+        };
         assert_eq!(counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_TRUE)), 2);
         assert_eq!(
             counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_FALSE)),
@@ -685,19 +720,30 @@ mod tests {
 
     #[test]
     fn an_overrun_is_counted_by_reason_with_the_tokens_over_budget() {
-        let mut state = scheduler();
-        state.admit(1, "llm", "prefill", 500, 0).unwrap();
-        let batch = state.assemble("llm", "prefill").unwrap();
-        assert_eq!(batch.scheduled_tokens, 100);
-        // The engine ran 37 tokens more than scheduled: an `other` overrun.
-        let outcome = state.complete(batch.step, &[137]).unwrap();
-        let o = outcome.overrun.expect("137 tokens under a budget of 100");
+        // A step outside the scheduler ran 37 tokens more than its budget: an `other` overrun.
+        let o = crate::overrun::Overrun {
+            node: n("llm"),
+            walk: n("prefill"),
+            budget: 100,
+            tokens: 137,
+            reason: OverrunReason::Other,
+        };
         let seen = recorded(|| {
-            record_overrun(&o.node, &o.walk, o.reason, o.tokens - u64::from(o.budget));
-            record_overrun(&o.node, &o.walk, OverrunReason::UncutRow, 900);
+            inst()
+                .overruns(&o.node, &o.walk)
+                .record(o.reason, o.tokens - u64::from(o.budget));
+            inst()
+                .overruns(&o.node, &o.walk)
+                .record(OverrunReason::UncutRow, 900);
         });
-        let with_reason =
-            |r: OverrunReason| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_REASON, r.as_str())];
+        let with_reason = |r: OverrunReason| {
+            [
+                LLM_PREFILL[0],
+                LLM_PREFILL[1],
+                LLM_PREFILL[2],
+                (LABEL_REASON, r.as_str()),
+            ]
+        };
         assert_eq!(
             counter(
                 &seen,
@@ -723,9 +769,9 @@ mod tests {
     #[test]
     fn gauges_hold_the_last_value_and_no_budget_reads_zero() {
         let seen = recorded(|| {
-            set_budget(&n("llm"), &n("prefill"), Some(4096));
-            set_budget(&n("llm"), &n("prefill"), Some(2048));
-            set_budget(&n("llm"), &n("decode"), None);
+            inst().set_budget(&n("llm"), &n("prefill"), Some(4096));
+            inst().set_budget(&n("llm"), &n("prefill"), Some(2048));
+            inst().set_budget(&n("llm"), &n("decode"), None);
             set_prepared(&n("llm"), 3, 900);
             set_prepared(&n("llm"), 1, 250);
             set_prepared(&n("vision"), 0, 0);
@@ -735,17 +781,36 @@ mod tests {
             gauge(
                 &seen,
                 STEP_BUDGET_TOKENS,
-                &[(LABEL_NODE, "llm"), (LABEL_WALK, "decode")]
+                &[
+                    (LABEL_MODEL, "m"),
+                    (LABEL_NODE, "llm"),
+                    (LABEL_WALK, "decode")
+                ]
             ),
             0.0
         );
-        assert_eq!(gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "llm")]), 1.0);
         assert_eq!(
-            gauge(&seen, PREPARED_INPUT_TOKENS, &[(LABEL_NODE, "llm")]),
+            gauge(
+                &seen,
+                PREPARED_INPUTS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "llm")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            gauge(
+                &seen,
+                PREPARED_INPUT_TOKENS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "llm")]
+            ),
             250.0
         );
         assert_eq!(
-            gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "vision")]),
+            gauge(
+                &seen,
+                PREPARED_INPUTS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "vision")]
+            ),
             0.0
         );
     }
@@ -753,30 +818,40 @@ mod tests {
     #[test]
     fn reloads_are_counted_by_result() {
         let seen = recorded(|| {
-            record_reload(true);
-            record_reload(false);
-            record_reload(true);
+            inst().record_reload(true);
+            inst().record_reload(false);
+            inst().record_reload(true);
         });
         assert_eq!(
-            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_OK)]),
+            counter(
+                &seen,
+                CONFIG_RELOADS_TOTAL,
+                &[(LABEL_MODEL, "m"), (LABEL_RESULT, RESULT_OK)]
+            ),
             2
         );
         assert_eq!(
-            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_ERROR)]),
+            counter(
+                &seen,
+                CONFIG_RELOADS_TOTAL,
+                &[(LABEL_MODEL, "m"), (LABEL_RESULT, RESULT_ERROR)]
+            ),
             1
         );
     }
 
     #[test]
     fn the_exporter_renders_histograms_with_our_buckets() {
-        let recorder = prometheus_builder().build_recorder();
+        let recorder = exporter::prometheus_builder().build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
             describe_all();
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             m.tokens.record(100.0);
             m.assembly_seconds.record(3e-5);
-            record_overrun(&n("llm"), &n("prefill"), OverrunReason::Other, 5);
+            inst()
+                .overruns(&n("llm"), &n("prefill"))
+                .record(OverrunReason::Other, 5);
         });
         let text = handle.render();
         for name in [STEP_TOKENS, OVERRUN_TOKENS, STEP_ASSEMBLY_SECONDS] {
@@ -787,14 +862,62 @@ mod tests {
             assert!(text.contains(&format!("# HELP {name} ")), "{name}: no HELP");
         }
         assert!(text.contains(&format!(
-            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"1048576\"}} 1"
+            "{STEP_TOKENS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"1048576\"}} 1"
         )));
         assert!(text.contains(&format!(
-            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"64\"}} 0"
+            "{STEP_TOKENS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"64\"}} 0"
         )));
         assert!(text.contains(&format!(
-            "{STEP_ASSEMBLY_SECONDS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"0.00005\"}} 1"
+            "{STEP_ASSEMBLY_SECONDS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"0.00005\"}} 1"
         )));
+    }
+
+    #[test]
+    fn known_label_combinations_are_exported_at_zero_before_any_event() {
+        let recorder = exporter::prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_all();
+            inst().started();
+            inst().set_budget(&n("llm"), &n("prefill"), Some(100));
+            inst().set_budget(&n("llm"), &n("decode"), None);
+        });
+        let text = handle.render();
+        for reason in OverrunReason::ALL {
+            let series = format!(
+                "{BUDGET_OVERRUNS_TOTAL}{{model=\"m\",node=\"llm\",walk=\"prefill\",reason=\"{}\"}} 0",
+                reason.as_str()
+            );
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "{OVERRUN_TOKENS}_count{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0"
+            )),
+            "{text}"
+        );
+        for result in [RESULT_OK, RESULT_ERROR] {
+            let series = format!("{CONFIG_RELOADS_TOTAL}{{model=\"m\",result=\"{result}\"}} 0");
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("walk=\"decode\",reason"),
+            "no overrun series where there is no budget:\n{text}"
+        );
+    }
+
+    #[test]
+    fn two_instances_export_separate_series() {
+        let recorder = exporter::prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let (a, b) = (Instance::new(n("a")), Instance::new(n("b")));
+            a.prepared(&n("llm")).0.set(3.0);
+            b.prepared(&n("llm")).0.set(5.0);
+        });
+        let text = handle.render();
+        assert!(text.contains(&format!("{PREPARED_INPUTS}{{model=\"a\",node=\"llm\"}} 3")));
+        assert!(text.contains(&format!("{PREPARED_INPUTS}{{model=\"b\",node=\"llm\"}} 5")));
     }
 
     #[test]

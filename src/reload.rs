@@ -14,7 +14,6 @@ use tokio::sync::mpsc;
 
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::metrics;
 use crate::settings::{load_settings, ConfigErrors, LoadOptions};
 use crate::ChunkingManagement;
 

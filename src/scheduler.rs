@@ -105,6 +105,16 @@ pub enum Assembled {
     InFlight(Arc<Batch>),
 }
 
+impl Assembled {
+    /// The batch, cloned out of its `Arc` when the step was already in flight.
+    pub fn into_batch(self) -> Batch {
+        match self {
+            Self::Planned(b) => b,
+            Self::InFlight(b) => Arc::unwrap_or_clone(b),
+        }
+    }
+}
+
 /// A step assembled and neither completed nor abandoned.
 #[derive(Debug)]
 struct InFlight {
@@ -423,9 +433,9 @@ fn check_ran(step: u64, plan: &StepPlan, ran: &[u32]) -> Result<(), ChunkingErro
             got: ran.len(),
         });
     }
-    let partial = plan.rows.iter().zip(ran).find(|(row, &r)| {
-        matches!(row.work, Work::Chunk { range, .. } if r != 0 && r != range.tokens())
-    });
+    let partial = plan.rows.iter().zip(ran).find(
+        |(row, &r)| matches!(row.work, Work::Chunk { range, .. } if r != 0 && r != range.tokens()),
+    );
     match partial {
         Some((row, &r)) => Err(ChunkingError::PartialChunk {
             step,
@@ -465,12 +475,12 @@ mod tests {
         let mut s = state();
         s.admit(1, "llm", "prefill", 150, 0).unwrap();
         s.admit(2, "llm", "prefill", 30, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert_eq!(b.rows.len(), 1, "row 1 takes the whole budget");
         s.abandon(b.step, &[2]).unwrap();
         assert_eq!(s.steps_in_flight(), 0);
         assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         let Work::Chunk { range, .. } = b.rows[0].work else {
             panic!("a chunk")
         };
@@ -488,7 +498,7 @@ mod tests {
     #[test]
     fn a_step_with_no_rows_can_be_completed() {
         let mut s = state();
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert!(b.rows.is_empty());
         let out = s.complete(b.step, &[]).unwrap();
         assert_eq!((out.chunks, out.overrun), (0, None));

@@ -59,11 +59,7 @@ impl Actor for BudgetConfig {
     type Context = Context<Self>;
 }
 
-super::supervised!(
-    BudgetConfig,
-    "BudgetConfig",
-    [SetBudgets, GetSnapshot]
-);
+super::supervised!(BudgetConfig, "BudgetConfig", [SetBudgets, GetSnapshot]);
 
 /// The scheduler's new snapshot, effective from its next assembled step.
 #[derive(Message, Clone)]

@@ -13,15 +13,15 @@ use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
 use super::scheduler::{
-    Abandon, AdmitPrepared, Assemble, Complete, ContinueRow, ForgetRequest, ForgetRow,
-    QueueStats, Scheduler, SchedulerStats,
+    Abandon, AdmitPrepared, Assemble, Complete, ContinueRow, ForgetRequest, ForgetRow, QueueStats,
+    Scheduler, SchedulerStats,
 };
 use super::Guarded;
 #[cfg(any(test, feature = "test-hooks"))]
 use super::{ActorKind, InjectPanic};
-use crate::metrics::Instance;
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
+use crate::metrics::Instance;
 use crate::overrun::{Overrun, OverrunReason, StepTokens};
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;

@@ -27,11 +27,7 @@ impl Actor for PolicyRegistry {
     type Context = Context<Self>;
 }
 
-super::supervised!(
-    PolicyRegistry,
-    "PolicyRegistry",
-    [SetPolicies, GetPolicies]
-);
+super::supervised!(PolicyRegistry, "PolicyRegistry", [SetPolicies, GetPolicies]);
 
 /// Binds the model's policies. Binding the same policies again is a no-op; different ones are
 /// refused, since a model's policies are fixed at load.

@@ -41,7 +41,6 @@ impl PreparedInputs {
             tokens_gauge.set(tokens as f64);
         }
     }
-
 }
 
 impl Actor for PreparedInputs {
@@ -51,13 +50,7 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [
-        Insert,
-        Cut,
-        ForgetInputs,
-        GetPrepared,
-        PreparedTotals
-    ]
+    [Insert, Cut, ForgetInputs, GetPrepared, PreparedTotals]
 );
 
 /// Holds a row's whole input; answers its measured length.

@@ -444,7 +444,11 @@ mod tests {
             scheduler.send(admit(rid, input)).await.unwrap().unwrap();
         }
         // rid 1's input goes missing behind the Scheduler's back.
-        prepared.send(Guarded(ForgetInputs(1))).await.unwrap().unwrap();
+        prepared
+            .send(Guarded(ForgetInputs(1)))
+            .await
+            .unwrap()
+            .unwrap();
         let assemble = || {
             Guarded(Assemble {
                 node: "llm".into(),
@@ -483,10 +487,18 @@ mod tests {
             matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
             "{err}"
         );
-        let stats = scheduler.send(Guarded(SchedulerStats)).await.unwrap().unwrap();
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(stats.prefill_rows, 0);
         scheduler.send(admit(4, input)).await.unwrap().unwrap();
-        let stats = scheduler.send(Guarded(SchedulerStats)).await.unwrap().unwrap();
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(stats.prefill_rows, 1);
     }
 }

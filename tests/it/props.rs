@@ -113,7 +113,7 @@ proptest! {
                     s.admit(rid as u64, "llm", "prefill", *total, *cached).unwrap();
                 }
             }
-            let b = s.assemble("llm", "mixed").unwrap();
+            let b = s.assemble("llm", "mixed").unwrap().into_batch();
             let budget = u64::from(c.budget);
             let floor = c.min_chunk.min(c.budget).min(c.max_row.unwrap_or(u32::MAX));
             prop_assert_eq!(b.floor, Some(floor));
@@ -145,7 +145,8 @@ proptest! {
                 if let Some(left) = decode_left.get_mut(&r.rid) {
                     *left -= 1;
                     if *left == 0 {
-                        prop_assert!(s.finish(r.rid, "llm"));
+                        prop_assert!(s.node("llm").unwrap().cont().iter().any(|c| c.rid == r.rid));
+                        s.forget(r.rid);
                     }
                 }
             }
