@@ -309,6 +309,10 @@ impl ChunkingManagement {
             SetPolicies(model),
         )
         .await?;
+        // PolicyRegistry handed the policies to BudgetConfig before answering; once BudgetConfig
+        // answers a later message, it has published them to the Scheduler, so the caller's next
+        // message (from any thread) finds them there.
+        self.snapshot().await?;
         Ok(())
     }
 
