@@ -190,53 +190,107 @@ impl BudgetSettings {
     }
 }
 
-/// Why a setting was refused. Each names the node, the walk and the rule of SPEC §4.
+/// Why a setting was refused. Each names the node, the walk and the rule it breaks
+/// (`docs/budgets.md#refusals`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BudgetError {
+    /// `set_budgets` before `set_policies`.
     #[error("no model policies are bound yet: `set_budgets` runs after `set_policies`")]
     PoliciesNotSet,
+    /// A node the model does not have (rule 1; rule 7 for `override_mixed`/`no_chunking`).
     #[error("`{setting}` names node `{node}`, which the model does not have")]
-    UnknownNode { setting: &'static str, node: Name },
+    UnknownNode {
+        /// The setting that names it.
+        setting: &'static str,
+        /// The node.
+        node: Name,
+    },
+    /// A walk not in `walks` (rule 2).
     #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
-    WalkNotServed { node: Name, walk: Name },
+    WalkNotServed {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// `combined_walk_of` names a walk not in `walks` (rule 2).
     #[error("`combined_walk_of` names walk `{walk}`, which is not served by this deployment")]
-    CombinedWalkNotServed { walk: Name },
+    CombinedWalkNotServed {
+        /// The walk.
+        walk: Name,
+    },
+    /// A per-walk override of a walk the model does not budget on the node (rule 3).
     #[error("budget for `{node}`/`{walk}` would do nothing: the model does not budget `{walk}` on `{node}`")]
-    WalkNotBudgeted { node: Name, walk: Name },
+    WalkNotBudgeted {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// A node-wide budget on a node that budgets no walk (rule 4).
     #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
-    NodeBudgetsNothing { node: Name },
+    NodeBudgetsNothing {
+        /// The node.
+        node: Name,
+    },
+    /// A member walk's budget on a node that cannot cap member walks (rule 5).
     #[error("budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}` and `{node}` cannot cap member walks; set `{combined}` instead")]
     MemberWalk {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The combined walk it runs inside.
         combined: Name,
     },
+    /// A budget of 0, negative or out of range (rule 6).
     #[error("budget for `{node}`{} must be a positive whole number of tokens or off, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
     BadBudget {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Option<Name>,
+        /// The value given.
         value: BudgetValue,
     },
+    /// `min_chunk_tokens`, `max_row_tokens` or `max_partial_prefills` of 0 (rule 6).
     #[error("`{key}` must be at least 1, got 0")]
-    ZeroSetting { key: &'static str },
+    ZeroSetting {
+        /// The setting.
+        key: &'static str,
+    },
+    /// A budget below the policy's `align`: no aligned chunk could be cut.
     #[error("budget for `{node}`/`{walk}` is {budget}, below the policy's `align` of {align} tokens: no aligned chunk would fit")]
     BelowAlign {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The budget.
         budget: u32,
+        /// The policy's `align`.
         align: u32,
     },
+    /// `max_row_tokens` below an `align`: rows there could never be cut.
     #[error("`max_row_tokens` {max_row} is below the `align` of {align} tokens of `{node}`/`{walk}`: rows there could never be cut")]
     RowCapBelowAlign {
+        /// The `max_row_tokens` given.
         max_row: u32,
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The policy's `align`.
         align: u32,
     },
+    /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
+        /// The walk.
         walk: Name,
+        /// The first combined walk.
         first: Name,
+        /// The second combined walk.
         second: Name,
     },
 }

@@ -22,19 +22,33 @@ use crate::Name;
 
 // === names ===
 
+/// Steps completed.
 pub const STEPS_TOTAL: &str = "mstar_chunking_steps_total";
+/// Tokens a completed step ran (histogram).
 pub const STEP_TOKENS: &str = "mstar_chunking_step_tokens";
+/// The token budget in force (gauge; 0 without one).
 pub const STEP_BUDGET_TOKENS: &str = "mstar_chunking_step_budget_tokens";
+/// Steps that ran over their token budget, by reason.
 pub const BUDGET_OVERRUNS_TOTAL: &str = "mstar_chunking_budget_overruns_total";
+/// Tokens by which an overrunning step exceeded its budget (histogram).
 pub const OVERRUN_TOKENS: &str = "mstar_chunking_overrun_tokens";
+/// Prefill chunks run, by `final`.
 pub const CHUNKS_TOTAL: &str = "mstar_chunking_chunks_total";
+/// Eligible rows an assembled step left waiting.
 pub const DEFERRED_ROWS_TOTAL: &str = "mstar_chunking_deferred_rows_total";
+/// Rows whose whole prepared input is held (gauge).
 pub const PREPARED_INPUTS: &str = "mstar_chunking_prepared_inputs";
+/// Tokens of the prepared inputs held (gauge).
 pub const PREPARED_INPUT_TOKENS: &str = "mstar_chunking_prepared_input_tokens";
+/// Time planning one step took (histogram).
 pub const STEP_ASSEMBLY_SECONDS: &str = "mstar_chunking_step_assembly_seconds";
+/// Config changes after the first, by result.
 pub const CONFIG_RELOADS_TOTAL: &str = "mstar_chunking_config_reloads_total";
+/// Prefill rows that have not run a chunk yet (gauge).
 pub const ROWS_WAITING: &str = "mstar_chunking_rows_waiting";
+/// Prefill rows with a completed chunk and more to run (gauge).
 pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
+/// Continuing rows queued (gauge).
 pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
 
 /// Every metric name, for tests and dashboards checks.
@@ -61,7 +75,9 @@ pub const ALL: [&str; 14] = [
 
 /// On every series: the facade instance (one per model or engine in a process).
 pub const LABEL_MODEL: &str = "model";
+/// On every series but the reloads: the node.
 pub const LABEL_NODE: &str = "node";
+/// On step and overrun series: the step walk.
 pub const LABEL_WALK: &str = "walk";
 /// On [`BUDGET_OVERRUNS_TOTAL`]: an [`OverrunReason::as_str`].
 pub const LABEL_REASON: &str = "reason";
@@ -80,9 +96,13 @@ pub const LABELS: [&str; 6] = [
     LABEL_RESULT,
 ];
 
+/// [`LABEL_FINAL`] of a row's last chunk.
 pub const FINAL_TRUE: &str = "true";
+/// [`LABEL_FINAL`] of a partial chunk.
 pub const FINAL_FALSE: &str = "false";
+/// [`LABEL_RESULT`] of an applied change.
 pub const RESULT_OK: &str = "ok";
+/// [`LABEL_RESULT`] of a refused change.
 pub const RESULT_ERROR: &str = "error";
 
 // === buckets ===
@@ -198,12 +218,25 @@ mod exporter {
     /// The exporter could not be started.
     #[derive(Debug, thiserror::Error)]
     pub enum MetricsError {
+        /// The address cannot be bound (in use, not local, no permission).
         #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
-        Bind { addr: SocketAddr, reason: String },
+        Bind {
+            /// The address.
+            addr: SocketAddr,
+            /// Why.
+            reason: String,
+        },
         #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
+        /// Another recorder is installed in the process.
         AlreadyInstalled,
         #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
-        Exporter { addr: SocketAddr, reason: String },
+        /// The exporter failed otherwise.
+        Exporter {
+            /// The address.
+            addr: SocketAddr,
+            /// Why.
+            reason: String,
+        },
     }
 
     /// The exporter's settings: histograms get explicit buckets (without them the exporter renders

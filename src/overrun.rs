@@ -46,8 +46,9 @@ pub struct StepTokens {
     pub scheduled: u64,
     /// Tokens the rows actually ran.
     pub ran: u64,
-    /// The continuing rows' estimates, and what they actually ran.
+    /// The continuing rows' estimates.
     pub continue_estimate: u64,
+    /// What the continuing rows actually ran.
     pub continue_ran: u64,
     /// The plan ran a row whole over the budget because it could not be cut.
     pub uncut_over_budget: bool,
@@ -77,10 +78,15 @@ impl StepTokens {
 /// A step that ran over its budget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Overrun {
+    /// The node.
     pub node: Name,
+    /// The step walk.
     pub walk: Name,
+    /// The budget the step was scheduled under.
     pub budget: u32,
+    /// The tokens it ran.
     pub tokens: u64,
+    /// Why it ran over.
     pub reason: OverrunReason,
 }
 

@@ -10,7 +10,9 @@ use crate::Name;
 /// a step's assembly does no map lookups per row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepParams {
+    /// The node.
     pub node: Name,
+    /// The step walk.
     pub walk: Name,
     /// `B`: the step's budget (the combined walk's under a combined walk); `None` runs all whole.
     pub budget: Option<u32>,
@@ -63,7 +65,9 @@ impl StepParams {
 pub struct ContRow {
     /// Admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
+    /// The row's walk.
     pub walk: Name,
     /// Tokens the row is expected to run: 1 for plain decode, `k + 1` for `k` speculative tokens.
     pub estimate: u32,
@@ -74,7 +78,9 @@ pub struct ContRow {
 pub struct PrefillRow {
     /// Admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
+    /// The row's walk.
     pub walk: Name,
     /// Tokens of the whole prepared input.
     pub total: u32,
@@ -90,9 +96,17 @@ pub struct PrefillRow {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Work {
     /// A continuing row, at its estimate.
-    Continue { estimate: u32 },
-    /// A chunk of a prefill row; `cached` is the cached prefix on a first chunk, else 0.
-    Chunk { range: ChunkRange, cached: u32 },
+    Continue {
+        /// Tokens it is expected to run.
+        estimate: u32,
+    },
+    /// A chunk of a prefill row.
+    Chunk {
+        /// The tokens it runs.
+        range: ChunkRange,
+        /// The cached prefix on a first chunk, else 0.
+        cached: u32,
+    },
 }
 
 impl Work {
@@ -109,16 +123,20 @@ impl Work {
 /// plan touch no shared counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedRow {
+    /// The row's admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
     /// The row's walk, as an index into the step's [`StepParams::eligible`].
     pub walk: usize,
+    /// What it runs.
     pub work: Work,
 }
 
 /// The plan of one step. Reused across steps by the caller to avoid reallocating.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepPlan {
+    /// The rows, continuing rows first.
     pub rows: Vec<PlannedRow>,
     /// Sum of the rows' tokens.
     pub scheduled_tokens: u64,
