@@ -1,4 +1,4 @@
-//! The deployment's say (SPEC §4): `set_budgets` validation and the budget answers.
+//! The deployment's say (docs/budgets.md): `set_budgets` validation and the budget answers.
 //!
 //! A [`BudgetTable`] is immutable. [`BudgetTable::with_settings`] validates a whole new setting
 //! against the model's policies and returns a new table, or every problem at once; the caller
@@ -327,7 +327,7 @@ impl BudgetTable {
     /// Validates `settings` whole against the model and returns the table they give.
     ///
     /// # Errors
-    /// Every refusal of SPEC §4 found, each naming node, walk and reason. Nothing is applied.
+    /// Every refusal of docs/budgets.md#refusals found, each naming node, walk and reason. Nothing is applied.
     pub fn with_settings(&self, settings: BudgetSettings) -> Result<Self, BudgetErrors> {
         Self::build(self.model.clone(), settings)
     }
@@ -335,7 +335,7 @@ impl BudgetTable {
     /// Validates `settings` against `model`, as [`BudgetTable::with_settings`].
     ///
     /// # Errors
-    /// Every refusal of SPEC §4 found.
+    /// Every refusal of docs/budgets.md#refusals found.
     pub fn build(
         model: Arc<ModelPolicies>,
         settings: BudgetSettings,
@@ -589,7 +589,7 @@ mod tests {
         Name::from(s)
     }
 
-    /// The omni-demo model of SPEC §7.
+    /// The omni-demo model of `config/models/omni.toml`.
     fn omni() -> Arc<ModelPolicies> {
         let subs = BTreeMap::from([
             (n("thinker"), SubmoduleCaps::new(["prefill", "mixed"], true)),

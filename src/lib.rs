@@ -19,7 +19,7 @@
 //!
 //! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
 //! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`). [`replay`] drives
-//! the actors through a request trace on a simulated clock (SPEC §8).
+//! the actors through a request trace on a simulated clock (docs/replay.md).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!

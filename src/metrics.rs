@@ -1,4 +1,4 @@
-//! Every metric the component exports (SPEC §7), in one place: names, HELP texts, units, label
+//! Every metric the component exports (docs/metrics.md), in one place: names, HELP texts, units, label
 //! names and values, and histogram buckets. Call sites use the handles and functions here, never
 //! string literals.
 //!

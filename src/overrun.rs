@@ -1,4 +1,4 @@
-//! Overrun accounting (SPEC §5): whether a completed step ran over the budget it was scheduled
+//! Overrun accounting (docs/scheduling.md#overruns): whether a completed step ran over the budget it was scheduled
 //! under, why, and the 1st/2nd/4th/8th… warning cadence per `(node, walk)`.
 
 use rustc_hash::FxHashMap;

@@ -1,4 +1,4 @@
-//! The step planner (SPEC §5): which rows run in the next step of one `(node, walk)`, and how
+//! The step planner (docs/scheduling.md#planner-rules): which rows run in the next step of one `(node, walk)`, and how
 //! many tokens each. A pure function over the node's queues and the step's [`StepParams`].
 
 use std::sync::Arc;
@@ -176,16 +176,16 @@ impl StepPlan {
 /// Plans one step into `out` (cleared first).
 ///
 /// `cont` and `prefill` are the node's queues in admission order. The rules
-/// (`docs/scheduling.md#planning-a-step`):
-/// 1. no budget: every eligible row runs whole ([`plan_unbudgeted`]);
+/// (`docs/scheduling.md#planner-rules`):
+/// 1. no budget: every eligible row runs whole (`plan_unbudgeted`);
 /// 2. continuing rows first, in order, while each fits the room left in the budget and in its
 ///    walk's cap; from the first that does not fit the rest wait; a first row larger than the
-///    room runs alone ([`plan_continuing`]);
-/// 3. prefill rows next, mid-prefill ones first, each group FCFS ([`plan_prefill`]): the rest
+///    room runs alone (`plan_continuing`);
+/// 3. prefill rows next, mid-prefill ones first, each group FCFS (`plan_prefill`): the rest
 ///    runs whole when it fits; else it is cut to the room left (and to `max_row_tokens`),
-///    rounded down to `align`, if that is at least the floor ([`chunk_end`]); a row that
+///    rounded down to `align`, if that is at least the floor (`chunk_end`); a row that
 ///    cannot be cut and is larger than the budget runs whole when no other prefill row is in
-///    the step, and waits otherwise ([`uncut_end`]).
+///    the step, and waits otherwise (`uncut_end`).
 pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: &mut StepPlan) {
     out.clear();
     let Some(budget) = params.budget else {

@@ -1,4 +1,4 @@
-//! The model's say (SPEC §3): per `(node, walk)` chunking policies and each node's submodule
+//! The model's say (docs/budgets.md#policies): per `(node, walk)` chunking policies and each node's submodule
 //! capabilities. Fixed at load; the deployment's budgets are layered on top in [`crate::budget`].
 
 use std::collections::{BTreeMap, BTreeSet};

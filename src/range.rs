@@ -1,4 +1,4 @@
-//! `ChunkRange`: the tokens one chunked row runs in one step (SPEC §2).
+//! `ChunkRange`: the tokens one chunked row runs in one step (docs/ranges.md).
 
 use serde::Serialize;
 

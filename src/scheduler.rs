@@ -1,5 +1,5 @@
 //! The scheduler's state without a runtime: row queues per node, the budget snapshot, and the
-//! step in flight per node. Assembles each step's batch (SPEC §5) and applies its completion.
+//! step in flight per node. Assembles each step's batch (docs/scheduling.md) and applies its completion.
 //!
 //! One step per node is in flight at a time: a node runs its steps one after another, and the
 //! next step's plan depends on how far the previous one moved its rows.

@@ -43,7 +43,7 @@ impl BudgetSnapshot {
         }
     }
 
-    /// The budget table the snapshot was built from (the answers of SPEC §4).
+    /// The budget table the snapshot was built from (the answers of docs/budgets.md#answers).
     pub fn table(&self) -> &BudgetTable {
         &self.table
     }

@@ -254,6 +254,8 @@ fn value(seen: &Series, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
 async fn two_facades_in_one_process_export_separate_series() {
     let a = engine("model-a").await;
     let b = engine("model-b").await;
+    let idle = engine("model-idle").await;
+    idle.prepared_totals().await.unwrap();
     a.admit(1, "llm", "prefill", prompt(1000), 0).await.unwrap();
     a.admit(2, "llm", "prefill", prompt(1000), 0).await.unwrap();
     b.admit(1, "llm", "prefill", prompt(50), 0).await.unwrap();
@@ -278,6 +280,17 @@ async fn two_facades_in_one_process_export_separate_series() {
         ),
         Some(2.0)
     );
+    // A facade that holds nothing exports its queue and prepared-input series at 0.
+    for name in [
+        "mstar_chunking_rows_waiting",
+        "mstar_chunking_rows_mid_prefill",
+        "mstar_chunking_rows_continuing",
+        "mstar_chunking_prepared_inputs",
+        "mstar_chunking_prepared_input_tokens",
+    ] {
+        let labels = [("model", "model-idle"), ("node", "llm")];
+        assert_eq!(value(&seen, name, &labels), Some(0.0), "{name}");
+    }
     // The first set_budgets of each is not a reload; both results exist at 0.
     for model in ["model-a", "model-b"] {
         for result in ["ok", "error"] {

@@ -179,7 +179,8 @@ impl ChunkingManagement {
         };
         let prepared = {
             let instance = instance.clone();
-            Supervisor::start(move |_| PreparedInputs::new(instance))
+            let nodes: Vec<Name> = submodules.keys().cloned().collect();
+            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
         };
         let overruns = {
             let instance = instance.clone();
@@ -319,7 +320,7 @@ impl ChunkingManagement {
     /// Applies a serving config on top of the policies, whole; on error nothing changes.
     ///
     /// # Errors
-    /// Every refusal of SPEC §4, or no policies bound yet.
+    /// Every refusal of `docs/budgets.md#refusals`, or no policies bound yet.
     pub async fn set_budgets(&self, settings: BudgetSettings) -> Result<(), ChunkingError> {
         ask(
             &self.budgets,
@@ -424,8 +425,8 @@ impl ChunkingManagement {
 
     /// Keeps a continuing row of `rid` (decode, speculative verify) queued at `node`: it runs
     /// `estimate` tokens (1, or `k + 1` for `k` speculative tokens) in every step it fits, until
-    /// [`ChunkingManagement::finish_row`] or [`ChunkingManagement::forget_request`]. Calling it
-    /// again updates the estimate.
+    /// the request ends ([`ChunkingManagement::forget_request`]) or leaves the node
+    /// ([`ChunkingManagement::release`]). Calling it again updates the estimate.
     ///
     /// # Errors
     /// Unknown node or walk, a zero estimate, or `rid` still prefilling there.

@@ -22,12 +22,17 @@ pub(crate) struct PreparedInputs {
 }
 
 impl PreparedInputs {
-    pub(crate) fn new(instance: Instance) -> Self {
-        Self {
+    /// Holds nothing yet; the gauges of every node in `nodes` exist from now on, at 0.
+    pub(crate) fn new(instance: Instance, nodes: &[Name]) -> Self {
+        let mut this = Self {
             store: PreparedStore::default(),
             instance,
             gauges: FxHashMap::default(),
+        };
+        for node in nodes {
+            this.publish(node);
         }
+        this
     }
 
     fn publish(&mut self, node: &Name) {

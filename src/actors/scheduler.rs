@@ -54,24 +54,22 @@ impl Scheduler {
             .or_insert_with(|| instance.step(node, walk))
     }
 
-    /// Sets the queue-depth gauges of `node` from its queues.
-    fn publish_queue(&mut self, node: &str) {
-        let Some(q) = self.state.node(node) else {
-            return;
-        };
-        let counts = q.counts();
-        if !self.queue_gauges.contains_key(node) {
-            let name = q.name().clone();
-            let gauges = self.instance.queue(&name);
-            self.queue_gauges.insert(name, gauges);
-        }
-        if let Some(g) = self.queue_gauges.get(node) {
-            g.set(counts);
-        }
+    /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
+    fn publish_queue(&mut self, node: &Name) {
+        let counts = self
+            .state
+            .node(node)
+            .map(|q| q.counts())
+            .unwrap_or_default();
+        let instance = &self.instance;
+        self.queue_gauges
+            .entry(node.clone())
+            .or_insert_with(|| instance.queue(node))
+            .set(counts);
     }
 
     fn publish_all_queues(&mut self) {
-        let nodes: Vec<Name> = self.state.node_names().cloned().collect();
+        let nodes: Vec<Name> = self.queue_gauges.keys().cloned().collect();
         for n in nodes {
             self.publish_queue(&n);
         }
@@ -137,7 +135,12 @@ impl Handler<UseSnapshot> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: UseSnapshot, _: &mut Self::Context) {
+        // Every node's queue-depth series exists from the first snapshot on, at 0.
+        let nodes: Vec<Name> = msg.0.table().model().nodes().cloned().collect();
         self.state.set_snapshot(msg.0);
+        for node in &nodes {
+            self.publish_queue(node);
+        }
     }
 }
 
@@ -416,7 +419,7 @@ mod tests {
         .shared();
         let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
         let instance = Instance::new("test".into());
-        let prepared = PreparedInputs::new(instance.clone()).start();
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
         let overruns = OverrunAccounting::new(instance.clone()).start();
         let scheduler = Scheduler::new(instance, prepared.clone(), overruns).start();
         scheduler

@@ -1,5 +1,5 @@
 //! Property tests over the scheduler's pure state: random prompts, decode rows, budgets,
-//! floors and aligns, run to completion, checked against the invariants of SPEC §2 and §5.
+//! floors and aligns, run to completion, checked against the invariants of docs/ranges.md#invariants and docs/scheduling.md#planner-rules.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
