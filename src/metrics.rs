@@ -873,6 +873,7 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "prometheus")]
     #[test]
     fn the_exporter_renders_histograms_with_our_buckets() {
         let recorder = exporter::prometheus_builder().build_recorder();
@@ -905,6 +906,7 @@ mod tests {
         )));
     }
 
+    #[cfg(feature = "prometheus")]
     #[test]
     fn known_label_combinations_are_exported_at_zero_before_any_event() {
         let recorder = exporter::prometheus_builder().build_recorder();
@@ -939,6 +941,7 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "prometheus")]
     #[test]
     fn two_instances_export_separate_series() {
         let recorder = exporter::prometheus_builder().build_recorder();
@@ -953,6 +956,7 @@ mod tests {
         assert!(text.contains(&format!("{PREPARED_INPUTS}{{model=\"b\",node=\"llm\"}} 5")));
     }
 
+    #[cfg(feature = "prometheus")]
     #[test]
     fn an_address_in_use_is_a_clear_startup_error() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

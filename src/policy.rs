@@ -23,6 +23,15 @@ pub const NO_CHUNKING: ChunkingPolicy = ChunkingPolicy {
 
 impl ChunkingPolicy {
     /// A policy with a budget and no alignment.
+    ///
+    /// ```
+    /// use mstar_chunking::{ChunkingPolicy, NO_CHUNKING};
+    ///
+    /// // 4,096 tokens a step; non-final chunks end on a multiple of 16 (a paged KV cache).
+    /// let p = ChunkingPolicy::budget(4096).aligned(16);
+    /// assert_eq!((p.max_batch_tokens, p.align), (Some(4096), 16));
+    /// assert_eq!(NO_CHUNKING.max_batch_tokens, None);
+    /// ```
     pub fn budget(max_batch_tokens: u32) -> Self {
         Self {
             max_batch_tokens: Some(max_batch_tokens),

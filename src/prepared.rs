@@ -79,6 +79,14 @@ impl PreparedInput {
     }
 
     /// A view of tokens `range` (no copy).
+    ///
+    /// ```
+    /// use mstar_chunking::PreparedInput;
+    ///
+    /// let whole = PreparedInput::tokens(vec![10, 11, 12, 13, 14]);
+    /// let chunk = whole.cut(1..4);
+    /// assert_eq!(chunk.token_ids(), &[11, 12, 13]);
+    /// ```
     pub fn cut(&self, range: Range<usize>) -> ChunkInput {
         ChunkInput {
             input: self.clone(),

@@ -53,6 +53,17 @@ impl ChunkRange {
     }
 
     /// Builds the first or a later chunk depending on whether the row has run a chunk before.
+    ///
+    /// ```
+    /// use mstar_chunking::ChunkRange;
+    ///
+    /// // A 1,000-token prompt with a 300-token cached prefix, cut at 512 then finished.
+    /// let first = ChunkRange::new(true, 300, 512, 1000);
+    /// let last = ChunkRange::new(false, 512, 1000, 1000);
+    /// assert_eq!((first.stride, first.tokens()), (512, 212)); // the Loop counts from 0
+    /// assert_eq!(first.stride + last.stride, 1000);
+    /// assert!(last.is_final() && !first.is_final());
+    /// ```
     pub fn new(first: bool, start: u32, end: u32, total: u32) -> Self {
         if first {
             Self::first(start, end, total)

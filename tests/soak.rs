@@ -100,9 +100,9 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
                 }
             }
             step += 1;
-            if step % 97 == 0 {
+            if step.is_multiple_of(97) {
                 // Abort an active request: prefilling or decoding, alternately.
-                let pool: Vec<u64> = if step % 2 == 0 { prefilling.keys().copied().collect() } else { decoding.keys().copied().collect() };
+                let pool: Vec<u64> = if step.is_multiple_of(2) { prefilling.keys().copied().collect() } else { decoding.keys().copied().collect() };
                 if !pool.is_empty() {
                     let pick = pool[rng.gen_range(0..pool.len())];
                     prefilling.remove(&pick);
@@ -111,12 +111,12 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
                     aborted += 1;
                 }
             }
-            if step % 500 == 0 {
+            if step.is_multiple_of(500) {
                 budget = if budget == 2048 { 1024 } else { 2048 };
                 cm.set_budgets(settings(&demo, budget, 64)).await.unwrap();
                 reloads += 1;
             }
-            if step % 1000 == 0 {
+            if step.is_multiple_of(1000) {
                 assert!(cm.set_budgets(settings(&demo, 0, 0)).await.is_err());
                 refused += 1;
                 assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget as u32));

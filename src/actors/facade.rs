@@ -319,6 +319,22 @@ impl ChunkingManagement {
 
     /// Applies a serving config on top of the policies, whole; on error nothing changes.
     ///
+    /// ```
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
+    /// use std::num::NonZeroU32;
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// let bad = BudgetSettings::new(["prefill"]).budget("ghost", NonZeroU32::new(64));
+    /// let err = cm.set_budgets(bad).await.unwrap_err();
+    /// let problems = err.budget_errors().expect("a budget refusal");
+    /// assert!(problems.to_string().contains("`ghost`"));
+    /// assert_eq!(cm.max_batch_tokens("llm", "prefill").await?, Some(256), "nothing changed");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     /// Every refusal of `docs/budgets.md#refusals`, or no policies bound yet.
     pub async fn set_budgets(&self, settings: BudgetSettings) -> Result<(), ChunkingError> {
@@ -517,6 +533,22 @@ impl ChunkingManagement {
     /// is released, no overrun is checked, and the node can assemble again (the same rows are
     /// planned again under the budgets then in force).
     ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), 0).await?;
+    /// let batch = cm.assemble("llm", "prefill").await?;
+    /// cm.abandon("llm", batch.step).await?; // e.g. the engine is draining
+    /// let again = cm.assemble("llm", "prefill").await?;
+    /// assert_ne!(again.step, batch.step);
+    /// assert_eq!(again.rows[0].work, batch.rows[0].work, "the same chunk, planned again");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     /// No step `step` of `node` is in flight.
     pub async fn abandon(&self, node: &str, step: u64) -> Result<(), ChunkingError> {
@@ -583,6 +615,20 @@ impl ChunkingManagement {
     /// but do not advance. Unknown rids are a no-op; the rid can be admitted again.
     ///
     /// This is the one way to end a request (`docs/scheduling.md#ending-a-request`).
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "decode"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 1000]), 0).await?;
+    /// cm.forget_request(1).await?; // the client went away mid-prefill
+    /// assert_eq!(cm.prepared_totals().await?, (0, 0), "its input is dropped");
+    /// cm.forget_request(1).await?; // a no-op
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     /// An actor did not answer.
