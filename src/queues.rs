@@ -17,8 +17,9 @@ pub struct NodeQueues {
     cont: Vec<ContRow>,
     /// Prefill rows, sorted by `seq`, until their final chunk completes.
     prefill: Vec<PrefillRow>,
-    /// `rid -> seq`: a request keeps one admission position per node while it has a row here,
-    /// so its decode rows keep the place its prompt had.
+    /// `rid -> seq`: the admission position of each request with a row here. A prompt keeps
+    /// its position until its final chunk; its continuing row, registered after that, joins
+    /// at the end of the order (continuing rows are FCFS by when they started decoding).
     seq_of: FxHashMap<u64, u64>,
     next_seq: u64,
     /// Prefill rows with a completed chunk (`started`), kept so the queue-depth gauges cost
