@@ -46,6 +46,14 @@ pub enum FitError {
         /// The refused value.
         value: f64,
     },
+    /// A step feature is negative, NaN or infinite.
+    #[error("step feature `{key}` must be a finite number >= 0, got {value}")]
+    BadFeature {
+        /// The feature: `tokens`, `kv_tokens` or `attention_pairs`.
+        key: &'static str,
+        /// The refused value.
+        value: f64,
+    },
     /// There is nothing to fit.
     #[error("no steps to fit")]
     NoSamples,
@@ -143,6 +151,21 @@ impl Sample {
             attention_pairs,
             ms: check_measurement(ms)?,
         })
+    }
+
+    /// The regressors, once the measurement and every feature are checked finite and `>= 0`.
+    fn checked(&self) -> Result<[f64; 4], FitError> {
+        check_measurement(self.ms)?;
+        for (key, value) in ["tokens", "kv_tokens", "attention_pairs"].into_iter().zip([
+            self.tokens,
+            self.kv_tokens,
+            self.attention_pairs,
+        ]) {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(FitError::BadFeature { key, value });
+            }
+        }
+        Ok(self.x())
     }
 
     /// The regressors `[1, T, K, A]`, in the order of the coefficients.
@@ -476,18 +499,10 @@ impl OnlineFit {
     /// [`OnlineFit::observe`] for a sample already in `f64`s.
     ///
     /// # Errors
-    /// [`FitError::BadMeasurement`] as there; also when a feature is negative or not finite.
+    /// [`FitError::BadMeasurement`] as there; [`FitError::BadFeature`] when a feature is
+    /// negative or not finite.
     pub fn observe_sample(&mut self, s: &Sample) -> Result<(), FitError> {
-        check_measurement(s.ms)?;
-        let x = s.x();
-        if x.iter().any(|v| !(v.is_finite() && *v >= 0.0)) {
-            return Err(FitError::BadMeasurement {
-                value: x
-                    .into_iter()
-                    .find(|v| !(v.is_finite() && *v >= 0.0))
-                    .unwrap_or(f64::NAN),
-            });
-        }
+        let x = s.checked()?;
         self.normal.decay(self.config.forgetting);
         self.normal.add(&x, s.ms);
         self.samples = self.samples.saturating_add(1);
@@ -558,19 +573,15 @@ pub struct FitReport {
 /// Fits the model to `samples`, all weighted alike.
 ///
 /// # Errors
-/// [`FitError::NoSamples`] when `samples` is empty; [`FitError::BadMeasurement`] for a
-/// negative or non-finite value.
+/// [`FitError::NoSamples`] when `samples` is empty; [`FitError::BadMeasurement`] or
+/// [`FitError::BadFeature`] for a negative or non-finite value.
 pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
     if samples.is_empty() {
         return Err(FitError::NoSamples);
     }
     let mut normal = Normal::default();
     for s in samples {
-        check_measurement(s.ms)?;
-        let x = s.x();
-        if let Some(&value) = x.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
-            return Err(FitError::BadMeasurement { value });
-        }
+        let x = s.checked()?;
         normal.add(&x, s.ms);
     }
     let model = to_model(normal.solve());

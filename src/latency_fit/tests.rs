@@ -340,7 +340,20 @@ fn bad_measurements_are_refused_and_change_nothing() {
         attention_pairs: 0.0,
         ms: 1.0,
     };
-    assert!(fit.observe_sample(&neg).is_err());
+    let err = fit.observe_sample(&neg).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "step feature `tokens` must be a finite number >= 0, got -1"
+    );
+    let nan = Sample {
+        attention_pairs: f64::NAN,
+        ..neg
+    };
+    let err = fit_samples(&[nan]).unwrap_err();
+    assert!(err.to_string().contains("`tokens`"), "{err}");
+    let nan = Sample { tokens: 1.0, ..nan };
+    let err = fit_samples(&[nan]).unwrap_err();
+    assert!(err.to_string().contains("`attention_pairs`"), "{err}");
     assert_eq!(fit, before);
     // Zero is a measurement.
     fit.observe(&f, 0.0).unwrap();
@@ -696,4 +709,30 @@ fn error_quantiles_are_nearest_rank() {
     }
     assert!(r.r_squared.unwrap().abs() < 1e-12);
     assert!(matches!(fit_samples(&[]), Err(FitError::NoSamples)));
+}
+
+#[test]
+fn collinear_columns_give_one_of_the_optimal_fits() {
+    // Decode-only steps whose rows all hold 30,000 tokens of context: K = 30,000·T exactly, so
+    // only `per_token_ms + 30,000·per_kv_token_ms` is determined. Any split that predicts the
+    // steps is right; it must be finite, non-negative and exact on the data.
+    let m = model([4.0, 0.05, 2e-4, 0.0]);
+    let s: Vec<Sample> = (1..200u32)
+        .map(|rows| {
+            let mut f = StepFeatures::EMPTY;
+            for _ in 0..rows {
+                f.add_continuing(1, 30_000);
+            }
+            Sample::new(&f, m.predict_ms(&f)).unwrap()
+        })
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    let c = r.model.coefficients();
+    assert!(
+        (c[1] + 30_000.0 * c[2] - (0.05 + 30_000.0 * 2e-4)).abs() < 1e-9,
+        "{c:?}"
+    );
+    assert!((c[0] - 4.0).abs() < 1e-6, "{c:?}");
+    assert!(r.abs_error_ms.max < 1e-6, "{r:?}");
+    assert_kkt(&s, c);
 }
