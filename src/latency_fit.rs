@@ -9,7 +9,7 @@
 //!   [`render_toml`] prints the result as a `[chunking.cost.<node>]` table.
 //!
 //! Both solve the same problem exactly: the least-squares coefficients under the constraint
-//! that every coefficient is `>= 0` ([`Normal::solve`]).
+//! that every coefficient is `>= 0` (see `Normal::solve`).
 
 use std::fmt::Write as _;
 use std::fs::File;
