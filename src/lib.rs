@@ -48,9 +48,6 @@ pub mod actors;
 pub mod budget;
 pub mod cli;
 pub mod error;
-pub mod latency;
-pub mod latency_fit;
-pub mod latency_presets;
 pub mod logging;
 pub mod manifest;
 pub mod metrics;
@@ -65,6 +62,11 @@ pub mod replay;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;
+// Cost-aware chunking (docs/cost-model.md).
+pub mod latency;
+pub mod latency_fit;
+pub mod latency_fit_file;
+pub mod latency_presets;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;

@@ -1,31 +1,66 @@
-use std::io::Write as _;
-
 use proptest::prelude::*;
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 
 use super::*;
+use crate::latency::COEFFICIENT_KEYS;
 
-fn model(c: [f64; 4]) -> LatencyModel {
+/// A seeded SplitMix64: deterministic test data without `rand`, which the engine core does
+/// not depend on.
+pub(crate) struct TestRng(u64);
+
+impl TestRng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `lo..hi` (`lo < hi`; the modulo bias is irrelevant here).
+    pub(crate) fn below(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub(crate) fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// True with probability `p`.
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+}
+
+pub(crate) fn model(c: [f64; 4]) -> LatencyModel {
     LatencyModel::from_coefficients(c).unwrap()
 }
 
 /// The A100 preset's coefficients: realistic magnitudes (A to 1e9 and more).
-const TRUE: [f64; 4] = [5.7, 0.0624, 3.3e-4, 3.4e-6];
+pub(crate) const TRUE: [f64; 4] = [5.7, 0.0624, 3.3e-4, 3.4e-6];
 
 /// The shape of random steps: how many decode rows, how long their contexts, where chunks
 /// start and how long they are.
 #[derive(Clone, Copy)]
-struct Workload {
-    decode_rows: usize,
+pub(crate) struct Workload {
+    decode_rows: u64,
     context: u64,
-    chunk_start: u32,
-    chunk_len: u32,
+    chunk_start: u64,
+    chunk_len: u64,
 }
 
 /// Long contexts: decode rows reading up to 40k tokens, chunks up to 60k deep. Steps of
 /// hundreds of ms, where `base_ms` is a few percent of a step.
-const HEAVY: Workload = Workload {
+pub(crate) const HEAVY: Workload = Workload {
     decode_rows: 64,
     context: 40_000,
     chunk_start: 60_000,
@@ -33,7 +68,7 @@ const HEAVY: Workload = Workload {
 };
 
 /// Short prompts and contexts: steps of ~10–30 ms, where `base_ms` carries real weight.
-const LIGHT: Workload = Workload {
+pub(crate) const LIGHT: Workload = Workload {
     decode_rows: 8,
     context: 2000,
     chunk_start: 2000,
@@ -42,34 +77,34 @@ const LIGHT: Workload = Workload {
 
 /// A random step as the planner makes them: some decode rows, maybe a chunk somewhere in a
 /// prompt.
-fn random_step(rng: &mut SmallRng) -> StepFeatures {
+pub(crate) fn random_step(rng: &mut TestRng) -> StepFeatures {
     random_step_of(rng, HEAVY)
 }
 
-fn random_step_of(rng: &mut SmallRng, w: Workload) -> StepFeatures {
+pub(crate) fn random_step_of(rng: &mut TestRng, w: Workload) -> StepFeatures {
     let mut f = StepFeatures::EMPTY;
-    for _ in 0..rng.gen_range(0..w.decode_rows) {
-        f.add_continuing(1, rng.gen_range(100..w.context));
+    for _ in 0..rng.below(0, w.decode_rows) {
+        f.add_continuing(1, rng.below(100, w.context));
     }
-    if rng.gen_bool(0.7) {
-        let start = rng.gen_range(0..w.chunk_start);
-        f.add_chunk(start, start + rng.gen_range(1..w.chunk_len));
+    if rng.chance(0.7) {
+        let start = rng.below(0, w.chunk_start) as u32;
+        f.add_chunk(start, start + rng.below(1, w.chunk_len) as u32);
     }
     f
 }
 
-fn samples(seed: u64, n: usize, c: [f64; 4], noise: f64) -> Vec<Sample> {
+pub(crate) fn samples(seed: u64, n: usize, c: [f64; 4], noise: f64) -> Vec<Sample> {
     samples_of(seed, n, c, noise, HEAVY)
 }
 
-fn samples_of(seed: u64, n: usize, c: [f64; 4], noise: f64, w: Workload) -> Vec<Sample> {
-    let mut rng = SmallRng::seed_from_u64(seed);
+pub(crate) fn samples_of(seed: u64, n: usize, c: [f64; 4], noise: f64, w: Workload) -> Vec<Sample> {
+    let mut rng = TestRng::new(seed);
     let m = model(c);
     (0..n)
         .map(|_| {
             let f = random_step_of(&mut rng, w);
             let factor = if noise > 0.0 {
-                rng.gen_range(1.0 - noise..=1.0 + noise)
+                rng.uniform(1.0 - noise, 1.0 + noise)
             } else {
                 1.0
             };
@@ -78,7 +113,7 @@ fn samples_of(seed: u64, n: usize, c: [f64; 4], noise: f64, w: Workload) -> Vec<
         .collect()
 }
 
-fn assert_close(got: [f64; 4], want: [f64; 4], rel: f64) {
+pub(crate) fn assert_close(got: [f64; 4], want: [f64; 4], rel: f64) {
     for (i, (g, w)) in got.into_iter().zip(want).enumerate() {
         assert!(
             (g - w).abs() <= rel * w.abs(),
@@ -157,7 +192,7 @@ fn a_column_the_data_never_exercises_gets_zero() {
 #[test]
 fn coefficients_stay_non_negative_when_the_data_prefers_a_negative_one() {
     // Time that falls with context: least squares would give `per_kv_token_ms` < 0.
-    let mut rng = SmallRng::seed_from_u64(3);
+    let mut rng = TestRng::new(3);
     let s: Vec<Sample> = (0..400)
         .map(|_| {
             let f = random_step(&mut rng);
@@ -238,13 +273,13 @@ proptest! {
             let v = c[j] * scale[j];
             if signs[j] { v } else { -v }
         });
-        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut rng = TestRng::new(seed);
         let s: Vec<Sample> = (0..n)
             .map(|_| {
                 let f = random_step(&mut rng);
                 let [t, k, a] = f.to_f64();
                 let y = truth[0] + truth[1] * t + truth[2] * k + truth[3] * a;
-                let y = (y * rng.gen_range(1.0 - noise..=1.0 + noise)).max(0.0);
+                let y = (y * rng.uniform(1.0 - noise, 1.0 + noise)).max(0.0);
                 Sample { tokens: t, kv_tokens: k, attention_pairs: a, ms: y }
             })
             .collect();
@@ -388,308 +423,6 @@ fn settings_are_checked() {
         max_relative_rms: 1e-9
     })
     .is_ok());
-}
-
-// === files ===
-
-fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
-    let p = dir.path().join(name);
-    std::fs::File::create(&p)
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    p
-}
-
-fn csv_text(s: &[Sample]) -> String {
-    let mut out = String::from("ms, tokens,kv_tokens,attention_pairs,step\n");
-    for (i, x) in s.iter().enumerate() {
-        out += &format!(
-            "{:?},{},{},{},{i}\n",
-            x.ms, x.tokens, x.kv_tokens, x.attention_pairs
-        );
-    }
-    out
-}
-
-#[test]
-fn fits_a_csv() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = samples(31, 300, TRUE, 0.0);
-    let p = write(&dir, "steps.csv", &csv_text(&s));
-    let (input, r) = fit_file(&p).unwrap();
-    assert_eq!(input, FitInput::Csv);
-    assert_eq!(r.samples, 300);
-    assert_close(r.model.coefficients(), TRUE, 1e-6);
-}
-
-/// A step-log line as `replay --step-log` writes it (with the cost-aware keys).
-fn log_line(step: u64, rows: &[(&str, u32, u32, u64)], ms: f64, ran: Option<u64>) -> String {
-    let rows: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|&(kind, a, b, ctx)| {
-            if kind == "chunk" {
-                serde_json::json!({"rid": 1, "walk": "prefill", "kind": "chunk", "tokens": b - a,
-                    "start": a, "end": b, "total": b + 10, "stride": b - a, "final": false})
-            } else {
-                serde_json::json!({"rid": 2, "walk": "decode", "kind": "continue", "tokens": a,
-                    "context": ctx})
-            }
-        })
-        .collect();
-    let mut v = serde_json::json!({"step": step, "t_ms": 0.0, "node": "llm", "walk": "mixed",
-        "budget": 8192, "floor": 64, "caps": null, "rows": rows, "scheduled_tokens": 0,
-        "overrun": null, "waiting": 0, "ms": ms, "predicted_ms": null, "max_step_ms": null,
-        "time_overrun": null});
-    if let Some(ran) = ran {
-        v["ran_tokens"] = ran.into();
-    }
-    v.to_string()
-}
-
-#[test]
-fn fits_a_step_log() {
-    let m = model(TRUE);
-    let mut rng = SmallRng::seed_from_u64(41);
-    let mut text = String::from("\n");
-    for step in 0..300 {
-        let mut rows = Vec::new();
-        let mut f = StepFeatures::EMPTY;
-        for _ in 0..rng.gen_range(0..20) {
-            let ctx = rng.gen_range(10..30_000u64);
-            rows.push(("continue", 1, 0, ctx));
-            f.add_continuing(1, ctx);
-        }
-        if rng.gen_bool(0.8) {
-            let s = rng.gen_range(0..50_000u32);
-            let e = s + rng.gen_range(1..2048);
-            rows.push(("chunk", s, e, 0));
-            f.add_chunk(s, e);
-        }
-        text += &log_line(step, &rows, m.predict_ms(&f), None);
-        text += "\n";
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let p = write(&dir, "steps.jsonl", &text);
-    let (input, r) = fit_file(&p).unwrap();
-    assert_eq!(input, FitInput::StepLog);
-    assert_eq!(r.samples, 300);
-    assert_close(r.model.coefficients(), TRUE, 1e-6);
-}
-
-#[test]
-fn a_step_log_counts_what_the_step_ran() {
-    let text = log_line(
-        0,
-        &[
-            ("continue", 3, 0, 500),
-            ("continue", 1, 0, 20),
-            ("chunk", 100, 164, 0),
-        ],
-        9.0,
-        Some(70),
-    );
-    let step: LogStep = serde_json::from_str(&text).unwrap();
-    let s = step_sample(&step).unwrap();
-    assert_eq!(
-        s,
-        Sample {
-            tokens: 70.0, // ran_tokens, not the 68 scheduled
-            kv_tokens: 520.0,
-            attention_pairs: chunk_attention_pairs(100, 164) as f64,
-            ms: 9.0
-        }
-    );
-}
-
-fn file_error(text: &str) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let p = write(&dir, "in.txt", text);
-    fit_file(&p).unwrap_err().to_string()
-}
-
-#[test]
-fn bad_lines_are_named() {
-    let good = log_line(0, &[("chunk", 0, 64, 0)], 5.0, None);
-    // A continuing row without its context.
-    let no_ctx = good.replace(
-        r#""rows":["#,
-        r#""rows":[{"kind":"continue","tokens":1,"rid":3,"walk":"decode"},"#,
-    );
-    let e = file_error(&format!("{good}\n{no_ctx}\n"));
-    assert!(
-        e.ends_with(
-            "in.txt:2: row 0: a continuing row needs its `context` to fit `per_kv_token_ms`"
-        ),
-        "{e}"
-    );
-    // Not JSON.
-    let e = file_error(&format!("{good}\n\n{{oops\n"));
-    assert!(e.contains("in.txt:3: not a step-log step"), "{e}");
-    // No `ms`.
-    let e = file_error(&good.replace(r#""ms":5.0"#, r#""ms":null"#));
-    assert!(e.contains("in.txt:1: the step has no `ms`"), "{e}");
-    // A negative time.
-    let e = file_error(&good.replace(r#""ms":5.0"#, r#""ms":-5.0"#));
-    assert!(e.contains("in.txt:1: a measured step time must be"), "{e}");
-    // A chunk whose tokens do not match its range.
-    let e = file_error(&good.replace(r#""tokens":64"#, r#""tokens":65"#));
-    assert!(
-        e.contains("in.txt:1: row 0: a chunk of 65 tokens cannot run [0, 64)"),
-        "{e}"
-    );
-    // An unknown row kind.
-    let e = file_error(&good.replace(r#""kind":"chunk""#, r#""kind":"verify""#));
-    assert!(
-        e.contains("in.txt:1: not a step-log step") && e.contains("verify"),
-        "{e}"
-    );
-
-    // CSV: no header, a missing column, a bad number, a negative value, a short row.
-    let e = file_error("100,0,5050,12.0\n");
-    assert!(
-        e.contains(
-            "in.txt:1: the header must name the columns tokens,kv_tokens,attention_pairs,ms"
-        ),
-        "{e}"
-    );
-    let e = file_error("tokens,kv_tokens,ms\n1,2,3\n");
-    assert!(e.ends_with("missing: attention_pairs"), "{e}");
-    let e = file_error("tokens,kv_tokens,attention_pairs,ms\n1,2,3,4\n1,2,x,4\n");
-    assert!(e.contains("in.txt:3:"), "{e}");
-    let e = file_error("tokens,kv_tokens,attention_pairs,ms\n1,2,3,4\n1,2,3,-4\n");
-    assert!(
-        e.ends_with("in.txt:3: `ms` must be a finite number >= 0, got -4"),
-        "{e}"
-    );
-    let e = file_error("tokens,kv_tokens,attention_pairs,ms\n1,2,3,NaN\n");
-    assert!(
-        e.ends_with("in.txt:2: `ms` must be a finite number >= 0, got NaN"),
-        "{e}"
-    );
-    let e = file_error("tokens,kv_tokens,attention_pairs,ms\n1,2,3,4\n1,2\n");
-    assert!(e.contains("in.txt:3:"), "{e}");
-
-    // Nothing to fit.
-    let e = file_error("  \n\n");
-    assert!(e.ends_with("in.txt: no steps to fit"), "{e}");
-    let e = file_error("tokens,kv_tokens,attention_pairs,ms\n");
-    assert!(e.ends_with("in.txt: no steps to fit"), "{e}");
-}
-
-#[test]
-fn inputs_are_bounded() {
-    let dir = tempfile::tempdir().unwrap();
-    let small = Limits {
-        file_bytes: 4096,
-        line_bytes: 100,
-        samples: 3,
-    };
-    let line = "tokens,kv_tokens,attention_pairs,ms\n";
-    // A line longer than the limit, on line 3.
-    let p = write(
-        &dir,
-        "long.csv",
-        &format!("{line}1,2,3,4\n{}\n", "9".repeat(200)),
-    );
-    let e = read_samples_with(&p, small).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            FitError::LineTooLong {
-                line: 3,
-                limit: 100,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    assert!(
-        e.to_string()
-            .ends_with("long.csv:3: line longer than the 100 bytes `fit` reads"),
-        "{e}"
-    );
-    // The same in a step log.
-    let p = write(
-        &dir,
-        "long.jsonl",
-        &format!("{{\"rows\": [], \"ms\": 1}}\n{{{}}}\n", " ".repeat(200)),
-    );
-    let e = read_samples_with(&p, small).unwrap_err();
-    assert!(matches!(e, FitError::LineTooLong { line: 2, .. }), "{e}");
-    // Too many steps.
-    let p = write(
-        &dir,
-        "many.csv",
-        &format!("{line}{}", "1,2,3,4\n".repeat(4)),
-    );
-    let e = read_samples_with(&p, small).unwrap_err();
-    assert!(
-        matches!(e, FitError::TooManySamples { limit: 3, .. }),
-        "{e}"
-    );
-    let p = write(
-        &dir,
-        "three.csv",
-        &format!("{line}{}", "1,2,3,4\n".repeat(3)),
-    );
-    assert_eq!(read_samples_with(&p, small).unwrap().1.len(), 3);
-    // Too large, by its size and while reading.
-    let p = write(
-        &dir,
-        "big.csv",
-        &format!("{line}{}", "1,2,3,4\n".repeat(600)),
-    );
-    let e = read_samples_with(&p, small).unwrap_err();
-    assert!(
-        matches!(e, FitError::FileTooLarge { limit: 4096, .. }),
-        "{e}"
-    );
-    let mut capped = Capped::new(std::fs::File::open(&p).unwrap(), small);
-    let e = io::copy(&mut capped, &mut io::sink()).unwrap_err();
-    assert!(matches!(limit_error(&p, e), FitError::FileTooLarge { .. }));
-    // Not a regular file: a directory, a device; and a missing file.
-    for p in [dir.path(), Path::new("/dev/null")] {
-        let e = fit_file(p).unwrap_err();
-        assert!(
-            e.to_string()
-                .ends_with("not a regular file; `fit` reads a step log or a CSV file"),
-            "{e}"
-        );
-    }
-    let e = fit_file(&dir.path().join("absent.csv")).unwrap_err();
-    assert!(
-        matches!(e, FitError::Io { .. }) && e.to_string().contains("absent.csv"),
-        "{e}"
-    );
-}
-
-#[test]
-fn renders_a_toml_snippet_that_parses_back() {
-    let r = fit_samples(&samples(51, 300, TRUE, 0.05)).unwrap();
-    for node in ["llm", "my node \"x\"\nnext", "thinker-2"] {
-        let text = render_toml(&r, node, "odd\nname.csv");
-        // Comments stay comments: the name's newline is escaped.
-        assert_eq!(
-            text.lines().filter(|l| l.starts_with('[')).count(),
-            1,
-            "{text}"
-        );
-        let doc: toml::Table = toml::from_str(&text).unwrap();
-        let table = &doc["chunking"]["cost"][node];
-        let parsed: LatencyModel = table.clone().try_into().unwrap();
-        assert_close(parsed.coefficients(), r.model.coefficients(), 1e-5);
-    }
-    let text = render_toml(&r, "llm", "steps.csv");
-    assert!(text.contains("\n[chunking.cost.llm]\nbase_ms = "), "{text}");
-    assert!(
-        text.starts_with("# fitted by `mstar-chunking fit` from \"steps.csv\": 300 steps, R² 0.99"),
-        "{text}"
-    );
-    assert_eq!(toml_float(3.5e-6), "3.5e-6");
-    assert_eq!(toml_float(0.0623790322), "0.062379");
-    assert_eq!(toml_float(5.0), "5.0");
-    assert_eq!(toml_float(0.0), "0.0");
 }
 
 #[test]
