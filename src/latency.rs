@@ -770,6 +770,7 @@ mod tests {
         let mut f = StepFeatures::EMPTY;
         f.add_continuing(1, (1 << 24) + 5000);
         f.add_chunk(0, 1 << 23);
+        // Aligned, so the largest candidate past the aligned ends is never an unaligned final.
         let total = 1u32 << 24;
         for max_ms in [1e3, 1e5, 1e7, 1e8] {
             for start in [0, (1 << 24) - 100_000, total - 1] {
@@ -782,9 +783,6 @@ mod tests {
                         assert_eq!(e % 16, 0);
                         let next = e + 16;
                         assert!(next > total || m.predict_ms(&f.with_chunk(start, next)) > max_ms);
-                        if next > total && total % 16 != 0 {
-                            assert!(m.predict_ms(&f.with_chunk(start, total)) > max_ms);
-                        }
                     }
                 } else {
                     let first = (start / 16 + 1) * 16;
