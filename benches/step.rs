@@ -151,7 +151,7 @@ fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
     state.set_snapshot(snapshot);
     for rid in 1..=w.decode_rows {
         state
-            .continue_row(rid, NODE, "decode", 1)
+            .continue_row(rid, NODE, "decode", 1, None)
             .expect("decode row");
     }
     let mut next_rid = FIRST_PROMPT_RID;
@@ -169,7 +169,7 @@ fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
             .into_batch();
         ran.clear();
         ran.extend(batch.rows.iter().map(|r| r.tokens()));
-        let outcome = state.complete(batch.step, &ran).expect("complete");
+        let outcome = state.complete(batch.step, &ran, None).expect("complete");
         for _ in &outcome.finished {
             state
                 .admit(next_rid, NODE, "prefill", w.prompt_tokens, 0)

@@ -9,6 +9,7 @@ use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use crate::latency::LatencyModel;
 use crate::policy::{ChunkingPolicy, ModelPolicies};
 use crate::Name;
 
@@ -51,8 +52,48 @@ pub enum NodeBudget {
     PerWalk(BTreeMap<Name, BudgetValue>),
 }
 
+/// One time budget as a serving config writes it (`chunking.max_step_ms`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TimeBudget {
+    /// The most milliseconds a step may be predicted to take; refused unless finite and > 0.
+    Ms(f64),
+    /// No time budget for the walk.
+    Off,
+}
+
+impl fmt::Display for TimeBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TimeBudget::Ms(ms) => write!(f, "{ms}"),
+            TimeBudget::Off => f.write_str("off"),
+        }
+    }
+}
+
+/// A node's time budgets: one for every walk the model budgets there, or one per walk.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeTimeBudget {
+    /// One time budget for every walk the model budgets on the node.
+    All(TimeBudget),
+    /// A time budget per walk.
+    PerWalk(BTreeMap<Name, TimeBudget>),
+}
+
+/// Cost-aware chunking's settings (`docs/cost-model.md`): time budgets and where the latency
+/// model comes from.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TimeSettings {
+    /// Per node, one time budget or `walk -> ms` (`chunking.max_step_ms`).
+    pub max_step_ms: BTreeMap<Name, NodeTimeBudget>,
+    /// Per node, the latency model from config (`chunking.cost.<node>`).
+    pub cost: BTreeMap<Name, LatencyModel>,
+    /// Whether to fit each node's model online from the step times `complete_measured`
+    /// reports, and plan with it once it is trusted (`chunking.learn_cost`).
+    pub learn: bool,
+}
+
 /// The arguments of `set_budgets`: a serving config applied on top of the model's policies.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BudgetSettings {
     /// Per node, one budget or `walk -> budget`.
     pub overrides: BTreeMap<Name, NodeBudget>,
@@ -71,6 +112,8 @@ pub struct BudgetSettings {
     /// Optional: a new row is not started with a non-final chunk while this many rows would
     /// stay mid-prefill after the step. Refused when 0.
     pub max_partial_prefills: Option<u32>,
+    /// Time budgets and latency models.
+    pub time: TimeSettings,
 }
 
 /// A builder over the fields: every method takes and returns the settings, and budgets are
@@ -105,6 +148,7 @@ impl BudgetSettings {
             min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
             max_row_tokens: None,
             max_partial_prefills: None,
+            time: TimeSettings::default(),
         }
     }
 
@@ -169,6 +213,27 @@ impl BudgetSettings {
         self
     }
 
+    /// One time budget in ms for every walk the model budgets on `node`; `None` is off.
+    pub fn step_ms(mut self, node: &str, ms: Option<f64>) -> Self {
+        let value = ms.map_or(TimeBudget::Off, TimeBudget::Ms);
+        self.time
+            .max_step_ms
+            .insert(node.into(), NodeTimeBudget::All(value));
+        self
+    }
+
+    /// The latency model steps of `node` are planned with, until an online fit is trusted.
+    pub fn cost(mut self, node: &str, model: LatencyModel) -> Self {
+        self.time.cost.insert(node.into(), model);
+        self
+    }
+
+    /// Fits each node's latency model online from measured step times.
+    pub fn learn_cost(mut self, learn: bool) -> Self {
+        self.time.learn = learn;
+        self
+    }
+
     /// Chunks nothing on `node` (sequence parallelism).
     pub fn no_chunking(mut self, node: &str) -> Self {
         self.no_chunking.insert(node.into());
@@ -186,13 +251,14 @@ impl BudgetSettings {
             min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
             max_row_tokens: None,
             max_partial_prefills: None,
+            time: TimeSettings::default(),
         }
     }
 }
 
 /// Why a setting was refused. Each names the node, the walk and the rule it breaks
 /// (`docs/budgets.md#refusals`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BudgetError {
     /// `set_budgets` before `set_policies`.
     #[error("no model policies are bound yet: `set_budgets` runs after `set_policies`")]
@@ -283,6 +349,40 @@ pub enum BudgetError {
         /// The policy's `align`.
         align: u32,
     },
+    /// A time budget that is not a finite number of milliseconds above 0.
+    #[error("time budget for `{node}`{} must be a finite number of milliseconds above 0, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
+    BadTimeBudget {
+        /// The node.
+        node: Name,
+        /// The walk, for a per-walk budget.
+        walk: Option<Name>,
+        /// The value given.
+        value: f64,
+    },
+    /// A time budget where steps are not chunked (no token budget): it would do nothing.
+    #[error("time budget for `{node}`/`{walk}` would do nothing: steps of `{walk}` on `{node}` have no token budget, so nothing is cut")]
+    TimeBudgetDoesNothing {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// A time budget on a member walk: steps run under their combined walk's time budget.
+    #[error("time budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}`, whose time budget applies; set `{combined}` instead")]
+    TimeMemberWalk {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+        /// The combined walk it runs inside.
+        combined: Name,
+    },
+    /// A time budget on a node with no latency model and no online fit.
+    #[error("time budget for `{node}` needs a latency model: set `chunking.cost.{node}` or turn on `chunking.learn_cost`")]
+    NoLatencyModel {
+        /// The node.
+        node: Name,
+    },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
@@ -296,7 +396,7 @@ pub enum BudgetError {
 }
 
 /// Every problem with a refused setting, in the order found.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{}", self.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
 pub struct BudgetErrors(pub Vec<BudgetError>);
 
@@ -308,6 +408,8 @@ pub struct BudgetTable {
     settings: BudgetSettings,
     /// Effective per-walk overrides after expanding node-wide budgets: `None` = off.
     overrides: BTreeMap<(Name, Name), Option<u32>>,
+    /// Time budgets per `(node, walk)` after expanding node-wide ones: `None` = off.
+    step_ms: BTreeMap<(Name, Name), Option<f64>>,
     /// `combined walk -> member walks`, derived from `combined_walk_of`.
     members: BTreeMap<Name, Vec<Name>>,
 }
@@ -320,6 +422,7 @@ impl BudgetTable {
             model,
             settings,
             overrides: BTreeMap::new(),
+            step_ms: BTreeMap::new(),
             members: BTreeMap::new(),
         }
     }
@@ -430,6 +533,7 @@ impl BudgetTable {
                 });
             }
         }
+        let step_ms = Self::check_time_budgets(&model, &settings, &overrides, &mut errors);
         if let Some(max_row) = settings.max_row_tokens.filter(|m| *m > 0) {
             let widest = model
                 .policies()
@@ -452,8 +556,112 @@ impl BudgetTable {
             model,
             settings,
             overrides,
+            step_ms,
             members,
         })
+    }
+
+    /// Validates `chunking.max_step_ms` and `chunking.cost` (`docs/cost-model.md#time-budgets`):
+    /// the same refusals as token budgets where a value would do nothing, plus non-finite or
+    /// non-positive values and a time budget without a latency model. Returns the accepted
+    /// `(node, walk) -> ms` (`None`: off).
+    fn check_time_budgets(
+        model: &ModelPolicies,
+        settings: &BudgetSettings,
+        overrides: &BTreeMap<(Name, Name), Option<u32>>,
+        errors: &mut Vec<BudgetError>,
+    ) -> BTreeMap<(Name, Name), Option<f64>> {
+        let time = &settings.time;
+        for node in time.cost.keys().filter(|n| !model.has_node(n)) {
+            errors.push(BudgetError::UnknownNode {
+                setting: "cost",
+                node: node.clone(),
+            });
+        }
+        let token_budget =
+            |node: &Name, walk: &Name| match overrides.get(&(node.clone(), walk.clone())) {
+                Some(over) => *over,
+                None => model.policy(node, walk).max_batch_tokens,
+            };
+        let mut accepted = BTreeMap::new();
+        for (node, budget) in &time.max_step_ms {
+            if !model.has_node(node) {
+                errors.push(BudgetError::UnknownNode {
+                    setting: "max_step_ms",
+                    node: node.clone(),
+                });
+                continue;
+            }
+            let check =
+                |walk: Option<&Name>, value: TimeBudget, errors: &mut Vec<BudgetError>| match value
+                {
+                    TimeBudget::Off => Some(None),
+                    TimeBudget::Ms(ms) if ms.is_finite() && ms > 0.0 => Some(Some(ms)),
+                    TimeBudget::Ms(value) => {
+                        errors.push(BudgetError::BadTimeBudget {
+                            node: node.clone(),
+                            walk: walk.cloned(),
+                            value,
+                        });
+                        None
+                    }
+                };
+            match budget {
+                NodeTimeBudget::All(value) => {
+                    let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
+                    if walks.is_empty() {
+                        errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
+                    }
+                    if let Some(ms) = check(None, *value, errors) {
+                        for walk in walks {
+                            accepted.insert((node.clone(), walk), ms);
+                        }
+                    }
+                }
+                NodeTimeBudget::PerWalk(walks) => {
+                    for (walk, value) in walks {
+                        let ms = check(Some(walk), *value, errors);
+                        let refusal = if !settings.walks.contains(walk) {
+                            Some(BudgetError::WalkNotServed {
+                                node: node.clone(),
+                                walk: walk.clone(),
+                            })
+                        } else if let Some(combined) = settings.combined_walk_of.get(walk) {
+                            Some(BudgetError::TimeMemberWalk {
+                                node: node.clone(),
+                                walk: walk.clone(),
+                                combined: combined.clone(),
+                            })
+                        } else if ms.flatten().is_some() && token_budget(node, walk).is_none() {
+                            Some(BudgetError::TimeBudgetDoesNothing {
+                                node: node.clone(),
+                                walk: walk.clone(),
+                            })
+                        } else {
+                            None
+                        };
+                        match (refusal, ms) {
+                            (Some(e), _) => errors.push(e),
+                            (None, Some(ms)) => {
+                                accepted.insert((node.clone(), walk.clone()), ms);
+                            }
+                            (None, None) => {}
+                        }
+                    }
+                }
+            }
+        }
+        let needs_model: BTreeSet<&Name> = accepted
+            .iter()
+            .filter(|(_, ms)| ms.is_some())
+            .map(|((node, _), _)| node)
+            .collect();
+        for node in needs_model {
+            if !time.learn && !time.cost.contains_key(node) {
+                errors.push(BudgetError::NoLatencyModel { node: node.clone() });
+            }
+        }
+        accepted
     }
 
     /// Why a per-walk override of `node`/`walk` is refused (rules 2, 5 and 3), if it is.
@@ -508,6 +716,21 @@ impl BudgetTable {
             Some(over) => *over,
             None => self.model.policy(node, walk).max_batch_tokens,
         }
+    }
+
+    /// The time budget a step of `node`/`walk` is planned under, in ms: `None` without one,
+    /// on a `no_chunking` node, or where the step has no token budget (nothing is cut).
+    pub fn max_step_ms(&self, node: &str, walk: &str) -> Option<f64> {
+        self.max_batch_tokens(node, walk)?;
+        self.step_ms
+            .get(&(Name::from(node), Name::from(walk)))
+            .copied()
+            .flatten()
+    }
+
+    /// The latency model configured for `node` (`chunking.cost.<node>`), if any.
+    pub fn cost(&self, node: &str) -> Option<LatencyModel> {
+        self.settings.time.cost.get(node).copied()
     }
 
     /// Whether rows of `walk` can be cut on `node`: the submodule's say, unless the budget is
@@ -628,6 +851,7 @@ mod tests {
             min_chunk_tokens: 64,
             max_row_tokens: None,
             max_partial_prefills: None,
+            time: TimeSettings::default(),
         }
     }
 

@@ -12,7 +12,7 @@ use crate::Name;
 ///
 /// New variants may be added: match on [`ChunkingError::kind`] or [`ChunkingError::is_retryable`]
 /// to decide what to do, and on variants for the details.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChunkingError {
     /// `admit` got a prepared input of no tokens.
@@ -135,6 +135,14 @@ pub enum ChunkingError {
         /// The tokens reported.
         ran: u32,
     },
+    /// `complete_measured` with a step time that is not a finite number of ms ≥ 0.
+    #[error("step {step}: a measured step time must be a finite number of ms ≥ 0, got {ms}")]
+    BadMeasurement {
+        /// The step.
+        step: u64,
+        /// The time reported.
+        ms: f64,
+    },
     /// A chunk's prepared input was gone when the step was cut (the request was forgotten
     /// meanwhile): the step was abandoned and that row dropped; assemble again.
     #[error("rid {rid} on `{node}` has no prepared input (forgotten while its step was assembled); the step was abandoned, assemble again")]
@@ -214,6 +222,7 @@ impl ChunkingError {
             | Self::UnknownWalk { .. }
             | Self::UnknownStep { .. }
             | Self::RanLengthMismatch { .. }
+            | Self::BadMeasurement { .. }
             | Self::PartialChunk { .. } => ErrorKind::InvalidRequest,
             Self::AlreadyQueued { .. }
             | Self::StillPrefilling { .. }

@@ -52,6 +52,11 @@ pub mod budget;
 #[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod cli;
 pub mod error;
+pub mod latency;
+pub mod latency_fit;
+#[cfg(feature = "replay")]
+pub mod latency_fit_file;
+pub mod latency_presets;
 #[cfg(feature = "cli")]
 #[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod logging;
@@ -76,11 +81,6 @@ pub mod scheduler;
 #[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod settings;
 pub mod snapshot;
-// Cost-aware chunking (docs/cost-model.md).
-pub mod latency;
-pub mod latency_fit;
-pub mod latency_fit_file;
-pub mod latency_presets;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;

@@ -261,6 +261,7 @@ impl Manifest {
             min_chunk_tokens: chunking.min_chunk_tokens,
             max_row_tokens: chunking.max_row_tokens,
             max_partial_prefills: chunking.max_partial_prefills,
+            time: Default::default(),
         }
     }
 }

@@ -15,6 +15,7 @@ use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 
+use crate::latency::{LatencyModel, ModelSource, TimeOverrunReason, COEFFICIENT_KEYS};
 use crate::overrun::OverrunReason;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
@@ -51,8 +52,21 @@ pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
 /// Continuing rows queued (gauge).
 pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
 
+/// Measured step time (histogram), from `complete_measured`.
+pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
+/// How far the latency model's prediction was from the measured step time (histogram).
+pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_error_seconds";
+/// Steps whose measured time exceeded their time budget, by reason.
+pub const TIME_OVERRUNS_TOTAL: &str = "mstar_chunking_time_overruns_total";
+/// The time budget in force (gauge; 0 without one).
+pub const STEP_BUDGET_SECONDS: &str = "mstar_chunking_step_budget_seconds";
+/// The latency model's coefficients in use, by `coefficient` (gauge).
+pub const LATENCY_MODEL_COEFFICIENT: &str = "mstar_chunking_latency_model_coefficient";
+/// Where the latency model in use came from: 1 for its `source`, 0 for the others (gauge).
+pub const LATENCY_MODEL_SOURCE: &str = "mstar_chunking_latency_model_source";
+
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 20] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -67,6 +81,12 @@ pub const ALL: [&str; 14] = [
     ROWS_WAITING,
     ROWS_MID_PREFILL,
     ROWS_CONTINUING,
+    STEP_SECONDS,
+    STEP_PREDICTION_ERROR_SECONDS,
+    TIME_OVERRUNS_TOTAL,
+    STEP_BUDGET_SECONDS,
+    LATENCY_MODEL_COEFFICIENT,
+    LATENCY_MODEL_SOURCE,
 ];
 
 // === labels ===
@@ -85,9 +105,15 @@ pub const LABEL_REASON: &str = "reason";
 pub const LABEL_FINAL: &str = "final";
 /// On [`CONFIG_RELOADS_TOTAL`]: [`RESULT_OK`] or [`RESULT_ERROR`].
 pub const LABEL_RESULT: &str = "result";
+/// On [`LATENCY_MODEL_COEFFICIENT`]: one of [`crate::latency::COEFFICIENT_KEYS`].
+pub const LABEL_COEFFICIENT: &str = "coefficient";
+/// On [`LATENCY_MODEL_SOURCE`]: a [`ModelSource::as_str`].
+pub const LABEL_SOURCE: &str = "source";
 
 /// Every label name a metric may carry.
-pub const LABELS: [&str; 6] = [
+pub const LABELS: [&str; 8] = [
+    LABEL_COEFFICIENT,
+    LABEL_SOURCE,
     LABEL_MODEL,
     LABEL_NODE,
     LABEL_WALK,
@@ -118,6 +144,12 @@ pub fn token_buckets() -> Vec<f64> {
 /// multiplied up so that the `le` labels read `2e-7`, not `1.9999999999999999e-7`.
 pub const STEP_ASSEMBLY_BUCKETS: [f64; 15] = [
     1e-7, 2e-7, 5e-7, 1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2, 0.1, 1.0,
+];
+
+/// Buckets of [`STEP_SECONDS`] and [`STEP_PREDICTION_ERROR_SECONDS`]: 0.1 ms to 10 s, a step's
+/// time on a GPU (1-2-5 per decade).
+pub const STEP_TIME_BUCKETS: [f64; 16] = [
+    1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 ];
 
 /// Seconds histogram buckets ([`STEP_ASSEMBLY_BUCKETS`]).
@@ -185,6 +217,36 @@ pub fn describe_all() {
         Unit::Count,
         "Serving config changes after the first applied (result ok) or refused whole (result error)."
     );
+    describe_histogram!(
+        STEP_SECONDS,
+        Unit::Seconds,
+        "Measured duration of completed steps, in seconds, by node and walk (steps completed with a measured time)."
+    );
+    describe_histogram!(
+        STEP_PREDICTION_ERROR_SECONDS,
+        Unit::Seconds,
+        "Absolute difference between a step's measured and predicted duration, in seconds, by node and walk."
+    );
+    describe_counter!(
+        TIME_OVERRUNS_TOTAL,
+        Unit::Count,
+        "Steps whose measured time exceeded the time budget they were scheduled under, by node, walk and reason (floor, uncut_row, continuing, misprediction)."
+    );
+    describe_gauge!(
+        STEP_BUDGET_SECONDS,
+        Unit::Seconds,
+        "Time budget of each node and walk in the accepted config, in seconds; 0 where there is none."
+    );
+    describe_gauge!(
+        LATENCY_MODEL_COEFFICIENT,
+        Unit::Count,
+        "Coefficients of the latency model a node plans with, by coefficient (base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms; milliseconds per unit); 0 without a model."
+    );
+    describe_gauge!(
+        LATENCY_MODEL_SOURCE,
+        Unit::Count,
+        "Where a node's latency model comes from: 1 for its source (online, config, none), 0 for the others."
+    );
     describe_gauge!(
         ROWS_WAITING,
         Unit::Count,
@@ -244,10 +306,13 @@ mod exporter {
     pub(super) fn prometheus_builder() -> PrometheusBuilder {
         let tokens = token_buckets();
         let seconds = seconds_buckets();
+        let step_time = STEP_TIME_BUCKETS.to_vec();
         [
             (STEP_TOKENS, &tokens),
             (OVERRUN_TOKENS, &tokens),
             (STEP_ASSEMBLY_SECONDS, &seconds),
+            (STEP_SECONDS, &step_time),
+            (STEP_PREDICTION_ERROR_SECONDS, &step_time),
         ]
         .into_iter()
         .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
@@ -316,14 +381,14 @@ impl Instance {
         Self { model }
     }
 
-    fn model(&self) -> String {
+    fn model_label(&self) -> String {
         self.model.to_string()
     }
 
     /// Creates the series that exist from start-up with value 0: the reload results.
     pub(crate) fn started(&self) {
         for result in [RESULT_OK, RESULT_ERROR] {
-            metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+            metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_RESULT => result)
                 .increment(0);
         }
     }
@@ -331,14 +396,35 @@ impl Instance {
     /// Counts a config reload; `ok` is its result.
     pub(crate) fn record_reload(&self, ok: bool) {
         let result = if ok { RESULT_OK } else { RESULT_ERROR };
-        metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+        metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_RESULT => result)
             .increment(1);
+    }
+
+    /// Sets the time budget gauge of `node`/`walk` (0 where there is none); a pair with a
+    /// time budget has its time-overrun series created at 0.
+    pub(crate) fn set_time_budget(&self, node: &Name, walk: &Name, max_step_ms: Option<f64>) {
+        metrics::gauge!(STEP_BUDGET_SECONDS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
+            .set(max_step_ms.unwrap_or(0.0) / 1000.0);
+        if max_step_ms.is_some() {
+            for reason in TimeOverrunReason::ALL {
+                metrics::counter!(TIME_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())
+                    .increment(0);
+            }
+        }
+    }
+
+    /// The latency-model gauges of `node`.
+    pub(crate) fn model(&self, node: &Name) -> ModelGauges {
+        ModelGauges {
+            coefficients: COEFFICIENT_KEYS.map(|c| metrics::gauge!(LATENCY_MODEL_COEFFICIENT, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_COEFFICIENT => c)),
+            sources: ModelSource::ALL.map(|s| metrics::gauge!(LATENCY_MODEL_SOURCE, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_SOURCE => s.as_str())),
+        }
     }
 
     /// Sets the budget gauge of `node`/`walk` (0 where there is no budget); a budgeted pair's
     /// overrun series are created at 0.
     pub(crate) fn set_budget(&self, node: &Name, walk: &Name, budget: Option<u32>) {
-        metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
+        metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
             .set(f64::from(budget.unwrap_or(0)));
         if budget.is_some() {
             // Resolving the handles registers the series: counters at 0, an empty histogram.
@@ -349,11 +435,11 @@ impl Instance {
     /// The step metrics of `node`/`walk`.
     pub(crate) fn step(&self, node: &Name, walk: &Name) -> StepMetrics {
         let labels = [
-            (LABEL_MODEL, self.model()),
+            (LABEL_MODEL, self.model_label()),
             (LABEL_NODE, node.to_string()),
             (LABEL_WALK, walk.to_string()),
         ];
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
+        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
         StepMetrics {
             steps: metrics::counter!(STEPS_TOTAL, &labels),
             tokens: metrics::histogram!(STEP_TOKENS, &labels),
@@ -361,33 +447,36 @@ impl Instance {
             chunks_partial: chunks(FINAL_FALSE),
             deferred: metrics::counter!(DEFERRED_ROWS_TOTAL, &labels),
             assembly_seconds: metrics::histogram!(STEP_ASSEMBLY_SECONDS, &labels),
+            step_seconds: metrics::histogram!(STEP_SECONDS, &labels),
+            prediction_error: metrics::histogram!(STEP_PREDICTION_ERROR_SECONDS, &labels),
+            time_overruns: TimeOverrunReason::ALL.map(|reason| metrics::counter!(TIME_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())),
         }
     }
 
     /// The overrun metrics of `node`/`walk`, one counter per reason.
     pub(crate) fn overruns(&self, node: &Name, walk: &Name) -> OverrunMetrics {
         let by_reason = OverrunReason::ALL.map(|reason| {
-            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str());
+            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str());
             c.increment(0);
             c
         });
         OverrunMetrics {
             by_reason,
-            tokens: metrics::histogram!(OVERRUN_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string()),
+            tokens: metrics::histogram!(OVERRUN_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string()),
         }
     }
 
     /// The prepared-input gauges of `node` (rows, tokens).
     pub(crate) fn prepared(&self, node: &Name) -> (Gauge, Gauge) {
         (
-            metrics::gauge!(PREPARED_INPUTS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
-            metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
+            metrics::gauge!(PREPARED_INPUTS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string()),
+            metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string()),
         )
     }
 
     /// The queue-depth gauges of `node`.
     pub(crate) fn queue(&self, node: &Name) -> QueueGauges {
-        let gauge = |name: &'static str| metrics::gauge!(name, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string());
+        let gauge = |name: &'static str| metrics::gauge!(name, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string());
         QueueGauges {
             waiting: gauge(ROWS_WAITING),
             mid_prefill: gauge(ROWS_MID_PREFILL),
@@ -405,6 +494,9 @@ pub(crate) struct StepMetrics {
     chunks_partial: Counter,
     deferred: Counter,
     assembly_seconds: Histogram,
+    step_seconds: Histogram,
+    prediction_error: Histogram,
+    time_overruns: [Counter; 4],
 }
 
 impl StepMetrics {
@@ -423,6 +515,16 @@ impl StepMetrics {
         self.chunks_partial.increment(u64::from(
             outcome.chunks.saturating_sub(outcome.final_chunks),
         ));
+        if let Some(ms) = outcome.measured_ms {
+            self.step_seconds.record(ms / 1000.0);
+            if let Some(predicted) = outcome.predicted_ms {
+                self.prediction_error
+                    .record((ms - predicted).abs() / 1000.0);
+            }
+        }
+        if let Some(reason) = outcome.time_overrun {
+            self.time_overruns[reason as usize].increment(1);
+        }
     }
 }
 
@@ -438,6 +540,26 @@ impl OverrunMetrics {
     pub(crate) fn record(&self, reason: OverrunReason, over: u64) {
         self.by_reason[reason.index()].increment(1);
         self.tokens.record(over as f64);
+    }
+}
+
+/// The latency-model gauges of one node.
+#[derive(Clone)]
+pub(crate) struct ModelGauges {
+    coefficients: [Gauge; 4],
+    sources: [Gauge; 3],
+}
+
+impl ModelGauges {
+    /// Sets the coefficients in use (0 without a model) and marks their source.
+    pub(crate) fn set(&self, model: Option<LatencyModel>, source: ModelSource) {
+        let c = model.map_or([0.0; 4], |m| m.coefficients());
+        for (gauge, value) in self.coefficients.iter().zip(c) {
+            gauge.set(value);
+        }
+        for (gauge, s) in self.sources.iter().zip(ModelSource::ALL) {
+            gauge.set(if s == source { 1.0 } else { 0.0 });
+        }
     }
 }
 
@@ -642,6 +764,11 @@ mod tests {
             set_prepared(&n("llm"), 1, 10);
             inst().record_reload(true);
             inst().queue(&n("llm")).set(QueueCounts::default());
+            m.step_seconds.record(0.05);
+            m.prediction_error.record(0.001);
+            m.time_overruns[0].increment(1);
+            inst().set_time_budget(&n("llm"), &n("prefill"), Some(50.0));
+            inst().model(&n("llm")).set(None, ModelSource::None);
         });
         for name in ALL {
             let s = seen
@@ -659,6 +786,9 @@ mod tests {
                 ROWS_WAITING,
                 ROWS_MID_PREFILL,
                 ROWS_CONTINUING,
+                STEP_BUDGET_SECONDS,
+                LATENCY_MODEL_COEFFICIENT,
+                LATENCY_MODEL_SOURCE,
             ]
             .contains(&name)
             {
@@ -707,7 +837,7 @@ mod tests {
                     break;
                 }
                 let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
-                let outcome = state.complete(batch.step, &ran).unwrap();
+                let outcome = state.complete(batch.step, &ran, None).unwrap();
                 m.completed(&outcome);
                 ran_tokens.push(outcome.tokens.ran as f64);
                 waiting += u64::from(batch.waiting);

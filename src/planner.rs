@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
+use crate::latency::{ChunkBounds, LatencyModel, StepFeatures, TimeOverrunReason};
 use crate::range::ChunkRange;
 use crate::Name;
 
 /// Everything one step of `(node, walk)` is planned under, precomputed from a budget snapshot so
 /// a step's assembly does no map lookups per row.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepParams {
     /// The node.
     pub node: Name,
@@ -30,6 +31,19 @@ pub struct StepParams {
     pub max_row_tokens: Option<u32>,
     /// Optional limit on rows left mid-prefill by starting new ones.
     pub max_partial_prefills: Option<u32>,
+    /// The step's time budget in ms (`docs/cost-model.md#time-budgets`); `None` without one.
+    pub max_step_ms: Option<f64>,
+    /// The node's configured latency model (`chunking.cost.<node>`), if any.
+    pub cost: Option<LatencyModel>,
+}
+
+/// A step's time limit: the latency model it is planned with and its time budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimeLimit {
+    /// The model predicting the step's time.
+    pub model: LatencyModel,
+    /// The time budget, in ms.
+    pub max_step_ms: f64,
 }
 
 impl StepParams {
@@ -71,6 +85,9 @@ pub struct ContRow {
     pub walk: Name,
     /// Tokens the row is expected to run: 1 for plain decode, `k + 1` for `k` speculative tokens.
     pub estimate: u32,
+    /// Tokens of context the row reads (its prompt plus the tokens it ran in completed steps,
+    /// or what the engine said): the `K` of the latency model.
+    pub context: u64,
 }
 
 /// A prompt being prefilled.
@@ -131,10 +148,12 @@ pub struct PlannedRow {
     pub walk: usize,
     /// What it runs.
     pub work: Work,
+    /// A continuing row's context ([`ContRow::context`]); 0 for a chunk.
+    pub context: u64,
 }
 
 /// The plan of one step. Reused across steps by the caller to avoid reallocating.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepPlan {
     /// The rows, continuing rows first.
     pub rows: Vec<PlannedRow>,
@@ -146,6 +165,19 @@ pub struct StepPlan {
     pub waiting: u32,
     /// A row that cannot be cut ran whole over the budget (the step overruns by plan).
     pub uncut_over_budget: bool,
+    /// What the step's time depends on (`docs/cost-model.md`), accumulated row by row.
+    pub features: StepFeatures,
+    /// The step's time limit, if it was planned under one.
+    pub time: Option<TimeLimit>,
+    /// Why the plan knowingly goes over its time budget (its liveness cases), if it does.
+    pub time_over: Option<TimeOverrunReason>,
+}
+
+impl StepPlan {
+    /// The step's predicted time in ms under `model`.
+    pub fn predicted_ms(&self, model: &LatencyModel) -> f64 {
+        model.predict_ms(&self.features)
+    }
 }
 
 impl StepPlan {
@@ -156,44 +188,98 @@ impl StepPlan {
         self.continue_estimate = 0;
         self.waiting = 0;
         self.uncut_over_budget = false;
+        self.features = StepFeatures::EMPTY;
+        self.time = None;
+        self.time_over = None;
     }
 
-    fn push(&mut self, seq: u64, rid: u64, walk: usize, work: Work) {
+    fn push(&mut self, seq: u64, rid: u64, walk: usize, work: Work, context: u64) {
         let tokens = u64::from(work.tokens());
         self.scheduled_tokens += tokens;
-        if matches!(work, Work::Continue { .. }) {
-            self.continue_estimate += tokens;
+        match work {
+            Work::Continue { estimate } => {
+                self.continue_estimate += tokens;
+                self.features.add_continuing(estimate, context);
+            }
+            Work::Chunk { range, .. } => self.features.add_chunk(range.start, range.end),
         }
         self.rows.push(PlannedRow {
             seq,
             rid,
             walk,
             work,
+            context,
         });
+    }
+
+    fn push_continuing(&mut self, r: &ContRow, walk: usize) {
+        let work = Work::Continue {
+            estimate: r.estimate,
+        };
+        self.push(r.seq, r.rid, walk, work, r.context);
+    }
+
+    fn push_chunk(&mut self, r: &PrefillRow, walk: usize, end: u32) {
+        let range = ChunkRange::new(!r.started, r.progress, end, r.total);
+        let cached = if r.started { 0 } else { r.cached };
+        self.push(r.seq, r.rid, walk, Work::Chunk { range, cached }, 0);
+    }
+
+    /// Whether the step as planned so far is predicted over its time budget.
+    fn over_time(&self) -> bool {
+        self.time
+            .is_some_and(|t| t.model.predict_ms(&self.features) > t.max_step_ms)
     }
 }
 
-/// Plans one step into `out` (cleared first).
+/// Plans one step into `out` (cleared first), under `params` alone: the time limit, if any, is
+/// the configured model's ([`StepParams::cost`]). See [`plan_timed`] for the rules.
+pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: &mut StepPlan) {
+    let time = params
+        .max_step_ms
+        .zip(params.cost)
+        .map(|(max_step_ms, model)| TimeLimit { model, max_step_ms });
+    plan_timed(params, time, cont, prefill, out);
+}
+
+/// Plans one step into `out` (cleared first), with `time` the step's time limit (the latency
+/// model in use, online or configured, and the time budget), if it has one.
 ///
 /// `cont` and `prefill` are the node's queues in admission order. The rules
-/// (`docs/scheduling.md#planner-rules`):
+/// (`docs/scheduling.md#planner-rules`, `docs/cost-model.md#time-budgets`):
 /// 1. no budget: every eligible row runs whole (`plan_unbudgeted`);
 /// 2. continuing rows first, in order, while each fits the room left in the budget and in its
 ///    walk's cap; from the first that does not fit the rest wait; a first row larger than the
-///    room runs alone (`plan_continuing`);
+///    room runs alone (`plan_continuing`). The time limit never holds them back;
 /// 3. prefill rows next, mid-prefill ones first, each group FCFS (`plan_prefill`): the rest
 ///    runs whole when it fits; else it is cut to the room left (and to `max_row_tokens`),
 ///    rounded down to `align`, if that is at least the floor (`chunk_end`); a row that
 ///    cannot be cut and is larger than the budget runs whole when no other prefill row is in
-///    the step, and waits otherwise (`uncut_end`).
-pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: &mut StepPlan) {
+///    the step, and waits otherwise (`uncut_end`);
+/// 4. with a time limit, each chunk also ends at the largest aligned end whose step is
+///    predicted within the time budget; the first prefill row in order still runs a chunk of
+///    the floor when less fits in time, and a first row that cannot be cut still runs whole
+///    (both counted in [`StepPlan::time_over`]); other rows that do not fit in time wait
+///    (`timed_end`).
+pub fn plan_timed(
+    params: &StepParams,
+    time: Option<TimeLimit>,
+    cont: &[ContRow],
+    prefill: &[PrefillRow],
+    out: &mut StepPlan,
+) {
     out.clear();
     let Some(budget) = params.budget else {
         plan_unbudgeted(params, cont, prefill, out);
         return;
     };
+    out.time = time;
     let mut room = Room::new(params, budget);
-    if plan_continuing(params, cont, &mut room, out) == Continuing::RanAlone {
+    let continuing = plan_continuing(params, cont, &mut room, out);
+    if out.over_time() {
+        out.time_over = Some(TimeOverrunReason::Continuing);
+    }
+    if continuing == Continuing::RanAlone {
         out.waiting += count_u32(prefill.iter().filter(|p| params.takes(&p.walk)));
         return;
     }
@@ -286,19 +372,16 @@ fn plan_continuing(
         .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
     for (r, walk) in eligible.by_ref() {
         let est = u64::from(r.estimate);
-        let work = Work::Continue {
-            estimate: r.estimate,
-        };
         if est <= room.left(walk) {
             room.take(walk, est);
-            out.push(r.seq, r.rid, walk, work);
+            out.push_continuing(r, walk);
             continue;
         }
         if out.rows.is_empty() {
             // The very first row alone is larger than the budget (or its cap): it runs alone,
             // or it would never run.
             out.uncut_over_budget = true;
-            out.push(r.seq, r.rid, walk, work);
+            out.push_continuing(r, walk);
             out.waiting += count_u32(eligible);
             return Continuing::RanAlone;
         }
@@ -321,21 +404,23 @@ fn plan_prefill(
     // non-final chunk.
     let mut staying_partial = count_u32(prefill.iter().filter(|p| p.started));
     let mut prefill_in_step = false;
+    let mut first_in_order = true;
     for mid in [true, false] {
         let group = prefill
             .iter()
             .filter(|p| p.started == mid)
             .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
         for (r, walk) in group {
+            let uncut_before = out.uncut_over_budget;
             let left = room.left(walk);
             let need = u64::from(r.total - r.progress);
-            let end = if need <= left.min(row_cap(params)) {
+            let partial_full = !mid
+                && params
+                    .max_partial_prefills
+                    .is_some_and(|p| staying_partial >= p);
+            let token_end = if need <= left.min(row_cap(params)) {
                 Some(u64::from(r.total))
             } else if params.chunkable {
-                let partial_full = !mid
-                    && params
-                        .max_partial_prefills
-                        .is_some_and(|p| staying_partial >= p);
                 let alone = out.rows.is_empty();
                 (!partial_full)
                     .then(|| chunk_end(params, r, left, alone))
@@ -343,22 +428,85 @@ fn plan_prefill(
             } else {
                 uncut_end(params, r, left, prefill_in_step, out)
             };
+            let end = match (token_end, out.time) {
+                (Some(end), Some(time)) => {
+                    timed_end(params, r, end, time, first_in_order, partial_full, out)
+                }
+                (end, _) => end,
+            };
+            first_in_order = false;
             let Some(end) = end else {
+                out.uncut_over_budget = uncut_before;
                 out.waiting += 1;
                 continue;
             };
             // `end <= total <= u32::MAX`, so this conversion cannot truncate.
-            let range = ChunkRange::new(!r.started, r.progress, end as u32, r.total);
-            let cached = if r.started { 0 } else { r.cached };
-            match (range.is_final(), mid) {
+            let end = end as u32;
+            match (end == r.total, mid) {
                 (true, true) => staying_partial -= 1,
                 (false, false) => staying_partial += 1,
                 _ => {}
             }
-            room.take(walk, u64::from(range.tokens()));
+            room.take(walk, u64::from(end - r.progress));
             prefill_in_step = true;
-            out.push(r.seq, r.rid, walk, Work::Chunk { range, cached });
+            out.push_chunk(r, walk, end);
         }
+    }
+}
+
+/// Rule 4: the end of a chunk of `r` under the time limit, given `token_end`, the end the
+/// token rules allow. The largest aligned end (or the whole rest) whose step is predicted
+/// within the time budget; below the floor (or nothing), the first prefill row in order still
+/// runs a chunk of the floor and the step is a planned time overrun (`floor`), other rows wait.
+/// A row that cannot be cut runs whole when it fits in time, or as the first row in order (a
+/// planned `uncut_row` time overrun); else it waits.
+fn timed_end(
+    params: &StepParams,
+    r: &PrefillRow,
+    token_end: u64,
+    time: TimeLimit,
+    first_in_order: bool,
+    partial_full: bool,
+    out: &mut StepPlan,
+) -> Option<u64> {
+    let total = u64::from(r.total);
+    if !params.chunkable {
+        let whole = out.features.with_chunk(r.progress, r.total);
+        if time.model.predict_ms(&whole) <= time.max_step_ms {
+            return Some(total);
+        }
+        if first_in_order {
+            out.time_over.get_or_insert(TimeOverrunReason::UncutRow);
+            return Some(total);
+        }
+        return None;
+    }
+    let bounds = ChunkBounds {
+        start: r.progress,
+        // `token_end <= total <= u32::MAX`.
+        upper: token_end as u32,
+        total: r.total,
+        align: params.align,
+    };
+    let fitted = time
+        .model
+        .max_chunk_end(&out.features, bounds, time.max_step_ms)
+        .map(u64::from)
+        // A cut that leaves the rest for later starts a partial prefill: not when that is full.
+        .filter(|&end| end == total || !partial_full);
+    let floor = u64::from(params.floor.max(1));
+    let progress = u64::from(r.progress);
+    match fitted {
+        Some(end) if end == total || end - progress >= floor => Some(end),
+        _ if first_in_order => {
+            // Liveness: the first row is never held below the floor by time alone.
+            let align = u64::from(params.align.max(1));
+            let floor_end = (progress + floor).div_ceil(align) * align;
+            let end = floor_end.min(token_end);
+            out.time_over.get_or_insert(TimeOverrunReason::Floor);
+            Some(end)
+        }
+        _ => None,
     }
 }
 
@@ -416,23 +564,14 @@ fn plan_unbudgeted(
         let Some(walk) = params.walk_index(&r.walk) else {
             continue;
         };
-        out.push(
-            r.seq,
-            r.rid,
-            walk,
-            Work::Continue {
-                estimate: r.estimate,
-            },
-        );
+        out.push_continuing(r, walk);
     }
     for mid in [true, false] {
         for r in prefill.iter().filter(|p| p.started == mid) {
             let Some(walk) = params.walk_index(&r.walk) else {
                 continue;
             };
-            let range = ChunkRange::new(!r.started, r.progress, r.total, r.total);
-            let cached = if r.started { 0 } else { r.cached };
-            out.push(r.seq, r.rid, walk, Work::Chunk { range, cached });
+            out.push_chunk(r, walk, r.total);
         }
     }
 }
@@ -462,6 +601,8 @@ mod tests {
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
+            max_step_ms: None,
+            cost: None,
         }
     }
 
@@ -471,6 +612,7 @@ mod tests {
             rid: seq,
             walk: n("decode"),
             estimate,
+            context: 0,
         }
     }
 

@@ -25,6 +25,9 @@ pub struct NodeQueues {
     /// Prefill rows with a completed chunk (`started`), kept so the queue-depth gauges cost
     /// nothing per step.
     mid_prefill: usize,
+    /// `rid -> prompt tokens` of prompts whose final chunk ran and whose continuing row has not
+    /// been registered yet: that row's starting context. Dropped by `continue_row` or `forget`.
+    prompt_totals: FxHashMap<u64, u32>,
 }
 
 /// How many rows a node's queues hold, by state (the queue-depth gauges).
@@ -137,7 +140,9 @@ impl NodeQueues {
     }
 
     /// Keeps a continuing row of `rid` queued: it runs `estimate` tokens in every step it fits,
-    /// until [`NodeQueues::forget`]. Calling it again updates the walk and estimate.
+    /// until [`NodeQueues::forget`]. Calling it again updates the walk and estimate. Its
+    /// context is `context` when given, else its prompt's tokens (when its prompt was prefilled
+    /// here), and grows by what it runs in each completed step.
     ///
     /// # Errors
     /// A zero estimate, or `rid` still prefilling on this node.
@@ -146,6 +151,7 @@ impl NodeQueues {
         rid: u64,
         walk: Name,
         estimate: u32,
+        context: Option<u64>,
     ) -> Result<(), ChunkingError> {
         if estimate == 0 {
             return Err(ChunkingError::ZeroEstimate {
@@ -160,10 +166,16 @@ impl NodeQueues {
             });
         }
         if let Some(i) = self.cont_index(rid) {
-            self.cont[i].walk = walk;
-            self.cont[i].estimate = estimate;
+            let row = &mut self.cont[i];
+            row.walk = walk;
+            row.estimate = estimate;
+            if let Some(context) = context {
+                row.context = context;
+            }
             return Ok(());
         }
+        let prompt = self.prompt_totals.remove(&rid).map_or(0, u64::from);
+        let context = context.unwrap_or(prompt);
         let seq = self.seq(rid);
         let at = self.cont.partition_point(|r| r.seq < seq);
         self.cont.insert(
@@ -173,6 +185,7 @@ impl NodeQueues {
                 rid,
                 walk,
                 estimate,
+                context,
             },
         );
         Ok(())
@@ -190,6 +203,7 @@ impl NodeQueues {
             self.cont.remove(i);
         }
         self.seq_of.remove(&rid);
+        self.prompt_totals.remove(&rid);
         had_prefill
     }
 
@@ -199,11 +213,19 @@ impl NodeQueues {
         }
     }
 
-    /// Applies a completed chunk of a planned row: its row moves to the chunk's end, and leaves
-    /// the queue on the final chunk. Continuing rows need nothing.
-    pub fn advance(&mut self, row: &PlannedRow) -> Advance {
+    /// Applies a completed row of a planned step that ran `ran` tokens: a chunk's row moves to
+    /// the chunk's end, and leaves the queue on the final chunk; a continuing row's context
+    /// grows by what it ran.
+    pub fn advance(&mut self, row: &PlannedRow, ran: u32) -> Advance {
         let Work::Chunk { range, .. } = row.work else {
-            return Advance::Progressed;
+            return match self.cont.binary_search_by_key(&row.seq, |r| r.seq) {
+                Ok(i) if self.cont[i].rid == row.rid => {
+                    let c = &mut self.cont[i];
+                    c.context = c.context.saturating_add(u64::from(ran));
+                    Advance::Progressed
+                }
+                _ => Advance::Gone,
+            };
         };
         let Ok(i) = self.prefill.binary_search_by_key(&row.seq, |r| r.seq) else {
             return Advance::Gone;
@@ -218,6 +240,7 @@ impl NodeQueues {
                 self.mid_prefill -= 1;
             }
             self.drop_seq_if_idle(row.rid);
+            self.prompt_totals.insert(row.rid, range.total);
             return Advance::Finished;
         }
         if !r.started {

@@ -9,8 +9,12 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
+use crate::latency::{
+    classify_time_overrun, select_model, LatencyModel, ModelSource, StepFeatures, TimeOverrunReason,
+};
+use crate::latency_fit::{OnlineFit, OnlineFitConfig};
 use crate::overrun::{classify, Overrun, StepTokens};
-use crate::planner::{plan, StepParams, StepPlan, Work};
+use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
 use crate::prepared::ChunkInput;
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
@@ -27,6 +31,8 @@ pub struct BatchRow {
     pub walk: usize,
     /// What the row runs: a continuing row's estimate, or a chunk's range.
     pub work: Work,
+    /// A continuing row's context, in tokens (the latency model's `K`); 0 for a chunk.
+    pub context: u64,
     /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
     pub input: Option<ChunkInput>,
 }
@@ -63,6 +69,10 @@ pub struct Batch {
     pub uncut_over_budget: bool,
     /// Eligible rows that wait for a later step.
     pub waiting: u32,
+    /// The step's time budget in ms, if it was planned under one.
+    pub max_step_ms: Option<f64>,
+    /// The step's predicted time in ms under the node's latency model, if it has one.
+    pub predicted_ms: Option<f64>,
 }
 
 impl Batch {
@@ -93,6 +103,17 @@ pub struct StepOutcome {
     pub final_chunks: u32,
     /// Chunks reported with 0 tokens: their rows are planned again from the same place.
     pub unrun_chunks: u32,
+    /// The step time the engine measured, in ms, if it reported one.
+    pub measured_ms: Option<f64>,
+    /// The step's predicted time in ms, if the node had a latency model when it was planned.
+    pub predicted_ms: Option<f64>,
+    /// The time budget the step was scheduled under, in ms.
+    pub max_step_ms: Option<f64>,
+    /// The time overrun, if the measured time exceeded the time budget.
+    pub time_overrun: Option<TimeOverrunReason>,
+    /// The node's latency model after this step (its online fit may have moved), and its
+    /// source.
+    pub model: (Option<LatencyModel>, ModelSource),
 }
 
 /// What [`SchedulerState::assemble`] found for the node.
@@ -121,6 +142,8 @@ struct InFlight {
     step: u64,
     params: Arc<StepParams>,
     plan: StepPlan,
+    /// The model the step was predicted with, if any.
+    model: Option<LatencyModel>,
     /// The batch as handed to the engine, once its inputs are cut: a repeated `assemble` of the
     /// node returns it again, so a dropped `assemble` future loses nothing.
     batch: Option<Arc<Batch>>,
@@ -146,12 +169,15 @@ impl InFlight {
                     rid: r.rid,
                     walk: r.walk,
                     work: r.work,
+                    context: r.context,
                     input: None,
                 })
                 .collect(),
             scheduled_tokens: self.plan.scheduled_tokens,
             uncut_over_budget: self.plan.uncut_over_budget,
             waiting: self.plan.waiting,
+            max_step_ms: self.plan.time.map(|t| t.max_step_ms),
+            predicted_ms: self.model.map(|m| self.plan.predicted_ms(&m)),
         }
     }
 }
@@ -162,6 +188,8 @@ pub struct SchedulerState {
     snapshot: Option<Arc<BudgetSnapshot>>,
     nodes: FxHashMap<Name, NodeQueues>,
     in_flight: FxHashMap<Name, InFlight>,
+    /// Per node, the online fit of its latency model (when `chunking.learn_cost` is on).
+    fits: FxHashMap<Name, OnlineFit>,
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
@@ -227,9 +255,27 @@ impl SchedulerState {
         node: &str,
         walk: &str,
         estimate: u32,
+        context: Option<u64>,
     ) -> Result<(), ChunkingError> {
         let (node, walk) = self.resolve(node, walk)?;
-        self.queues(&node).continue_row(rid, walk, estimate)
+        self.queues(&node)
+            .continue_row(rid, walk, estimate, context)
+    }
+
+    /// The latency model `node` plans with now, and where it came from
+    /// (`docs/cost-model.md#sources`): its online fit once trusted (with learning on), else
+    /// its configured model, else none.
+    pub fn latency_model(&self, node: &str) -> (Option<LatencyModel>, ModelSource) {
+        let Some(table) = self.snapshot.as_ref().map(|s| s.table()) else {
+            return (None, ModelSource::None);
+        };
+        let online = table
+            .settings()
+            .time
+            .learn
+            .then(|| self.fits.get(node).and_then(OnlineFit::trusted_model))
+            .flatten();
+        select_model(online, table.cost(node))
     }
 
     /// Drops every row of `rid` on every node (an aborted or finished request). Rows of `rid`
@@ -281,9 +327,14 @@ impl SchedulerState {
             });
         }
         let params = params.clone();
+        let (model, _) = self.latency_model(node);
+        let time = params
+            .max_step_ms
+            .zip(model)
+            .map(|(max_step_ms, model)| TimeLimit { model, max_step_ms });
         let mut step_plan = std::mem::take(&mut self.spare);
         match self.nodes.get(node) {
-            Some(q) => plan(&params, q.cont(), q.prefill(), &mut step_plan),
+            Some(q) => plan_timed(&params, time, q.cont(), q.prefill(), &mut step_plan),
             None => step_plan.clear(),
         }
         self.next_step += 1;
@@ -291,6 +342,7 @@ impl SchedulerState {
             step: self.next_step,
             params,
             plan: step_plan,
+            model,
             batch: None,
         };
         let batch = f.planned_batch();
@@ -343,41 +395,56 @@ impl SchedulerState {
         }
     }
 
-    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran.
-    /// A chunk row ran either nothing (0: it is planned again from the same place) or its
-    /// planned tokens (it advances); continuing rows report what they ran. Checks the tokens
-    /// against the budget the step was scheduled under and drops finished rows from the queue.
+    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran,
+    /// and `measured_ms` the step's measured time, if the engine has one. A chunk row ran
+    /// either nothing (0: it is planned again from the same place) or its planned tokens (it
+    /// advances); continuing rows report what they ran. Checks the tokens against the budget
+    /// the step was scheduled under, and the measured time against its time budget; feeds the
+    /// node's online fit; drops finished rows from the queue.
     ///
     /// # Errors
-    /// The step is not in flight, `ran` does not have one entry per row, or a chunk row reports
-    /// neither 0 nor its planned tokens; on error nothing changes and the step stays in flight.
-    pub fn complete(&mut self, step: u64, ran: &[u32]) -> Result<StepOutcome, ChunkingError> {
+    /// The step is not in flight, `ran` does not have one entry per row, a chunk row reports
+    /// neither 0 nor its planned tokens, or `measured_ms` is not a finite time ≥ 0; on error
+    /// nothing changes and the step stays in flight.
+    pub fn complete(
+        &mut self,
+        step: u64,
+        ran: &[u32],
+        measured_ms: Option<f64>,
+    ) -> Result<StepOutcome, ChunkingError> {
         let node = self.in_flight_node(step)?;
         check_ran(step, &self.in_flight[&node].plan, ran)?;
+        if let Some(ms) = measured_ms.filter(|ms| !ms.is_finite() || *ms < 0.0) {
+            return Err(ChunkingError::BadMeasurement { step, ms });
+        }
         let f = self.in_flight.remove(&node).expect("found above");
         let mut tokens = StepTokens::planned(
             f.params.budget,
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
         );
+        let mut features = StepFeatures::EMPTY;
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
             tokens.add_row(&row.work, r);
-            let Work::Chunk { range, .. } = row.work else {
-                continue;
-            };
-            if r == 0 {
-                unrun_chunks += 1;
-                continue;
+            match row.work {
+                Work::Continue { .. } => features.add_continuing(r, row.context),
+                Work::Chunk { .. } if r == 0 => {
+                    unrun_chunks += 1;
+                    continue;
+                }
+                Work::Chunk { range, .. } => {
+                    features.add_chunk(range.start, range.end);
+                    chunks += 1;
+                    final_chunks += u32::from(range.is_final());
+                }
             }
-            chunks += 1;
-            final_chunks += u32::from(range.is_final());
             let Some(q) = queues.as_deref_mut() else {
                 continue;
             };
-            if q.advance(row) == Advance::Finished {
+            if q.advance(row, r) == Advance::Finished {
                 finished.push(row.rid);
             }
         }
@@ -388,6 +455,14 @@ impl SchedulerState {
             tokens: tokens.ran,
             reason,
         });
+        let max_step_ms = f.plan.time.map(|t| t.max_step_ms);
+        let time_overrun = measured_ms
+            .zip(max_step_ms)
+            .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
+        if let Some(ms) = measured_ms {
+            self.observe(&node, &features, ms);
+        }
+        let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
         self.spare = f.plan;
         Ok(StepOutcome {
             step,
@@ -399,7 +474,28 @@ impl SchedulerState {
             chunks,
             final_chunks,
             unrun_chunks,
+            measured_ms,
+            predicted_ms,
+            max_step_ms,
+            time_overrun,
+            model: self.latency_model(&node),
         })
+    }
+
+    /// Feeds a measured step to `node`'s online fit, when learning is on.
+    fn observe(&mut self, node: &Name, features: &StepFeatures, ms: f64) {
+        let learn = self
+            .snapshot
+            .as_ref()
+            .is_some_and(|s| s.table().settings().time.learn);
+        if !learn {
+            return;
+        }
+        let fit = self.fits.entry(node.clone()).or_insert_with(|| {
+            OnlineFit::try_new(OnlineFitConfig::default()).expect("the default config is valid")
+        });
+        // A measurement the fit refuses (checked finite above) changes nothing.
+        let _ = fit.observe(features, ms);
     }
 
     /// The queues of `node`, for inspection.
@@ -500,7 +596,7 @@ mod tests {
         let mut s = state();
         let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert!(b.rows.is_empty());
-        let out = s.complete(b.step, &[]).unwrap();
+        let out = s.complete(b.step, &[], None).unwrap();
         assert_eq!((out.chunks, out.overrun), (0, None));
     }
 }

@@ -106,5 +106,7 @@ fn step_params(
         eligible: eligible.into(),
         max_row_tokens: settings.max_row_tokens,
         max_partial_prefills: settings.max_partial_prefills,
+        max_step_ms: table.max_step_ms(node, walk),
+        cost: table.cost(node),
     }
 }

@@ -45,6 +45,8 @@ impl BudgetConfig {
             for walk in &table.settings().walks {
                 self.instance
                     .set_budget(node, walk, table.max_batch_tokens(node, walk));
+                self.instance
+                    .set_time_budget(node, walk, table.max_step_ms(node, walk));
             }
         }
         for s in &self.subscribers {

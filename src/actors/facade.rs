@@ -458,6 +458,33 @@ impl ChunkingManagement {
             node: self.node_name(node),
             walk: walk.into(),
             estimate,
+            context: None,
+        };
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+    }
+
+    /// As [`continue_row`](Self::continue_row), with the row's context in tokens (what it
+    /// reads: its prompt and the tokens generated so far), for an engine that knows it better
+    /// than the component does (a prompt prefilled elsewhere, a shared prefix). The context
+    /// then grows by what the row runs in each completed step; the time-budget planner
+    /// predicts with it (`docs/cost-model.md`).
+    ///
+    /// # Errors
+    /// As `continue_row`.
+    pub async fn continue_row_with_context(
+        &self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        estimate: u32,
+        context: u64,
+    ) -> Result<(), ChunkingError> {
+        let msg = ContinueRow {
+            rid,
+            node: self.node_name(node),
+            walk: walk.into(),
+            estimate,
+            context: Some(context),
         };
         ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
@@ -520,13 +547,34 @@ impl ChunkingManagement {
     /// reports neither 0 nor its planned tokens ([`ChunkingError::PartialChunk`]); then nothing
     /// changes and the step stays in flight.
     pub async fn complete(&self, step: u64, ran: Vec<u32>) -> Result<StepOutcome, ChunkingError> {
-        ask(
-            &self.scheduler,
-            "Scheduler",
-            self.timeout,
-            Complete { step, ran },
-        )
-        .await
+        let msg = Complete {
+            step,
+            ran,
+            measured_ms: None,
+        };
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+    }
+
+    /// As [`complete`](Self::complete), with the step's measured duration in ms: the step is
+    /// checked against the time budget it was scheduled under (a time overrun, by reason), and
+    /// with `chunking.learn_cost` on the node's latency model is fitted from it
+    /// (`docs/cost-model.md#fitting`).
+    ///
+    /// # Errors
+    /// As `complete`, and [`ChunkingError::BadMeasurement`] for a time that is not a finite
+    /// number of ms ≥ 0 (nothing changes).
+    pub async fn complete_measured(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: f64,
+    ) -> Result<StepOutcome, ChunkingError> {
+        let msg = Complete {
+            step,
+            ran,
+            measured_ms: Some(measured_ms),
+        };
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
 
     /// Abandons the step in flight `step` of `node`: it ran nothing. No row advances, nothing

@@ -13,7 +13,8 @@ use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
 use super::prepared_inputs::{Cut, CutBatch, ForgetInputs, Insert, PreparedInputs, Release};
 use super::Guarded;
 use crate::error::ChunkingError;
-use crate::metrics::{Instance, QueueGauges, StepMetrics};
+use crate::latency::{LatencyModel, ModelSource};
+use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Assembled, Batch, SchedulerState, StepOutcome};
@@ -29,6 +30,8 @@ pub(crate) struct Scheduler {
     metrics: FxHashMap<(Name, Name), StepMetrics>,
     /// Queue-depth gauges per node, resolved on the node's first change.
     queue_gauges: FxHashMap<Name, QueueGauges>,
+    /// Latency-model gauges per node.
+    model_gauges: FxHashMap<Name, ModelGauges>,
 }
 
 impl Scheduler {
@@ -44,6 +47,7 @@ impl Scheduler {
             instance,
             metrics: FxHashMap::default(),
             queue_gauges: FxHashMap::default(),
+            model_gauges: FxHashMap::default(),
         }
     }
 
@@ -66,6 +70,15 @@ impl Scheduler {
             .entry(node.clone())
             .or_insert_with(|| instance.queue(node))
             .set(counts);
+    }
+
+    /// Sets the latency-model gauges of `node`: its coefficients and their source.
+    fn publish_model(&mut self, node: &Name, model: (Option<LatencyModel>, ModelSource)) {
+        let instance = &self.instance;
+        self.model_gauges
+            .entry(node.clone())
+            .or_insert_with(|| instance.model(node))
+            .set(model.0, model.1);
     }
 
     fn publish_all_queues(&mut self) {
@@ -140,6 +153,8 @@ impl Handler<UseSnapshot> for Scheduler {
         self.state.set_snapshot(msg.0);
         for node in &nodes {
             self.publish_queue(node);
+            let model = self.state.latency_model(node);
+            self.publish_model(node, model);
         }
     }
 }
@@ -200,6 +215,7 @@ pub(crate) struct ContinueRow {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) estimate: u32,
+    pub(crate) context: Option<u64>,
 }
 
 impl Handler<ContinueRow> for Scheduler {
@@ -207,7 +223,7 @@ impl Handler<ContinueRow> for Scheduler {
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
         self.state
-            .continue_row(m.rid, &m.node, &m.walk, m.estimate)?;
+            .continue_row(m.rid, &m.node, &m.walk, m.estimate, m.context)?;
         self.publish_queue(&m.node);
         Ok(())
     }
@@ -339,13 +355,14 @@ impl Handler<Abandon> for Scheduler {
 pub(crate) struct Complete {
     pub(crate) step: u64,
     pub(crate) ran: Vec<u32>,
+    pub(crate) measured_ms: Option<f64>,
 }
 
 impl Handler<Complete> for Scheduler {
     type Result = Result<StepOutcome, ChunkingError>;
 
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
-        let outcome = self.state.complete(m.step, &m.ran)?;
+        let outcome = self.state.complete(m.step, &m.ran, m.measured_ms)?;
         if let Some(o) = &outcome.overrun {
             self.overruns.do_send(RecordOverrun(o.clone()));
         }
@@ -357,6 +374,7 @@ impl Handler<Complete> for Scheduler {
         }
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(&outcome);
+        self.publish_model(&outcome.node, outcome.model);
         self.publish_queue(&outcome.node);
         Ok(outcome)
     }

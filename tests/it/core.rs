@@ -52,6 +52,7 @@ fn settings(min_chunk_tokens: u32, overrides: BTreeMap<Name, NodeBudget>) -> Bud
         min_chunk_tokens,
         max_row_tokens: None,
         max_partial_prefills: None,
+        time: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ fn state(c: &Case) -> SchedulerState {
         min_chunk_tokens: c.min_chunk,
         max_row_tokens: c.max_row,
         max_partial_prefills: c.max_partial,
+        time: Default::default(),
     };
     let table = BudgetTable::build(model, settings).unwrap();
     let mut s = SchedulerState::default();
@@ -99,7 +100,7 @@ proptest! {
         let mut decode_left: HashMap<u64, u32> = HashMap::new();
         for (i, (est, steps)) in c.decodes.iter().enumerate() {
             let rid = decode_base + i as u64;
-            s.continue_row(rid, "llm", "decode", *est).unwrap();
+            s.continue_row(rid, "llm", "decode", *est, None).unwrap();
             decode_left.insert(rid, *steps);
         }
         let mut chunks: HashMap<u64, Vec<(ChunkRange, u32)>> = HashMap::new();
@@ -138,7 +139,7 @@ proptest! {
                 }
             }
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
-            let out = s.complete(b.step, &ran).unwrap();
+            let out = s.complete(b.step, &ran, None).unwrap();
             prop_assert!(out.overrun.is_none() || lone_over, "{:?}", out.overrun);
             done += out.finished.len();
             for r in &b.rows {
