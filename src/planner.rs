@@ -929,4 +929,104 @@ mod tests {
         let out = run(&p, &[decode(1, 1)], &[prompt(2, u32::MAX)]);
         assert_eq!(shape(&out), vec![(1, 1, false), (2, u32::MAX - 1, false)]);
     }
+
+    // === time budgets (docs/cost-model.md#time-budgets) ===
+
+    /// A model where a token costs 0.1 ms and an attention pair 1e-6 ms, on 5 ms a step.
+    fn timed(budget: u32, floor: u32, max_step_ms: f64) -> StepParams {
+        StepParams {
+            max_step_ms: Some(max_step_ms),
+            cost: Some(LatencyModel::try_new(5.0, 0.1, 0.001, 1e-6).unwrap()),
+            ..params(Some(budget), floor)
+        }
+    }
+
+    fn predicted(p: &StepParams, out: &StepPlan) -> f64 {
+        out.predicted_ms(&p.cost.unwrap())
+    }
+
+    #[test]
+    fn a_chunk_deep_into_a_prompt_is_cut_shorter_than_one_at_its_start() {
+        let p = timed(8192, 64, 60.0);
+        let fresh = run(&p, &[], &[prompt(1, 200_000)]);
+        let deep = run(&p, &[], &[mid(1, 200_000, 150_000)]);
+        let (t_fresh, t_deep) = (shape(&fresh)[0].1, shape(&deep)[0].1);
+        assert!(
+            t_deep < t_fresh / 2,
+            "deep {t_deep} vs fresh {t_fresh} tokens"
+        );
+        for out in [&fresh, &deep] {
+            assert!(predicted(&p, out) <= 60.0, "{}", predicted(&p, out));
+            assert_eq!(out.time_over, None);
+        }
+        // The next aligned end would not fit: the chunk is the largest that does.
+        let more = LatencyModel::predict_ms(
+            &p.cost.unwrap(),
+            &StepFeatures::EMPTY.with_chunk(150_000, 150_000 + t_deep + 1),
+        );
+        assert!(more > 60.0);
+    }
+
+    #[test]
+    fn the_first_prefill_row_runs_the_floor_when_less_fits_in_time_and_later_rows_wait() {
+        // 5 ms base + 0.1 ms a token: 6 ms leaves room for 10 tokens, the floor is 64.
+        let p = timed(4096, 64, 6.0);
+        let out = run(&p, &[], &[prompt(1, 1000), prompt(2, 30)]);
+        assert_eq!(shape(&out), vec![(1, 64, false)]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
+        assert_eq!(out.waiting, 1);
+        // A remainder below the floor runs whole.
+        let out = run(&p, &[], &[mid(1, 1000, 980)]);
+        assert_eq!(shape(&out), vec![(1, 20, true)]);
+    }
+
+    #[test]
+    fn continuing_rows_always_run_and_are_counted_when_they_alone_exceed_the_time_budget() {
+        let p = timed(4096, 64, 5.5);
+        let cont: Vec<ContRow> = (1..=10).map(|i| decode(i, 1)).collect();
+        let out = run(&p, &cont, &[]);
+        assert_eq!(out.rows.len(), 10);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Continuing));
+    }
+
+    #[test]
+    fn an_uncut_row_over_the_time_budget_runs_first_and_waits_otherwise() {
+        let p = StepParams {
+            chunkable: false,
+            ..timed(4096, 64, 20.0)
+        };
+        let out = run(&p, &[], &[prompt(1, 500), prompt(2, 400)]);
+        assert_eq!(shape(&out), vec![(1, 500, true)]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::UncutRow));
+        assert_eq!(out.waiting, 1);
+        let out = run(&p, &[], &[prompt(1, 100), prompt(2, 400)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 100, true)],
+            "15 ms fits, 55 more does not"
+        );
+        assert_eq!(out.time_over, None);
+    }
+
+    #[test]
+    fn the_token_budget_still_holds_under_a_generous_time_budget() {
+        let p = timed(256, 64, 1e9);
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 1000)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, 255, false)]);
+        assert_eq!(out.scheduled_tokens, 256);
+    }
+
+    #[test]
+    fn without_a_model_or_a_time_budget_the_plan_is_the_token_plan() {
+        let tokens_only = params(Some(512), 64);
+        let rows = [mid(1, 5000, 100), prompt(2, 3000)];
+        let a = run(&tokens_only, &[decode(9, 1)], &rows);
+        let no_model = StepParams {
+            max_step_ms: Some(1.0),
+            ..tokens_only.clone()
+        };
+        let b = run(&no_model, &[decode(9, 1)], &rows);
+        assert_eq!(shape(&a), shape(&b));
+        assert_eq!(b.time_over, None);
+    }
 }

@@ -171,3 +171,112 @@ proptest! {
         prop_assert_eq!(s.prefill_rows(), 0);
     }
 }
+
+/// One step planned under a time limit (docs/cost-model.md#time-budgets).
+#[derive(Debug, Clone)]
+struct TimedCase {
+    budget: u32,
+    align: u32,
+    floor: u32,
+    max_step_ms: f64,
+    coefficients: [f64; 4],
+    /// `(estimate, context)` of continuing rows.
+    cont: Vec<(u32, u64)>,
+    /// `(total, progress, started)` of prefill rows.
+    prefill: Vec<(u32, u32, bool)>,
+}
+
+fn timed_case() -> impl Strategy<Value = TimedCase> {
+    (
+        64u32..16_384,
+        prop_oneof![Just(1u32), Just(16), Just(64)],
+        1u32..256,
+        1.0f64..400.0,
+        (0.0f64..20.0, 0.0f64..0.2, 0.0f64..0.002, 0.0f64..2e-5),
+        proptest::collection::vec((1u32..5, 0u64..200_000), 0..24),
+        proptest::collection::vec((1u32..300_000, 0u32..300_000, any::<bool>()), 0..6),
+    )
+        .prop_map(
+            |(budget, align, floor, max_step_ms, (b, t, k, a), cont, prefill)| TimedCase {
+                budget,
+                align,
+                floor: floor.min(budget),
+                max_step_ms,
+                coefficients: [b, t, k, a],
+                cont,
+                prefill: prefill
+                    .into_iter()
+                    .map(|(total, progress, started)| {
+                        let progress = if started { progress % total } else { 0 };
+                        (total, progress, started && progress > 0)
+                    })
+                    .collect(),
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// No planned step exceeds its time budget but in the liveness cases the plan names, and
+    /// the token rules hold: budget, alignment, floor.
+    #[test]
+    fn no_step_is_planned_over_its_time_budget_but_the_liveness_cases(c in timed_case()) {
+        use mstar_chunking::latency::{LatencyModel, TimeOverrunReason};
+        use mstar_chunking::planner::{plan_timed, ContRow, PrefillRow, StepParams, StepPlan, TimeLimit};
+        let [b, t, k, a] = c.coefficients;
+        let model = LatencyModel::try_new(b, t, k, a).unwrap();
+        let params = StepParams {
+            node: n("llm"),
+            walk: n("mixed"),
+            budget: Some(c.budget),
+            floor: c.floor,
+            caps: Arc::from(Vec::new()),
+            chunkable: true,
+            align: c.align,
+            eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
+            max_row_tokens: None,
+            max_partial_prefills: None,
+            max_step_ms: Some(c.max_step_ms),
+            cost: Some(model),
+        };
+        let cont: Vec<ContRow> = c.cont.iter().enumerate().map(|(i, &(estimate, context))| ContRow {
+            seq: i as u64, rid: i as u64, walk: n("decode"), estimate, context,
+        }).collect();
+        let prefill: Vec<PrefillRow> = c.prefill.iter().enumerate().map(|(i, &(total, progress, started))| PrefillRow {
+            seq: 100 + i as u64, rid: 100 + i as u64, walk: n("prefill"), total, cached: 0, progress, started,
+        }).collect();
+        let mut out = StepPlan::default();
+        let time = TimeLimit { model, max_step_ms: c.max_step_ms };
+        plan_timed(&params, Some(time), &cont, &prefill, &mut out);
+
+        let predicted = out.predicted_ms(&model);
+        match out.time_over {
+            None => prop_assert!(predicted <= c.max_step_ms, "{predicted} > {} unannounced", c.max_step_ms),
+            Some(TimeOverrunReason::Continuing) => {
+                let mut only_cont = out.clone();
+                only_cont.rows.retain(|r| matches!(r.work, Work::Continue { .. }));
+                let mut f = mstar_chunking::latency::StepFeatures::EMPTY;
+                for r in &only_cont.rows { f.add_continuing(r.work.tokens(), r.context); }
+                prop_assert!(model.predict_ms(&f) > c.max_step_ms, "continuing rows fit");
+            }
+            Some(TimeOverrunReason::Floor) => {
+                // Only the first prefill row in order may be run over time, at the floor.
+                let chunks: Vec<_> = out.rows.iter().filter(|r| matches!(r.work, Work::Chunk { .. })).collect();
+                prop_assert!(!chunks.is_empty());
+                prop_assert!(chunks[0].work.tokens() <= c.floor.max(1) + c.align, "floor chunk of {} tokens", chunks[0].work.tokens());
+            }
+            Some(other) => prop_assert!(false, "unexpected {other:?}: every row is chunkable"),
+        }
+        let lone_over = out.rows.len() == 1 && out.scheduled_tokens > u64::from(c.budget);
+        prop_assert!(out.scheduled_tokens <= u64::from(c.budget) || lone_over);
+        for (i, r) in out.rows.iter().enumerate() {
+            if let Work::Chunk { range, .. } = r.work {
+                if !range.is_final() {
+                    prop_assert_eq!(range.end % c.align, 0, "unaligned {:?}", range);
+                    prop_assert!(i == 0 || range.tokens() >= c.floor, "{:?} below the floor {}", range, c.floor);
+                }
+            }
+        }
+    }
+}
