@@ -384,3 +384,119 @@ fn a_tokio_engine_drives_the_actors_on_their_own_thread() {
     assert_eq!(after, ChunkingError::ActorStopped { actor: "Scheduler" });
     assert_eq!(after.kind(), ErrorKind::Fatal);
 }
+
+/// A facade whose `llm` node has a 4,096-token budget on `prefill`, floor 64.
+async fn timed_engine(
+    model: &str,
+    settings: BudgetSettings,
+) -> Result<ChunkingManagement, ChunkingError> {
+    let cm = ChunkingManagement::start(model, [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(4096))])
+        .await?;
+    cm.set_budgets(settings).await?;
+    Ok(cm)
+}
+
+#[actix::test]
+async fn a_time_budget_without_a_latency_model_is_refused_naming_the_node() {
+    let err = timed_engine(
+        "no-model",
+        BudgetSettings::new(["prefill"]).step_ms("llm", Some(40.0)),
+    )
+    .await
+    .err()
+    .expect("refused");
+    let problems = err.budget_errors().expect("a budget refusal").to_string();
+    assert!(
+        problems.contains("`llm`") && problems.contains("latency model"),
+        "{problems}"
+    );
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let settings = BudgetSettings::new(["prefill"])
+            .step_ms("llm", Some(bad))
+            .learn_cost(true);
+        let err = timed_engine("bad-ms", settings)
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("finite number of milliseconds"),
+            "{err}"
+        );
+    }
+}
+
+#[actix::test]
+async fn a_step_measured_over_its_time_budget_is_a_time_overrun_by_reason() {
+    let model = mstar_chunking::latency::LatencyModel::try_new(5.0, 0.01, 0.0, 0.0).unwrap();
+    let settings = BudgetSettings::new(["prefill"])
+        .step_ms("llm", Some(15.0))
+        .cost("llm", model);
+    let cm = timed_engine("time-overrun", settings).await.unwrap();
+    cm.admit(1, "llm", "prefill", prompt(5000), 0)
+        .await
+        .unwrap();
+    let b = cm.assemble("llm", "prefill").await.unwrap();
+    // 5 ms + 0.01 ms a token within 15 ms: 1,000 tokens.
+    assert_eq!(planned(&b), vec![1000]);
+    assert_eq!((b.max_step_ms, b.predicted_ms), (Some(15.0), Some(15.0)));
+    assert!(matches!(
+        cm.complete_measured(b.step, vec![1000], f64::NAN).await,
+        Err(ChunkingError::BadMeasurement { .. })
+    ));
+    let out = cm
+        .complete_measured(b.step, vec![1000], 22.0)
+        .await
+        .unwrap();
+    assert_eq!(
+        out.time_overrun,
+        Some(mstar_chunking::latency::TimeOverrunReason::Misprediction)
+    );
+    let b = cm.assemble("llm", "prefill").await.unwrap();
+    let out = cm
+        .complete_measured(b.step, planned(&b), 14.0)
+        .await
+        .unwrap();
+    assert_eq!(out.time_overrun, None);
+}
+
+#[actix::test]
+async fn the_online_fit_takes_over_from_no_model_once_trusted() {
+    use mstar_chunking::latency::{LatencyModel, ModelSource};
+    let truth = LatencyModel::try_new(4.0, 0.02, 0.0, 0.0).unwrap();
+    let settings = BudgetSettings::new(["prefill"])
+        .step_ms("llm", Some(30.0))
+        .learn_cost(true);
+    let cm = timed_engine("learner", settings).await.unwrap();
+    let mut source = ModelSource::None;
+    for rid in 0..200u64 {
+        cm.admit(
+            rid,
+            "llm",
+            "prefill",
+            prompt(100 + (rid as u32 * 37) % 3000),
+            0,
+        )
+        .await
+        .unwrap();
+        let b = cm.assemble("llm", "prefill").await.unwrap();
+        let ran = planned(&b);
+        let tokens: u64 = ran.iter().map(|&t| u64::from(t)).sum();
+        let ms = truth.base_ms() + truth.per_token_ms() * tokens as f64;
+        let out = cm.complete_measured(b.step, ran, ms).await.unwrap();
+        source = out.model.1;
+        if source == ModelSource::Online {
+            let learned = out.model.0.unwrap();
+            assert!((learned.per_token_ms() - 0.02).abs() < 1e-6, "{learned:?}");
+            break;
+        }
+    }
+    assert_eq!(source, ModelSource::Online, "never trusted");
+    // Planned with the learned model from now on: at most (30 - 4) / 0.02 = 1,300 tokens.
+    cm.admit(1000, "llm", "prefill", prompt(4000), 0)
+        .await
+        .unwrap();
+    let b = cm.assemble("llm", "prefill").await.unwrap();
+    let predicted = b.predicted_ms.expect("a model");
+    assert!(predicted <= 30.0 + 1e-9, "{predicted}");
+}
