@@ -47,6 +47,7 @@ use std::sync::Arc;
 pub mod actors;
 pub mod budget;
 pub mod cli;
+pub mod config;
 pub mod error;
 pub mod logging;
 pub mod manifest;
@@ -60,7 +61,7 @@ pub mod range;
 pub mod reload;
 pub mod replay;
 pub mod scheduler;
-pub mod settings;
+
 pub mod snapshot;
 
 /// A node or walk name. Cloning is a reference-count increment.

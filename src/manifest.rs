@@ -1,18 +1,19 @@
-//! Model manifests (`config/models/*.toml`, SPEC §7): the model's say, as a file.
+//! Model manifests (`config/models/*.toml`, `docs/config.md#the-model-manifest`): the model's
+//! say, as a file.
 //!
 //! [`Manifest::from_toml`] parses and validates a manifest whole: every problem is reported at
-//! once, each naming the manifest, so a bad model file never reaches `set_policies`.
+//! once, each naming the manifest, so a bad model file never reaches `set_policies`. Reading a
+//! manifest file (bounded, regular files only) and joining it with the serving config is the
+//! config wing's (`config::load_manifest`, `Manifest::budget_settings`); this module imports
+//! nothing from it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::path::Path;
 
 use indexmap::IndexMap;
 use serde::Deserialize;
 
-use crate::budget::{BudgetSettings, NodeBudget};
 use crate::policy::{ChunkingPolicy, SubmoduleCaps};
-use crate::settings::{ChunkingSection, NodeBudgetSetting};
 use crate::Name;
 
 /// A model manifest.
@@ -76,23 +77,6 @@ impl Manifest {
         } else {
             Err(ManifestErrors::new(origin, errors))
         }
-    }
-
-    /// Reads, parses and validates the manifest file at `path`.
-    ///
-    /// # Errors
-    /// An unreadable file, or as [`Manifest::from_toml`].
-    pub fn load(path: &Path) -> Result<Self, ManifestErrors> {
-        let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            ManifestErrors::new(
-                &origin,
-                vec![ManifestError::Read {
-                    reason: e.to_string(),
-                }],
-            )
-        })?;
-        Self::from_toml(&text, &origin)
     }
 
     /// Every problem with the manifest: names that are not lowercase (environment variables
@@ -224,44 +208,6 @@ impl Manifest {
     /// The combined walk replay steps on: the first by name, if the model has any.
     pub fn combined_walk(&self) -> Option<&str> {
         self.combined_walks.keys().next().map(String::as_str)
-    }
-
-    /// The arguments of `set_budgets` for this model under the `[chunking]` section: walks and
-    /// combined walks from the manifest, `override_mixed` from the nodes that can cap member
-    /// walks, budgets and lists from the config. Validation happens in `set_budgets`.
-    pub fn budget_settings(&self, chunking: &ChunkingSection) -> BudgetSettings {
-        let name = |s: &String| Name::from(s.as_str());
-        BudgetSettings {
-            overrides: chunking
-                .max_batch_tokens
-                .iter()
-                .map(|(node, b)| {
-                    let b = match b {
-                        NodeBudgetSetting::All(v) => NodeBudget::All(v.0),
-                        NodeBudgetSetting::PerWalk(m) => {
-                            NodeBudget::PerWalk(m.iter().map(|(w, v)| (name(w), v.0)).collect())
-                        }
-                    };
-                    (name(node), b)
-                })
-                .collect(),
-            walks: self.walks.iter().map(name).collect(),
-            combined_walk_of: self
-                .combined_walks
-                .iter()
-                .flat_map(|(c, members)| members.iter().map(move |m| (name(m), name(c))))
-                .collect(),
-            override_mixed: self
-                .nodes
-                .iter()
-                .filter(|(_, m)| m.can_override_mixed_max_tokens)
-                .map(|(n, _)| name(n))
-                .collect(),
-            no_chunking: chunking.no_chunking.iter().map(name).collect(),
-            min_chunk_tokens: chunking.min_chunk_tokens,
-            max_row_tokens: chunking.max_row_tokens,
-            max_partial_prefills: chunking.max_partial_prefills,
-        }
     }
 }
 
@@ -438,14 +384,6 @@ policies = { prefill = { max_batch_tokens = 0 }, mixed = { max_batch_tokens = 64
             p[0].starts_with("model manifest m.toml: malformed manifest at line"),
             "{p:?}"
         );
-    }
-
-    #[test]
-    fn a_missing_file_is_named() {
-        let e = Manifest::load(Path::new("/nonexistent/omni.toml")).unwrap_err();
-        assert!(e
-            .to_string()
-            .starts_with("model manifest /nonexistent/omni.toml: cannot be read"));
     }
 
     #[test]

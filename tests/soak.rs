@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use mstar_chunking::budget::{BudgetSettings, BudgetValue};
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::{ReadOptions, Trace};
-use mstar_chunking::settings::{
+use mstar_chunking::config::{
     BudgetSetting, ChunkingSection, NodeBudgetSetting, DEMO_MANIFEST_TOML,
 };
 use mstar_chunking::{ChunkingManagement, PreparedInput, Work};
@@ -22,8 +22,10 @@ const TIME_LIMIT: Duration = Duration::from_secs(600);
 
 /// The demo model's `set_budgets` arguments with `llm`'s budgets set to `budget`, as a config
 /// layer would give them.
-fn settings(demo: &Manifest, budget: i64, min_chunk: u32) -> BudgetSettings {
-    let value = NodeBudgetSetting::All(BudgetSetting(BudgetValue::Tokens(budget)));
+fn settings(demo: &Manifest, budget: u32, min_chunk: u32) -> BudgetSettings {
+    let value = NodeBudgetSetting::All(BudgetSetting(
+        BudgetValue::tokens(budget).unwrap_or(BudgetValue::Off),
+    ));
     let chunking = ChunkingSection {
         min_chunk_tokens: min_chunk,
         max_batch_tokens: BTreeMap::from([("llm".to_owned(), value)]),

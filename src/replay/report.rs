@@ -55,6 +55,8 @@ pub struct ReplayReport {
     pub steps_per_second: f64,
     /// Where the step log went, if one was written.
     pub step_log: Option<String>,
+    /// The signal that stopped the replay early (`SIGINT`, `SIGTERM`); `None`: it ran to the end.
+    pub interrupted: Option<String>,
 }
 
 /// Tokens, by kind.
@@ -262,6 +264,13 @@ impl fmt::Display for ReplayReport {
         )?;
         if let Some(p) = &self.step_log {
             row(f, "step log", p.clone())?;
+        }
+        if let Some(sig) = &self.interrupted {
+            row(
+                f,
+                "interrupted",
+                format!("by {sig}: the figures cover the steps that ran"),
+            )?;
         }
         for e in &self.bad_line_examples {
             writeln!(f, "  skipped: {e}")?;

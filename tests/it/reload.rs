@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use mstar_chunking::reload::{watch, ReloadError, Reloader};
-use mstar_chunking::settings::{load, LoadOptions, DEMO_MANIFEST_TOML};
+use mstar_chunking::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
 use mstar_chunking::ChunkingManagement;
 
 fn options(dir: &Path) -> LoadOptions {

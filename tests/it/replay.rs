@@ -7,7 +7,7 @@ use std::process::Command;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::ReadOptions;
 use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError};
-use mstar_chunking::settings::Settings;
+use mstar_chunking::config::Settings;
 use serde_json::Value;
 
 /// A model with one node stepping on `mixed` = `prefill` + `decode`, aligned to 16 tokens.
@@ -553,7 +553,7 @@ proptest::proptest! {
 fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     // What `make run` replays: the demo model and the layered default config.
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let loaded = mstar_chunking::settings::load(&mstar_chunking::settings::LoadOptions {
+    let loaded = mstar_chunking::config::load(&mstar_chunking::config::LoadOptions {
         config_dir: root.join("config"),
         env: Some(Default::default()),
         ..Default::default()
