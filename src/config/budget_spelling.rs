@@ -14,6 +14,8 @@ use crate::budget::BudgetValue;
 
 /// What a refused budget spelling is told it should have been.
 const EXPECTED: &str = "a positive whole number of tokens (at most 4294967295) or \"off\"";
+/// The rule a refused spelling breaks.
+const RULE: &str = "docs/config.md#budgets, rule 6";
 
 /// One budget as written in a config layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +47,7 @@ fn tokens<E: de::Error>(n: i128) -> Result<BudgetSetting, E> {
         .ok()
         .and_then(BudgetValue::tokens)
         .map(BudgetSetting)
-        .ok_or_else(|| E::custom(format!("expected {EXPECTED}, got {n}")))
+        .ok_or_else(|| E::custom(format!("expected {EXPECTED}, got {n} ({RULE})")))
 }
 
 /// Accepts exactly the spellings of a budget. Deliberately not serde's integer path: config
@@ -95,7 +97,7 @@ impl<'de> Visitor<'de> for BudgetVisitor {
         let digits = t.strip_prefix(['-', '+']).unwrap_or(t);
         if digits.is_empty() || digits.len() > 30 || !digits.bytes().all(|b| b.is_ascii_digit()) {
             return Err(E::custom(format!(
-                "expected {EXPECTED}, got {}",
+                "expected {EXPECTED}, got {} ({RULE})",
                 super::problem::quote(v)
             )));
         }
@@ -221,7 +223,7 @@ mod tests {
             let e = parse(bad.clone()).unwrap_err();
             assert_eq!(
                 e,
-                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown}"),
+                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/config.md#budgets, rule 6)"),
                 "{bad}"
             );
         }
@@ -266,6 +268,6 @@ mod tests {
         let e = node(json!({"mixed": false})).unwrap_err().to_string();
         assert!(e.contains("invalid type: boolean `false`"), "{e}");
         let e = node(json!(0)).unwrap_err().to_string();
-        assert!(e.ends_with("got 0"), "{e}");
+        assert!(e.ends_with("got 0 (docs/config.md#budgets, rule 6)"), "{e}");
     }
 }

@@ -108,11 +108,25 @@ fn budget_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quo
     Some((key, Some((&**node, walk.map(|w| &**w)))))
 }
 
+/// The numbered budget rule of `docs/config.md#budgets` a refusal breaks.
+fn rule(e: &BudgetError) -> Option<u8> {
+    Some(match e {
+        BudgetError::UnknownNode { setting, .. } if *setting == "no_chunking" => 7,
+        BudgetError::UnknownNode { .. } => 1,
+        BudgetError::WalkNotServed { .. } => 2,
+        BudgetError::WalkNotBudgeted { .. } => 3,
+        BudgetError::NodeBudgetsNothing { .. } => 4,
+        BudgetError::MemberWalk { .. } => 5,
+        BudgetError::ZeroSetting { .. } => 6,
+        _ => return None,
+    })
+}
+
 fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
     let budget = budget_key;
     match e {
-        BudgetError::UnknownNode { setting, .. } if *setting == "no_chunking" => {
-            Some(("chunking.no_chunking".into(), None))
+        BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
+            Some(("chunking.no_chunking".into(), Some((&**node, None))))
         }
         BudgetError::UnknownNode { node, .. } | BudgetError::NodeBudgetsNothing { node } => {
             budget(node, None)
@@ -135,10 +149,18 @@ pub(super) fn budget_problem(
     model_origin: &str,
     origins: &Origins,
 ) -> ConfigProblem {
-    let reason = format!("{e} (docs/config.md#budgets)");
+    let reason = match rule(e) {
+        Some(n) => format!("{e} (docs/config.md#budgets, rule {n})"),
+        None => format!("{e} (docs/config.md#budgets)"),
+    };
     match chunking_key(e) {
         Some((key, quoted)) => {
             let value = match (quoted, e) {
+                (Some((node, _)), BudgetError::UnknownNode { setting, .. })
+                    if *setting == "no_chunking" =>
+                {
+                    Some(super::problem::quote(node))
+                }
                 (Some((node, walk)), _) => chunking
                     .max_batch_tokens
                     .get(node)

@@ -400,7 +400,7 @@ fn bad_trace_lines_name_file_line_and_field() {
         ("t.csv", "TIMESTAMP,Context\n1,2\n".into(), "DIR/t.csv:1: `ContextTokens` column is missing"),
         ("t.csv", HEAD.into(), "trace `DIR/t.csv` has no requests"),
         ("t.jsonl", "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}\n".into(), "DIR/t.jsonl:1: `hash_ids` has 1 ids, but input_length 600 needs ceil(600/512) = 2"),
-        ("t.jsonl", "\n{\"timestamp\": -1, \"input_length\": 6, \"output_length\": 1, \"hash_ids\": [1]}\n".into(), "DIR/t.jsonl:2: `timestamp` must be a non-negative number"),
+        ("t.jsonl", "\n{\"timestamp\": -1, \"input_length\": 6, \"output_length\": 1, \"hash_ids\": [1]}\n".into(), "DIR/t.jsonl:2: `timestamp` must be a number of ms from 0 to 9007199254740992, got -1"),
         ("t.jsonl", "{\"timestamp\": 5, \"input_length\": 6, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 4, \"input_length\": 6, \"output_length\": 1, \"hash_ids\": [2]}\n".into(), "DIR/t.jsonl:2: `timestamp` goes back in time"),
         ("t.jsonl", "{\"timestamp\": 0, \"input_length\": 6.5, \"output_length\": 1, \"hash_ids\": [1]}\n".into(), "DIR/t.jsonl:1: `input_length` must be a whole number"),
         ("t.jsonl", "{\"timestamp\": 0, \"output_length\": 1, \"hash_ids\": [1]}\n".into(), "DIR/t.jsonl:1: `input_length` is missing"),
@@ -495,11 +495,11 @@ fn bad_replay_settings_are_refused_naming_the_key() {
     for (toml_text, key) in [
         (
             "[replay]\nnode = \"vision\"\n",
-            "`replay.node` names node `vision`",
+            "`replay.node` = \"vision\": is not a node of model",
         ),
         (
             "[replay]\nwalk = \"prefill\"\n",
-            "`replay.walk` names `prefill`, which is not a combined walk",
+            "`replay.walk` = \"prefill\": is not a combined walk",
         ),
         (
             "[replay]\nspeculation = { overshoot_rate = 1.5 }\n",
