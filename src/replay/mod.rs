@@ -319,10 +319,15 @@ pub async fn run_on(
     let _signals = if opts.handle_signals {
         let flag = Arc::new(AtomicI32::new(0));
         sim = sim.stop_on(flag.clone());
-        Some(watch_signals(flag))
+        watch_signals(flag)
     } else {
         None
     };
+    tracing::info!(
+        requests = trace.requests.len(),
+        node = %setup.node,
+        "replay started"
+    );
     let mut report = sim.run().await?;
 
     // Every prompt ran its final chunk, so every prepared input must have been released

@@ -40,8 +40,6 @@ pub const MAX_TRACE_BYTES: u64 = 4 << 30;
 /// The longest trace line (or CSV record), in bytes (1 MiB: a Mooncake line of the largest
 /// prompt's 32,768 block hashes fits).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
-/// The latest Mooncake timestamp, in ms: 2^53, the largest whole number an `f64` holds exactly.
-pub const MAX_MOONCAKE_MS: f64 = 9_007_199_254_740_992.0;
 
 /// `v` quoted, escaped and cut, for echoing a trace value in an error.
 fn shown(v: &str) -> String {
@@ -263,6 +261,8 @@ struct Line<'a> {
 enum Time {
     WallNs(i64),
     Ms(f64),
+    /// A Mooncake timestamp written as a whole number of ms.
+    MsWhole(u64),
 }
 
 struct Builder {
@@ -270,12 +270,17 @@ struct Builder {
     opts: ReadOptions,
     /// The first Azure timestamp, ns since the epoch: arrivals count from it.
     first_ns: Option<i64>,
-    /// The first Mooncake timestamp, ms: arrivals count from it.
-    first_ms: Option<f64>,
+    /// The first Mooncake timestamp, ms, whole and as written: arrivals count from it.
+    first_ms: Option<(i128, f64)>,
     last_ms: f64,
 }
 
 impl Builder {
+    /// The first Mooncake timestamp, set by the first line to ask.
+    fn first_mooncake_ms(&mut self, whole: i128, ms: f64) -> (i128, f64) {
+        *self.first_ms.get_or_insert((whole, ms))
+    }
+
     fn full(&self) -> bool {
         self.opts
             .limit
@@ -328,7 +333,11 @@ impl Builder {
         }
         let arrival_ms = match l.time {
             // Relative to the first request, as Azure's: epoch timestamps start at 0 too.
-            Time::Ms(ms) => ms - *self.first_ms.get_or_insert(ms),
+            Time::Ms(ms) => ms - self.first_mooncake_ms(i128::from(ms as u64), ms).1,
+            Time::MsWhole(n) => {
+                let (first, _) = self.first_mooncake_ms(i128::from(n), n as f64);
+                (i128::from(n) - first) as f64
+            }
             Time::WallNs(ns) => {
                 let first = *self.first_ns.get_or_insert(ns);
                 // i128: two far-apart valid dates cannot overflow the difference.
@@ -652,7 +661,7 @@ fn read_mooncake<R: BufRead>(b: &mut Builder, mut reader: R) -> Result<(), Trace
                 Line {
                     rid: rid - 1,
                     line,
-                    time: Time::Ms(time),
+                    time,
                     input,
                     output,
                     hashes: &hashes,
@@ -672,24 +681,30 @@ fn parse_mooncake(
     text: &str,
     line: u64,
     hashes: &mut Vec<u64>,
-) -> Result<(f64, u64, u64), BadLine> {
+) -> Result<(Time, u64, u64), BadLine> {
     let v: MooncakeLine = serde_json::from_str(text)
         .map_err(|e| b.bad(line, "line", format!("is not a Mooncake JSON object: {e}")))?;
     let missing = |f: &str| b.bad(line, f, "is missing");
     let time = v.timestamp.ok_or_else(|| missing("timestamp"))?;
-    let time = time
-        .as_f64()
-        .filter(|t| (0.0..=MAX_MOONCAKE_MS).contains(t))
-        .ok_or_else(|| {
-            b.bad(
-                line,
-                "timestamp",
-                format!(
-                    "must be a number of ms from 0 to {MAX_MOONCAKE_MS}, got {}",
-                    shown_json(&time)
-                ),
-            )
-        })?;
+    // Whole numbers stay exact (epoch nanoseconds exceed what an f64 holds exactly); arrivals
+    // are taken relative to the first request before they become floating point.
+    let time = match time.as_u64() {
+        Some(n) => Time::MsWhole(n),
+        None => Time::Ms(
+            time.as_f64()
+                .filter(|t| t.is_finite() && *t >= 0.0)
+                .ok_or_else(|| {
+                    b.bad(
+                        line,
+                        "timestamp",
+                        format!(
+                            "must be a non-negative number of ms, got {}",
+                            shown_json(&time)
+                        ),
+                    )
+                })?,
+        ),
+    };
     let count = |f: &str, n: Option<Value>| -> Result<u64, BadLine> {
         let n = n.ok_or_else(|| missing(f))?;
         n.as_u64().ok_or_else(|| {
