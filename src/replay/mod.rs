@@ -323,7 +323,7 @@ pub async fn run_on(
     } else {
         None
     };
-    tracing::info!(
+    tracing::debug!(
         requests = trace.requests.len(),
         node = %setup.node,
         "replay started"

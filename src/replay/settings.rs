@@ -50,6 +50,16 @@ pub struct SettingProblem {
     pub reason: String,
 }
 
+/// A number as a user would write it: exponent notation when very large or small.
+fn float(v: f64) -> String {
+    let a = v.abs();
+    if a.is_finite() && a != 0.0 && !(1e-6..1e16).contains(&a) {
+        format!("{v:e}")
+    } else {
+        v.to_string()
+    }
+}
+
 fn names<'a>(it: impl Iterator<Item = &'a String>) -> String {
     let v: Vec<String> = it.take(16).map(|n| format!("`{n}`")).collect();
     if v.is_empty() {
@@ -142,7 +152,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
         if !(v.is_finite() && (0.0..=MAX_COST_MS).contains(&v)) {
             refuse(
                 key,
-                Some(v.to_string()),
+                Some(float(v)),
                 format!("must be a number of milliseconds from 0 to {MAX_COST_MS:e}"),
             );
         }
@@ -158,7 +168,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
     if !(0.0..=1.0).contains(&s.overshoot_rate) {
         refuse(
             "replay.speculation.overshoot_rate",
-            Some(s.overshoot_rate.to_string()),
+            Some(float(s.overshoot_rate)),
             "must be a probability from 0 to 1".into(),
         );
     }
