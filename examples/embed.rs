@@ -73,7 +73,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
         let n = |s: &str| Name::from(s);
         cm.set_budgets(BudgetSettings {
-            overrides: [(n("llm"), NodeBudget::All(BudgetValue::tokens(256).unwrap_or(BudgetValue::Off)))].into(),
+            overrides: [(
+                n("llm"),
+                NodeBudget::All(BudgetValue::tokens(256).unwrap_or(BudgetValue::Off)),
+            )]
+            .into(),
             walks: [n("prefill"), n("decode"), n("mixed")].into(),
             combined_walk_of: [(n("prefill"), n("mixed")), (n("decode"), n("mixed"))].into(),
             override_mixed: Default::default(),

@@ -486,10 +486,7 @@ mod tests {
         let mut s = settings();
         s.overrides = per_walk(
             "thinker",
-            &[
-                ("mixed", tok(6144)),
-                ("prefill", BudgetValue::Off),
-            ],
+            &[("mixed", tok(6144)), ("prefill", BudgetValue::Off)],
         );
         let t = BudgetTable::build(omni(), s).unwrap();
         assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(6144));
@@ -624,10 +621,7 @@ mod tests {
             "`min_chunk_tokens` must be at least 1, got 0"
         );
         let mut s = settings();
-        s.overrides = per_walk(
-            "thinker",
-            &[("mixed", tok(u32::MAX))],
-        );
+        s.overrides = per_walk("thinker", &[("mixed", tok(u32::MAX))]);
         assert!(
             BudgetTable::build(omni(), s).is_ok(),
             "u32::MAX is a valid budget"
@@ -672,13 +666,7 @@ mod tests {
     fn every_problem_is_reported_and_the_previous_table_stays() {
         let first = BudgetTable::build(omni(), settings()).unwrap();
         let mut s = settings();
-        s.overrides = per_walk(
-            "thinker",
-            &[
-                ("mixed", tok(100)),
-                ("ghost_walk", tok(1)),
-            ],
-        );
+        s.overrides = per_walk("thinker", &[("mixed", tok(100)), ("ghost_walk", tok(1))]);
         s.min_chunk_tokens = 0;
         let e = first.with_settings(s).unwrap_err();
         assert_eq!(e.0.len(), 2);

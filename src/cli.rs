@@ -128,9 +128,7 @@ pub fn say(line: &str) {
 ///
 /// # Errors
 /// Every problem, each naming its key and layer.
-pub fn load_for_replay(
-    opts: &LoadOptions,
-) -> Result<(Loaded, crate::replay::Setup), ConfigErrors> {
+pub fn load_for_replay(opts: &LoadOptions) -> Result<(Loaded, crate::replay::Setup), ConfigErrors> {
     let loaded = config::load(opts)?;
     match crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay) {
         Ok(setup) => Ok((loaded, setup)),
@@ -227,7 +225,9 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             Ok(report) => {
                 let code = print_stdout(&format!("{report}\n"));
                 if let Some(signal) = report.interrupted {
-                    say(&format!("interrupted by {signal}: the report covers the steps that ran"));
+                    say(&format!(
+                        "interrupted by {signal}: the report covers the steps that ran"
+                    ));
                     return ExitCode::from(crate::replay::signal_exit_code(&signal));
                 }
                 if args.hold {

@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue};
-use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::trace::{ReadOptions, Trace};
 use mstar_chunking::config::{
     BudgetSetting, ChunkingSection, NodeBudgetSetting, DEMO_MANIFEST_TOML,
 };
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::replay::trace::{ReadOptions, Trace};
 use mstar_chunking::{ChunkingManagement, PreparedInput, Work};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -121,7 +121,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             if step % 1000 == 0 {
                 assert!(cm.set_budgets(settings(&demo, 0, 0)).await.is_err());
                 refused += 1;
-                assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget as u32));
+                assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget));
             }
             if step == steps / 10 {
                 rss_early = rss_bytes();

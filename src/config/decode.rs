@@ -136,7 +136,11 @@ pub fn non_decimal_integers(text: &str) -> Vec<(String, String)> {
         if let Some((key, v)) = values.pop() {
             match v {
                 Value::Integer(_) => {
-                    let raw = v.span().and_then(|r| text.get(r)).unwrap_or_default().trim();
+                    let raw = v
+                        .span()
+                        .and_then(|r| text.get(r))
+                        .unwrap_or_default()
+                        .trim();
                     let digits = raw.trim_start_matches(['+', '-']);
                     if ["0x", "0o", "0b"].iter().any(|p| digits.starts_with(p)) {
                         found.push((key, raw.to_string()));
@@ -182,7 +186,10 @@ mod tests {
         assert_eq!(
             non_decimal_integers(text),
             [
-                ("chunking.max_batch_tokens.llm.mixed".to_string(), "0o4000".to_string()),
+                (
+                    "chunking.max_batch_tokens.llm.mixed".to_string(),
+                    "0o4000".to_string()
+                ),
                 ("chunking.min_chunk_tokens".to_string(), "0x40".to_string()),
                 ("replay.list.1".to_string(), "0x2".to_string()),
                 ("replay.speculation.seed".to_string(), "0b1".to_string()),

@@ -79,8 +79,7 @@ pub fn open_regular(path: &Path) -> Result<File, InputError> {
 pub fn read_text(path: &Path, limit: u64) -> Result<String, InputError> {
     let file = open_regular(path)?;
     let mut bytes = Vec::new();
-    file.take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)?;
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {
         return Err(InputError::TooLarge { limit });
     }

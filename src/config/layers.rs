@@ -131,7 +131,10 @@ impl Origins {
             }
             let inside = format!("{key}.");
             if let Some((_, who)) = layer
-                .range::<str, _>((std::ops::Bound::Included(inside.as_str()), std::ops::Bound::Unbounded))
+                .range::<str, _>((
+                    std::ops::Bound::Included(inside.as_str()),
+                    std::ops::Bound::Unbounded,
+                ))
                 .next()
                 .filter(|(k, _)| k.starts_with(&inside))
             {
@@ -409,14 +412,26 @@ mod tests {
         for good in ["production", "omni-worker", "a_1", "X"] {
             assert_eq!(env_name_problem(good), None, "{good}");
         }
-        for bad in ["", "../x", "/etc/passwd", "a/b", "a.b", "a b", "x\n", &"a".repeat(65)] {
+        for bad in [
+            "",
+            "../x",
+            "/etc/passwd",
+            "a/b",
+            "a.b",
+            "a b",
+            "x\n",
+            &"a".repeat(65),
+        ] {
             assert!(env_name_problem(bad).is_some(), "{bad:?}");
         }
         let o = LoadOptions {
             mstar_env: Some("../secrets".into()),
             ..LoadOptions::default()
         };
-        assert!(o.config_files().iter().all(|f| !f.ends_with("secrets.toml")));
+        assert!(o
+            .config_files()
+            .iter()
+            .all(|f| !f.ends_with("secrets.toml")));
     }
 
     #[test]
@@ -424,7 +439,10 @@ mod tests {
         let o = Origins(vec![
             BTreeMap::from([("chunking.min_chunk_tokens".to_string(), "a".to_string())]),
             BTreeMap::from([
-                ("chunking.max_batch_tokens.llm.mixed".to_string(), "b".to_string()),
+                (
+                    "chunking.max_batch_tokens.llm.mixed".to_string(),
+                    "b".to_string(),
+                ),
                 ("replay".to_string(), "b".to_string()),
             ]),
         ]);

@@ -24,9 +24,7 @@ fn opts(model: &str, env: &[(&str, &str)]) -> LoadOptions {
 }
 
 fn problems(o: &LoadOptions) -> Vec<String> {
-    load(o)
-        .unwrap_err()
-        .lines()
+    load(o).unwrap_err().lines()
 }
 
 #[test]
@@ -190,8 +188,12 @@ fn unknown_keys_are_named_and_their_values_never_printed() {
     for line in &p {
         assert!(!line.contains("secret"), "a value was printed: {line}");
     }
-    assert!(p.iter().any(|l| l.contains("`chunking.api_token`: unknown field `api_token`")));
-    assert!(p.iter().any(|l| l.contains("`metrics.token`: unknown field `token`")));
+    assert!(p
+        .iter()
+        .any(|l| l.contains("`chunking.api_token`: unknown field `api_token`")));
+    assert!(p
+        .iter()
+        .any(|l| l.contains("`metrics.token`: unknown field `token`")));
 }
 
 #[test]
@@ -205,7 +207,9 @@ fn mstar_env_outside_the_config_folder_is_refused() {
         let p = problems(&o);
         assert_eq!(p.len(), 1, "{p:#?}");
         assert!(
-            p[0].starts_with("environment variable MSTAR_ENV: `MSTAR_ENV`: must be a name of 1 to 64 letters"),
+            p[0].starts_with(
+                "environment variable MSTAR_ENV: `MSTAR_ENV`: must be a name of 1 to 64 letters"
+            ),
             "{p:#?}"
         );
     }
@@ -223,10 +227,15 @@ fn hexadecimal_integers_and_yaml_aliases_are_refused() {
         [format!("{}: `chunking.min_chunk_tokens` = 0x40: integers are written in decimal; hexadecimal, octal and binary are refused (docs/config.md#spellings)", hex.display())]
     );
     let yaml = dir.path().join("bomb.yaml");
-    let mut text = String::from("a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n");
+    let mut text = String::from(
+        "a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n",
+    );
     for (i, c) in ('b'..='i').enumerate() {
         let prev = char::from(b'a' + u8::try_from(i).unwrap());
-        text.push_str(&format!("{c}: &{c} [{}]\n", vec![format!("*{prev}"); 9].join(",")));
+        text.push_str(&format!(
+            "{c}: &{c} [{}]\n",
+            vec![format!("*{prev}"); 9].join(",")
+        ));
     }
     std::fs::write(&yaml, &text).unwrap();
     o.configs = vec![yaml.clone()];
@@ -247,13 +256,19 @@ fn oversized_and_irregular_config_files_are_refused() {
     o.configs = vec![big.clone()];
     assert_eq!(
         problems(&o),
-        [format!("{}: is larger than the limit of 1048576 bytes (docs/config.md#limits)", big.display())]
+        [format!(
+            "{}: is larger than the limit of 1048576 bytes (docs/config.md#limits)",
+            big.display()
+        )]
     );
     let sub = dir.path().join("sub.toml");
     std::fs::create_dir(&sub).unwrap();
     o.configs = vec![sub];
     let p = problems(&o);
-    assert!(p[0].ends_with("is not a regular file (it is a directory); inputs must be regular files"), "{p:?}");
+    assert!(
+        p[0].ends_with("is not a regular file (it is a directory); inputs must be regular files"),
+        "{p:?}"
+    );
     let mut o = opts("demo.toml", &[]);
     o.model = Some(PathBuf::from("/dev/zero"));
     let p = problems(&o);
@@ -275,8 +290,18 @@ fn many_unknown_node_names_give_a_capped_list_and_a_count() {
     assert_eq!(e.problems.len(), problem::MAX_PROBLEMS);
     assert_eq!(e.total(), 20_000);
     let lines = e.lines();
-    assert_eq!(lines.last().unwrap(), "… and 19936 more problems not listed");
-    assert!(lines[0].starts_with(&format!("{}: `chunking.max_batch_tokens.ghost0` = 512: `max_batch_tokens` names node `ghost0`", layer.display())), "{}", lines[0]);
+    assert_eq!(
+        lines.last().unwrap(),
+        "… and 19936 more problems not listed"
+    );
+    assert!(
+        lines[0].starts_with(&format!(
+            "{}: `chunking.max_batch_tokens.ghost0` = 512: `max_batch_tokens` names node `ghost0`",
+            layer.display()
+        )),
+        "{}",
+        lines[0]
+    );
 }
 
 #[test]

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::{BudgetValue, NodeBudget};
+use crate::config::Settings;
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::config::Settings;
 use crate::{ChunkingManagement, Name};
 
 pub mod prefix_cache;
@@ -114,7 +114,10 @@ pub fn signal_exit_code(signal: &str) -> u8 {
 ///
 /// # Errors
 /// The first output refused, and why.
-pub fn check_outputs(outputs: &[(&'static str, &Path)], inputs: &[PathBuf]) -> Result<(), ReplayError> {
+pub fn check_outputs(
+    outputs: &[(&'static str, &Path)],
+    inputs: &[PathBuf],
+) -> Result<(), ReplayError> {
     let same = |a: &Path, b: &Path| -> bool {
         #[cfg(unix)]
         if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {

@@ -629,12 +629,13 @@ fn read_mooncake<R: BufRead>(b: &mut Builder, mut reader: R) -> Result<(), Trace
     let mut line: u64 = 0;
     let mut rid: u64 = 0;
     while !b.full() {
-        let read = read_line_bounded(&mut reader, &mut bytes, MAX_LINE_BYTES).map_err(|source| {
-            TraceError::Io {
-                file: b.trace.file.clone(),
-                source,
-            }
-        })?;
+        let read =
+            read_line_bounded(&mut reader, &mut bytes, MAX_LINE_BYTES).map_err(|source| {
+                TraceError::Io {
+                    file: b.trace.file.clone(),
+                    source,
+                }
+            })?;
         let Some(too_long) = read else { break };
         line += 1;
         let text = match std::str::from_utf8(&bytes) {

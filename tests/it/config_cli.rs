@@ -1,4 +1,4 @@
-//! `check` and `budgets` on good and bad layered configs (SPEC §4, §7).
+//! `check` and `budgets` on good and bad layered configs (docs/config.md).
 
 use serde_json::json;
 

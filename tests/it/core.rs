@@ -165,7 +165,10 @@ async fn combined_walk_with_caps() {
             1,
             BTreeMap::from([(
                 n("llm"),
-                NodeBudget::PerWalk(BTreeMap::from([(n("prefill"), BudgetValue::tokens(8).unwrap())])),
+                NodeBudget::PerWalk(BTreeMap::from([(
+                    n("prefill"),
+                    BudgetValue::tokens(8).unwrap(),
+                )])),
             )]),
         ))
         .await
@@ -341,7 +344,10 @@ async fn a_budget_change_between_assemble_and_complete_is_checked_against_the_ol
     assert_eq!((b.budget, b.scheduled_tokens), (Some(256), 256));
     let lower = BTreeMap::from([(
         n("llm"),
-        NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::tokens(100).unwrap())])),
+        NodeBudget::PerWalk(BTreeMap::from([(
+            n("mixed"),
+            BudgetValue::tokens(100).unwrap(),
+        )])),
     )]);
     cm.set_budgets(settings(1, lower)).await.unwrap();
     assert_eq!(
@@ -401,9 +407,15 @@ async fn a_refused_setting_changes_nothing() {
     let bad = BTreeMap::from([
         (
             n("llm"),
-            NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::tokens(10).unwrap())])),
+            NodeBudget::PerWalk(BTreeMap::from([(
+                n("mixed"),
+                BudgetValue::tokens(10).unwrap(),
+            )])),
         ),
-        (n("ghost"), NodeBudget::All(BudgetValue::tokens(10).unwrap())),
+        (
+            n("ghost"),
+            NodeBudget::All(BudgetValue::tokens(10).unwrap()),
+        ),
     ]);
     let err = cm.set_budgets(settings(1, bad)).await.unwrap_err();
     assert!(err.to_string().contains("`ghost`"), "{err}");

@@ -22,7 +22,9 @@ impl Watchdog {
         let (tx, rx) = mpsc::channel::<()>();
         std::thread::spawn(move || {
             if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
             }
         });
         Self(tx)
@@ -108,13 +110,28 @@ fn fifos_and_devices_as_inputs_are_refused_not_waited_on() {
     );
     let r = run_bounded(&["check", "--model", s(&fifo_toml)], &[]);
     assert_eq!(r.code, 2, "{r:?}");
-    assert!(r.stderr.contains("is not a regular file (it is a FIFO)"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("is not a regular file (it is a FIFO)"),
+        "{}",
+        r.stderr
+    );
     let r = run_bounded(
-        &["replay", "--trace", s(&fifo_trace), "--metrics-listen", "off", "--no-progress"],
+        &[
+            "replay",
+            "--trace",
+            s(&fifo_trace),
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+        ],
         &[],
     );
     assert_eq!(r.code, 1, "{r:?}");
-    assert!(r.stderr.contains("is not a regular file (it is a FIFO)"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("is not a regular file (it is a FIFO)"),
+        "{}",
+        r.stderr
+    );
     let r = run_bounded(&["check", "--model", "/dev/zero"], &[]);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("(it is a device)"), "{}", r.stderr);
@@ -128,27 +145,39 @@ fn oversized_configs_alias_bombs_and_hex_integers_are_refused() {
     let r = run_bounded(&["check", "--config", s(&big)], &[]);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(
-        r.stderr.contains("is larger than the limit of 1048576 bytes (docs/config.md#limits)"),
+        r.stderr
+            .contains("is larger than the limit of 1048576 bytes (docs/config.md#limits)"),
         "{}",
         r.stderr
     );
     // 399 bytes that expand to 9^9 strings.
     let bomb = dir.path().join("bomb.yaml");
-    let mut text = String::from("a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n");
+    let mut text = String::from(
+        "a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n",
+    );
     for (i, c) in ('b'..='i').enumerate() {
         let prev = char::from(b'a' + u8::try_from(i).unwrap());
-        text.push_str(&format!("{c}: &{c} [{}]\n", vec![format!("*{prev}"); 9].join(",")));
+        text.push_str(&format!(
+            "{c}: &{c} [{}]\n",
+            vec![format!("*{prev}"); 9].join(",")
+        ));
     }
     std::fs::write(&bomb, text).unwrap();
     let r = run_bounded(&["check", "--config", s(&bomb)], &[]);
     assert_eq!(r.code, 2, "{r:?}");
-    assert!(r.stderr.contains("YAML alias at line 2: aliases are refused"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("YAML alias at line 2: aliases are refused"),
+        "{}",
+        r.stderr
+    );
     let hex = dir.path().join("hex.toml");
     std::fs::write(&hex, "[chunking.max_batch_tokens]\nllm = 0x800\n").unwrap();
     let r = run_bounded(&["check", "--config", s(&hex)], &[]);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(
-        r.stderr.contains("`chunking.max_batch_tokens.llm` = 0x800: integers are written in decimal"),
+        r.stderr
+            .contains("`chunking.max_batch_tokens.llm` = 0x800: integers are written in decimal"),
         "{}",
         r.stderr
     );
@@ -196,8 +225,14 @@ fn outputs_that_are_an_input_or_each_other_are_refused_and_nothing_is_overwritte
         (vec!["--step-log", s(&trace)], "the step log"),
         (vec!["--step-log", s(&link)], "the step log"),
         (vec!["--report-json", s(&layer)], "the JSON report"),
-        (vec!["--report-json", "config/models/demo.toml"], "the JSON report"),
-        (vec!["--step-log", s(&out), "--report-json", s(&out)], "is also the JSON report"),
+        (
+            vec!["--report-json", "config/models/demo.toml"],
+            "the JSON report",
+        ),
+        (
+            vec!["--step-log", s(&out), "--report-json", s(&out)],
+            "is also the JSON report",
+        ),
         (vec!["--step-log", "/dev/null"], "is not a regular file"),
     ] {
         let mut args = base.to_vec();
@@ -207,7 +242,11 @@ fn outputs_that_are_an_input_or_each_other_are_refused_and_nothing_is_overwritte
         assert!(r.stderr.contains(want), "{extra:?}: {}", r.stderr);
         assert!(r.stdout.is_empty(), "{extra:?} replayed: {}", r.stdout);
     }
-    assert_eq!(std::fs::read(&trace).unwrap(), before, "the trace was overwritten");
+    assert_eq!(
+        std::fs::read(&trace).unwrap(),
+        before,
+        "the trace was overwritten"
+    );
     assert_eq!(
         std::fs::read_to_string(&layer).unwrap(),
         "[chunking]\nmin_chunk_tokens = 32\n"
@@ -224,8 +263,16 @@ fn outputs_replace_the_previous_file_whole_and_leave_no_temporary_file() {
     std::fs::write(&report, "old").unwrap();
     let r = run_bounded(
         &[
-            "replay", "--requests", "20", "--metrics-listen", "off", "--no-progress",
-            "--step-log", s(&log), "--report-json", s(&report),
+            "replay",
+            "--requests",
+            "20",
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+            "--step-log",
+            s(&log),
+            "--report-json",
+            s(&report),
         ],
         &[],
     );
@@ -255,8 +302,16 @@ fn start_long_replay(dir: &Path) -> (Child, PathBuf, PathBuf) {
     let (log, report) = (dir.join("steps.jsonl"), dir.join("report.json"));
     let mut child = command(
         &[
-            "replay", "--trace", s(&trace), "--metrics-listen", "off", "--no-progress",
-            "--step-log", s(&log), "--report-json", s(&report),
+            "replay",
+            "--trace",
+            s(&trace),
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+            "--step-log",
+            s(&log),
+            "--report-json",
+            s(&report),
         ],
         &[("RUST_LOG", "mstar_chunking::replay=debug")],
     )
@@ -267,7 +322,10 @@ fn start_long_replay(dir: &Path) -> (Child, PathBuf, PathBuf) {
     // Blocks until the replay says it started (its signal handlers are in place by then).
     let stderr = child.stderr.take().unwrap();
     let mut lines = BufReader::new(stderr).lines();
-    let started = lines.by_ref().take(50).any(|l| l.is_ok_and(|l| l.contains("replay started")));
+    let started = lines
+        .by_ref()
+        .take(50)
+        .any(|l| l.is_ok_and(|l| l.contains("replay started")));
     assert!(started, "the replay did not start");
     std::thread::spawn(move || lines.for_each(drop));
     (child, log, report)
@@ -288,17 +346,22 @@ fn sigint_and_sigterm_stop_at_a_step_and_write_the_report_marked_interrupted() {
         let out = child.wait_with_output().unwrap();
         assert_eq!(out.status.code(), Some(code), "{name}");
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.contains(&format!("interrupted              by {name}")), "{stdout}");
+        assert!(
+            stdout.contains(&format!("interrupted              by {name}")),
+            "{stdout}"
+        );
         let rep: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
         assert_eq!(rep["interrupted"], name);
         let text = std::fs::read_to_string(&log).unwrap();
         assert!(text.ends_with('\n') || text.is_empty(), "half a line");
-        let steps = text
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .count();
-        assert_eq!(steps as u64, rep["steps"].as_u64().unwrap(), "{name}");
+        let mut steps = 0u64;
+        for l in text.lines() {
+            serde_json::from_str::<serde_json::Value>(l)
+                .expect("every step log line is whole JSON");
+            steps += 1;
+        }
+        assert_eq!(steps, rep["steps"].as_u64().unwrap(), "{name}");
     }
 }
 
@@ -310,7 +373,14 @@ fn a_closed_stdout_ends_quietly_and_a_full_one_is_an_error_not_a_panic() {
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     drop(ours);
     let out = command(
-        &["replay", "--requests", "5", "--metrics-listen", "off", "--no-progress"],
+        &[
+            "replay",
+            "--requests",
+            "5",
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+        ],
         &[],
     )
     .stdout(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
@@ -321,7 +391,12 @@ fn a_closed_stdout_ends_quietly_and_a_full_one_is_an_error_not_a_panic() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.is_empty(), "{stderr}");
 
-    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+    };
     let out = command(&["check"], &[])
         .stdout(Stdio::from(full()))
         .stderr(Stdio::piped())
@@ -329,7 +404,10 @@ fn a_closed_stdout_ends_quietly_and_a_full_one_is_an_error_not_a_panic() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.starts_with("error: cannot write to stdout"), "{stderr}");
+    assert!(
+        stderr.starts_with("error: cannot write to stdout"),
+        "{stderr}"
+    );
     // A refused config with stderr on /dev/full: the usual 2, not a panic's 101.
     let out = command(&["check", "--model", "nope.toml"], &[])
         .stdout(Stdio::null())
@@ -347,11 +425,26 @@ fn check_and_replay_agree_on_every_replay_setting() {
     let trace = dir.path().join("t.jsonl");
     mooncake(&trace, 3, 2);
     for (text, key) in [
-        ("[replay]\nwalk = \"decode\"\n", "`replay.walk` = \"decode\""),
-        ("[replay.cost]\nbase_ms = 0.0\nper_token_ms = 0.0\n", "`replay.cost`"),
-        ("[replay.cost]\nbase_ms = 1.7e308\n", "`replay.cost.base_ms` = 1.7e308"),
-        ("[replay.speculation]\ntokens = 2000000000\n", "`replay.speculation.tokens` = 2000000000"),
-        ("[replay.speculation]\novershoot_rate = nan\n", "`replay.speculation.overshoot_rate` = \"NaN\""),
+        (
+            "[replay]\nwalk = \"decode\"\n",
+            "`replay.walk` = \"decode\"",
+        ),
+        (
+            "[replay.cost]\nbase_ms = 0.0\nper_token_ms = 0.0\n",
+            "`replay.cost`",
+        ),
+        (
+            "[replay.cost]\nbase_ms = 1.7e308\n",
+            "`replay.cost.base_ms` = 1.7e308",
+        ),
+        (
+            "[replay.speculation]\ntokens = 2000000000\n",
+            "`replay.speculation.tokens` = 2000000000",
+        ),
+        (
+            "[replay.speculation]\novershoot_rate = nan\n",
+            "`replay.speculation.overshoot_rate` = \"NaN\"",
+        ),
         ("[replay]\nnode = \"ghost\"\n", "`replay.node` = \"ghost\""),
     ] {
         let layer = dir.path().join("layer.toml");
@@ -362,8 +455,14 @@ fn check_and_replay_agree_on_every_replay_setting() {
         assert!(r.stderr.contains(&want), "check {text}: {}", r.stderr);
         let r = run_bounded(
             &[
-                "replay", "--config", s(&layer), "--trace", s(&trace), "--metrics-listen",
-                "off", "--no-progress",
+                "replay",
+                "--config",
+                s(&layer),
+                "--trace",
+                s(&trace),
+                "--metrics-listen",
+                "off",
+                "--no-progress",
             ],
             &[],
         );
@@ -377,8 +476,18 @@ fn check_and_replay_agree_on_every_replay_setting() {
     let report = dir.path().join("r.json");
     let r = run_bounded(
         &[
-            "replay", "--config", s(&layer), "--trace", s(&trace), "--metrics-listen", "off",
-            "--no-progress", "--rate-scale", "0.000001", "--report-json", s(&report),
+            "replay",
+            "--config",
+            s(&layer),
+            "--trace",
+            s(&trace),
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+            "--rate-scale",
+            "0.000001",
+            "--report-json",
+            s(&report),
         ],
         &[],
     );
@@ -392,7 +501,10 @@ fn check_and_replay_agree_on_every_replay_setting() {
 #[test]
 fn rate_scales_that_would_make_times_infinite_are_refused() {
     for bad in ["1e-308", "1e308", "inf", "NaN", "0"] {
-        let r = run_bounded(&["replay", "--rate-scale", bad, "--metrics-listen", "off"], &[]);
+        let r = run_bounded(
+            &["replay", "--rate-scale", bad, "--metrics-listen", "off"],
+            &[],
+        );
         assert_eq!(r.code, 2, "{bad}: {r:?}");
         assert!(r.stderr.contains("--rate-scale"), "{bad}: {}", r.stderr);
     }
@@ -409,13 +521,21 @@ fn azure_timestamps_outside_the_range_are_bad_lines_not_overflows() {
         )
         .unwrap();
         let r = run_bounded(
-            &["replay", "--trace", s(&trace), "--metrics-listen", "off", "--no-progress"],
+            &[
+                "replay",
+                "--trace",
+                s(&trace),
+                "--metrics-listen",
+                "off",
+                "--no-progress",
+            ],
             &[],
         );
         assert_no_panic(&r);
         assert_eq!(r.code, 1, "{year}: {r:?}");
         assert!(
-            r.stderr.contains("is outside the supported range 1677-09-22 to 2262-04-11"),
+            r.stderr
+                .contains("is outside the supported range 1677-09-22 to 2262-04-11"),
             "{year}: {}",
             r.stderr
         );
@@ -436,8 +556,14 @@ fn mooncake_timestamps_count_from_the_first_request() {
     let report = dir.path().join("r.json");
     let r = run_bounded(
         &[
-            "replay", "--trace", s(&trace), "--metrics-listen", "off", "--no-progress",
-            "--report-json", s(&report),
+            "replay",
+            "--trace",
+            s(&trace),
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+            "--report-json",
+            s(&report),
         ],
         &[],
     );
@@ -453,14 +579,29 @@ fn mooncake_timestamps_count_from_the_first_request() {
 fn invalid_utf8_in_a_mooncake_line_is_a_bad_line_with_its_number() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("t.jsonl");
-    let mut bytes = b"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n".to_vec();
+    let mut bytes =
+        b"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n"
+            .to_vec();
     bytes.extend_from_slice(b"{\"timestamp\": 1, \"input_length\": \xff}\n");
-    bytes.extend_from_slice(b"{\"timestamp\": 2, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [2]}\n");
+    bytes.extend_from_slice(
+        b"{\"timestamp\": 2, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [2]}\n",
+    );
     std::fs::write(&trace, bytes).unwrap();
-    let args = ["replay", "--trace", s(&trace), "--metrics-listen", "off", "--no-progress"];
+    let args = [
+        "replay",
+        "--trace",
+        s(&trace),
+        "--metrics-listen",
+        "off",
+        "--no-progress",
+    ];
     let r = run_bounded(&args, &[]);
     assert_eq!(r.code, 1, "{r:?}");
-    assert!(r.stderr.contains("t.jsonl:2: `line` is not UTF-8 text"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("t.jsonl:2: `line` is not UTF-8 text"),
+        "{}",
+        r.stderr
+    );
     let mut skip = args.to_vec();
     skip.push("--skip-bad-lines");
     let r = run_bounded(&skip, &[]);
@@ -480,7 +621,8 @@ fn mstar_env_is_a_name_in_the_config_folder_and_nothing_else() {
         let r = run_bounded(&["check"], &[("MSTAR_ENV", bad)]);
         assert_eq!(r.code, 2, "{bad:?}: {r:?}");
         assert!(
-            r.stderr.contains("`MSTAR_ENV`: must be a name of 1 to 64 letters, digits, `-` or `_`"),
+            r.stderr
+                .contains("`MSTAR_ENV`: must be a name of 1 to 64 letters, digits, `-` or `_`"),
             "{bad:?}: {}",
             r.stderr
         );
@@ -496,12 +638,25 @@ fn unknown_keys_never_print_their_values_and_control_characters_are_escaped() {
     let r = run_in(
         dir.path(),
         &["check", "--config", s(&layer)],
-        &[("MSTAR__LOG__PASSWORD", "pw-private"), ("MSTAR__CHUNKING__X\u{1b}[2J\nY", "1")],
+        &[
+            ("MSTAR__LOG__PASSWORD", "pw-private"),
+            ("MSTAR__CHUNKING__X\u{1b}[2J\nY", "1"),
+        ],
     );
     assert_eq!(r.code, 2, "{r:?}");
     assert!(!r.stderr.contains("private"), "{}", r.stderr);
-    assert!(r.stderr.contains("`metrics.api_token`: unknown field `api_token`"), "{}", r.stderr);
-    assert!(r.stderr.contains("`log.password`: unknown field `password`"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("`metrics.api_token`: unknown field `api_token`"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("`log.password`: unknown field `password`"),
+        "{}",
+        r.stderr
+    );
     assert!(!r.stderr.contains('\u{1b}'), "{}", r.stderr);
     assert!(r.stderr.contains("\\u{1b}[2j\\ny"), "{}", r.stderr);
     // The header and one line per problem: no forged lines.
@@ -511,17 +666,32 @@ fn unknown_keys_never_print_their_values_and_control_characters_are_escaped() {
 #[test]
 fn metrics_on_every_interface_warn_what_they_expose() {
     let r = run_bounded(
-        &["replay", "--requests", "2", "--metrics-listen", "0.0.0.0:0", "--no-progress"],
+        &[
+            "replay",
+            "--requests",
+            "2",
+            "--metrics-listen",
+            "0.0.0.0:0",
+            "--no-progress",
+        ],
         &[],
     );
     assert_eq!(r.code, 0, "{r:?}");
     assert!(
-        r.stderr.contains("non-loopback address: anyone who can reach it can read every metric"),
+        r.stderr
+            .contains("non-loopback address: anyone who can reach it can read every metric"),
         "{}",
         r.stderr
     );
     let r = run_bounded(
-        &["replay", "--requests", "2", "--metrics-listen", "127.0.0.1:0", "--no-progress"],
+        &[
+            "replay",
+            "--requests",
+            "2",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--no-progress",
+        ],
         &[],
     );
     assert_eq!(r.code, 0, "{r:?}");

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use mstar_chunking::reload::{watch, Applied, ReloadError, Reloader};
 use mstar_chunking::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
+use mstar_chunking::reload::{watch, Applied, ReloadError, Reloader};
 use mstar_chunking::ChunkingManagement;
 
 fn options(dir: &Path) -> LoadOptions {
@@ -183,7 +183,8 @@ async fn a_fifo_or_device_swapped_in_is_refused_and_scheduling_goes_on() {
         .success());
     let err = reloader.reload().await.unwrap_err();
     assert!(
-        err.to_string().contains("is not a regular file (it is a FIFO)"),
+        err.to_string()
+            .contains("is not a regular file (it is a FIFO)"),
         "{err}"
     );
     std::fs::remove_file(&layer).unwrap();

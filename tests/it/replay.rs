@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::ReadOptions;
 use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError};
-use mstar_chunking::config::Settings;
 use serde_json::Value;
 
 /// A model with one node stepping on `mixed` = `prefill` + `decode`, aligned to 16 tokens.
@@ -619,7 +619,10 @@ fn a_replay_survives_actors_panicking_midway() {
                     ActorKind::BudgetConfig,
                     ActorKind::PolicyRegistry,
                 ] {
-                    steps_rx.recv().await.expect("the replay runs more than 100 steps");
+                    steps_rx
+                        .recv()
+                        .await
+                        .expect("the replay runs more than 100 steps");
                     let err = cm.inject_panic(actor).await.unwrap_err();
                     assert!(matches!(err, ChunkingError::ActorPanicked { .. }), "{err}");
                     // Mid-replay: prompts are still queued when the actor dies.
