@@ -19,7 +19,7 @@
 //!
 //! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
 //! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`). [`replay`] drives
-//! the actors through a request trace on a simulated clock (SPEC §8).
+//! the actors through a request trace on a simulated clock (docs/replay.md).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -46,10 +46,14 @@ use std::sync::Arc;
 
 pub mod actors;
 pub mod budget;
+#[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "config")]
 pub mod config;
 pub mod error;
+#[cfg(feature = "cli")]
 pub mod logging;
+#[cfg(feature = "config")]
 pub mod manifest;
 pub mod metrics;
 pub mod overrun;
@@ -58,18 +62,19 @@ pub mod policy;
 pub mod prepared;
 pub mod queues;
 pub mod range;
+#[cfg(feature = "config")]
 pub mod reload;
+#[cfg(feature = "replay")]
 pub mod replay;
 pub mod scheduler;
-
 pub mod snapshot;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;
 
-pub use actors::ChunkingManagement;
+pub use actors::{ActorThread, ChunkingManagement, QueueStats};
 pub use budget::{BudgetSettings, BudgetTable, BudgetValue, NodeBudget, DEFAULT_MIN_CHUNK_TOKENS};
-pub use error::ChunkingError;
+pub use error::{ChunkingError, ErrorKind};
 pub use overrun::{Overrun, OverrunReason};
 pub use planner::Work;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};

@@ -12,14 +12,18 @@ use crate::Name;
 /// Per-token extras of a node's input (positions, multimodal features…): `width` values per token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Extras {
+    /// Values per token.
     pub width: usize,
+    /// `width` values per token, token after token.
     pub values: Arc<[f32]>,
 }
 
 /// A row's whole input at a node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreparedInput {
+    /// The token ids.
     pub token_ids: Arc<[u32]>,
+    /// Per-token extras, if the node has them.
     pub extras: Option<Extras>,
 }
 

@@ -1,4 +1,4 @@
-//! `ChunkRange`: the tokens one chunked row runs in one step (SPEC §2).
+//! `ChunkRange`: the tokens one chunked row runs in one step (docs/ranges.md).
 
 use serde::Serialize;
 
@@ -11,9 +11,13 @@ use serde::Serialize;
 /// sum to `total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct ChunkRange {
+    /// The first token the chunk runs.
     pub start: u32,
+    /// One past the last token it runs.
     pub end: u32,
+    /// Tokens of the whole prepared input.
     pub total: u32,
+    /// How far the chunk moves the row's chunk Loop.
     pub stride: u32,
 }
 

@@ -25,7 +25,6 @@ use tokio::sync::mpsc;
 use crate::config::{load_manifest, load_settings, ConfigErrors, LoadOptions, Settings};
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::metrics;
 use crate::ChunkingManagement;
 
 /// How long reading the layers and the manifest may take before a reload gives up.
@@ -173,7 +172,7 @@ impl Reloader {
         let result = match self.read().await {
             Ok(settings) => self.apply(settings).await,
             Err(e) => {
-                metrics::record_reload(false);
+                self.cm.count_refused_reload();
                 Err(e)
             }
         };
@@ -215,7 +214,7 @@ impl Reloader {
             .clone();
         let sections = fixed_changes(&old, &settings);
         if !sections.is_empty() {
-            metrics::record_reload(false);
+            self.cm.count_refused_reload();
             return Err(ReloadError::FixedSection { sections });
         }
         // BudgetConfig counts the outcome of applying them.
