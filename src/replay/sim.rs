@@ -226,7 +226,7 @@ impl<'a> Sim<'a> {
                 hook.call(self.report.steps);
             }
             if let Some(pb) = &progress {
-                if self.report.steps % PROGRESS_EVERY == 0 {
+                if self.report.steps.is_multiple_of(PROGRESS_EVERY) {
                     pb.set_position(self.done as u64);
                 }
             }
