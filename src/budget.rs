@@ -16,7 +16,7 @@ use crate::Name;
 pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
 
 /// One budget as a serving config sets it: a positive token count or off. The config wing
-/// parses its spellings (see `docs/config.md#budget-spellings`); 0, negatives and counts beyond
+/// parses its spellings (`docs/config.md#budget-spellings`); 0, negatives and counts beyond
 /// `u32` cannot be represented, so they never reach the core.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetValue {

@@ -15,7 +15,7 @@ use crate::budget::BudgetValue;
 /// What a refused budget spelling is told it should have been.
 const EXPECTED: &str = "a positive whole number of tokens (at most 4294967295) or \"off\"";
 /// The rule a refused spelling breaks.
-const RULE: &str = "docs/config.md#budgets, rule 6";
+const RULE: &str = "docs/budgets.md#refusals, rule 6";
 
 /// One budget as written in a config layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,7 +223,7 @@ mod tests {
             let e = parse(bad.clone()).unwrap_err();
             assert_eq!(
                 e,
-                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/config.md#budgets, rule 6)"),
+                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/budgets.md#refusals, rule 6)"),
                 "{bad}"
             );
         }
@@ -268,6 +268,9 @@ mod tests {
         let e = node(json!({"mixed": false})).unwrap_err().to_string();
         assert!(e.contains("invalid type: boolean `false`"), "{e}");
         let e = node(json!(0)).unwrap_err().to_string();
-        assert!(e.ends_with("got 0 (docs/config.md#budgets, rule 6)"), "{e}");
+        assert!(
+            e.ends_with("got 0 (docs/budgets.md#refusals, rule 6)"),
+            "{e}"
+        );
     }
 }

@@ -97,7 +97,7 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
 }
 
 /// The `[chunking]` key a budget refusal is about, and the node and walk whose value to quote;
-/// `None` for a refusal of the model itself. Budget rules: `docs/config.md#budgets`.
+/// `None` for a refusal of the model itself. Budget rules: `docs/budgets.md#refusals`.
 type Quoted<'a> = Option<(&'a str, Option<&'a str>)>;
 
 fn budget_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quoted<'a>)> {
@@ -108,16 +108,20 @@ fn budget_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quo
     Some((key, Some((&**node, walk.map(|w| &**w)))))
 }
 
-/// The numbered budget rule of `docs/config.md#budgets` a refusal breaks.
+/// The numbered rule of `docs/budgets.md#refusals` a refusal breaks.
 fn rule(e: &BudgetError) -> Option<u8> {
     Some(match e {
-        BudgetError::UnknownNode { setting, .. } if *setting == "no_chunking" => 7,
-        BudgetError::UnknownNode { .. } => 1,
-        BudgetError::WalkNotServed { .. } => 2,
+        BudgetError::UnknownNode { setting, .. } if *setting == "max_batch_tokens" => 1,
+        BudgetError::UnknownNode { .. } => 7,
+        BudgetError::WalkNotServed { .. } | BudgetError::CombinedWalkNotServed { .. } => 2,
         BudgetError::WalkNotBudgeted { .. } => 3,
         BudgetError::NodeBudgetsNothing { .. } => 4,
         BudgetError::MemberWalk { .. } => 5,
-        BudgetError::ZeroSetting { .. } => 6,
+        BudgetError::ZeroSetting { key } if *key == "min_chunk_tokens" => 6,
+        BudgetError::ZeroSetting { .. } => 10,
+        BudgetError::WalkInTwoCombined { .. } => 7,
+        BudgetError::BelowAlign { .. } => 8,
+        BudgetError::RowCapBelowAlign { .. } => 9,
         _ => return None,
     })
 }
@@ -128,9 +132,10 @@ fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
         BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
             Some(("chunking.no_chunking".into(), Some((&**node, None))))
         }
-        BudgetError::UnknownNode { node, .. } | BudgetError::NodeBudgetsNothing { node } => {
+        BudgetError::UnknownNode { setting, node } if *setting == "max_batch_tokens" => {
             budget(node, None)
         }
+        BudgetError::NodeBudgetsNothing { node } => budget(node, None),
         BudgetError::WalkNotServed { node, walk }
         | BudgetError::WalkNotBudgeted { node, walk }
         | BudgetError::MemberWalk { node, walk, .. }
@@ -150,8 +155,8 @@ pub(super) fn budget_problem(
     origins: &Origins,
 ) -> ConfigProblem {
     let reason = match rule(e) {
-        Some(n) => format!("{e} (docs/config.md#budgets, rule {n})"),
-        None => format!("{e} (docs/config.md#budgets)"),
+        Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
+        None => format!("{e} (docs/budgets.md#refusals)"),
     };
     match chunking_key(e) {
         Some((key, quoted)) => {

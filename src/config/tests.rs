@@ -93,7 +93,7 @@ fn later_layers_win_and_errors_name_the_layer_that_set_the_key() {
     assert_eq!(
         p,
         [format!(
-            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/config.md#budgets, rule 6)",
+            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#refusals, rule 6)",
             a.display()
         )]
     );
@@ -112,7 +112,7 @@ fn a_negative_budget_is_refused_at_the_boundary_naming_key_and_layer() {
     );
     assert_eq!(
         problems(&o),
-        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/config.md#budgets, rule 6)"]
+        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#refusals, rule 6)"]
     );
     let l = load(&opts(
         "demo.toml",

@@ -370,7 +370,7 @@ const BAD: &[Bad] = &[
     bad(
         "a budget of \"none\"",
         "[chunking.max_batch_tokens]\nvision = \"none\"\n",
-        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/config.md#budgets, rule 6)"],
+        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/budgets.md#refusals, rule 6)"],
     ),
     bad(
         "a budget of 1.5",
