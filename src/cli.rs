@@ -207,7 +207,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         ) {
             Ok(cm) => cm,
             Err(e) => {
-                eprintln!("error: {e}");
+                say(&format!("error: {e}"));
                 return ExitCode::FAILURE;
             }
         };

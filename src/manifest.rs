@@ -20,6 +20,7 @@ use crate::Name;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The model's name.
     pub name: String,
     /// The walks the model runs, which the deployment serves.
     pub walks: Vec<String>,
@@ -34,8 +35,10 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeManifest {
+    /// The walks whose rows the node's submodule can run in chunks.
     #[serde(default)]
     pub chunkable_walks: Vec<String>,
+    /// Whether the submodule can cap member walks inside a combined step.
     #[serde(default)]
     pub can_override_mixed_max_tokens: bool,
     /// `walk -> policy`; a walk without an entry is `NO_CHUNKING` on this node.
@@ -47,7 +50,9 @@ pub struct NodeManifest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyManifest {
+    /// The model's budget for the walk; `None`: no budget (no chunking).
     pub max_batch_tokens: Option<u32>,
+    /// Chunks are cut at multiples of this many tokens. Default 1.
     #[serde(default = "one")]
     pub align: u32,
 }
@@ -234,50 +239,128 @@ fn check_name(what: &'static str, name: &str, errors: &mut Vec<ManifestError>) {
 /// One problem with a model manifest. The manifest it is in is named by [`ManifestErrors`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ManifestError {
+    /// The file cannot be read (or is not a regular file, or is too large).
     #[error("cannot be read: {reason}")]
-    Read { reason: String },
+    Read {
+        /// Why.
+        reason: String,
+    },
+    /// Not TOML, or not a manifest (an unknown key, a wrong type).
     #[error("malformed manifest{}: {reason}", line.map(|l| format!(" at line {l}")).unwrap_or_default())]
-    Parse { reason: String, line: Option<usize> },
+    Parse {
+        /// What the parser said.
+        reason: String,
+        /// The 1-based line, when known.
+        line: Option<usize>,
+    },
+    /// No walks.
     #[error("`walks` is empty; a model runs at least one walk")]
     NoWalks,
+    /// No nodes.
     #[error("`nodes` is empty; a model has at least one node")]
     NoNodes,
+    /// A node or walk name that is not lowercase letters, digits, `_` or `-`.
     #[error("{what} name {name:?} must be lowercase letters, digits, `_` or `-` (environment variables arrive lowercased)")]
-    BadName { what: &'static str, name: String },
+    BadName {
+        /// `node` or `walk`.
+        what: &'static str,
+        /// The name as written.
+        name: String,
+    },
+    /// A walk listed twice.
     #[error("walk `{walk}` is listed twice in `walks`")]
-    DuplicateWalk { walk: String },
+    DuplicateWalk {
+        /// The walk.
+        walk: String,
+    },
+    /// A combined walk missing from `walks`.
     #[error("combined walk `{combined}` is not in `walks`")]
-    CombinedNotInWalks { combined: String },
+    CombinedNotInWalks {
+        /// The combined walk.
+        combined: String,
+    },
+    /// A member walk missing from `walks`.
     #[error("`combined_walks.{combined}` names walk `{member}`, which is not in `walks`")]
-    MemberNotInWalks { combined: String, member: String },
+    MemberNotInWalks {
+        /// The combined walk.
+        combined: String,
+        /// The member walk.
+        member: String,
+    },
+    /// A combined walk without members.
     #[error("`combined_walks.{combined}` has no member walks")]
-    EmptyCombined { combined: String },
+    EmptyCombined {
+        /// The combined walk.
+        combined: String,
+    },
+    /// A combined walk among the members of another.
     #[error("`combined_walks.{combined}` names `{member}`, which is itself a combined walk; combined walks do not nest")]
-    NestedCombined { combined: String, member: String },
+    NestedCombined {
+        /// The combined walk.
+        combined: String,
+        /// The member that is itself combined.
+        member: String,
+    },
+    /// A walk in two combined walks.
     #[error("walk `{walk}` is in two combined walks, `{first}` and `{second}`; a walk belongs to at most one")]
     WalkInTwoCombined {
+        /// The walk.
         walk: String,
+        /// The first combined walk listing it.
         first: String,
+        /// The second.
         second: String,
     },
+    /// A member listed twice.
     #[error("`combined_walks.{combined}` lists `{member}` twice")]
-    DuplicateMember { combined: String, member: String },
+    DuplicateMember {
+        /// The combined walk.
+        combined: String,
+        /// The member listed twice.
+        member: String,
+    },
+    /// A chunkable walk missing from `walks`.
     #[error("`nodes.{node}.chunkable_walks` names walk `{walk}`, which is not in `walks`")]
-    ChunkableWalkUnknown { node: String, walk: String },
+    ChunkableWalkUnknown {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy on a walk missing from `walks`.
     #[error(
         "`nodes.{node}.policies.{walk}` is a policy on walk `{walk}`, which is not in `walks`"
     )]
-    PolicyUnknownWalk { node: String, walk: String },
+    PolicyUnknownWalk {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy budget of 0.
     #[error("`nodes.{node}.policies.{walk}.max_batch_tokens` is 0; a budget is at least 1 token (leave the policy out for no chunking)")]
-    ZeroBudget { node: String, walk: String },
+    ZeroBudget {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy align of 0.
     #[error("`nodes.{node}.policies.{walk}.align` is 0; align is at least 1 token")]
-    ZeroAlign { node: String, walk: String },
+    ZeroAlign {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
 }
 
 /// Every problem with one manifest, which it names (its file path).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManifestErrors {
+    /// The manifest: its file path, or the built-in demo.
     pub origin: String,
+    /// Every problem, in the order found.
     pub errors: Vec<ManifestError>,
 }
 
