@@ -20,6 +20,7 @@ pub const EXIT_CONFIG: u8 = 2;
 #[derive(Debug, Parser)]
 #[command(name = "mstar-chunking", version, about, propagate_version = true)]
 pub struct Cli {
+    /// The subcommand.
     #[command(subcommand)]
     pub command: Command,
 }

@@ -176,40 +176,70 @@ impl Default for ReplayOptions {
 /// Why a replay failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
+    /// The trace could not be read.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// An actor refused or did not answer.
     #[error("{during}: {source}")]
     Chunking {
+        /// What the replay was doing.
         during: &'static str,
+        /// The actors' error.
         #[source]
         source: ChunkingError,
     },
+    /// A `[replay]` setting refused (see [`settings::check`]).
     #[error("`{key}` {problem}")]
-    Config { key: &'static str, problem: String },
-    #[error("{0}")]
-    RateScale(String),
-    #[error("the {what} `{path}` {problem}", path = crate::config::problem::escape(&.path.display().to_string()))]
-    Output {
-        what: &'static str,
-        path: PathBuf,
+    Config {
+        /// The key.
+        key: &'static str,
+        /// Its value and why it was refused.
         problem: String,
     },
+    /// `--rate-scale` out of range.
+    #[error("{0}")]
+    RateScale(String),
+    /// An output refused before anything ran (see [`check_outputs`]).
+    #[error("the {what} `{path}` {problem}", path = crate::config::problem::escape(&.path.display().to_string()))]
+    Output {
+        /// `step log` or `JSON report`.
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// Why it was refused.
+        problem: String,
+    },
+    /// An output could not be written.
     #[error("cannot write the {what} `{path}`: {source}", path = .path.display())]
     Write {
+        /// `step log` or `JSON report`.
         what: &'static str,
+        /// Its path.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// Rows are queued that no step schedules.
     #[error("replay stalled at {t_ms:.3} ms: {prefilling} prompts and {decoding} decode rows are queued on `{node}` but no step schedules any of them")]
     Stalled {
+        /// Simulated time.
         t_ms: f64,
+        /// The node.
         node: String,
+        /// Prompts queued.
         prefilling: usize,
+        /// Decode rows registered.
         decoding: usize,
     },
+    /// Prepared inputs still held after every prompt finished.
     #[error("{rows} prepared inputs ({tokens} tokens) were still held after the replay; every one must be released after its final chunk")]
-    PreparedLeft { rows: usize, tokens: u64 },
+    PreparedLeft {
+        /// Rows held.
+        rows: usize,
+        /// Their tokens.
+        tokens: u64,
+    },
 }
 
 impl ReplayError {

@@ -102,31 +102,47 @@ pub struct Request {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{file}:{line}: `{field}` {problem}")]
 pub struct BadLine {
+    /// The trace file.
     pub file: String,
     /// 1-based line number.
     pub line: u64,
     /// The field that was wrong, or `line` for the whole line.
     pub field: String,
+    /// What was wrong.
     pub problem: String,
 }
 
 /// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
+    /// The file cannot be opened or read (or is not a regular file, or is too large).
     #[error("cannot read trace `{file}`: {source}")]
     Io {
+        /// The trace file.
         file: String,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
+    /// Neither `.csv` nor `.jsonl`.
     #[error(
         "trace `{file}`: unknown format; expected a `.csv` (Azure) or `.jsonl` (Mooncake) file"
     )]
-    UnknownFormat { file: String },
+    UnknownFormat {
+        /// The trace file.
+        file: String,
+    },
+    /// A bad line (without `--skip-bad-lines`).
     #[error("bad trace line: {0}")]
     BadLine(#[from] BadLine),
+    /// No request was read.
     #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({} bad lines skipped)", .skipped) } else { String::new() })]
-    Empty { file: String, skipped: usize },
+    Empty {
+        /// The trace file.
+        file: String,
+        /// Bad lines skipped.
+        skipped: usize,
+    },
 }
 
 /// How to read a trace.
@@ -143,7 +159,9 @@ pub struct ReadOptions {
 pub struct Trace {
     /// The file it was read from (or the bundled trace's name).
     pub file: String,
+    /// Its format.
     pub format: TraceFormat,
+    /// The requests, in arrival order.
     pub requests: Vec<Request>,
     /// Bad lines left out (with `skip_bad_lines`).
     pub skipped_lines: usize,
