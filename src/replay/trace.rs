@@ -402,7 +402,44 @@ impl Builder {
 
 const AZURE_FIELDS: [&str; 3] = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"];
 
+/// A reader that fails once a line grows beyond `max` bytes, so that a CSV record without line
+/// breaks cannot grow the CSV reader's buffer without bound.
+struct LineLimited<R> {
+    inner: R,
+    max: usize,
+    /// Bytes since the last newline, and lines started so far (1-based).
+    run: usize,
+    line: u64,
+}
+
+impl<R: Read> Read for LineLimited<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        for &c in &buf[..n] {
+            if c == b'\n' {
+                self.run = 0;
+                self.line += 1;
+            } else {
+                self.run += 1;
+                if self.run > self.max {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("line {} is longer than {} bytes", self.line, self.max),
+                    ));
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
 fn read_azure<R: Read>(b: &mut Builder, reader: R) -> Result<(), TraceError> {
+    let reader = LineLimited {
+        inner: reader,
+        max: MAX_LINE_BYTES,
+        run: 0,
+        line: 1,
+    };
     let mut rdr = csv::ReaderBuilder::new()
         .has_headers(true)
         .flexible(true)
@@ -774,6 +811,51 @@ fn parse_mooncake(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_csv_line_beyond_the_limit_stops_the_read_naming_its_line() {
+        let text = format!(
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.0,10,2\n2023-11-16 18:17:04.0,{},2\n",
+            "9".repeat(MAX_LINE_BYTES)
+        );
+        let e = Trace::read(
+            "t.csv".into(),
+            TraceFormat::AzureCsv,
+            text.as_bytes(),
+            ReadOptions::default(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("cannot read trace `t.csv`: line 3 is longer than {MAX_LINE_BYTES} bytes")
+        );
+    }
+
+    #[test]
+    fn a_mooncake_line_beyond_the_limit_is_a_bad_line() {
+        let text = format!(
+            "{{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}}\n{}\n{{\"timestamp\": 1, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [2]}}\n",
+            " ".repeat(MAX_LINE_BYTES + 1)
+        );
+        let opts = ReadOptions {
+            limit: None,
+            skip_bad_lines: true,
+        };
+        let t = Trace::read(
+            "t.jsonl".into(),
+            TraceFormat::MooncakeJsonl,
+            text.as_bytes(),
+            opts,
+        )
+        .unwrap();
+        assert_eq!((t.requests.len(), t.skipped_lines), (2, 1));
+        assert_eq!(
+            t.bad_line_examples,
+            [format!(
+                "t.jsonl:2: `line` is longer than {MAX_LINE_BYTES} bytes"
+            )]
+        );
+    }
 
     #[test]
     fn wall_clock_timestamps_parse_to_ns() {
