@@ -125,26 +125,47 @@ pub fn say(line: &str) {
 }
 
 /// The configuration checked for a replay: the load, and `[replay]` resolved against the model.
-/// What `check` runs too, so that both agree.
+/// `check` runs the same check (see [`check`]), so that both agree on every setting.
 ///
 /// # Errors
-/// Every problem, each naming its key and layer.
+/// Every problem, each naming its key and layer (or the manifest, for a model replay cannot
+/// drive).
 pub fn load_for_replay(opts: &LoadOptions) -> Result<(Loaded, crate::replay::Setup), ConfigErrors> {
     let loaded = config::load(opts)?;
     match crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay) {
         Ok(setup) => Ok((loaded, setup)),
         Err(problems) => {
+            let (settings, model) = replay_problems(&loaded, problems);
             let mut errors = ConfigErrors::default();
-            errors.extend(problems.into_iter().map(|p| match p.key {
-                "walks" | "nodes" => ConfigProblem::Manifest {
-                    path: loaded.model_origin.clone(),
-                    reason: format!("`{}` {}", p.key, p.reason),
-                },
-                key => loaded.origins.problem(key, p.value, p.reason),
-            }));
+            errors.extend(settings.into_iter().chain(model));
             Err(errors)
         }
     }
+}
+
+/// `[replay]` problems as config problems: those of a setting (naming its key and layer), and
+/// those of the model itself (a model without `prefill` or `decode`, which replay cannot drive
+/// whatever the settings say).
+fn replay_problems(
+    loaded: &Loaded,
+    problems: Vec<crate::replay::settings::SettingProblem>,
+) -> (Vec<ConfigProblem>, Vec<ConfigProblem>) {
+    let (model, settings): (Vec<_>, Vec<_>) = problems
+        .into_iter()
+        .partition(|p| matches!(p.key, "walks" | "nodes"));
+    (
+        settings
+            .into_iter()
+            .map(|p| loaded.origins.problem(p.key, p.value, p.reason))
+            .collect(),
+        model
+            .into_iter()
+            .map(|p| ConfigProblem::Manifest {
+                path: loaded.model_origin.clone(),
+                reason: format!("`{}` {}", p.key, p.reason),
+            })
+            .collect(),
+    )
 }
 
 /// Warns when the metrics endpoint listens beyond this machine.
@@ -262,16 +283,25 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
 
 /// `check`: loads and validates everything, prints the layers and the effective table.
 pub fn check(args: &ConfigArgs) -> ExitCode {
-    let loaded = match load_for_replay(&args.load_options()) {
-        Ok((l, _)) => {
-            init_logging(&l);
-            l
-        }
-        Err(errors) => {
+    let loaded = match load_or_report(&args.load_options()) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    // The `[replay]` settings are refused as `replay` refuses them; a model that replay cannot
+    // drive at all is only noted: serving it needs no replay.
+    if let Err(problems) = crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay)
+    {
+        let (settings, model) = replay_problems(&loaded, problems);
+        if !settings.is_empty() {
+            let mut errors = ConfigErrors::default();
+            errors.extend(settings);
             report(&errors);
             return ExitCode::from(EXIT_CONFIG);
         }
-    };
+        for p in model {
+            say(&format!("note: `replay` cannot drive this model: {p}"));
+        }
+    }
     let rows = loaded.rows();
     let mut out = format!(
         "model `{}` from {}\nlayers: {}\n\n{}",

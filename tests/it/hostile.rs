@@ -697,3 +697,39 @@ fn metrics_on_every_interface_warn_what_they_expose() {
     assert_eq!(r.code, 0, "{r:?}");
     assert!(!r.stderr.contains("non-loopback"), "{}", r.stderr);
 }
+
+#[test]
+fn a_model_replay_cannot_drive_is_noted_by_check_and_refused_by_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("enc.toml");
+    std::fs::write(
+        &model,
+        "name = \"enc\"\nwalks = [\"prefill\"]\n[nodes.enc]\nchunkable_walks = [\"prefill\"]\npolicies = { prefill = { max_batch_tokens = 512 } }\n",
+    )
+    .unwrap();
+    let want = format!(
+        "model manifest {}: `walks` of model `enc` must include `decode`",
+        model.display()
+    );
+    let r = run_bounded(&["check", "--model", s(&model)], &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr
+            .contains(&format!("note: `replay` cannot drive this model: {want}")),
+        "{}",
+        r.stderr
+    );
+    let r = run_bounded(
+        &[
+            "replay",
+            "--model",
+            s(&model),
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains(&want), "{}", r.stderr);
+}
