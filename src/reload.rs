@@ -263,7 +263,27 @@ fn watch_dirs(files: &[PathBuf]) -> BTreeSet<PathBuf> {
     dirs
 }
 
-/// Reloads through `reloader` whenever something changes in a directory of its files, or on
+/// The file names whose changes matter: each watched file's, and its current target's.
+fn watched_names(files: &[PathBuf]) -> BTreeSet<std::ffi::OsString> {
+    let mut names = BTreeSet::new();
+    for f in files {
+        names.extend(f.file_name().map(ToOwned::to_owned));
+        if let Ok(target) = std::fs::canonicalize(f) {
+            names.extend(target.file_name().map(ToOwned::to_owned));
+        }
+    }
+    names
+}
+
+/// Whether an event on `path` can change a watched file: one of `names`, or a ConfigMap's
+/// `..data` link and its `..`-prefixed versions. Other files in the same directories (a step
+/// log written beside a config layer) do not wake the watcher.
+fn relevant(names: &BTreeSet<std::ffi::OsString>, path: &std::path::Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| names.contains(n) || n.to_string_lossy().starts_with(".."))
+}
+
+/// Reloads through `reloader` whenever one of its files (or what it points to) changes, or on
 /// SIGHUP. A change is applied once the files have settled and two reads agree. Must be called
 /// inside an actix system; the reloads run on the current arbiter.
 ///
@@ -272,14 +292,15 @@ fn watch_dirs(files: &[PathBuf]) -> BTreeSet<PathBuf> {
 pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
     let events = tx.clone();
+    let files = reloader.files();
+    let names = watched_names(&files);
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         let Ok(event) = res else { return };
-        if !event.kind.is_access() {
+        if !event.kind.is_access() && event.paths.iter().any(|p| relevant(&names, p)) {
             let _ = events.send(());
         }
     })
     .map_err(|e| format!("cannot watch the config files: {e}"))?;
-    let files = reloader.files();
     let mut watched = BTreeSet::new();
     for dir in watch_dirs(&files) {
         watcher
