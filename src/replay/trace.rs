@@ -188,7 +188,7 @@ impl Trace {
     /// The file cannot be read, has an unknown extension, a bad line (unless skipped), or no
     /// requests.
     pub fn read_path(path: &Path, opts: ReadOptions) -> Result<Self, TraceError> {
-        let file = path.display().to_string();
+        let file = crate::config::problem::escape(&path.display().to_string());
         let format = TraceFormat::of_path(path)
             .ok_or_else(|| TraceError::UnknownFormat { file: file.clone() })?;
         let f = open_trace(path).map_err(|source| TraceError::Io {
