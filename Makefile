@@ -42,7 +42,7 @@ soak: ## Soak: a million steps with reloads and aborts; nothing held, flat memor
 	MSTAR_SOAK_STEPS=$(SOAK_STEPS) $(CARGO) test --release --test soak -- --nocapture
 
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config_loader trace_readers
+FUZZ_TARGETS := config_loader trace_readers reload_path env_layer
 fuzz: ## cargo fuzz each target for FUZZ_SECONDS (stable toolchain, no sanitizer)
 	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
 	for t in $(FUZZ_TARGETS); do \

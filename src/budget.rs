@@ -16,21 +16,36 @@ use crate::Name;
 /// `min_chunk_tokens` when the serving config sets none.
 pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
 
-/// One budget as a serving config writes it: a token count (validated to be positive) or off.
+/// One budget as a serving config sets it: a positive token count or off. The config wing
+/// parses its spellings (`docs/config.md#budget-spellings`); 0, negatives and counts beyond
+/// `u32` cannot be represented, so they never reach the core.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetValue {
-    /// A token count as written; 0 and negative counts are refused by validation.
-    Tokens(i64),
+    /// A token count, at least 1.
+    Tokens(NonZeroU32),
     /// Chunking off for the walk (the config's null / `"off"`).
     Off,
+}
+
+impl BudgetValue {
+    /// `Tokens(n)`, or `None` for 0 (which is not a budget).
+    pub fn tokens(n: u32) -> Option<Self> {
+        NonZeroU32::new(n).map(Self::Tokens)
+    }
+
+    /// The budget in tokens; `None` when off.
+    pub fn get(self) -> Option<u32> {
+        match self {
+            Self::Tokens(t) => Some(t.get()),
+            Self::Off => None,
+        }
+    }
 }
 
 impl From<Option<NonZeroU32>> for BudgetValue {
     /// A token count, or off for `None`.
     fn from(budget: Option<NonZeroU32>) -> Self {
-        budget.map_or(BudgetValue::Off, |b| {
-            BudgetValue::Tokens(i64::from(b.get()))
-        })
+        budget.map_or(BudgetValue::Off, BudgetValue::Tokens)
     }
 }
 
@@ -309,16 +324,6 @@ pub enum BudgetError {
         /// The combined walk it runs inside.
         combined: Name,
     },
-    /// A budget of 0, negative or out of range (rule 6).
-    #[error("budget for `{node}`{} must be a positive whole number of tokens or off, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
-    BadBudget {
-        /// The node.
-        node: Name,
-        /// The walk.
-        walk: Option<Name>,
-        /// The value given.
-        value: BudgetValue,
-    },
     /// `min_chunk_tokens`, `max_row_tokens` or `max_partial_prefills` of 0 (rule 6).
     #[error("`{key}` must be at least 1, got 0")]
     ZeroSetting {
@@ -496,27 +501,21 @@ impl BudgetTable {
             }
             match budget {
                 NodeBudget::All(value) => {
-                    let parsed = check_value(node, None, *value, &mut errors);
                     let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
                     if walks.is_empty() {
                         errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
                     }
-                    if let Some(parsed) = parsed {
-                        for walk in walks {
-                            overrides.insert((node.clone(), walk), parsed);
-                        }
+                    for walk in walks {
+                        overrides.insert((node.clone(), walk), value.get());
                     }
                 }
                 NodeBudget::PerWalk(walks) => {
                     for (walk, value) in walks {
-                        let parsed = check_value(node, Some(walk), *value, &mut errors);
-                        let refusal = Self::walk_refusal(&model, &settings, node, walk);
-                        match (refusal, parsed) {
-                            (Some(e), _) => errors.push(e),
-                            (None, Some(parsed)) => {
-                                overrides.insert((node.clone(), walk.clone()), parsed);
+                        match Self::walk_refusal(&model, &settings, node, walk) {
+                            Some(e) => errors.push(e),
+                            None => {
+                                overrides.insert((node.clone(), walk.clone()), value.get());
                             }
-                            (None, None) => {}
                         }
                     }
                 }
@@ -780,29 +779,6 @@ impl BudgetTable {
     }
 }
 
-/// Checks one budget value (rule 6); returns the effective budget (`None` = off) when valid.
-fn check_value(
-    node: &Name,
-    walk: Option<&Name>,
-    value: BudgetValue,
-    errors: &mut Vec<BudgetError>,
-) -> Option<Option<u32>> {
-    match value {
-        BudgetValue::Off => Some(None),
-        BudgetValue::Tokens(t) => match u32::try_from(t) {
-            Ok(t) if t > 0 => Some(Some(t)),
-            _ => {
-                errors.push(BudgetError::BadBudget {
-                    node: node.clone(),
-                    walk: walk.cloned(),
-                    value,
-                });
-                None
-            }
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -855,6 +831,10 @@ mod tests {
         }
     }
 
+    fn tok(n: u32) -> BudgetValue {
+        BudgetValue::tokens(n).unwrap()
+    }
+
     fn per_walk(node: &str, walks: &[(&str, BudgetValue)]) -> BTreeMap<Name, NodeBudget> {
         BTreeMap::from([(
             n(node),
@@ -890,10 +870,7 @@ mod tests {
         let mut s = settings();
         s.overrides = per_walk(
             "thinker",
-            &[
-                ("mixed", BudgetValue::Tokens(6144)),
-                ("prefill", BudgetValue::Off),
-            ],
+            &[("mixed", tok(6144)), ("prefill", BudgetValue::Off)],
         );
         let t = BudgetTable::build(omni(), s).unwrap();
         assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(6144));
@@ -908,7 +885,7 @@ mod tests {
     #[test]
     fn node_wide_budget_covers_every_budgeted_walk() {
         let mut s = settings();
-        s.overrides = BTreeMap::from([(n("llm"), NodeBudget::All(BudgetValue::Tokens(1000)))]);
+        s.overrides = BTreeMap::from([(n("llm"), NodeBudget::All(tok(1000)))]);
         let t = BudgetTable::build(omni(), s).unwrap();
         assert_eq!(t.max_batch_tokens("llm", "prefill"), Some(1000));
         assert_eq!(t.max_batch_tokens("llm", "mixed"), Some(1000));
@@ -923,12 +900,12 @@ mod tests {
     fn no_chunking_node_has_no_budget_but_its_budget_is_still_validated() {
         let mut s = settings();
         s.no_chunking = [n("talker")].into();
-        s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(BudgetValue::Tokens(512)))]);
+        s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(tok(512)))]);
         let t = BudgetTable::build(omni(), s.clone()).unwrap();
         assert_eq!(t.max_batch_tokens("talker", "prefill"), None);
         assert!(!t.chunkable("talker", "prefill"));
-        s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(BudgetValue::Tokens(0)))]);
-        assert!(matches!(refused(s)[..], [BudgetError::BadBudget { .. }]));
+        s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(512)))]);
+        assert!(matches!(refused(s)[..], [BudgetError::UnknownNode { .. }]));
     }
 
     #[test]
@@ -965,7 +942,7 @@ mod tests {
     #[test]
     fn rule_1_unknown_node() {
         let mut s = settings();
-        s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(BudgetValue::Tokens(5)))]);
+        s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(5)))]);
         let e = refused(s);
         assert_eq!(
             e[0].to_string(),
@@ -976,7 +953,7 @@ mod tests {
     #[test]
     fn rule_2_walk_not_served() {
         let mut s = settings();
-        s.overrides = per_walk("thinker", &[("spec_verify", BudgetValue::Tokens(5))]);
+        s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
         assert!(
             matches!(&refused(s)[..], [BudgetError::WalkNotServed { walk, .. }] if &**walk == "spec_verify")
         );
@@ -986,7 +963,7 @@ mod tests {
     fn rule_3_walk_not_budgeted_by_the_model() {
         let mut s = settings();
         s.walks.insert(n("spec_verify"));
-        s.overrides = per_walk("thinker", &[("spec_verify", BudgetValue::Tokens(5))]);
+        s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
         assert!(matches!(
             &refused(s)[..],
             [BudgetError::WalkNotBudgeted { .. }]
@@ -998,7 +975,7 @@ mod tests {
         let subs = BTreeMap::from([(n("enc"), SubmoduleCaps::default())]);
         let model = ModelPolicies::new(subs, BTreeMap::new()).unwrap().shared();
         let mut s = BudgetSettings::defaults_for(&model);
-        s.overrides = BTreeMap::from([(n("enc"), NodeBudget::All(BudgetValue::Tokens(5)))]);
+        s.overrides = BTreeMap::from([(n("enc"), NodeBudget::All(tok(5)))]);
         let e = BudgetTable::build(model, s).unwrap_err().0;
         assert!(matches!(&e[..], [BudgetError::NodeBudgetsNothing { .. }]));
     }
@@ -1006,7 +983,7 @@ mod tests {
     #[test]
     fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
         let mut s = settings();
-        s.overrides = per_walk("llm", &[("prefill", BudgetValue::Tokens(512))]);
+        s.overrides = per_walk("llm", &[("prefill", tok(512))]);
         let e = refused(s);
         assert_eq!(
             e[0].to_string(),
@@ -1014,20 +991,13 @@ mod tests {
         );
         // The same override on the override_mixed node is a cap, and accepted.
         let mut s = settings();
-        s.overrides = per_walk("thinker", &[("prefill", BudgetValue::Tokens(512))]);
+        s.overrides = per_walk("thinker", &[("prefill", tok(512))]);
         assert!(BudgetTable::build(omni(), s).is_ok());
     }
 
     #[test]
     fn rule_6_bad_values() {
-        for v in [0, -1, i64::from(u32::MAX) + 1] {
-            let mut s = settings();
-            s.overrides = per_walk("thinker", &[("mixed", BudgetValue::Tokens(v))]);
-            assert!(
-                matches!(&refused(s)[..], [BudgetError::BadBudget { .. }]),
-                "{v}"
-            );
-        }
+        assert_eq!(BudgetValue::tokens(0), None, "0 is not a budget");
         let mut s = settings();
         s.min_chunk_tokens = 0;
         assert_eq!(
@@ -1035,10 +1005,7 @@ mod tests {
             "`min_chunk_tokens` must be at least 1, got 0"
         );
         let mut s = settings();
-        s.overrides = per_walk(
-            "thinker",
-            &[("mixed", BudgetValue::Tokens(i64::from(u32::MAX)))],
-        );
+        s.overrides = per_walk("thinker", &[("mixed", tok(u32::MAX))]);
         assert!(
             BudgetTable::build(omni(), s).is_ok(),
             "u32::MAX is a valid budget"
@@ -1048,7 +1015,7 @@ mod tests {
     #[test]
     fn a_budget_below_the_align_is_refused() {
         let mut s = settings();
-        s.overrides = per_walk("thinker", &[("mixed", BudgetValue::Tokens(8))]);
+        s.overrides = per_walk("thinker", &[("mixed", tok(8))]);
         assert_eq!(
             refused(s)[0].to_string(),
             "budget for `thinker`/`mixed` is 8, below the policy's `align` of 16 tokens: no aligned chunk would fit"
@@ -1083,13 +1050,7 @@ mod tests {
     fn every_problem_is_reported_and_the_previous_table_stays() {
         let first = BudgetTable::build(omni(), settings()).unwrap();
         let mut s = settings();
-        s.overrides = per_walk(
-            "thinker",
-            &[
-                ("mixed", BudgetValue::Tokens(100)),
-                ("ghost_walk", BudgetValue::Tokens(1)),
-            ],
-        );
+        s.overrides = per_walk("thinker", &[("mixed", tok(100)), ("ghost_walk", tok(1))]);
         s.min_chunk_tokens = 0;
         let e = first.with_settings(s).unwrap_err();
         assert_eq!(e.0.len(), 2);

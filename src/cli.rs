@@ -1,6 +1,9 @@
-//! The command line (SPEC §7): `replay`, `check` and `budgets`, each taking `--model FILE` and
-//! repeatable `--config FILE`. `check` and `budgets` live here; `replay` is dispatched by
-//! `main.rs` to the replay module.
+//! The command line (`docs/config.md#the-command-line`): `replay`, `check` and `budgets`, each
+//! taking `--model FILE` and repeatable `--config FILE`. `check` and `replay` check the
+//! `[replay]` section the same way (`replay::settings::check`), so they agree on every setting.
+//!
+//! Nothing here panics on output: a closed stdout or stderr (`replay | head -1`, `/dev/full`)
+//! ends the command quietly with its usual exit status.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -8,7 +11,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::settings::{self, BudgetRow, ConfigErrors, Listen, LoadOptions, Loaded};
+use crate::config::{self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, Loaded};
 
 /// The exit code of a refused configuration (and of clap's usage errors).
 pub const EXIT_CONFIG: u8 = 2;
@@ -17,10 +20,12 @@ pub const EXIT_CONFIG: u8 = 2;
 #[derive(Debug, Parser)]
 #[command(name = "mstar-chunking", version, about, propagate_version = true)]
 pub struct Cli {
+    /// The subcommand.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Replay a request trace through the chunking actors on a simulated clock.
@@ -51,8 +56,10 @@ impl ConfigArgs {
     }
 }
 
+/// `budgets` arguments.
 #[derive(Debug, Clone, PartialEq, Eq, Args)]
 pub struct BudgetsArgs {
+    /// Where the model and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
     /// Print a JSON array instead of a table
@@ -60,8 +67,10 @@ pub struct BudgetsArgs {
     pub json: bool,
 }
 
+/// `replay` arguments.
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct ReplayArgs {
+    /// Where the model and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
     /// Request trace: Azure LLM inference CSV or Mooncake JSON Lines [default: the bundled trace]
@@ -70,8 +79,8 @@ pub struct ReplayArgs {
     /// Replay only the first N requests of the trace
     #[arg(long, value_name = "N")]
     pub requests: Option<u64>,
-    /// Multiply the arrival rate (2.0 = arrivals twice as dense)
-    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = positive_f64)]
+    /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
     pub rate_scale: f64,
     /// Turn every budget off (a baseline without chunking)
     #[arg(long)]
@@ -99,12 +108,73 @@ pub struct ReplayArgs {
     pub no_progress: bool,
 }
 
-fn positive_f64(s: &str) -> Result<f64, String> {
+fn rate_scale(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!(
-            "expected a positive number such as 1.0 or 2.5, got {s:?}"
+        Ok(x) => crate::replay::settings::check_rate_scale(x),
+        Err(_) => Err(format!(
+            "expected a number such as 1.0 or 2.5, got {}",
+            config::problem::quote(s)
         )),
+    }
+}
+
+/// Writes one line to stderr; a closed or full stderr is ignored (`eprintln!` would panic).
+pub fn say(line: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}");
+}
+
+/// The configuration checked for a replay: the load, and `[replay]` resolved against the model.
+/// `check` runs the same check (see [`check`]), so that both agree on every setting.
+///
+/// # Errors
+/// Every problem, each naming its key and layer (or the manifest, for a model replay cannot
+/// drive).
+pub fn load_for_replay(opts: &LoadOptions) -> Result<(Loaded, crate::replay::Setup), ConfigErrors> {
+    let loaded = config::load(opts)?;
+    match crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay) {
+        Ok(setup) => Ok((loaded, setup)),
+        Err(problems) => {
+            let (settings, model) = replay_problems(&loaded, problems);
+            let mut errors = ConfigErrors::default();
+            errors.extend(settings.into_iter().chain(model));
+            Err(errors)
+        }
+    }
+}
+
+/// `[replay]` problems as config problems: those of a setting (naming its key and layer), and
+/// those of the model itself (a model without `prefill` or `decode`, which replay cannot drive
+/// whatever the settings say).
+fn replay_problems(
+    loaded: &Loaded,
+    problems: Vec<crate::replay::settings::SettingProblem>,
+) -> (Vec<ConfigProblem>, Vec<ConfigProblem>) {
+    let (model, settings): (Vec<_>, Vec<_>) = problems
+        .into_iter()
+        .partition(|p| matches!(p.key, "walks" | "nodes"));
+    (
+        settings
+            .into_iter()
+            .map(|p| loaded.origins.problem(p.key, p.value, p.reason))
+            .collect(),
+        model
+            .into_iter()
+            .map(|p| ConfigProblem::Manifest {
+                path: loaded.model_origin.clone(),
+                reason: format!("`{}` {}", p.key, p.reason),
+            })
+            .collect(),
+    )
+}
+
+/// Warns when the metrics endpoint listens beyond this machine.
+fn warn_if_exposed(addr: std::net::SocketAddr) {
+    if !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "the metrics endpoint listens on a non-loopback address: anyone who can reach it can read every metric (node and walk names, budgets, queue depths, overrun counts); bind 127.0.0.1 or put it behind a firewall"
+        );
     }
 }
 
@@ -112,16 +182,23 @@ fn positive_f64(s: &str) -> Result<f64, String> {
 /// and prints the summary. Exit codes: 0 done, 2 refused config, 1 any other failure.
 pub fn replay(args: &ReplayArgs) -> ExitCode {
     let load = args.config.load_options();
-    let loaded = match load_or_report(&load) {
-        Ok(l) => l,
-        Err(code) => return code,
+    let loaded = match load_for_replay(&load) {
+        Ok((l, _)) => {
+            init_logging(&l);
+            l
+        }
+        Err(errors) => {
+            report(&errors);
+            return ExitCode::from(EXIT_CONFIG);
+        }
     };
     if let Listen::Addr(addr) = args
         .metrics_listen
         .unwrap_or(loaded.settings.metrics.listen)
     {
+        warn_if_exposed(addr);
         if let Err(e) = crate::metrics::install_prometheus(addr) {
-            eprintln!("error: {e}");
+            say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
     }
@@ -136,6 +213,14 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         report_json: args.report_json.clone(),
         skip_bad_lines: args.skip_bad_lines,
         progress: !args.no_progress,
+        inputs: load
+            .config_files()
+            .into_iter()
+            .chain(load.configs.iter().cloned())
+            .chain(load.model_path())
+            .collect(),
+        handle_signals: true,
+        on_step: None,
     };
     actix::System::new().block_on(async {
         let cm = match crate::ChunkingManagement::start(
@@ -144,22 +229,23 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         ) {
             Ok(cm) => cm,
             Err(e) => {
-                eprintln!("error: {e}");
+                say(&format!("error: {e}"));
                 return ExitCode::FAILURE;
             }
         };
         // Bound before the watcher starts, so that a reload always has policies to layer on.
         if let Err(e) = cm.set_policies(loaded.manifest.policies()).await {
-            eprintln!("error: {e}");
+            say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
         let _watcher = if args.watch_config {
             let reloader =
-                crate::reload::Reloader::new(cm.clone(), load.clone(), loaded.manifest.clone());
+                crate::reload::Reloader::new(cm.clone(), load.clone(), loaded.manifest.clone())
+                    .running(loaded.settings.clone());
             match crate::reload::watch(reloader) {
                 Ok(w) => Some(w),
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    say(&format!("error: {e}"));
                     return ExitCode::FAILURE;
                 }
             }
@@ -168,16 +254,28 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         };
         match crate::replay::run_on(&cm, &loaded.manifest, &loaded.settings, &opts).await {
             Ok(report) => {
-                println!("{report}");
+                let code = print_stdout(&format!("{report}\n"));
+                if let Some(signal) = report.interrupted {
+                    say(&format!(
+                        "interrupted by {signal}: the report covers the steps that ran"
+                    ));
+                    return ExitCode::from(crate::replay::signal_exit_code(&signal));
+                }
                 if args.hold {
-                    eprintln!("holding: metrics stay served until interrupted (Ctrl-C)");
+                    say("holding: metrics stay served until interrupted (Ctrl-C)");
                     let _ = tokio::signal::ctrl_c().await;
                 }
-                ExitCode::SUCCESS
+                code
             }
             Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
+                say(&format!("error: {e}"));
+                match e {
+                    // Refused before anything ran: usage, as a refused config.
+                    crate::replay::ReplayError::Output { .. }
+                    | crate::replay::ReplayError::Config { .. }
+                    | crate::replay::ReplayError::RateScale(_) => ExitCode::from(EXIT_CONFIG),
+                    _ => ExitCode::FAILURE,
+                }
             }
         }
     })
@@ -189,6 +287,21 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
         Ok(l) => l,
         Err(code) => return code,
     };
+    // The `[replay]` settings are refused as `replay` refuses them; a model that replay cannot
+    // drive at all is only noted: serving it needs no replay.
+    if let Err(problems) = crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay)
+    {
+        let (settings, model) = replay_problems(&loaded, problems);
+        if !settings.is_empty() {
+            let mut errors = ConfigErrors::default();
+            errors.extend(settings);
+            report(&errors);
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        for p in model {
+            say(&format!("note: `replay` cannot drive this model: {p}"));
+        }
+    }
     let rows = loaded.rows();
     let mut out = format!(
         "model `{}` from {}\nlayers: {}\n\n{}",
@@ -226,14 +339,9 @@ pub fn budgets(args: &BudgetsArgs) -> ExitCode {
 /// # Errors
 /// The exit code to return when the configuration was refused.
 pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
-    match settings::load(opts) {
+    match config::load(opts) {
         Ok(loaded) => {
-            crate::logging::init(&loaded.settings.log);
-            tracing::debug!(
-                model = %loaded.model_origin,
-                layers = %loaded.layers.join(" -> "),
-                "configuration loaded"
-            );
+            init_logging(&loaded);
             Ok(loaded)
         }
         Err(errors) => {
@@ -243,16 +351,30 @@ pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
     }
 }
 
-/// Prints every problem, one per line, and how many there were.
+fn init_logging(loaded: &Loaded) {
+    crate::logging::init(&loaded.settings.log);
+    tracing::debug!(
+        model = %config::problem::escape(&loaded.model_origin),
+        layers = %config::problem::escape(&loaded.layers.join(" -> ")),
+        "configuration loaded"
+    );
+}
+
+/// Prints every problem, one per line (escaped, capped with a count of the rest), and how many
+/// there were. A closed stderr is ignored.
 pub fn report(errors: &ConfigErrors) {
-    let n = errors.0.len();
-    eprintln!(
-        "error: the configuration was refused ({n} problem{}):",
+    let n = errors.total();
+    let mut text = format!(
+        "error: the configuration was refused ({n} problem{}):\n",
         if n == 1 { "" } else { "s" }
     );
-    for p in &errors.0 {
-        eprintln!("  {p}");
+    for line in errors.lines() {
+        text.push_str("  ");
+        text.push_str(&line);
+        text.push('\n');
     }
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
 }
 
 fn print_stdout(text: &str) -> ExitCode {
@@ -265,7 +387,7 @@ fn print_stdout(text: &str) -> ExitCode {
         // A closed pipe (`| head`) is the reader's choice, not a failure worth a message.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: cannot write to stdout: {e}");
+            say(&format!("error: cannot write to stdout: {e}"));
             ExitCode::FAILURE
         }
     }
@@ -331,7 +453,7 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
     out
 }
 
-/// The JSON of `budgets --json` (SPEC §7): an array, one object per row, and a newline.
+/// The JSON of `budgets --json` (`docs/config.md#the-command-line`): an array, one object per row, and a newline.
 pub fn rows_json(rows: &[BudgetRow]) -> String {
     // BudgetRow holds only strings, numbers, booleans and string-keyed maps: it always
     // serializes.

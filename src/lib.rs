@@ -51,6 +51,8 @@ pub mod budget;
 #[cfg(feature = "cli")]
 #[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod cli;
+#[cfg(feature = "config")]
+pub mod config;
 pub mod error;
 pub mod latency;
 pub mod latency_fit;
@@ -77,9 +79,6 @@ pub mod reload;
 #[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod replay;
 pub mod scheduler;
-#[cfg(feature = "config")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
-pub mod settings;
 pub mod snapshot;
 
 /// A node or walk name. Cloning is a reference-count increment.

@@ -3,7 +3,7 @@
 
 use tracing_subscriber::EnvFilter;
 
-use crate::settings::{LogFormat, LogSection};
+use crate::config::{LogFormat, LogSection};
 
 /// Installs the global subscriber: `RUST_LOG` when set, else `log.level`; JSON lines when
 /// `log.format = "json"`. A second call keeps the first subscriber (tests call it repeatedly).
@@ -31,6 +31,6 @@ pub fn init(log: &LogSection) {
         LogFormat::Text => builder.try_init(),
     };
     if let (Ok(()), Some((value, e))) = (installed, bad_env) {
-        tracing::warn!(rust_log = %value, error = %e, "RUST_LOG is not a valid filter; using log.level");
+        tracing::warn!(rust_log = %crate::config::problem::escape(&value), error = %e, "RUST_LOG is not a valid filter; using log.level");
     }
 }

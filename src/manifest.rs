@@ -1,24 +1,26 @@
-//! Model manifests (`config/models/*.toml`, SPEC §7): the model's say, as a file.
+//! Model manifests (`config/models/*.toml`, `docs/config.md#the-model-manifest`): the model's
+//! say, as a file.
 //!
 //! [`Manifest::from_toml`] parses and validates a manifest whole: every problem is reported at
-//! once, each naming the manifest, so a bad model file never reaches `set_policies`.
+//! once, each naming the manifest, so a bad model file never reaches `set_policies`. Reading a
+//! manifest file (bounded, regular files only) and joining it with the serving config is the
+//! config wing's (`config::load_manifest`, `Manifest::budget_settings`); this module imports
+//! nothing from it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::path::Path;
 
 use indexmap::IndexMap;
 use serde::Deserialize;
 
-use crate::budget::{BudgetSettings, NodeBudget};
 use crate::policy::{ChunkingPolicy, SubmoduleCaps};
-use crate::settings::{ChunkingSection, NodeBudgetSetting};
 use crate::Name;
 
 /// A model manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The model's name.
     pub name: String,
     /// The walks the model runs, which the deployment serves.
     pub walks: Vec<String>,
@@ -33,8 +35,10 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeManifest {
+    /// The walks whose rows the node's submodule can run in chunks.
     #[serde(default)]
     pub chunkable_walks: Vec<String>,
+    /// Whether the submodule can cap member walks inside a combined step.
     #[serde(default)]
     pub can_override_mixed_max_tokens: bool,
     /// `walk -> policy`; a walk without an entry is `NO_CHUNKING` on this node.
@@ -46,7 +50,9 @@ pub struct NodeManifest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyManifest {
+    /// The model's budget for the walk; `None`: no budget (no chunking).
     pub max_batch_tokens: Option<u32>,
+    /// Chunks are cut at multiples of this many tokens. Default 1.
     #[serde(default = "one")]
     pub align: u32,
 }
@@ -76,23 +82,6 @@ impl Manifest {
         } else {
             Err(ManifestErrors::new(origin, errors))
         }
-    }
-
-    /// Reads, parses and validates the manifest file at `path`.
-    ///
-    /// # Errors
-    /// An unreadable file, or as [`Manifest::from_toml`].
-    pub fn load(path: &Path) -> Result<Self, ManifestErrors> {
-        let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            ManifestErrors::new(
-                &origin,
-                vec![ManifestError::Read {
-                    reason: e.to_string(),
-                }],
-            )
-        })?;
-        Self::from_toml(&text, &origin)
     }
 
     /// Every problem with the manifest: names that are not lowercase (environment variables
@@ -225,45 +214,6 @@ impl Manifest {
     pub fn combined_walk(&self) -> Option<&str> {
         self.combined_walks.keys().next().map(String::as_str)
     }
-
-    /// The arguments of `set_budgets` for this model under the `[chunking]` section: walks and
-    /// combined walks from the manifest, `override_mixed` from the nodes that can cap member
-    /// walks, budgets and lists from the config. Validation happens in `set_budgets`.
-    pub fn budget_settings(&self, chunking: &ChunkingSection) -> BudgetSettings {
-        let name = |s: &String| Name::from(s.as_str());
-        BudgetSettings {
-            overrides: chunking
-                .max_batch_tokens
-                .iter()
-                .map(|(node, b)| {
-                    let b = match b {
-                        NodeBudgetSetting::All(v) => NodeBudget::All(v.0),
-                        NodeBudgetSetting::PerWalk(m) => {
-                            NodeBudget::PerWalk(m.iter().map(|(w, v)| (name(w), v.0)).collect())
-                        }
-                    };
-                    (name(node), b)
-                })
-                .collect(),
-            walks: self.walks.iter().map(name).collect(),
-            combined_walk_of: self
-                .combined_walks
-                .iter()
-                .flat_map(|(c, members)| members.iter().map(move |m| (name(m), name(c))))
-                .collect(),
-            override_mixed: self
-                .nodes
-                .iter()
-                .filter(|(_, m)| m.can_override_mixed_max_tokens)
-                .map(|(n, _)| name(n))
-                .collect(),
-            no_chunking: chunking.no_chunking.iter().map(name).collect(),
-            min_chunk_tokens: chunking.min_chunk_tokens,
-            max_row_tokens: chunking.max_row_tokens,
-            max_partial_prefills: chunking.max_partial_prefills,
-            time: Default::default(),
-        }
-    }
 }
 
 /// The 1-based line of byte offset `at` in `text`.
@@ -289,50 +239,128 @@ fn check_name(what: &'static str, name: &str, errors: &mut Vec<ManifestError>) {
 /// One problem with a model manifest. The manifest it is in is named by [`ManifestErrors`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ManifestError {
+    /// The file cannot be read (or is not a regular file, or is too large).
     #[error("cannot be read: {reason}")]
-    Read { reason: String },
+    Read {
+        /// Why.
+        reason: String,
+    },
+    /// Not TOML, or not a manifest (an unknown key, a wrong type).
     #[error("malformed manifest{}: {reason}", line.map(|l| format!(" at line {l}")).unwrap_or_default())]
-    Parse { reason: String, line: Option<usize> },
+    Parse {
+        /// What the parser said.
+        reason: String,
+        /// The 1-based line, when known.
+        line: Option<usize>,
+    },
+    /// No walks.
     #[error("`walks` is empty; a model runs at least one walk")]
     NoWalks,
+    /// No nodes.
     #[error("`nodes` is empty; a model has at least one node")]
     NoNodes,
+    /// A node or walk name that is not lowercase letters, digits, `_` or `-`.
     #[error("{what} name {name:?} must be lowercase letters, digits, `_` or `-` (environment variables arrive lowercased)")]
-    BadName { what: &'static str, name: String },
+    BadName {
+        /// `node` or `walk`.
+        what: &'static str,
+        /// The name as written.
+        name: String,
+    },
+    /// A walk listed twice.
     #[error("walk `{walk}` is listed twice in `walks`")]
-    DuplicateWalk { walk: String },
+    DuplicateWalk {
+        /// The walk.
+        walk: String,
+    },
+    /// A combined walk missing from `walks`.
     #[error("combined walk `{combined}` is not in `walks`")]
-    CombinedNotInWalks { combined: String },
+    CombinedNotInWalks {
+        /// The combined walk.
+        combined: String,
+    },
+    /// A member walk missing from `walks`.
     #[error("`combined_walks.{combined}` names walk `{member}`, which is not in `walks`")]
-    MemberNotInWalks { combined: String, member: String },
+    MemberNotInWalks {
+        /// The combined walk.
+        combined: String,
+        /// The member walk.
+        member: String,
+    },
+    /// A combined walk without members.
     #[error("`combined_walks.{combined}` has no member walks")]
-    EmptyCombined { combined: String },
+    EmptyCombined {
+        /// The combined walk.
+        combined: String,
+    },
+    /// A combined walk among the members of another.
     #[error("`combined_walks.{combined}` names `{member}`, which is itself a combined walk; combined walks do not nest")]
-    NestedCombined { combined: String, member: String },
+    NestedCombined {
+        /// The combined walk.
+        combined: String,
+        /// The member that is itself combined.
+        member: String,
+    },
+    /// A walk in two combined walks.
     #[error("walk `{walk}` is in two combined walks, `{first}` and `{second}`; a walk belongs to at most one")]
     WalkInTwoCombined {
+        /// The walk.
         walk: String,
+        /// The first combined walk listing it.
         first: String,
+        /// The second.
         second: String,
     },
+    /// A member listed twice.
     #[error("`combined_walks.{combined}` lists `{member}` twice")]
-    DuplicateMember { combined: String, member: String },
+    DuplicateMember {
+        /// The combined walk.
+        combined: String,
+        /// The member listed twice.
+        member: String,
+    },
+    /// A chunkable walk missing from `walks`.
     #[error("`nodes.{node}.chunkable_walks` names walk `{walk}`, which is not in `walks`")]
-    ChunkableWalkUnknown { node: String, walk: String },
+    ChunkableWalkUnknown {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy on a walk missing from `walks`.
     #[error(
         "`nodes.{node}.policies.{walk}` is a policy on walk `{walk}`, which is not in `walks`"
     )]
-    PolicyUnknownWalk { node: String, walk: String },
+    PolicyUnknownWalk {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy budget of 0.
     #[error("`nodes.{node}.policies.{walk}.max_batch_tokens` is 0; a budget is at least 1 token (leave the policy out for no chunking)")]
-    ZeroBudget { node: String, walk: String },
+    ZeroBudget {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
+    /// A policy align of 0.
     #[error("`nodes.{node}.policies.{walk}.align` is 0; align is at least 1 token")]
-    ZeroAlign { node: String, walk: String },
+    ZeroAlign {
+        /// The node.
+        node: String,
+        /// The walk.
+        walk: String,
+    },
 }
 
 /// Every problem with one manifest, which it names (its file path).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManifestErrors {
+    /// The manifest: its file path, or the built-in demo.
     pub origin: String,
+    /// Every problem, in the order found.
     pub errors: Vec<ManifestError>,
 }
 
@@ -439,14 +467,6 @@ policies = { prefill = { max_batch_tokens = 0 }, mixed = { max_batch_tokens = 64
             p[0].starts_with("model manifest m.toml: malformed manifest at line"),
             "{p:?}"
         );
-    }
-
-    #[test]
-    fn a_missing_file_is_named() {
-        let e = Manifest::load(Path::new("/nonexistent/omni.toml")).unwrap_err();
-        assert!(e
-            .to_string()
-            .starts_with("model manifest /nonexistent/omni.toml: cannot be read"));
     }
 
     #[test]

@@ -1,31 +1,124 @@
-//! Hot reload of the serving config (issue: reliability). A reload re-reads every layer and
-//! applies the result whole from the next assembled step; a refused one changes nothing. The
-//! model's policies are fixed at load: a changed manifest is refused.
+//! Hot reload of the serving config (`docs/config.md#reload`). A reload re-reads every layer and
+//! applies the result whole from the next assembled step; a refused one changes nothing. Only
+//! `[chunking]` can change at run time: a changed manifest, or a change to `[log]`,
+//! `[metrics]` or `[replay]`, is refused (restart to apply it) rather than reported as applied.
+//!
+//! Files are read on a blocking thread with a timeout ([`READ_TIMEOUT`]), never on the actors'
+//! thread, so a file that blocks cannot freeze scheduling.
 //!
 //! Triggers: [`Reloader::reload`] (what an embedding engine calls, or
 //! [`ChunkingManagement::set_budgets`] with settings it built), and [`watch`], which reloads
-//! when a config file changes or the process gets SIGHUP.
+//! when a config file changes or the process gets SIGHUP. The watcher follows the watched
+//! paths, not the files they pointed to at start: a Kubernetes ConfigMap swaps a `..data`
+//! symlink to a new directory on every update, and every update applies. A burst of changes
+//! is left to settle, and a reload applies only a parse that is the same twice in a row, so an
+//! editor's truncate-then-write is not applied in passing.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
+use crate::config::{load_manifest, load_settings, ConfigErrors, LoadOptions, Settings};
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::settings::{load_settings, ConfigErrors, LoadOptions};
 use crate::ChunkingManagement;
+
+/// How long reading the layers and the manifest may take before a reload gives up.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a reload was refused. The previous budgets stay in force.
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
+    /// A layer that does not load or validate.
     #[error("config reload refused:\n{0}")]
     Config(ConfigErrors),
+    /// The manifest is not the one loaded at start.
     #[error("config reload refused: the model manifest {path} changed; model policies are fixed at load, restart to load a new model")]
-    ManifestChanged { path: String },
+    ManifestChanged {
+        /// The manifest file.
+        path: String,
+    },
+    /// A section that cannot change at run time changed.
+    #[error("config reload refused: {} changed, which cannot change at run time; restart to apply it (nothing was applied)", .sections.iter().map(|s| format!("`[{s}]`")).collect::<Vec<_>>().join(", "))]
+    FixedSection {
+        /// The sections that changed: `log`, `metrics`, `replay`.
+        sections: Vec<&'static str>,
+    },
+    /// Reading the files took longer than [`READ_TIMEOUT`] (a FIFO or a stuck file system).
+    #[error("config reload refused: reading the config files took longer than {0:?}")]
+    Timeout(Duration),
+    /// The component refused the budgets.
     #[error("config reload refused: {0}")]
     Refused(#[from] ChunkingError),
+}
+
+/// What a reload applied: the `[chunking]` keys whose values changed (empty: nothing changed).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Applied {
+    /// Dotted keys, sorted.
+    pub changed: Vec<String>,
+}
+
+impl std::fmt::Display for Applied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.changed.is_empty() {
+            f.write_str("nothing changed")
+        } else {
+            write!(f, "applied {}", self.changed.join(", "))
+        }
+    }
+}
+
+/// The `[chunking]` keys whose values differ between `old` and `new`.
+pub fn chunking_changes(old: &Settings, new: &Settings) -> Vec<String> {
+    let (a, b) = (&old.chunking, &new.chunking);
+    let mut changed = Vec::new();
+    if a.min_chunk_tokens != b.min_chunk_tokens {
+        changed.push("chunking.min_chunk_tokens".to_string());
+    }
+    if a.no_chunking != b.no_chunking {
+        changed.push("chunking.no_chunking".to_string());
+    }
+    if a.max_row_tokens != b.max_row_tokens {
+        changed.push("chunking.max_row_tokens".to_string());
+    }
+    if a.max_partial_prefills != b.max_partial_prefills {
+        changed.push("chunking.max_partial_prefills".to_string());
+    }
+    let nodes: BTreeSet<&String> = a
+        .max_batch_tokens
+        .keys()
+        .chain(b.max_batch_tokens.keys())
+        .collect();
+    for node in nodes {
+        if a.max_batch_tokens.get(node) != b.max_batch_tokens.get(node) {
+            changed.push(format!(
+                "chunking.max_batch_tokens.{}",
+                crate::config::problem::escape(node)
+            ));
+        }
+    }
+    changed.sort();
+    changed
+}
+
+/// The sections that cannot change at run time and differ between `old` and `new`.
+pub fn fixed_changes(old: &Settings, new: &Settings) -> Vec<&'static str> {
+    let mut sections = Vec::new();
+    if old.log != new.log {
+        sections.push("log");
+    }
+    if old.metrics != new.metrics {
+        sections.push("metrics");
+    }
+    if old.replay != new.replay {
+        sections.push("replay");
+    }
+    sections
 }
 
 /// Re-reads the layered config for a running component.
@@ -34,12 +127,31 @@ pub struct Reloader {
     cm: ChunkingManagement,
     opts: LoadOptions,
     manifest: Manifest,
+    /// The settings in force: what a reload compares with.
+    running: Arc<Mutex<Settings>>,
 }
 
 impl Reloader {
-    /// A reloader for `cm`, which runs `manifest` and was configured from `opts`.
+    /// A reloader for `cm`, which runs `manifest` and was configured from `opts`. The settings
+    /// in force are taken to be what `opts` gives now (or the defaults, if that is refused);
+    /// [`Reloader::running`] sets them when the caller has them.
     pub fn new(cm: ChunkingManagement, opts: LoadOptions, manifest: Manifest) -> Self {
-        Self { cm, opts, manifest }
+        let running = load_settings(&opts, &manifest)
+            .map(|(s, _)| s)
+            .unwrap_or_default();
+        Self {
+            cm,
+            opts,
+            manifest,
+            running: Arc::new(Mutex::new(running)),
+        }
+    }
+
+    /// Sets the settings in force.
+    #[must_use]
+    pub fn running(self, settings: Settings) -> Self {
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = settings;
+        self
     }
 
     /// The files a watcher watches: every config layer file and the manifest.
@@ -49,46 +161,74 @@ impl Reloader {
         files
     }
 
-    /// Re-reads every layer and applies it whole. Counted in `config_reloads_total`; a refusal
-    /// is logged with every problem.
+    /// Re-reads every layer (off this thread, with a timeout) and applies it whole. Counted in
+    /// `config_reloads_total`; logs what it applied, or every problem of a refusal.
     ///
     /// # Errors
-    /// A layer that does not load or validate, a changed manifest, or budgets the component
-    /// refused; in each case the previous budgets stay.
-    pub async fn reload(&self) -> Result<(), ReloadError> {
-        let result = self.apply().await;
+    /// A layer that does not load or validate, a changed manifest, a change to a section that
+    /// cannot change at run time, a read that timed out, or budgets the component refused; in
+    /// each case the previous budgets stay.
+    pub async fn reload(&self) -> Result<Applied, ReloadError> {
+        let result = match self.read().await {
+            Ok(settings) => self.apply(settings).await,
+            Err(e) => {
+                self.cm.count_refused_reload();
+                Err(e)
+            }
+        };
         match &result {
-            Ok(()) => tracing::info!("config reloaded"),
+            Ok(applied) => tracing::info!("config reloaded: {applied}"),
             Err(e) => tracing::warn!("{e}"),
         }
         result
     }
 
-    async fn apply(&self) -> Result<(), ReloadError> {
-        if let Some(path) = self.opts.model_path() {
-            let unchanged = Manifest::load(&path).is_ok_and(|m| m == self.manifest);
-            if !unchanged {
-                self.cm.count_refused_reload();
-                return Err(ReloadError::ManifestChanged {
-                    path: path.display().to_string(),
-                });
+    /// Reads the manifest and the layers on a blocking thread, within [`READ_TIMEOUT`].
+    async fn read(&self) -> Result<Settings, ReloadError> {
+        let (opts, manifest) = (self.opts.clone(), self.manifest.clone());
+        let work = tokio::task::spawn_blocking(move || -> Result<Settings, ReloadError> {
+            if let Some(path) = opts.model_path() {
+                if !load_manifest(&path).is_ok_and(|m| m == manifest) {
+                    return Err(ReloadError::ManifestChanged {
+                        path: crate::config::problem::escape(&path.display().to_string()),
+                    });
+                }
             }
+            load_settings(&opts, &manifest)
+                .map(|(s, _)| s)
+                .map_err(ReloadError::Config)
+        });
+        match tokio::time::timeout(READ_TIMEOUT, work).await {
+            Ok(Ok(result)) => result,
+            // The blocking task panicked: nothing read, nothing applied.
+            Ok(Err(_)) => Err(ReloadError::Timeout(READ_TIMEOUT)),
+            Err(_) => Err(ReloadError::Timeout(READ_TIMEOUT)),
         }
-        let (settings, _) = load_settings(&self.opts, &self.manifest).map_err(|e| {
+    }
+
+    async fn apply(&self, settings: Settings) -> Result<Applied, ReloadError> {
+        let old = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let sections = fixed_changes(&old, &settings);
+        if !sections.is_empty() {
             self.cm.count_refused_reload();
-            ReloadError::Config(e)
-        })?;
+            return Err(ReloadError::FixedSection { sections });
+        }
         // BudgetConfig counts the outcome of applying them.
         self.cm
             .set_budgets(self.manifest.budget_settings(&settings.chunking))
             .await?;
-        Ok(())
+        let changed = chunking_changes(&old, &settings);
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = settings;
+        Ok(Applied { changed })
     }
 }
 
 /// A running config watcher; dropping it stops watching.
 pub struct ConfigWatcher {
-    _watcher: RecommendedWatcher,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -98,70 +238,140 @@ impl Drop for ConfigWatcher {
     }
 }
 
-/// How long a burst of file events (an editor's write, rename, chmod) is left to settle before
-/// one reload.
-const SETTLE: Duration = Duration::from_millis(100);
+/// How long a burst of file events (an editor's write, rename, chmod) is left to settle: a
+/// reload starts once no event came for this long.
+pub const SETTLE: Duration = Duration::from_millis(100);
+/// A burst that never settles is read anyway after this long.
+const MAX_SETTLE: Duration = Duration::from_secs(2);
+/// Between the two reads whose parses must agree before a reload applies.
+pub const STABLE: Duration = Duration::from_millis(100);
+/// Settle-and-read rounds before a file that keeps changing is read as it is.
+const MAX_RETRIES: u32 = 10;
 
-/// Reloads through `reloader` whenever one of its files changes, or on SIGHUP. Must be called
+/// The directories to watch for `files`: each path's own directory (where a ConfigMap swaps its
+/// `..data` link, or an editor renames a new file over the old) and the directory of what it
+/// points to now (where a write through a symlink lands).
+fn watch_dirs(files: &[PathBuf]) -> BTreeSet<PathBuf> {
+    let mut dirs = BTreeSet::new();
+    for f in files {
+        let abs = std::path::absolute(f).unwrap_or_else(|_| f.clone());
+        dirs.extend(abs.parent().map(PathBuf::from));
+        if let Ok(target) = std::fs::canonicalize(f) {
+            dirs.extend(target.parent().map(PathBuf::from));
+        }
+    }
+    dirs
+}
+
+/// The file names whose changes matter: each watched file's, and its current target's.
+fn watched_names(files: &[PathBuf]) -> BTreeSet<std::ffi::OsString> {
+    let mut names = BTreeSet::new();
+    for f in files {
+        names.extend(f.file_name().map(ToOwned::to_owned));
+        if let Ok(target) = std::fs::canonicalize(f) {
+            names.extend(target.file_name().map(ToOwned::to_owned));
+        }
+    }
+    names
+}
+
+/// Whether an event on `path` can change a watched file: one of `names`, or a ConfigMap's
+/// `..data` link and its `..`-prefixed versions. Other files in the same directories (a step
+/// log written beside a config layer) do not wake the watcher.
+fn relevant(names: &BTreeSet<std::ffi::OsString>, path: &std::path::Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| names.contains(n) || n.to_string_lossy().starts_with(".."))
+}
+
+/// Reloads through `reloader` whenever one of its files (or what it points to) changes, or on
+/// SIGHUP. A change is applied once the files have settled and two reads agree. Must be called
 /// inside an actix system; the reloads run on the current arbiter.
 ///
 /// # Errors
 /// The file watcher or the signal handler cannot be set up.
 pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-    let files: Vec<PathBuf> = reloader
-        .files()
-        .into_iter()
-        .map(|f| std::fs::canonicalize(&f).unwrap_or(f))
-        .collect();
-    let watched = files.clone();
     let events = tx.clone();
+    let files = reloader.files();
+    let names = watched_names(&files);
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         let Ok(event) = res else { return };
-        if event.kind.is_access() {
-            return;
-        }
-        if event.paths.iter().any(|p| watched.contains(p)) {
+        if !event.kind.is_access() && event.paths.iter().any(|p| relevant(&names, p)) {
             let _ = events.send(());
         }
     })
     .map_err(|e| format!("cannot watch the config files: {e}"))?;
-    // Watch the directories: editors replace a file by renaming a new one over it.
-    let mut dirs: Vec<PathBuf> = files
-        .iter()
-        .filter_map(|f| f.parent().map(PathBuf::from))
-        .collect();
-    dirs.sort();
-    dirs.dedup();
-    for dir in &dirs {
+    let mut watched = BTreeSet::new();
+    for dir in watch_dirs(&files) {
         watcher
-            .watch(dir, RecursiveMode::NonRecursive)
+            .watch(&dir, RecursiveMode::NonRecursive)
             .map_err(|e| format!("cannot watch {}: {e}", dir.display()))?;
+        watched.insert(dir);
     }
     #[cfg(unix)]
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
     let task = async move {
+        // Reads that disagreed, or changes seen while reading: settle and read again, a few
+        // times at most (a file rewritten forever is read as it is then).
+        let mut retries = 0u32;
         loop {
-            #[cfg(unix)]
-            let woke = tokio::select! {
-                e = rx.recv() => e.is_some(),
-                s = hangup.recv() => s.is_some(),
+            let signalled = if retries > 0 {
+                false
+            } else {
+                #[cfg(unix)]
+                let (woke, signalled) = tokio::select! {
+                    e = rx.recv() => (e.is_some(), false),
+                    s = hangup.recv() => (s.is_some(), true),
+                };
+                #[cfg(not(unix))]
+                let (woke, signalled) = (rx.recv().await.is_some(), false);
+                if !woke {
+                    return;
+                }
+                signalled
             };
-            #[cfg(not(unix))]
-            let woke = rx.recv().await.is_some();
-            if !woke {
-                return;
+            if !signalled {
+                if !settle(&mut rx).await {
+                    return;
+                }
+                // The same parse twice, with nothing changing in between.
+                let first = reloader.read().await.ok();
+                tokio::time::sleep(STABLE).await;
+                let changed_meanwhile = rx.try_recv().is_ok();
+                let second = reloader.read().await.ok();
+                if (changed_meanwhile || first != second) && retries < MAX_RETRIES {
+                    retries += 1;
+                    continue;
+                }
             }
-            tokio::time::sleep(SETTLE).await;
-            while rx.try_recv().is_ok() {}
+            retries = 0;
             let _ = reloader.reload().await;
+            // A ConfigMap update points the paths into a new directory: watch it too.
+            for dir in watch_dirs(&files) {
+                if !watched.contains(&dir)
+                    && watcher.watch(&dir, RecursiveMode::NonRecursive).is_ok()
+                {
+                    watched.insert(dir);
+                }
+            }
         }
     };
     let handle = actix::spawn(task);
     drop(tx);
-    Ok(ConfigWatcher {
-        _watcher: watcher,
-        task: handle,
-    })
+    Ok(ConfigWatcher { task: handle })
+}
+
+/// Waits until no event came for [`SETTLE`] (at most [`MAX_SETTLE`]); false when the
+/// channel closed.
+async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    let deadline = tokio::time::Instant::now() + MAX_SETTLE;
+    loop {
+        match tokio::time::timeout(SETTLE, rx.recv()).await {
+            Err(_) => return true,
+            Ok(None) => return false,
+            Ok(Some(())) if tokio::time::Instant::now() >= deadline => return true,
+            Ok(Some(())) => {}
+        }
+    }
 }

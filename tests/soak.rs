@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue};
-use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::trace::{ReadOptions, Trace};
-use mstar_chunking::settings::{
+use mstar_chunking::config::{
     BudgetSetting, ChunkingSection, NodeBudgetSetting, DEMO_MANIFEST_TOML,
 };
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::replay::trace::{ReadOptions, Trace};
 use mstar_chunking::{ChunkingManagement, PreparedInput, Work};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -22,8 +22,10 @@ const TIME_LIMIT: Duration = Duration::from_secs(600);
 
 /// The demo model's `set_budgets` arguments with `llm`'s budgets set to `budget`, as a config
 /// layer would give them.
-fn settings(demo: &Manifest, budget: i64, min_chunk: u32) -> BudgetSettings {
-    let value = NodeBudgetSetting::All(BudgetSetting(BudgetValue::Tokens(budget)));
+fn settings(demo: &Manifest, budget: u32, min_chunk: u32) -> BudgetSettings {
+    let value = NodeBudgetSetting::All(BudgetSetting(
+        BudgetValue::tokens(budget).unwrap_or(BudgetValue::Off),
+    ));
     let chunking = ChunkingSection {
         min_chunk_tokens: min_chunk,
         max_batch_tokens: BTreeMap::from([("llm".to_owned(), value)]),
@@ -119,7 +121,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             if step.is_multiple_of(1000) {
                 assert!(cm.set_budgets(settings(&demo, 0, 0)).await.is_err());
                 refused += 1;
-                assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget as u32));
+                assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget));
             }
             if step == steps / 10 {
                 rss_early = rss_bytes();

@@ -1,32 +1,37 @@
-//! Replay (SPEC §8): drives the real chunking actors through a request trace as an engine would,
-//! on a simulated clock, and reports what the chunking config does to budgets, overruns and
-//! latency.
+//! Replay (`docs/config.md#replay`): drives the real chunking actors through a request trace as
+//! an engine would, on a simulated clock, and reports what the chunking config does to budgets,
+//! overruns and latency.
 //!
 //! - [`trace`]: the Azure CSV and Mooncake JSON Lines readers, and the bundled trace;
 //! - [`sim`]: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
 //! - [`prefix_cache`]: the LRU of prompt blocks keyed by a trace's block hashes;
-//! - [`step_log`]: the `--step-log` JSON Lines writer (SPEC §7);
+//! - [`settings`]: the `[replay]` section, checked once for `check` and `replay`;
+//! - [`step_log`]: the `--step-log` JSON Lines writer, and outputs written by rename;
 //! - [`report`]: the summary table and the `--report-json` document.
 //!
 //! [`run`] must be awaited inside an actix system: it starts its own [`ChunkingManagement`] on
 //! the current arbiter.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::{BudgetValue, NodeBudget};
+use crate::config::Settings;
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::settings::Settings;
 use crate::{ChunkingManagement, Name};
 
 pub mod prefix_cache;
 pub mod report;
+pub mod settings;
 pub mod sim;
 pub mod step_log;
 pub mod trace;
 
 pub use report::ReplayReport;
+pub use settings::Setup;
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};
 
 /// The walk prompts are admitted on.
@@ -45,7 +50,7 @@ pub struct ReplayOptions {
     pub rate_scale: f64,
     /// Turn every budget off, to compare with chunking.
     pub budget_off: bool,
-    /// Write the step log (SPEC §7) here.
+    /// Write the step log here.
     pub step_log: Option<PathBuf>,
     /// Write the report as JSON here.
     pub report_json: Option<PathBuf>,
@@ -53,6 +58,101 @@ pub struct ReplayOptions {
     pub skip_bad_lines: bool,
     /// Show a progress bar (only when stderr is a terminal).
     pub progress: bool,
+    /// Input files besides the trace (config layers, the model) that the outputs must not
+    /// overwrite.
+    pub inputs: Vec<PathBuf>,
+    /// Stop at a step boundary on SIGINT or SIGTERM and report what ran, marked interrupted.
+    pub handle_signals: bool,
+    /// Called after every step with the number of steps run so far.
+    pub on_step: Option<StepHook>,
+}
+
+/// A callback after every replay step, given the steps run so far (tests drive faults from it).
+#[derive(Clone)]
+pub struct StepHook(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl StepHook {
+    /// Calls the hook.
+    pub fn call(&self, steps: u64) {
+        (self.0)(steps);
+    }
+}
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepHook")
+    }
+}
+
+impl PartialEq for StepHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A signal's name, as the report states it.
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        2 => "SIGINT".into(),
+        15 => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// The exit status of a run stopped by `signal` (by name): 128 + its number.
+pub fn signal_exit_code(signal: &str) -> u8 {
+    match signal {
+        "SIGINT" => 130,
+        "SIGTERM" => 143,
+        _ => 1,
+    }
+}
+
+/// Refuses outputs that would overwrite an input or each other, or that are not regular files:
+/// each output is compared with each input and with the other output as the same file (device
+/// and inode, through links) or the same path.
+///
+/// # Errors
+/// The first output refused, and why.
+pub fn check_outputs(
+    outputs: &[(&'static str, &Path)],
+    inputs: &[PathBuf],
+) -> Result<(), ReplayError> {
+    let same = |a: &Path, b: &Path| -> bool {
+        #[cfg(unix)]
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            use std::os::unix::fs::MetadataExt;
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        abs(a) == abs(b)
+    };
+    let refuse = |what, path: &Path, problem: String| ReplayError::Output {
+        what,
+        path: path.to_path_buf(),
+        problem,
+    };
+    for (i, (what, out)) in outputs.iter().enumerate() {
+        if let Ok(meta) = std::fs::metadata(out) {
+            if !meta.is_file() {
+                return Err(refuse(what, out, "is not a regular file".into()));
+            }
+        }
+        if let Some(input) = inputs.iter().find(|input| same(out, input)) {
+            return Err(refuse(
+                what,
+                out,
+                format!(
+                    "is the input `{}`; it would be overwritten",
+                    crate::config::problem::escape(&input.display().to_string())
+                ),
+            ));
+        }
+        if let Some((other, _)) = outputs[i + 1..].iter().find(|(_, o)| same(out, o)) {
+            return Err(refuse(what, out, format!("is also the {other}")));
+        }
+    }
+    Ok(())
 }
 
 impl Default for ReplayOptions {
@@ -66,6 +166,9 @@ impl Default for ReplayOptions {
             report_json: None,
             skip_bad_lines: false,
             progress: false,
+            inputs: Vec::new(),
+            handle_signals: false,
+            on_step: None,
         }
     }
 }
@@ -73,34 +176,70 @@ impl Default for ReplayOptions {
 /// Why a replay failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
+    /// The trace could not be read.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// An actor refused or did not answer.
     #[error("{during}: {source}")]
     Chunking {
+        /// What the replay was doing.
         during: &'static str,
+        /// The actors' error.
         #[source]
         source: ChunkingError,
     },
+    /// A `[replay]` setting refused (see [`settings::check`]).
     #[error("`{key}` {problem}")]
-    Config { key: &'static str, problem: String },
-    #[error("`--rate-scale` must be a positive finite number, got {0}")]
-    RateScale(f64),
+    Config {
+        /// The key.
+        key: &'static str,
+        /// Its value and why it was refused.
+        problem: String,
+    },
+    /// `--rate-scale` out of range.
+    #[error("{0}")]
+    RateScale(String),
+    /// An output refused before anything ran (see [`check_outputs`]).
+    #[error("the {what} `{path}` {problem}", path = crate::config::problem::escape(&.path.display().to_string()))]
+    Output {
+        /// `step log` or `JSON report`.
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// Why it was refused.
+        problem: String,
+    },
+    /// An output could not be written.
     #[error("cannot write the {what} `{path}`: {source}", path = .path.display())]
     Write {
+        /// `step log` or `JSON report`.
         what: &'static str,
+        /// Its path.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// Rows are queued that no step schedules.
     #[error("replay stalled at {t_ms:.3} ms: {prefilling} prompts and {decoding} decode rows are queued on `{node}` but no step schedules any of them")]
     Stalled {
+        /// Simulated time.
         t_ms: f64,
+        /// The node.
         node: String,
+        /// Prompts queued.
         prefilling: usize,
+        /// Decode rows registered.
         decoding: usize,
     },
+    /// Prepared inputs still held after every prompt finished.
     #[error("{rows} prepared inputs ({tokens} tokens) were still held after the replay; every one must be released after its final chunk")]
-    PreparedLeft { rows: usize, tokens: u64 },
+    PreparedLeft {
+        /// Rows held.
+        rows: usize,
+        /// Their tokens.
+        tokens: u64,
+    },
 }
 
 impl ReplayError {
@@ -109,146 +248,22 @@ impl ReplayError {
     }
 }
 
-/// Where and how replay steps: the node, the step walks, and the simulation knobs, checked.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Setup {
-    pub node: String,
-    /// One combined walk, or `prefill` and `decode` taken in turn.
-    pub walks: Vec<String>,
-    pub base_ms: f64,
-    pub per_token_ms: f64,
-    /// Speculative tokens per decode row (0: plain decode), the overshoot probability and seed.
-    pub spec_tokens: u32,
-    pub overshoot_rate: f64,
-    pub seed: u64,
-    /// Prefix cache blocks (0: off) and tokens per block.
-    pub cache_blocks: usize,
-    pub cache_block_tokens: u32,
-}
-
 impl Setup {
-    /// Resolves `[replay]` against the model.
+    /// Resolves `[replay]` against the model ([`settings::check`]).
     ///
     /// # Errors
-    /// A node or walk the model does not have, a combined walk without `prefill` and `decode`
-    /// among its members, or a cost, speculation or cache value out of range.
+    /// The first problem [`settings::check`] finds.
     pub fn resolve(manifest: &Manifest, settings: &Settings) -> Result<Self, ReplayError> {
-        let r = &settings.replay;
-        let cfg = |key, problem: String| ReplayError::Config { key, problem };
-        // The manifest's first node (its nodes are keyed by name).
-        let node =
-            match &r.node {
-                Some(n) => n.clone(),
-                None => manifest.nodes.keys().next().cloned().ok_or_else(|| {
-                    cfg("nodes", "the model manifest has no node to replay".into())
-                })?,
-            };
-        if !manifest.nodes.contains_key(&node) {
-            return Err(cfg(
-                "replay.node",
-                format!(
-                    "names node `{node}`, which the model does not have (it has {})",
-                    names(manifest.nodes.keys())
-                ),
-            ));
-        }
-        for w in [PREFILL_WALK, DECODE_WALK] {
-            if !manifest.walks.iter().any(|m| m == w) {
-                return Err(cfg(
-                    "walks",
-                    format!(
-                        "of the model must include `{w}`: replay admits prompts on `prefill` and generates on `decode` (the model has {})",
-                        names(manifest.walks.iter())
-                    ),
-                ));
+        settings::check(manifest, &settings.replay).map_err(|problems| {
+            let p = problems.into_iter().next();
+            ReplayError::Config {
+                key: p.as_ref().map_or("replay", |p| p.key),
+                problem: p.map_or_else(String::new, |p| match p.value {
+                    Some(v) => format!("= {v}: {}", p.reason),
+                    None => p.reason,
+                }),
             }
-        }
-        let walk = r.walk.as_deref().or_else(|| manifest.combined_walk());
-        let walks = match walk {
-            None => vec![PREFILL_WALK.to_owned(), DECODE_WALK.to_owned()],
-            Some(w) => {
-                let Some(members) = manifest.combined_walks.get(w) else {
-                    return Err(cfg(
-                        "replay.walk",
-                        format!(
-                            "names `{w}`, which is not a combined walk of the model (it has {}); unset it to alternate `prefill` and `decode`",
-                            names(manifest.combined_walks.keys())
-                        ),
-                    ));
-                };
-                for m in [PREFILL_WALK, DECODE_WALK] {
-                    if !members.iter().any(|x| x == m) {
-                        return Err(cfg(
-                            "replay.walk",
-                            format!(
-                                "names `{w}`, whose member walks ({}) do not include `{m}`",
-                                names(members.iter())
-                            ),
-                        ));
-                    }
-                }
-                vec![w.to_owned()]
-            }
-        };
-        let c = r.cost;
-        for (key, v) in [
-            ("replay.cost.base_ms", c.base_ms),
-            ("replay.cost.per_token_ms", c.per_token_ms),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(cfg(key, format!("must be a finite number >= 0, got {v}")));
-            }
-        }
-        if c.base_ms == 0.0 && c.per_token_ms == 0.0 {
-            return Err(cfg(
-                "replay.cost",
-                "must make a step take some time: `base_ms` and `per_token_ms` are both 0".into(),
-            ));
-        }
-        let s = r.speculation;
-        if !(0.0..=1.0).contains(&s.overshoot_rate) {
-            return Err(cfg(
-                "replay.speculation.overshoot_rate",
-                format!("must be a probability in [0, 1], got {}", s.overshoot_rate),
-            ));
-        }
-        if s.tokens >= u32::MAX / 2 {
-            return Err(cfg(
-                "replay.speculation.tokens",
-                format!("must be below {}, got {}", u32::MAX / 2, s.tokens),
-            ));
-        }
-        let p = r.prefix_cache;
-        if p.blocks > 0 && p.block_tokens != trace::HASH_BLOCK_TOKENS {
-            return Err(cfg(
-                "replay.prefix_cache.block_tokens",
-                format!(
-                    "must be {} (the tokens one trace block hash covers), got {}",
-                    trace::HASH_BLOCK_TOKENS,
-                    p.block_tokens
-                ),
-            ));
-        }
-        Ok(Self {
-            node,
-            walks,
-            base_ms: c.base_ms,
-            per_token_ms: c.per_token_ms,
-            spec_tokens: s.tokens,
-            overshoot_rate: s.overshoot_rate,
-            seed: s.seed,
-            cache_blocks: p.blocks as usize,
-            cache_block_tokens: p.block_tokens,
         })
-    }
-}
-
-fn names<'a>(it: impl Iterator<Item = &'a String>) -> String {
-    let v: Vec<String> = it.map(|n| format!("`{n}`")).collect();
-    if v.is_empty() {
-        "none".into()
-    } else {
-        v.join(", ")
     }
 }
 
@@ -292,10 +307,18 @@ pub async fn run_on(
     opts: &ReplayOptions,
 ) -> Result<ReplayReport, ReplayError> {
     let wall = Instant::now();
-    if !(opts.rate_scale.is_finite() && opts.rate_scale > 0.0) {
-        return Err(ReplayError::RateScale(opts.rate_scale));
-    }
+    settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
     let setup = Setup::resolve(manifest, settings)?;
+    let mut inputs = opts.inputs.clone();
+    inputs.extend(opts.trace.clone());
+    let outputs: Vec<(&'static str, &Path)> = [
+        ("step log", opts.step_log.as_deref()),
+        ("JSON report", opts.report_json.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(what, p)| Some((what, p?)))
+    .collect();
+    check_outputs(&outputs, &inputs)?;
     let read = trace::ReadOptions {
         limit: opts.requests,
         skip_bad_lines: opts.skip_bad_lines,
@@ -326,16 +349,28 @@ pub async fn run_on(
         ),
         None => None,
     };
-    let mut report = sim::Sim::new(cm, &setup, &trace, opts, step_log)
-        .run()
-        .await?;
+    let mut sim = sim::Sim::new(cm, &setup, &trace, opts, step_log);
+    let _signals = if opts.handle_signals {
+        let flag = Arc::new(AtomicI32::new(0));
+        sim = sim.stop_on(flag.clone());
+        watch_signals(flag)
+    } else {
+        None
+    };
+    tracing::debug!(
+        requests = trace.requests.len(),
+        node = %setup.node,
+        "replay started"
+    );
+    let mut report = sim.run().await?;
 
-    // Every prompt ran its final chunk, so every prepared input must have been released.
+    // Every prompt ran its final chunk, so every prepared input must have been released
+    // (unless a signal stopped the replay midway: then the counts are reported).
     let (rows, tokens) = cm
         .prepared_totals()
         .await
         .map_err(ReplayError::chunking("counting prepared inputs left"))?;
-    if rows != 0 || tokens != 0 {
+    if report.interrupted.is_none() && (rows != 0 || tokens != 0) {
         return Err(ReplayError::PreparedLeft { rows, tokens });
     }
     report.prepared_left_rows = rows;
@@ -348,10 +383,10 @@ pub async fn run_on(
     };
     if let Some(p) = &opts.report_json {
         let write = || -> std::io::Result<()> {
-            let mut f = std::io::BufWriter::new(std::fs::File::create(p)?);
+            let mut f = step_log::AtomicFile::create(p)?;
             serde_json::to_writer_pretty(&mut f, &report)?;
             std::io::Write::write_all(&mut f, b"\n")?;
-            std::io::Write::flush(&mut f)
+            f.commit()
         };
         write().map_err(|source| ReplayError::Write {
             what: "JSON report",
@@ -360,6 +395,39 @@ pub async fn run_on(
         })?;
     }
     Ok(report)
+}
+
+/// Sets `flag` to the number of the first SIGINT or SIGTERM received, until dropped. Must be
+/// called inside an actix system.
+fn watch_signals(flag: Arc<AtomicI32>) -> Option<SignalWatch> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut int = signal(SignalKind::interrupt()).ok()?;
+        let mut term = signal(SignalKind::terminate()).ok()?;
+        let task = actix::spawn(async move {
+            let sig = tokio::select! {
+                _ = int.recv() => 2,
+                _ = term.recv() => 15,
+            };
+            flag.store(sig, Ordering::SeqCst);
+        });
+        Some(SignalWatch(task))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = flag;
+        None
+    }
+}
+
+/// Stops watching signals when dropped.
+struct SignalWatch(tokio::task::JoinHandle<()>);
+
+impl Drop for SignalWatch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]
@@ -389,26 +457,5 @@ mod tests {
         assert!(off
             .values()
             .all(|b| *b == NodeBudget::All(BudgetValue::Off)));
-    }
-
-    #[test]
-    fn setup_defaults_to_the_first_node_in_the_file_and_the_combined_walk() {
-        let m: Manifest = toml::from_str(
-            r#"
-            name = "m"
-            walks = ["prefill", "decode", "mixed"]
-            [combined_walks]
-            mixed = ["prefill", "decode"]
-            [nodes.b]
-            [nodes.a]
-            "#,
-        )
-        .unwrap();
-        let s = Setup::resolve(&m, &Settings::default()).unwrap();
-        assert_eq!(
-            (s.node.as_str(), s.walks.as_slice()),
-            ("b", &["mixed".to_owned()][..])
-        );
-        assert_eq!((s.base_ms, s.per_token_ms, s.spec_tokens), (8.0, 0.02, 0));
     }
 }

@@ -42,11 +42,13 @@ impl PrefixCache {
 
     /// The tokens of the longest cached prefix of a prompt of `input_tokens` with block hashes
     /// `hashes`, at most `input_tokens - 1` (the last token always runs). The blocks hit become
-    /// the most recently used.
+    /// the most recently used. A block counts once: the run stops at a hash repeated within the
+    /// prompt, so the cache never reports more tokens than the blocks it holds.
     pub fn lookup(&mut self, hashes: &[u64], input_tokens: u32) -> u32 {
+        let mut seen = rustc_hash::FxHashSet::default();
         let hits = hashes
             .iter()
-            .take_while(|h| self.blocks.contains_key(h))
+            .take_while(|h| self.blocks.contains_key(h) && seen.insert(**h))
             .count();
         for &h in &hashes[..hits] {
             self.touch(h);
@@ -103,6 +105,17 @@ mod tests {
         assert_eq!(c.len(), 3);
         assert_eq!(c.lookup(&[1, 2], 2000), 512);
         assert_eq!(c.lookup(&[8], 600), 512);
+    }
+
+    #[test]
+    fn a_repeated_hash_counts_once() {
+        let mut c = PrefixCache::new(1, 512);
+        c.insert(&[7]);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.lookup(&[7, 7, 7, 7], 4096), 512);
+        let mut c = PrefixCache::new(4, 512);
+        c.insert(&[1, 2]);
+        assert_eq!(c.lookup(&[1, 2, 1, 2], 4096), 1024);
     }
 
     #[test]

@@ -11,10 +11,12 @@ use super::trace::TraceFormat;
 pub struct ReplayReport {
     /// The trace file (or the bundled trace's name) and its format.
     pub trace: String,
+    /// The trace's format.
     pub format: TraceFormat,
     /// The node replay drove, and the walks its steps ran on (one combined walk, or `prefill`
     /// and `decode` alternately).
     pub node: String,
+    /// The step walks.
     pub walks: Vec<String>,
     /// Whether every budget was turned off (`--budget-off`).
     pub budget_off: bool,
@@ -22,39 +24,51 @@ pub struct ReplayReport {
     pub rate_scale: f64,
     /// Requests replayed, and bad trace lines left out (`--skip-bad-lines`).
     pub requests: usize,
+    /// Bad trace lines left out.
     pub skipped_lines: usize,
     /// The first few bad lines left out.
     pub bad_line_examples: Vec<String>,
     /// Steps run (empty steps are not counted), and how many of them ran under a budget.
     pub steps: u64,
+    /// Steps that ran under a budget.
     pub budgeted_steps: u64,
+    /// Tokens, by kind.
     pub tokens: TokenCounts,
     /// `sum(min(scheduled, budget)) / sum(budget)` over the steps with a budget; null if none.
     pub budget_utilisation: Option<f64>,
     /// Steps that cut a prompt (ran a non-final chunk), and their utilisation: a cut step
     /// should be full, since a prompt is cut only to what is left of the budget.
     pub cut_steps: u64,
+    /// The budget utilisation of the steps that cut a prompt.
     pub cut_step_utilisation: Option<f64>,
+    /// Chunks run.
     pub chunks: ChunkCounts,
+    /// Overruns, by reason.
     pub overruns: OverrunCounts,
     /// Step slots a decode row (already generating) waited without running: "decode stalls".
     pub decode_row_waits: u64,
     /// Time to first token and time between tokens, in simulated ms; null without samples.
     pub ttft_ms: Option<Latency>,
+    /// Time between tokens, in simulated ms.
     pub tbt_ms: Option<Latency>,
     /// The most prepared inputs held at once (rows, and their tokens).
     pub peak_prepared_rows: usize,
+    /// The tokens of the prepared inputs held at the peak.
     pub peak_prepared_tokens: u64,
     /// Prepared inputs held after the replay, asserted to be none (a replay with any left fails).
     pub prepared_left_rows: usize,
+    /// Their tokens.
     pub prepared_left_tokens: u64,
     /// The simulated time the replay covered, from the first arrival to the last step's end.
     pub simulated_ms: f64,
     /// Wall time of the replay (trace reading included), and steps per wall second.
     pub wall_ms: f64,
+    /// Steps per wall-clock second.
     pub steps_per_second: f64,
     /// Where the step log went, if one was written.
     pub step_log: Option<String>,
+    /// The signal that stopped the replay early (`SIGINT`, `SIGTERM`); `None`: it ran to the end.
+    pub interrupted: Option<String>,
 }
 
 /// Tokens, by kind.
@@ -62,12 +76,15 @@ pub struct ReplayReport {
 pub struct TokenCounts {
     /// Scheduled by the planner, and actually run (more with speculation overshoots).
     pub scheduled: u64,
+    /// Tokens actually run.
     pub ran: u64,
     /// Prompt tokens run in chunks, and prompt tokens served from the prefix cache instead.
     pub prefill: u64,
+    /// Prompt tokens served from the prefix cache.
     pub cached: u64,
     /// Tokens run by continuing (decode) rows, and the tokens they generated.
     pub decode: u64,
+    /// Tokens generated.
     pub generated: u64,
 }
 
@@ -76,6 +93,7 @@ pub struct TokenCounts {
 pub struct ChunkCounts {
     /// Chunks, of which final.
     pub total: u64,
+    /// Final chunks: one per prompt that finished its prefill.
     pub final_chunks: u64,
     /// Prompts that ran in more than one chunk.
     pub prompts_cut: u64,
@@ -86,18 +104,26 @@ pub struct ChunkCounts {
 /// Overruns by reason.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct OverrunCounts {
+    /// Every overrun.
     pub total: u64,
+    /// A row that could not be cut ran whole.
     pub uncut_row: u64,
+    /// Speculative rows ran more than their estimate.
     pub speculation_estimate: u64,
+    /// Any other reason.
     pub other: u64,
 }
 
 /// Two percentiles of a latency, in simulated ms.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Latency {
+    /// The median.
     pub p50: f64,
+    /// The 99th percentile (nearest rank).
     pub p99: f64,
+    /// The largest sample.
     pub max: f64,
+    /// How many samples.
     pub samples: usize,
 }
 
@@ -262,6 +288,13 @@ impl fmt::Display for ReplayReport {
         )?;
         if let Some(p) = &self.step_log {
             row(f, "step log", p.clone())?;
+        }
+        if let Some(sig) = &self.interrupted {
+            row(
+                f,
+                "interrupted",
+                format!("by {sig}: the figures cover the steps that ran"),
+            )?;
         }
         for e in &self.bad_line_examples {
             writeln!(f, "  skipped: {e}")?;

@@ -1,4 +1,4 @@
-//! The simulation loop of SPEC §8.
+//! The simulation loop (`docs/config.md#replay`).
 //!
 //! Simulated time, in ms, is never slept: a step that starts at `t` ends at
 //! `t + base_ms + per_token_ms * ran_tokens`. Before each step every request that arrived by `t`
@@ -7,6 +7,7 @@
 //! takes its continuing `decode` row one step it runs in.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -74,6 +75,8 @@ pub struct Sim<'a> {
     cut_budget_used: u64,
     ttft: Vec<f64>,
     tbt: Vec<f32>,
+    /// Set to a signal number when the replay is to stop at the next step boundary.
+    stop: Option<Arc<AtomicI32>>,
 }
 
 /// What one step did.
@@ -98,10 +101,6 @@ impl<'a> Sim<'a> {
         for (i, r) in reqs.iter().enumerate() {
             index_of_rid[r.rid as usize] = i as u32;
         }
-        let decode_tokens: u64 = reqs
-            .iter()
-            .map(|r| u64::from(r.output_tokens.saturating_sub(1)))
-            .sum();
         let report = ReplayReport {
             trace: trace.file.clone(),
             format: trace.format,
@@ -131,6 +130,7 @@ impl<'a> Sim<'a> {
             wall_ms: 0.0,
             steps_per_second: 0.0,
             step_log: step_log.as_ref().map(|l| l.path().display().to_string()),
+            interrupted: None,
         };
         Self {
             cm,
@@ -160,9 +160,20 @@ impl<'a> Sim<'a> {
             budget_used: 0,
             cut_budget_sum: 0,
             cut_budget_used: 0,
-            ttft: Vec::with_capacity(reqs.len()),
-            tbt: Vec::with_capacity(usize::try_from(decode_tokens).unwrap_or(0)),
+            // Latency samples grow with the tokens generated, never reserved from the trace's
+            // declared sizes (50,000 rows within the limits would declare 10^11 tokens).
+            ttft: Vec::new(),
+            tbt: Vec::new(),
+            stop: None,
         }
+    }
+
+    /// Stops the replay at the next step boundary once `flag` holds a signal number (not 0):
+    /// the report then covers what ran and names the signal.
+    #[must_use]
+    pub fn stop_on(mut self, flag: Arc<AtomicI32>) -> Self {
+        self.stop = Some(flag);
+        self
     }
 
     /// Runs the replay to the end: every request admitted, prefilled and done generating.
@@ -177,6 +188,12 @@ impl<'a> Sim<'a> {
         let mut turn = 0usize;
         let mut empty_streak = 0usize;
         loop {
+            if let Some(sig) = self.stop.as_ref().map(|f| f.load(Ordering::SeqCst)) {
+                if sig != 0 {
+                    self.report.interrupted = Some(super::signal_name(sig));
+                    break;
+                }
+            }
             if self.prefilling == 0 && self.decoding == 0 {
                 if next == n {
                     break;
@@ -204,6 +221,9 @@ impl<'a> Sim<'a> {
                         });
                     }
                 }
+            }
+            if let Some(hook) = &self.opts.on_step {
+                hook.call(self.report.steps);
             }
             if let Some(pb) = &progress {
                 if self.report.steps.is_multiple_of(PROGRESS_EVERY) {

@@ -1,4 +1,5 @@
-//! The step log (`replay --step-log FILE`): one JSON object per step, in the schema of SPEC §7.
+//! The step log (`replay --step-log FILE`): one JSON object per step
+//! (`docs/config.md#the-step-log`).
 //!
 //! ```text
 //! {"step", "t_ms", "node", "walk", "budget" (null when none), "floor", "caps" (object or null),
@@ -7,7 +8,9 @@
 //!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting"}
 //! ```
 //!
-//! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`.
+//! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`
+//! into a temporary file next to the log, renamed over it by [`StepLog::finish`]: an
+//! interrupted or failed run leaves the previous file or a complete one, never half a line.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
@@ -24,18 +27,86 @@ use crate::Name;
 /// A step log being written.
 pub struct StepLog {
     path: PathBuf,
+    out: Option<AtomicFile>,
+}
+
+/// A file written under a temporary name in the same directory and renamed over its path when
+/// complete; dropped unfinished, the temporary file is removed and the path left as it was.
+pub struct AtomicFile {
+    path: PathBuf,
+    tmp: PathBuf,
     out: BufWriter<File>,
 }
 
-impl StepLog {
-    /// Creates (truncates) the log at `path`.
+impl AtomicFile {
+    /// Starts writing what will become `path`.
     ///
     /// # Errors
-    /// The file cannot be created.
+    /// The temporary file cannot be created.
+    pub fn create(path: &Path) -> io::Result<Self> {
+        let name = path
+            .file_name()
+            .ok_or_else(|| io::Error::other("names no file"))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".{}.tmp", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        Ok(Self {
+            path: path.to_owned(),
+            tmp,
+            out: BufWriter::with_capacity(1 << 16, file),
+        })
+    }
+
+    /// Flushes and renames the file over its path.
+    ///
+    /// # Errors
+    /// The flush or the rename failed (the temporary file is then removed).
+    pub fn commit(mut self) -> io::Result<()> {
+        let done = self
+            .out
+            .flush()
+            .and_then(|()| self.out.get_ref().sync_data())
+            .and_then(|()| std::fs::rename(&self.tmp, &self.path));
+        if done.is_ok() {
+            // Renamed: nothing left to remove.
+            self.tmp = PathBuf::new();
+        }
+        done
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+impl StepLog {
+    /// Starts the log that will be at `path` once finished.
+    ///
+    /// # Errors
+    /// The temporary file cannot be created.
     pub fn create(path: &Path) -> io::Result<Self> {
         Ok(Self {
             path: path.to_owned(),
-            out: BufWriter::with_capacity(1 << 16, File::create(path)?),
+            out: Some(AtomicFile::create(path)?),
         })
     }
 
@@ -62,16 +133,23 @@ impl StepLog {
             ran_tokens,
             overrun,
         };
-        serde_json::to_writer(&mut self.out, &line)?;
-        self.out.write_all(b"\n")
+        let out = self
+            .out
+            .as_mut()
+            .ok_or_else(|| io::Error::other("the step log is finished"))?;
+        serde_json::to_writer(&mut *out, &line)?;
+        out.write_all(b"\n")
     }
 
-    /// Flushes the log.
+    /// Flushes the log and puts it at its path.
     ///
     /// # Errors
-    /// The flush failed.
+    /// The flush or the rename failed.
     pub fn finish(mut self) -> io::Result<()> {
-        self.out.flush()
+        match self.out.take() {
+            Some(out) => out.commit(),
+            None => Ok(()),
+        }
     }
 }
 

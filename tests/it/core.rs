@@ -176,7 +176,10 @@ async fn combined_walk_with_caps() {
             1,
             BTreeMap::from([(
                 n("llm"),
-                NodeBudget::PerWalk(BTreeMap::from([(n("prefill"), BudgetValue::Tokens(8))])),
+                NodeBudget::PerWalk(BTreeMap::from([(
+                    n("prefill"),
+                    BudgetValue::tokens(8).unwrap(),
+                )])),
             )]),
         ))
         .await
@@ -349,7 +352,10 @@ async fn a_budget_change_between_assemble_and_complete_is_checked_against_the_ol
     assert_eq!((b.budget, b.scheduled_tokens), (Some(256), 256));
     let lower = BTreeMap::from([(
         n("llm"),
-        NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::Tokens(100))])),
+        NodeBudget::PerWalk(BTreeMap::from([(
+            n("mixed"),
+            BudgetValue::tokens(100).unwrap(),
+        )])),
     )]);
     cm.set_budgets(settings(1, lower)).await.unwrap();
     assert_eq!(
@@ -409,9 +415,15 @@ async fn a_refused_setting_changes_nothing() {
     let bad = BTreeMap::from([
         (
             n("llm"),
-            NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::Tokens(10))])),
+            NodeBudget::PerWalk(BTreeMap::from([(
+                n("mixed"),
+                BudgetValue::tokens(10).unwrap(),
+            )])),
         ),
-        (n("ghost"), NodeBudget::All(BudgetValue::Tokens(10))),
+        (
+            n("ghost"),
+            NodeBudget::All(BudgetValue::tokens(10).unwrap()),
+        ),
     ]);
     let err = cm.set_budgets(settings(1, bad)).await.unwrap_err();
     assert!(err.to_string().contains("`ghost`"), "{err}");

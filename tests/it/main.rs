@@ -3,6 +3,7 @@
 mod config_cli;
 mod core;
 mod helpers;
+mod hostile;
 mod metrics_live;
 mod props;
 mod reload;

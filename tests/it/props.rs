@@ -72,7 +72,7 @@ fn state(c: &Case) -> SchedulerState {
             n("llm"),
             NodeBudget::PerWalk(BTreeMap::from([(
                 n("mixed"),
-                BudgetValue::Tokens(i64::from(c.budget)),
+                BudgetValue::tokens(c.budget).unwrap_or(BudgetValue::Off),
             )])),
         )]),
         walks: [n("prefill"), n("decode"), n("mixed")].into(),

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use mstar_chunking::reload::{watch, ReloadError, Reloader};
-use mstar_chunking::settings::{load, LoadOptions, DEMO_MANIFEST_TOML};
+use mstar_chunking::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
+use mstar_chunking::reload::{watch, Applied, ReloadError, Reloader};
 use mstar_chunking::ChunkingManagement;
 
 fn options(dir: &Path) -> LoadOptions {
@@ -133,4 +133,102 @@ async fn the_watcher_reloads_on_a_file_change_and_on_sighup() {
         .unwrap();
     assert!(status.success());
     assert!(wait_for_budget(&cm, Some(640)).await, "reloaded on SIGHUP");
+}
+
+#[actix::test]
+async fn a_reload_says_what_it_applied_and_refuses_sections_fixed_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    write_layer(dir.path(), "1024");
+    let (cm, reloader) = start(&opts).await;
+    assert_eq!(reloader.reload().await.unwrap(), Applied::default());
+    assert_eq!(Applied::default().to_string(), "nothing changed");
+    write_layer(dir.path(), "512");
+    let applied = reloader.reload().await.unwrap();
+    assert_eq!(applied.changed, ["chunking.max_batch_tokens.llm"]);
+    assert_eq!(applied.to_string(), "applied chunking.max_batch_tokens.llm");
+    for (extra, section) in [
+        ("[log]\nlevel = \"debug\"\n", "`[log]`"),
+        ("[metrics]\nlisten = \"off\"\n", "`[metrics]`"),
+        ("[replay.cost]\nbase_ms = 4.0\n", "`[replay]`"),
+    ] {
+        let text = format!("[chunking.max_batch_tokens]\nllm = {{ mixed = 256 }}\n{extra}");
+        std::fs::write(dir.path().join("layer.toml"), text).unwrap();
+        let err = reloader.reload().await.unwrap_err();
+        assert!(matches!(err, ReloadError::FixedSection { .. }), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("config reload refused: {section} changed, which cannot change at run time; restart to apply it (nothing was applied)")
+        );
+        assert_eq!(
+            cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+            Some(512),
+            "{section}: the budget change beside it was not applied either"
+        );
+    }
+}
+
+#[actix::test]
+async fn a_fifo_or_device_swapped_in_is_refused_and_scheduling_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    write_layer(dir.path(), "1024");
+    let (cm, reloader) = start(&opts).await;
+    let layer = dir.path().join("layer.toml");
+    std::fs::remove_file(&layer).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&layer)
+        .status()
+        .unwrap()
+        .success());
+    let err = reloader.reload().await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("is not a regular file (it is a FIFO)"),
+        "{err}"
+    );
+    std::fs::remove_file(&layer).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &layer).unwrap();
+    let err = reloader.reload().await.unwrap_err();
+    assert!(err.to_string().contains("(it is a device)"), "{err}");
+    assert_eq!(
+        cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+        Some(1024)
+    );
+}
+
+/// A Kubernetes ConfigMap volume: `layer.toml -> ..data/layer.toml`, `..data -> ..vN`; an
+/// update writes `..vN+1` and renames a new `..data` link over the old one.
+fn configmap_version(dir: &Path, version: u32, mixed: &str) {
+    let v = dir.join(format!("..v{version}"));
+    std::fs::create_dir(&v).unwrap();
+    std::fs::write(
+        v.join("layer.toml"),
+        format!("[chunking.max_batch_tokens]\nllm = {{ mixed = {mixed} }}\n"),
+    )
+    .unwrap();
+    let tmp = dir.join("..data_tmp");
+    std::os::unix::fs::symlink(format!("..v{version}"), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join("..data")).unwrap();
+}
+
+#[actix::test]
+async fn every_configmap_update_applies_not_only_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    configmap_version(dir.path(), 1, "1024");
+    std::os::unix::fs::symlink("..data/layer.toml", dir.path().join("layer.toml")).unwrap();
+    let (cm, reloader) = start(&opts).await;
+    assert_eq!(
+        cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+        Some(1024)
+    );
+    let _watcher = watch(reloader).unwrap();
+    for (version, mixed) in [(2, 768), (3, 640), (4, 512)] {
+        configmap_version(dir.path(), version, &mixed.to_string());
+        assert!(
+            wait_for_budget(&cm, Some(mixed)).await,
+            "update {version} was not applied"
+        );
+    }
 }

@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::ReadOptions;
 use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError};
-use mstar_chunking::settings::Settings;
 use serde_json::Value;
 
 /// A model with one node stepping on `mixed` = `prefill` + `decode`, aligned to 16 tokens.
@@ -495,11 +495,11 @@ fn bad_replay_settings_are_refused_naming_the_key() {
     for (toml_text, key) in [
         (
             "[replay]\nnode = \"vision\"\n",
-            "`replay.node` names node `vision`",
+            "`replay.node` = \"vision\": is not a node of model",
         ),
         (
             "[replay]\nwalk = \"prefill\"\n",
-            "`replay.walk` names `prefill`, which is not a combined walk",
+            "`replay.walk` = \"prefill\": is not a combined walk",
         ),
         (
             "[replay]\nspeculation = { overshoot_rate = 1.5 }\n",
@@ -553,7 +553,7 @@ proptest::proptest! {
 fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     // What `make run` replays: the demo model and the layered default config.
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let loaded = mstar_chunking::settings::load(&mstar_chunking::settings::LoadOptions {
+    let loaded = mstar_chunking::config::load(&mstar_chunking::config::LoadOptions {
         config_dir: root.join("config"),
         env: Some(Default::default()),
         ..Default::default()
@@ -590,9 +590,21 @@ fn a_replay_survives_actors_panicking_midway() {
     use mstar_chunking::{ChunkingError, ChunkingManagement};
     let m = model(DEMO_MODEL);
     let s = demo_settings("");
+    // Arrivals 100 times as dense, so that prompts queue behind each other.
     let opts = ReplayOptions {
         requests: Some(300),
+        rate_scale: 100.0,
         ..ReplayOptions::default()
+    };
+    // The kills are driven by the replay's progress, not the clock: one every 20 steps.
+    let (steps_tx, mut steps_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+    let opts = ReplayOptions {
+        on_step: Some(replay::StepHook(std::sync::Arc::new(move |steps| {
+            if steps % 20 == 0 {
+                let _ = steps_tx.send(steps);
+            }
+        }))),
+        ..opts
     };
     let (report, kills) = actix::System::new().block_on(async {
         let cm = ChunkingManagement::start("test", m.submodules()).unwrap();
@@ -607,7 +619,10 @@ fn a_replay_survives_actors_panicking_midway() {
                     ActorKind::BudgetConfig,
                     ActorKind::PolicyRegistry,
                 ] {
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    steps_rx
+                        .recv()
+                        .await
+                        .expect("the replay runs more than 100 steps");
                     let err = cm.inject_panic(actor).await.unwrap_err();
                     assert!(matches!(err, ChunkingError::ActorPanicked { .. }), "{err}");
                     // Mid-replay: prompts are still queued when the actor dies.

@@ -71,7 +71,9 @@ fn n(s: &str) -> Name {
 }
 
 fn settings(budget: Option<u32>, min_chunk: u32) -> BudgetSettings {
-    let value = budget.map_or(BudgetValue::Off, |b| BudgetValue::Tokens(i64::from(b)));
+    let value = budget.map_or(BudgetValue::Off, |b| {
+        BudgetValue::tokens(b).unwrap_or(BudgetValue::Off)
+    });
     BudgetSettings {
         overrides: BTreeMap::from([(n("llm"), NodeBudget::All(value))]),
         walks: [n("prefill"), n("decode"), n("mixed")].into(),

@@ -1,0 +1,185 @@
+//! `[chunking]` against the model: the `set_budgets` arguments it gives, the effective budget
+//! table `check` prints, and each budget refusal mapped to the `[chunking]` key that caused it.
+
+use std::collections::BTreeMap;
+
+use super::budget_spelling::NodeBudgetSetting;
+use super::layers::Origins;
+use super::problem::ConfigProblem;
+use super::sections::ChunkingSection;
+use crate::budget::{BudgetError, BudgetSettings, BudgetTable, NodeBudget};
+use crate::manifest::Manifest;
+use crate::Name;
+
+/// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
+/// config wing (the config wing reads manifests; the reverse would be an import circle).
+impl Manifest {
+    /// The arguments of `set_budgets` for this model under the `[chunking]` section: walks and
+    /// combined walks from the manifest, `override_mixed` from the nodes that can cap member
+    /// walks, budgets and lists from the config. Validation happens in `set_budgets`.
+    pub fn budget_settings(&self, chunking: &ChunkingSection) -> BudgetSettings {
+        let name = |s: &String| Name::from(s.as_str());
+        BudgetSettings {
+            overrides: chunking
+                .max_batch_tokens
+                .iter()
+                .map(|(node, b)| {
+                    let b = match b {
+                        NodeBudgetSetting::All(v) => NodeBudget::All(v.0),
+                        NodeBudgetSetting::PerWalk(m) => {
+                            NodeBudget::PerWalk(m.iter().map(|(w, v)| (name(w), v.0)).collect())
+                        }
+                    };
+                    (name(node), b)
+                })
+                .collect(),
+            walks: self.walks.iter().map(name).collect(),
+            combined_walk_of: self
+                .combined_walks
+                .iter()
+                .flat_map(|(c, members)| members.iter().map(move |m| (name(m), name(c))))
+                .collect(),
+            override_mixed: self
+                .nodes
+                .iter()
+                .filter(|(_, m)| m.can_override_mixed_max_tokens)
+                .map(|(n, _)| name(n))
+                .collect(),
+            no_chunking: chunking.no_chunking.iter().map(name).collect(),
+            min_chunk_tokens: chunking.min_chunk_tokens,
+            max_row_tokens: chunking.max_row_tokens,
+            max_partial_prefills: chunking.max_partial_prefills,
+            time: Default::default(),
+        }
+    }
+}
+
+/// One `(node, walk)` of the effective budget table, as `check` prints it and `budgets --json`
+/// emits it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct BudgetRow {
+    /// The node.
+    pub node: String,
+    /// The walk.
+    pub walk: String,
+    /// The model's declared budget.
+    pub policy_budget: Option<u32>,
+    /// The effective budget after the serving config.
+    pub max_batch_tokens: Option<u32>,
+    /// Whether rows of the walk are cut on the node.
+    pub chunkable: bool,
+    /// The floor under the effective budget; `None` where there is no budget.
+    pub min_chunk_tokens: Option<u32>,
+    /// Member walk -> cap, under a combined walk on a node that caps member walks.
+    pub walk_caps: Option<BTreeMap<String, u32>>,
+}
+
+/// The effective table of `table` over every node × walk of `manifest`, nodes in file order,
+/// walks in `walks` order.
+pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
+    let mut rows = Vec::new();
+    for node in manifest.nodes.keys() {
+        for walk in &manifest.walks {
+            let budget = table.max_batch_tokens(node, walk);
+            rows.push(BudgetRow {
+                node: node.clone(),
+                walk: walk.clone(),
+                policy_budget: table.policy(node, walk).max_batch_tokens,
+                max_batch_tokens: budget,
+                chunkable: table.chunkable(node, walk),
+                min_chunk_tokens: budget.map(|b| table.min_chunk_tokens(b)),
+                walk_caps: table
+                    .walk_caps(node, walk)
+                    .map(|caps| caps.into_iter().map(|(w, c)| (w.to_string(), c)).collect()),
+            });
+        }
+    }
+    rows
+}
+
+/// The `[chunking]` key a budget refusal is about, and the node and walk whose value to quote;
+/// `None` for a refusal of the model itself. Budget rules: `docs/budgets.md#refusals`.
+type Quoted<'a> = Option<(&'a str, Option<&'a str>)>;
+
+fn budget_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quoted<'a>)> {
+    let key = match walk {
+        Some(w) => format!("chunking.max_batch_tokens.{node}.{w}"),
+        None => format!("chunking.max_batch_tokens.{node}"),
+    };
+    Some((key, Some((&**node, walk.map(|w| &**w)))))
+}
+
+/// The numbered rule of `docs/budgets.md#refusals` a refusal breaks.
+fn rule(e: &BudgetError) -> Option<u8> {
+    Some(match e {
+        BudgetError::UnknownNode { setting, .. } if *setting == "max_batch_tokens" => 1,
+        BudgetError::UnknownNode { .. } => 7,
+        BudgetError::WalkNotServed { .. } | BudgetError::CombinedWalkNotServed { .. } => 2,
+        BudgetError::WalkNotBudgeted { .. } => 3,
+        BudgetError::NodeBudgetsNothing { .. } => 4,
+        BudgetError::MemberWalk { .. } => 5,
+        BudgetError::ZeroSetting { key } if *key == "min_chunk_tokens" => 6,
+        BudgetError::ZeroSetting { .. } => 10,
+        BudgetError::WalkInTwoCombined { .. } => 7,
+        BudgetError::BelowAlign { .. } => 8,
+        BudgetError::RowCapBelowAlign { .. } => 9,
+        _ => return None,
+    })
+}
+
+fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
+    let budget = budget_key;
+    match e {
+        BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
+            Some(("chunking.no_chunking".into(), Some((&**node, None))))
+        }
+        BudgetError::UnknownNode { setting, node } if *setting == "max_batch_tokens" => {
+            budget(node, None)
+        }
+        BudgetError::NodeBudgetsNothing { node } => budget(node, None),
+        BudgetError::WalkNotServed { node, walk }
+        | BudgetError::WalkNotBudgeted { node, walk }
+        | BudgetError::MemberWalk { node, walk, .. }
+        | BudgetError::BelowAlign { node, walk, .. } => budget(node, Some(walk)),
+        BudgetError::ZeroSetting { key } => Some((format!("chunking.{key}"), None)),
+        BudgetError::RowCapBelowAlign { .. } => Some(("chunking.max_row_tokens".into(), None)),
+        _ => None,
+    }
+}
+
+/// A budget refusal as a problem naming its key, value and layer; a refusal of the model
+/// itself names the manifest.
+pub(super) fn budget_problem(
+    e: &BudgetError,
+    chunking: &ChunkingSection,
+    model_origin: &str,
+    origins: &Origins,
+) -> ConfigProblem {
+    let reason = match rule(e) {
+        Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
+        None => format!("{e} (docs/budgets.md#refusals)"),
+    };
+    match chunking_key(e) {
+        Some((key, quoted)) => {
+            let value = match (quoted, e) {
+                (Some((node, _)), BudgetError::UnknownNode { setting, .. })
+                    if *setting == "no_chunking" =>
+                {
+                    Some(super::problem::quote(node))
+                }
+                (Some((node, walk)), _) => chunking
+                    .max_batch_tokens
+                    .get(node)
+                    .and_then(|b| b.shown(walk)),
+                (None, BudgetError::ZeroSetting { .. }) => Some("0".into()),
+                (None, BudgetError::RowCapBelowAlign { max_row, .. }) => Some(max_row.to_string()),
+                (None, _) => None,
+            };
+            origins.problem(&key, value, reason)
+        }
+        None => ConfigProblem::Manifest {
+            path: model_origin.to_string(),
+            reason: e.to_string(),
+        },
+    }
+}

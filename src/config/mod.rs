@@ -1,0 +1,271 @@
+//! The config wing: the layered serving config and the model manifest, loaded and checked
+//! together (`docs/config.md`). One concept per module:
+//!
+//! - [`sections`]: the typed sections of the serving config;
+//! - [`budget_spelling`]: budget spellings, parsed strictly into a typed budget;
+//! - [`layers`]: the layers, and which layer set each key;
+//! - [`decode`]: strict decoding (no coercion, no other integer notations, no YAML aliases);
+//! - [`input`]: bounded reading of input files (regular files only, size limits);
+//! - [`problem`]: problems with their layer attached, escaped, cut and capped;
+//! - [`budgets`]: `[chunking]` against the model, and budget refusals mapped to their keys.
+//!
+//! This module is the load pipeline: [`load`] reads every layer, merges them, deserializes
+//! strictly and validates against the manifest, reporting every problem at once (up to
+//! [`problem::MAX_PROBLEMS`]), each with its key, the layer that set it and its value. The
+//! `[replay]` section is checked by the replay itself (`replay::settings`); the config wing
+//! imports nothing from `replay/`.
+
+pub mod budget_spelling;
+pub mod budgets;
+pub mod decode;
+pub mod input;
+pub mod layers;
+pub mod problem;
+pub mod sections;
+
+use std::path::Path;
+
+pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
+pub use budgets::{budget_rows, BudgetRow};
+pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
+pub use layers::{LoadOptions, Origins, ENV_PREFIX};
+pub use problem::{ConfigErrors, ConfigProblem};
+pub use sections::{
+    ChunkingSection, CostSection, Listen, LogFormat, LogSection, MetricsSection,
+    PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
+};
+
+use crate::budget::BudgetTable;
+use crate::manifest::{Manifest, ManifestError, ManifestErrors};
+use crate::policy::ModelPolicies;
+use decode::{lookup, remove, render, segments, to_json};
+use layers::Layers;
+
+/// `config/default.toml`, built in so the binary works from any directory.
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
+/// `config/models/demo.toml`, built in as the default model manifest.
+pub const DEMO_MANIFEST_TOML: &str = include_str!("../../config/models/demo.toml");
+
+/// A loaded, validated configuration: the model, the layered settings and the budget table
+/// they give. Every budget refusal has been reported by the time one exists; the `[replay]`
+/// section is checked by whoever replays (`replay::settings::check`).
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The model.
+    pub manifest: Manifest,
+    /// The merged, typed settings.
+    pub settings: Settings,
+    /// The effective budgets.
+    pub table: BudgetTable,
+    /// Where the manifest came from (a path, or the built-in demo).
+    pub model_origin: String,
+    /// The config layers applied, in order.
+    pub layers: Vec<String>,
+    /// Which layer set each key, to name it in problems found after the load.
+    pub origins: Origins,
+}
+
+impl Loaded {
+    /// Every node × every walk of the manifest, nodes in file order, walks in `walks` order.
+    pub fn rows(&self) -> Vec<BudgetRow> {
+        budget_rows(&self.manifest, &self.table)
+    }
+}
+
+/// Loads the model manifest and the layered serving config, and validates them together.
+///
+/// # Errors
+/// Every problem found: unreadable, oversized or malformed files, unknown keys, values of the
+/// wrong type or spelling, manifest problems and every budget refusal, each naming its key and
+/// layer.
+pub fn load(opts: &LoadOptions) -> Result<Loaded, ConfigErrors> {
+    let mut problems = ConfigErrors::default();
+    let (manifest, model_origin) = match read_manifest(opts) {
+        Ok(m) => (Some(m.0), m.1),
+        Err(e) => {
+            let origin = e.origin.clone();
+            problems.extend(e.errors.iter().map(|err| ConfigProblem::Manifest {
+                path: e.origin.clone(),
+                reason: err.to_string(),
+            }));
+            (None, origin)
+        }
+    };
+    let layers = Layers::read(opts, &mut problems);
+    let origins = layers.origins();
+    let settings = deserialize(&layers, &origins, &mut problems);
+    let table = manifest
+        .as_ref()
+        .and_then(|m| check_against(m, &model_origin, &settings, &origins, &mut problems));
+    match (manifest, table) {
+        (Some(manifest), Some(table)) if problems.is_empty() => Ok(Loaded {
+            manifest,
+            settings,
+            table,
+            model_origin,
+            layers: layers.labels(),
+            origins,
+        }),
+        _ => Err(problems),
+    }
+}
+
+/// Loads the layered serving config again against an already-loaded manifest, as a config
+/// reload does: the model's policies are fixed at load, only the deployment's say changes.
+///
+/// # Errors
+/// As [`load`], without the manifest's own problems.
+pub fn load_settings(
+    opts: &LoadOptions,
+    manifest: &Manifest,
+) -> Result<(Settings, BudgetTable), ConfigErrors> {
+    let mut problems = ConfigErrors::default();
+    let layers = Layers::read(opts, &mut problems);
+    let origins = layers.origins();
+    let settings = deserialize(&layers, &origins, &mut problems);
+    let origin = opts
+        .model_path()
+        .map_or_else(builtin_demo_label, |p| p.display().to_string());
+    let table = check_against(manifest, &origin, &settings, &origins, &mut problems);
+    match table {
+        Some(table) if problems.is_empty() => Ok((settings, table)),
+        _ => Err(problems),
+    }
+}
+
+/// Reads, parses and validates the manifest file at `path`: a regular file of at most
+/// [`MAX_MANIFEST_BYTES`].
+///
+/// # Errors
+/// An unreadable, irregular or oversized file, or as [`Manifest::from_toml`].
+pub fn load_manifest(path: &Path) -> Result<Manifest, ManifestErrors> {
+    let origin = path.display().to_string();
+    let text = input::read_text(path, MAX_MANIFEST_BYTES).map_err(|e| ManifestErrors {
+        origin: origin.clone(),
+        errors: vec![ManifestError::Read {
+            reason: e.to_string(),
+        }],
+    })?;
+    if let Some(line) = decode::non_decimal_integers(&text).first() {
+        return Err(ManifestErrors {
+            origin,
+            errors: vec![ManifestError::Parse {
+                reason: format!(
+                    "`{}` = {}: integers are written in decimal (docs/config.md#spellings)",
+                    line.0, line.1
+                ),
+                line: None,
+            }],
+        });
+    }
+    Manifest::from_toml(&text, &origin)
+}
+
+fn builtin_demo_label() -> String {
+    "built-in config/models/demo.toml".to_string()
+}
+
+fn read_manifest(opts: &LoadOptions) -> Result<(Manifest, String), ManifestErrors> {
+    match opts.model_path() {
+        Some(path) => load_manifest(&path).map(|m| (m, path.display().to_string())),
+        None => {
+            let origin = builtin_demo_label();
+            Manifest::from_toml(DEMO_MANIFEST_TOML, &origin).map(|m| (m, origin))
+        }
+    }
+}
+
+/// Merges the layers and deserializes the result, collecting every problem: after each error
+/// the offending key is dropped and deserialization retried (at most
+/// [`problem::MAX_PROBLEMS`] times, so the work stays linear in the input), so one run names
+/// them all. An unknown key is named without its value, which may be a secret.
+fn deserialize(layers: &Layers, origins: &Origins, problems: &mut ConfigErrors) -> Settings {
+    let merged = match layers.merged() {
+        Ok(m) => m,
+        Err(reason) => {
+            problems.push(ConfigProblem::File {
+                path: "merged config".into(),
+                reason,
+            });
+            return Settings::default();
+        }
+    };
+    let mut tree =
+        serde_json::Value::Object(merged.into_iter().map(|(k, v)| (k, to_json(v))).collect());
+    for _ in 0..problem::MAX_PROBLEMS {
+        let err = match serde_path_to_error::deserialize::<_, Settings>(&tree) {
+            Ok(settings) => {
+                check_log(&settings, origins, problems);
+                return settings;
+            }
+            Err(err) => err,
+        };
+        let path = segments(err.path());
+        let key = path.join(".");
+        let reason = err.inner().to_string();
+        let value = if reason.starts_with("unknown field") {
+            None
+        } else {
+            lookup(&tree, &path).map(render)
+        };
+        problems.push(origins.problem(&key, value, reason));
+        if !remove(&mut tree, &path) {
+            break;
+        }
+    }
+    Settings::default()
+}
+
+/// `[log]` values whose type is right but whose content is not.
+fn check_log(settings: &Settings, origins: &Origins, problems: &mut ConfigErrors) {
+    if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&settings.log.level) {
+        problems.push(origins.problem(
+            "log.level",
+            Some(problem::quote(&settings.log.level)),
+            format!("not a tracing filter such as \"info\" or \"warn,mstar_chunking=debug\": {e}"),
+        ));
+    }
+}
+
+/// Checks the settings against the model and builds the budget table, reporting every
+/// refusal with the key and layer that caused it. Once the problem list is full the rest are
+/// only counted, so a million unknown node names cost a million counts, not a million lines.
+fn check_against(
+    manifest: &Manifest,
+    model_origin: &str,
+    settings: &Settings,
+    origins: &Origins,
+    problems: &mut ConfigErrors,
+) -> Option<BudgetTable> {
+    let model = match ModelPolicies::new(manifest.submodules(), manifest.policies()) {
+        Ok(m) => m.shared(),
+        Err(errors) => {
+            problems.extend(errors.iter().map(|e| ConfigProblem::Manifest {
+                path: model_origin.to_string(),
+                reason: e.to_string(),
+            }));
+            return None;
+        }
+    };
+    match BudgetTable::build(model, manifest.budget_settings(&settings.chunking)) {
+        Ok(table) => Some(table),
+        Err(errors) => {
+            for e in &errors.0 {
+                if problems.is_full() {
+                    problems.more = problems.more.saturating_add(1);
+                } else {
+                    problems.push(budgets::budget_problem(
+                        e,
+                        &settings.chunking,
+                        model_origin,
+                        origins,
+                    ));
+                }
+            }
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,314 @@
+//! The load pipeline on layered configs, good and bad.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::budget::BudgetValue;
+
+fn repo_config() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("config")
+}
+
+fn opts(model: &str, env: &[(&str, &str)]) -> LoadOptions {
+    LoadOptions {
+        model: Some(repo_config().join("models").join(model)),
+        config_dir: repo_config(),
+        env: Some(
+            env.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ),
+        ..LoadOptions::default()
+    }
+}
+
+fn problems(o: &LoadOptions) -> Vec<String> {
+    load(o).unwrap_err().lines()
+}
+
+#[test]
+fn default_toml_states_exactly_the_built_in_defaults() {
+    let loaded = load(&opts("demo.toml", &[])).unwrap();
+    assert_eq!(loaded.settings, Settings::default());
+    let parsed: Settings = toml::from_str(DEFAULT_CONFIG_TOML).unwrap();
+    assert_eq!(parsed, Settings::default());
+    assert_eq!(loaded.manifest.name, "demo");
+    assert_eq!(loaded.table.max_batch_tokens("llm", "mixed"), Some(2048));
+}
+
+#[test]
+fn the_built_in_copies_load_from_an_empty_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = LoadOptions {
+        config_dir: dir.path().to_path_buf(),
+        env: Some(HashMap::new()),
+        ..LoadOptions::default()
+    };
+    let loaded = load(&o).unwrap();
+    assert_eq!(loaded.model_origin, "built-in config/models/demo.toml");
+    assert_eq!(loaded.layers, ["built-in config/default.toml"]);
+    assert!(o.config_files().is_empty());
+}
+
+#[test]
+fn environment_overrides_are_typed_and_lowercased() {
+    let o = opts(
+        "omni.toml",
+        &[
+            ("MSTAR__CHUNKING__MIN_CHUNK_TOKENS", "32"),
+            ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__THINKER__MIXED", "4096"),
+            ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__VISION", "off"),
+            ("MSTAR__CHUNKING__NO_CHUNKING", "talker"),
+            ("MSTAR_ENV", "ignored: not an override"),
+            ("OTHER", "x"),
+        ],
+    );
+    let l = load(&o).unwrap();
+    assert_eq!(l.settings.chunking.min_chunk_tokens, 32);
+    assert_eq!(l.table.max_batch_tokens("thinker", "mixed"), Some(4096));
+    assert_eq!(l.table.max_batch_tokens("vision", "prefill"), None);
+    assert_eq!(l.table.max_batch_tokens("talker", "prefill"), None);
+    assert_eq!(l.settings.chunking.no_chunking, ["talker"]);
+}
+
+#[test]
+fn later_layers_win_and_errors_name_the_layer_that_set_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.toml");
+    let b = dir.path().join("b.toml");
+    std::fs::write(
+        &a,
+        "[chunking]\nmin_chunk_tokens = 0\nmax_row_tokens = 512\n",
+    )
+    .unwrap();
+    std::fs::write(&b, "[chunking]\nmin_chunk_tokens = 16\n").unwrap();
+    let mut o = opts("demo.toml", &[]);
+    o.configs = vec![a.clone(), b.clone()];
+    let l = load(&o).unwrap();
+    assert_eq!(l.settings.chunking.min_chunk_tokens, 16);
+    assert_eq!(l.settings.chunking.max_row_tokens, Some(512));
+    o.configs = vec![b, a.clone()];
+    let p = problems(&o);
+    assert_eq!(
+        p,
+        [format!(
+            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#refusals, rule 6)",
+            a.display()
+        )]
+    );
+    o.env = Some(HashMap::from([(
+        "MSTAR__CHUNKING__MIN_CHUNK_TOKENS".into(),
+        "8".into(),
+    )]));
+    assert!(load(&o).is_ok(), "the environment is the last layer");
+}
+
+#[test]
+fn a_negative_budget_is_refused_at_the_boundary_naming_key_and_layer() {
+    let o = opts(
+        "demo.toml",
+        &[("MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED", "-1")],
+    );
+    assert_eq!(
+        problems(&o),
+        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#refusals, rule 6)"]
+    );
+    let l = load(&opts(
+        "demo.toml",
+        &[("MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED", "512")],
+    ))
+    .unwrap();
+    assert_eq!(
+        l.settings.chunking.max_batch_tokens["llm"],
+        NodeBudgetSetting::PerWalk(BTreeMap::from([(
+            "mixed".into(),
+            BudgetSetting(BudgetValue::tokens(512).unwrap())
+        )]))
+    );
+}
+
+#[test]
+fn every_problem_of_one_load_is_reported() {
+    let o = opts(
+        "omni.toml",
+        &[
+            ("MSTAR__CHUNKING__MIN_CHUNK_TOKEN", "3"),
+            ("MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__DECODE", "5"),
+            ("MSTAR__LOG__LEVEL", "info,[[bad"),
+            ("MSTAR__METRICS__LISTEN", "everywhere"),
+        ],
+    );
+    let p = problems(&o);
+    for want in [
+        "`chunking.min_chunk_token`: unknown field `min_chunk_token`",
+        "`metrics.listen` = \"everywhere\": expected an address",
+        "`log.level` = \"info,[[bad\": not a tracing filter",
+        "`chunking.max_batch_tokens.talker.decode` = 5: budget for `talker`/`decode` would do nothing",
+    ] {
+        assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
+    }
+    assert_eq!(p.len(), 4, "{p:#?}");
+    assert!(
+        p.iter()
+            .all(|l| l.starts_with("environment variable MSTAR__")),
+        "{p:#?}"
+    );
+}
+
+#[test]
+fn load_settings_reloads_against_a_loaded_manifest() {
+    let o = opts("omni.toml", &[]);
+    let l = load(&o).unwrap();
+    let mut o2 = o.clone();
+    o2.configs = vec![repo_config().join("omni-worker.toml")];
+    let (settings, table) = load_settings(&o2, &l.manifest).unwrap();
+    assert_eq!(settings.chunking.no_chunking, ["talker"]);
+    assert_eq!(table.max_batch_tokens("thinker", "mixed"), Some(6144));
+    o2.env = Some(HashMap::from([(
+        "MSTAR__CHUNKING__MAX_BATCH_TOKENS__GHOST".into(),
+        "1".into(),
+    )]));
+    assert!(load_settings(&o2, &l.manifest).is_err());
+}
+
+#[test]
+fn unknown_keys_are_named_and_their_values_never_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = dir.path().join("layer.toml");
+    std::fs::write(
+        &layer,
+        "[chunking]\napi_token = \"hunter2-secret\"\n[log]\npassword = \"pw-secret\"\n",
+    )
+    .unwrap();
+    let mut o = opts("demo.toml", &[("MSTAR__METRICS__TOKEN", "env-secret")]);
+    o.configs = vec![layer];
+    let p = problems(&o);
+    assert_eq!(p.len(), 3, "{p:#?}");
+    for line in &p {
+        assert!(!line.contains("secret"), "a value was printed: {line}");
+    }
+    assert!(p
+        .iter()
+        .any(|l| l.contains("`chunking.api_token`: unknown field `api_token`")));
+    assert!(p
+        .iter()
+        .any(|l| l.contains("`metrics.token`: unknown field `token`")));
+}
+
+#[test]
+fn mstar_env_outside_the_config_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = dir.path().join("x.toml");
+    std::fs::write(&outside, "[chunking]\nmin_chunk_tokens = 8\n").unwrap();
+    for bad in ["../x", outside.with_extension("").to_str().unwrap(), "a.b"] {
+        let mut o = opts("demo.toml", &[]);
+        o.mstar_env = Some(bad.to_string());
+        let p = problems(&o);
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert!(
+            p[0].starts_with(
+                "environment variable MSTAR_ENV: `MSTAR_ENV`: must be a name of 1 to 64 letters"
+            ),
+            "{p:#?}"
+        );
+    }
+}
+
+#[test]
+fn hexadecimal_integers_and_yaml_aliases_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let hex = dir.path().join("hex.toml");
+    std::fs::write(&hex, "[chunking]\nmin_chunk_tokens = 0x40\n").unwrap();
+    let mut o = opts("demo.toml", &[]);
+    o.configs = vec![hex.clone()];
+    assert_eq!(
+        problems(&o),
+        [format!("{}: `chunking.min_chunk_tokens` = 0x40: integers are written in decimal; hexadecimal, octal and binary are refused (docs/config.md#spellings)", hex.display())]
+    );
+    let yaml = dir.path().join("bomb.yaml");
+    let mut text = String::from(
+        "a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n",
+    );
+    for (i, c) in ('b'..='i').enumerate() {
+        let prev = char::from(b'a' + u8::try_from(i).unwrap());
+        text.push_str(&format!(
+            "{c}: &{c} [{}]\n",
+            vec![format!("*{prev}"); 9].join(",")
+        ));
+    }
+    std::fs::write(&yaml, &text).unwrap();
+    o.configs = vec![yaml.clone()];
+    assert_eq!(
+        problems(&o),
+        [format!("{}: YAML alias at line 2: aliases are refused in config files (docs/config.md#limits); write the value out", yaml.display())]
+    );
+}
+
+#[test]
+fn oversized_and_irregular_config_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.toml");
+    let line = "# padding padding padding padding padding padding padding padding\n";
+    let n = usize::try_from(MAX_CONFIG_BYTES).unwrap() / line.len() + 1;
+    std::fs::write(&big, line.repeat(n)).unwrap();
+    let mut o = opts("demo.toml", &[]);
+    o.configs = vec![big.clone()];
+    assert_eq!(
+        problems(&o),
+        [format!(
+            "{}: is larger than the limit of 1048576 bytes (docs/config.md#limits)",
+            big.display()
+        )]
+    );
+    let sub = dir.path().join("sub.toml");
+    std::fs::create_dir(&sub).unwrap();
+    o.configs = vec![sub];
+    let p = problems(&o);
+    assert!(
+        p[0].ends_with("is not a regular file (it is a directory); inputs must be regular files"),
+        "{p:?}"
+    );
+    let mut o = opts("demo.toml", &[]);
+    o.model = Some(PathBuf::from("/dev/zero"));
+    let p = problems(&o);
+    assert_eq!(p, ["model manifest /dev/zero: cannot be read: is not a regular file (it is a device); inputs must be regular files"]);
+}
+
+#[test]
+fn many_unknown_node_names_give_a_capped_list_and_a_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = dir.path().join("names.toml");
+    let mut text = String::from("[chunking.max_batch_tokens]\n");
+    for i in 0..20_000 {
+        text.push_str(&format!("ghost{i} = 512\n"));
+    }
+    std::fs::write(&layer, text).unwrap();
+    let mut o = opts("demo.toml", &[]);
+    o.configs = vec![layer.clone()];
+    let e = load(&o).unwrap_err();
+    assert_eq!(e.problems.len(), problem::MAX_PROBLEMS);
+    assert_eq!(e.total(), 20_000);
+    let lines = e.lines();
+    assert_eq!(
+        lines.last().unwrap(),
+        "… and 19936 more problems not listed"
+    );
+    assert!(
+        lines[0].starts_with(&format!(
+            "{}: `chunking.max_batch_tokens.ghost0` = 512: `max_batch_tokens` names node `ghost0`",
+            layer.display()
+        )),
+        "{}",
+        lines[0]
+    );
+}
+
+#[test]
+fn control_characters_in_keys_are_escaped() {
+    let o = opts("demo.toml", &[("MSTAR__CHUNKING__X\u{1b}[31m\nFAKE", "1")]);
+    let p = problems(&o);
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert!(!p[0].contains('\n') && !p[0].contains('\u{1b}'), "{p:?}");
+    assert!(p[0].contains("\\u{1b}[31m\\nfake"), "{p:?}");
+}
