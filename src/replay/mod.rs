@@ -20,6 +20,8 @@ use crate::manifest::Manifest;
 use crate::settings::Settings;
 use crate::{ChunkingManagement, Name};
 
+pub mod arrivals;
+pub mod formats;
 pub mod prefix_cache;
 pub mod report;
 pub mod sim;
