@@ -62,6 +62,7 @@ pub mod replay;
 pub mod scheduler;
 pub mod settings;
 pub mod snapshot;
+pub mod sweep;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;
