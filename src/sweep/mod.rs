@@ -24,6 +24,7 @@ pub mod grid;
 pub mod html;
 pub mod output;
 pub mod plots;
+mod raster;
 pub mod run;
 
 pub use capacity::{Bound, Probe, Search, Slo};

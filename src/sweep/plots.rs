@@ -14,6 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle, RGBAColor};
 
 use super::output::{fmt_rate, slo_text};
+use super::raster::PngBackend;
 use super::{Bound, Sweep, SweepError};
 
 /// Width of every plot, in pixels.
@@ -117,7 +118,9 @@ fn render(kind: Kind, sweep: &Sweep) -> Result<Plot, SweepError> {
     }
     let mut rgb = vec![0u8; WIDTH as usize * HEIGHT as usize * 3];
     {
-        let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+        let backend =
+            PngBackend::new(&mut rgb, (WIDTH, HEIGHT), FONT).map_err(|e| err(e.into()))?;
+        let root = backend.into_drawing_area();
         draw(kind, &root, sweep, &title).map_err(err)?;
         root.present().map_err(|e| err(e.into()))?;
     }
@@ -166,14 +169,25 @@ fn font_of(size: u32) -> TextStyle<'static> {
     (FAMILY, size).into_font().color(&BLACK)
 }
 
-/// `[lo, hi]` of positive values, widened by `pad` on a log scale (`None` without values).
+/// `[lo, hi]` of positive values on a log scale: from the power of ten at or below `lo / pad`
+/// (so the axis is labelled from its start) to `hi * pad`; `None` without values.
 fn log_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
     let (lo, hi) = values
         .filter(|v| v.is_finite() && *v > 0.0)
         .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
             (lo.min(v), hi.max(v))
         });
-    (hi > 0.0).then(|| (lo / pad, hi * pad))
+    (hi > 0.0).then(|| (10f64.powf((lo / pad).log10().floor()), hi * pad))
+}
+
+/// An axis value in ms: whole numbers without decimals, small ones with what they need.
+fn fmt_ms(v: &f64) -> String {
+    if *v >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.2}");
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    }
 }
 
 fn no_data<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, why: &str) -> Drawn
@@ -226,6 +240,10 @@ where
         .configure_mesh()
         .x_desc("TTFT p99 (simulated ms, log scale)")
         .y_desc("TBT p99 (simulated ms, log scale)")
+        .x_label_formatter(&fmt_ms)
+        .y_label_formatter(&fmt_ms)
+        // Light lines crowd near each power of ten on a log axis.
+        .max_light_lines(0)
         .label_style(font_of(14))
         .axis_desc_style(font_of(16))
         .draw()?;
@@ -281,7 +299,15 @@ where
         .margin(16)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..n).into_segmented(), 0.0..top)?;
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..top)?;
+    // The left edge of bar `i`; the last bar ends at the axis' end.
+    let edge = |i: i32| {
+        if i >= n {
+            SegmentValue::Last
+        } else {
+            SegmentValue::Exact(i)
+        }
+    };
     let label = |v: &SegmentValue<i32>| match v {
         SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => usize::try_from(*i)
             .ok()
@@ -321,7 +347,7 @@ where
     }
     chart
         .draw_series(LineSeries::new(
-            [(SegmentValue::Exact(0), 1.0), (SegmentValue::Exact(n), 1.0)],
+            [(edge(0), 1.0), (edge(n), 1.0)],
             BLACK.stroke_width(1),
         ))?
         .label("1x: the trace's own rate")
