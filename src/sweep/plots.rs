@@ -169,7 +169,7 @@ fn font_of(size: u32) -> TextStyle<'static> {
     (FAMILY, size).into_font().color(&BLACK)
 }
 
-/// `[lo, hi]` of positive values on a log scale: from the power of ten at or below `lo / pad`
+/// `[lo, hi]` of positive values on a log scale: from the power of ten at or below `lo / 1.3`
 /// (so the axis is labelled from its start) to `hi * pad`; `None` without values.
 fn log_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
     let (lo, hi) = values
@@ -177,7 +177,21 @@ fn log_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> 
         .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
             (lo.min(v), hi.max(v))
         });
-    (hi > 0.0).then(|| (10f64.powf((lo / pad).log10().floor()), hi * pad))
+    (hi > 0.0).then(|| (10f64.powf((lo / 1.3).log10().floor()), hi * pad))
+}
+
+/// A log-axis label: only at 1, 2 and 5 times a power of ten, where `plotters` puts a tick at
+/// every multiple and the labels of 6 to 9 would run into each other.
+fn fmt_log_ms(v: &f64) -> String {
+    if !(v.is_finite() && *v > 0.0) {
+        return String::new();
+    }
+    let lead = (v / 10f64.powf(v.log10().floor())).round();
+    if lead == 1.0 || lead == 2.0 || lead == 5.0 {
+        fmt_ms(v)
+    } else {
+        String::new()
+    }
 }
 
 /// An axis value in ms: whole numbers without decimals, small ones with what they need.
@@ -225,8 +239,9 @@ where
     let slo_tbt = sweep.slo.and_then(|s| s.tbt_p99_ms);
     let xs = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.0));
     let ys = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.1));
+    // The y range is padded more: room above the highest point for the legend.
     let (Some((x0, x1)), Some((y0, y1))) =
-        (log_range(xs(), 1.3), log_range(ys().chain(slo_tbt), 1.3))
+        (log_range(xs(), 1.3), log_range(ys().chain(slo_tbt), 2.5))
     else {
         return no_data(root, title, "No run has both TTFT and TBT samples.");
     };
@@ -240,8 +255,8 @@ where
         .configure_mesh()
         .x_desc("TTFT p99 (simulated ms, log scale)")
         .y_desc("TBT p99 (simulated ms, log scale)")
-        .x_label_formatter(&fmt_ms)
-        .y_label_formatter(&fmt_ms)
+        .x_label_formatter(&fmt_log_ms)
+        .y_label_formatter(&fmt_log_ms)
         // Light lines crowd near each power of ten on a log axis.
         .max_light_lines(0)
         .label_style(font_of(14))
@@ -273,7 +288,7 @@ where
         .label_font(font_of(14))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::UpperLeft)
         .draw()?;
     Ok(())
 }
@@ -478,6 +493,17 @@ mod tests {
         }
         assert!(capacity.svg.contains("<rect"));
         assert!(steps.title.ends_with("at rate scale 1"));
+    }
+
+    #[test]
+    fn log_axes_start_at_a_power_of_ten_and_label_1_2_5() {
+        assert_eq!(log_range([13.0, 90.0].into_iter(), 2.0), Some((10.0, 180.0)));
+        assert_eq!(log_range([f64::NAN, -1.0, 0.0].into_iter(), 2.0), None);
+        let labels: Vec<String> = [10.0, 20.0, 30.0, 50.0, 90.0, 100.0, 0.5, 0.3, 2000.0]
+            .iter()
+            .map(fmt_log_ms)
+            .collect();
+        assert_eq!(labels, ["10", "20", "", "50", "", "100", "0.5", "", "2000"]);
     }
 
     #[test]
