@@ -1086,4 +1086,30 @@ mod tests {
             "trace `zero` is larger than 1073741824 bytes"
         );
     }
+
+    proptest::proptest! {
+        #[test]
+        fn no_input_makes_the_readers_panic(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400),
+            header in 0usize..3,
+        ) {
+            let head: &[u8] = match header {
+                0 => b"arrival_ms,prompt_tokens,output_tokens,hash_ids\n",
+                1 => b"num_prefill_tokens,num_decode_tokens\n",
+                _ => b"",
+            };
+            let text = [head, &body].concat();
+            let a = Arrivals::Poisson { qps: 1.0 };
+            for skip_bad_lines in [false, true] {
+                let opts = ReadOptions { limit: None, skip_bad_lines };
+                if let Ok(r) = read_generic_csv("p.csv".into(), &text[..], opts) {
+                    proptest::prop_assert!(r.records.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+                    proptest::prop_assert!(r.records.iter().all(|r| r.prompt_tokens >= 1));
+                }
+                let _ = read_lengths_csv("p.csv".into(), &text[..], &a, 1, opts);
+            }
+            let _ = InputFormat::from_header(&text);
+            let _ = String::from_utf8_lossy(&body).parse::<Arrivals>();
+        }
+    }
 }

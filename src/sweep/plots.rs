@@ -497,7 +497,10 @@ mod tests {
 
     #[test]
     fn log_axes_start_at_a_power_of_ten_and_label_1_2_5() {
-        assert_eq!(log_range([13.0, 90.0].into_iter(), 2.0), Some((10.0, 180.0)));
+        assert_eq!(
+            log_range([13.0, 90.0].into_iter(), 2.0),
+            Some((10.0, 180.0))
+        );
         assert_eq!(log_range([f64::NAN, -1.0, 0.0].into_iter(), 2.0), None);
         let labels: Vec<String> = [10.0, 20.0, 30.0, 50.0, 90.0, 100.0, 0.5, 0.3, 2000.0]
             .iter()
