@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench soak fuzz
+.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -10,18 +10,25 @@ help: ## List the targets
 run: ## Replay the bundled trace with the default config and the demo model
 	$(CARGO) run --release --bin mstar-chunking -- replay
 
-lint: ## rustfmt check and clippy with warnings as errors
+lint: ## rustfmt check, clippy with warnings as errors (every feature, and the core alone), docs complete
 	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --all-features --all-targets -- -D warnings
+	$(CARGO) clippy --no-default-features --lib --tests -- -D warnings
+	$(CARGO) rustdoc --lib --all-features -- -D missing_docs -D rustdoc::broken_intra_doc_links
 
 fmt: ## Format the code
 	$(CARGO) fmt
 
 doc: ## Build the API docs
-	$(CARGO) doc --no-deps
+	$(CARGO) doc --no-deps --all-features
 
-test: test-deps lint ## Install what the tests need, lint, then the whole test suite
-	$(CARGO) test --all-targets
+test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite
+	$(CARGO) test --all-features --all-targets
+	$(CARGO) test --all-features --doc
+	$(CARGO) test --no-default-features --lib --tests
+
+check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
+	scripts/check-core.sh
 
 test-deps: ## Install what the tests need: prometheus + promtool (apt), python3, @grafana/schema + typescript (npm, into target/)
 	scripts/install-test-deps.sh

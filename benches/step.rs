@@ -163,7 +163,10 @@ fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
     }
     let mut ran = Vec::new();
     for _ in 0..WARM_STEPS {
-        let batch = state.assemble(NODE, STEP_WALK).expect("assemble");
+        let batch = state
+            .assemble(NODE, STEP_WALK)
+            .expect("assemble")
+            .into_batch();
         ran.clear();
         ran.extend(batch.rows.iter().map(|r| r.tokens()));
         let outcome = state.complete(batch.step, &ran).expect("complete");
@@ -195,7 +198,7 @@ struct Engine {
 
 impl Engine {
     async fn start(w: Workload) -> Self {
-        let chunking = ChunkingManagement::start(submodules());
+        let chunking = ChunkingManagement::start("bench", submodules()).unwrap();
         chunking
             .set_policies(policies(w))
             .await

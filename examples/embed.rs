@@ -3,10 +3,11 @@
 //!
 //! `cargo run --example embed` prints every step.
 
+use std::num::NonZeroU32;
+
 use actix::prelude::*;
-use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
 use mstar_chunking::{
-    ChunkingManagement, ChunkingPolicy, Name, PreparedInput, SubmoduleCaps, Work,
+    BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps, Work,
 };
 
 /// The engine's side: owns the model's requests and calls the chunking facade each step.
@@ -67,22 +68,17 @@ impl Handler<Step> for Engine {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     System::new().block_on(async {
-        let cm =
-            ChunkingManagement::start([("llm", SubmoduleCaps::new(["prefill", "mixed"], false))]);
+        let cm = ChunkingManagement::start(
+            "embed-demo",
+            [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
+        )?;
         cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(512).aligned(16))])
             .await?;
-        let n = |s: &str| Name::from(s);
-        cm.set_budgets(BudgetSettings {
-            overrides: [(n("llm"), NodeBudget::All(BudgetValue::Tokens(256)))].into(),
-            walks: [n("prefill"), n("decode"), n("mixed")].into(),
-            combined_walk_of: [(n("prefill"), n("mixed")), (n("decode"), n("mixed"))].into(),
-            override_mixed: Default::default(),
-            no_chunking: Default::default(),
-            min_chunk_tokens: 32,
-            max_row_tokens: None,
-            max_partial_prefills: None,
-        })
-        .await?;
+        let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
+            .combined("mixed", ["prefill", "decode"])
+            .budget("llm", NonZeroU32::new(256))
+            .min_chunk_tokens(NonZeroU32::new(32).expect("non-zero"));
+        cm.set_budgets(settings).await?;
         for (rid, len) in [(0u64, 700u32), (1, 90), (2, 400)] {
             let ids: Vec<u32> = (0..len).collect();
             cm.admit(rid, "llm", "prefill", PreparedInput::tokens(ids), 0)
@@ -100,8 +96,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 cm.forget_request(2).await?;
             }
             if step == 5 {
-                for rid in 0..3 {
-                    cm.finish_row(rid, "llm").await?;
+                // Requests 0 and 1 are done generating: ending a request drops its rows.
+                for rid in 0..2 {
+                    cm.forget_request(rid).await?;
                 }
             }
         }

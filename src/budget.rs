@@ -1,4 +1,4 @@
-//! The deployment's say (SPEC §4): `set_budgets` validation and the budget answers.
+//! The deployment's say (docs/budgets.md): `set_budgets` validation and the budget answers.
 //!
 //! A [`BudgetTable`] is immutable. [`BudgetTable::with_settings`] validates a whole new setting
 //! against the model's policies and returns a new table, or every problem at once; the caller
@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use crate::policy::{ChunkingPolicy, ModelPolicies};
@@ -23,6 +24,15 @@ pub enum BudgetValue {
     Off,
 }
 
+impl From<Option<NonZeroU32>> for BudgetValue {
+    /// A token count, or off for `None`.
+    fn from(budget: Option<NonZeroU32>) -> Self {
+        budget.map_or(BudgetValue::Off, |b| {
+            BudgetValue::Tokens(i64::from(b.get()))
+        })
+    }
+}
+
 impl fmt::Display for BudgetValue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -35,7 +45,9 @@ impl fmt::Display for BudgetValue {
 /// A node's override: one budget for every walk the model budgets there, or one per walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeBudget {
+    /// One budget for every walk the model budgets on the node.
     All(BudgetValue),
+    /// A budget per walk.
     PerWalk(BTreeMap<Name, BudgetValue>),
 }
 
@@ -61,7 +73,108 @@ pub struct BudgetSettings {
     pub max_partial_prefills: Option<u32>,
 }
 
+/// A builder over the fields: every method takes and returns the settings, and budgets are
+/// [`NonZeroU32`] (`None` is off), so a zero budget cannot be written.
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use mstar_chunking::BudgetSettings;
+///
+/// let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
+///     .combined("mixed", ["prefill", "decode"])
+///     .budget("llm", NonZeroU32::new(2048))
+///     .walk_budget("thinker", "prefill", None) // chunking off for this walk
+///     .min_chunk_tokens(NonZeroU32::new(32).unwrap());
+/// assert_eq!(settings.combined_walk_of["decode"].as_ref(), "mixed");
+/// assert_eq!(settings.min_chunk_tokens, 32);
+/// ```
 impl BudgetSettings {
+    /// Settings serving `walks`, with no overrides (every budget the model's), no combined
+    /// walk and the default floor ([`DEFAULT_MIN_CHUNK_TOKENS`]).
+    pub fn new<I, S>(walks: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self {
+            overrides: BTreeMap::new(),
+            walks: walks.into_iter().map(|w| Name::from(w.as_ref())).collect(),
+            combined_walk_of: BTreeMap::new(),
+            override_mixed: BTreeSet::new(),
+            no_chunking: BTreeSet::new(),
+            min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
+            max_row_tokens: None,
+            max_partial_prefills: None,
+        }
+    }
+
+    /// Makes `combined` a combined walk whose steps run the rows of `members` (and serves all
+    /// of them).
+    pub fn combined<I, S>(mut self, combined: &str, members: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let combined = Name::from(combined);
+        self.walks.insert(combined.clone());
+        for m in members {
+            let m = Name::from(m.as_ref());
+            self.walks.insert(m.clone());
+            self.combined_walk_of.insert(m, combined.clone());
+        }
+        self
+    }
+
+    /// One budget for every walk the model budgets on `node`; `None` turns chunking off there.
+    pub fn budget(mut self, node: &str, budget: Option<NonZeroU32>) -> Self {
+        self.overrides
+            .insert(node.into(), NodeBudget::All(BudgetValue::from(budget)));
+        self
+    }
+
+    /// The budget of `walk` on `node`; `None` turns chunking off for that walk there.
+    pub fn walk_budget(mut self, node: &str, walk: &str, budget: Option<NonZeroU32>) -> Self {
+        let per_walk = match self.overrides.remove(node) {
+            Some(NodeBudget::PerWalk(m)) => m,
+            _ => BTreeMap::new(),
+        };
+        let mut per_walk = per_walk;
+        per_walk.insert(walk.into(), BudgetValue::from(budget));
+        self.overrides
+            .insert(node.into(), NodeBudget::PerWalk(per_walk));
+        self
+    }
+
+    /// The floor a row is cut to.
+    pub fn min_chunk_tokens(mut self, tokens: NonZeroU32) -> Self {
+        self.min_chunk_tokens = tokens.get();
+        self
+    }
+
+    /// The most tokens one row runs in a step.
+    pub fn max_row_tokens(mut self, tokens: NonZeroU32) -> Self {
+        self.max_row_tokens = Some(tokens.get());
+        self
+    }
+
+    /// The most rows left mid-prefill by starting new ones.
+    pub fn max_partial_prefills(mut self, rows: NonZeroU32) -> Self {
+        self.max_partial_prefills = Some(rows.get());
+        self
+    }
+
+    /// Lets `node`'s submodule cap member walks inside a combined step.
+    pub fn override_mixed(mut self, node: &str) -> Self {
+        self.override_mixed.insert(node.into());
+        self
+    }
+
+    /// Chunks nothing on `node` (sequence parallelism).
+    pub fn no_chunking(mut self, node: &str) -> Self {
+        self.no_chunking.insert(node.into());
+        self
+    }
+
     /// No overrides, the default floor; serves every walk the model names and combines none.
     pub fn defaults_for(model: &ModelPolicies) -> Self {
         Self {
@@ -77,53 +190,107 @@ impl BudgetSettings {
     }
 }
 
-/// Why a setting was refused. Each names the node, the walk and the rule of SPEC §4.
+/// Why a setting was refused. Each names the node, the walk and the rule it breaks
+/// (`docs/budgets.md#refusals`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BudgetError {
+    /// `set_budgets` before `set_policies`.
     #[error("no model policies are bound yet: `set_budgets` runs after `set_policies`")]
     PoliciesNotSet,
+    /// A node the model does not have (rule 1; rule 7 for `override_mixed`/`no_chunking`).
     #[error("`{setting}` names node `{node}`, which the model does not have")]
-    UnknownNode { setting: &'static str, node: Name },
+    UnknownNode {
+        /// The setting that names it.
+        setting: &'static str,
+        /// The node.
+        node: Name,
+    },
+    /// A walk not in `walks` (rule 2).
     #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
-    WalkNotServed { node: Name, walk: Name },
+    WalkNotServed {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// `combined_walk_of` names a walk not in `walks` (rule 2).
     #[error("`combined_walk_of` names walk `{walk}`, which is not served by this deployment")]
-    CombinedWalkNotServed { walk: Name },
+    CombinedWalkNotServed {
+        /// The walk.
+        walk: Name,
+    },
+    /// A per-walk override of a walk the model does not budget on the node (rule 3).
     #[error("budget for `{node}`/`{walk}` would do nothing: the model does not budget `{walk}` on `{node}`")]
-    WalkNotBudgeted { node: Name, walk: Name },
+    WalkNotBudgeted {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// A node-wide budget on a node that budgets no walk (rule 4).
     #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
-    NodeBudgetsNothing { node: Name },
+    NodeBudgetsNothing {
+        /// The node.
+        node: Name,
+    },
+    /// A member walk's budget on a node that cannot cap member walks (rule 5).
     #[error("budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}` and `{node}` cannot cap member walks; set `{combined}` instead")]
     MemberWalk {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The combined walk it runs inside.
         combined: Name,
     },
+    /// A budget of 0, negative or out of range (rule 6).
     #[error("budget for `{node}`{} must be a positive whole number of tokens or off, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
     BadBudget {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Option<Name>,
+        /// The value given.
         value: BudgetValue,
     },
+    /// `min_chunk_tokens`, `max_row_tokens` or `max_partial_prefills` of 0 (rule 6).
     #[error("`{key}` must be at least 1, got 0")]
-    ZeroSetting { key: &'static str },
+    ZeroSetting {
+        /// The setting.
+        key: &'static str,
+    },
+    /// A budget below the policy's `align`: no aligned chunk could be cut.
     #[error("budget for `{node}`/`{walk}` is {budget}, below the policy's `align` of {align} tokens: no aligned chunk would fit")]
     BelowAlign {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The budget.
         budget: u32,
+        /// The policy's `align`.
         align: u32,
     },
+    /// `max_row_tokens` below an `align`: rows there could never be cut.
     #[error("`max_row_tokens` {max_row} is below the `align` of {align} tokens of `{node}`/`{walk}`: rows there could never be cut")]
     RowCapBelowAlign {
+        /// The `max_row_tokens` given.
         max_row: u32,
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The policy's `align`.
         align: u32,
     },
+    /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
+        /// The walk.
         walk: Name,
+        /// The first combined walk.
         first: Name,
+        /// The second combined walk.
         second: Name,
     },
 }
@@ -160,7 +327,7 @@ impl BudgetTable {
     /// Validates `settings` whole against the model and returns the table they give.
     ///
     /// # Errors
-    /// Every refusal of SPEC §4 found, each naming node, walk and reason. Nothing is applied.
+    /// Every refusal of docs/budgets.md#refusals found, each naming node, walk and reason. Nothing is applied.
     pub fn with_settings(&self, settings: BudgetSettings) -> Result<Self, BudgetErrors> {
         Self::build(self.model.clone(), settings)
     }
@@ -168,7 +335,7 @@ impl BudgetTable {
     /// Validates `settings` against `model`, as [`BudgetTable::with_settings`].
     ///
     /// # Errors
-    /// Every refusal of SPEC §4 found.
+    /// Every refusal of docs/budgets.md#refusals found.
     pub fn build(
         model: Arc<ModelPolicies>,
         settings: BudgetSettings,
@@ -422,7 +589,7 @@ mod tests {
         Name::from(s)
     }
 
-    /// The omni-demo model of SPEC §7.
+    /// The omni-demo model of `config/models/omni.toml`.
     fn omni() -> Arc<ModelPolicies> {
         let subs = BTreeMap::from([
             (n("thinker"), SubmoduleCaps::new(["prefill", "mixed"], true)),

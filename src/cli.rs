@@ -138,7 +138,16 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         progress: !args.no_progress,
     };
     actix::System::new().block_on(async {
-        let cm = crate::ChunkingManagement::start(loaded.manifest.submodules());
+        let cm = match crate::ChunkingManagement::start(
+            &loaded.manifest.name,
+            loaded.manifest.submodules(),
+        ) {
+            Ok(cm) => cm,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         // Bound before the watcher starts, so that a reload always has policies to layer on.
         if let Err(e) = cm.set_policies(loaded.manifest.policies()).await {
             eprintln!("error: {e}");

@@ -1,4 +1,4 @@
-//! Every metric the component exports (SPEC §7), in one place: names, HELP texts, units, label
+//! Every metric the component exports (docs/metrics.md), in one place: names, HELP texts, units, label
 //! names and values, and histogram buckets. Call sites use the handles and functions here, never
 //! string literals.
 //!
@@ -9,34 +9,50 @@
 //! The dashboards and alert rules in `dashboards/` query these names; a test checks that every
 //! metric they use is in [`ALL`]. Renaming one means changing them too.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
 use crate::overrun::OverrunReason;
+use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
 use crate::Name;
 
 // === names ===
 
+/// Steps completed.
 pub const STEPS_TOTAL: &str = "mstar_chunking_steps_total";
+/// Tokens a completed step ran (histogram).
 pub const STEP_TOKENS: &str = "mstar_chunking_step_tokens";
+/// The token budget in force (gauge; 0 without one).
 pub const STEP_BUDGET_TOKENS: &str = "mstar_chunking_step_budget_tokens";
+/// Steps that ran over their token budget, by reason.
 pub const BUDGET_OVERRUNS_TOTAL: &str = "mstar_chunking_budget_overruns_total";
+/// Tokens by which an overrunning step exceeded its budget (histogram).
 pub const OVERRUN_TOKENS: &str = "mstar_chunking_overrun_tokens";
+/// Prefill chunks run, by `final`.
 pub const CHUNKS_TOTAL: &str = "mstar_chunking_chunks_total";
+/// Eligible rows an assembled step left waiting.
 pub const DEFERRED_ROWS_TOTAL: &str = "mstar_chunking_deferred_rows_total";
+/// Rows whose whole prepared input is held (gauge).
 pub const PREPARED_INPUTS: &str = "mstar_chunking_prepared_inputs";
+/// Tokens of the prepared inputs held (gauge).
 pub const PREPARED_INPUT_TOKENS: &str = "mstar_chunking_prepared_input_tokens";
+/// Time planning one step took (histogram).
 pub const STEP_ASSEMBLY_SECONDS: &str = "mstar_chunking_step_assembly_seconds";
+/// Config changes after the first, by result.
 pub const CONFIG_RELOADS_TOTAL: &str = "mstar_chunking_config_reloads_total";
+/// Prefill rows that have not run a chunk yet (gauge).
+pub const ROWS_WAITING: &str = "mstar_chunking_rows_waiting";
+/// Prefill rows with a completed chunk and more to run (gauge).
+pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
+/// Continuing rows queued (gauge).
+pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 14] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -48,13 +64,20 @@ pub const ALL: [&str; 11] = [
     PREPARED_INPUT_TOKENS,
     STEP_ASSEMBLY_SECONDS,
     CONFIG_RELOADS_TOTAL,
+    ROWS_WAITING,
+    ROWS_MID_PREFILL,
+    ROWS_CONTINUING,
 ];
 
 // === labels ===
 // Bounded on purpose: node and walk names come from the model manifest, the rest are fixed
 // sets. No per-request label ever: it would create a series per request.
 
+/// On every series: the facade instance (one per model or engine in a process).
+pub const LABEL_MODEL: &str = "model";
+/// On every series but the reloads: the node.
 pub const LABEL_NODE: &str = "node";
+/// On step and overrun series: the step walk.
 pub const LABEL_WALK: &str = "walk";
 /// On [`BUDGET_OVERRUNS_TOTAL`]: an [`OverrunReason::as_str`].
 pub const LABEL_REASON: &str = "reason";
@@ -64,7 +87,8 @@ pub const LABEL_FINAL: &str = "final";
 pub const LABEL_RESULT: &str = "result";
 
 /// Every label name a metric may carry.
-pub const LABELS: [&str; 5] = [
+pub const LABELS: [&str; 6] = [
+    LABEL_MODEL,
     LABEL_NODE,
     LABEL_WALK,
     LABEL_REASON,
@@ -72,9 +96,13 @@ pub const LABELS: [&str; 5] = [
     LABEL_RESULT,
 ];
 
+/// [`LABEL_FINAL`] of a row's last chunk.
 pub const FINAL_TRUE: &str = "true";
+/// [`LABEL_FINAL`] of a partial chunk.
 pub const FINAL_FALSE: &str = "false";
+/// [`LABEL_RESULT`] of an applied change.
 pub const RESULT_OK: &str = "ok";
+/// [`LABEL_RESULT`] of a refused change.
 pub const RESULT_ERROR: &str = "error";
 
 // === buckets ===
@@ -84,14 +112,17 @@ pub fn token_buckets() -> Vec<f64> {
     (0..=20).map(|p| f64::from(1u32 << p)).collect()
 }
 
-/// Seconds histogram buckets: 1 µs to 1 s, 1-2.5-5 per decade.
+/// Buckets of [`STEP_ASSEMBLY_SECONDS`]: 0.1 µs to 100 µs at 1-2-5 per decade, where a step's
+/// planning falls (a few µs for hundreds of rows), then coarser up to 1 s. Public so that an
+/// engine with a recorder of its own can use the same buckets. Written out rather than
+/// multiplied up so that the `le` labels read `2e-7`, not `1.9999999999999999e-7`.
+pub const STEP_ASSEMBLY_BUCKETS: [f64; 15] = [
+    1e-7, 2e-7, 5e-7, 1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2, 0.1, 1.0,
+];
+
+/// Seconds histogram buckets ([`STEP_ASSEMBLY_BUCKETS`]).
 pub fn seconds_buckets() -> Vec<f64> {
-    // Written out rather than multiplied up so that the `le` labels read 2.5e-05, not
-    // 2.4999999999999998e-05.
-    vec![
-        1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-        2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-    ]
+    STEP_ASSEMBLY_BUCKETS.to_vec()
 }
 
 // === descriptions ===
@@ -152,107 +183,178 @@ pub fn describe_all() {
     describe_counter!(
         CONFIG_RELOADS_TOTAL,
         Unit::Count,
-        "Serving config changes applied (result ok) or refused whole (result error)."
+        "Serving config changes after the first applied (result ok) or refused whole (result error)."
+    );
+    describe_gauge!(
+        ROWS_WAITING,
+        Unit::Count,
+        "Prefill rows admitted that have not run a chunk yet, by node."
+    );
+    describe_gauge!(
+        ROWS_MID_PREFILL,
+        Unit::Count,
+        "Prefill rows with at least one completed chunk and more to run, by node."
+    );
+    describe_gauge!(
+        ROWS_CONTINUING,
+        Unit::Count,
+        "Continuing rows (decode, speculative verify) queued, by node."
     );
 }
 
 // === the Prometheus exporter ===
 
-/// The exporter could not be started.
-#[derive(Debug, thiserror::Error)]
-pub enum MetricsError {
-    #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
-    Bind { addr: SocketAddr, reason: String },
-    #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
-    AlreadyInstalled,
-    #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
-    Exporter { addr: SocketAddr, reason: String },
-}
+#[cfg(feature = "prometheus")]
+pub use exporter::{install_prometheus, MetricsError};
 
-/// The exporter's settings: histograms get explicit buckets (without them the exporter renders
-/// summaries, which cannot be aggregated across nodes or over time windows).
-fn prometheus_builder() -> PrometheusBuilder {
-    let tokens = token_buckets();
-    let seconds = seconds_buckets();
-    [
-        (STEP_TOKENS, &tokens),
-        (OVERRUN_TOKENS, &tokens),
-        (STEP_ASSEMBLY_SECONDS, &seconds),
-    ]
-    .into_iter()
-    .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
-        b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
-            .expect("bucket lists are non-empty constants")
-    })
-}
+#[cfg(feature = "prometheus")]
+mod exporter {
+    use std::net::SocketAddr;
 
-/// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
-/// a thread of its own (so that scrapes are answered even while the actors are busy), and
-/// describes every metric.
-///
-/// # Errors
-/// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
-/// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
-pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
-    let exporter_error = |reason: String| MetricsError::Exporter {
-        addr: listen,
-        reason,
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| exporter_error(e.to_string()))?;
-    // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
-    // the exporter's upkeep task on `runtime`.
-    let (recorder, exporter) = {
-        let _entered = runtime.enter();
-        prometheus_builder()
-            .with_http_listener(listen)
-            .build()
-            .map_err(|e| match e {
-                BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
-                    addr: listen,
-                    reason,
-                },
-                other => exporter_error(other.to_string()),
-            })?
-    };
-    metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
-    std::thread::Builder::new()
-        .name("mstar-metrics".into())
-        .spawn(move || {
-            if let Err(e) = runtime.block_on(exporter) {
-                tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
-            }
+    use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+
+    use super::*;
+
+    /// The exporter could not be started.
+    #[derive(Debug, thiserror::Error)]
+    pub enum MetricsError {
+        /// The address cannot be bound (in use, not local, no permission).
+        #[error("cannot listen for metrics on `{addr}` (`metrics.listen`): {reason}; choose a free address, or set `metrics.listen = \"off\"`")]
+        Bind {
+            /// The address.
+            addr: SocketAddr,
+            /// Why.
+            reason: String,
+        },
+        #[error("cannot install the Prometheus exporter: a metrics recorder is already installed in this process")]
+        /// Another recorder is installed in the process.
+        AlreadyInstalled,
+        #[error("cannot start the metrics endpoint on `{addr}`: {reason}")]
+        /// The exporter failed otherwise.
+        Exporter {
+            /// The address.
+            addr: SocketAddr,
+            /// Why.
+            reason: String,
+        },
+    }
+
+    /// The exporter's settings: histograms get explicit buckets (without them the exporter renders
+    /// summaries, which cannot be aggregated across nodes or over time windows).
+    pub(super) fn prometheus_builder() -> PrometheusBuilder {
+        let tokens = token_buckets();
+        let seconds = seconds_buckets();
+        [
+            (STEP_TOKENS, &tokens),
+            (OVERRUN_TOKENS, &tokens),
+            (STEP_ASSEMBLY_SECONDS, &seconds),
+        ]
+        .into_iter()
+        .fold(PrometheusBuilder::new(), |b, (name, buckets)| {
+            b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+                .expect("bucket lists are non-empty constants")
         })
-        .map_err(|e| exporter_error(e.to_string()))?;
-    describe_all();
-    tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
-    Ok(())
+    }
+
+    /// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
+    /// a thread of its own (so that scrapes are answered even while the actors are busy), and
+    /// describes every metric.
+    ///
+    /// # Errors
+    /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
+    /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
+    pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+        let exporter_error = |reason: String| MetricsError::Exporter {
+            addr: listen,
+            reason,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| exporter_error(e.to_string()))?;
+        // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
+        // the exporter's upkeep task on `runtime`.
+        let (recorder, exporter) = {
+            let _entered = runtime.enter();
+            prometheus_builder()
+                .with_http_listener(listen)
+                .build()
+                .map_err(|e| match e {
+                    BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
+                        addr: listen,
+                        reason,
+                    },
+                    other => exporter_error(other.to_string()),
+                })?
+        };
+        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        std::thread::Builder::new()
+            .name("mstar-metrics".into())
+            .spawn(move || {
+                if let Err(e) = runtime.block_on(exporter) {
+                    tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
+                }
+            })
+            .map_err(|e| exporter_error(e.to_string()))?;
+        describe_all();
+        tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
+        Ok(())
+    }
 }
 
 // === recording ===
 
-/// The handles of one `(node, walk)`'s step metrics, resolved once and reused every step.
-#[derive(Clone)]
-pub struct StepMetrics {
-    pub steps: Counter,
-    pub tokens: Histogram,
-    pub chunks_final: Counter,
-    pub chunks_partial: Counter,
-    pub deferred: Counter,
-    pub assembly_seconds: Histogram,
+/// The metrics of one facade instance: every handle it resolves carries the instance's `model`
+/// label, so two facades in one process export separate series.
+#[derive(Clone, Debug)]
+pub(crate) struct Instance {
+    model: Name,
 }
 
-impl StepMetrics {
-    /// Resolves the handles for `node`/`walk` in the current recorder.
-    pub fn new(node: &Name, walk: &Name) -> Self {
+impl Instance {
+    pub(crate) fn new(model: Name) -> Self {
+        Self { model }
+    }
+
+    fn model(&self) -> String {
+        self.model.to_string()
+    }
+
+    /// Creates the series that exist from start-up with value 0: the reload results.
+    pub(crate) fn started(&self) {
+        for result in [RESULT_OK, RESULT_ERROR] {
+            metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+                .increment(0);
+        }
+    }
+
+    /// Counts a config reload; `ok` is its result.
+    pub(crate) fn record_reload(&self, ok: bool) {
+        let result = if ok { RESULT_OK } else { RESULT_ERROR };
+        metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model(), LABEL_RESULT => result)
+            .increment(1);
+    }
+
+    /// Sets the budget gauge of `node`/`walk` (0 where there is no budget); a budgeted pair's
+    /// overrun series are created at 0.
+    pub(crate) fn set_budget(&self, node: &Name, walk: &Name, budget: Option<u32>) {
+        metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
+            .set(f64::from(budget.unwrap_or(0)));
+        if budget.is_some() {
+            // Resolving the handles registers the series: counters at 0, an empty histogram.
+            let _ = self.overruns(node, walk);
+        }
+    }
+
+    /// The step metrics of `node`/`walk`.
+    pub(crate) fn step(&self, node: &Name, walk: &Name) -> StepMetrics {
         let labels = [
+            (LABEL_MODEL, self.model()),
             (LABEL_NODE, node.to_string()),
             (LABEL_WALK, walk.to_string()),
         ];
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
-        Self {
+        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
+        StepMetrics {
             steps: metrics::counter!(STEPS_TOTAL, &labels),
             tokens: metrics::histogram!(STEP_TOKENS, &labels),
             chunks_final: chunks(FINAL_TRUE),
@@ -262,15 +364,59 @@ impl StepMetrics {
         }
     }
 
+    /// The overrun metrics of `node`/`walk`, one counter per reason.
+    pub(crate) fn overruns(&self, node: &Name, walk: &Name) -> OverrunMetrics {
+        let by_reason = OverrunReason::ALL.map(|reason| {
+            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str());
+            c.increment(0);
+            c
+        });
+        OverrunMetrics {
+            by_reason,
+            tokens: metrics::histogram!(OVERRUN_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string()),
+        }
+    }
+
+    /// The prepared-input gauges of `node` (rows, tokens).
+    pub(crate) fn prepared(&self, node: &Name) -> (Gauge, Gauge) {
+        (
+            metrics::gauge!(PREPARED_INPUTS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
+            metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string()),
+        )
+    }
+
+    /// The queue-depth gauges of `node`.
+    pub(crate) fn queue(&self, node: &Name) -> QueueGauges {
+        let gauge = |name: &'static str| metrics::gauge!(name, LABEL_MODEL => self.model(), LABEL_NODE => node.to_string());
+        QueueGauges {
+            waiting: gauge(ROWS_WAITING),
+            mid_prefill: gauge(ROWS_MID_PREFILL),
+            continuing: gauge(ROWS_CONTINUING),
+        }
+    }
+}
+
+/// The handles of one `(node, walk)`'s step metrics, resolved once and reused every step.
+#[derive(Clone)]
+pub(crate) struct StepMetrics {
+    steps: Counter,
+    tokens: Histogram,
+    chunks_final: Counter,
+    chunks_partial: Counter,
+    deferred: Counter,
+    assembly_seconds: Histogram,
+}
+
+impl StepMetrics {
     /// Records an assembled step: the time planning took, and the rows it left waiting.
-    pub fn assembled(&self, batch: &Batch, took: Duration) {
+    pub(crate) fn assembled(&self, batch: &Batch, took: Duration) {
         self.assembly_seconds.record(took.as_secs_f64());
         self.deferred.increment(u64::from(batch.waiting));
     }
 
     /// Records a completed step: one step, the tokens it ran, its chunks final and partial.
-    /// Overruns are recorded by the overrun accounting ([`record_overrun`]).
-    pub fn completed(&self, outcome: &StepOutcome) {
+    /// Overruns are recorded by the overrun accounting ([`OverrunMetrics`]).
+    pub(crate) fn completed(&self, outcome: &StepOutcome) {
         self.steps.increment(1);
         self.tokens.record(outcome.tokens.ran as f64);
         self.chunks_final.increment(u64::from(outcome.final_chunks));
@@ -280,39 +426,36 @@ impl StepMetrics {
     }
 }
 
-/// Records an overrun of `node`/`walk` by `over` tokens.
-pub fn record_overrun(node: &Name, walk: &Name, reason: OverrunReason, over: u64) {
-    metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())
-        .increment(1);
-    metrics::histogram!(OVERRUN_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-        .record(over as f64);
+/// The overrun metrics of one `(node, walk)`.
+#[derive(Clone)]
+pub(crate) struct OverrunMetrics {
+    by_reason: [Counter; 3],
+    tokens: Histogram,
 }
 
-/// Sets the budget gauge of `node`/`walk` (0 where there is no budget).
-pub fn set_budget(node: &Name, walk: &Name, budget: Option<u32>) {
-    metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-        .set(f64::from(budget.unwrap_or(0)));
+impl OverrunMetrics {
+    /// Records an overrun by `over` tokens.
+    pub(crate) fn record(&self, reason: OverrunReason, over: u64) {
+        self.by_reason[reason.index()].increment(1);
+        self.tokens.record(over as f64);
+    }
 }
 
-/// Sets the prepared-input gauges of `node`.
-pub fn set_prepared(node: &Name, rows: usize, tokens: u64) {
-    let (rows_gauge, tokens_gauge) = prepared_gauge(node);
-    rows_gauge.set(rows as f64);
-    tokens_gauge.set(tokens as f64);
+/// The queue-depth gauges of one node.
+#[derive(Clone)]
+pub(crate) struct QueueGauges {
+    waiting: Gauge,
+    mid_prefill: Gauge,
+    continuing: Gauge,
 }
 
-/// Counts a config reload; `ok` is its result.
-pub fn record_reload(ok: bool) {
-    let result = if ok { RESULT_OK } else { RESULT_ERROR };
-    metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_RESULT => result).increment(1);
-}
-
-/// The prepared-input gauges of `node` (rows, tokens), for callers that hold them.
-pub fn prepared_gauge(node: &Name) -> (Gauge, Gauge) {
-    (
-        metrics::gauge!(PREPARED_INPUTS, LABEL_NODE => node.to_string()),
-        metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_NODE => node.to_string()),
-    )
+impl QueueGauges {
+    /// Sets the gauges from the node's queue counts.
+    pub(crate) fn set(&self, counts: QueueCounts) {
+        self.waiting.set(counts.waiting as f64);
+        self.mid_prefill.set(counts.mid_prefill as f64);
+        self.continuing.set(counts.continuing as f64);
+    }
 }
 
 #[cfg(test)]
@@ -331,6 +474,16 @@ mod tests {
 
     fn n(s: &str) -> Name {
         Name::from(s)
+    }
+
+    fn inst() -> Instance {
+        Instance::new(n("m"))
+    }
+
+    fn set_prepared(node: &Name, rows: usize, tokens: u64) {
+        let (r, t) = inst().prepared(node);
+        r.set(rows as f64);
+        t.set(tokens as f64);
     }
 
     /// One metric as the debugging recorder saw it.
@@ -428,7 +581,11 @@ mod tests {
         state
     }
 
-    const LLM_PREFILL: [(&str, &str); 2] = [(LABEL_NODE, "llm"), (LABEL_WALK, "prefill")];
+    const LLM_PREFILL: [(&str, &str); 3] = [
+        (LABEL_MODEL, "m"),
+        (LABEL_NODE, "llm"),
+        (LABEL_WALK, "prefill"),
+    ];
 
     #[test]
     fn names_follow_the_prometheus_conventions() {
@@ -448,20 +605,23 @@ mod tests {
     }
 
     #[test]
-    fn buckets_cover_tokens_to_1m_and_seconds_from_1us_to_1s() {
+    fn buckets_cover_tokens_to_1m_and_seconds_from_100ns_to_1s() {
         let tokens = token_buckets();
         assert_eq!(tokens.first(), Some(&1.0));
         assert_eq!(tokens.last(), Some(&1_048_576.0));
         assert!(tokens.windows(2).all(|w| w[1] == 2.0 * w[0]));
 
         let seconds = seconds_buckets();
-        assert_eq!(seconds.first(), Some(&1e-6));
+        assert_eq!(seconds.first(), Some(&1e-7));
         assert_eq!(seconds.last(), Some(&1.0));
         assert!(seconds.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(
-            seconds.len(),
-            19,
-            "1, 2.5 and 5 in each of 6 decades, then 1 s"
+            seconds
+                .iter()
+                .filter(|&&b| (1e-7..=1e-4).contains(&b))
+                .count(),
+            10,
+            "1-2-5 per decade from 0.1 µs to 100 µs, where steps are planned"
         );
     }
 
@@ -469,16 +629,19 @@ mod tests {
     fn every_metric_is_described_with_its_kind_and_unit() {
         let seen = recorded(|| {
             describe_all();
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             m.steps.increment(1);
             m.tokens.record(1.0);
             m.chunks_final.increment(1);
             m.deferred.increment(1);
             m.assembly_seconds.record(1e-5);
-            set_budget(&n("llm"), &n("prefill"), Some(100));
-            record_overrun(&n("llm"), &n("prefill"), OverrunReason::UncutRow, 3);
+            inst().set_budget(&n("llm"), &n("prefill"), Some(100));
+            inst()
+                .overruns(&n("llm"), &n("prefill"))
+                .record(OverrunReason::UncutRow, 3);
             set_prepared(&n("llm"), 1, 10);
-            record_reload(true);
+            inst().record_reload(true);
+            inst().queue(&n("llm")).set(QueueCounts::default());
         });
         for name in ALL {
             let s = seen
@@ -489,7 +652,16 @@ mod tests {
             assert!(help.len() > 20, "{name}: HELP text missing or too short");
             let want_kind = if name.ends_with("_total") {
                 MetricKind::Counter
-            } else if [STEP_BUDGET_TOKENS, PREPARED_INPUTS, PREPARED_INPUT_TOKENS].contains(&name) {
+            } else if [
+                STEP_BUDGET_TOKENS,
+                PREPARED_INPUTS,
+                PREPARED_INPUT_TOKENS,
+                ROWS_WAITING,
+                ROWS_MID_PREFILL,
+                ROWS_CONTINUING,
+            ]
+            .contains(&name)
+            {
                 MetricKind::Gauge
             } else {
                 MetricKind::Histogram
@@ -525,10 +697,10 @@ mod tests {
         state.admit(2, "llm", "prefill", 120, 0).unwrap();
         let (mut ran_tokens, mut waiting, mut chunks, mut finals) = (Vec::new(), 0, 0, 0);
         let seen = recorded(|| {
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             // Until both prompts are through; bounded so a planner bug cannot hang the test.
             for _ in 0..20 {
-                let batch = state.assemble("llm", "prefill").unwrap();
+                let batch = state.assemble("llm", "prefill").unwrap().into_batch();
                 m.assembled(&batch, Duration::from_micros(30));
                 if batch.rows.is_empty() {
                     state.abandon(batch.step, &[]).unwrap();
@@ -556,7 +728,14 @@ mod tests {
             ran_tokens.len() as u64
         );
         assert_eq!(histogram(&seen, STEP_TOKENS, &LLM_PREFILL), ran_tokens);
-        let chunk_labels = |fin| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_FINAL, fin)];
+        let chunk_labels = |fin| {
+            [
+                LLM_PREFILL[0],
+                LLM_PREFILL[1],
+                LLM_PREFILL[2],
+                (LABEL_FINAL, fin),
+            ]
+        };
         assert_eq!(counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_TRUE)), 2);
         assert_eq!(
             counter(&seen, CHUNKS_TOTAL, &chunk_labels(FINAL_FALSE)),
@@ -574,19 +753,30 @@ mod tests {
 
     #[test]
     fn an_overrun_is_counted_by_reason_with_the_tokens_over_budget() {
-        let mut state = scheduler();
-        state.admit(1, "llm", "prefill", 500, 0).unwrap();
-        let batch = state.assemble("llm", "prefill").unwrap();
-        assert_eq!(batch.scheduled_tokens, 100);
-        // The engine ran 37 tokens more than scheduled: an `other` overrun.
-        let outcome = state.complete(batch.step, &[137]).unwrap();
-        let o = outcome.overrun.expect("137 tokens under a budget of 100");
+        // A step outside the scheduler ran 37 tokens more than its budget: an `other` overrun.
+        let o = crate::overrun::Overrun {
+            node: n("llm"),
+            walk: n("prefill"),
+            budget: 100,
+            tokens: 137,
+            reason: OverrunReason::Other,
+        };
         let seen = recorded(|| {
-            record_overrun(&o.node, &o.walk, o.reason, o.tokens - u64::from(o.budget));
-            record_overrun(&o.node, &o.walk, OverrunReason::UncutRow, 900);
+            inst()
+                .overruns(&o.node, &o.walk)
+                .record(o.reason, o.tokens - u64::from(o.budget));
+            inst()
+                .overruns(&o.node, &o.walk)
+                .record(OverrunReason::UncutRow, 900);
         });
-        let with_reason =
-            |r: OverrunReason| [LLM_PREFILL[0], LLM_PREFILL[1], (LABEL_REASON, r.as_str())];
+        let with_reason = |r: OverrunReason| {
+            [
+                LLM_PREFILL[0],
+                LLM_PREFILL[1],
+                LLM_PREFILL[2],
+                (LABEL_REASON, r.as_str()),
+            ]
+        };
         assert_eq!(
             counter(
                 &seen,
@@ -612,9 +802,9 @@ mod tests {
     #[test]
     fn gauges_hold_the_last_value_and_no_budget_reads_zero() {
         let seen = recorded(|| {
-            set_budget(&n("llm"), &n("prefill"), Some(4096));
-            set_budget(&n("llm"), &n("prefill"), Some(2048));
-            set_budget(&n("llm"), &n("decode"), None);
+            inst().set_budget(&n("llm"), &n("prefill"), Some(4096));
+            inst().set_budget(&n("llm"), &n("prefill"), Some(2048));
+            inst().set_budget(&n("llm"), &n("decode"), None);
             set_prepared(&n("llm"), 3, 900);
             set_prepared(&n("llm"), 1, 250);
             set_prepared(&n("vision"), 0, 0);
@@ -624,17 +814,36 @@ mod tests {
             gauge(
                 &seen,
                 STEP_BUDGET_TOKENS,
-                &[(LABEL_NODE, "llm"), (LABEL_WALK, "decode")]
+                &[
+                    (LABEL_MODEL, "m"),
+                    (LABEL_NODE, "llm"),
+                    (LABEL_WALK, "decode")
+                ]
             ),
             0.0
         );
-        assert_eq!(gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "llm")]), 1.0);
         assert_eq!(
-            gauge(&seen, PREPARED_INPUT_TOKENS, &[(LABEL_NODE, "llm")]),
+            gauge(
+                &seen,
+                PREPARED_INPUTS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "llm")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            gauge(
+                &seen,
+                PREPARED_INPUT_TOKENS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "llm")]
+            ),
             250.0
         );
         assert_eq!(
-            gauge(&seen, PREPARED_INPUTS, &[(LABEL_NODE, "vision")]),
+            gauge(
+                &seen,
+                PREPARED_INPUTS,
+                &[(LABEL_MODEL, "m"), (LABEL_NODE, "vision")]
+            ),
             0.0
         );
     }
@@ -642,30 +851,41 @@ mod tests {
     #[test]
     fn reloads_are_counted_by_result() {
         let seen = recorded(|| {
-            record_reload(true);
-            record_reload(false);
-            record_reload(true);
+            inst().record_reload(true);
+            inst().record_reload(false);
+            inst().record_reload(true);
         });
         assert_eq!(
-            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_OK)]),
+            counter(
+                &seen,
+                CONFIG_RELOADS_TOTAL,
+                &[(LABEL_MODEL, "m"), (LABEL_RESULT, RESULT_OK)]
+            ),
             2
         );
         assert_eq!(
-            counter(&seen, CONFIG_RELOADS_TOTAL, &[(LABEL_RESULT, RESULT_ERROR)]),
+            counter(
+                &seen,
+                CONFIG_RELOADS_TOTAL,
+                &[(LABEL_MODEL, "m"), (LABEL_RESULT, RESULT_ERROR)]
+            ),
             1
         );
     }
 
+    #[cfg(feature = "prometheus")]
     #[test]
     fn the_exporter_renders_histograms_with_our_buckets() {
-        let recorder = prometheus_builder().build_recorder();
+        let recorder = exporter::prometheus_builder().build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
             describe_all();
-            let m = StepMetrics::new(&n("llm"), &n("prefill"));
+            let m = inst().step(&n("llm"), &n("prefill"));
             m.tokens.record(100.0);
             m.assembly_seconds.record(3e-5);
-            record_overrun(&n("llm"), &n("prefill"), OverrunReason::Other, 5);
+            inst()
+                .overruns(&n("llm"), &n("prefill"))
+                .record(OverrunReason::Other, 5);
         });
         let text = handle.render();
         for name in [STEP_TOKENS, OVERRUN_TOKENS, STEP_ASSEMBLY_SECONDS] {
@@ -676,16 +896,67 @@ mod tests {
             assert!(text.contains(&format!("# HELP {name} ")), "{name}: no HELP");
         }
         assert!(text.contains(&format!(
-            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"1048576\"}} 1"
+            "{STEP_TOKENS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"1048576\"}} 1"
         )));
         assert!(text.contains(&format!(
-            "{STEP_TOKENS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"64\"}} 0"
+            "{STEP_TOKENS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"64\"}} 0"
         )));
         assert!(text.contains(&format!(
-            "{STEP_ASSEMBLY_SECONDS}_bucket{{node=\"llm\",walk=\"prefill\",le=\"0.00005\"}} 1"
+            "{STEP_ASSEMBLY_SECONDS}_bucket{{model=\"m\",node=\"llm\",walk=\"prefill\",le=\"0.00005\"}} 1"
         )));
     }
 
+    #[cfg(feature = "prometheus")]
+    #[test]
+    fn known_label_combinations_are_exported_at_zero_before_any_event() {
+        let recorder = exporter::prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_all();
+            inst().started();
+            inst().set_budget(&n("llm"), &n("prefill"), Some(100));
+            inst().set_budget(&n("llm"), &n("decode"), None);
+        });
+        let text = handle.render();
+        for reason in OverrunReason::ALL {
+            let series = format!(
+                "{BUDGET_OVERRUNS_TOTAL}{{model=\"m\",node=\"llm\",walk=\"prefill\",reason=\"{}\"}} 0",
+                reason.as_str()
+            );
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "{OVERRUN_TOKENS}_count{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0"
+            )),
+            "{text}"
+        );
+        for result in [RESULT_OK, RESULT_ERROR] {
+            let series = format!("{CONFIG_RELOADS_TOTAL}{{model=\"m\",result=\"{result}\"}} 0");
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("walk=\"decode\",reason"),
+            "no overrun series where there is no budget:\n{text}"
+        );
+    }
+
+    #[cfg(feature = "prometheus")]
+    #[test]
+    fn two_instances_export_separate_series() {
+        let recorder = exporter::prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let (a, b) = (Instance::new(n("a")), Instance::new(n("b")));
+            a.prepared(&n("llm")).0.set(3.0);
+            b.prepared(&n("llm")).0.set(5.0);
+        });
+        let text = handle.render();
+        assert!(text.contains(&format!("{PREPARED_INPUTS}{{model=\"a\",node=\"llm\"}} 3")));
+        assert!(text.contains(&format!("{PREPARED_INPUTS}{{model=\"b\",node=\"llm\"}} 5")));
+    }
+
+    #[cfg(feature = "prometheus")]
     #[test]
     fn an_address_in_use_is_a_clear_startup_error() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

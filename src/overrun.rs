@@ -1,4 +1,4 @@
-//! Overrun accounting (SPEC §5): whether a completed step ran over the budget it was scheduled
+//! Overrun accounting (docs/scheduling.md#overruns): whether a completed step ran over the budget it was scheduled
 //! under, why, and the 1st/2nd/4th/8th… warning cadence per `(node, walk)`.
 
 use rustc_hash::FxHashMap;
@@ -32,7 +32,7 @@ impl OverrunReason {
         }
     }
 
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 }
@@ -46,8 +46,9 @@ pub struct StepTokens {
     pub scheduled: u64,
     /// Tokens the rows actually ran.
     pub ran: u64,
-    /// The continuing rows' estimates, and what they actually ran.
+    /// The continuing rows' estimates.
     pub continue_estimate: u64,
+    /// What the continuing rows actually ran.
     pub continue_ran: u64,
     /// The plan ran a row whole over the budget because it could not be cut.
     pub uncut_over_budget: bool,
@@ -77,10 +78,15 @@ impl StepTokens {
 /// A step that ran over its budget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Overrun {
+    /// The node.
     pub node: Name,
+    /// The step walk.
     pub walk: Name,
+    /// The budget the step was scheduled under.
     pub budget: u32,
+    /// The tokens it ran.
     pub tokens: u64,
+    /// Why it ran over.
     pub reason: OverrunReason,
 }
 

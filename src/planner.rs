@@ -1,4 +1,4 @@
-//! The step planner (SPEC §5): which rows run in the next step of one `(node, walk)`, and how
+//! The step planner (docs/scheduling.md#planner-rules): which rows run in the next step of one `(node, walk)`, and how
 //! many tokens each. A pure function over the node's queues and the step's [`StepParams`].
 
 use std::sync::Arc;
@@ -10,7 +10,9 @@ use crate::Name;
 /// a step's assembly does no map lookups per row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepParams {
+    /// The node.
     pub node: Name,
+    /// The step walk.
     pub walk: Name,
     /// `B`: the step's budget (the combined walk's under a combined walk); `None` runs all whole.
     pub budget: Option<u32>,
@@ -24,8 +26,6 @@ pub struct StepParams {
     pub align: u32,
     /// The walks whose rows this step takes: the step walk and, for a combined walk, its members.
     pub eligible: Arc<[Name]>,
-    /// The same walks as `eligible`, interned for the process: what batch rows carry.
-    pub eligible_interned: Arc<[&'static str]>,
     /// Optional per-row cap on tokens a step.
     pub max_row_tokens: Option<u32>,
     /// Optional limit on rows left mid-prefill by starting new ones.
@@ -65,7 +65,9 @@ impl StepParams {
 pub struct ContRow {
     /// Admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
+    /// The row's walk.
     pub walk: Name,
     /// Tokens the row is expected to run: 1 for plain decode, `k + 1` for `k` speculative tokens.
     pub estimate: u32,
@@ -76,7 +78,9 @@ pub struct ContRow {
 pub struct PrefillRow {
     /// Admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
+    /// The row's walk.
     pub walk: Name,
     /// Tokens of the whole prepared input.
     pub total: u32,
@@ -92,9 +96,17 @@ pub struct PrefillRow {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Work {
     /// A continuing row, at its estimate.
-    Continue { estimate: u32 },
-    /// A chunk of a prefill row; `cached` is the cached prefix on a first chunk, else 0.
-    Chunk { range: ChunkRange, cached: u32 },
+    Continue {
+        /// Tokens it is expected to run.
+        estimate: u32,
+    },
+    /// A chunk of a prefill row.
+    Chunk {
+        /// The tokens it runs.
+        range: ChunkRange,
+        /// The cached prefix on a first chunk, else 0.
+        cached: u32,
+    },
 }
 
 impl Work {
@@ -111,16 +123,20 @@ impl Work {
 /// plan touch no shared counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedRow {
+    /// The row's admission order within the node.
     pub seq: u64,
+    /// The request.
     pub rid: u64,
     /// The row's walk, as an index into the step's [`StepParams::eligible`].
     pub walk: usize,
+    /// What it runs.
     pub work: Work,
 }
 
 /// The plan of one step. Reused across steps by the caller to avoid reallocating.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepPlan {
+    /// The rows, continuing rows first.
     pub rows: Vec<PlannedRow>,
     /// Sum of the rows' tokens.
     pub scheduled_tokens: u64,
@@ -159,100 +175,150 @@ impl StepPlan {
 
 /// Plans one step into `out` (cleared first).
 ///
-/// `cont` and `prefill` are the node's queues in admission order. Rules (SPEC §5):
-/// 1. no budget: every eligible row runs whole;
-/// 2. continuing rows first, in order, while each fits what is left of the budget and of its
+/// `cont` and `prefill` are the node's queues in admission order. The rules
+/// (`docs/scheduling.md#planner-rules`):
+/// 1. no budget: every eligible row runs whole (`plan_unbudgeted`);
+/// 2. continuing rows first, in order, while each fits the room left in the budget and in its
 ///    walk's cap; from the first that does not fit the rest wait; a first row larger than the
-///    budget (or its cap) runs alone;
-/// 3. prefill rows next, mid-prefill ones first, each group FCFS: the rest runs whole when it
-///    fits; else it is cut to what is left (and to `max_row_tokens`), rounded down to `align`,
-///    if that is at least the floor; a row that cannot be cut and is larger than the budget
-///    runs whole when no other prefill row is in the step, and waits otherwise.
+///    room runs alone (`plan_continuing`);
+/// 3. prefill rows next, mid-prefill ones first, each group FCFS (`plan_prefill`): the rest
+///    runs whole when it fits; else it is cut to the room left (and to `max_row_tokens`),
+///    rounded down to `align`, if that is at least the floor (`chunk_end`); a row that
+///    cannot be cut and is larger than the budget runs whole when no other prefill row is in
+///    the step, and waits otherwise (`uncut_end`).
 pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: &mut StepPlan) {
     out.clear();
     let Some(budget) = params.budget else {
         plan_unbudgeted(params, cont, prefill, out);
         return;
     };
-    let budget = u64::from(budget);
-    let mut used: u64 = 0;
-    // Tokens taken per cap, indexed like `params.caps`: on the stack for the few member walks a
-    // combined walk has, so a step allocates nothing.
-    let mut cap_used_inline = [0u64; 8];
-    let mut cap_used_heap;
-    let cap_used: &mut [u64] = match params.caps.len() {
-        n if n <= cap_used_inline.len() => &mut cap_used_inline[..n],
-        n => {
-            cap_used_heap = vec![0u64; n];
-            &mut cap_used_heap
+    let mut room = Room::new(params, budget);
+    if plan_continuing(params, cont, &mut room, out) == Continuing::RanAlone {
+        out.waiting += count_u32(prefill.iter().filter(|p| params.takes(&p.walk)));
+        return;
+    }
+    plan_prefill(params, prefill, &mut room, out);
+}
+
+/// What is left of a step's budget and of each member walk's cap.
+struct Room<'a> {
+    params: &'a StepParams,
+    budget: u64,
+    used: u64,
+    /// Tokens taken per cap, indexed like `params.caps`: inline for the few member walks a
+    /// combined walk has, so a step allocates nothing (`Vec::new` does not allocate).
+    cap_used_inline: [u64; 8],
+    cap_used_heap: Vec<u64>,
+}
+
+impl<'a> Room<'a> {
+    fn new(params: &'a StepParams, budget: u32) -> Self {
+        let caps = params.caps.len();
+        Self {
+            params,
+            budget: u64::from(budget),
+            used: 0,
+            cap_used_inline: [0; 8],
+            cap_used_heap: if caps > 8 { vec![0; caps] } else { Vec::new() },
         }
-    };
-    // The cap index of an eligible walk (by its index in `params.eligible`).
-    let cap_of = |walk: usize| -> Option<usize> {
-        if params.caps.is_empty() {
+    }
+
+    fn cap_used(&self) -> &[u64] {
+        let n = self.params.caps.len();
+        if n > self.cap_used_inline.len() {
+            &self.cap_used_heap
+        } else {
+            &self.cap_used_inline[..n]
+        }
+    }
+
+    fn cap_used_mut(&mut self) -> &mut [u64] {
+        let n = self.params.caps.len();
+        if n > self.cap_used_inline.len() {
+            &mut self.cap_used_heap
+        } else {
+            &mut self.cap_used_inline[..n]
+        }
+    }
+
+    /// The cap index of an eligible walk (by its index in `params.eligible`).
+    fn cap_of(&self, walk: usize) -> Option<usize> {
+        if self.params.caps.is_empty() {
             return None;
         }
-        params.cap_index(&params.eligible[walk])
-    };
-    let cap_left = |cap_used: &[u64], walk: usize| -> u64 {
-        cap_of(walk).map_or(u64::MAX, |i| {
-            u64::from(params.caps[i].1).saturating_sub(cap_used[i])
-        })
-    };
-    let take = |cap_used: &mut [u64], walk: usize, tokens: u64| {
-        if let Some(i) = cap_of(walk) {
-            cap_used[i] += tokens;
-        }
-    };
+        self.params.cap_index(&self.params.eligible[walk])
+    }
 
-    // Rule 2: continuing rows, never cut, no overtaking.
-    let mut eligible_cont = cont
+    /// Tokens a row of `walk` may still take: what is left of the budget and of its cap.
+    fn left(&self, walk: usize) -> u64 {
+        let cap_left = self.cap_of(walk).map_or(u64::MAX, |i| {
+            u64::from(self.params.caps[i].1).saturating_sub(self.cap_used()[i])
+        });
+        self.budget.saturating_sub(self.used).min(cap_left)
+    }
+
+    fn take(&mut self, walk: usize, tokens: u64) {
+        self.used += tokens;
+        if let Some(i) = self.cap_of(walk) {
+            self.cap_used_mut()[i] += tokens;
+        }
+    }
+}
+
+/// How the continuing rows of a step ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Continuing {
+    /// Rows ran while they fit; prefill rows may follow.
+    Fitted,
+    /// The first row alone was larger than the room: it runs alone, the step is full.
+    RanAlone,
+}
+
+/// Rule 2: continuing rows, never cut, no overtaking.
+fn plan_continuing(
+    params: &StepParams,
+    cont: &[ContRow],
+    room: &mut Room<'_>,
+    out: &mut StepPlan,
+) -> Continuing {
+    let mut eligible = cont
         .iter()
         .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
-    for (r, walk) in eligible_cont.by_ref() {
+    for (r, walk) in eligible.by_ref() {
         let est = u64::from(r.estimate);
-        let fits = est <= budget.saturating_sub(used) && est <= cap_left(cap_used, walk);
-        if fits {
-            used += est;
-            take(cap_used, walk, est);
-            out.push(
-                r.seq,
-                r.rid,
-                walk,
-                Work::Continue {
-                    estimate: r.estimate,
-                },
-            );
+        let work = Work::Continue {
+            estimate: r.estimate,
+        };
+        if est <= room.left(walk) {
+            room.take(walk, est);
+            out.push(r.seq, r.rid, walk, work);
             continue;
         }
-        out.waiting += 1;
         if out.rows.is_empty() {
             // The very first row alone is larger than the budget (or its cap): it runs alone,
             // or it would never run.
-            out.waiting -= 1;
             out.uncut_over_budget = true;
-            out.push(
-                r.seq,
-                r.rid,
-                walk,
-                Work::Continue {
-                    estimate: r.estimate,
-                },
-            );
-            out.waiting += count_u32(eligible_cont.by_ref());
-            out.waiting += count_u32(prefill.iter().filter(|p| params.takes(&p.walk)));
-            return;
+            out.push(r.seq, r.rid, walk, work);
+            out.waiting += count_u32(eligible);
+            return Continuing::RanAlone;
         }
+        out.waiting += 1;
         break;
     }
-    out.waiting += count_u32(eligible_cont);
+    out.waiting += count_u32(eligible);
+    Continuing::Fitted
+}
 
-    // Rule 3: prefill rows, mid-prefill first, then new ones, each group FCFS.
-    let row_cap = u64::from(params.max_row_tokens.unwrap_or(u32::MAX));
-    let align = u64::from(params.align.max(1));
-    let floor = u64::from(params.floor);
-    // Rows that would stay mid-prefill after this step, for `max_partial_prefills`: every started
-    // row, less those that finish in this step, plus new rows started with a non-final chunk.
+/// Rule 3: prefill rows, mid-prefill first, then new ones, each group FCFS.
+fn plan_prefill(
+    params: &StepParams,
+    prefill: &[PrefillRow],
+    room: &mut Room<'_>,
+    out: &mut StepPlan,
+) {
+    // Rows that would stay mid-prefill after this step, for `max_partial_prefills`: every
+    // started row, less those that finish in this step, plus new rows started with a
+    // non-final chunk.
     let mut staying_partial = count_u32(prefill.iter().filter(|p| p.started));
     let mut prefill_in_step = false;
     for mid in [true, false] {
@@ -261,55 +327,82 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
             .filter(|p| p.started == mid)
             .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
         for (r, walk) in group {
-            let left = budget.saturating_sub(used).min(cap_left(cap_used, walk));
-            let progress = u64::from(r.progress);
-            let need = u64::from(r.total) - progress;
-            let work = if need <= left.min(row_cap) {
-                Some(progress + need)
+            let left = room.left(walk);
+            let need = u64::from(r.total - r.progress);
+            let end = if need <= left.min(row_cap(params)) {
+                Some(u64::from(r.total))
             } else if params.chunkable {
                 let partial_full = !mid
                     && params
                         .max_partial_prefills
                         .is_some_and(|p| staying_partial >= p);
-                let end = (progress + left.min(row_cap)) / align * align;
-                // The floor keeps continuing rows from leaving a prompt a token or two a step.
-                // A row alone in the step is not held back by it (an unaligned cached prefix
-                // could otherwise keep it from ever running), and a walk cap below the floor
-                // lowers it, or the walk's long rows would never run.
                 let alone = out.rows.is_empty();
-                let floor = if alone {
-                    1
-                } else {
-                    floor.min(params.cap(&r.walk))
-                };
-                (!partial_full && end > progress && end - progress >= floor).then_some(end)
-            } else if need <= left || (need > budget.min(params.cap(&r.walk)) && !prefill_in_step) {
-                // An uncut row: whole when it fits, or whole over the budget when first, since
-                // it would never run otherwise.
-                out.uncut_over_budget |= need > left;
-                Some(progress + need)
+                (!partial_full)
+                    .then(|| chunk_end(params, r, left, alone))
+                    .flatten()
             } else {
-                None
+                uncut_end(params, r, left, prefill_in_step, out)
             };
-            let Some(end) = work else {
+            let Some(end) = end else {
                 out.waiting += 1;
                 continue;
             };
-            // `end <= total <= u32::MAX`, so these conversions cannot truncate.
-            let end = end as u32;
-            let range = ChunkRange::new(!r.started, r.progress, end, r.total);
+            // `end <= total <= u32::MAX`, so this conversion cannot truncate.
+            let range = ChunkRange::new(!r.started, r.progress, end as u32, r.total);
             let cached = if r.started { 0 } else { r.cached };
             match (range.is_final(), mid) {
                 (true, true) => staying_partial -= 1,
                 (false, false) => staying_partial += 1,
                 _ => {}
             }
-            used += u64::from(range.tokens());
-            take(cap_used, walk, u64::from(range.tokens()));
+            room.take(walk, u64::from(range.tokens()));
             prefill_in_step = true;
             out.push(r.seq, r.rid, walk, Work::Chunk { range, cached });
         }
     }
+}
+
+/// The most tokens one row may run in a step (`max_row_tokens`), or unlimited.
+fn row_cap(params: &StepParams) -> u64 {
+    u64::from(params.max_row_tokens.unwrap_or(u32::MAX))
+}
+
+/// The end of a cut chunk of `r` with `left` tokens of room: at most `left` (and
+/// `max_row_tokens`) tokens, ending on a multiple of `align`, and at least the floor — else
+/// `None`, and the row waits. The floor keeps continuing rows from leaving a prompt a token or
+/// two a step. A row `alone` in the step is not held back by it (an unaligned cached prefix
+/// could otherwise keep it from ever running), and a walk cap below the floor lowers it, or
+/// the walk's long rows would never run.
+fn chunk_end(params: &StepParams, r: &PrefillRow, left: u64, alone: bool) -> Option<u64> {
+    let align = u64::from(params.align.max(1));
+    let progress = u64::from(r.progress);
+    let end = (progress + left.min(row_cap(params))) / align * align;
+    let floor = if alone {
+        1
+    } else {
+        u64::from(params.floor).min(params.cap(&r.walk))
+    };
+    (end > progress && end - progress >= floor).then_some(end)
+}
+
+/// The end of a row that cannot be cut: whole when it fits the room `left`, or whole over the
+/// budget when it is larger than the budget and no other prefill row is in the step (it would
+/// never run otherwise; the step overruns by plan). Else `None`: it waits.
+fn uncut_end(
+    params: &StepParams,
+    r: &PrefillRow,
+    left: u64,
+    prefill_in_step: bool,
+    out: &mut StepPlan,
+) -> Option<u64> {
+    let need = u64::from(r.total - r.progress);
+    let budget = u64::from(params.budget.unwrap_or(u32::MAX));
+    let over_budget = need > budget.min(params.cap(&r.walk));
+    if need <= left || (over_budget && !prefill_in_step) {
+        out.uncut_over_budget |= need > left;
+        return Some(u64::from(r.total));
+    }
+    None
 }
 
 /// Rule 1: a step without a budget runs every eligible row whole.
@@ -367,7 +460,6 @@ mod tests {
             chunkable: true,
             align: 1,
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
-            eligible_interned: vec!["mixed", "prefill", "decode"].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
         }

@@ -1,4 +1,4 @@
-//! The model's say (SPEC §3): per `(node, walk)` chunking policies and each node's submodule
+//! The model's say (docs/budgets.md#policies): per `(node, walk)` chunking policies and each node's submodule
 //! capabilities. Fixed at load; the deployment's budgets are layered on top in [`crate::budget`].
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,6 +23,15 @@ pub const NO_CHUNKING: ChunkingPolicy = ChunkingPolicy {
 
 impl ChunkingPolicy {
     /// A policy with a budget and no alignment.
+    ///
+    /// ```
+    /// use mstar_chunking::{ChunkingPolicy, NO_CHUNKING};
+    ///
+    /// // 4,096 tokens a step; non-final chunks end on a multiple of 16 (a paged KV cache).
+    /// let p = ChunkingPolicy::budget(4096).aligned(16);
+    /// assert_eq!((p.max_batch_tokens, p.align), (Some(4096), 16));
+    /// assert_eq!(NO_CHUNKING.max_batch_tokens, None);
+    /// ```
     pub fn budget(max_batch_tokens: u32) -> Self {
         Self {
             max_batch_tokens: Some(max_batch_tokens),
@@ -72,23 +81,48 @@ impl SubmoduleCaps {
 /// A policy the model declared that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
+    /// A policy on a node without a submodule.
     #[error("policy for `{node}`/`{walk}` names node `{node}`, which has no submodule")]
-    UnknownNode { node: Name, walk: Name },
+    UnknownNode {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// A budget of 0 tokens.
     #[error(
         "policy for `{node}`/`{walk}` has `max_batch_tokens` 0; a budget must be at least 1 token"
     )]
-    ZeroBudget { node: Name, walk: Name },
+    ZeroBudget {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// An `align` of 0.
     #[error("policy for `{node}`/`{walk}` has `align` 0; align must be at least 1 token")]
-    ZeroAlign { node: Name, walk: Name },
+    ZeroAlign {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+    },
+    /// A budget below the `align`: no aligned chunk fits.
     #[error("policy for `{node}`/`{walk}` has `max_batch_tokens` {budget} below its `align` {align}: no aligned chunk fits")]
     BudgetBelowAlign {
+        /// The node.
         node: Name,
+        /// The walk.
         walk: Name,
+        /// The policy's budget.
         budget: u32,
+        /// The policy's `align`.
         align: u32,
     },
+    /// `set_policies` with policies other than those already bound.
     #[error("the model's policies are fixed at load and differ from the ones already bound; restart to load a new model")]
     AlreadyBound,
+    /// A call that needs the policies before `set_policies`.
     #[error("no model policies are bound yet: call `set_policies` first")]
     NotBound,
 }

@@ -12,14 +12,18 @@ use crate::Name;
 /// Per-token extras of a node's input (positions, multimodal features…): `width` values per token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Extras {
+    /// Values per token.
     pub width: usize,
+    /// `width` values per token, token after token.
     pub values: Arc<[f32]>,
 }
 
 /// A row's whole input at a node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreparedInput {
+    /// The token ids.
     pub token_ids: Arc<[u32]>,
+    /// Per-token extras, if the node has them.
     pub extras: Option<Extras>,
 }
 
@@ -75,6 +79,14 @@ impl PreparedInput {
     }
 
     /// A view of tokens `range` (no copy).
+    ///
+    /// ```
+    /// use mstar_chunking::PreparedInput;
+    ///
+    /// let whole = PreparedInput::tokens(vec![10, 11, 12, 13, 14]);
+    /// let chunk = whole.cut(1..4);
+    /// assert_eq!(chunk.token_ids(), &[11, 12, 13]);
+    /// ```
     pub fn cut(&self, range: Range<usize>) -> ChunkInput {
         ChunkInput {
             input: self.clone(),

@@ -13,14 +13,29 @@ use crate::Name;
 pub struct NodeQueues {
     node: Name,
     /// Continuing rows, sorted by `seq`. A continuing row stays queued (it runs in every step it
-    /// fits) until `finish` or `forget`.
+    /// fits) until `forget`.
     cont: Vec<ContRow>,
     /// Prefill rows, sorted by `seq`, until their final chunk completes.
     prefill: Vec<PrefillRow>,
-    /// `rid -> seq`: a request keeps one admission position per node while it has a row here,
-    /// so its decode rows keep the place its prompt had.
+    /// `rid -> seq`: the admission position of each request with a row here. A prompt keeps
+    /// its position until its final chunk; its continuing row, registered after that, joins
+    /// at the end of the order (continuing rows are FCFS by when they started decoding).
     seq_of: FxHashMap<u64, u64>,
     next_seq: u64,
+    /// Prefill rows with a completed chunk (`started`), kept so the queue-depth gauges cost
+    /// nothing per step.
+    mid_prefill: usize,
+}
+
+/// How many rows a node's queues hold, by state (the queue-depth gauges).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Prefill rows that have not run a chunk yet.
+    pub waiting: usize,
+    /// Prefill rows with a completed chunk and more to run.
+    pub mid_prefill: usize,
+    /// Continuing rows.
+    pub continuing: usize,
 }
 
 /// What completing a step's chunk did to its row.
@@ -41,6 +56,11 @@ impl NodeQueues {
             node,
             ..Self::default()
         }
+    }
+
+    /// The node these queues belong to.
+    pub fn name(&self) -> &Name {
+        &self.node
     }
 
     /// The continuing rows, in admission order.
@@ -117,7 +137,7 @@ impl NodeQueues {
     }
 
     /// Keeps a continuing row of `rid` queued: it runs `estimate` tokens in every step it fits,
-    /// until [`NodeQueues::finish`]. Calling it again updates the walk and estimate.
+    /// until [`NodeQueues::forget`]. Calling it again updates the walk and estimate.
     ///
     /// # Errors
     /// A zero estimate, or `rid` still prefilling on this node.
@@ -158,24 +178,14 @@ impl NodeQueues {
         Ok(())
     }
 
-    /// Drops the continuing row of `rid` (its request finished generating). Returns whether
-    /// there was one.
-    pub fn finish(&mut self, rid: u64) -> bool {
-        let Some(i) = self.cont_index(rid) else {
-            return false;
-        };
-        self.cont.remove(i);
-        self.drop_seq_if_idle(rid);
-        true
-    }
-
     /// Drops every row of `rid`. Returns whether a prefill row (with a prepared input) was
     /// dropped.
     pub fn forget(&mut self, rid: u64) -> bool {
-        let had_prefill = self
-            .prefill_index(rid)
-            .map(|i| self.prefill.remove(i))
-            .is_some();
+        let removed = self.prefill_index(rid).map(|i| self.prefill.remove(i));
+        if removed.as_ref().is_some_and(|r| r.started) {
+            self.mid_prefill -= 1;
+        }
+        let had_prefill = removed.is_some();
         if let Some(i) = self.cont_index(rid) {
             self.cont.remove(i);
         }
@@ -204,17 +214,35 @@ impl NodeQueues {
             return Advance::Gone;
         }
         if range.is_final() {
-            self.prefill.remove(i);
+            if self.prefill.remove(i).started {
+                self.mid_prefill -= 1;
+            }
             self.drop_seq_if_idle(row.rid);
             return Advance::Finished;
         }
+        if !r.started {
+            r.started = true;
+            self.mid_prefill += 1;
+        }
         r.progress = range.end;
-        r.started = true;
         Advance::Progressed
     }
 
-    /// Rows held mid-prefill or waiting to start, and the tokens of their whole inputs.
+    /// Prefill rows held, mid-prefill or waiting to start.
     pub fn prefill_rows(&self) -> usize {
         self.prefill.len()
+    }
+
+    /// The rows queued, by state.
+    pub fn counts(&self) -> QueueCounts {
+        debug_assert_eq!(
+            self.mid_prefill,
+            self.prefill.iter().filter(|r| r.started).count()
+        );
+        QueueCounts {
+            waiting: self.prefill.len() - self.mid_prefill,
+            mid_prefill: self.mid_prefill,
+            continuing: self.cont.len(),
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! `ChunkRange`: the tokens one chunked row runs in one step (SPEC §2).
+//! `ChunkRange`: the tokens one chunked row runs in one step (docs/ranges.md).
 
 use serde::Serialize;
 
@@ -11,9 +11,13 @@ use serde::Serialize;
 /// sum to `total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct ChunkRange {
+    /// The first token the chunk runs.
     pub start: u32,
+    /// One past the last token it runs.
     pub end: u32,
+    /// Tokens of the whole prepared input.
     pub total: u32,
+    /// How far the chunk moves the row's chunk Loop.
     pub stride: u32,
 }
 
@@ -49,6 +53,17 @@ impl ChunkRange {
     }
 
     /// Builds the first or a later chunk depending on whether the row has run a chunk before.
+    ///
+    /// ```
+    /// use mstar_chunking::ChunkRange;
+    ///
+    /// // A 1,000-token prompt with a 300-token cached prefix, cut at 512 then finished.
+    /// let first = ChunkRange::new(true, 300, 512, 1000);
+    /// let last = ChunkRange::new(false, 512, 1000, 1000);
+    /// assert_eq!((first.stride, first.tokens()), (512, 212)); // the Loop counts from 0
+    /// assert_eq!(first.stride + last.stride, 1000);
+    /// assert!(last.is_final() && !first.is_final());
+    /// ```
     pub fn new(first: bool, start: u32, end: u32, total: u32) -> Self {
         if first {
             Self::first(start, end, total)

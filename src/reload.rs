@@ -14,7 +14,6 @@ use tokio::sync::mpsc;
 
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
-use crate::metrics;
 use crate::settings::{load_settings, ConfigErrors, LoadOptions};
 use crate::ChunkingManagement;
 
@@ -69,14 +68,14 @@ impl Reloader {
         if let Some(path) = self.opts.model_path() {
             let unchanged = Manifest::load(&path).is_ok_and(|m| m == self.manifest);
             if !unchanged {
-                metrics::record_reload(false);
+                self.cm.count_refused_reload();
                 return Err(ReloadError::ManifestChanged {
                     path: path.display().to_string(),
                 });
             }
         }
         let (settings, _) = load_settings(&self.opts, &self.manifest).map_err(|e| {
-            metrics::record_reload(false);
+            self.cm.count_refused_reload();
             ReloadError::Config(e)
         })?;
         // BudgetConfig counts the outcome of applying them.

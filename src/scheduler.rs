@@ -1,5 +1,5 @@
 //! The scheduler's state without a runtime: row queues per node, the budget snapshot, and the
-//! step in flight per node. Assembles each step's batch (SPEC §5) and applies its completion.
+//! step in flight per node. Assembles each step's batch (docs/scheduling.md) and applies its completion.
 //!
 //! One step per node is in flight at a time: a node runs its steps one after another, and the
 //! next step's plan depends on how far the previous one moved its rows.
@@ -19,10 +19,13 @@ use crate::Name;
 /// One row of an assembled step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchRow {
+    /// The request the row belongs to.
     pub rid: u64,
-    /// The row's walk, interned for the process ([`crate::snapshot::intern_walk`]): a plain
-    /// pointer, so building and dropping a batch of a thousand rows touches no reference count.
-    pub walk: &'static str,
+    /// The row's walk, as an index into [`Batch::walks`] (read it with [`Batch::walk_of`]): a
+    /// plain number, so building and dropping a batch of a thousand rows touches no reference
+    /// count, and no name is interned for the life of the process.
+    pub walk: usize,
+    /// What the row runs: a continuing row's estimate, or a chunk's range.
     pub work: Work,
     /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
     pub input: Option<ChunkInput>,
@@ -38,16 +41,23 @@ impl BatchRow {
 /// The batch of one step, as handed to the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
+    /// The step's number, unique per facade; `complete` and `abandon` name it.
     pub step: u64,
+    /// The node the step runs.
     pub node: Name,
+    /// The step walk (a combined walk takes its member walks' rows too).
     pub walk: Name,
+    /// The walks the step's rows may belong to: the step walk, then its member walks.
+    pub walks: Arc<[Name]>,
     /// `B`, the budget the step is scheduled under (`None`: no budget).
     pub budget: Option<u32>,
     /// `F`, the floor (`None` without a budget).
     pub floor: Option<u32>,
     /// Member walk caps under a combined walk on an `override_mixed` node.
     pub caps: Option<Arc<[(Name, u32)]>>,
+    /// The rows, continuing rows first, then chunks in planning order.
     pub rows: Vec<BatchRow>,
+    /// Sum of the rows' scheduled tokens.
     pub scheduled_tokens: u64,
     /// A row that cannot be cut runs whole over the budget: the step overruns by plan.
     pub uncut_over_budget: bool,
@@ -55,27 +65,95 @@ pub struct Batch {
     pub waiting: u32,
 }
 
+impl Batch {
+    /// The walk of `row`, a row of this batch.
+    pub fn walk_of(&self, row: &BatchRow) -> &Name {
+        &self.walks[row.walk]
+    }
+}
+
 /// What completing a step did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutcome {
+    /// The completed step.
     pub step: u64,
+    /// Its node.
     pub node: Name,
+    /// Its step walk.
     pub walk: Name,
+    /// What the step was scheduled to run and what it ran.
     pub tokens: StepTokens,
+    /// The token overrun, if the step ran more than the budget it was scheduled under.
     pub overrun: Option<Overrun>,
     /// Rids whose final chunk completed: their prepared inputs on `node` are released.
     pub finished: Vec<u64>,
-    /// Chunks run, and how many of them were final.
+    /// Chunks that ran (a chunk reported with 0 tokens did not run and is not counted).
     pub chunks: u32,
+    /// How many of the chunks that ran were final.
     pub final_chunks: u32,
+    /// Chunks reported with 0 tokens: their rows are planned again from the same place.
+    pub unrun_chunks: u32,
 }
 
-/// A step assembled and not yet completed.
+/// What [`SchedulerState::assemble`] found for the node.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Assembled {
+    /// A batch planned now, or a step in flight whose batch was not yet held: chunk rows carry
+    /// no input yet; cut them, then [`SchedulerState::hold`] the batch.
+    Planned(Batch),
+    /// The node's step in flight, as handed out before: the same step, rows and input views.
+    InFlight(Arc<Batch>),
+}
+
+impl Assembled {
+    /// The batch, cloned out of its `Arc` when the step was already in flight.
+    pub fn into_batch(self) -> Batch {
+        match self {
+            Self::Planned(b) => b,
+            Self::InFlight(b) => Arc::unwrap_or_clone(b),
+        }
+    }
+}
+
+/// A step assembled and neither completed nor abandoned.
 #[derive(Debug)]
 struct InFlight {
     step: u64,
     params: Arc<StepParams>,
     plan: StepPlan,
+    /// The batch as handed to the engine, once its inputs are cut: a repeated `assemble` of the
+    /// node returns it again, so a dropped `assemble` future loses nothing.
+    batch: Option<Arc<Batch>>,
+}
+
+impl InFlight {
+    /// The batch of the step as planned, without inputs.
+    fn planned_batch(&self) -> Batch {
+        let params = &self.params;
+        Batch {
+            step: self.step,
+            node: params.node.clone(),
+            walk: params.walk.clone(),
+            walks: params.eligible.clone(),
+            budget: params.budget,
+            floor: params.budget.map(|_| params.floor),
+            caps: (params.budget.is_some() && !params.caps.is_empty()).then(|| params.caps.clone()),
+            rows: self
+                .plan
+                .rows
+                .iter()
+                .map(|r| BatchRow {
+                    rid: r.rid,
+                    walk: r.walk,
+                    work: r.work,
+                    input: None,
+                })
+                .collect(),
+            scheduled_tokens: self.plan.scheduled_tokens,
+            uncut_over_budget: self.plan.uncut_over_budget,
+            waiting: self.plan.waiting,
+        }
+    }
 }
 
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
@@ -154,13 +232,8 @@ impl SchedulerState {
         self.queues(&node).continue_row(rid, walk, estimate)
     }
 
-    /// Drops the continuing row of `rid` at `node`; returns whether there was one.
-    pub fn finish(&mut self, rid: u64, node: &str) -> bool {
-        self.nodes.get_mut(node).is_some_and(|q| q.finish(rid))
-    }
-
-    /// Drops every row of `rid` on every node (an aborted request). Rows of `rid` in a step in
-    /// flight run, but do not advance. Returns how many prefill rows were dropped.
+    /// Drops every row of `rid` on every node (an aborted or finished request). Rows of `rid`
+    /// in a step in flight run, but do not advance. Returns how many prefill rows were dropped.
     pub fn forget(&mut self, rid: u64) -> usize {
         self.nodes
             .values_mut()
@@ -174,12 +247,13 @@ impl SchedulerState {
         self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
     }
 
-    /// Assembles the next step of `node`/`walk`. Chunk rows carry no input yet: PreparedInputs
-    /// cuts them.
+    /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
+    /// answers that step again (see `docs/scheduling.md#the-step-lifecycle`).
     ///
     /// # Errors
-    /// Unknown node or walk, no policies bound, or a step of `node` still in flight.
-    pub fn assemble(&mut self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
+    /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
+    /// walk.
+    pub fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -194,9 +268,16 @@ impl SchedulerState {
                 },
             })?;
         if let Some(f) = self.in_flight.get(node) {
-            return Err(ChunkingError::StepInFlight {
-                node: params.node.clone(),
-                step: f.step,
+            if *f.params.walk != *walk {
+                return Err(ChunkingError::StepInFlight {
+                    node: f.params.node.clone(),
+                    walk: f.params.walk.clone(),
+                    step: f.step,
+                });
+            }
+            return Ok(match &f.batch {
+                Some(batch) => Assembled::InFlight(batch.clone()),
+                None => Assembled::Planned(f.planned_batch()),
             });
         }
         let params = params.clone();
@@ -206,98 +287,93 @@ impl SchedulerState {
             None => step_plan.clear(),
         }
         self.next_step += 1;
-        let step = self.next_step;
-        let batch = Batch {
-            step,
-            node: params.node.clone(),
-            walk: params.walk.clone(),
-            budget: params.budget,
-            floor: params.budget.map(|_| params.floor),
-            caps: (params.budget.is_some() && !params.caps.is_empty()).then(|| params.caps.clone()),
-            rows: step_plan
-                .rows
-                .iter()
-                .map(|r| BatchRow {
-                    rid: r.rid,
-                    walk: params.eligible_interned[r.walk],
-                    work: r.work,
-                    input: None,
-                })
-                .collect(),
-            scheduled_tokens: step_plan.scheduled_tokens,
-            uncut_over_budget: step_plan.uncut_over_budget,
-            waiting: step_plan.waiting,
+        let f = InFlight {
+            step: self.next_step,
+            params,
+            plan: step_plan,
+            batch: None,
         };
-        self.in_flight.insert(
-            params.node.clone(),
-            InFlight {
-                step,
-                params,
-                plan: step_plan,
-            },
-        );
-        Ok(batch)
+        let batch = f.planned_batch();
+        self.in_flight.insert(f.params.node.clone(), f);
+        Ok(Assembled::Planned(batch))
     }
 
-    fn take_in_flight(&mut self, step: u64) -> Result<InFlight, ChunkingError> {
-        let node = self
-            .in_flight
+    /// Keeps the batch of a step in flight as handed to the engine (its inputs cut), so that a
+    /// repeated `assemble` returns it again. Ignored when the step is no longer in flight.
+    pub fn hold(&mut self, batch: Arc<Batch>) {
+        if let Some(f) = self.in_flight.get_mut(&*batch.node) {
+            if f.step == batch.step {
+                f.batch = Some(batch);
+            }
+        }
+    }
+
+    fn in_flight_node(&self, step: u64) -> Result<Name, ChunkingError> {
+        self.in_flight
             .iter()
             .find(|(_, f)| f.step == step)
             .map(|(n, _)| n.clone())
-            .ok_or(ChunkingError::UnknownStep { step })?;
-        Ok(self.in_flight.remove(&node).expect("found above"))
+            .ok_or(ChunkingError::UnknownStep { step })
     }
 
     /// Abandons a step in flight without advancing its rows, and drops the rows of `drop_rids`
-    /// on its node (rows whose prepared input went missing).
+    /// on its node (rows whose prepared input went missing). Nothing is released and no overrun
+    /// is checked; the node can assemble again.
     ///
     /// # Errors
     /// The step is not in flight.
     pub fn abandon(&mut self, step: u64, drop_rids: &[u64]) -> Result<(), ChunkingError> {
-        let f = self.take_in_flight(step)?;
+        let node = self.in_flight_node(step)?;
+        let f = self.in_flight.remove(&node).expect("found above");
         for rid in drop_rids {
-            self.forget_at(*rid, &f.params.node);
+            self.forget_at(*rid, &node);
         }
         self.spare = f.plan;
         Ok(())
     }
 
-    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran.
-    /// Checks them against the budget the step was scheduled under, advances every chunk's row,
-    /// and drops finished rows from the queue.
+    /// Abandons the step in flight `step` of `node` (the engine ran nothing of it).
     ///
     /// # Errors
-    /// The step is not in flight, or `ran` does not have one entry per row (the step stays in
-    /// flight).
-    pub fn complete(&mut self, step: u64, ran: &[u32]) -> Result<StepOutcome, ChunkingError> {
-        let f = self.take_in_flight(step)?;
-        if ran.len() != f.plan.rows.len() {
-            let err = ChunkingError::RanLengthMismatch {
-                step,
-                expected: f.plan.rows.len(),
-                got: ran.len(),
-            };
-            self.in_flight.insert(f.params.node.clone(), f);
-            return Err(err);
+    /// No step `step` of `node` is in flight.
+    pub fn abandon_at(&mut self, node: &str, step: u64) -> Result<(), ChunkingError> {
+        match self.in_flight.get(node) {
+            Some(f) if f.step == step => self.abandon(step, &[]),
+            _ => Err(ChunkingError::UnknownStep { step }),
         }
+    }
+
+    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran.
+    /// A chunk row ran either nothing (0: it is planned again from the same place) or its
+    /// planned tokens (it advances); continuing rows report what they ran. Checks the tokens
+    /// against the budget the step was scheduled under and drops finished rows from the queue.
+    ///
+    /// # Errors
+    /// The step is not in flight, `ran` does not have one entry per row, or a chunk row reports
+    /// neither 0 nor its planned tokens; on error nothing changes and the step stays in flight.
+    pub fn complete(&mut self, step: u64, ran: &[u32]) -> Result<StepOutcome, ChunkingError> {
+        let node = self.in_flight_node(step)?;
+        check_ran(step, &self.in_flight[&node].plan, ran)?;
+        let f = self.in_flight.remove(&node).expect("found above");
         let mut tokens = StepTokens::planned(
             f.params.budget,
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
         );
         let mut finished = Vec::new();
-        let (mut chunks, mut final_chunks) = (0, 0);
-        let mut queues = self.nodes.get_mut(&f.params.node);
+        let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
+        let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
             tokens.add_row(&row.work, r);
-            if matches!(row.work, Work::Continue { .. }) {
+            let Work::Chunk { range, .. } = row.work else {
+                continue;
+            };
+            if r == 0 {
+                unrun_chunks += 1;
                 continue;
             }
             chunks += 1;
-            if matches!(row.work, Work::Chunk { range, .. } if range.is_final()) {
-                final_chunks += 1;
-            }
+            final_chunks += u32::from(range.is_final());
             let Some(q) = queues.as_deref_mut() else {
                 continue;
             };
@@ -322,12 +398,18 @@ impl SchedulerState {
             finished,
             chunks,
             final_chunks,
+            unrun_chunks,
         })
     }
 
     /// The queues of `node`, for inspection.
     pub fn node(&self, node: &str) -> Option<&NodeQueues> {
         self.nodes.get(node)
+    }
+
+    /// The nodes that have had rows queued.
+    pub fn node_names(&self) -> impl Iterator<Item = &Name> {
+        self.nodes.keys()
     }
 
     /// Prefill rows queued over all nodes (each holds a prepared input).
@@ -338,6 +420,30 @@ impl SchedulerState {
     /// Steps in flight.
     pub fn steps_in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+}
+
+/// Whether `ran` is a valid report of `plan`: one entry per row, and every chunk row at 0 or at
+/// its planned tokens (a chunk that ran part of its tokens cannot be resumed from its end).
+fn check_ran(step: u64, plan: &StepPlan, ran: &[u32]) -> Result<(), ChunkingError> {
+    if ran.len() != plan.rows.len() {
+        return Err(ChunkingError::RanLengthMismatch {
+            step,
+            expected: plan.rows.len(),
+            got: ran.len(),
+        });
+    }
+    let partial = plan.rows.iter().zip(ran).find(
+        |(row, &r)| matches!(row.work, Work::Chunk { range, .. } if r != 0 && r != range.tokens()),
+    );
+    match partial {
+        Some((row, &r)) => Err(ChunkingError::PartialChunk {
+            step,
+            rid: row.rid,
+            planned: row.work.tokens(),
+            ran: r,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -369,12 +475,12 @@ mod tests {
         let mut s = state();
         s.admit(1, "llm", "prefill", 150, 0).unwrap();
         s.admit(2, "llm", "prefill", 30, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert_eq!(b.rows.len(), 1, "row 1 takes the whole budget");
         s.abandon(b.step, &[2]).unwrap();
         assert_eq!(s.steps_in_flight(), 0);
         assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         let Work::Chunk { range, .. } = b.rows[0].work else {
             panic!("a chunk")
         };
@@ -392,7 +498,7 @@ mod tests {
     #[test]
     fn a_step_with_no_rows_can_be_completed() {
         let mut s = state();
-        let b = s.assemble("llm", "prefill").unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert!(b.rows.is_empty());
         let out = s.complete(b.step, &[]).unwrap();
         assert_eq!((out.chunks, out.overrun), (0, None));

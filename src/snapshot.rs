@@ -3,7 +3,7 @@
 //! one lookup and no message per row.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
@@ -43,7 +43,7 @@ impl BudgetSnapshot {
         }
     }
 
-    /// The budget table the snapshot was built from (the answers of SPEC §4).
+    /// The budget table the snapshot was built from (the answers of docs/budgets.md#answers).
     pub fn table(&self) -> &BudgetTable {
         &self.table
     }
@@ -103,45 +103,8 @@ fn step_params(
         caps,
         chunkable: table.chunkable(node, walk),
         align: table.policy(node, walk).align.max(1),
-        eligible_interned: eligible.iter().map(|w| intern_walk(w)).collect(),
         eligible: eligible.into(),
         max_row_tokens: settings.max_row_tokens,
         max_partial_prefills: settings.max_partial_prefills,
-    }
-}
-
-/// Walk names interned for the life of the process.
-static INTERNED_WALKS: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
-
-/// `walk` as a `&'static str`, the same pointer for every call with the same name. Batch rows
-/// carry their walk this way, so a step's batch costs no reference-count operation per row.
-/// Each distinct name is leaked once: walk names come from the model and the serving config, a
-/// handful per deployment, and snapshots (not steps) intern them.
-pub fn intern_walk(walk: &str) -> &'static str {
-    // The set stays consistent even if a holder panicked: an insert is one operation.
-    let mut interned = INTERNED_WALKS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    if let Some(&w) = interned.get(walk) {
-        return w;
-    }
-    let leaked: &'static str = Box::leak(walk.into());
-    interned.insert(leaked);
-    leaked
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn interned_walks_are_one_pointer_per_name() {
-        let a = intern_walk("decode");
-        let b = intern_walk(&String::from("decode"));
-        assert_eq!(a, "decode");
-        assert!(std::ptr::eq(a, b));
-        let c = intern_walk("prefill");
-        assert_eq!(c, "prefill");
-        assert!(!std::ptr::eq(a, c));
     }
 }

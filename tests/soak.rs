@@ -52,7 +52,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
     let trace = Trace::bundled(ReadOptions::default()).expect("bundled trace");
     actix::System::new().block_on(async move {
         let demo = Manifest::from_toml(DEMO_MANIFEST_TOML, "demo").expect("the demo manifest");
-        let cm = ChunkingManagement::start(demo.submodules());
+        let cm = ChunkingManagement::start("test", demo.submodules()).unwrap();
         cm.set_policies(demo.policies()).await.unwrap();
         cm.set_budgets(settings(&demo, 2048, 64)).await.unwrap();
         let mut rng = SmallRng::seed_from_u64(7);
@@ -86,7 +86,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
                         *left -= 1;
                         if *left == 0 {
                             decoding.remove(&row.rid);
-                            cm.finish_row(row.rid, "llm").await.unwrap();
+                            cm.forget_request(row.rid).await.unwrap();
                         }
                     }
                 }
@@ -100,9 +100,9 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
                 }
             }
             step += 1;
-            if step % 97 == 0 {
+            if step.is_multiple_of(97) {
                 // Abort an active request: prefilling or decoding, alternately.
-                let pool: Vec<u64> = if step % 2 == 0 { prefilling.keys().copied().collect() } else { decoding.keys().copied().collect() };
+                let pool: Vec<u64> = if step.is_multiple_of(2) { prefilling.keys().copied().collect() } else { decoding.keys().copied().collect() };
                 if !pool.is_empty() {
                     let pick = pool[rng.gen_range(0..pool.len())];
                     prefilling.remove(&pick);
@@ -111,12 +111,12 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
                     aborted += 1;
                 }
             }
-            if step % 500 == 0 {
+            if step.is_multiple_of(500) {
                 budget = if budget == 2048 { 1024 } else { 2048 };
                 cm.set_budgets(settings(&demo, budget, 64)).await.unwrap();
                 reloads += 1;
             }
-            if step % 1000 == 0 {
+            if step.is_multiple_of(1000) {
                 assert!(cm.set_budgets(settings(&demo, 0, 0)).await.is_err());
                 refused += 1;
                 assert_eq!(cm.max_batch_tokens("llm", "mixed").await.unwrap(), Some(budget as u32));
@@ -128,7 +128,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
         let rss_end = rss_bytes();
         // Drain: no new prompts, every decode finished, run to the end.
         for rid in decoding.keys() {
-            cm.finish_row(*rid, "llm").await.unwrap();
+            cm.forget_request(*rid).await.unwrap();
         }
         for _ in 0..100_000 {
             let b = cm.assemble("llm", "mixed").await.unwrap();
@@ -139,7 +139,8 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             }
         }
         let held = cm.prepared_totals().await.unwrap();
-        let (queued, in_flight) = cm.scheduler_stats().await.unwrap();
+        let stats = cm.queue_stats().await.unwrap();
+        let (queued, in_flight) = (stats.prefill_rows, stats.steps_in_flight);
         eprintln!(
             "soak: {step} steps in {:.1?}, {next_rid} requests, {aborted} aborted, {reloads} reloads, {refused} refused; \
              RSS {:.1} MiB after 10%, {:.1} MiB at the end",

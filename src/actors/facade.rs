@@ -8,9 +8,20 @@ use std::time::Duration;
 use actix::dev::ToEnvelope;
 use actix::prelude::*;
 
-use super::*;
+use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
+use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
+use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
+use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
+use super::scheduler::{
+    Abandon, AdmitPrepared, Assemble, Complete, ContinueRow, ForgetRequest, ForgetRow, QueueStats,
+    Scheduler, SchedulerStats,
+};
+use super::Guarded;
+#[cfg(any(test, feature = "test-hooks"))]
+use super::{ActorKind, InjectPanic};
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
+use crate::metrics::Instance;
 use crate::overrun::{Overrun, OverrunReason, StepTokens};
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
@@ -18,11 +29,48 @@ use crate::scheduler::{Batch, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
 use crate::Name;
 
-/// How long the facade waits for an actor's answer before returning an error.
+/// How long the facade waits for an actor's answer before returning
+/// [`ChunkingError::Timeout`].
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A cheap-to-clone handle to the chunking actors. Every method is async and must be called from
-/// inside an actix system (the actors run on the arbiter [`ChunkingManagement::start`] ran on).
+/// A cheap-to-clone handle to one model's chunking actors (`Send + Sync`). Several may live in
+/// one process: each has its own actors, state and metric series (labelled `model`).
+///
+/// # Runtime
+/// [`ChunkingManagement::start`] starts the actors on the current actix arbiter, so it must be
+/// called inside an actix System (`actix::System::new().block_on(..)`, `#[actix::main]`,
+/// `#[actix::test]`). A tokio engine without an actix System uses
+/// [`ChunkingManagement::start_on_own_thread`], which hosts the actors on a thread of their own.
+/// The handle's methods can then be awaited from any runtime: with a request timeout (the
+/// default) that runtime needs tokio's time driver (`enable_time`, or `enable_all` as
+/// `#[tokio::main]` and actix set up); [`ChunkingManagement::with_timeout`]`(None)` removes
+/// the need.
+///
+/// # The step lifecycle
+/// One step per node is in flight at a time (`docs/scheduling.md#the-step-lifecycle`):
+/// [`assemble`](Self::assemble) plans it and answers the same batch again until it is
+/// [`complete`](Self::complete)d or [`abandon`](Self::abandon)ed, so a dropped future loses
+/// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row.
+///
+/// ```
+/// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+///
+/// actix::System::new().block_on(async {
+///     let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+///     cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+///     cm.admit(7, "llm", "prefill", PreparedInput::tokens((0..600).collect::<Vec<u32>>()), 0).await?;
+///
+///     let batch = cm.assemble("llm", "prefill").await?;
+///     assert_eq!(batch.rows[0].tokens(), 256);
+///     // The GPU failed this step: nothing ran, and the same chunk is planned again.
+///     cm.complete(batch.step, vec![0]).await?;
+///     let again = cm.assemble("llm", "prefill").await?;
+///     assert_eq!(again.rows[0].input.as_ref().unwrap().token_ids()[0], 0);
+///     cm.complete(again.step, vec![256]).await?;
+///     Ok::<_, mstar_chunking::ChunkingError>(())
+/// })?;
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct ChunkingManagement {
     submodules: Arc<BTreeMap<Name, SubmoduleCaps>>,
@@ -31,30 +79,63 @@ pub struct ChunkingManagement {
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     scheduler: Addr<Scheduler>,
-    timeout: Duration,
+    timeout: Option<Duration>,
+    model: Name,
+    metrics: Instance,
 }
 
 /// Sends `msg` to `actor` and waits at most `timeout` for the answer. A panic while handling it
 /// (the actor restarts), a stopped actor or a timeout are errors, never a hang.
-async fn ask<A, M>(
+async fn ask<A, M, T>(
     addr: &Addr<A>,
     actor: &'static str,
-    timeout: Duration,
+    timeout: Option<Duration>,
     msg: M,
-) -> Result<M::Result, ChunkingError>
+) -> Result<T, ChunkingError>
 where
     A: Actor + Handler<Guarded<M>>,
     A::Context: ToEnvelope<A, Guarded<M>>,
-    M: Message + Send + 'static,
-    M::Result: Send + 'static,
+    M: Message<Result = Result<T, ChunkingError>> + Send + 'static,
+    T: Send + 'static,
 {
-    addr.send(Guarded(msg))
-        .timeout(timeout)
-        .await
-        .map_err(|e| ChunkingError::ActorUnavailable {
-            actor,
-            reason: e.to_string(),
-        })?
+    let request = addr.send(Guarded(msg));
+    let answer = match timeout {
+        Some(after) => request.timeout(after).await,
+        None => request.await,
+    };
+    answer.map_err(|e| match (e, timeout) {
+        (MailboxError::Timeout, Some(after)) => ChunkingError::Timeout { actor, after },
+        _ => ChunkingError::ActorStopped { actor },
+    })?
+}
+
+/// The thread [`ChunkingManagement::start_on_own_thread`] hosts the actors on. Dropping it
+/// stops their actix System and joins the thread; handles then answer
+/// [`ChunkingError::ActorStopped`].
+pub struct ActorThread {
+    system: actix::System,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ActorThread {
+    /// Stops the actors and waits for their thread to end.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.system.stop();
+        if let Some(t) = self.thread.take() {
+            // The thread only runs the System; a panic there has been logged by the actors.
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ActorThread {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
 }
 
 impl ChunkingManagement {
@@ -66,42 +147,142 @@ impl ChunkingManagement {
             .map_or_else(|| Name::from(node), |(name, _)| name.clone())
     }
 
-    /// Starts the actors on the current arbiter for a model with these node submodules.
-    pub fn start<I, S>(submodules: I) -> Self
+    /// Starts the actors of `model` (the value of every metric series' `model` label) on the
+    /// current actix arbiter, for a model with these node submodules.
+    ///
+    /// # Errors
+    /// [`ChunkingError::NoActixSystem`] when called outside an actix System.
+    pub fn start<I, S>(model: &str, submodules: I) -> Result<Self, ChunkingError>
     where
         I: IntoIterator<Item = (S, SubmoduleCaps)>,
         S: AsRef<str>,
     {
+        if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
+            return Err(ChunkingError::NoActixSystem);
+        }
         let submodules: BTreeMap<Name, SubmoduleCaps> = submodules
             .into_iter()
             .map(|(n, c)| (Name::from(n.as_ref()), c))
             .collect();
+        let model = Name::from(model);
+        let instance = Instance::new(model.clone());
+        instance.started();
+        let instance_handle = instance.clone();
         // Supervised: an actor that panics is restarted with its state, on this arbiter.
-        let budgets = Supervisor::start(|_| BudgetConfig::default());
+        let budgets = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| BudgetConfig::new(instance))
+        };
         let policies = {
             let budgets = budgets.clone();
             Supervisor::start(move |_| PolicyRegistry::new(budgets))
         };
-        let prepared = Supervisor::start(|_| PreparedInputs::default());
-        let overruns = Supervisor::start(|_| OverrunAccounting::default());
+        let prepared = {
+            let instance = instance.clone();
+            let nodes: Vec<Name> = submodules.keys().cloned().collect();
+            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
+        };
+        let overruns = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| OverrunAccounting::new(instance))
+        };
         let scheduler = {
             let (prepared, overruns) = (prepared.clone(), overruns.clone());
-            Supervisor::start(move |_| Scheduler::new(prepared, overruns))
+            Supervisor::start(move |_| Scheduler::new(instance, prepared, overruns))
         };
         budgets.do_send(Subscribe(scheduler.clone().recipient()));
-        Self {
+        Ok(Self {
             submodules: Arc::new(submodules),
             policies,
             budgets,
             prepared,
             overruns,
             scheduler,
-            timeout: DEFAULT_REQUEST_TIMEOUT,
-        }
+            timeout: Some(DEFAULT_REQUEST_TIMEOUT),
+            model,
+            metrics: instance_handle,
+        })
     }
 
-    /// The same handle with another request timeout.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    /// Starts the actors on a thread of their own, in an actix System of their own, for an
+    /// engine that runs on tokio (or any runtime) without one. Returns the handle (`Send`,
+    /// usable from any thread) and the thread's guard: keep it as long as the handle is used.
+    ///
+    /// ```
+    /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
+    ///
+    /// let (cm, _actors) = ChunkingManagement::start_on_own_thread(
+    ///     "demo",
+    ///     [("llm", SubmoduleCaps::new(["prefill"], false))],
+    /// )?;
+    /// let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    /// rt.block_on(async {
+    ///     cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    ///     assert_eq!(cm.max_batch_tokens("llm", "prefill").await?, Some(256));
+    ///     Ok::<_, mstar_chunking::ChunkingError>(())
+    /// })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`ChunkingError::ThreadStart`] when the thread or its System cannot start.
+    pub fn start_on_own_thread<I, S>(
+        model: &str,
+        submodules: I,
+    ) -> Result<(Self, ActorThread), ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
+        let submodules: Vec<(String, SubmoduleCaps)> = submodules
+            .into_iter()
+            .map(|(n, c)| (n.as_ref().to_owned(), c))
+            .collect();
+        let model = model.to_owned();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("mstar-chunking-{model}"))
+            .spawn(move || {
+                let system = actix::System::new();
+                system.block_on(async {
+                    let started = ChunkingManagement::start(&model, submodules);
+                    // The receiver waits for this answer; if it went away there is no one to tell.
+                    let _ = tx.send(started.map(|cm| (cm, actix::System::current())));
+                });
+                if let Err(e) = system.run() {
+                    tracing::error!(error = %e, "the chunking actor System ended with an error");
+                }
+            })
+            .map_err(|e| ChunkingError::ThreadStart {
+                reason: e.to_string(),
+            })?;
+        let (cm, system) = rx.recv().map_err(|_| ChunkingError::ThreadStart {
+            reason: "the actor thread ended before starting the actors".into(),
+        })??;
+        Ok((
+            cm,
+            ActorThread {
+                system,
+                thread: Some(thread),
+            },
+        ))
+    }
+
+    /// The value of this instance's `model` label.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Counts a reload that was refused before it reached [`ChunkingManagement::reload`] (its
+    /// files did not load or validate) in `config_reloads_total{result="error"}`; reloads that
+    /// reach the facade are counted by it.
+    pub fn count_refused_reload(&self) {
+        self.metrics.record_reload(false);
+    }
+
+    /// The same handle with another request timeout; `None` waits for every answer however
+    /// long it takes (and needs no timer in the caller's runtime).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.timeout = timeout;
         self
     }
@@ -128,14 +309,34 @@ impl ChunkingManagement {
             self.timeout,
             SetPolicies(model),
         )
-        .await??;
+        .await?;
+        // PolicyRegistry handed the policies to BudgetConfig before answering; once BudgetConfig
+        // answers a later message, it has published them to the Scheduler, so the caller's next
+        // message (from any thread) finds them there.
+        self.snapshot().await?;
         Ok(())
     }
 
     /// Applies a serving config on top of the policies, whole; on error nothing changes.
     ///
+    /// ```
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
+    /// use std::num::NonZeroU32;
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// let bad = BudgetSettings::new(["prefill"]).budget("ghost", NonZeroU32::new(64));
+    /// let err = cm.set_budgets(bad).await.unwrap_err();
+    /// let problems = err.budget_errors().expect("a budget refusal");
+    /// assert!(problems.to_string().contains("`ghost`"));
+    /// assert_eq!(cm.max_batch_tokens("llm", "prefill").await?, Some(256), "nothing changed");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
-    /// Every refusal of SPEC §4, or no policies bound yet.
+    /// Every refusal of `docs/budgets.md#refusals`, or no policies bound yet.
     pub async fn set_budgets(&self, settings: BudgetSettings) -> Result<(), ChunkingError> {
         ask(
             &self.budgets,
@@ -143,7 +344,7 @@ impl ChunkingManagement {
             self.timeout,
             SetBudgets(settings),
         )
-        .await??;
+        .await?;
         Ok(())
     }
 
@@ -163,9 +364,7 @@ impl ChunkingManagement {
     /// # Errors
     /// No policies bound yet, or the actor did not answer.
     pub async fn snapshot(&self) -> Result<Arc<BudgetSnapshot>, ChunkingError> {
-        ask(&self.budgets, "BudgetConfig", self.timeout, GetSnapshot)
-            .await?
-            .ok_or(ChunkingError::PoliciesNotSet)
+        ask(&self.budgets, "BudgetConfig", self.timeout, GetSnapshot).await
     }
 
     /// The model's declared policy for `node`/`walk`, or `NO_CHUNKING`.
@@ -173,9 +372,7 @@ impl ChunkingManagement {
     /// # Errors
     /// No policies bound yet, or the actor did not answer.
     pub async fn policy(&self, node: &str, walk: &str) -> Result<ChunkingPolicy, ChunkingError> {
-        let model = ask(&self.policies, "PolicyRegistry", self.timeout, GetPolicies)
-            .await?
-            .ok_or(ChunkingError::PoliciesNotSet)?;
+        let model = ask(&self.policies, "PolicyRegistry", self.timeout, GetPolicies).await?;
         Ok(model.policy(node, walk))
     }
 
@@ -239,13 +436,13 @@ impl ChunkingManagement {
             input,
             cached,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, admit).await?
+        ask(&self.scheduler, "Scheduler", self.timeout, admit).await
     }
 
     /// Keeps a continuing row of `rid` (decode, speculative verify) queued at `node`: it runs
     /// `estimate` tokens (1, or `k + 1` for `k` speculative tokens) in every step it fits, until
-    /// [`ChunkingManagement::finish_row`] or [`ChunkingManagement::forget_request`]. Calling it
-    /// again updates the estimate.
+    /// the request ends ([`ChunkingManagement::forget_request`]) or leaves the node
+    /// ([`ChunkingManagement::release`]). Calling it again updates the estimate.
     ///
     /// # Errors
     /// Unknown node or walk, a zero estimate, or `rid` still prefilling there.
@@ -262,46 +459,66 @@ impl ChunkingManagement {
             walk: walk.into(),
             estimate,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await?
-    }
-
-    /// Drops the continuing row of `rid` at `node` (its request finished). Unknown rows: no-op.
-    ///
-    /// # Errors
-    /// The actor did not answer.
-    pub async fn finish_row(&self, rid: u64, node: &str) -> Result<bool, ChunkingError> {
-        ask(
-            &self.scheduler,
-            "Scheduler",
-            self.timeout,
-            Finish {
-                rid,
-                node: self.node_name(node),
-            },
-        )
-        .await
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
 
     /// Assembles the next step of `node`/`walk`, with every chunk's input cut from its prepared
-    /// input.
+    /// input. While that step is in flight (not completed, not abandoned), answers the same
+    /// batch again: the same step number, rows and input views, so a dropped or timed-out
+    /// future loses nothing.
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 1000]), 0).await?;
+    /// let first = cm.assemble("llm", "prefill").await?;
+    /// let again = cm.assemble("llm", "prefill").await?; // e.g. after a timeout
+    /// assert_eq!(first, again);
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
-    /// Unknown node or walk, no policies bound, a step of `node` still in flight, or a prepared
-    /// input forgotten meanwhile (the step is abandoned; assemble again).
-    pub async fn assemble(&self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
+    /// Unknown node or walk, no policies bound, a step of `node` in flight under another walk,
+    /// or a prepared input forgotten meanwhile (that row is dropped and the step abandoned;
+    /// assemble again).
+    pub async fn assemble(&self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
         let msg = Assemble {
             node: self.node_name(node),
             walk: walk.into(),
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await?
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
 
-    /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. Checks them
-    /// against the budget the step was scheduled under (counting an overrun), advances each
-    /// chunk's row and releases the inputs of rows whose final chunk ran.
+    /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. A chunk row
+    /// reports 0 (it did not run: it is planned again from the same place) or its planned
+    /// tokens (it advances, and its input is released after its final chunk); a continuing row
+    /// reports what it ran. Checks the step against the budget it was scheduled under and counts
+    /// an overrun.
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), 0).await?;
+    /// let batch = cm.assemble("llm", "prefill").await?;
+    /// // A chunk cannot run part of its tokens: refused, and the step stays in flight.
+    /// assert!(cm.complete(batch.step, vec![100]).await.is_err());
+    /// let outcome = cm.complete(batch.step, vec![256]).await?;
+    /// assert_eq!((outcome.chunks, outcome.overrun), (1, None));
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
-    /// The step is not in flight, or `ran` does not have one entry per row.
+    /// The step is not in flight, `ran` does not have one entry per row, or a chunk row
+    /// reports neither 0 nor its planned tokens ([`ChunkingError::PartialChunk`]); then nothing
+    /// changes and the step stays in flight.
     pub async fn complete(&self, step: u64, ran: Vec<u32>) -> Result<StepOutcome, ChunkingError> {
         ask(
             &self.scheduler,
@@ -309,7 +526,37 @@ impl ChunkingManagement {
             self.timeout,
             Complete { step, ran },
         )
-        .await?
+        .await
+    }
+
+    /// Abandons the step in flight `step` of `node`: it ran nothing. No row advances, nothing
+    /// is released, no overrun is checked, and the node can assemble again (the same rows are
+    /// planned again under the budgets then in force).
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), 0).await?;
+    /// let batch = cm.assemble("llm", "prefill").await?;
+    /// cm.abandon("llm", batch.step).await?; // e.g. the engine is draining
+    /// let again = cm.assemble("llm", "prefill").await?;
+    /// assert_ne!(again.step, batch.step);
+    /// assert_eq!(again.rows[0].work, batch.rows[0].work, "the same chunk, planned again");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// No step `step` of `node` is in flight.
+    pub async fn abandon(&self, node: &str, step: u64) -> Result<(), ChunkingError> {
+        let msg = Abandon {
+            node: self.node_name(node),
+            step,
+        };
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
 
     /// Checks a batch against the budget it was scheduled under, with the tokens each row
@@ -348,34 +595,40 @@ impl ChunkingManagement {
         ask(&self.overruns, "OverrunAccounting", self.timeout, msg).await
     }
 
-    /// Drops a row's whole input and its queue entry at `node` (after its last chunk landed, or
-    /// to drop it early). Unknown rows are a no-op; answers whether an input was held.
+    /// Drops the row of `rid` at `node` and its whole input there (the original class's
+    /// `release`: the request leaves this node; other nodes keep theirs). Answers whether an
+    /// input was held; unknown rows are a no-op. To end a request, use
+    /// [`forget_request`](Self::forget_request).
     ///
     /// # Errors
     /// An actor did not answer.
     pub async fn release(&self, rid: u64, node: &str) -> Result<bool, ChunkingError> {
-        let node = Name::from(node);
-        ask(
-            &self.scheduler,
-            "Scheduler",
-            self.timeout,
-            ForgetRow {
-                rid,
-                node: node.clone(),
-            },
-        )
-        .await?;
-        ask(
-            &self.prepared,
-            "PreparedInputs",
-            self.timeout,
-            ReleaseOne { rid, node },
-        )
-        .await
+        let msg = ForgetRow {
+            rid,
+            node: self.node_name(node),
+        };
+        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
 
-    /// Drops every node's prepared input and queue entries of `rid` (an aborted request), at any
-    /// time. Rows of `rid` in a step in flight run but do not advance. Unknown rids: no-op.
+    /// Ends a request, finished or aborted, at any time: drops its rows (prefill and
+    /// continuing) and its prepared inputs on every node. Rows of `rid` in a step in flight run
+    /// but do not advance. Unknown rids are a no-op; the rid can be admitted again.
+    ///
+    /// This is the one way to end a request (`docs/scheduling.md#ending-a-request`).
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "decode"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 1000]), 0).await?;
+    /// cm.forget_request(1).await?; // the client went away mid-prefill
+    /// assert_eq!(cm.prepared_totals().await?, (0, 0), "its input is dropped");
+    /// cm.forget_request(1).await?; // a no-op
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     /// An actor did not answer.
@@ -386,15 +639,7 @@ impl ChunkingManagement {
             self.timeout,
             ForgetRequest(rid),
         )
-        .await?;
-        ask(
-            &self.prepared,
-            "PreparedInputs",
-            self.timeout,
-            ForgetInputs(rid),
-        )
-        .await?;
-        Ok(())
+        .await
     }
 
     /// The whole prepared input held for `(rid, node)`.
@@ -423,30 +668,31 @@ impl ChunkingManagement {
     /// # Errors
     /// The actor did not answer.
     pub async fn prepared_totals(&self) -> Result<(usize, u64), ChunkingError> {
-        let t = ask(
+        ask(
             &self.prepared,
             "PreparedInputs",
             self.timeout,
             PreparedTotals,
         )
-        .await?;
-        Ok((t.rows, t.tokens))
+        .await
     }
 
-    /// Prefill rows queued over all nodes, and steps in flight.
+    /// Rows queued over all nodes and steps in flight.
     ///
     /// # Errors
     /// The actor did not answer.
-    pub async fn scheduler_stats(&self) -> Result<(usize, usize), ChunkingError> {
-        let s = ask(&self.scheduler, "Scheduler", self.timeout, SchedulerStats).await?;
-        Ok((s.prefill_rows, s.steps_in_flight))
+    pub async fn queue_stats(&self) -> Result<QueueStats, ChunkingError> {
+        ask(&self.scheduler, "Scheduler", self.timeout, SchedulerStats).await
     }
 
     /// Makes one actor panic inside a handler, to exercise supervision: the call returns
-    /// [`ChunkingError::ActorPanicked`] and the actor is restarted with its state.
+    /// [`ChunkingError::ActorPanicked`] and the actor is restarted with its state. Only with
+    /// the `test-hooks` feature.
     ///
     /// # Errors
     /// Always the panic's error (or the actor's unavailability).
+    #[cfg(any(test, feature = "test-hooks"))]
+    #[doc(hidden)]
     pub async fn inject_panic(&self, actor: ActorKind) -> Result<(), ChunkingError> {
         let t = self.timeout;
         match actor {

@@ -14,28 +14,39 @@ use crate::error::ChunkingError;
 /// panicked. A panic is contained: the actor restarts in place with its state, mailbox and
 /// pending work, and handles later messages as before. Every actor also runs under an actix
 /// `Supervisor`, which restarts it should its context ever stop.
-pub struct Guarded<M>(pub M);
+///
+/// Every guarded message answers `Result<T, ChunkingError>`, and so does its guarded form: a
+/// panic is one more error, never a nested `Result`.
+pub(crate) struct Guarded<M>(pub M);
 
-impl<M> Message for Guarded<M>
+impl<M, T> Message for Guarded<M>
 where
-    M: Message,
-    M::Result: Send + 'static,
+    M: Message<Result = Result<T, ChunkingError>>,
+    T: 'static,
 {
-    type Result = Result<M::Result, ChunkingError>;
+    type Result = Result<T, ChunkingError>;
 }
 
-/// Makes the actor panic inside a handler, to exercise supervision (tests and soak runs).
+/// Makes the actor panic inside a handler, to exercise supervision (tests and soak runs only:
+/// behind the `test-hooks` feature).
+#[cfg(any(test, feature = "test-hooks"))]
 #[derive(Message)]
-#[rtype(result = "()")]
-pub struct InjectPanic;
+#[rtype(result = "Result<(), ChunkingError>")]
+pub(crate) struct InjectPanic;
 
-/// The actors a caller can name, e.g. to inject a panic.
+/// The actors a caller can name, e.g. to inject a panic (`test-hooks` feature).
+#[cfg(any(test, feature = "test-hooks"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActorKind {
+    /// The model's policies.
     PolicyRegistry,
+    /// The accepted budgets.
     BudgetConfig,
+    /// The whole prepared inputs.
     PreparedInputs,
+    /// The overrun counts.
     OverrunAccounting,
+    /// The row queues and steps.
     Scheduler,
 }
 
@@ -66,8 +77,8 @@ where
     }
 }
 
-/// Makes an actor supervised: answers [`Guarded`] versions of the listed messages, and
-/// [`InjectPanic`].
+/// Makes an actor supervised: answers [`Guarded`] versions of the listed messages (each
+/// answering `Result<_, ChunkingError>`), and, for tests, `InjectPanic`.
 macro_rules! supervised {
     ($actor:ty, $name:literal, [$($msg:ty),* $(,)?]) => {
         impl actix::Supervised for $actor {
@@ -78,19 +89,31 @@ macro_rules! supervised {
 
         $(
             impl actix::Handler<$crate::actors::Guarded<$msg>> for $actor {
-                type Result = Result<<$msg as actix::Message>::Result, $crate::error::ChunkingError>;
+                type Result = <$msg as actix::Message>::Result;
 
                 fn handle(&mut self, msg: $crate::actors::Guarded<$msg>, ctx: &mut Self::Context) -> Self::Result {
                     $crate::actors::guard(self, ctx, $name, |act, ctx| <Self as actix::Handler<$msg>>::handle(act, msg.0, ctx))
+                        .and_then(|answer| answer)
                 }
             }
         )*
 
+        #[cfg(any(test, feature = "test-hooks"))]
         impl actix::Handler<$crate::actors::InjectPanic> for $actor {
-            type Result = ();
+            type Result = Result<(), $crate::error::ChunkingError>;
 
-            fn handle(&mut self, _: $crate::actors::InjectPanic, _: &mut Self::Context) {
+            fn handle(&mut self, _: $crate::actors::InjectPanic, _: &mut Self::Context) -> Self::Result {
                 panic!("injected panic in {}", $name);
+            }
+        }
+
+        #[cfg(any(test, feature = "test-hooks"))]
+        impl actix::Handler<$crate::actors::Guarded<$crate::actors::InjectPanic>> for $actor {
+            type Result = Result<(), $crate::error::ChunkingError>;
+
+            fn handle(&mut self, msg: $crate::actors::Guarded<$crate::actors::InjectPanic>, ctx: &mut Self::Context) -> Self::Result {
+                $crate::actors::guard(self, ctx, $name, |act, ctx| <Self as actix::Handler<$crate::actors::InjectPanic>>::handle(act, msg.0, ctx))
+                    .and_then(|answer| answer)
             }
         }
     };
@@ -104,17 +127,5 @@ mod policy_registry;
 mod prepared_inputs;
 mod scheduler;
 
-pub use budget_config::{
-    BindPolicies, BudgetConfig, GetSnapshot, SetBudgets, Subscribe, UseSnapshot,
-};
-pub use facade::ChunkingManagement;
-pub use overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount, RecordOverrun};
-pub use policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
-pub use prepared_inputs::{
-    Cut, CutBatch, ForgetInputs, GetPrepared, HeldTotals, Insert, PreparedInputs, PreparedTotals,
-    Release, ReleaseOne,
-};
-pub use scheduler::{
-    Abandon, Admit, AdmitPrepared, Assemble, Complete, ContinueRow, Finish, ForgetRequest,
-    ForgetRow, QueueStats, Scheduler, SchedulerStats,
-};
+pub use facade::{ActorThread, ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
+pub use scheduler::QueueStats;

@@ -3,27 +3,39 @@
 
 use actix::prelude::*;
 
-use crate::metrics;
+use rustc_hash::FxHashMap;
+
+use crate::error::ChunkingError;
+use crate::metrics::{Instance, OverrunMetrics};
 use crate::overrun::{classify, Overrun, OverrunCounter, OverrunReason, StepTokens};
 use crate::Name;
 
 /// Owns the overrun counts.
-#[derive(Default)]
-pub struct OverrunAccounting {
+pub(crate) struct OverrunAccounting {
     counter: OverrunCounter,
+    instance: Instance,
+    /// Metric handles per `(node, walk)`, resolved on its first overrun.
+    metrics: FxHashMap<(Name, Name), OverrunMetrics>,
 }
 
 impl OverrunAccounting {
+    pub(crate) fn new(instance: Instance) -> Self {
+        Self {
+            counter: OverrunCounter::default(),
+            instance,
+            metrics: FxHashMap::default(),
+        }
+    }
+
     /// Counts `o`, records its metrics, and warns on the 1st, 2nd, 4th, 8th, … of its
     /// `(node, walk)`.
     fn record(&mut self, o: &Overrun) {
         let (n, warn) = self.counter.record(o);
-        metrics::record_overrun(
-            &o.node,
-            &o.walk,
-            o.reason,
-            o.tokens.saturating_sub(u64::from(o.budget)),
-        );
+        let instance = &self.instance;
+        self.metrics
+            .entry((o.node.clone(), o.walk.clone()))
+            .or_insert_with(|| instance.overruns(&o.node, &o.walk))
+            .record(o.reason, o.tokens.saturating_sub(u64::from(o.budget)));
         if warn {
             tracing::warn!(
                 node = %o.node,
@@ -51,13 +63,13 @@ impl Actor for OverrunAccounting {
 super::supervised!(
     OverrunAccounting,
     "OverrunAccounting",
-    [CheckStep, OverrunCount, super::InjectPanic]
+    [CheckStep, OverrunCount]
 );
 
 /// Counts an overrun the Scheduler found on completing a step.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct RecordOverrun(pub Overrun);
+pub(crate) struct RecordOverrun(pub(crate) Overrun);
 
 impl Handler<RecordOverrun> for OverrunAccounting {
     type Result = ();
@@ -70,18 +82,20 @@ impl Handler<RecordOverrun> for OverrunAccounting {
 /// Checks a step's tokens against the budget it was scheduled under (`check_budget`); counts
 /// and answers the overrun, if any.
 #[derive(Message)]
-#[rtype(result = "Option<Overrun>")]
-pub struct CheckStep {
-    pub node: Name,
-    pub walk: Name,
-    pub tokens: StepTokens,
+#[rtype(result = "Result<Option<Overrun>, ChunkingError>")]
+pub(crate) struct CheckStep {
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
+    pub(crate) tokens: StepTokens,
 }
 
 impl Handler<CheckStep> for OverrunAccounting {
-    type Result = Option<Overrun>;
+    type Result = Result<Option<Overrun>, ChunkingError>;
 
     fn handle(&mut self, msg: CheckStep, _: &mut Self::Context) -> Self::Result {
-        let (budget, reason) = classify(&msg.tokens)?;
+        let Some((budget, reason)) = classify(&msg.tokens) else {
+            return Ok(None);
+        };
         let o = Overrun {
             node: msg.node,
             walk: msg.walk,
@@ -90,26 +104,26 @@ impl Handler<CheckStep> for OverrunAccounting {
             reason,
         };
         self.record(&o);
-        Some(o)
+        Ok(Some(o))
     }
 }
 
 /// Overruns counted for `(node, walk)`: for one reason, or all when `reason` is `None`.
 #[derive(Message)]
-#[rtype(result = "u64")]
-pub struct OverrunCount {
-    pub node: Name,
-    pub walk: Name,
-    pub reason: Option<OverrunReason>,
+#[rtype(result = "Result<u64, ChunkingError>")]
+pub(crate) struct OverrunCount {
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
+    pub(crate) reason: Option<OverrunReason>,
 }
 
 impl Handler<OverrunCount> for OverrunAccounting {
-    type Result = u64;
+    type Result = Result<u64, ChunkingError>;
 
-    fn handle(&mut self, msg: OverrunCount, _: &mut Self::Context) -> u64 {
-        match msg.reason {
+    fn handle(&mut self, msg: OverrunCount, _: &mut Self::Context) -> Self::Result {
+        Ok(match msg.reason {
             Some(r) => self.counter.count(&msg.node, &msg.walk, r),
             None => self.counter.total(&msg.node, &msg.walk),
-        }
+        })
     }
 }

@@ -9,13 +9,13 @@ use crate::error::ChunkingError;
 use crate::policy::{ModelPolicies, PolicyError};
 
 /// Holds the model's policies and hands them to BudgetConfig, which layers budgets on them.
-pub struct PolicyRegistry {
+pub(crate) struct PolicyRegistry {
     policies: Option<Arc<ModelPolicies>>,
     budget_config: Addr<BudgetConfig>,
 }
 
 impl PolicyRegistry {
-    pub fn new(budget_config: Addr<BudgetConfig>) -> Self {
+    pub(crate) fn new(budget_config: Addr<BudgetConfig>) -> Self {
         Self {
             policies: None,
             budget_config,
@@ -27,17 +27,13 @@ impl Actor for PolicyRegistry {
     type Context = Context<Self>;
 }
 
-super::supervised!(
-    PolicyRegistry,
-    "PolicyRegistry",
-    [SetPolicies, GetPolicies, super::InjectPanic]
-);
+super::supervised!(PolicyRegistry, "PolicyRegistry", [SetPolicies, GetPolicies]);
 
 /// Binds the model's policies. Binding the same policies again is a no-op; different ones are
 /// refused, since a model's policies are fixed at load.
 #[derive(Message)]
 #[rtype(result = "Result<Arc<ModelPolicies>, ChunkingError>")]
-pub struct SetPolicies(pub ModelPolicies);
+pub(crate) struct SetPolicies(pub(crate) ModelPolicies);
 
 impl Handler<SetPolicies> for PolicyRegistry {
     type Result = Result<Arc<ModelPolicies>, ChunkingError>;
@@ -59,13 +55,13 @@ impl Handler<SetPolicies> for PolicyRegistry {
 
 /// The bound policies, if any.
 #[derive(Message)]
-#[rtype(result = "Option<Arc<ModelPolicies>>")]
-pub struct GetPolicies;
+#[rtype(result = "Result<Arc<ModelPolicies>, ChunkingError>")]
+pub(crate) struct GetPolicies;
 
 impl Handler<GetPolicies> for PolicyRegistry {
-    type Result = Option<Arc<ModelPolicies>>;
+    type Result = Result<Arc<ModelPolicies>, ChunkingError>;
 
     fn handle(&mut self, _: GetPolicies, _: &mut Self::Context) -> Self::Result {
-        self.policies.clone()
+        self.policies.clone().ok_or(ChunkingError::PoliciesNotSet)
     }
 }

@@ -6,37 +6,45 @@ use actix::prelude::*;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::metrics;
+use crate::metrics::Instance;
 use crate::planner::Work;
 use crate::prepared::{PreparedInput, PreparedStore};
 use crate::scheduler::Batch;
 use crate::Name;
 
 /// Owns every whole prepared input; keeps the prepared-input gauges current.
-#[derive(Default)]
-pub struct PreparedInputs {
+pub(crate) struct PreparedInputs {
     store: PreparedStore,
+    instance: Instance,
     /// The prepared-input gauges per node, resolved on the node's first change, so that holding
     /// and releasing inputs (every step) builds no metric labels.
     gauges: FxHashMap<Name, (Gauge, Gauge)>,
 }
 
 impl PreparedInputs {
+    /// Holds nothing yet; the gauges of every node in `nodes` exist from now on, at 0.
+    pub(crate) fn new(instance: Instance, nodes: &[Name]) -> Self {
+        let mut this = Self {
+            store: PreparedStore::default(),
+            instance,
+            gauges: FxHashMap::default(),
+        };
+        for node in nodes {
+            this.publish(node);
+        }
+        this
+    }
+
     fn publish(&mut self, node: &Name) {
         let (rows, tokens) = self.store.node_totals(node);
         if !self.gauges.contains_key(node) {
             self.gauges
-                .insert(node.clone(), metrics::prepared_gauge(node));
+                .insert(node.clone(), self.instance.prepared(node));
         }
         if let Some((rows_gauge, tokens_gauge)) = self.gauges.get(node) {
             rows_gauge.set(rows as f64);
             tokens_gauge.set(tokens as f64);
         }
-    }
-
-    /// The store, for tests and inspection.
-    pub fn store(&self) -> &PreparedStore {
-        &self.store
     }
 }
 
@@ -47,24 +55,16 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [
-        Insert,
-        Cut,
-        ReleaseOne,
-        ForgetInputs,
-        GetPrepared,
-        PreparedTotals,
-        super::InjectPanic
-    ]
+    [Insert, Cut, ForgetInputs, GetPrepared, PreparedTotals]
 );
 
 /// Holds a row's whole input; answers its measured length.
 #[derive(Message)]
 #[rtype(result = "Result<u32, ChunkingError>")]
-pub struct Insert {
-    pub rid: u64,
-    pub node: Name,
-    pub input: PreparedInput,
+pub(crate) struct Insert {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
+    pub(crate) input: PreparedInput,
 }
 
 impl Handler<Insert> for PreparedInputs {
@@ -80,20 +80,20 @@ impl Handler<Insert> for PreparedInputs {
 /// Cuts the input of every chunk row of a batch; answers the batch and the rids of chunk rows
 /// that had no input (forgotten meanwhile).
 #[derive(Message)]
-#[rtype(result = "CutBatch")]
-pub struct Cut(pub Batch);
+#[rtype(result = "Result<CutBatch, ChunkingError>")]
+pub(crate) struct Cut(pub(crate) Batch);
 
 /// A batch with its chunk inputs cut, and the rids whose input was missing.
-#[derive(Debug, MessageResponse)]
-pub struct CutBatch {
-    pub batch: Batch,
-    pub missing: Vec<u64>,
+#[derive(Debug)]
+pub(crate) struct CutBatch {
+    pub(crate) batch: Batch,
+    pub(crate) missing: Vec<u64>,
 }
 
 impl Handler<Cut> for PreparedInputs {
-    type Result = CutBatch;
+    type Result = Result<CutBatch, ChunkingError>;
 
-    fn handle(&mut self, msg: Cut, _: &mut Self::Context) -> CutBatch {
+    fn handle(&mut self, msg: Cut, _: &mut Self::Context) -> Self::Result {
         let mut batch = msg.0;
         let inputs = self.store.node(&batch.node);
         let mut missing = Vec::new();
@@ -108,16 +108,16 @@ impl Handler<Cut> for PreparedInputs {
                 None => missing.push(row.rid),
             }
         }
-        CutBatch { batch, missing }
+        Ok(CutBatch { batch, missing })
     }
 }
 
 /// Drops the inputs of rows whose final chunk completed (sent by the Scheduler).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Release {
-    pub node: Name,
-    pub rids: Vec<u64>,
+pub(crate) struct Release {
+    pub(crate) node: Name,
+    pub(crate) rids: Vec<u64>,
 }
 
 impl Handler<Release> for PreparedInputs {
@@ -131,76 +131,48 @@ impl Handler<Release> for PreparedInputs {
     }
 }
 
-/// Drops one row's input; answers whether one was held (unknown rows are a no-op).
-#[derive(Message)]
-#[rtype(result = "bool")]
-pub struct ReleaseOne {
-    pub rid: u64,
-    pub node: Name,
-}
-
-impl Handler<ReleaseOne> for PreparedInputs {
-    type Result = bool;
-
-    fn handle(&mut self, msg: ReleaseOne, _: &mut Self::Context) -> bool {
-        let held = self.store.release(msg.rid, &msg.node);
-        self.publish(&msg.node);
-        held
-    }
-}
-
 /// Drops every node's input of a request; answers how many were held.
 #[derive(Message)]
-#[rtype(result = "usize")]
-pub struct ForgetInputs(pub u64);
+#[rtype(result = "Result<usize, ChunkingError>")]
+pub(crate) struct ForgetInputs(pub(crate) u64);
 
 impl Handler<ForgetInputs> for PreparedInputs {
-    type Result = usize;
+    type Result = Result<usize, ChunkingError>;
 
-    fn handle(&mut self, msg: ForgetInputs, _: &mut Self::Context) -> usize {
+    fn handle(&mut self, msg: ForgetInputs, _: &mut Self::Context) -> Self::Result {
         let nodes = self.store.forget(msg.0);
         for n in &nodes {
             self.publish(n);
         }
-        nodes.len()
+        Ok(nodes.len())
     }
 }
 
 /// A row's whole input (a cheap clone of its `Arc`s).
 #[derive(Message)]
-#[rtype(result = "Option<PreparedInput>")]
-pub struct GetPrepared {
-    pub rid: u64,
-    pub node: Name,
+#[rtype(result = "Result<Option<PreparedInput>, ChunkingError>")]
+pub(crate) struct GetPrepared {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
 }
 
 impl Handler<GetPrepared> for PreparedInputs {
-    type Result = Option<PreparedInput>;
+    type Result = Result<Option<PreparedInput>, ChunkingError>;
 
     fn handle(&mut self, msg: GetPrepared, _: &mut Self::Context) -> Self::Result {
-        self.store.get(msg.rid, &msg.node).cloned()
+        Ok(self.store.get(msg.rid, &msg.node).cloned())
     }
 }
 
 /// Rows and tokens held over all nodes.
 #[derive(Message)]
-#[rtype(result = "HeldTotals")]
-pub struct PreparedTotals;
-
-/// Prepared inputs held: rows and their tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
-pub struct HeldTotals {
-    pub rows: usize,
-    pub tokens: u64,
-}
+#[rtype(result = "Result<(usize, u64), ChunkingError>")]
+pub(crate) struct PreparedTotals;
 
 impl Handler<PreparedTotals> for PreparedInputs {
-    type Result = HeldTotals;
+    type Result = Result<(usize, u64), ChunkingError>;
 
-    fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> HeldTotals {
-        HeldTotals {
-            rows: self.store.rows(),
-            tokens: self.store.tokens(),
-        }
+    fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> Self::Result {
+        Ok((self.store.rows(), self.store.tokens()))
     }
 }

@@ -2,6 +2,7 @@
 //! on completion sends overruns to OverrunAccounting and releases finished rows' inputs to
 //! PreparedInputs.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
@@ -9,38 +10,69 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{Cut, CutBatch, Insert, PreparedInputs, Release};
+use super::prepared_inputs::{Cut, CutBatch, ForgetInputs, Insert, PreparedInputs, Release};
 use super::Guarded;
 use crate::error::ChunkingError;
-use crate::metrics::StepMetrics;
+use crate::metrics::{Instance, QueueGauges, StepMetrics};
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, SchedulerState, StepOutcome};
+use crate::scheduler::{Assembled, Batch, SchedulerState, StepOutcome};
 use crate::Name;
 
 /// Wraps [`SchedulerState`].
-pub struct Scheduler {
+pub(crate) struct Scheduler {
     state: SchedulerState,
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
+    instance: Instance,
     /// Metric handles per `(node, walk)`, resolved on a pair's first step.
     metrics: FxHashMap<(Name, Name), StepMetrics>,
+    /// Queue-depth gauges per node, resolved on the node's first change.
+    queue_gauges: FxHashMap<Name, QueueGauges>,
 }
 
 impl Scheduler {
-    pub fn new(prepared: Addr<PreparedInputs>, overruns: Addr<OverrunAccounting>) -> Self {
+    pub(crate) fn new(
+        instance: Instance,
+        prepared: Addr<PreparedInputs>,
+        overruns: Addr<OverrunAccounting>,
+    ) -> Self {
         Self {
             state: SchedulerState::default(),
             prepared,
             overruns,
+            instance,
             metrics: FxHashMap::default(),
+            queue_gauges: FxHashMap::default(),
         }
     }
 
     fn step_metrics(&mut self, node: &Name, walk: &Name) -> &StepMetrics {
+        let instance = &self.instance;
         self.metrics
             .entry((node.clone(), walk.clone()))
-            .or_insert_with(|| StepMetrics::new(node, walk))
+            .or_insert_with(|| instance.step(node, walk))
+    }
+
+    /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
+    fn publish_queue(&mut self, node: &Name) {
+        let counts = self
+            .state
+            .node(node)
+            .map(|q| q.counts())
+            .unwrap_or_default();
+        let instance = &self.instance;
+        self.queue_gauges
+            .entry(node.clone())
+            .or_insert_with(|| instance.queue(node))
+            .set(counts);
+    }
+
+    fn publish_all_queues(&mut self) {
+        let nodes: Vec<Name> = self.queue_gauges.keys().cloned().collect();
+        for n in nodes {
+            self.publish_queue(&n);
+        }
     }
 }
 
@@ -52,43 +84,45 @@ super::supervised!(
     Scheduler,
     "Scheduler",
     [
-        Admit,
         ContinueRow,
-        Finish,
         ForgetRequest,
         ForgetRow,
         Abandon,
         Complete,
-        SchedulerStats,
-        super::InjectPanic
+        SchedulerStats
     ]
 );
 
 /// The supervised form of a handler that answers later (it waits for PreparedInputs): a panic
 /// while handling is an error to the caller and restarts the actor, as for the other messages.
-fn guard_later<R: 'static>(
+fn guard_later<T: 'static>(
     act: &mut Scheduler,
     ctx: &mut Context<Scheduler>,
-    handle: impl FnOnce(&mut Scheduler, &mut Context<Scheduler>) -> ResponseActFuture<Scheduler, R>,
-) -> ResponseActFuture<Scheduler, Result<R, ChunkingError>> {
+    handle: impl FnOnce(
+        &mut Scheduler,
+        &mut Context<Scheduler>,
+    ) -> ResponseActFuture<Scheduler, Result<T, ChunkingError>>,
+) -> ResponseActFuture<Scheduler, Result<T, ChunkingError>> {
     match super::guard(act, ctx, "Scheduler", handle) {
-        Ok(later) => Box::pin(later.map(|r, _, _| Ok(r))),
+        Ok(later) => later,
         Err(e) => Box::pin(fut::ready(Err(e))),
     }
 }
 
 impl Handler<Guarded<Assemble>> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Result<Batch, ChunkingError>, ChunkingError>>;
+    /// Atomic: no other message is handled until the step's inputs are cut and the batch is
+    /// held, so a repeated `assemble` or a `complete` always sees the step whole.
+    type Result = AtomicResponse<Self, Result<Arc<Batch>, ChunkingError>>;
 
     fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
-        guard_later(self, ctx, |act, ctx| {
+        AtomicResponse::new(guard_later(self, ctx, |act, ctx| {
             <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
-        })
+        }))
     }
 }
 
 impl Handler<Guarded<AdmitPrepared>> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Result<(), ChunkingError>, ChunkingError>>;
+    type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
 
     fn handle(&mut self, msg: Guarded<AdmitPrepared>, ctx: &mut Self::Context) -> Self::Result {
         guard_later(self, ctx, |act, ctx| {
@@ -101,26 +135,12 @@ impl Handler<UseSnapshot> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: UseSnapshot, _: &mut Self::Context) {
+        // Every node's queue-depth series exists from the first snapshot on, at 0.
+        let nodes: Vec<Name> = msg.0.table().model().nodes().cloned().collect();
         self.state.set_snapshot(msg.0);
-    }
-}
-
-/// Queues a prompt of `total` tokens (`cached` of them a cached prefix) for `rid` at `node`.
-#[derive(Message)]
-#[rtype(result = "Result<(), ChunkingError>")]
-pub struct Admit {
-    pub rid: u64,
-    pub node: Name,
-    pub walk: Name,
-    pub total: u32,
-    pub cached: u32,
-}
-
-impl Handler<Admit> for Scheduler {
-    type Result = Result<(), ChunkingError>;
-
-    fn handle(&mut self, m: Admit, _: &mut Self::Context) -> Self::Result {
-        self.state.admit(m.rid, &m.node, &m.walk, m.total, m.cached)
+        for node in &nodes {
+            self.publish_queue(node);
+        }
     }
 }
 
@@ -130,12 +150,12 @@ impl Handler<Admit> for Scheduler {
 /// of this Scheduler, as an actor's mailbox is first in, first out.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
-pub struct AdmitPrepared {
-    pub rid: u64,
-    pub node: Name,
-    pub walk: Name,
-    pub input: PreparedInput,
-    pub cached: u32,
+pub(crate) struct AdmitPrepared {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
+    pub(crate) input: PreparedInput,
+    pub(crate) cached: u32,
 }
 
 impl Handler<AdmitPrepared> for Scheduler {
@@ -149,6 +169,7 @@ impl Handler<AdmitPrepared> for Scheduler {
         if let Err(e) = queued {
             return Box::pin(fut::ready(Err(e)));
         }
+        self.publish_queue(&m.node);
         let (rid, node) = (m.rid, m.node);
         let insert = self.prepared.send(Guarded(Insert {
             rid,
@@ -157,102 +178,101 @@ impl Handler<AdmitPrepared> for Scheduler {
         }));
         Box::pin(insert.into_actor(self).map(move |answer, act, _| {
             let refused = match answer {
-                Ok(Ok(Ok(_))) => return Ok(()),
-                Ok(Ok(Err(e)) | Err(e)) => e,
-                Err(e) => ChunkingError::ActorUnavailable {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => e,
+                Err(_) => ChunkingError::ActorStopped {
                     actor: "PreparedInputs",
-                    reason: e.to_string(),
                 },
             };
             act.state.forget_at(rid, &node);
+            act.publish_queue(&node);
             Err(refused)
         }))
     }
 }
 
 /// Keeps a continuing row of `rid` at `node` queued, running `estimate` tokens a step, until
-/// [`Finish`] or [`ForgetRequest`].
+/// [`ForgetRequest`] or [`ForgetRow`].
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
-pub struct ContinueRow {
-    pub rid: u64,
-    pub node: Name,
-    pub walk: Name,
-    pub estimate: u32,
+pub(crate) struct ContinueRow {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
+    pub(crate) estimate: u32,
 }
 
 impl Handler<ContinueRow> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
-        self.state.continue_row(m.rid, &m.node, &m.walk, m.estimate)
+        self.state
+            .continue_row(m.rid, &m.node, &m.walk, m.estimate)?;
+        self.publish_queue(&m.node);
+        Ok(())
     }
 }
 
-/// Drops the continuing row of `rid` at `node`; answers whether there was one.
+/// Ends a request: drops its rows on every node here, and its prepared inputs (PreparedInputs
+/// gets the message before any later `Cut` of this Scheduler).
 #[derive(Message)]
-#[rtype(result = "bool")]
-pub struct Finish {
-    pub rid: u64,
-    pub node: Name,
-}
-
-impl Handler<Finish> for Scheduler {
-    type Result = bool;
-
-    fn handle(&mut self, m: Finish, _: &mut Self::Context) -> bool {
-        self.state.finish(m.rid, &m.node)
-    }
-}
-
-/// Drops every row of a request on every node.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct ForgetRequest(pub u64);
+#[rtype(result = "Result<(), ChunkingError>")]
+pub(crate) struct ForgetRequest(pub(crate) u64);
 
 impl Handler<ForgetRequest> for Scheduler {
-    type Result = ();
+    type Result = Result<(), ChunkingError>;
 
-    fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) {
+    fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) -> Self::Result {
         self.state.forget(m.0);
+        self.prepared.do_send(ForgetInputs(m.0));
+        self.publish_all_queues();
+        Ok(())
     }
 }
 
-/// Drops the rows of `rid` at `node` only.
+/// Drops the row of `rid` at `node` and its input there; answers whether an input was held.
 #[derive(Message)]
-#[rtype(result = "bool")]
-pub struct ForgetRow {
-    pub rid: u64,
-    pub node: Name,
+#[rtype(result = "Result<bool, ChunkingError>")]
+pub(crate) struct ForgetRow {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
 }
 
 impl Handler<ForgetRow> for Scheduler {
-    type Result = bool;
+    type Result = Result<bool, ChunkingError>;
 
-    fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> bool {
-        self.state.forget_at(m.rid, &m.node)
+    fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> Self::Result {
+        let had_prefill = self.state.forget_at(m.rid, &m.node);
+        self.prepared.do_send(Release {
+            node: m.node.clone(),
+            rids: vec![m.rid],
+        });
+        self.publish_queue(&m.node);
+        Ok(had_prefill)
     }
 }
 
-/// Assembles the next step of `node`/`walk`, with every chunk's input cut by PreparedInputs.
+/// Assembles the next step of `node`/`walk`, with every chunk's input cut by PreparedInputs,
+/// or answers the node's step in flight again.
 ///
 /// The Scheduler asks PreparedInputs itself, so the engine waits for one answer per step: a
 /// message between actors of one arbiter costs less than waking the engine's task twice. A
 /// chunk whose input went missing (forgotten meanwhile) abandons the step and drops that row.
 #[derive(Message)]
-#[rtype(result = "Result<Batch, ChunkingError>")]
-pub struct Assemble {
-    pub node: Name,
-    pub walk: Name,
+#[rtype(result = "Result<Arc<Batch>, ChunkingError>")]
+pub(crate) struct Assemble {
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
 }
 
 impl Handler<Assemble> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Batch, ChunkingError>>;
+    type Result = ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         let started = Instant::now();
         let batch = match self.state.assemble(&m.node, &m.walk) {
-            Ok(batch) => batch,
+            Ok(Assembled::InFlight(batch)) => return Box::pin(fut::ready(Ok(batch))),
+            Ok(Assembled::Planned(batch)) => batch,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         let took = started.elapsed();
@@ -263,61 +283,62 @@ impl Handler<Assemble> for Scheduler {
             .iter()
             .any(|r| matches!(r.work, Work::Chunk { .. }))
         {
+            let batch = Arc::new(batch);
+            self.state.hold(batch.clone());
             return Box::pin(fut::ready(Ok(batch)));
         }
         let (step, node) = (batch.step, batch.node.clone());
         let cut = self.prepared.send(Guarded(Cut(batch)));
-        Box::pin(
-            cut.into_actor(self)
-                .map(move |answer, act, _| match answer {
-                    Ok(Ok(CutBatch { batch, missing })) if missing.is_empty() => Ok(batch),
-                    Ok(Ok(CutBatch { missing, .. })) => {
-                        act.state.abandon(step, &missing)?;
-                        Err(ChunkingError::MissingPreparedInput {
-                            rid: missing[0],
-                            node,
-                        })
-                    }
-                    // Without the batch the engine cannot complete the step: do not leave it
-                    // blocking the node.
-                    Ok(Err(e)) => {
-                        act.state.abandon(step, &[])?;
-                        Err(e)
-                    }
-                    Err(e) => {
-                        act.state.abandon(step, &[])?;
-                        Err(ChunkingError::ActorUnavailable {
-                            actor: "PreparedInputs",
-                            reason: e.to_string(),
-                        })
-                    }
-                }),
-        )
+        Box::pin(cut.into_actor(self).map(move |answer, act, _| {
+            let error = match answer {
+                Ok(Ok(CutBatch { batch, missing })) if missing.is_empty() => {
+                    let batch = Arc::new(batch);
+                    act.state.hold(batch.clone());
+                    return Ok(batch);
+                }
+                Ok(Ok(CutBatch { missing, .. })) => {
+                    act.state.abandon(step, &missing)?;
+                    act.publish_queue(&node);
+                    return Err(ChunkingError::MissingPreparedInput {
+                        rid: missing[0],
+                        node,
+                    });
+                }
+                Ok(Err(e)) => e,
+                Err(_) => ChunkingError::ActorStopped {
+                    actor: "PreparedInputs",
+                },
+            };
+            // Without the batch the engine cannot complete the step: do not leave it blocking
+            // the node.
+            act.state.abandon(step, &[])?;
+            Err(error)
+        }))
     }
 }
 
-/// Abandons a step in flight without advancing it, dropping rows whose input went missing.
+/// Abandons the step in flight `step` of `node` without advancing it.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
-pub struct Abandon {
-    pub step: u64,
-    pub drop_rids: Vec<u64>,
+pub(crate) struct Abandon {
+    pub(crate) node: Name,
+    pub(crate) step: u64,
 }
 
 impl Handler<Abandon> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: Abandon, _: &mut Self::Context) -> Self::Result {
-        self.state.abandon(m.step, &m.drop_rids)
+        self.state.abandon_at(&m.node, m.step)
     }
 }
 
 /// Completes a step: `ran[i]` is what row `i` of its batch actually ran.
 #[derive(Message)]
 #[rtype(result = "Result<StepOutcome, ChunkingError>")]
-pub struct Complete {
-    pub step: u64,
-    pub ran: Vec<u32>,
+pub(crate) struct Complete {
+    pub(crate) step: u64,
+    pub(crate) ran: Vec<u32>,
 }
 
 impl Handler<Complete> for Scheduler {
@@ -336,30 +357,44 @@ impl Handler<Complete> for Scheduler {
         }
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(&outcome);
+        self.publish_queue(&outcome.node);
         Ok(outcome)
     }
 }
 
-/// Prefill rows queued over all nodes, and steps in flight.
+/// Rows queued over all nodes, and steps in flight.
 #[derive(Message)]
-#[rtype(result = "QueueStats")]
-pub struct SchedulerStats;
+#[rtype(result = "Result<QueueStats, ChunkingError>")]
+pub(crate) struct SchedulerStats;
 
-/// Prefill rows queued over all nodes, and steps in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
+/// Rows queued over all nodes, and steps in flight ([`crate::ChunkingManagement::queue_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct QueueStats {
+    /// Prefill rows queued (each holds a prepared input), waiting or mid-prefill.
     pub prefill_rows: usize,
+    /// Of those, rows with at least one completed chunk.
+    pub mid_prefill_rows: usize,
+    /// Continuing rows queued.
+    pub continuing_rows: usize,
+    /// Steps assembled and neither completed nor abandoned.
     pub steps_in_flight: usize,
 }
 
 impl Handler<SchedulerStats> for Scheduler {
-    type Result = QueueStats;
+    type Result = Result<QueueStats, ChunkingError>;
 
-    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> QueueStats {
-        QueueStats {
-            prefill_rows: self.state.prefill_rows(),
+    fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> Self::Result {
+        let mut stats = QueueStats {
             steps_in_flight: self.state.steps_in_flight(),
+            ..QueueStats::default()
+        };
+        for n in self.state.node_names() {
+            let c = self.state.node(n).map(|q| q.counts()).unwrap_or_default();
+            stats.prefill_rows += c.waiting + c.mid_prefill;
+            stats.mid_prefill_rows += c.mid_prefill;
+            stats.continuing_rows += c.continuing;
         }
+        Ok(stats)
     }
 }
 
@@ -369,7 +404,6 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::actors::Insert;
     use crate::budget::BudgetTable;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::prepared::PreparedInput;
@@ -384,9 +418,10 @@ mod tests {
         .unwrap()
         .shared();
         let snapshot = BudgetSnapshot::new(BudgetTable::from_policies(model), 1);
-        let prepared = PreparedInputs::default().start();
-        let scheduler =
-            Scheduler::new(prepared.clone(), OverrunAccounting::default().start()).start();
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        let scheduler = Scheduler::new(instance, prepared.clone(), overruns).start();
         scheduler
             .send(UseSnapshot(Arc::new(snapshot)))
             .await
@@ -394,31 +429,34 @@ mod tests {
         (scheduler, prepared)
     }
 
+    fn admit(rid: u64, input: PreparedInput) -> Guarded<AdmitPrepared> {
+        Guarded(AdmitPrepared {
+            rid,
+            node: "llm".into(),
+            walk: "prefill".into(),
+            input,
+            cached: 0,
+        })
+    }
+
     #[actix::test]
     async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
         let (scheduler, prepared) = start().await;
-        let (node, walk) = (Name::from("llm"), Name::from("prefill"));
         for rid in [1, 2] {
-            let admit = Admit {
-                rid,
-                node: node.clone(),
-                walk: walk.clone(),
-                total: 10,
-                cached: 0,
-            };
-            scheduler.send(admit).await.unwrap().unwrap();
+            let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
+            scheduler.send(admit(rid, input)).await.unwrap().unwrap();
         }
-        // Only rid 2's input is held: rid 1's went missing.
-        let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
-        let insert = Insert {
-            rid: 2,
-            node: node.clone(),
-            input,
-        };
-        prepared.send(insert).await.unwrap().unwrap();
-        let assemble = || Assemble {
-            node: node.clone(),
-            walk: walk.clone(),
+        // rid 1's input goes missing behind the Scheduler's back.
+        prepared
+            .send(Guarded(ForgetInputs(1)))
+            .await
+            .unwrap()
+            .unwrap();
+        let assemble = || {
+            Guarded(Assemble {
+                node: "llm".into(),
+                walk: "prefill".into(),
+            })
         };
 
         let err = scheduler.send(assemble()).await.unwrap().unwrap_err();
@@ -436,30 +474,34 @@ mod tests {
     #[actix::test]
     async fn an_input_prepared_inputs_refuses_leaves_no_row_queued() {
         let (scheduler, prepared) = start().await;
-        let node = Name::from("llm");
         let input = PreparedInput::tokens(vec![1, 2, 3]);
         let insert = Insert {
             rid: 3,
-            node: node.clone(),
+            node: "llm".into(),
             input: input.clone(),
         };
-        prepared.send(insert).await.unwrap().unwrap();
-        let admit = |rid| AdmitPrepared {
-            rid,
-            node: node.clone(),
-            walk: "prefill".into(),
-            input: input.clone(),
-            cached: 0,
-        };
-        let err = scheduler.send(admit(3)).await.unwrap().unwrap_err();
+        prepared.send(Guarded(insert)).await.unwrap().unwrap();
+        let err = scheduler
+            .send(admit(3, input.clone()))
+            .await
+            .unwrap()
+            .unwrap_err();
         assert!(
             matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
             "{err}"
         );
-        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(stats.prefill_rows, 0);
-        scheduler.send(admit(4)).await.unwrap().unwrap();
-        let stats = scheduler.send(SchedulerStats).await.unwrap();
+        scheduler.send(admit(4, input)).await.unwrap().unwrap();
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(stats.prefill_rows, 1);
     }
 }

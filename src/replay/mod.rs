@@ -276,7 +276,8 @@ pub async fn run(
     settings: &Settings,
     opts: &ReplayOptions,
 ) -> Result<ReplayReport, ReplayError> {
-    let cm = ChunkingManagement::start(manifest.submodules());
+    let cm = ChunkingManagement::start(&manifest.name, manifest.submodules())
+        .map_err(ReplayError::chunking("starting the actors"))?;
     run_on(&cm, manifest, settings, opts).await
 }
 

@@ -206,7 +206,7 @@ impl<'a> Sim<'a> {
                 }
             }
             if let Some(pb) = &progress {
-                if self.report.steps % PROGRESS_EVERY == 0 {
+                if self.report.steps.is_multiple_of(PROGRESS_EVERY) {
                     pb.set_position(self.done as u64);
                 }
             }
@@ -379,9 +379,9 @@ impl<'a> Sim<'a> {
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
                         self.cm
-                            .finish_row(row.rid, node)
+                            .forget_request(row.rid)
                             .await
-                            .map_err(ReplayError::chunking("finishing a decode row"))?;
+                            .map_err(ReplayError::chunking("ending a finished request"))?;
                         self.decoding -= 1;
                         self.done += 1;
                     }

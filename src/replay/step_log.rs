@@ -94,7 +94,7 @@ impl Serialize for StepLine<'_> {
         m.serialize_entry("budget", &b.budget)?;
         m.serialize_entry("floor", &b.floor)?;
         m.serialize_entry("caps", &b.caps.as_deref().map(Caps))?;
-        m.serialize_entry("rows", &Rows(&b.rows))?;
+        m.serialize_entry("rows", &Rows(b))?;
         m.serialize_entry("scheduled_tokens", &b.scheduled_tokens)?;
         m.serialize_entry("ran_tokens", &self.ran_tokens)?;
         m.serialize_entry("overrun", &self.overrun.map(|o| Reason(o.reason.as_str())))?;
@@ -121,24 +121,24 @@ impl Serialize for Reason {
     }
 }
 
-struct Rows<'a>(&'a [BatchRow]);
+struct Rows<'a>(&'a Batch);
 
 impl Serialize for Rows<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().map(Row))
+        s.collect_seq(self.0.rows.iter().map(|r| Row(r, self.0.walk_of(r))))
     }
 }
 
-struct Row<'a>(&'a BatchRow);
+struct Row<'a>(&'a BatchRow, &'a str);
 
 impl Serialize for Row<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let r = self.0;
+        let (r, walk) = (self.0, self.1);
         match r.work {
             Work::Continue { estimate } => {
                 let mut m = s.serialize_map(Some(4))?;
                 m.serialize_entry("rid", &r.rid)?;
-                m.serialize_entry("walk", r.walk)?;
+                m.serialize_entry("walk", walk)?;
                 m.serialize_entry("kind", "continue")?;
                 m.serialize_entry("tokens", &estimate)?;
                 m.end()
@@ -148,7 +148,7 @@ impl Serialize for Row<'_> {
                 let first = range.stride == range.end;
                 let mut m = s.serialize_map(Some(if first { 10 } else { 9 }))?;
                 m.serialize_entry("rid", &r.rid)?;
-                m.serialize_entry("walk", r.walk)?;
+                m.serialize_entry("walk", walk)?;
                 m.serialize_entry("kind", "chunk")?;
                 m.serialize_entry("tokens", &range.tokens())?;
                 m.serialize_entry("start", &range.start)?;

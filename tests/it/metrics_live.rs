@@ -242,6 +242,7 @@ fn concrete(expr: &str, node: &str, walk: &str) -> String {
         ("__interval", "15s"),
         ("node", node),
         ("walk", walk),
+        ("model", ".*"),
     ] {
         e = e
             .replace(&format!("${{{var}}}"), value)

@@ -1,5 +1,5 @@
 //! Property tests over the scheduler's pure state: random prompts, decode rows, budgets,
-//! floors and aligns, run to completion, checked against the invariants of SPEC §2 and §5.
+//! floors and aligns, run to completion, checked against the invariants of docs/ranges.md#invariants and docs/scheduling.md#planner-rules.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -113,7 +113,7 @@ proptest! {
                     s.admit(rid as u64, "llm", "prefill", *total, *cached).unwrap();
                 }
             }
-            let b = s.assemble("llm", "mixed").unwrap();
+            let b = s.assemble("llm", "mixed").unwrap().into_batch();
             let budget = u64::from(c.budget);
             let floor = c.min_chunk.min(c.budget).min(c.max_row.unwrap_or(u32::MAX));
             prop_assert_eq!(b.floor, Some(floor));
@@ -145,7 +145,8 @@ proptest! {
                 if let Some(left) = decode_left.get_mut(&r.rid) {
                     *left -= 1;
                     if *left == 0 {
-                        prop_assert!(s.finish(r.rid, "llm"));
+                        prop_assert!(s.node("llm").unwrap().cont().iter().any(|c| c.rid == r.rid));
+                        s.forget(r.rid);
                     }
                 }
             }

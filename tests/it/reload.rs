@@ -27,7 +27,7 @@ fn write_layer(dir: &Path, mixed: &str) {
 
 async fn start(opts: &LoadOptions) -> (ChunkingManagement, Reloader) {
     let loaded = load(opts).unwrap();
-    let cm = ChunkingManagement::start(loaded.manifest.submodules());
+    let cm = ChunkingManagement::start("test", loaded.manifest.submodules()).unwrap();
     cm.set_policies(loaded.manifest.policies()).await.unwrap();
     cm.set_budgets(loaded.manifest.budget_settings(&loaded.settings.chunking))
         .await

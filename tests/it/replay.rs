@@ -595,7 +595,7 @@ fn a_replay_survives_actors_panicking_midway() {
         ..ReplayOptions::default()
     };
     let (report, kills) = actix::System::new().block_on(async {
-        let cm = ChunkingManagement::start(m.submodules());
+        let cm = ChunkingManagement::start("test", m.submodules()).unwrap();
         let killer = {
             let cm = cm.clone();
             actix::spawn(async move {
@@ -611,7 +611,8 @@ fn a_replay_survives_actors_panicking_midway() {
                     let err = cm.inject_panic(actor).await.unwrap_err();
                     assert!(matches!(err, ChunkingError::ActorPanicked { .. }), "{err}");
                     // Mid-replay: prompts are still queued when the actor dies.
-                    kills.push(cm.scheduler_stats().await.unwrap());
+                    let s = cm.queue_stats().await.unwrap();
+                    kills.push((s.prefill_rows, s.steps_in_flight));
                 }
                 kills
             })

@@ -1,9 +1,14 @@
-//! Random message sequences through the facade (admit, continue, finish, assemble, complete,
-//! forget, release, set_budgets), checked after every message: no row lost or duplicated,
-//! prepared inputs held == rows queued for prefill, chunks contiguous per SPEC §2, and at the
-//! end every admitted row either finished its prefill or was dropped.
+//! Random message sequences through the facade (admit, continue, assemble, a dropped assemble
+//! future, complete with the planned tokens or with nothing run, abandon, forget, release,
+//! set_budgets), checked after every message: no row lost or duplicated, prepared inputs held
+//! == rows queued for prefill, a repeated assemble answers the step in flight, chunks contiguous
+//! (docs/ranges.md), and at the end every admitted row either finished its prefill or was
+//! dropped, its chunks contiguous and complete.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Waker};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
 use mstar_chunking::{
@@ -14,14 +19,35 @@ use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { rid: u64, len: u32, cached: u32 },
-    Continue { rid: u64, estimate: u32 },
-    Finish { rid: u64 },
+    Admit {
+        rid: u64,
+        len: u32,
+        cached: u32,
+    },
+    Continue {
+        rid: u64,
+        estimate: u32,
+    },
     Assemble,
-    Complete { overshoot: u32 },
-    Forget { rid: u64 },
-    Release { rid: u64 },
-    SetBudgets { budget: Option<u32>, min_chunk: u32 },
+    /// An `assemble` whose future is dropped after its message went out (a `select!`, a
+    /// timeout, a client that went away).
+    DropAssemble,
+    Complete {
+        overshoot: u32,
+    },
+    /// The step failed on the GPU: every chunk row reports 0.
+    Fail,
+    Abandon,
+    Forget {
+        rid: u64,
+    },
+    Release {
+        rid: u64,
+    },
+    SetBudgets {
+        budget: Option<u32>,
+        min_chunk: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -29,9 +55,11 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (rid.clone(), 1u32..2000, 0u32..2500).prop_map(|(rid, len, cached)| Op::Admit { rid, len, cached }),
         2 => (rid.clone(), 1u32..5).prop_map(|(rid, estimate)| Op::Continue { rid, estimate }),
-        1 => rid.clone().prop_map(|rid| Op::Finish { rid }),
         6 => Just(Op::Assemble),
+        2 => Just(Op::DropAssemble),
         6 => (0u32..3).prop_map(|overshoot| Op::Complete { overshoot }),
+        1 => Just(Op::Fail),
+        1 => Just(Op::Abandon),
         1 => rid.clone().prop_map(|rid| Op::Forget { rid }),
         1 => rid.prop_map(|rid| Op::Release { rid }),
         1 => (proptest::option::of(16u32..1500), 0u32..100).prop_map(|(budget, min_chunk)| Op::SetBudgets { budget, min_chunk }),
@@ -62,7 +90,9 @@ struct Model {
     /// rid -> (total, progress, started) of rows queued for prefill.
     prefilling: HashMap<u64, (u32, u32, bool)>,
     continuing: HashSet<u64>,
-    in_flight: Option<Batch>,
+    in_flight: Option<Arc<Batch>>,
+    /// A step was assembled by a future that was dropped: the next assemble answers it.
+    unseen_in_flight: bool,
     /// Rids dropped while the step in flight holds one of their chunks: it must not advance them.
     stale: HashSet<u64>,
     admitted: HashSet<u64>,
@@ -117,17 +147,31 @@ impl Model {
 
 async fn check_held(cm: &ChunkingManagement, m: &Model) -> Result<(), TestCaseError> {
     let (held, _) = cm.prepared_totals().await.unwrap();
-    let (queued, in_flight) = cm.scheduler_stats().await.unwrap();
+    let stats = cm.queue_stats().await.unwrap();
     prop_assert_eq!(held, m.prefilling.len(), "prepared inputs held");
-    prop_assert_eq!(queued, m.prefilling.len(), "prefill rows queued");
-    prop_assert_eq!(in_flight, usize::from(m.in_flight.is_some()));
+    prop_assert_eq!(
+        stats.prefill_rows,
+        m.prefilling.len(),
+        "prefill rows queued"
+    );
+    prop_assert_eq!(
+        stats.mid_prefill_rows,
+        m.prefilling.values().filter(|r| r.2).count(),
+        "rows mid-prefill"
+    );
+    prop_assert_eq!(stats.continuing_rows, m.continuing.len(), "continuing rows");
+    let in_flight = m.in_flight.is_some() || m.unseen_in_flight;
+    prop_assert_eq!(stats.steps_in_flight, usize::from(in_flight));
     Ok(())
 }
 
+/// Completes the step in flight: continuing rows ran their estimate plus `overshoot`; chunk
+/// rows ran their planned tokens, or nothing when `failed`.
 async fn complete(
     cm: &ChunkingManagement,
     m: &mut Model,
     overshoot: u32,
+    failed: bool,
 ) -> Result<(), TestCaseError> {
     let Some(b) = m.in_flight.take() else {
         return Ok(());
@@ -135,24 +179,30 @@ async fn complete(
     let ran: Vec<u32> = b
         .rows
         .iter()
-        .map(|r| {
-            r.tokens()
-                + if matches!(r.work, Work::Continue { .. }) {
-                    overshoot
-                } else {
-                    0
-                }
+        .map(|r| match r.work {
+            Work::Continue { estimate } => estimate + overshoot,
+            Work::Chunk { .. } if failed => 0,
+            Work::Chunk { range, .. } => range.tokens(),
         })
         .collect();
     let out = cm.complete(b.step, ran).await.unwrap();
-    m.apply(&b)?;
+    if !failed {
+        m.apply(&b)?;
+    } else {
+        prop_assert_eq!(out.chunks, 0);
+        prop_assert!(out.finished.is_empty());
+    }
     m.stale.clear();
     prop_assert!(out.finished.iter().all(|rid| m.finished.contains(rid)));
     Ok(())
 }
 
 async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let cm = ChunkingManagement::start([("llm", SubmoduleCaps::new(["prefill", "mixed"], false))]);
+    let cm = ChunkingManagement::start(
+        "test",
+        [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
+    )
+    .unwrap();
     cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(512).aligned(16))])
         .await
         .unwrap();
@@ -187,14 +237,36 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     Err(e) => prop_assert!(false, "continue: {e}"),
                 }
             }
-            Op::Finish { rid } => {
-                let had = cm.finish_row(rid, "llm").await.unwrap();
-                prop_assert_eq!(had, m.continuing.remove(&rid));
+            Op::DropAssemble => {
+                let mut assemble = std::pin::pin!(cm.assemble("llm", "mixed"));
+                // Polled once (the message goes out); the Scheduler handles it (a later message
+                // is answered after it), then the future is dropped with its answer.
+                let mut cx = Context::from_waker(Waker::noop());
+                let polled = assemble.as_mut().poll(&mut cx);
+                prop_assert!(polled.is_pending(), "answered without yielding");
+                cm.queue_stats().await.unwrap();
+                m.unseen_in_flight |= m.in_flight.is_none();
+            }
+            Op::Fail => complete(&cm, &mut m, 0, true).await?,
+            Op::Abandon => {
+                if let Some(b) = m.in_flight.take() {
+                    cm.abandon("llm", b.step).await.unwrap();
+                    let again = cm.abandon("llm", b.step).await;
+                    prop_assert!(
+                        matches!(again, Err(ChunkingError::UnknownStep { .. })),
+                        "abandoned twice: {:?}",
+                        again
+                    );
+                    m.stale.clear();
+                }
             }
             Op::Assemble => match cm.assemble("llm", "mixed").await {
+                Ok(b) if m.in_flight.is_some() => {
+                    prop_assert_eq!(Some(&b), m.in_flight.as_ref(), "not the step in flight");
+                }
                 Ok(b) => {
-                    prop_assert!(m.in_flight.is_none());
-                    for r in &b.rows {
+                    m.unseen_in_flight = false;
+                    for r in b.rows.iter().filter(|r| !m.stale.contains(&r.rid)) {
                         if matches!(r.work, Work::Continue { .. }) {
                             prop_assert!(
                                 m.continuing.contains(&r.rid),
@@ -211,13 +283,12 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                     m.in_flight = Some(b);
                 }
-                Err(ChunkingError::StepInFlight { .. }) => prop_assert!(m.in_flight.is_some()),
                 Err(e) => prop_assert!(false, "assemble: {e}"),
             },
-            Op::Complete { overshoot } => complete(&cm, &mut m, overshoot).await?,
+            Op::Complete { overshoot } => complete(&cm, &mut m, overshoot, false).await?,
             Op::Forget { rid } => {
                 cm.forget_request(rid).await.unwrap();
-                if m.in_flight.is_some() {
+                if m.in_flight.is_some() || m.unseen_in_flight {
                     m.stale.insert(rid);
                 }
                 if m.prefilling.remove(&rid).is_some() {
@@ -227,7 +298,7 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Release { rid } => {
                 let held = cm.release(rid, "llm").await.unwrap();
-                if m.in_flight.is_some() {
+                if m.in_flight.is_some() || m.unseen_in_flight {
                     m.stale.insert(rid);
                 }
                 let had = m.prefilling.remove(&rid).is_some();
@@ -244,17 +315,21 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
         check_held(&cm, &m).await?;
     }
-    // Drain: finish the in-flight step and every continuing row, then run to the end.
-    complete(&cm, &mut m, 0).await?;
+    // Drain: finish the in-flight step and end every continuing request, then run to the end.
+    if m.unseen_in_flight {
+        m.in_flight = Some(cm.assemble("llm", "mixed").await.unwrap());
+        m.unseen_in_flight = false;
+    }
+    complete(&cm, &mut m, 0, false).await?;
     for rid in m.continuing.drain() {
-        cm.finish_row(rid, "llm").await.unwrap();
+        cm.forget_request(rid).await.unwrap();
     }
     for _ in 0..2000 {
         if m.prefilling.is_empty() {
             break;
         }
         m.in_flight = Some(cm.assemble("llm", "mixed").await.unwrap());
-        complete(&cm, &mut m, 0).await?;
+        complete(&cm, &mut m, 0, false).await?;
     }
     prop_assert!(
         m.prefilling.is_empty(),

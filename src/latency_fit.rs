@@ -1,0 +1,554 @@
+//! Fitting the latency model to measured step times (`docs/cost-model.md#fitting`).
+//!
+//! - [`OnlineFit`]: what the component learns from the step times the engine reports
+//!   (`complete(step, ran, measured_ms)`). Recursive least squares with a forgetting factor, so
+//!   recent steps weigh more and memory stays constant; the coefficients are solved on demand,
+//!   non-negative, and the fit says when it can be trusted.
+//! - [`fit_samples`]: the offline fit, all steps weighted alike, with R² and error quantiles.
+//!   Reading step logs and CSVs for `mstar-chunking fit FILE` is in
+//!   [`crate::latency_fit_file`].
+//!
+//! Both solve the same problem exactly: the least-squares coefficients under the constraint
+//! that every coefficient is `>= 0` (see `Normal::solve`). Plain `std` and `serde`: this is
+//! part of the engine core.
+
+use serde::Serialize;
+
+use crate::latency::{LatencyModel, StepFeatures};
+
+/// A refused measurement, fit setting or fit input.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum FitError {
+    /// A measured step time is negative, NaN or infinite.
+    #[error("a measured step time must be a finite number of milliseconds >= 0, got {value}")]
+    BadMeasurement {
+        /// The refused value.
+        value: f64,
+    },
+    /// A fit setting is out of its range.
+    #[error("`{key}` must be {expected}, got {value}")]
+    BadSetting {
+        /// The setting's key.
+        key: &'static str,
+        /// The range it must be in.
+        expected: &'static str,
+        /// The refused value.
+        value: f64,
+    },
+    /// A step feature is negative, NaN or infinite.
+    #[error("step feature `{key}` must be a finite number >= 0, got {value}")]
+    BadFeature {
+        /// The feature: `tokens`, `kv_tokens` or `attention_pairs`.
+        key: &'static str,
+        /// The refused value.
+        value: f64,
+    },
+    /// There is nothing to fit.
+    #[error("no steps to fit")]
+    NoSamples,
+}
+
+fn check_measurement(ms: f64) -> Result<f64, FitError> {
+    if ms.is_finite() && ms >= 0.0 {
+        Ok(ms)
+    } else {
+        Err(FitError::BadMeasurement { value: ms })
+    }
+}
+
+// === impl Sample ===
+
+/// One completed step: its features and its measured milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// `T`: tokens the step ran.
+    pub tokens: f64,
+    /// `K`: context tokens its continuing rows read.
+    pub kv_tokens: f64,
+    /// `A`: causal attention pairs of its chunks.
+    pub attention_pairs: f64,
+    /// The measured step time, milliseconds.
+    pub ms: f64,
+}
+
+impl Sample {
+    /// A step with these features that took `ms`.
+    ///
+    /// # Errors
+    /// [`FitError::BadMeasurement`] when `ms` is negative, NaN or infinite.
+    pub fn new(features: &StepFeatures, ms: f64) -> Result<Self, FitError> {
+        let [tokens, kv_tokens, attention_pairs] = features.to_f64();
+        Ok(Self {
+            tokens,
+            kv_tokens,
+            attention_pairs,
+            ms: check_measurement(ms)?,
+        })
+    }
+
+    /// The regressors, once the measurement and every feature are checked finite and `>= 0`.
+    fn checked(&self) -> Result<[f64; 4], FitError> {
+        check_measurement(self.ms)?;
+        for (key, value) in ["tokens", "kv_tokens", "attention_pairs"].into_iter().zip([
+            self.tokens,
+            self.kv_tokens,
+            self.attention_pairs,
+        ]) {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(FitError::BadFeature { key, value });
+            }
+        }
+        Ok(self.x())
+    }
+
+    /// The regressors `[1, T, K, A]`, in the order of the coefficients.
+    fn x(&self) -> [f64; 4] {
+        [1.0, self.tokens, self.kv_tokens, self.attention_pairs]
+    }
+}
+
+/// The model's prediction for `x = [1, T, K, A]`, in the same order of operations as
+/// [`LatencyModel::predict_ms`].
+fn predict(c: &[f64; 4], x: &[f64; 4]) -> f64 {
+    c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3]
+}
+
+// === impl Normal ===
+
+/// The weighted normal equations of the fit: `G = Σ w·x·xᵀ`, `h = Σ w·x·y`, and the sums the
+/// error needs. Constant size, whatever the number of samples.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Normal {
+    g: [[f64; 4]; 4],
+    h: [f64; 4],
+    /// `Σ w·y²`.
+    yy: f64,
+    /// `Σ w·y`.
+    sy: f64,
+    /// `Σ w`.
+    sw: f64,
+}
+
+/// A pivot below this (on the unit-diagonal scaled matrix: `1 − R²` of a column regressed on
+/// the others of its subset) marks the subset's columns as collinear; a smaller subset then
+/// reaches the same fit.
+const MIN_PIVOT: f64 = 1e-11;
+
+impl Normal {
+    /// Multiplies every past weight by `lambda`.
+    fn decay(&mut self, lambda: f64) {
+        for row in &mut self.g {
+            for v in row {
+                *v *= lambda;
+            }
+        }
+        for v in &mut self.h {
+            *v *= lambda;
+        }
+        self.yy *= lambda;
+        self.sy *= lambda;
+        self.sw *= lambda;
+    }
+
+    fn add(&mut self, x: &[f64; 4], y: f64) {
+        for i in 0..4 {
+            for j in 0..4 {
+                self.g[i][j] += x[i] * x[j];
+            }
+            self.h[i] += x[i] * y;
+        }
+        self.yy += y * y;
+        self.sy += y;
+        self.sw += 1.0;
+    }
+
+    /// The non-negative least-squares coefficients: `argmin Σ w·(xᵀc − y)²` over `c >= 0`.
+    ///
+    /// Exact, by enumeration: an optimum has a support whose columns are independent, and on
+    /// its support it solves the normal equations restricted to it. So the best feasible
+    /// restricted solution over the 16 subsets of the 4 columns is the optimum. Columns are
+    /// scaled to unit diagonal first: `A` runs to 1e9 and more where the intercept is 1, and
+    /// unscaled pivots would be meaningless.
+    fn solve(&self) -> [f64; 4] {
+        let mut scale = [0.0; 4];
+        for (j, s) in scale.iter_mut().enumerate() {
+            let d = self.g[j][j].sqrt();
+            // A column that is zero in every sample (no decode rows, say) gets coefficient 0.
+            *s = if d.is_finite() && d > 0.0 { d } else { 0.0 };
+        }
+        let mut gs = [[0.0; 4]; 4];
+        let mut hs = [0.0; 4];
+        for i in 0..4 {
+            if scale[i] == 0.0 {
+                continue;
+            }
+            for j in 0..4 {
+                if scale[j] != 0.0 {
+                    gs[i][j] = self.g[i][j] / (scale[i] * scale[j]);
+                }
+            }
+            hs[i] = self.h[i] / scale[i];
+        }
+        let mut best = [0.0; 4];
+        let mut best_obj = 0.0; // the objective of c = 0, less the constant Σ w·y²
+        for mask in 1u8..16 {
+            if (0..4).any(|j| mask & (1 << j) != 0 && scale[j] == 0.0) {
+                continue;
+            }
+            let Some(c) = solve_subset(&gs, &hs, mask) else {
+                continue;
+            };
+            if c.iter().any(|&v| !(v >= 0.0 && v.is_finite())) {
+                continue;
+            }
+            let obj = quadratic(&gs, &c) - 2.0 * dot(&hs, &c);
+            if obj < best_obj {
+                best_obj = obj;
+                best = c;
+            }
+        }
+        let mut out = [0.0; 4];
+        for j in 0..4 {
+            if scale[j] != 0.0 {
+                out[j] = best[j] / scale[j];
+            }
+        }
+        out
+    }
+
+    /// `Σ w·(xᵀc − y)²` from the sums, never negative.
+    fn residual_ss(&self, c: &[f64; 4]) -> f64 {
+        (self.yy - 2.0 * dot(&self.h, c) + quadratic(&self.g, c)).max(0.0)
+    }
+
+    /// The root mean square error over the mean measurement.
+    fn relative_rms(&self, c: &[f64; 4]) -> f64 {
+        relative_rms(self.residual_ss(c), self.sy, self.sw)
+    }
+}
+
+fn relative_rms(residual_ss: f64, sum_y: f64, sum_w: f64) -> f64 {
+    if residual_ss == 0.0 {
+        return 0.0;
+    }
+    if sum_w <= 0.0 || sum_y <= 0.0 {
+        return f64::INFINITY;
+    }
+    (residual_ss / sum_w).sqrt() / (sum_y / sum_w)
+}
+
+fn dot(a: &[f64; 4], b: &[f64; 4]) -> f64 {
+    a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3]
+}
+
+/// `Σ_{p < n} a[p]·b[p]`.
+fn dot_prefix(a: &[f64; 4], b: &[f64; 4], n: usize) -> f64 {
+    a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum()
+}
+
+fn quadratic(g: &[[f64; 4]; 4], c: &[f64; 4]) -> f64 {
+    let mut s = 0.0;
+    for i in 0..4 {
+        for j in 0..4 {
+            s += c[i] * g[i][j] * c[j];
+        }
+    }
+    s
+}
+
+/// Solves `G_SS·c_S = h_S` for the columns in `mask` by Cholesky; the other coefficients are 0.
+/// `None` when the subset's columns are (numerically) collinear.
+fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
+    let mut idx = [0usize; 4];
+    let mut n = 0;
+    for j in 0..4 {
+        if mask & (1 << j) != 0 {
+            idx[n] = j;
+            n += 1;
+        }
+    }
+    // Lower-triangular factor L with L·Lᵀ = G_SS.
+    let mut l = [[0.0f64; 4]; 4];
+    for a in 0..n {
+        for b in 0..=a {
+            let s = g[idx[a]][idx[b]] - dot_prefix(&l[a], &l[b], b);
+            if a == b {
+                // NaN fails too.
+                if s.is_nan() || s <= MIN_PIVOT {
+                    return None;
+                }
+                l[a][a] = s.sqrt();
+            } else {
+                l[a][b] = s / l[b][b];
+            }
+        }
+    }
+    // Forward then back substitution.
+    let mut z = [0.0f64; 4];
+    for a in 0..n {
+        let mut s = h[idx[a]];
+        for p in 0..a {
+            s -= l[a][p] * z[p];
+        }
+        z[a] = s / l[a][a];
+    }
+    let mut sol = [0.0f64; 4];
+    for a in (0..n).rev() {
+        let mut s = z[a];
+        for p in a + 1..n {
+            s -= l[p][a] * sol[p];
+        }
+        sol[a] = s / l[a][a];
+    }
+    let mut c = [0.0f64; 4];
+    for a in 0..n {
+        c[idx[a]] = sol[a];
+    }
+    Some(c)
+}
+
+/// Coefficients from the solver as a model: finite and `>= 0` by construction; a tiny negative
+/// from rounding is clamped to 0.
+fn to_model(c: [f64; 4]) -> LatencyModel {
+    let c = c.map(|v| if v.is_finite() { v.max(0.0) } else { 0.0 });
+    LatencyModel::from_coefficients(c).unwrap_or(LatencyModel::ZERO)
+}
+
+// === impl OnlineFit ===
+
+/// The online fit's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OnlineFitConfig {
+    /// `λ` in `(0, 1]`: each step multiplies the weight of every earlier one by `λ`, so a
+    /// sample `n` steps old weighs `λⁿ` and the fit remembers about `1 / (1 − λ)` steps.
+    /// 1 forgets nothing.
+    pub forgetting: f64,
+    /// Samples (steps observed since the start) needed before the fit is trusted.
+    pub min_samples: u64,
+    /// The largest relative RMS error (RMS of the weighted residuals over the weighted mean
+    /// measurement) at which the fit is trusted.
+    pub max_relative_rms: f64,
+}
+
+impl Default for OnlineFitConfig {
+    /// `λ = 0.995` (about 200 steps of memory, 1% weight left after ~920 steps), 50 samples,
+    /// 10% relative RMS error.
+    fn default() -> Self {
+        Self {
+            forgetting: DEFAULT_FORGETTING,
+            min_samples: DEFAULT_MIN_SAMPLES,
+            max_relative_rms: DEFAULT_MAX_RELATIVE_RMS,
+        }
+    }
+}
+
+/// The default forgetting factor `λ`.
+pub const DEFAULT_FORGETTING: f64 = 0.995;
+/// The default number of samples before the online fit is trusted.
+pub const DEFAULT_MIN_SAMPLES: u64 = 50;
+/// The default largest relative RMS error of a trusted fit.
+pub const DEFAULT_MAX_RELATIVE_RMS: f64 = 0.10;
+
+/// What the online fit says now.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct OnlineEstimate {
+    /// The fitted coefficients.
+    pub model: LatencyModel,
+    /// Steps observed since the start (or the last reset).
+    pub samples: u64,
+    /// The weighted relative RMS error of the fit over the steps it remembers.
+    pub relative_rms: f64,
+    /// Whether the planner may use `model`: `samples >= min_samples` and
+    /// `relative_rms <= max_relative_rms`.
+    pub trusted: bool,
+}
+
+/// A node's online latency fit: recursive non-negative least squares with a forgetting factor.
+/// Constant memory (the 4×4 normal equations), O(1) per observed step; the 4-variable NNLS is
+/// solved when [`OnlineFit::estimate`] is asked (16 Cholesky solves of at most 4×4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OnlineFit {
+    config: OnlineFitConfig,
+    normal: Normal,
+    samples: u64,
+}
+
+impl OnlineFit {
+    /// A fit with no samples.
+    ///
+    /// # Errors
+    /// [`FitError::BadSetting`] when `forgetting` is not in `(0, 1]`, `min_samples` is 0 or
+    /// `max_relative_rms` is not a finite number `> 0`.
+    pub fn try_new(config: OnlineFitConfig) -> Result<Self, FitError> {
+        if !(config.forgetting > 0.0 && config.forgetting <= 1.0) {
+            return Err(FitError::BadSetting {
+                key: "forgetting",
+                expected: "in (0, 1]",
+                value: config.forgetting,
+            });
+        }
+        if config.min_samples == 0 {
+            return Err(FitError::BadSetting {
+                key: "min_samples",
+                expected: "at least 1",
+                value: 0.0,
+            });
+        }
+        if !(config.max_relative_rms.is_finite() && config.max_relative_rms > 0.0) {
+            return Err(FitError::BadSetting {
+                key: "max_relative_rms",
+                expected: "a finite number > 0",
+                value: config.max_relative_rms,
+            });
+        }
+        Ok(Self {
+            config,
+            normal: Normal::default(),
+            samples: 0,
+        })
+    }
+
+    /// The fit's settings.
+    pub fn config(&self) -> &OnlineFitConfig {
+        &self.config
+    }
+
+    /// Steps observed since the start (or the last reset).
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Learns from one completed step: its features (as planned, with the tokens it ran) and
+    /// its measured milliseconds.
+    ///
+    /// # Errors
+    /// [`FitError::BadMeasurement`] when `measured_ms` is negative, NaN or infinite; nothing
+    /// changes then.
+    pub fn observe(&mut self, features: &StepFeatures, measured_ms: f64) -> Result<(), FitError> {
+        let sample = Sample::new(features, measured_ms)?;
+        self.observe_sample(&sample)
+    }
+
+    /// [`OnlineFit::observe`] for a sample already in `f64`s.
+    ///
+    /// # Errors
+    /// [`FitError::BadMeasurement`] as there; [`FitError::BadFeature`] when a feature is
+    /// negative or not finite.
+    pub fn observe_sample(&mut self, s: &Sample) -> Result<(), FitError> {
+        let x = s.checked()?;
+        self.normal.decay(self.config.forgetting);
+        self.normal.add(&x, s.ms);
+        self.samples = self.samples.saturating_add(1);
+        Ok(())
+    }
+
+    /// The fitted coefficients, their error and whether they are trusted; `None` before the
+    /// first sample.
+    pub fn estimate(&self) -> Option<OnlineEstimate> {
+        if self.samples == 0 {
+            return None;
+        }
+        let c = self.normal.solve();
+        let relative_rms = self.normal.relative_rms(&c);
+        Some(OnlineEstimate {
+            model: to_model(c),
+            samples: self.samples,
+            relative_rms,
+            trusted: self.samples >= self.config.min_samples
+                && relative_rms <= self.config.max_relative_rms,
+        })
+    }
+
+    /// The fitted model when it is trusted, else `None`: what the planner should use before
+    /// falling back to the configured model.
+    pub fn trusted_model(&self) -> Option<LatencyModel> {
+        self.estimate().filter(|e| e.trusted).map(|e| e.model)
+    }
+
+    /// Forgets every sample (a new model, a restarted engine).
+    pub fn reset(&mut self) {
+        self.normal = Normal::default();
+        self.samples = 0;
+    }
+}
+
+// === the offline fit ===
+
+/// Absolute prediction errors `|predicted − measured|` in milliseconds, nearest-rank quantiles.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ErrorQuantiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+/// The result of an offline fit.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct FitReport {
+    /// The fitted coefficients.
+    pub model: LatencyModel,
+    /// Steps fitted.
+    pub samples: usize,
+    /// The coefficient of determination `1 − SS_res / SS_tot`; `None` when every measurement
+    /// is the same (`SS_tot = 0`).
+    pub r_squared: Option<f64>,
+    /// RMS error over the mean measurement.
+    pub relative_rms: f64,
+    /// Absolute errors, milliseconds.
+    pub abs_error_ms: ErrorQuantiles,
+}
+
+/// Fits the model to `samples`, all weighted alike.
+///
+/// # Errors
+/// [`FitError::NoSamples`] when `samples` is empty; [`FitError::BadMeasurement`] or
+/// [`FitError::BadFeature`] for a negative or non-finite value.
+pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
+    if samples.is_empty() {
+        return Err(FitError::NoSamples);
+    }
+    let mut normal = Normal::default();
+    for s in samples {
+        let x = s.checked()?;
+        normal.add(&x, s.ms);
+    }
+    let model = to_model(normal.solve());
+    let c = model.coefficients();
+    // Residuals straight from the samples: exact, unlike the sums' cancellation.
+    let n = samples.len() as f64;
+    let mean = samples.iter().map(|s| s.ms).sum::<f64>() / n;
+    let mut errors: Vec<f64> = Vec::with_capacity(samples.len());
+    let (mut ss_res, mut ss_tot) = (0.0, 0.0);
+    for s in samples {
+        let r = predict(&c, &s.x()) - s.ms;
+        ss_res += r * r;
+        ss_tot += (s.ms - mean) * (s.ms - mean);
+        errors.push(r.abs());
+    }
+    errors.sort_by(f64::total_cmp);
+    let q = |p: f64| {
+        // Nearest rank: the smallest error with at least p of the errors at or below it.
+        let rank = (p * n).ceil().max(1.0) as usize;
+        errors[rank.min(errors.len()) - 1]
+    };
+    Ok(FitReport {
+        model,
+        samples: samples.len(),
+        r_squared: (ss_tot > 0.0).then(|| 1.0 - ss_res / ss_tot),
+        relative_rms: relative_rms(ss_res, mean * n, n),
+        abs_error_ms: ErrorQuantiles {
+            p50: q(0.50),
+            p90: q(0.90),
+            p99: q(0.99),
+            max: errors[errors.len() - 1],
+        },
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

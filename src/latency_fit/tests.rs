@@ -1,0 +1,471 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::latency::COEFFICIENT_KEYS;
+
+/// A seeded SplitMix64: deterministic test data without `rand`, which the engine core does
+/// not depend on.
+pub(crate) struct TestRng(u64);
+
+impl TestRng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `lo..hi` (`lo < hi`; the modulo bias is irrelevant here).
+    pub(crate) fn below(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub(crate) fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+
+    /// True with probability `p`.
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+}
+
+pub(crate) fn model(c: [f64; 4]) -> LatencyModel {
+    LatencyModel::from_coefficients(c).unwrap()
+}
+
+/// The A100 preset's coefficients: realistic magnitudes (A to 1e9 and more).
+pub(crate) const TRUE: [f64; 4] = [5.7, 0.0624, 3.3e-4, 3.4e-6];
+
+/// The shape of random steps: how many decode rows, how long their contexts, where chunks
+/// start and how long they are.
+#[derive(Clone, Copy)]
+pub(crate) struct Workload {
+    decode_rows: u64,
+    context: u64,
+    chunk_start: u64,
+    chunk_len: u64,
+}
+
+/// Long contexts: decode rows reading up to 40k tokens, chunks up to 60k deep. Steps of
+/// hundreds of ms, where `base_ms` is a few percent of a step.
+pub(crate) const HEAVY: Workload = Workload {
+    decode_rows: 64,
+    context: 40_000,
+    chunk_start: 60_000,
+    chunk_len: 4096,
+};
+
+/// Short prompts and contexts: steps of ~10–30 ms, where `base_ms` carries real weight.
+pub(crate) const LIGHT: Workload = Workload {
+    decode_rows: 8,
+    context: 2000,
+    chunk_start: 2000,
+    chunk_len: 256,
+};
+
+/// A random step as the planner makes them: some decode rows, maybe a chunk somewhere in a
+/// prompt.
+pub(crate) fn random_step(rng: &mut TestRng) -> StepFeatures {
+    random_step_of(rng, HEAVY)
+}
+
+pub(crate) fn random_step_of(rng: &mut TestRng, w: Workload) -> StepFeatures {
+    let mut f = StepFeatures::EMPTY;
+    for _ in 0..rng.below(0, w.decode_rows) {
+        f.add_continuing(1, rng.below(100, w.context));
+    }
+    if rng.chance(0.7) {
+        let start = rng.below(0, w.chunk_start) as u32;
+        f.add_chunk(start, start + rng.below(1, w.chunk_len) as u32);
+    }
+    f
+}
+
+pub(crate) fn samples(seed: u64, n: usize, c: [f64; 4], noise: f64) -> Vec<Sample> {
+    samples_of(seed, n, c, noise, HEAVY)
+}
+
+pub(crate) fn samples_of(seed: u64, n: usize, c: [f64; 4], noise: f64, w: Workload) -> Vec<Sample> {
+    let mut rng = TestRng::new(seed);
+    let m = model(c);
+    (0..n)
+        .map(|_| {
+            let f = random_step_of(&mut rng, w);
+            let factor = if noise > 0.0 {
+                rng.uniform(1.0 - noise, 1.0 + noise)
+            } else {
+                1.0
+            };
+            Sample::new(&f, m.predict_ms(&f) * factor).unwrap()
+        })
+        .collect()
+}
+
+pub(crate) fn assert_close(got: [f64; 4], want: [f64; 4], rel: f64) {
+    for (i, (g, w)) in got.into_iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * w.abs(),
+            "{}: got {g}, want {w} (±{rel})\n{got:?}",
+            COEFFICIENT_KEYS[i]
+        );
+    }
+}
+
+fn online(config: OnlineFitConfig) -> OnlineFit {
+    OnlineFit::try_new(config).unwrap()
+}
+
+// === the solver ===
+
+#[test]
+fn recovers_exact_coefficients_from_noiseless_samples() {
+    let s = samples(1, 500, TRUE, 0.0);
+    let report = fit_samples(&s).unwrap();
+    assert_close(report.model.coefficients(), TRUE, 1e-6);
+    assert!(report.r_squared.unwrap() > 1.0 - 1e-9);
+    assert!(report.abs_error_ms.max < 1e-6, "{:?}", report.abs_error_ms);
+    assert_eq!(report.samples, 500);
+
+    let mut fit = online(OnlineFitConfig::default());
+    for x in &s {
+        fit.observe_sample(x).unwrap();
+    }
+    let e = fit.estimate().unwrap();
+    assert_close(e.model.coefficients(), TRUE, 1e-6);
+    assert!(e.relative_rms < 1e-6 && e.trusted, "{e:?}");
+}
+
+#[test]
+fn recovers_coefficients_within_a_few_percent_under_5_percent_noise() {
+    // Every term that carries real weight comes within 2.5%; where `base_ms` is a few percent
+    // of a step (heavy steps) the noise hides it to within about 1 ms.
+    for seed in [7, 8, 9, 10, 11, 12] {
+        let heavy = fit_samples(&samples(seed, 3000, TRUE, 0.05)).unwrap();
+        let c = heavy.model.coefficients();
+        assert_close([TRUE[0], c[1], c[2], c[3]], TRUE, 0.025);
+        assert!((c[0] - TRUE[0]).abs() < 1.0, "{c:?}");
+        // Uniform ±5% noise: RMS ≈ 5%/√3 of a step's time.
+        assert!(heavy.relative_rms < 0.04, "{heavy:?}");
+        assert!(heavy.r_squared.unwrap() > 0.99);
+        // The predictions, which are what the planner uses, are within 2% (RMS) of the truth.
+        let fresh = samples(seed + 100, 1000, TRUE, 0.0);
+        let err = fresh
+            .iter()
+            .map(|s| ((predict(&c, &s.x()) - s.ms) / s.ms).powi(2))
+            .sum::<f64>()
+            / fresh.len() as f64;
+        assert!(err.sqrt() < 0.02, "{}", err.sqrt());
+
+        let light = fit_samples(&samples_of(seed, 3000, TRUE, 0.05, LIGHT)).unwrap();
+        let c = light.model.coefficients();
+        assert_close([c[0], c[1], c[2], TRUE[3]], TRUE, 0.025);
+    }
+}
+
+#[test]
+fn a_column_the_data_never_exercises_gets_zero() {
+    // No decode rows: K is 0 in every sample; the others are still recovered.
+    let m = model([2.0, 0.05, 0.0, 1e-6]);
+    let s: Vec<Sample> = (0..100u32)
+        .map(|i| {
+            let f = StepFeatures::EMPTY.with_chunk(i * 100, i * 100 + 50 + i);
+            Sample::new(&f, m.predict_ms(&f)).unwrap()
+        })
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    assert_close(r.model.coefficients(), [2.0, 0.05, 0.0, 1e-6], 1e-6);
+    assert_eq!(r.model.per_kv_token_ms(), 0.0);
+}
+
+#[test]
+fn coefficients_stay_non_negative_when_the_data_prefers_a_negative_one() {
+    // Time that falls with context: least squares would give `per_kv_token_ms` < 0.
+    let mut rng = TestRng::new(3);
+    let s: Vec<Sample> = (0..400)
+        .map(|_| {
+            let f = random_step(&mut rng);
+            let [t, k, a] = f.to_f64();
+            let ms = (10.0 + 0.1 * t - 1e-5 * k + 2e-6 * a).max(0.0);
+            Sample::new(&f, ms).unwrap()
+        })
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    let c = r.model.coefficients();
+    assert!(c.iter().all(|&v| v >= 0.0), "{c:?}");
+    assert_eq!(c[2], 0.0, "{c:?}");
+    // With K out, the optimum is the least-squares fit on the other three columns.
+    let without_k: Vec<Sample> = s
+        .iter()
+        .map(|x| Sample {
+            kv_tokens: 0.0,
+            ..*x
+        })
+        .collect();
+    let r3 = fit_samples(&without_k).unwrap();
+    assert_close(c, r3.model.coefficients(), 1e-9);
+}
+
+#[test]
+fn only_a_base_when_time_is_constant() {
+    let s: Vec<Sample> = (1..50u32)
+        .map(|i| Sample::new(&StepFeatures::EMPTY.with_chunk(0, i), 7.5).unwrap())
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    assert_close(r.model.coefficients(), [7.5, 0.0, 0.0, 0.0], 1e-9);
+    assert_eq!(r.r_squared, None);
+    assert_eq!(r.abs_error_ms.max, 0.0);
+}
+
+/// The KKT conditions of `min Σ (xᵀc − y)²` over `c >= 0`: an independent check of optimality.
+fn assert_kkt(s: &[Sample], c: [f64; 4]) {
+    let mut grad = [0.0f64; 4];
+    let mut scale = [0.0f64; 4];
+    for x in s {
+        let xs = x.x();
+        let r = predict(&c, &xs) - x.ms;
+        for j in 0..4 {
+            grad[j] += xs[j] * r;
+            scale[j] += xs[j] * xs[j];
+        }
+    }
+    let y_norm = s.iter().map(|x| x.ms * x.ms).sum::<f64>().sqrt();
+    for j in 0..4 {
+        // The gradient per unit of a scaled column, relative to the measurements' size.
+        let g = grad[j] / (scale[j].sqrt().max(1e-300) * y_norm.max(1e-300));
+        if c[j] > 0.0 {
+            assert!(
+                g.abs() < 1e-6,
+                "coefficient {j} = {} but gradient {g}",
+                c[j]
+            );
+        } else {
+            assert!(g > -1e-6, "coefficient {j} is 0 but gradient {g} < 0");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn the_fit_is_the_constrained_optimum(
+        seed in any::<u64>(),
+        n in 5usize..200,
+        c in prop::array::uniform4(prop_oneof![Just(0.0f64), 0.0f64..1.0]),
+        signs in prop::array::uniform4(any::<bool>()),
+        noise in prop_oneof![Just(0.0f64), 0.0f64..0.5],
+    ) {
+        // Signed truths scaled to the features' sizes: some fits must clamp.
+        let scale = [10.0, 0.1, 1e-3, 1e-5];
+        let truth: [f64; 4] = std::array::from_fn(|j| {
+            let v = c[j] * scale[j];
+            if signs[j] { v } else { -v }
+        });
+        let mut rng = TestRng::new(seed);
+        let s: Vec<Sample> = (0..n)
+            .map(|_| {
+                let f = random_step(&mut rng);
+                let [t, k, a] = f.to_f64();
+                let y = truth[0] + truth[1] * t + truth[2] * k + truth[3] * a;
+                let y = (y * rng.uniform(1.0 - noise, 1.0 + noise)).max(0.0);
+                Sample { tokens: t, kv_tokens: k, attention_pairs: a, ms: y }
+            })
+            .collect();
+        let r = fit_samples(&s).unwrap();
+        assert_kkt(&s, r.model.coefficients());
+    }
+}
+
+// === the online fit ===
+
+#[test]
+fn the_trusted_rule_needs_enough_samples_and_a_small_error() {
+    let s = samples(11, 200, TRUE, 0.0);
+    let mut fit = online(OnlineFitConfig::default());
+    assert_eq!(fit.estimate(), None);
+    assert_eq!(fit.trusted_model(), None);
+    for (i, x) in s.iter().enumerate() {
+        fit.observe_sample(x).unwrap();
+        let e = fit.estimate().unwrap();
+        assert_eq!(e.samples, i as u64 + 1);
+        // Exact data: only the count decides.
+        assert_eq!(e.trusted, i + 1 >= 50, "after {} samples: {e:?}", i + 1);
+    }
+    assert_eq!(fit.trusted_model(), Some(fit.estimate().unwrap().model));
+
+    // 60% noise: plenty of samples, but an error no planner should trust.
+    let mut noisy = online(OnlineFitConfig::default());
+    for x in samples(12, 500, TRUE, 0.6) {
+        noisy.observe_sample(&x).unwrap();
+    }
+    let e = noisy.estimate().unwrap();
+    assert!(e.relative_rms > 0.10 && !e.trusted, "{e:?}");
+    assert_eq!(noisy.trusted_model(), None);
+
+    // The threshold is the configured one.
+    let mut lax = online(OnlineFitConfig {
+        max_relative_rms: 0.5,
+        min_samples: 10,
+        ..OnlineFitConfig::default()
+    });
+    for x in samples(12, 500, TRUE, 0.6) {
+        lax.observe_sample(&x).unwrap();
+    }
+    let e = lax.estimate().unwrap();
+    assert!(e.relative_rms <= 0.5 && e.trusted, "{e:?}");
+
+    fit.reset();
+    assert_eq!(fit.samples(), 0);
+    assert_eq!(fit.estimate(), None);
+}
+
+#[test]
+fn forgetting_tracks_a_change_of_coefficients() {
+    // The GPU gets 2× slower per token and attention after 1,000 steps.
+    let after = [5.7, 0.1248, 3.3e-4, 6.8e-6];
+    let before_samples = samples(21, 1000, TRUE, 0.0);
+    let after_samples = samples(22, 1500, after, 0.0);
+    let run = |forgetting: f64| {
+        let mut fit = online(OnlineFitConfig {
+            forgetting,
+            ..OnlineFitConfig::default()
+        });
+        for x in before_samples.iter().chain(&after_samples) {
+            fit.observe_sample(x).unwrap();
+        }
+        fit.estimate().unwrap()
+    };
+    // λ = 0.995: 1,500 steps leave the old data 0.05% of the weight.
+    let e = run(DEFAULT_FORGETTING);
+    assert_close(e.model.coefficients(), after, 0.01);
+    assert!(e.trusted);
+    // Without forgetting the old steps still pull the fit far off.
+    let stuck = run(1.0);
+    let c = stuck.model.coefficients();
+    assert!((c[1] - after[1]).abs() > 0.1 * after[1], "{c:?}");
+}
+
+#[test]
+fn bad_measurements_are_refused_and_change_nothing() {
+    let mut fit = online(OnlineFitConfig::default());
+    let f = StepFeatures::EMPTY.with_chunk(0, 100);
+    fit.observe(&f, 12.0).unwrap();
+    let before = fit.clone();
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.5] {
+        let err = fit.observe(&f, bad).unwrap_err();
+        assert!(matches!(err, FitError::BadMeasurement { .. }), "{err}");
+        assert!(err.to_string().contains(">= 0"), "{err}");
+        assert_eq!(fit, before);
+    }
+    let neg = Sample {
+        tokens: -1.0,
+        kv_tokens: 0.0,
+        attention_pairs: 0.0,
+        ms: 1.0,
+    };
+    let err = fit.observe_sample(&neg).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "step feature `tokens` must be a finite number >= 0, got -1"
+    );
+    let nan = Sample {
+        attention_pairs: f64::NAN,
+        ..neg
+    };
+    let err = fit_samples(&[nan]).unwrap_err();
+    assert!(err.to_string().contains("`tokens`"), "{err}");
+    let nan = Sample { tokens: 1.0, ..nan };
+    let err = fit_samples(&[nan]).unwrap_err();
+    assert!(err.to_string().contains("`attention_pairs`"), "{err}");
+    assert_eq!(fit, before);
+    // Zero is a measurement.
+    fit.observe(&f, 0.0).unwrap();
+    assert_eq!(fit.samples(), 2);
+}
+
+#[test]
+fn settings_are_checked() {
+    let bad = [
+        (f64::NAN, 50, 0.1, "forgetting"),
+        (0.0, 50, 0.1, "forgetting"),
+        (1.01, 50, 0.1, "forgetting"),
+        (0.99, 0, 0.1, "min_samples"),
+        (0.99, 50, 0.0, "max_relative_rms"),
+        (0.99, 50, f64::INFINITY, "max_relative_rms"),
+    ];
+    for (forgetting, min_samples, max_relative_rms, key) in bad {
+        let err = OnlineFit::try_new(OnlineFitConfig {
+            forgetting,
+            min_samples,
+            max_relative_rms,
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string().starts_with(&format!("`{key}` must be")),
+            "{err}"
+        );
+    }
+    assert!(OnlineFit::try_new(OnlineFitConfig {
+        forgetting: 1.0,
+        min_samples: 1,
+        max_relative_rms: 1e-9
+    })
+    .is_ok());
+}
+
+#[test]
+fn error_quantiles_are_nearest_rank() {
+    // Empty steps: the fit is the mean, 5.5 ms.
+    let ms = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0];
+    let s: Vec<Sample> = ms
+        .iter()
+        .map(|&ms| Sample::new(&StepFeatures::EMPTY, ms).unwrap())
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    assert_close(r.model.coefficients(), [5.5, 0.0, 0.0, 0.0], 1e-12);
+    // |errors| sorted: 0.5 0.5 1.5 1.5 2.5 2.5 3.5 3.5 4.5 4.5
+    let q = r.abs_error_ms;
+    for (got, want) in [(q.p50, 2.5), (q.p90, 4.5), (q.p99, 4.5), (q.max, 4.5)] {
+        assert!((got - want).abs() < 1e-9, "{q:?}");
+    }
+    assert!(r.r_squared.unwrap().abs() < 1e-12);
+    assert!(matches!(fit_samples(&[]), Err(FitError::NoSamples)));
+}
+
+#[test]
+fn collinear_columns_give_one_of_the_optimal_fits() {
+    // Decode-only steps whose rows all hold 30,000 tokens of context: K = 30,000·T exactly, so
+    // only `per_token_ms + 30,000·per_kv_token_ms` is determined. Any split that predicts the
+    // steps is right; it must be finite, non-negative and exact on the data.
+    let m = model([4.0, 0.05, 2e-4, 0.0]);
+    let s: Vec<Sample> = (1..200u32)
+        .map(|rows| {
+            let mut f = StepFeatures::EMPTY;
+            for _ in 0..rows {
+                f.add_continuing(1, 30_000);
+            }
+            Sample::new(&f, m.predict_ms(&f)).unwrap()
+        })
+        .collect();
+    let r = fit_samples(&s).unwrap();
+    let c = r.model.coefficients();
+    assert!(
+        (c[1] + 30_000.0 * c[2] - (0.05 + 30_000.0 * 2e-4)).abs() < 1e-9,
+        "{c:?}"
+    );
+    assert!((c[0] - 4.0).abs() < 1e-6, "{c:?}");
+    assert!(r.abs_error_ms.max < 1e-6, "{r:?}");
+    assert_kkt(&s, c);
+}

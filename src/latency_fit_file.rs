@@ -1,0 +1,517 @@
+//! The offline fit behind `mstar-chunking fit FILE` (`docs/cost-model.md#offline`): reads a
+//! replay step log or a CSV of step features, fits the latency model ([`fit_samples`]) and
+//! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
+//!
+//! Input is bounded (a regular file, [`MAX_FIT_FILE_BYTES`], [`MAX_FIT_LINE_BYTES`],
+//! [`MAX_FIT_SAMPLES`]) and every error names the file and the line.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
+use crate::latency_fit::{fit_samples, FitError, FitReport, Sample};
+
+/// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
+pub const MAX_FIT_FILE_BYTES: u64 = 512 << 20;
+/// The longest line [`fit_file`] reads: a step of several thousand rows.
+pub const MAX_FIT_LINE_BYTES: u64 = 1 << 20;
+/// The most steps [`fit_file`] keeps (each is kept for the error quantiles: 32 bytes a step).
+pub const MAX_FIT_SAMPLES: usize = 4_000_000;
+
+/// A file [`fit_file`] cannot fit. Each names the file, and the line where there is one.
+#[derive(Debug, thiserror::Error)]
+pub enum FitFileError {
+    /// The file could not be opened or read.
+    #[error("{}: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: io::Error,
+    },
+    /// The path is a directory, a FIFO, a device...
+    #[error("{}: not a regular file; `fit` reads a step log or a CSV file", .path.display())]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The file is larger than [`MAX_FIT_FILE_BYTES`].
+    #[error("{}: larger than the {limit} bytes `fit` reads", .path.display())]
+    FileTooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit, bytes.
+        limit: u64,
+    },
+    /// A line is longer than [`MAX_FIT_LINE_BYTES`].
+    #[error("{}:{line}: line longer than the {limit} bytes `fit` reads", .path.display())]
+    LineTooLong {
+        /// The file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: u64,
+        /// The limit, bytes.
+        limit: u64,
+    },
+    /// The file holds more than [`MAX_FIT_SAMPLES`] steps.
+    #[error("{}: more than {limit} steps; fit a part of the file", .path.display())]
+    TooManySamples {
+        /// The file.
+        path: PathBuf,
+        /// The limit, steps.
+        limit: usize,
+    },
+    /// A line is not a step.
+    #[error("{}:{line}: {message}", .path.display())]
+    BadLine {
+        /// The file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: u64,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The file holds no step.
+    #[error("{}: no steps to fit", .path.display())]
+    EmptyFile {
+        /// The file.
+        path: PathBuf,
+    },
+
+    /// The steps are read but cannot be fitted (a bad value).
+    #[error("{}: {source}", .path.display())]
+    Fit {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: FitError,
+    },
+}
+
+/// The kind of file [`read_samples`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FitInput {
+    /// A replay step log (JSON Lines; the first non-blank byte is `{`).
+    StepLog,
+    /// A CSV with the header `tokens,kv_tokens,attention_pairs,ms` (any order; other columns
+    /// are ignored).
+    Csv,
+}
+
+/// Reads and fits a step log or a CSV of step features: what `mstar-chunking fit FILE` runs.
+///
+/// # Errors
+/// As [`read_samples`]; [`FitFileError::EmptyFile`] when the file holds no step.
+pub fn fit_file(path: &Path) -> Result<(FitInput, FitReport), FitFileError> {
+    let (input, samples) = read_samples(path)?;
+    if samples.is_empty() {
+        return Err(FitFileError::EmptyFile {
+            path: path.to_owned(),
+        });
+    }
+    let report = fit_samples(&samples).map_err(|source| FitFileError::Fit {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok((input, report))
+}
+
+/// The limits a read runs under; the public functions use the documented constants.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    file_bytes: u64,
+    line_bytes: u64,
+    samples: usize,
+}
+
+const LIMITS: Limits = Limits {
+    file_bytes: MAX_FIT_FILE_BYTES,
+    line_bytes: MAX_FIT_LINE_BYTES,
+    samples: MAX_FIT_SAMPLES,
+};
+
+/// Reads the steps of a step log or a CSV file, whichever it is (by its first non-blank
+/// byte: `{` is a step log).
+///
+/// A step log line is one step of `replay --step-log`: `T` is its `ran_tokens` when present
+/// (what the rows really ran) or else the sum of its rows' `tokens`; `K` the sum of its
+/// continuing rows' `context`; `A` the pairs of its chunk rows' `[start, end)`; the time its
+/// `ms`. Blank lines are skipped.
+///
+/// # Errors
+/// The path is not a regular file, cannot be read, is larger than [`MAX_FIT_FILE_BYTES`], has
+/// a line longer than [`MAX_FIT_LINE_BYTES`] or more than [`MAX_FIT_SAMPLES`] steps, or a line
+/// is not a step (each error names the file and the line).
+pub fn read_samples(path: &Path) -> Result<(FitInput, Vec<Sample>), FitFileError> {
+    read_samples_with(path, LIMITS)
+}
+
+fn read_samples_with(path: &Path, limits: Limits) -> Result<(FitInput, Vec<Sample>), FitFileError> {
+    let io_err = |source| FitFileError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    // Checked before opening: opening a FIFO for reading would block until a writer came.
+    let meta = std::fs::metadata(path).map_err(io_err)?;
+    if !meta.is_file() {
+        return Err(FitFileError::NotAFile {
+            path: path.to_owned(),
+        });
+    }
+    if meta.len() > limits.file_bytes {
+        return Err(FitFileError::FileTooLarge {
+            path: path.to_owned(),
+            limit: limits.file_bytes,
+        });
+    }
+    let file = File::open(path).map_err(io_err)?;
+    let mut reader = BufReader::new(Capped::new(file, limits));
+    let first = loop {
+        let buf = reader.fill_buf().map_err(|e| limit_error(path, e))?;
+        match buf.iter().position(|b| !b.is_ascii_whitespace()) {
+            Some(i) => break Some(buf[i]),
+            None if buf.is_empty() => break None,
+            None => {
+                let n = buf.len();
+                reader.consume(n);
+            }
+        }
+    };
+    match first {
+        None => Ok((FitInput::StepLog, Vec::new())),
+        Some(b'{') => Ok((FitInput::StepLog, read_step_log(path, reader, limits)?)),
+        Some(_) => Ok((FitInput::Csv, read_csv(path, reader, limits)?)),
+    }
+}
+
+/// Maps an I/O error of the capped reader to the limit it hit, or to a plain I/O error.
+fn limit_error(path: &Path, e: io::Error) -> FitFileError {
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<LimitHit>())
+    {
+        Some(&LimitHit::File { limit }) => FitFileError::FileTooLarge {
+            path: path.to_owned(),
+            limit,
+        },
+        Some(&LimitHit::Line { line, limit }) => FitFileError::LineTooLong {
+            path: path.to_owned(),
+            line,
+            limit,
+        },
+        None => FitFileError::Io {
+            path: path.to_owned(),
+            source: e,
+        },
+    }
+}
+
+fn bad_line(path: &Path, line: u64, message: impl Into<String>) -> FitFileError {
+    FitFileError::BadLine {
+        path: path.to_owned(),
+        line,
+        message: message.into(),
+    }
+}
+
+fn too_many(path: &Path, limits: Limits) -> FitFileError {
+    FitFileError::TooManySamples {
+        path: path.to_owned(),
+        limit: limits.samples,
+    }
+}
+
+/// One line of a step log, as far as the fit reads it (other keys are ignored).
+#[derive(Deserialize)]
+struct LogStep {
+    rows: Vec<LogRow>,
+    ms: Option<f64>,
+    ran_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+enum LogRow {
+    Continue { tokens: u64, context: Option<u64> },
+    Chunk { tokens: u64, start: u32, end: u32 },
+}
+
+fn read_step_log<R: BufRead>(
+    path: &Path,
+    mut reader: R,
+    limits: Limits,
+) -> Result<Vec<Sample>, FitFileError> {
+    let mut samples = Vec::new();
+    let mut buf = Vec::new();
+    let mut line = 0u64;
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| limit_error(path, e))?;
+        if n == 0 {
+            return Ok(samples);
+        }
+        line += 1;
+        if buf.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let step: LogStep = serde_json::from_slice(&buf)
+            .map_err(|e| bad_line(path, line, format!("not a step-log step: {e}")))?;
+        let sample = step_sample(&step).map_err(|m| bad_line(path, line, m))?;
+        if samples.len() >= limits.samples {
+            return Err(too_many(path, limits));
+        }
+        samples.push(sample);
+    }
+}
+
+fn step_sample(step: &LogStep) -> Result<Sample, String> {
+    let mut f = StepFeatures::EMPTY;
+    for (i, row) in step.rows.iter().enumerate() {
+        match *row {
+            LogRow::Continue { tokens, context } => {
+                let context = context.ok_or_else(|| {
+                    format!(
+                        "row {i}: a continuing row needs its `context` to fit `per_kv_token_ms`"
+                    )
+                })?;
+                f.tokens = f.tokens.saturating_add(tokens);
+                f.kv_tokens = f.kv_tokens.saturating_add(context);
+            }
+            LogRow::Chunk { tokens, start, end } => {
+                if end <= start || u64::from(end - start) != tokens {
+                    return Err(format!(
+                        "row {i}: a chunk of {tokens} tokens cannot run [{start}, {end})"
+                    ));
+                }
+                f.tokens = f.tokens.saturating_add(tokens);
+                f.attention_pairs = f
+                    .attention_pairs
+                    .saturating_add(chunk_attention_pairs(start, end));
+            }
+        }
+    }
+    if let Some(ran) = step.ran_tokens {
+        f.tokens = ran;
+    }
+    let ms = step
+        .ms
+        .ok_or("the step has no `ms` (its measured or simulated duration)")?;
+    Sample::new(&f, ms).map_err(|e| e.to_string())
+}
+
+/// The columns a CSV must have, named in its header.
+const CSV_COLUMNS: [&str; 4] = ["tokens", "kv_tokens", "attention_pairs", "ms"];
+
+#[derive(Deserialize)]
+struct CsvStep {
+    tokens: f64,
+    kv_tokens: f64,
+    attention_pairs: f64,
+    ms: f64,
+}
+
+fn read_csv<R: Read>(path: &Path, reader: R, limits: Limits) -> Result<Vec<Sample>, FitFileError> {
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .trim(csv::Trim::All)
+        .from_reader(reader);
+    let csv_err = |e: csv::Error| -> FitFileError {
+        let line = e.position().map_or(0, csv::Position::line);
+        match e.into_kind() {
+            csv::ErrorKind::Io(io) => limit_error(path, io),
+            csv::ErrorKind::Deserialize { err, .. } => bad_line(path, line, err.to_string()),
+            other => bad_line(path, line, format!("{:?}", other)),
+        }
+    };
+    let header = csv.headers().map_err(csv_err)?;
+    let missing: Vec<&str> = CSV_COLUMNS
+        .into_iter()
+        .filter(|c| !header.iter().any(|h| h == *c))
+        .collect();
+    if !missing.is_empty() {
+        return Err(bad_line(
+            path,
+            1,
+            format!(
+                "the header must name the columns {}; missing: {}",
+                CSV_COLUMNS.join(","),
+                missing.join(",")
+            ),
+        ));
+    }
+    let mut samples = Vec::new();
+    let mut record = csv::StringRecord::new();
+    let header = header.clone();
+    while csv.read_record(&mut record).map_err(csv_err)? {
+        let line = record.position().map_or(0, csv::Position::line);
+        let step: CsvStep = record
+            .deserialize(Some(&header))
+            .map_err(|e| bad_line(path, line, e.to_string()))?;
+        for (key, value) in CSV_COLUMNS.into_iter().zip([
+            step.tokens,
+            step.kv_tokens,
+            step.attention_pairs,
+            step.ms,
+        ]) {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(bad_line(
+                    path,
+                    line,
+                    format!("`{key}` must be a finite number >= 0, got {value}"),
+                ));
+            }
+        }
+        if samples.len() >= limits.samples {
+            return Err(too_many(path, limits));
+        }
+        samples.push(Sample {
+            tokens: step.tokens,
+            kv_tokens: step.kv_tokens,
+            attention_pairs: step.attention_pairs,
+            ms: step.ms,
+        });
+    }
+    Ok(samples)
+}
+
+/// Which limit a [`Capped`] read hit, carried inside an `io::Error`.
+#[derive(Debug)]
+enum LimitHit {
+    File { limit: u64 },
+    Line { line: u64, limit: u64 },
+}
+
+impl std::fmt::Display for LimitHit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::File { limit } => write!(f, "larger than {limit} bytes"),
+            Self::Line { line, limit } => write!(f, "line {line} longer than {limit} bytes"),
+        }
+    }
+}
+
+impl std::error::Error for LimitHit {}
+
+/// A reader that fails once the input passes a total size or a line passes a length: the file
+/// may grow after its size was checked, and a single line must not fill memory.
+struct Capped<R> {
+    inner: R,
+    limits: Limits,
+    total: u64,
+    line: u64,
+    line_len: u64,
+}
+
+impl<R> Capped<R> {
+    fn new(inner: R, limits: Limits) -> Self {
+        Self {
+            inner,
+            limits,
+            total: 0,
+            line: 1,
+            line_len: 0,
+        }
+    }
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.total += n as u64;
+        if self.total > self.limits.file_bytes {
+            return Err(io::Error::other(LimitHit::File {
+                limit: self.limits.file_bytes,
+            }));
+        }
+        for &b in &buf[..n] {
+            if b == b'\n' {
+                self.line += 1;
+                self.line_len = 0;
+            } else {
+                self.line_len += 1;
+                if self.line_len > self.limits.line_bytes {
+                    return Err(io::Error::other(LimitHit::Line {
+                        line: self.line,
+                        limit: self.limits.line_bytes,
+                    }));
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+// === rendering ===
+
+/// Renders a fit as a TOML snippet for the serving config: comment lines with its quality, then
+/// `[chunking.cost.<node>]` and the four coefficients (6 significant digits). `source` names
+/// what was fitted (a file name), in the comment only.
+pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
+    let mut out = String::new();
+    let r2 = report
+        .r_squared
+        .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.4}"));
+    let e = &report.abs_error_ms;
+    // `{:?}` escapes newlines and quotes, so a strange file name cannot end the comment.
+    let _ = writeln!(
+        out,
+        "# fitted by `mstar-chunking fit` from {source:?}: {} steps, R² {r2}, relative RMS error {:.1}%",
+        report.samples,
+        report.relative_rms * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "# |error| ms: p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}",
+        e.p50, e.p90, e.p99, e.max
+    );
+    let _ = writeln!(out, "[chunking.cost.{}]", toml_key(node));
+    for (key, value) in COEFFICIENT_KEYS
+        .into_iter()
+        .zip(report.model.coefficients())
+    {
+        let _ = writeln!(out, "{key} = {}", toml_float(value));
+    }
+    out
+}
+
+/// A bare key when TOML allows one, else a quoted, escaped key.
+fn toml_key(key: &str) -> String {
+    let bare = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if bare {
+        return key.to_owned();
+    }
+    // A basic string on one line: quotes, backslashes and control characters escaped.
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push('"');
+    for ch in key.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => {
+                let _ = write!(out, "\\u{:04X}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A float rounded to 6 significant digits, as a TOML float (`0.0624`, `3.5e-6`, `5.0`).
+fn toml_float(v: f64) -> String {
+    let rounded: f64 = format!("{v:.5e}").parse().unwrap_or(v);
+    // `Debug` prints the shortest form that parses back, with a `.0` or an exponent: valid TOML.
+    format!("{rounded:?}")
+}
+
+#[cfg(test)]
+mod tests;
