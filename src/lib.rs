@@ -80,6 +80,8 @@ pub mod reload;
 pub mod replay;
 pub mod scheduler;
 pub mod snapshot;
+#[cfg(feature = "sweep")]
+pub mod sweep;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;

@@ -23,6 +23,8 @@ use crate::error::ChunkingError;
 use crate::manifest::Manifest;
 use crate::{ChunkingManagement, Name};
 
+pub mod arrivals;
+pub mod formats;
 pub mod prefix_cache;
 pub mod report;
 pub mod settings;

@@ -1,0 +1,216 @@
+//! The sweep's grid: token budgets (`512,1024,2048,off`) × rate scales (`0.5,1,2,4`).
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::str::FromStr;
+
+use serde::{Serialize, Serializer};
+
+/// The largest token budget a sweep takes (2^24, the longest prompt a trace may have: a larger
+/// budget never cuts anything).
+pub const MAX_BUDGET_TOKENS: u32 = 1 << 24;
+/// The lowest rate scale a sweep or a capacity search runs (arrivals 1024 times as sparse).
+pub const MIN_RATE_SCALE: f64 = 1.0 / 1024.0;
+/// The highest rate scale a sweep or a capacity search runs (arrivals 1024 times as dense).
+pub const MAX_RATE_SCALE: f64 = 1024.0;
+/// The most values one axis of the grid may have.
+pub const MAX_AXIS_VALUES: usize = 64;
+
+/// One budget of the grid: a token budget for the replayed node/walk, or chunking off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Budget {
+    /// `max_batch_tokens = N`.
+    Tokens(NonZeroU32),
+    /// No budget: prompts run whole (`"off"`).
+    Off,
+}
+
+impl Budget {
+    /// The token budget, or `None` for off.
+    pub fn tokens(self) -> Option<u32> {
+        match self {
+            Self::Tokens(n) => Some(n.get()),
+            Self::Off => None,
+        }
+    }
+}
+
+impl fmt::Display for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tokens(n) => write!(f, "{n}"),
+            Self::Off => f.write_str("off"),
+        }
+    }
+}
+
+/// Serialised as its number, or the string `"off"`.
+impl Serialize for Budget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Tokens(n) => s.serialize_u32(n.get()),
+            Self::Off => s.serialize_str("off"),
+        }
+    }
+}
+
+/// Why a grid axis was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{flag}` {problem}")]
+pub struct GridError {
+    /// `--budgets` or `--rates`.
+    pub flag: &'static str,
+    /// What was wrong, with the value.
+    pub problem: String,
+}
+
+impl FromStr for Budget {
+    type Err = GridError;
+
+    /// Parses `off` (any case) or a whole number of tokens in `[1, MAX_BUDGET_TOKENS]`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(Self::Off);
+        }
+        s.parse::<u32>()
+            .ok()
+            .filter(|n| *n <= MAX_BUDGET_TOKENS)
+            .and_then(NonZeroU32::new)
+            .map(Self::Tokens)
+            .ok_or_else(|| GridError {
+                flag: "--budgets",
+                problem: format!(
+                    "takes whole numbers of tokens between 1 and {MAX_BUDGET_TOKENS}, or `off`; got {s:?}"
+                ),
+            })
+    }
+}
+
+fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
+    let items: Vec<&str> = list.split(',').map(str::trim).collect();
+    if items.iter().any(|i| i.is_empty()) {
+        return Err(GridError {
+            flag,
+            problem: format!("takes a comma-separated list without empty entries, got {list:?}"),
+        });
+    }
+    if items.len() > MAX_AXIS_VALUES {
+        return Err(GridError {
+            flag,
+            problem: format!(
+                "takes at most {MAX_AXIS_VALUES} values, got {}",
+                items.len()
+            ),
+        });
+    }
+    Ok(items)
+}
+
+/// Parses `--budgets`: a comma-separated list of token budgets and `off`, kept in the order
+/// given, each at most once.
+///
+/// # Errors
+/// An empty entry, a bad value, a repeated value, or more than [`MAX_AXIS_VALUES`].
+pub fn parse_budgets(list: &str) -> Result<Vec<Budget>, GridError> {
+    let mut out: Vec<Budget> = Vec::new();
+    for item in split("--budgets", list)? {
+        let b: Budget = item.parse()?;
+        if out.contains(&b) {
+            return Err(GridError {
+                flag: "--budgets",
+                problem: format!("names {b} twice"),
+            });
+        }
+        out.push(b);
+    }
+    Ok(out)
+}
+
+/// Parses `--rates`: a comma-separated list of rate scales in
+/// `[MIN_RATE_SCALE, MAX_RATE_SCALE]`, each at most once, returned in ascending order.
+///
+/// # Errors
+/// An empty entry, a value that is not a finite number in range, a repeated value, or more than
+/// [`MAX_AXIS_VALUES`].
+pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
+    let mut out: Vec<f64> = Vec::new();
+    for item in split("--rates", list)? {
+        let r = item
+            .parse::<f64>()
+            .ok()
+            .filter(|r| r.is_finite() && (MIN_RATE_SCALE..=MAX_RATE_SCALE).contains(r))
+            .ok_or_else(|| GridError {
+                flag: "--rates",
+                problem: format!(
+                    "takes rate scales between 1/1024 and 1024 (1 = the trace's own rate), got {item:?}"
+                ),
+            })?;
+        if out.contains(&r) {
+            return Err(GridError {
+                flag: "--rates",
+                problem: format!("names {r} twice"),
+            });
+        }
+        out.push(r);
+    }
+    out.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_in_order_with_off() {
+        let b = parse_budgets(" 512,1024 , OFF,2048").unwrap();
+        assert_eq!(
+            b.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["512", "1024", "off", "2048"]
+        );
+        assert_eq!(b[0].tokens(), Some(512));
+        assert_eq!(b[2].tokens(), None);
+        assert_eq!(
+            serde_json::to_string(&b).unwrap(),
+            r#"[512,1024,"off",2048]"#
+        );
+    }
+
+    #[test]
+    fn bad_budgets_are_refused_with_the_value() {
+        for (list, words) in [
+            ("0", "got \"0\""),
+            ("-5", "got \"-5\""),
+            ("16777217", "between 1 and 16777216"),
+            ("512,,1024", "without empty entries"),
+            ("", "without empty entries"),
+            ("512,512", "names 512 twice"),
+            ("off,Off", "names off twice"),
+            ("1.5", "got \"1.5\""),
+        ] {
+            let e = parse_budgets(list).unwrap_err().to_string();
+            assert!(e.starts_with("`--budgets` "), "{e}");
+            assert!(e.contains(words), "{list}: {e}");
+        }
+        let many = (1..=65)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(parse_budgets(&many)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 64 values"));
+    }
+
+    #[test]
+    fn rates_parse_sorted_and_bad_ones_are_refused() {
+        assert_eq!(parse_rates("4, 0.5,1,2").unwrap(), [0.5, 1.0, 2.0, 4.0]);
+        for list in [
+            "0", "-1", "NaN", "inf", "1e400", "2000", "0.0001", "x", "1,1.0",
+        ] {
+            let e = parse_rates(list).unwrap_err();
+            assert_eq!(e.flag, "--rates", "{list}");
+        }
+    }
+}

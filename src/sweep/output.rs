@@ -1,0 +1,530 @@
+//! A sweep's outputs: the terminal table, `sweep.csv`, `sweep.json`, and writing every output
+//! file whole into the output directory.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::ser::SerializeMap;
+use serde::Serializer;
+
+use super::{capacity, html, plots, Bound, Sweep, SweepError};
+
+/// The cells' CSV file.
+pub const CSV_FILE: &str = "sweep.csv";
+/// The whole sweep as JSON.
+pub const JSON_FILE: &str = "sweep.json";
+/// The self-contained HTML report.
+pub const HTML_FILE: &str = "report.html";
+
+/// Rounds to 0.001, the precision a simulated ms (or a rate scale) means.
+pub fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Serialises a float rounded to 0.001 (a non-finite one as null).
+pub(crate) fn ser_round<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if x.is_finite() {
+        s.serialize_f64(round3(*x))
+    } else {
+        s.serialize_none()
+    }
+}
+
+/// [`ser_round`] for an optional float.
+pub(crate) fn ser_opt_round<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => ser_round(x, s),
+        None => s.serialize_none(),
+    }
+}
+
+/// [`ser_round`] for every float of a list.
+pub(crate) fn ser_vec_round<S: Serializer>(v: &[f64], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
+}
+
+/// Label/value pairs as a JSON object, in order.
+pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
+    let mut m = s.serialize_map(Some(v.len()))?;
+    for (k, val) in v {
+        m.serialize_entry(k, val)?;
+    }
+    m.end()
+}
+
+/// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).
+pub fn fmt_rate(r: f64) -> String {
+    let s = format!("{:.3}", round3(r));
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_owned()
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
+}
+
+/// The SLO as a sentence: `TBT p99 <= 60 ms and TTFT p90 <= 5000 ms`.
+pub fn slo_text(slo: &capacity::Slo) -> String {
+    let mut parts = Vec::new();
+    if let Some(t) = slo.tbt_p99_ms {
+        parts.push(format!("TBT p99 <= {t} ms"));
+    }
+    if let Some(t) = slo.ttft_p90_ms {
+        parts.push(format!("TTFT p90 <= {t} ms"));
+    }
+    parts.join(" and ")
+}
+
+/// The cells as a table: its header and one row of text per cell.
+pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
+    let header = vec![
+        "budget",
+        "rate",
+        "requests",
+        "steps",
+        "TBT p50 ms",
+        "TBT p99 ms",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "TTFT p99 ms",
+        "step p50 ms",
+        "step p99 ms",
+        "overruns",
+        "utilisation",
+        "SLO",
+    ];
+    let rows = sweep
+        .cells
+        .iter()
+        .map(|c| {
+            let s = &c.summary;
+            vec![
+                c.budget.to_string(),
+                fmt_rate(c.rate_scale),
+                s.requests.to_string(),
+                s.steps.to_string(),
+                ms(s.tbt_p50_ms),
+                ms(s.tbt_p99_ms),
+                ms(s.ttft_p50_ms),
+                ms(s.ttft_p90_ms),
+                ms(s.ttft_p99_ms),
+                ms(s.step_ms.percentile(50)),
+                ms(s.step_ms.percentile(99)),
+                s.overruns.to_string(),
+                s.budget_utilisation
+                    .map_or_else(|| "-".into(), |u| format!("{:.1}%", u * 100.0)),
+                match c.meets_slo {
+                    None => "-".into(),
+                    Some(true) => "meets".into(),
+                    Some(false) => "misses".into(),
+                },
+            ]
+        })
+        .collect();
+    (header, rows)
+}
+
+/// The capacities as a table: its header and one row per budget (empty without an SLO).
+pub fn capacity_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
+    let header = vec!["budget", "capacity", "misses at", "replays searched"];
+    let rows = sweep
+        .capacity
+        .iter()
+        .map(|c| {
+            vec![
+                c.budget.to_string(),
+                c.label(),
+                match (c.search.bound, c.search.misses_at) {
+                    (Bound::AtLeastMax, _) | (_, None) => "-".into(),
+                    (_, Some(r)) => format!("{}x", fmt_rate(r)),
+                },
+                c.search.probes.len().to_string(),
+            ]
+        })
+        .collect();
+    (header, rows)
+}
+
+fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (w, v) in widths.iter_mut().zip(r) {
+            *w = (*w).max(v.chars().count());
+        }
+    }
+    let line = |out: &mut String, cells: Vec<&str>| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(v, w)| format!("{v:>w$}"))
+            .collect();
+        let _ = writeln!(out, "  {}", text.join("  ").trim_end());
+    };
+    line(out, header.clone());
+    for r in &rows {
+        line(out, r.iter().map(String::as_str).collect());
+    }
+}
+
+/// The terminal table: the settings, the cells, and the capacities under the SLO.
+pub fn table(sweep: &Sweep) -> String {
+    let mut out = String::new();
+    let budgets: Vec<String> = sweep.budgets.iter().map(ToString::to_string).collect();
+    let rates: Vec<String> = sweep.rates.iter().map(|r| fmt_rate(*r)).collect();
+    let _ = writeln!(
+        out,
+        "sweep of {} replays: budgets {} x rate scales {}",
+        sweep.cells.len(),
+        budgets.join(", "),
+        rates.join(", ")
+    );
+    for (k, v) in &sweep.settings {
+        let _ = writeln!(out, "  {k:<16} {v}");
+    }
+    render(&mut out, cell_table(sweep));
+    if let Some(slo) = &sweep.slo {
+        let _ = writeln!(
+            out,
+            "capacity under the SLO ({}): the highest rate scale that meets it, to {}%",
+            slo_text(slo),
+            capacity::TOLERANCE * 100.0
+        );
+        render(&mut out, capacity_table(sweep));
+    }
+    out
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.filter(|v| v.is_finite())
+        .map_or_else(String::new, |v| round3(v).to_string())
+}
+
+/// `sweep.csv`: one row per cell, figures in ms rounded to 0.001, empty where there is none.
+///
+/// # Errors
+/// None in practice (the CSV is written to memory).
+pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    w.write_record([
+        "budget",
+        "rate_scale",
+        "requests",
+        "steps",
+        "overruns",
+        "budget_utilisation",
+        "tbt_p50_ms",
+        "tbt_p99_ms",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "step_p50_ms",
+        "step_p90_ms",
+        "step_p99_ms",
+        "step_max_ms",
+        "meets_slo",
+    ])?;
+    for c in &sweep.cells {
+        let s = &c.summary;
+        w.write_record([
+            c.budget.to_string(),
+            opt(Some(c.rate_scale)),
+            s.requests.to_string(),
+            s.steps.to_string(),
+            s.overruns.to_string(),
+            opt(s.budget_utilisation),
+            opt(s.tbt_p50_ms),
+            opt(s.tbt_p99_ms),
+            opt(s.ttft_p50_ms),
+            opt(s.ttft_p90_ms),
+            opt(s.ttft_p99_ms),
+            opt(s.step_ms.percentile(50)),
+            opt(s.step_ms.percentile(90)),
+            opt(s.step_ms.percentile(99)),
+            opt(s.step_ms.percentile(100)),
+            c.meets_slo.map_or_else(String::new, |m| m.to_string()),
+        ])?;
+    }
+    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+}
+
+/// `sweep.json`: the whole sweep, floats rounded to 0.001.
+///
+/// # Errors
+/// None in practice (the JSON is written to memory).
+pub fn to_json(sweep: &Sweep) -> Result<Vec<u8>, serde_json::Error> {
+    let mut v = serde_json::to_vec_pretty(sweep)?;
+    v.push(b'\n');
+    Ok(v)
+}
+
+/// The files [`write_outputs`] wrote, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// Their paths.
+    pub paths: Vec<PathBuf>,
+}
+
+/// Writes every output of `sweep` into `dir` (created if missing): `sweep.csv`, `sweep.json`,
+/// the plots as SVG and PNG (the capacity plot only with an SLO), and `report.html`. Everything
+/// is drawn before anything is written, and each file is written whole (a temporary file in
+/// `dir`, then renamed), so a failure leaves no half-written output.
+///
+/// # Errors
+/// `dir` exists and is not a directory; an output path is one of `inputs`; a plot cannot be
+/// drawn; a file cannot be written.
+pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Written, SweepError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(SweepError::OutputNotADirectory(dir.to_owned()));
+    }
+    fs::create_dir_all(dir).map_err(|source| SweepError::Write {
+        path: dir.to_owned(),
+        source,
+    })?;
+    let write_err = |path: &Path| {
+        let path = path.to_owned();
+        move |source: std::io::Error| SweepError::Write { path, source }
+    };
+    let csv = to_csv(sweep)
+        .map_err(|e| write_err(&dir.join(CSV_FILE))(std::io::Error::other(e.to_string())))?;
+    let json = to_json(sweep).map_err(|e| write_err(&dir.join(JSON_FILE))(e.into()))?;
+    let drawn = plots::draw_all(sweep)?;
+    let report = html::report(sweep, &drawn);
+
+    let mut files: Vec<(String, Vec<u8>)> =
+        vec![(CSV_FILE.to_owned(), csv), (JSON_FILE.to_owned(), json)];
+    for p in drawn {
+        files.push((format!("{}.svg", p.name), p.svg.into_bytes()));
+        files.push((format!("{}.png", p.name), p.png));
+    }
+    files.push((HTML_FILE.to_owned(), report.into_bytes()));
+
+    let canon_dir = fs::canonicalize(dir).map_err(write_err(dir))?;
+    let canon_inputs: Vec<PathBuf> = inputs
+        .iter()
+        .filter_map(|i| fs::canonicalize(i).ok())
+        .collect();
+    for (name, _) in &files {
+        if canon_inputs.contains(&canon_dir.join(name)) {
+            return Err(SweepError::OutputIsInput(dir.join(name)));
+        }
+    }
+    let mut paths = Vec::with_capacity(files.len());
+    for (name, bytes) in files {
+        let path = dir.join(&name);
+        write_whole(&path, &bytes).map_err(write_err(&path))?;
+        paths.push(path);
+    }
+    Ok(Written { paths })
+}
+
+/// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then
+/// renamed over `path`, so a reader never sees half a file.
+///
+/// # Errors
+/// The temporary file cannot be created, written or renamed (it is removed on failure).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("the output path has no file name"))?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let write = || -> std::io::Result<()> {
+        // A leftover from a crashed run of this same process id is ours to replace.
+        let _ = fs::remove_file(&tmp);
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    };
+    write().inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{options, sample_sweep};
+    use super::super::{run_sweep, tests::fake};
+    use super::*;
+
+    #[test]
+    fn rates_print_short() {
+        assert_eq!(
+            [0.5, 1.0, 2.1534, 1024.0, 0.0009765625].map(fmt_rate),
+            ["0.5", "1", "2.153", "1024", "0.001"]
+        );
+        assert_eq!(round3(1.23456), 1.235);
+    }
+
+    #[test]
+    fn the_table_shows_settings_cells_and_capacity() {
+        let s = sample_sweep();
+        let t = table(&s);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "sweep of 9 replays: budgets 512, 2048, off x rate scales 0.5, 1, 2"
+        );
+        assert_eq!(lines[1], "  trace            bundled <test> & co");
+        assert!(
+            lines[3].trim_start().starts_with("budget  rate  requests"),
+            "{}",
+            lines[3]
+        );
+        // Budget 512 at rate 1: TBT p99 8 + 10.24 = 18.24, TTFT p99 1600.
+        let row = lines[5].split_whitespace().collect::<Vec<_>>();
+        assert_eq!(
+            row,
+            [
+                "512", "1", "100", "200", "9.1", "18.2", "533.3", "1066.7", "1600.0", "12.1",
+                "17.2", "0", "75.0%", "meets"
+            ]
+        );
+        let cap = lines
+            .iter()
+            .position(|l| l.starts_with("capacity under the SLO"))
+            .unwrap();
+        assert_eq!(
+            lines[cap],
+            "capacity under the SLO (TBT p99 <= 60 ms and TTFT p90 <= 5000 ms): the highest rate scale that meets it, to 2%"
+        );
+        assert_eq!(lines.len(), cap + 5);
+        let label = s.capacity[0].label();
+        assert_eq!(
+            lines[cap + 2]
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>(),
+            ["512", label.as_str()]
+        );
+        let no_slo = table(&run_sweep(&options(None), fake).unwrap());
+        assert!(!no_slo.contains("capacity"));
+    }
+
+    #[test]
+    fn csv_has_one_row_per_cell_with_rounded_figures() {
+        let s = sample_sweep();
+        let text = String::from_utf8(to_csv(&s).unwrap()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 10);
+        assert_eq!(
+            lines[0],
+            "budget,rate_scale,requests,steps,overruns,budget_utilisation,tbt_p50_ms,tbt_p99_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,step_p50_ms,step_p90_ms,step_p99_ms,step_max_ms,meets_slo"
+        );
+        assert_eq!(
+            lines[2],
+            "512,1,100,200,0,0.75,9.12,18.24,533.333,1066.667,1600,12.096,16.192,17.216,17.216,true"
+        );
+        assert_eq!(
+            lines[9],
+            "off,2,100,200,1,,167.84,335.68,266.667,533.333,800,73.536,139.072,155.456,155.456,false"
+        );
+    }
+
+    #[test]
+    fn json_holds_settings_cells_and_capacity() {
+        let s = sample_sweep();
+        let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+        assert_eq!(v["settings"]["trace"], "bundled <test> & co");
+        assert_eq!(v["budgets"], serde_json::json!([512, 2048, "off"]));
+        assert_eq!(v["rates"], serde_json::json!([0.5, 1.0, 2.0]));
+        assert_eq!(v["slo"]["tbt_p99_ms"], 60.0);
+        assert_eq!(v["cells"].as_array().unwrap().len(), 9);
+        let c = &v["cells"][1];
+        assert_eq!(
+            (c["budget"].clone(), c["rate_scale"].clone()),
+            (512.into(), 1.0.into())
+        );
+        assert_eq!(c["ttft_p90_ms"], 1066.667);
+        assert_eq!(c["meets_slo"], true);
+        assert_eq!(
+            c["step_ms"]["percentiles_ms"].as_array().unwrap().len(),
+            101
+        );
+        assert_eq!(v["cells"][6]["budget_utilisation"], serde_json::Value::Null);
+        let cap = &v["capacity"][0];
+        assert_eq!(cap["budget"], 512);
+        assert_eq!(cap["bound"], "found");
+        assert_eq!(
+            cap["rate_scale"],
+            round3(s.capacity[0].search.rate_scale.unwrap())
+        );
+        assert!(!cap["probes"].as_array().unwrap().is_empty());
+    }
+
+    #[test]
+    fn outputs_are_written_whole_and_never_over_a_file_or_an_input() {
+        let s = sample_sweep();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let w = write_outputs(&s, &out, &[]).unwrap();
+        let names: Vec<String> = w
+            .paths
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "sweep.csv",
+                "sweep.json",
+                "tradeoff.svg",
+                "tradeoff.png",
+                "capacity.svg",
+                "capacity.png",
+                "step_times.svg",
+                "step_times.png",
+                "report.html"
+            ]
+        );
+        for p in &w.paths {
+            assert!(fs::metadata(p).unwrap().len() > 0, "{}", p.display());
+        }
+        // No temporary file is left behind.
+        assert_eq!(fs::read_dir(&out).unwrap().count(), names.len());
+        assert_eq!(fs::read(out.join(CSV_FILE)).unwrap(), to_csv(&s).unwrap());
+
+        let file = dir.path().join("file");
+        fs::write(&file, "x").unwrap();
+        assert!(matches!(
+            write_outputs(&s, &file, &[]),
+            Err(SweepError::OutputNotADirectory(_))
+        ));
+        let input = out.join("sweep.json");
+        assert!(matches!(
+            write_outputs(&s, &out, &[input]),
+            Err(SweepError::OutputIsInput(p)) if p.ends_with("sweep.json")
+        ));
+        let no_slo = run_sweep(&options(None), fake).unwrap();
+        let out2 = dir.path().join("out2");
+        let w = write_outputs(&no_slo, &out2, &[]).unwrap();
+        assert!(!w.paths.iter().any(|p| p.ends_with("capacity.svg")));
+    }
+
+    #[test]
+    fn write_whole_replaces_a_file_and_fails_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.txt");
+        write_whole(&p, b"one").unwrap();
+        write_whole(&p, b"two").unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"two");
+        let sub = dir.path().join("sub");
+        fs::create_dir(&sub).unwrap();
+        // Renaming a file over a non-empty directory fails; the temporary file is removed.
+        fs::write(sub.join("x"), "x").unwrap();
+        assert!(write_whole(&sub, b"three").is_err());
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+}

@@ -1,0 +1,529 @@
+//! The sweep's plots, drawn with `plotters` as SVG (for the HTML report) and PNG (for anything
+//! else): the TBT/TTFT trade-off curve, the capacity under the SLO, and the step-time
+//! distributions.
+//!
+//! PNG text is drawn with DejaVu Sans, bundled (`data/fonts/`, Bitstream Vera licence), so the
+//! plots look the same on every machine and need no system font.
+
+use std::error::Error;
+use std::sync::OnceLock;
+
+use plotters::coord::ranged1d::SegmentValue;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle, RGBAColor};
+
+use super::output::{fmt_rate, slo_text};
+use super::raster::PngBackend;
+use super::{Bound, Sweep, SweepError};
+
+/// Width of every plot, in pixels.
+pub const WIDTH: u32 = 960;
+/// Height of every plot, in pixels.
+pub const HEIGHT: u32 = 600;
+
+/// DejaVu Sans 2.37 (see `data/fonts/DejaVuSans.ttf.LICENSE.txt`).
+static FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
+const FAMILY: &str = "sans-serif";
+
+/// One drawn plot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plot {
+    /// The file stem: `tradeoff`, `capacity` or `step_times`.
+    pub name: &'static str,
+    /// Its title.
+    pub title: String,
+    /// The SVG document.
+    pub svg: String,
+    /// The PNG file.
+    pub png: Vec<u8>,
+}
+
+type Drawn = Result<(), Box<dyn Error>>;
+
+/// A budget's points on the trade-off plot: (TTFT p99, TBT p99, rate scale).
+type Curve = Vec<(f64, f64, f64)>;
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Tradeoff,
+    Capacity,
+    StepTimes,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Tradeoff => "tradeoff",
+            Self::Capacity => "capacity",
+            Self::StepTimes => "step_times",
+        }
+    }
+
+    fn title(self, sweep: &Sweep) -> String {
+        match self {
+            Self::Tradeoff => "Time between tokens vs time to first token, by budget".into(),
+            Self::Capacity => match &sweep.slo {
+                Some(slo) => format!("Capacity under the SLO ({})", slo_text(slo)),
+                None => "Capacity under the SLO".into(),
+            },
+            Self::StepTimes => format!(
+                "Step-time distribution by budget at rate scale {}",
+                fmt_rate(sweep.step_time_rate)
+            ),
+        }
+    }
+}
+
+/// Registers the bundled font once per process (`plotters` keeps fonts in a global table).
+fn font() -> Result<(), SweepError> {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        register_font(FAMILY, FontStyle::Normal, FONT)
+            .map_err(|_| "the bundled DejaVu Sans font cannot be read".to_owned())
+    })
+    .clone()
+    .map_err(|message| SweepError::Plot {
+        plot: "any",
+        message,
+    })
+}
+
+/// Draws every plot of `sweep`, SVG and PNG: the trade-off curve, the capacity bars (only with
+/// an SLO) and the step-time distributions.
+///
+/// # Errors
+/// A plot cannot be drawn or encoded.
+pub fn draw_all(sweep: &Sweep) -> Result<Vec<Plot>, SweepError> {
+    font()?;
+    let mut kinds = vec![Kind::Tradeoff];
+    if sweep.slo.is_some() {
+        kinds.push(Kind::Capacity);
+    }
+    kinds.push(Kind::StepTimes);
+    kinds.into_iter().map(|k| render(k, sweep)).collect()
+}
+
+fn render(kind: Kind, sweep: &Sweep) -> Result<Plot, SweepError> {
+    let err = |e: Box<dyn Error>| SweepError::Plot {
+        plot: kind.name(),
+        message: e.to_string(),
+    };
+    let title = kind.title(sweep);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        draw(kind, &root, sweep, &title).map_err(err)?;
+        root.present().map_err(|e| err(e.into()))?;
+    }
+    let mut rgb = vec![0u8; WIDTH as usize * HEIGHT as usize * 3];
+    {
+        let backend =
+            PngBackend::new(&mut rgb, (WIDTH, HEIGHT), FONT).map_err(|e| err(e.into()))?;
+        let root = backend.into_drawing_area();
+        draw(kind, &root, sweep, &title).map_err(err)?;
+        root.present().map_err(|e| err(e.into()))?;
+    }
+    let png = encode_png(&rgb).map_err(|e| err(e.into()))?;
+    Ok(Plot {
+        name: kind.name(),
+        title,
+        svg,
+        png,
+    })
+}
+
+fn encode_png(rgb: &[u8]) -> Result<Vec<u8>, png::EncodingError> {
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, WIDTH, HEIGHT);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut w = enc.write_header()?;
+    w.write_image_data(rgb)?;
+    w.finish()?;
+    Ok(out)
+}
+
+fn draw<DB: DrawingBackend>(
+    kind: Kind,
+    root: &DrawingArea<DB, Shift>,
+    sweep: &Sweep,
+    title: &str,
+) -> Drawn
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE)?;
+    match kind {
+        Kind::Tradeoff => tradeoff(root, sweep, title),
+        Kind::Capacity => capacity(root, sweep, title),
+        Kind::StepTimes => step_times(root, sweep, title),
+    }
+}
+
+fn color(i: usize) -> RGBAColor {
+    Palette99::pick(i).to_rgba()
+}
+
+fn font_of(size: u32) -> TextStyle<'static> {
+    (FAMILY, size).into_font().color(&BLACK)
+}
+
+/// `[lo, hi]` of positive values on a log scale: from the power of ten at or below `lo / 1.3`
+/// (so the axis is labelled from its start) to `hi * pad`; `None` without values.
+fn log_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    (hi > 0.0).then(|| (10f64.powf((lo / 1.3).log10().floor()), hi * pad))
+}
+
+/// A log-axis label: only at 1, 2 and 5 times a power of ten, where `plotters` puts a tick at
+/// every multiple and the labels of 6 to 9 would run into each other.
+fn fmt_log_ms(v: &f64) -> String {
+    if !(v.is_finite() && *v > 0.0) {
+        return String::new();
+    }
+    let lead = (v / 10f64.powf(v.log10().floor())).round();
+    if lead == 1.0 || lead == 2.0 || lead == 5.0 {
+        fmt_ms(v)
+    } else {
+        String::new()
+    }
+}
+
+/// An axis value in ms: whole numbers without decimals, small ones with what they need.
+fn fmt_ms(v: &f64) -> String {
+    if *v >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.2}");
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    }
+}
+
+fn no_data<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, why: &str) -> Drawn
+where
+    DB::ErrorType: 'static,
+{
+    root.draw(&Text::new(title.to_owned(), (20, 20), font_of(22)))?;
+    root.draw(&Text::new(why.to_owned(), (20, 60), font_of(16)))?;
+    Ok(())
+}
+
+/// TBT p99 against TTFT p99, one line per budget through its rates (log-log).
+fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweep: &Sweep, title: &str) -> Drawn
+where
+    DB::ErrorType: 'static,
+{
+    let series: Vec<(String, Curve)> = sweep
+        .budgets
+        .iter()
+        .map(|b| {
+            let pts = sweep
+                .cells_of(*b)
+                .filter_map(|c| {
+                    let (x, y) = (c.summary.ttft_p99_ms?, c.summary.tbt_p99_ms?);
+                    (x.is_finite() && y.is_finite() && x > 0.0 && y > 0.0).then_some((
+                        x,
+                        y,
+                        c.rate_scale,
+                    ))
+                })
+                .collect();
+            (format!("budget {b}"), pts)
+        })
+        .collect();
+    let slo_tbt = sweep.slo.and_then(|s| s.tbt_p99_ms);
+    let xs = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.0));
+    let ys = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.1));
+    // The y range is padded more: room above the highest point for the legend.
+    let (Some((x0, x1)), Some((y0, y1))) =
+        (log_range(xs(), 1.3), log_range(ys().chain(slo_tbt), 2.5))
+    else {
+        return no_data(root, title, "No run has both TTFT and TBT samples.");
+    };
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, font_of(22))
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT p99 (simulated ms, log scale)")
+        .y_desc("TBT p99 (simulated ms, log scale)")
+        .x_label_formatter(&fmt_log_ms)
+        .y_label_formatter(&fmt_log_ms)
+        // Light lines crowd near each power of ten on a log axis.
+        .max_light_lines(0)
+        .label_style(font_of(14))
+        .axis_desc_style(font_of(16))
+        .draw()?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let c = color(i);
+        chart
+            .draw_series(LineSeries::new(
+                pts.iter().map(|p| (p.0, p.1)),
+                c.stroke_width(2),
+            ))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|p| Circle::new((p.0, p.1), 4, c.filled())))?;
+        chart.draw_series(pts.iter().map(|p| {
+            EmptyElement::at((p.0, p.1))
+                + Text::new(format!("{}x", fmt_rate(p.2)), (6, -16), font_of(12))
+        }))?;
+    }
+    if let Some(t) = slo_tbt {
+        chart
+            .draw_series(LineSeries::new([(x0, t), (x1, t)], RED.stroke_width(1)))?
+            .label(format!("SLO: TBT p99 <= {t} ms"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    }
+    chart
+        .configure_series_labels()
+        .label_font(font_of(14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    Ok(())
+}
+
+/// The capacity of each budget as a bar, the trace's own rate (1x) as a line.
+fn capacity<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweep: &Sweep, title: &str) -> Drawn
+where
+    DB::ErrorType: 'static,
+{
+    let caps = &sweep.capacity;
+    if caps.is_empty() {
+        return no_data(root, title, "No capacity was searched.");
+    }
+    let n = caps.len() as i32;
+    let top = caps
+        .iter()
+        .filter_map(|c| c.search.rate_scale)
+        .fold(1.0_f64, f64::max)
+        * 1.25;
+    let names: Vec<String> = caps.iter().map(|c| c.budget.to_string()).collect();
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, font_of(22))
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..top)?;
+    // The left edge of bar `i`; the last bar ends at the axis' end.
+    let edge = |i: i32| {
+        if i >= n {
+            SegmentValue::Last
+        } else {
+            SegmentValue::Exact(i)
+        }
+    };
+    let label = |v: &SegmentValue<i32>| match v {
+        SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => usize::try_from(*i)
+            .ok()
+            .and_then(|i| names.get(i).cloned())
+            .unwrap_or_default(),
+        SegmentValue::Last => String::new(),
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(caps.len())
+        .x_label_formatter(&label)
+        .x_desc("token budget")
+        .y_desc("highest rate scale meeting the SLO")
+        .label_style(font_of(14))
+        .axis_desc_style(font_of(16))
+        .draw()?;
+    for (i, c) in caps.iter().enumerate() {
+        let x = i as i32;
+        let height = c.search.rate_scale.unwrap_or(0.0);
+        let fill = color(i);
+        let mut bar = Rectangle::new(
+            [
+                (SegmentValue::Exact(x), 0.0),
+                (SegmentValue::Exact(x + 1), height),
+            ],
+            fill.filled(),
+        );
+        bar.set_margin(0, 0, 20, 20);
+        chart.draw_series([bar])?;
+        let text = match c.search.bound {
+            Bound::BelowMin => "none".to_owned(),
+            _ => c.label(),
+        };
+        chart.draw_series([EmptyElement::at((SegmentValue::CenterOf(x), height))
+            + Text::new(text, (-24, -20), font_of(14))])?;
+    }
+    chart
+        .draw_series(LineSeries::new(
+            [(edge(0), 1.0), (edge(n), 1.0)],
+            BLACK.stroke_width(1),
+        ))?
+        .label("1x: the trace's own rate")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+    chart
+        .configure_series_labels()
+        .label_font(font_of(14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
+    Ok(())
+}
+
+/// The step-time CDF of each budget at the sweep's step-time rate.
+fn step_times<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    sweep: &Sweep,
+    title: &str,
+) -> Drawn
+where
+    DB::ErrorType: 'static,
+{
+    let series: Vec<(String, &[f64])> = sweep
+        .budgets
+        .iter()
+        .filter_map(|b| {
+            let c = sweep.cell(*b, sweep.step_time_rate)?;
+            let p = c.summary.step_ms.percentiles_ms.as_slice();
+            (!p.is_empty()).then(|| (format!("budget {b}"), p))
+        })
+        .collect();
+    let top = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().copied())
+        .filter(|v| v.is_finite())
+        .fold(0.0_f64, f64::max);
+    if series.is_empty() || top <= 0.0 {
+        return no_data(root, title, "No run at this rate scale has step times.");
+    }
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, font_of(22))
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..top * 1.05, 0.0..1.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("step time (simulated ms)")
+        .y_desc("fraction of steps at or below")
+        .label_style(font_of(14))
+        .axis_desc_style(font_of(16))
+        .draw()?;
+    for (i, (label, p)) in series.iter().enumerate() {
+        let c = color(i);
+        let last = (p.len().max(2) - 1) as f64;
+        chart
+            .draw_series(LineSeries::new(
+                p.iter().enumerate().map(|(k, v)| (*v, k as f64 / last)),
+                c.stroke_width(2),
+            ))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .label_font(font_of(14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{options, sample_sweep};
+    use super::super::{run_sweep, RunSummary};
+    use super::*;
+
+    const PNG_SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
+
+    #[test]
+    fn every_plot_is_a_valid_svg_and_png_naming_its_series() {
+        let s = sample_sweep();
+        let plots = draw_all(&s).unwrap();
+        assert_eq!(
+            plots.iter().map(|p| p.name).collect::<Vec<_>>(),
+            ["tradeoff", "capacity", "step_times"]
+        );
+        for p in &plots {
+            assert!(p.svg.starts_with("<svg"), "{}: {}", p.name, &p.svg[..40]);
+            assert!(p.svg.trim_end().ends_with("</svg>"), "{}", p.name);
+            assert!(
+                p.svg
+                    .contains(&p.title.replace('<', "&lt;").replace('>', "&gt;")),
+                "{}",
+                p.name
+            );
+            assert!(p.png.starts_with(&PNG_SIGNATURE), "{}", p.name);
+            // Decodes, with the plot's size and not one colour: something was drawn.
+            let dec = png::Decoder::new(&p.png[..]);
+            let mut reader = dec.read_info().unwrap();
+            let mut buf = vec![0; reader.output_buffer_size()];
+            let info = reader.next_frame(&mut buf).unwrap();
+            assert_eq!((info.width, info.height), (WIDTH, HEIGHT));
+            let pixels = &buf[..info.buffer_size()];
+            assert!(
+                pixels.chunks(3).any(|px| px != [255, 255, 255]),
+                "{}",
+                p.name
+            );
+            // Text was drawn with the font: some pixels are neither white nor a series colour.
+            assert!(pixels.chunks(3).any(|px| px == [0, 0, 0]), "{}", p.name);
+        }
+        let [tradeoff, capacity, steps] = &plots[..] else {
+            panic!()
+        };
+        for b in ["budget 512", "budget 2048", "budget off"] {
+            assert!(tradeoff.svg.contains(b), "{b}");
+            assert!(steps.svg.contains(b), "{b}");
+        }
+        assert!(tradeoff.svg.contains("SLO: TBT p99 &lt;= 60 ms"));
+        assert!(tradeoff.svg.contains("0.5x") && tradeoff.svg.contains("2x"));
+        assert!(tradeoff.svg.contains("<polyline") || tradeoff.svg.contains("<path"));
+        for c in &s.capacity {
+            assert!(capacity.svg.contains(&c.label()), "{}", c.label());
+        }
+        assert!(capacity.svg.contains("<rect"));
+        assert!(steps.title.ends_with("at rate scale 1"));
+    }
+
+    #[test]
+    fn log_axes_start_at_a_power_of_ten_and_label_1_2_5() {
+        assert_eq!(
+            log_range([13.0, 90.0].into_iter(), 2.0),
+            Some((10.0, 180.0))
+        );
+        assert_eq!(log_range([f64::NAN, -1.0, 0.0].into_iter(), 2.0), None);
+        let labels: Vec<String> = [10.0, 20.0, 30.0, 50.0, 90.0, 100.0, 0.5, 0.3, 2000.0]
+            .iter()
+            .map(fmt_log_ms)
+            .collect();
+        assert_eq!(labels, ["10", "20", "", "50", "", "100", "0.5", "", "2000"]);
+    }
+
+    #[test]
+    fn plots_without_data_say_so() {
+        let s = run_sweep(
+            &options(None),
+            |_, _| Ok::<_, String>(RunSummary::default()),
+        )
+        .unwrap();
+        let plots = draw_all(&s).unwrap();
+        assert_eq!(plots.len(), 2);
+        assert!(plots[0]
+            .svg
+            .contains("No run has both TTFT and TBT samples."));
+        assert!(plots[1]
+            .svg
+            .contains("No run at this rate scale has step times."));
+        assert!(plots[1].png.starts_with(&PNG_SIGNATURE));
+    }
+}
