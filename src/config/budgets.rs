@@ -4,10 +4,13 @@
 use std::collections::BTreeMap;
 
 use super::budget_spelling::NodeBudgetSetting;
+use super::time_spelling::NodeTimeSetting;
 use super::layers::Origins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
-use crate::budget::{BudgetError, BudgetSettings, BudgetTable, NodeBudget};
+use crate::budget::{
+    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, TimeSettings,
+};
 use crate::manifest::Manifest;
 use crate::Name;
 
@@ -49,7 +52,27 @@ impl Manifest {
             min_chunk_tokens: chunking.min_chunk_tokens,
             max_row_tokens: chunking.max_row_tokens,
             max_partial_prefills: chunking.max_partial_prefills,
-            time: Default::default(),
+            time: TimeSettings {
+                max_step_ms: chunking
+                    .max_step_ms
+                    .iter()
+                    .map(|(node, t)| {
+                        let t = match t {
+                            NodeTimeSetting::All(v) => NodeTimeBudget::All(v.0),
+                            NodeTimeSetting::PerWalk(m) => NodeTimeBudget::PerWalk(
+                                m.iter().map(|(w, v)| (name(w), v.0)).collect(),
+                            ),
+                        };
+                        (name(node), t)
+                    })
+                    .collect(),
+                cost: chunking
+                    .cost
+                    .iter()
+                    .map(|(node, c)| (name(node), c.0))
+                    .collect(),
+                learn: chunking.learn_cost,
+            },
         }
     }
 }
@@ -127,9 +150,39 @@ fn rule(e: &BudgetError) -> Option<u8> {
     })
 }
 
+/// The `chunking.max_step_ms` key of a time budget refusal.
+fn time_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quoted<'a>)> {
+    let key = match walk {
+        Some(w) => format!("chunking.max_step_ms.{node}.{w}"),
+        None => format!("chunking.max_step_ms.{node}"),
+    };
+    Some((key, Some((&**node, walk.map(|w| &**w)))))
+}
+
+/// Whether a refusal is about `chunking.max_step_ms` (its value is quoted from there).
+fn is_time(e: &BudgetError) -> bool {
+    matches!(
+        e,
+        BudgetError::BadTimeBudget { .. }
+            | BudgetError::TimeBudgetDoesNothing { .. }
+            | BudgetError::TimeMemberWalk { .. }
+            | BudgetError::NoLatencyModel { .. }
+    ) || matches!(e, BudgetError::UnknownNode { setting, .. } if *setting == "max_step_ms")
+}
+
 fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
     let budget = budget_key;
     match e {
+        BudgetError::UnknownNode { setting, node } if *setting == "max_step_ms" => {
+            time_key(node, None)
+        }
+        BudgetError::UnknownNode { setting, node } if *setting == "cost" => {
+            Some((format!("chunking.cost.{node}"), None))
+        }
+        BudgetError::BadTimeBudget { node, walk, .. } => time_key(node, walk.as_ref()),
+        BudgetError::TimeBudgetDoesNothing { node, walk }
+        | BudgetError::TimeMemberWalk { node, walk, .. } => time_key(node, Some(walk)),
+        BudgetError::NoLatencyModel { node } => time_key(node, None),
         BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
             Some(("chunking.no_chunking".into(), Some((&**node, None))))
         }
@@ -157,6 +210,7 @@ pub(super) fn budget_problem(
 ) -> ConfigProblem {
     let reason = match rule(e) {
         Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
+        None if is_time(e) => format!("{e} (docs/cost-model.md#time-budgets)"),
         None => format!("{e} (docs/budgets.md#refusals)"),
     };
     match chunking_key(e) {
@@ -167,6 +221,10 @@ pub(super) fn budget_problem(
                 {
                     Some(super::problem::quote(node))
                 }
+                (Some((node, walk)), e) if is_time(e) => chunking
+                    .max_step_ms
+                    .get(node)
+                    .and_then(|b| b.shown(walk)),
                 (Some((node, walk)), _) => chunking
                     .max_batch_tokens
                     .get(node)

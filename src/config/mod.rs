@@ -22,11 +22,13 @@ pub mod input;
 pub mod layers;
 pub mod problem;
 pub mod sections;
+pub mod time_spelling;
 
 use std::path::Path;
 
 pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
 pub use budgets::{budget_rows, BudgetRow};
+pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};
 pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use layers::{LoadOptions, Origins, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};

@@ -10,6 +10,7 @@ use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
 use super::budget_spelling::NodeBudgetSetting;
+use super::time_spelling::{CostSetting, NodeTimeSetting};
 use crate::budget::DEFAULT_MIN_CHUNK_TOKENS;
 
 /// The whole serving config.
@@ -40,6 +41,12 @@ pub struct ChunkingSection {
     pub max_partial_prefills: Option<u32>,
     /// Per node: one budget, or `walk -> budget`.
     pub max_batch_tokens: BTreeMap<String, NodeBudgetSetting>,
+    /// Per node: one time budget in ms, or `walk -> ms` (`docs/cost-model.md#time-budgets`).
+    pub max_step_ms: BTreeMap<String, NodeTimeSetting>,
+    /// Per node: the latency model, as its coefficients or a preset's name.
+    pub cost: BTreeMap<String, CostSetting>,
+    /// Fit each node's latency model online from the step times the engine measures.
+    pub learn_cost: bool,
 }
 
 impl Default for ChunkingSection {
@@ -50,6 +57,9 @@ impl Default for ChunkingSection {
             max_row_tokens: None,
             max_partial_prefills: None,
             max_batch_tokens: BTreeMap::new(),
+            max_step_ms: BTreeMap::new(),
+            cost: BTreeMap::new(),
+            learn_cost: false,
         }
     }
 }
@@ -148,22 +158,76 @@ pub struct ReplaySection {
     pub prefix_cache: PrefixCacheSection,
 }
 
-/// A step's simulated duration: `base_ms + per_token_ms * tokens`.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+/// A step's simulated duration (`docs/cost-model.md`): `base_ms + per_token_ms·T +
+/// per_kv_token_ms·K + per_attention_pair_ms·A`, from the coefficients or a preset, times a
+/// noise factor. Written as a table, or as a preset's name (`cost = "llama2-7b-a100"`).
+/// Unset coefficients are the built-in ones (8 ms + 0.02 ms a token, no KV or attention term);
+/// [`crate::replay::settings`] checks every value.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CostSection {
+    /// A latency model preset (`docs/cost-model.md#presets`); then no coefficient is set.
+    pub preset: Option<String>,
     /// Milliseconds every step costs.
-    pub base_ms: f64,
+    pub base_ms: Option<f64>,
     /// Milliseconds each token of a step adds.
-    pub per_token_ms: f64,
+    pub per_token_ms: Option<f64>,
+    /// Milliseconds each context token a continuing row reads adds.
+    pub per_kv_token_ms: Option<f64>,
+    /// Milliseconds each causal attention pair of a chunk adds.
+    pub per_attention_pair_ms: Option<f64>,
+    /// Each simulated step time is multiplied by a factor drawn from `[1 - noise, 1 + noise]`.
+    pub noise: f64,
+    /// The component learns the coefficients online from the simulated times instead of being
+    /// given them.
+    pub learn: bool,
 }
 
-impl Default for CostSection {
-    fn default() -> Self {
-        Self {
-            base_ms: 8.0,
-            per_token_ms: 0.02,
+/// The table form of `[replay] cost`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CostTable {
+    preset: Option<String>,
+    base_ms: Option<f64>,
+    per_token_ms: Option<f64>,
+    per_kv_token_ms: Option<f64>,
+    per_attention_pair_ms: Option<f64>,
+    #[serde(default)]
+    noise: f64,
+    #[serde(default)]
+    learn: bool,
+}
+
+impl<'de> Deserialize<'de> for CostSection {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = CostSection;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a table of cost coefficients, or a latency model preset's name")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(CostSection {
+                    preset: Some(v.to_owned()),
+                    ..CostSection::default()
+                })
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                let t = CostTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(CostSection {
+                    preset: t.preset,
+                    base_ms: t.base_ms,
+                    per_token_ms: t.per_token_ms,
+                    per_kv_token_ms: t.per_kv_token_ms,
+                    per_attention_pair_ms: t.per_attention_pair_ms,
+                    noise: t.noise,
+                    learn: t.learn,
+                })
+            }
         }
+        d.deserialize_any(V)
     }
 }
 

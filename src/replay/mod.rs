@@ -337,6 +337,17 @@ pub async fn run_on(
     if opts.budget_off {
         budgets.overrides = budget_off_overrides(manifest);
     }
+    // The simulated cost is the truth the component plans against: given to it as the node's
+    // `chunking.cost` unless the config names one, or learned online (`replay.cost.learn`).
+    if setup.learn {
+        budgets.time.learn = true;
+    } else {
+        budgets
+            .time
+            .cost
+            .entry(Name::from(setup.node.as_str()))
+            .or_insert(setup.cost);
+    }
     cm.set_budgets(budgets)
         .await
         .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;

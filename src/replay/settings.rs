@@ -3,13 +3,20 @@
 //! that every simulated time stays finite.
 
 use crate::config::ReplaySection;
+use crate::latency::LatencyModel;
+use crate::latency_presets;
 use crate::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
 
-/// The most milliseconds `replay.cost.base_ms` and `replay.cost.per_token_ms` may be: with
-/// token counts bounded by the trace limits, every step time and sum of them stays finite.
+/// The most milliseconds any `replay.cost` coefficient may be: with token counts bounded by the
+/// trace limits (and so attention pairs below 2^47 a chunk), every step time and sum of them
+/// stays finite.
 pub const MAX_COST_MS: f64 = 1e6;
+/// `replay.cost.noise` lies in `[0, MAX_NOISE]`: a step always takes some time.
+pub const MAX_NOISE: f64 = 0.9;
+/// The built-in step cost: 8 ms a step, 0.02 ms a token, no KV or attention term.
+pub const DEFAULT_COST: [f64; 4] = [8.0, 0.02, 0.0, 0.0];
 /// The most speculative tokens per decode row.
 pub const MAX_SPEC_TOKENS: u32 = 1024;
 /// `--rate-scale` lies in `[1 / MAX_RATE_SCALE, MAX_RATE_SCALE]`, so scaled arrivals stay finite.
@@ -22,10 +29,15 @@ pub struct Setup {
     pub node: String,
     /// One combined walk, or `prefill` and `decode` taken in turn.
     pub walks: Vec<String>,
-    /// Milliseconds every step costs.
-    pub base_ms: f64,
-    /// Milliseconds each token of a step adds.
-    pub per_token_ms: f64,
+    /// What a simulated step costs (`docs/cost-model.md`): the truth the component plans
+    /// against, or learns.
+    pub cost: LatencyModel,
+    /// Where the cost came from: a preset's name, or `None` for coefficients.
+    pub cost_preset: Option<String>,
+    /// Simulated step times are multiplied by a factor from `[1 - noise, 1 + noise]`.
+    pub noise: f64,
+    /// Whether the component learns the cost online instead of being given it.
+    pub learn: bool,
     /// Speculative tokens per decode row (0: plain decode).
     pub spec_tokens: u32,
     /// The probability a speculating row overshoots its estimate.
@@ -144,26 +156,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
             }
         },
     };
-    let c = r.cost;
-    for (key, v) in [
-        ("replay.cost.base_ms", c.base_ms),
-        ("replay.cost.per_token_ms", c.per_token_ms),
-    ] {
-        if !(v.is_finite() && (0.0..=MAX_COST_MS).contains(&v)) {
-            refuse(
-                key,
-                Some(float(v)),
-                format!("must be a number of milliseconds from 0 to {MAX_COST_MS:e}"),
-            );
-        }
-    }
-    if c.base_ms == 0.0 && c.per_token_ms == 0.0 {
-        refuse(
-            "replay.cost",
-            None,
-            "must make a step take some time: `base_ms` and `per_token_ms` are both 0".into(),
-        );
-    }
+    let cost = check_cost(&r.cost, &mut refuse);
     let s = r.speculation;
     if !(0.0..=1.0).contains(&s.overshoot_rate) {
         refuse(
@@ -194,8 +187,10 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
         Some(node) if problems.is_empty() => Ok(Setup {
             node,
             walks,
-            base_ms: c.base_ms,
-            per_token_ms: c.per_token_ms,
+            cost: cost.expect("checked: no problem"),
+            cost_preset: r.cost.preset.clone(),
+            noise: r.cost.noise,
+            learn: r.cost.learn,
             spec_tokens: s.tokens,
             overshoot_rate: s.overshoot_rate,
             seed: s.seed,
@@ -204,6 +199,75 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
         }),
         _ => Err(problems),
     }
+}
+
+/// Checks `[replay] cost` and resolves its model: a known preset or coefficients (not both),
+/// each coefficient a finite number of ms in `[0, MAX_COST_MS]`, not all 0, and a noise in
+/// `[0, MAX_NOISE]`.
+fn check_cost(
+    c: &crate::config::CostSection,
+    refuse: &mut impl FnMut(&'static str, Option<String>, String),
+) -> Option<LatencyModel> {
+    if !(c.noise.is_finite() && (0.0..=MAX_NOISE).contains(&c.noise)) {
+        refuse(
+            "replay.cost.noise",
+            Some(float(c.noise)),
+            format!("must be a fraction from 0 to {MAX_NOISE}"),
+        );
+    }
+    let given = [
+        ("replay.cost.base_ms", c.base_ms),
+        ("replay.cost.per_token_ms", c.per_token_ms),
+        ("replay.cost.per_kv_token_ms", c.per_kv_token_ms),
+        ("replay.cost.per_attention_pair_ms", c.per_attention_pair_ms),
+    ];
+    if let Some(name) = &c.preset {
+        if given.iter().any(|(_, v)| v.is_some()) {
+            refuse(
+                "replay.cost.preset",
+                Some(crate::config::problem::quote(name)),
+                "names the coefficients itself: set either `preset` or coefficients, not both"
+                    .into(),
+            );
+            return None;
+        }
+        let model = latency_presets::preset_model(name);
+        if model.is_none() {
+            refuse(
+                "replay.cost.preset",
+                Some(crate::config::problem::quote(name)),
+                format!(
+                    "is not a latency model preset (presets: {})",
+                    latency_presets::preset_names().collect::<Vec<_>>().join(", ")
+                ),
+            );
+        }
+        return model;
+    }
+    let mut coefficients = DEFAULT_COST;
+    let mut ok = true;
+    for (i, (key, v)) in given.into_iter().enumerate() {
+        let Some(v) = v else { continue };
+        if !(v.is_finite() && (0.0..=MAX_COST_MS).contains(&v)) {
+            refuse(
+                key,
+                Some(float(v)),
+                format!("must be a number of milliseconds from 0 to {MAX_COST_MS:e}"),
+            );
+            ok = false;
+        }
+        coefficients[i] = v;
+    }
+    if ok && coefficients[..2] == [0.0, 0.0] {
+        refuse(
+            "replay.cost",
+            None,
+            "must make a step take some time: `base_ms` and `per_token_ms` are both 0".into(),
+        );
+        ok = false;
+    }
+    ok.then(|| LatencyModel::from_coefficients(coefficients).ok())
+        .flatten()
 }
 
 /// Checks `--rate-scale`: a finite number in `[1 / MAX_RATE_SCALE, MAX_RATE_SCALE]`.
@@ -248,7 +312,10 @@ mod tests {
             (s.node.as_str(), s.walks.as_slice()),
             ("b", &["mixed".to_owned()][..])
         );
-        assert_eq!((s.base_ms, s.per_token_ms, s.spec_tokens), (8.0, 0.02, 0));
+        assert_eq!(
+            (s.cost.coefficients(), s.spec_tokens, s.noise, s.learn),
+            (DEFAULT_COST, 0, 0.0, false)
+        );
     }
 
     #[test]
@@ -256,8 +323,8 @@ mod tests {
         let mut r = Settings::default().replay;
         r.node = Some("ghost".into());
         r.walk = Some("decode".into());
-        r.cost.base_ms = 1.7e308;
-        r.cost.per_token_ms = f64::NAN;
+        r.cost.base_ms = Some(1.7e308);
+        r.cost.per_token_ms = Some(f64::NAN);
         r.speculation.tokens = MAX_SPEC_TOKENS + 1;
         r.speculation.overshoot_rate = f64::INFINITY;
         r.prefix_cache.blocks = 1;
@@ -280,11 +347,30 @@ mod tests {
             ]
         );
         let mut r = Settings::default().replay;
-        r.cost.base_ms = 0.0;
-        r.cost.per_token_ms = 0.0;
+        r.cost.base_ms = Some(0.0);
+        r.cost.per_token_ms = Some(0.0);
         assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost");
-        r.cost.base_ms = MAX_COST_MS;
+        r.cost.base_ms = Some(MAX_COST_MS);
         assert!(check(&model(), &r).is_ok());
+        r.cost.noise = 1.0;
+        assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.noise");
+    }
+
+    #[test]
+    fn a_preset_names_the_cost_and_excludes_coefficients() {
+        let mut r = Settings::default().replay;
+        r.cost.preset = Some("llama2-7b-h100".into());
+        let s = check(&model(), &r).unwrap();
+        assert_eq!(
+            Some(s.cost),
+            crate::latency_presets::preset_model("llama2-7b-h100")
+        );
+        r.cost.base_ms = Some(1.0);
+        assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.preset");
+        r.cost.base_ms = None;
+        r.cost.preset = Some("gpt-9".into());
+        let p = &check(&model(), &r).unwrap_err()[0];
+        assert!(p.reason.contains("llama2-7b-a100"), "{}", p.reason);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The simulation loop (`docs/config.md#replay`).
 //!
 //! Simulated time, in ms, is never slept: a step that starts at `t` ends at
-//! `t + base_ms + per_token_ms * ran_tokens`. Before each step every request that arrived by `t`
+//! `t +` the cost model's prediction for what it ran (`docs/cost-model.md`; by default
+//! `base_ms + per_token_ms * ran_tokens`), times the optional noise. Before each step every request that arrived by `t`
 //! is admitted (in trace order); when nothing is queued the clock jumps to the next arrival.
 //! A prompt's final chunk yields its first token at the end of its step; each further token
 //! takes its continuing `decode` row one step it runs in.
@@ -19,6 +20,7 @@ use super::report::{ChunkCounts, Latency, OverrunCounts, ReplayReport, TokenCoun
 use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, Setup, DECODE_WALK, PREFILL_WALK};
+use crate::latency::StepFeatures;
 use crate::overrun::OverrunReason;
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
@@ -52,6 +54,8 @@ pub struct Sim<'a> {
     state: Vec<ReqState>,
     cache: Option<PrefixCache>,
     rng: SmallRng,
+    /// Draws the cost noise; its own stream, so the speculation draws stay as they were.
+    noise_rng: SmallRng,
     /// The estimate a decode row is registered with: 1, or `k + 1` with `k` speculative tokens.
     estimate: u32,
 
@@ -147,6 +151,7 @@ impl<'a> Sim<'a> {
             cache: (setup.cache_blocks > 0)
                 .then(|| PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens)),
             rng: SmallRng::seed_from_u64(setup.seed),
+            noise_rng: SmallRng::seed_from_u64(setup.seed ^ 0x9e37_79b9_7f4a_7c15),
             estimate: setup.spec_tokens + 1,
             t_ms: 0.0,
             prefilling: 0,
@@ -297,6 +302,25 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// The simulated duration of `batch` as it ran (`self.ran`): the cost model over what it ran
+    /// (`docs/cost-model.md`), times a noise factor from `[1 - noise, 1 + noise]`.
+    fn step_ms(&mut self, batch: &crate::scheduler::Batch) -> f64 {
+        let mut features = StepFeatures::EMPTY;
+        for (row, &r) in batch.rows.iter().zip(&self.ran) {
+            match row.work {
+                Work::Continue { .. } => features.add_continuing(r, row.context),
+                Work::Chunk { range, .. } => features.add_chunk(range.start, range.end),
+            }
+        }
+        let ms = self.setup.cost.predict_ms(&features);
+        if self.setup.noise > 0.0 {
+            let r = self.setup.noise;
+            ms * self.noise_rng.gen_range(1.0 - r..=1.0 + r)
+        } else {
+            ms
+        }
+    }
+
     async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
         let cm = self.cm;
         let node = self.setup.node.as_str();
@@ -312,7 +336,6 @@ impl<'a> Sim<'a> {
         }
 
         self.ran.clear();
-        let mut ran_tokens: u64 = 0;
         let mut decode_rows = 0usize;
         let mut cuts = false;
         for row in &batch.rows {
@@ -326,22 +349,17 @@ impl<'a> Sim<'a> {
                     range.tokens()
                 }
             };
-            ran_tokens += u64::from(r);
             self.ran.push(r);
         }
         let t_start = self.t_ms;
-        let t_end = t_start + self.setup.base_ms + self.setup.per_token_ms * ran_tokens as f64;
+        let step_ms = self.step_ms(&batch);
+        let t_end = t_start + step_ms;
         let outcome = cm
-            .complete(batch.step, self.ran.clone())
+            .complete_measured(batch.step, self.ran.clone(), step_ms)
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
         if let Some(log) = &mut self.step_log {
-            log.write(
-                t_start,
-                &batch,
-                outcome.tokens.ran,
-                outcome.overrun.as_ref(),
-            )
+            log.write(t_start, &batch, &outcome)
             .map_err(|source| ReplayError::Write {
                 what: "step log",
                 path: log.path().to_owned(),

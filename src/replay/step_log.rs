@@ -5,7 +5,10 @@
 //! {"step", "t_ms", "node", "walk", "budget" (null when none), "floor", "caps" (object or null),
 //!  "rows": [{"rid", "walk", "kind": "continue"|"chunk", "tokens",
 //!            chunks only: "start", "end", "total", "stride", "final", first chunks only: "cached"}],
-//!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting"}
+//!  continuing rows also: "context"],
+//!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting",
+//!  "ms" (the step's simulated duration), "predicted_ms" (null without a latency model),
+//!  "max_step_ms" (null without a time budget), "time_overrun" (null or {"reason"})}
 //! ```
 //!
 //! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`
@@ -19,9 +22,8 @@ use std::path::{Path, PathBuf};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-use crate::overrun::Overrun;
 use crate::planner::Work;
-use crate::scheduler::{Batch, BatchRow};
+use crate::scheduler::{Batch, BatchRow, StepOutcome};
 use crate::Name;
 
 /// A step log being written.
@@ -120,18 +122,11 @@ impl StepLog {
     ///
     /// # Errors
     /// The write failed.
-    pub fn write(
-        &mut self,
-        t_ms: f64,
-        batch: &Batch,
-        ran_tokens: u64,
-        overrun: Option<&Overrun>,
-    ) -> io::Result<()> {
+    pub fn write(&mut self, t_ms: f64, batch: &Batch, outcome: &StepOutcome) -> io::Result<()> {
         let line = StepLine {
             t_ms,
             batch,
-            ran_tokens,
-            overrun,
+            outcome,
         };
         let out = self
             .out
@@ -156,17 +151,20 @@ impl StepLog {
 struct StepLine<'a> {
     t_ms: f64,
     batch: &'a Batch,
-    ran_tokens: u64,
-    overrun: Option<&'a Overrun>,
+    outcome: &'a StepOutcome,
+}
+
+/// A time in ms to the µs: enough to order and compare steps, short to print.
+fn ms(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
 }
 
 impl Serialize for StepLine<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let b = self.batch;
-        let mut m = s.serialize_map(Some(12))?;
+        let (b, o) = (self.batch, self.outcome);
+        let mut m = s.serialize_map(Some(16))?;
         m.serialize_entry("step", &b.step)?;
-        // Simulated ms, to the µs: enough to order steps, short to print.
-        m.serialize_entry("t_ms", &((self.t_ms * 1000.0).round() / 1000.0))?;
+        m.serialize_entry("t_ms", &ms(self.t_ms))?;
         m.serialize_entry("node", &*b.node)?;
         m.serialize_entry("walk", &*b.walk)?;
         m.serialize_entry("budget", &b.budget)?;
@@ -174,9 +172,16 @@ impl Serialize for StepLine<'_> {
         m.serialize_entry("caps", &b.caps.as_deref().map(Caps))?;
         m.serialize_entry("rows", &Rows(b))?;
         m.serialize_entry("scheduled_tokens", &b.scheduled_tokens)?;
-        m.serialize_entry("ran_tokens", &self.ran_tokens)?;
-        m.serialize_entry("overrun", &self.overrun.map(|o| Reason(o.reason.as_str())))?;
+        m.serialize_entry("ran_tokens", &o.tokens.ran)?;
+        m.serialize_entry(
+            "overrun",
+            &o.overrun.as_ref().map(|o| Reason(o.reason.as_str())),
+        )?;
         m.serialize_entry("waiting", &b.waiting)?;
+        m.serialize_entry("ms", &o.measured_ms.map(ms))?;
+        m.serialize_entry("predicted_ms", &o.predicted_ms.map(ms))?;
+        m.serialize_entry("max_step_ms", &o.max_step_ms)?;
+        m.serialize_entry("time_overrun", &o.time_overrun.map(|r| Reason(r.as_str())))?;
         m.end()
     }
 }
@@ -214,11 +219,12 @@ impl Serialize for Row<'_> {
         let (r, walk) = (self.0, self.1);
         match r.work {
             Work::Continue { estimate } => {
-                let mut m = s.serialize_map(Some(4))?;
+                let mut m = s.serialize_map(Some(5))?;
                 m.serialize_entry("rid", &r.rid)?;
                 m.serialize_entry("walk", walk)?;
                 m.serialize_entry("kind", "continue")?;
                 m.serialize_entry("tokens", &estimate)?;
+                m.serialize_entry("context", &r.context)?;
                 m.end()
             }
             Work::Chunk { range, cached } => {
