@@ -45,6 +45,11 @@ pub struct ReplayReport {
     pub chunks: ChunkCounts,
     /// Overruns, by reason.
     pub overruns: OverrunCounts,
+    /// Steps whose simulated time exceeded their time budget, by reason
+    /// (`docs/cost-model.md#time-overruns`).
+    pub time_overruns: TimeOverrunCounts,
+    /// The latency model the component planned with at the end, under the config's key names.
+    pub latency_model: LatencyModelReport,
     /// Step slots a decode row (already generating) waited without running: "decode stalls".
     pub decode_row_waits: u64,
     /// Time to first token and time between tokens, in simulated ms; null without samples.
@@ -112,6 +117,73 @@ pub struct OverrunCounts {
     pub speculation_estimate: u64,
     /// Any other reason.
     pub other: u64,
+}
+
+/// Time overruns, by reason (`docs/cost-model.md#time-overruns`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TimeOverrunCounts {
+    /// Every time overrun.
+    pub total: u64,
+    /// The first prefill row ran a chunk of the floor over the time budget.
+    pub floor: u64,
+    /// A row that cannot be cut ran whole over the time budget.
+    pub uncut_row: u64,
+    /// The continuing rows alone were predicted over the time budget.
+    pub continuing: u64,
+    /// The step was predicted to fit and took longer.
+    pub misprediction: u64,
+}
+
+impl TimeOverrunCounts {
+    /// Counts one time overrun.
+    pub fn count(&mut self, reason: crate::latency::TimeOverrunReason) {
+        use crate::latency::TimeOverrunReason as R;
+        self.total += 1;
+        match reason {
+            R::Floor => self.floor += 1,
+            R::UncutRow => self.uncut_row += 1,
+            R::Continuing => self.continuing += 1,
+            R::Misprediction => self.misprediction += 1,
+        }
+    }
+}
+
+/// The latency model in use: its source and coefficients, named as in `chunking.cost.<node>`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LatencyModelReport {
+    /// `online`, `config` or `none`.
+    pub source: crate::latency::ModelSource,
+    /// Milliseconds every step costs (null without a model).
+    pub base_ms: Option<f64>,
+    /// Milliseconds a token adds.
+    pub per_token_ms: Option<f64>,
+    /// Milliseconds a continuing row's context token adds.
+    pub per_kv_token_ms: Option<f64>,
+    /// Milliseconds a causal attention pair adds.
+    pub per_attention_pair_ms: Option<f64>,
+}
+
+impl Default for LatencyModelReport {
+    fn default() -> Self {
+        Self::from((None, crate::latency::ModelSource::None))
+    }
+}
+
+impl From<(Option<crate::latency::LatencyModel>, crate::latency::ModelSource)>
+    for LatencyModelReport
+{
+    fn from(
+        (model, source): (Option<crate::latency::LatencyModel>, crate::latency::ModelSource),
+    ) -> Self {
+        let c = model.map(|m| m.coefficients());
+        Self {
+            source,
+            base_ms: c.map(|c| c[0]),
+            per_token_ms: c.map(|c| c[1]),
+            per_kv_token_ms: c.map(|c| c[2]),
+            per_attention_pair_ms: c.map(|c| c[3]),
+        }
+    }
 }
 
 /// Two percentiles of a latency, in simulated ms.
@@ -245,6 +317,30 @@ impl fmt::Display for ReplayReport {
                 "{} (uncut_row {}, speculation_estimate {}, other {})",
                 o.total, o.uncut_row, o.speculation_estimate, o.other
             ),
+        )?;
+        let t = &self.time_overruns;
+        row(
+            f,
+            "time overruns",
+            format!(
+                "{} (floor {}, uncut_row {}, continuing {}, misprediction {})",
+                t.total, t.floor, t.uncut_row, t.continuing, t.misprediction
+            ),
+        )?;
+        let m = &self.latency_model;
+        row(
+            f,
+            "latency model",
+            match m.base_ms {
+                Some(base) => format!(
+                    "{}: base_ms {base:.4}, per_token_ms {:.6}, per_kv_token_ms {:.3e}, per_attention_pair_ms {:.3e}",
+                    m.source.as_str(),
+                    m.per_token_ms.unwrap_or(0.0),
+                    m.per_kv_token_ms.unwrap_or(0.0),
+                    m.per_attention_pair_ms.unwrap_or(0.0)
+                ),
+                None => "none".into(),
+            },
         )?;
         row(
             f,

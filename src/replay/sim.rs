@@ -123,6 +123,8 @@ impl<'a> Sim<'a> {
             cut_step_utilisation: None,
             chunks: ChunkCounts::default(),
             overruns: OverrunCounts::default(),
+            time_overruns: Default::default(),
+            latency_model: Default::default(),
             decode_row_waits: 0,
             ttft_ms: None,
             tbt_ms: None,
@@ -382,6 +384,10 @@ impl<'a> Sim<'a> {
                 self.cut_budget_used += used;
             }
         }
+        if let Some(reason) = outcome.time_overrun {
+            rep.time_overruns.count(reason);
+        }
+        rep.latency_model = outcome.model.into();
         if let Some(o) = &outcome.overrun {
             let c = &mut rep.overruns;
             c.total += 1;
