@@ -200,8 +200,15 @@ impl Reloader {
         });
         match tokio::time::timeout(READ_TIMEOUT, work).await {
             Ok(Ok(result)) => result,
-            // The blocking task panicked: nothing read, nothing applied.
-            Ok(Err(_)) => Err(ReloadError::Timeout(READ_TIMEOUT)),
+            // The reading thread failed: nothing read, nothing applied.
+            Ok(Err(e)) => {
+                let mut errors = ConfigErrors::default();
+                errors.push(crate::config::ConfigProblem::File {
+                    path: "config reload".into(),
+                    reason: format!("reading the config files failed: {e}"),
+                });
+                Err(ReloadError::Config(errors))
+            }
             Err(_) => Err(ReloadError::Timeout(READ_TIMEOUT)),
         }
     }

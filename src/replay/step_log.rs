@@ -1,5 +1,5 @@
 //! The step log (`replay --step-log FILE`): one JSON object per step
-//! (`docs/config.md#the-step-log`).
+//! (`docs/replay.md#the-step-log`).
 //!
 //! ```text
 //! {"step", "t_ms", "node", "walk", "budget" (null when none), "floor", "caps" (object or null),
