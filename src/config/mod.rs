@@ -249,7 +249,7 @@ fn check_against(
             return None;
         }
     };
-    match BudgetTable::build(model, manifest.budget_settings(&settings.chunking)) {
+    match BudgetTable::build(model, manifest.settings_budgets(settings)) {
         Ok(table) => Some(table),
         Err(errors) => {
             for e in &errors.0 {

@@ -333,20 +333,14 @@ pub async fn run_on(
     cm.set_policies(manifest.policies())
         .await
         .map_err(ReplayError::chunking("setting the model's policies"))?;
-    let mut budgets = manifest.budget_settings(&settings.chunking);
+    let mut budgets = manifest.settings_budgets(settings);
     if opts.budget_off {
         budgets.overrides = budget_off_overrides(manifest);
     }
-    // The simulated cost is the truth the component plans against: given to it as the node's
-    // `chunking.cost` unless the config names one, or learned online (`replay.cost.learn`).
+    // `replay.cost.learn`: the component learns the simulated cost of the replayed node online,
+    // without being given a model for it.
     if setup.learn {
-        budgets.time.learn = true;
-    } else {
-        budgets
-            .time
-            .cost
-            .entry(Name::from(setup.node.as_str()))
-            .or_insert(setup.cost);
+        budgets.time.cost.remove(setup.node.as_str());
     }
     cm.set_budgets(budgets)
         .await
