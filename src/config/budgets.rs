@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 
 use super::budget_spelling::NodeBudgetSetting;
-use super::time_spelling::NodeTimeSetting;
 use super::layers::Origins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
+use super::time_spelling::NodeTimeSetting;
 use crate::budget::{
     BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, TimeSettings,
 };
@@ -233,10 +233,9 @@ pub(super) fn budget_problem(
                 {
                     Some(super::problem::quote(node))
                 }
-                (Some((node, walk)), e) if is_time(e) => chunking
-                    .max_step_ms
-                    .get(node)
-                    .and_then(|b| b.shown(walk)),
+                (Some((node, walk)), e) if is_time(e) => {
+                    chunking.max_step_ms.get(node).and_then(|b| b.shown(walk))
+                }
                 (Some((node, walk)), _) => chunking
                     .max_batch_tokens
                     .get(node)

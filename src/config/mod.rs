@@ -28,7 +28,6 @@ use std::path::Path;
 
 pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
 pub use budgets::{budget_rows, BudgetRow};
-pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};
 pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use layers::{LoadOptions, Origins, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
@@ -36,6 +35,7 @@ pub use sections::{
     ChunkingSection, CostSection, Listen, LogFormat, LogSection, MetricsSection,
     PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
+pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};
 
 use crate::budget::BudgetTable;
 use crate::manifest::{Manifest, ManifestError, ManifestErrors};

@@ -197,7 +197,9 @@ impl<'de> Deserialize<'de> for CostSetting {
                         E::custom(format!(
                             "no latency model preset {}; presets: {}",
                             super::problem::quote(v),
-                            latency_presets::preset_names().collect::<Vec<_>>().join(", ")
+                            latency_presets::preset_names()
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         ))
                     })
             }

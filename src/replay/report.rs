@@ -169,11 +169,17 @@ impl Default for LatencyModelReport {
     }
 }
 
-impl From<(Option<crate::latency::LatencyModel>, crate::latency::ModelSource)>
-    for LatencyModelReport
+impl
+    From<(
+        Option<crate::latency::LatencyModel>,
+        crate::latency::ModelSource,
+    )> for LatencyModelReport
 {
     fn from(
-        (model, source): (Option<crate::latency::LatencyModel>, crate::latency::ModelSource),
+        (model, source): (
+            Option<crate::latency::LatencyModel>,
+            crate::latency::ModelSource,
+        ),
     ) -> Self {
         let c = model.map(|m| m.coefficients());
         Self {

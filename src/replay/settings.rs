@@ -238,7 +238,9 @@ fn check_cost(
                 Some(crate::config::problem::quote(name)),
                 format!(
                     "is not a latency model preset (presets: {})",
-                    latency_presets::preset_names().collect::<Vec<_>>().join(", ")
+                    latency_presets::preset_names()
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             );
         }
@@ -366,7 +368,10 @@ mod tests {
             crate::latency_presets::preset_model("llama2-7b-h100")
         );
         r.cost.base_ms = Some(1.0);
-        assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.preset");
+        assert_eq!(
+            check(&model(), &r).unwrap_err()[0].key,
+            "replay.cost.preset"
+        );
         r.cost.base_ms = None;
         r.cost.preset = Some("gpt-9".into());
         let p = &check(&model(), &r).unwrap_err()[0];

@@ -362,11 +362,11 @@ impl<'a> Sim<'a> {
             .map_err(ReplayError::chunking("completing a step"))?;
         if let Some(log) = &mut self.step_log {
             log.write(t_start, &batch, &outcome)
-            .map_err(|source| ReplayError::Write {
-                what: "step log",
-                path: log.path().to_owned(),
-                source,
-            })?;
+                .map_err(|source| ReplayError::Write {
+                    what: "step log",
+                    path: log.path().to_owned(),
+                    source,
+                })?;
         }
 
         let rep = &mut self.report;
