@@ -1,6 +1,9 @@
 //! The cost of one step (issue 7), two measurements per workload in the same run:
 //! - `planner/<W>`: the pure planner ([`plan`]) on the node's queues and the `StepParams` of a
 //!   `BudgetSnapshot`, no actors, no state change (the queues are a steady state reached first);
+//! - `planner_timed/<W>`: the same planner under a time budget that binds (the Llama-2-7B/A100
+//!   preset, a time budget of half the step's token-budget time), so every chunk end goes
+//!   through the latency model's solver (`docs/cost-model.md`); target ≤ 2 × `planner/<W>`;
 //! - `actors/<W>`: one whole step through the facade `ChunkingManagement`: `assemble` (plan, then
 //!   PreparedInputs cuts the chunk inputs), `complete` with the tokens each row ran (overrun
 //!   check, release of finished inputs), and re-admitting a fresh prompt for each finished one.
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{black_box, Criterion};
 use mstar_chunking::budget::BudgetTable;
-use mstar_chunking::planner::{plan, StepParams, StepPlan};
+use mstar_chunking::planner::{plan, plan_timed, StepParams, StepPlan, TimeLimit};
 use mstar_chunking::policy::ModelPolicies;
 use mstar_chunking::scheduler::SchedulerState;
 use mstar_chunking::snapshot::BudgetSnapshot;
@@ -185,6 +188,27 @@ fn plan_once(state: &SchedulerState, params: &StepParams, out: &mut StepPlan) {
     plan(params, q.cont(), q.prefill(), out);
 }
 
+/// The time limit of `planner_timed/<W>`: the A100 preset, and half the time a full token
+/// budget of prefill takes under it, so that the time limit, not the token budget, ends chunks.
+fn time_limit(w: Workload) -> TimeLimit {
+    let model = mstar_chunking::latency_presets::preset_model("llama2-7b-a100").expect("preset");
+    let full = model.base_ms() + model.per_token_ms() * f64::from(w.budget);
+    TimeLimit {
+        model,
+        max_step_ms: full / 2.0,
+    }
+}
+
+fn plan_timed_once(
+    state: &SchedulerState,
+    params: &StepParams,
+    time: TimeLimit,
+    out: &mut StepPlan,
+) {
+    let q = state.node(NODE).expect("the node has queues");
+    plan_timed(params, Some(time), q.cont(), q.prefill(), out);
+}
+
 /// The engine's side of the actors benchmark: the facade, one shared prompt input (each
 /// admitted prompt holds a clone of its `Arc`, as a real engine hands over its own buffer),
 /// and the next fresh rid.
@@ -284,6 +308,16 @@ fn bench_workload(c: &mut Criterion, w: Workload, count: bool) -> Option<Allocs>
         }
         (allocations() - before) as f64 / COUNTED_STEPS as f64
     });
+    let time = time_limit(w);
+    plan_timed_once(&state, &params, time, &mut out);
+    assert!(
+        out.time.is_some() && out.predicted_ms(&time.model) <= time.max_step_ms,
+        "the timed plan is planned under its time limit"
+    );
+    c.benchmark_group("planner_timed")
+        .bench_function(w.name, |b| {
+            b.iter(|| plan_timed_once(black_box(&state), black_box(&params), time, &mut out))
+        });
 
     let sys = actix::System::new();
     let mut engine = sys.block_on(Engine::start(w));

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Prints the table of `cargo bench --bench step` (issue 7): per workload, the median of
-`planner/<W>` and `actors/<W>` in µs, their ratio, and allocations per step, read from criterion's
+"""Prints the table of `cargo bench --bench step`: per workload, the median of `planner/<W>`,
+`planner_timed/<W>` (under a binding time budget) and `actors/<W>` in µs, their ratios to the
+planner, and allocations per step, read from criterion's
 `<dir>/<group>/<W>/new/estimates.json` and the bench's `<dir>/step-allocs.json`.
 
 Usage: bench_table.py [CRITERION_DIR]   (default: $CRITERION_HOME, else target/criterion)
@@ -45,13 +46,15 @@ def main() -> None:
         sys.exit(f"bench_table: no allocation counts in {allocs_path}: {e}")
 
     header = (
-        "| workload | planner median µs | actors median µs | actors/planner "
+        "| workload | planner median µs | timed planner median µs | timed/planner "
+        "| actors median µs | actors/planner "
         "| allocations per step (planner / actors) | targets met |"
     )
     print(header)
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for w in WORKLOADS:
         planner = median_us(root, "planner", w)
+        timed = median_us(root, "planner_timed", w)
         actors = median_us(root, "actors", w)
         a = allocs.get(w)
         if a is None:
@@ -61,8 +64,11 @@ def main() -> None:
             misses.append(f"actors > {ACTORS_TARGET_US[w]:g} µs")
         if actors > 2 * planner + 10:
             misses.append("actors > 2 × planner + 10 µs")
+        if timed > 2 * planner:
+            misses.append("timed planner > 2 × planner")
         print(
-            f"| {w} | {planner:.2f} | {actors:.2f} | {actors / planner:.1f} "
+            f"| {w} | {planner:.2f} | {timed:.2f} | {timed / planner:.2f} "
+            f"| {actors:.2f} | {actors / planner:.1f} "
             f"| {a['planner']:.2f} / {a['actors']:.2f} | {'; '.join(misses) or 'yes'} |"
         )
     counts = [allocs[w]["actors"] for w in WORKLOADS]
