@@ -1,25 +1,34 @@
 //! # mstar-chunking
 //!
 //! Chunked prefill for an LLM serving engine: long prompts are cut into chunks so that every
-//! engine step stays inside a token budget and decode rows never stall behind a long prompt.
+//! engine step stays inside a token budget (and, with a latency model, a time budget) and
+//! decode rows never stall behind a long prompt. The rules the code enforces are in the
+//! repository's `docs/` (`docs/README.md` is the index).
 //!
 //! ## A tour of the modules
 //!
-//! The functional core, plain structs without a runtime:
+//! The functional core, plain structs without a runtime (all of it with
+//! `default-features = false`):
 //! - [`range`]: [`ChunkRange`], the tokens a chunked row runs in one step, and its stride rule;
 //! - [`policy`]: the model's say: [`ChunkingPolicy`], [`NO_CHUNKING`], submodule capabilities;
-//! - [`budget`]: the deployment's say: `set_budgets` validation and the budget answers;
+//! - [`budget`]: the deployment's say: [`BudgetSettings`] (token and time budgets), their
+//!   validation and the budget answers;
 //! - [`snapshot`]: the immutable budget snapshot with every `(node, walk)`'s step parameters;
 //! - [`planner`]: the step planner, a pure function from queues and parameters to a step plan;
+//! - [`latency`], [`latency_fit`], [`latency_presets`]: the step latency model, the time limit
+//!   of a chunk's end, the online fit of the model and public model/GPU presets;
 //! - [`queues`]: one node's row queues and their progress;
 //! - [`scheduler`]: all nodes' queues, the step in flight, assembly and completion;
 //! - [`prepared`]: whole prepared inputs and the zero-copy chunk views cut from them;
 //! - [`overrun`]: overrun classification, counts and the 1/2/4/8… warning cadence;
-//! - [`metrics`]: every exported metric.
+//! - [`metrics`]: every exported metric, labelled per facade instance;
+//! - [`error`]: [`ChunkingError`] and its [`ErrorKind`].
 //!
-//! The edges: [`manifest`] (the model's file), [`settings`] (the layered serving config and
-//! its loader), [`logging`] and [`cli`] (the binary's `check` and `budgets`). [`replay`] drives
-//! the actors through a request trace on a simulated clock (docs/replay.md).
+//! The edges, behind cargo features: `config` (`manifest`, the model's file; `config`, the
+//! layered serving config; `reload`, hot reload), `replay` (`replay`, which drives the
+//! actors through a request trace on a simulated clock, and `latency_fit_file`), `sweep`
+//! (`sweep`, replays over a grid of budgets and rates), `cli` (`cli`, `logging` and the
+//! binary).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -29,18 +38,19 @@
 //!               ├─────────────────►│ PolicyRegistry ├─────────────►│ BudgetConfig ├──────────────┐
 //!               │ SetBudgets       └────────────────┘              └──────────────┘              ▼
 //!               ├──────────────────────────────────────────────────────►            ┌───────────┐
-//!               │ Admit / Continue / Assemble / Complete / Forget                   │ Scheduler │
+//!               │ Admit / Continue / Assemble / Complete / Abandon / Forget         │ Scheduler │
 //!               ├──────────────────────────────────────────────────────────────────►└─┬───────┬─┘
-//!               │ Insert / Cut / Forget   ┌────────────────┐   Release (final chunks)  │       │ Record
-//!               └────────────────────────►│ PreparedInputs │◄──────────────────────────┘       ▼ (overruns)
-//!                                         └────────────────┘                   ┌───────────────────┐
+//!               │ Get / Totals        ┌────────────────┐  Insert / Cut / Release /   │       │ Record
+//!               └────────────────────►│ PreparedInputs │◄─ Forget ───────────────────┘       ▼ (overruns)
+//!                                     └────────────────┘                       ┌───────────────────┐
 //!                                                                              │ OverrunAccounting │
 //!                                                                              └───────────────────┘
 //! ```
 //!
 //! A step costs the engine one message to assemble (the Scheduler plans, then has
-//! PreparedInputs cut the chunk inputs) and one to complete; budgets reach the scheduler as an
-//! `Arc` snapshot, never per row.
+//! PreparedInputs cut the chunk inputs; the batch is held until the step completes, so a
+//! repeated `assemble` answers it again) and one to complete; budgets reach the scheduler as an
+//! `Arc` snapshot, never per row. See `docs/actors.md`.
 
 #![deny(missing_docs)]
 
@@ -49,7 +59,6 @@ use std::sync::Arc;
 pub mod actors;
 pub mod budget;
 #[cfg(feature = "cli")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod cli;
 #[cfg(feature = "config")]
 pub mod config;
@@ -60,10 +69,8 @@ pub mod latency_fit;
 pub mod latency_fit_file;
 pub mod latency_presets;
 #[cfg(feature = "cli")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod logging;
 #[cfg(feature = "config")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod manifest;
 pub mod metrics;
 pub mod overrun;
@@ -73,10 +80,8 @@ pub mod prepared;
 pub mod queues;
 pub mod range;
 #[cfg(feature = "config")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod reload;
 #[cfg(feature = "replay")]
-#[allow(missing_docs)] // TODO(config-wing merge): document
 pub mod replay;
 pub mod scheduler;
 pub mod snapshot;

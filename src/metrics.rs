@@ -3,7 +3,7 @@
 //! string literals.
 //!
 //! The library records through the `metrics` facade and never installs a recorder: the binary
-//! installs the Prometheus exporter ([`install_prometheus`]); an embedding engine may install its
+//! installs the Prometheus exporter (`install_prometheus`, `prometheus` feature); an embedding engine may install its
 //! own recorder instead and then call [`describe_all`].
 //!
 //! The dashboards and alert rules in `dashboards/` query these names; a test checks that every

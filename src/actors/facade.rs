@@ -350,7 +350,7 @@ impl ChunkingManagement {
 
     /// Applies new serving settings while running: the same as [`ChunkingManagement::set_budgets`],
     /// named for the hot-reload path. Effective from the next assembled step; a step in flight
-    /// is checked against the budget it was scheduled under. [`crate::reload::Reloader`]
+    /// is checked against the budget it was scheduled under. `reload::Reloader` (`config` feature)
     /// re-reads the layered config files and calls this.
     ///
     /// # Errors
