@@ -303,6 +303,21 @@ mod exporter {
 
     /// The exporter's settings: histograms get explicit buckets (without them the exporter renders
     /// summaries, which cannot be aggregated across nodes or over time windows).
+    /// `listen` with port 0 replaced by a free port the system picks, so that the address
+    /// logged and served is the real one. (The port could be taken between this probe and the
+    /// exporter's bind; that is then the usual bind error.)
+    fn concrete_port(listen: SocketAddr) -> Result<SocketAddr, MetricsError> {
+        if listen.port() != 0 {
+            return Ok(listen);
+        }
+        std::net::TcpListener::bind(listen)
+            .and_then(|l| l.local_addr())
+            .map_err(|e| MetricsError::Bind {
+                addr: listen,
+                reason: e.to_string(),
+            })
+    }
+
     pub(super) fn prometheus_builder() -> PrometheusBuilder {
         let tokens = token_buckets();
         let seconds = seconds_buckets();
@@ -329,6 +344,7 @@ mod exporter {
     /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
     /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
     pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+        let listen = concrete_port(listen)?;
         let exporter_error = |reason: String| MetricsError::Exporter {
             addr: listen,
             reason,
