@@ -33,6 +33,12 @@ const OVERRUN_CONFIG: &str = "\
 [chunking.max_batch_tokens]
 llm = { mixed = 512 }
 
+[chunking.max_step_ms]
+llm = { mixed = 30.0 }
+
+[chunking.cost]
+llm = { base_ms = 8.0, per_token_ms = 0.02, per_kv_token_ms = 0.0, per_attention_pair_ms = 0.0 }
+
 [replay]
 speculation = { tokens = 3, overshoot_rate = 0.3, seed = 1 }
 ";
