@@ -453,14 +453,7 @@ impl ChunkingManagement {
         walk: &str,
         estimate: u32,
     ) -> Result<(), ChunkingError> {
-        let msg = ContinueRow {
-            rid,
-            node: self.node_name(node),
-            walk: walk.into(),
-            estimate,
-            context: None,
-        };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        self.continuing(rid, node, walk, estimate, None).await
     }
 
     /// As [`continue_row`](Self::continue_row), with the row's context in tokens (what it
@@ -479,12 +472,24 @@ impl ChunkingManagement {
         estimate: u32,
         context: u64,
     ) -> Result<(), ChunkingError> {
+        self.continuing(rid, node, walk, estimate, Some(context))
+            .await
+    }
+
+    async fn continuing(
+        &self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        estimate: u32,
+        context: Option<u64>,
+    ) -> Result<(), ChunkingError> {
         let msg = ContinueRow {
             rid,
             node: self.node_name(node),
             walk: walk.into(),
             estimate,
-            context: Some(context),
+            context,
         };
         ask(&self.scheduler, "Scheduler", self.timeout, msg).await
     }
