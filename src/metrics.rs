@@ -434,6 +434,7 @@ impl Instance {
         ModelGauges {
             coefficients: COEFFICIENT_KEYS.map(|c| metrics::gauge!(LATENCY_MODEL_COEFFICIENT, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_COEFFICIENT => c)),
             sources: ModelSource::ALL.map(|s| metrics::gauge!(LATENCY_MODEL_SOURCE, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_SOURCE => s.as_str())),
+            shown: None,
         }
     }
 
@@ -559,16 +560,22 @@ impl OverrunMetrics {
     }
 }
 
-/// The latency-model gauges of one node.
+/// The latency-model gauges of one node, and what they show (written only on a change: the
+/// model changes rarely, steps come often).
 #[derive(Clone)]
 pub(crate) struct ModelGauges {
     coefficients: [Gauge; 4],
     sources: [Gauge; 3],
+    shown: Option<(Option<LatencyModel>, ModelSource)>,
 }
 
 impl ModelGauges {
     /// Sets the coefficients in use (0 without a model) and marks their source.
-    pub(crate) fn set(&self, model: Option<LatencyModel>, source: ModelSource) {
+    pub(crate) fn set(&mut self, model: Option<LatencyModel>, source: ModelSource) {
+        if self.shown == Some((model, source)) {
+            return;
+        }
+        self.shown = Some((model, source));
         let c = model.map_or([0.0; 4], |m| m.coefficients());
         for (gauge, value) in self.coefficients.iter().zip(c) {
             gauge.set(value);

@@ -35,6 +35,8 @@ pub struct StepParams {
     pub max_step_ms: Option<f64>,
     /// The node's configured latency model (`chunking.cost.<node>`), if any.
     pub cost: Option<LatencyModel>,
+    /// Whether the node's latency model is fitted online (`chunking.learn_cost`).
+    pub learn_cost: bool,
 }
 
 /// A step's time limit: the latency model it is planned with and its time budget.
@@ -470,6 +472,18 @@ fn timed_end(
     out: &mut StepPlan,
 ) -> Option<u64> {
     let total = u64::from(r.total);
+    let floor = u64::from(params.floor.max(1));
+    let progress = u64::from(r.progress);
+    if !first_in_order {
+        // A quick refusal before the solver: even the least this row could run (its
+        // remainder, or the floor) does not fit in time. Most rows behind a full step stop here.
+        let least = (total - progress).min(floor);
+        let least_end = (progress + least) as u32;
+        let with_least = out.features.with_chunk(r.progress, least_end);
+        if time.model.predict_ms(&with_least) > time.max_step_ms {
+            return None;
+        }
+    }
     if !params.chunkable {
         let whole = out.features.with_chunk(r.progress, r.total);
         if time.model.predict_ms(&whole) <= time.max_step_ms {
@@ -494,8 +508,6 @@ fn timed_end(
         .map(u64::from)
         // A cut that leaves the rest for later starts a partial prefill: not when that is full.
         .filter(|&end| end == total || !partial_full);
-    let floor = u64::from(params.floor.max(1));
-    let progress = u64::from(r.progress);
     match fitted {
         Some(end) if end == total || end - progress >= floor => Some(end),
         _ if first_in_order => {
@@ -603,6 +615,7 @@ mod tests {
             max_partial_prefills: None,
             max_step_ms: None,
             cost: None,
+            learn_cost: false,
         }
     }
 

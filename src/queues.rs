@@ -213,19 +213,33 @@ impl NodeQueues {
         }
     }
 
-    /// Applies a completed row of a planned step that ran `ran` tokens: a chunk's row moves to
-    /// the chunk's end, and leaves the queue on the final chunk; a continuing row's context
-    /// grows by what it ran.
-    pub fn advance(&mut self, row: &PlannedRow, ran: u32) -> Advance {
-        let Work::Chunk { range, .. } = row.work else {
-            return match self.cont.binary_search_by_key(&row.seq, |r| r.seq) {
-                Ok(i) if self.cont[i].rid == row.rid => {
-                    let c = &mut self.cont[i];
-                    c.context = c.context.saturating_add(u64::from(ran));
-                    Advance::Progressed
+    /// Grows the context of every continuing row of a completed step by the tokens it ran
+    /// (`ran[i]` for `rows[i]`). The step's continuing rows are in admission order, as the queue
+    /// is, so one pass with a cursor finds them all: O(rows + queue), no search per row.
+    pub fn grow_contexts(&mut self, rows: &[PlannedRow], ran: &[u32]) {
+        let mut j = 0;
+        for (row, &r) in rows.iter().zip(ran) {
+            if !matches!(row.work, Work::Continue { .. }) {
+                continue;
+            }
+            while j < self.cont.len() && self.cont[j].seq < row.seq {
+                j += 1;
+            }
+            match self.cont.get_mut(j) {
+                Some(c) if c.seq == row.seq && c.rid == row.rid => {
+                    c.context = c.context.saturating_add(u64::from(r));
                 }
-                _ => Advance::Gone,
-            };
+                // Forgotten during the step: nothing to grow.
+                _ => {}
+            }
+        }
+    }
+
+    /// Applies a completed chunk of a planned step: its row moves to the chunk's end, and
+    /// leaves the queue on the final chunk. Continuing rows: see [`NodeQueues::grow_contexts`].
+    pub fn advance(&mut self, row: &PlannedRow) -> Advance {
+        let Work::Chunk { range, .. } = row.work else {
+            return Advance::Progressed;
         };
         let Ok(i) = self.prefill.binary_search_by_key(&row.seq, |r| r.seq) else {
             return Advance::Gone;

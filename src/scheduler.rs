@@ -278,6 +278,20 @@ impl SchedulerState {
         select_model(online, table.cost(node))
     }
 
+    /// [`SchedulerState::latency_model`] for a step planned under `params`, without map lookups
+    /// when online learning is off (the step's hot path).
+    fn model_for(&self, params: &StepParams) -> (Option<LatencyModel>, ModelSource) {
+        let online = params
+            .learn_cost
+            .then(|| {
+                self.fits
+                    .get(&params.node)
+                    .and_then(OnlineFit::trusted_model)
+            })
+            .flatten();
+        select_model(online, params.cost)
+    }
+
     /// Drops every row of `rid` on every node (an aborted or finished request). Rows of `rid`
     /// in a step in flight run, but do not advance. Returns how many prefill rows were dropped.
     pub fn forget(&mut self, rid: u64) -> usize {
@@ -327,7 +341,7 @@ impl SchedulerState {
             });
         }
         let params = params.clone();
-        let (model, _) = self.latency_model(node);
+        let (model, _) = self.model_for(&params);
         let time = params
             .max_step_ms
             .zip(model)
@@ -354,7 +368,7 @@ impl SchedulerState {
     /// repeated `assemble` returns it again. Ignored when the step is no longer in flight.
     pub fn hold(&mut self, batch: Arc<Batch>) {
         if let Some(f) = self.in_flight.get_mut(&*batch.node) {
-            if f.step == batch.step {
+            if f.step == batch.step && f.batch.is_none() {
                 f.batch = Some(batch);
             }
         }
@@ -423,20 +437,18 @@ impl SchedulerState {
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
         );
-        let mut features = StepFeatures::EMPTY;
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
             tokens.add_row(&row.work, r);
             match row.work {
-                Work::Continue { .. } => features.add_continuing(r, row.context),
+                Work::Continue { .. } => continue,
                 Work::Chunk { .. } if r == 0 => {
                     unrun_chunks += 1;
                     continue;
                 }
                 Work::Chunk { range, .. } => {
-                    features.add_chunk(range.start, range.end);
                     chunks += 1;
                     final_chunks += u32::from(range.is_final());
                 }
@@ -444,9 +456,17 @@ impl SchedulerState {
             let Some(q) = queues.as_deref_mut() else {
                 continue;
             };
-            if q.advance(row, r) == Advance::Finished {
+            if q.advance(row) == Advance::Finished {
                 finished.push(row.rid);
             }
+        }
+        // Contexts are what the latency model's KV term reads: kept growing while the node
+        // learns its model or plans with one that has a KV term, and left alone otherwise,
+        // which saves a pass over every continuing row per step (docs/cost-model.md#the-model).
+        let reads_contexts =
+            f.params.learn_cost || f.params.cost.is_some_and(|m| m.per_kv_token_ms() > 0.0);
+        if let Some(q) = queues.filter(|_| reads_contexts) {
+            q.grow_contexts(&f.plan.rows, ran);
         }
         let overrun = classify(&tokens).map(|(budget, reason)| Overrun {
             node: f.params.node.clone(),
@@ -459,8 +479,8 @@ impl SchedulerState {
         let time_overrun = measured_ms
             .zip(max_step_ms)
             .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
-        if let Some(ms) = measured_ms {
-            self.observe(&node, &features, ms);
+        if let Some(ms) = measured_ms.filter(|_| f.params.learn_cost) {
+            self.observe(&node, &ran_features(&f.plan, ran), ms);
         }
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
         self.spare = f.plan;
@@ -478,19 +498,12 @@ impl SchedulerState {
             predicted_ms,
             max_step_ms,
             time_overrun,
-            model: self.latency_model(&node),
+            model: self.model_for(&f.params),
         })
     }
 
-    /// Feeds a measured step to `node`'s online fit, when learning is on.
+    /// Feeds a measured step to `node`'s online fit.
     fn observe(&mut self, node: &Name, features: &StepFeatures, ms: f64) {
-        let learn = self
-            .snapshot
-            .as_ref()
-            .is_some_and(|s| s.table().settings().time.learn);
-        if !learn {
-            return;
-        }
         let fit = self.fits.entry(node.clone()).or_insert_with(|| {
             OnlineFit::try_new(OnlineFitConfig::default()).expect("the default config is valid")
         });
@@ -517,6 +530,20 @@ impl SchedulerState {
     pub fn steps_in_flight(&self) -> usize {
         self.in_flight.len()
     }
+}
+
+/// What a completed step's time depends on, as it ran: continuing rows at what they ran, chunks
+/// that ran (a chunk reported at 0 did not).
+fn ran_features(plan: &StepPlan, ran: &[u32]) -> StepFeatures {
+    let mut features = StepFeatures::EMPTY;
+    for (row, &r) in plan.rows.iter().zip(ran) {
+        match row.work {
+            Work::Continue { .. } => features.add_continuing(r, row.context),
+            Work::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
+            Work::Chunk { .. } => {}
+        }
+    }
+    features
 }
 
 /// Whether `ran` is a valid report of `plan`: one entry per row, and every chunk row at 0 or at
@@ -564,6 +591,56 @@ mod tests {
             1,
         )));
         s
+    }
+
+    /// A state whose `llm` node learns its latency model (so contexts are tracked), serving
+    /// `prefill` and `decode`.
+    fn learning_state() -> SchedulerState {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(100),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let settings = crate::budget::BudgetSettings::new(["prefill", "decode"]).learn_cost(true);
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut s = SchedulerState::default();
+        s.set_snapshot(Arc::new(BudgetSnapshot::new(table, 1)));
+        s
+    }
+
+    fn contexts(s: &SchedulerState) -> Vec<(u64, u64)> {
+        s.node("llm")
+            .unwrap()
+            .cont()
+            .iter()
+            .map(|c| (c.rid, c.context))
+            .collect()
+    }
+
+    #[test]
+    fn a_continuing_row_reads_its_prompt_and_what_it_ran() {
+        let mut s = learning_state();
+        s.admit(1, "llm", "prefill", 80, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.complete(b.step, &[80], Some(10.0)).unwrap();
+        s.continue_row(1, "llm", "decode", 1, None).unwrap();
+        s.continue_row(2, "llm", "decode", 4, Some(1000)).unwrap();
+        assert_eq!(contexts(&s), vec![(1, 80), (2, 1000)]);
+        let b = s.assemble("llm", "decode").unwrap().into_batch();
+        assert_eq!(
+            b.rows.iter().map(|r| r.context).collect::<Vec<_>>(),
+            vec![80, 1000]
+        );
+        // Row 2 speculated and ran 3 of its 4.
+        s.complete(b.step, &[1, 3], Some(10.0)).unwrap();
+        assert_eq!(contexts(&s), vec![(1, 81), (2, 1003)]);
+        // A failed step (abandoned) grows nothing.
+        let b = s.assemble("llm", "decode").unwrap().into_batch();
+        s.abandon(b.step, &[]).unwrap();
+        assert_eq!(contexts(&s), vec![(1, 81), (2, 1003)]);
     }
 
     #[test]

@@ -108,5 +108,6 @@ fn step_params(
         max_partial_prefills: settings.max_partial_prefills,
         max_step_ms: table.max_step_ms(node, walk),
         cost: table.cost(node),
+        learn_cost: settings.time.learn,
     }
 }

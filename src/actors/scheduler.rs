@@ -123,14 +123,16 @@ fn guard_later<T: 'static>(
 }
 
 impl Handler<Guarded<Assemble>> for Scheduler {
-    /// Atomic: no other message is handled until the step's inputs are cut and the batch is
-    /// held, so a repeated `assemble` or a `complete` always sees the step whole.
-    type Result = AtomicResponse<Self, Result<Arc<Batch>, ChunkingError>>;
+    /// Not atomic: other messages are handled while PreparedInputs cuts the inputs. A repeated
+    /// `assemble` meanwhile finds the step in flight without its batch held yet, plans the same
+    /// batch from the step's plan and has it cut again (the same views); the batch held is the
+    /// first to be cut, and a cut answered after the step completed is not held.
+    type Result = ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>>;
 
     fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
-        AtomicResponse::new(guard_later(self, ctx, |act, ctx| {
+        guard_later(self, ctx, |act, ctx| {
             <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
-        }))
+        })
     }
 }
 
