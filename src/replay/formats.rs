@@ -213,7 +213,7 @@ pub enum FormatError {
     #[error("bad trace line: {0}")]
     BadLine(#[from] BadLine),
     /// The trace has no usable request.
-    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({skipped} bad lines skipped)") } else { String::new() })]
+    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({} skipped)", super::report::plural(*skipped as u64, "bad line")) } else { String::new() })]
     Empty {
         /// The file.
         file: String,
@@ -293,6 +293,11 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
 /// The file cannot be opened, is not a regular file, or is too large.
 pub fn open(path: &Path) -> Result<BufReader<File>, FormatError> {
     let file = path.display().to_string();
+    // Checked before opening: opening a FIFO for reading would block until a writer came.
+    let before = std::fs::metadata(path).map_err(|source| io_error(&file, source))?;
+    if !before.is_file() {
+        return Err(FormatError::NotAFile { file });
+    }
     let f = File::open(path).map_err(|source| io_error(&file, source))?;
     let meta = f.metadata().map_err(|source| io_error(&file, source))?;
     if !meta.is_file() {

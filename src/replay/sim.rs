@@ -102,6 +102,10 @@ impl<'a> Sim<'a> {
             index_of_rid[r.rid as usize] = i as u32;
         }
         let report = ReplayReport {
+            // Filled in by `replay::run`, which knows the budgets and the trace's reading.
+            settings: Default::default(),
+            step_ms: Default::default(),
+            warnings: Vec::new(),
             trace: trace.file.clone(),
             format: trace.format,
             node: setup.node.clone(),
@@ -331,6 +335,7 @@ impl<'a> Sim<'a> {
         }
         let t_start = self.t_ms;
         let t_end = t_start + self.setup.base_ms + self.setup.per_token_ms * ran_tokens as f64;
+        self.report.step_ms.record(t_end - t_start);
         let outcome = cm
             .complete(batch.step, self.ran.clone())
             .await

@@ -26,6 +26,9 @@ pub const HEIGHT: u32 = 600;
 static FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
+/// The file stems of every plot a sweep may draw.
+pub const NAMES: [&str; 3] = ["tradeoff", "capacity", "step_times"];
+
 /// One drawn plot.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plot {
