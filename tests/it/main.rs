@@ -9,3 +9,4 @@ mod props;
 mod reload;
 mod replay;
 mod state_machine;
+mod sweep_cli;
