@@ -1009,8 +1009,51 @@ mod tests {
         };
         assert_eq!(r.rate_scale, 1.0);
         assert_eq!(r.metrics_listen, None);
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--budget",
+            "OFF",
+            "--format",
+            "Generic",
+            "--arrivals",
+            "gamma:4:2",
+        ])
+        .unwrap();
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
+        assert_eq!(r.budget, Some(BudgetValue::Off));
+        assert_eq!(r.format, Some(InputFormat::GenericCsv));
+        assert_eq!(r.arrivals, Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 }));
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "sweep",
+            "--jobs",
+            "3",
+            "--slo-tbt-p99",
+            "60",
+        ])
+        .unwrap();
+        let Command::Sweep(s) = cli.command else {
+            panic!("not sweep")
+        };
+        assert_eq!(
+            (s.jobs, s.slo_tbt_p99, s.slo_ttft_p90, s.out.as_path()),
+            (Some(3), Some(60.0), None, std::path::Path::new("sweep-out"))
+        );
+        assert_eq!(s.budgets, "512,1024,2048,4096,off");
         for bad in [
-            &["replay", "--rate-scale", "0"][..],
+            &["replay", "--budget", "0"][..],
+            &["replay", "--budget", "16777217"],
+            &["replay", "--budget", "2048", "--budget-off"],
+            &["replay", "--format", "csv"],
+            &["replay", "--arrivals", "poisson:0"],
+            &["sweep", "--slo-tbt-p99", "NaN"],
+            &["sweep", "--slo-ttft-p90", "0"],
+            &["sweep", "--jobs", "65"],
+            &["fit"],
+            &["replay", "--rate-scale", "0"],
             &["replay", "--rate-scale", "-1"],
             &["replay", "--metrics-listen", "nowhere"],
             &["budgets", "--jsn"],

@@ -667,4 +667,84 @@ mod tests {
             .values()
             .all(|b| *b == NodeBudget::All(BudgetValue::Off)));
     }
+
+    fn setup(node: &str, walks: &[&str]) -> Setup {
+        Setup {
+            node: node.into(),
+            walks: walks.iter().map(|w| (*w).to_string()).collect(),
+            base_ms: 8.0,
+            per_token_ms: 0.02,
+            spec_tokens: 0,
+            overshoot_rate: 0.0,
+            seed: 42,
+            cache_blocks: 0,
+            cache_block_tokens: 512,
+        }
+    }
+
+    #[test]
+    fn the_budget_flag_replaces_the_step_walks_budget_only() {
+        let m: Manifest = toml::from_str(
+            r#"
+            name = "m"
+            walks = ["prefill", "decode", "mixed"]
+            [combined_walks]
+            mixed = ["prefill", "decode"]
+            [nodes.llm]
+            chunkable_walks = ["prefill", "mixed"]
+            policies = { prefill = { max_batch_tokens = 2048 }, mixed = { max_batch_tokens = 4096 } }
+            [nodes.vision]
+            policies = { prefill = { max_batch_tokens = 512 } }
+            "#,
+        )
+        .unwrap();
+        let n512 = BudgetValue::tokens(512).unwrap();
+        let s = setup("llm", &["mixed"]);
+        let o = budget_flag_overrides(&m, &s, Default::default(), n512).unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk([(Name::from("mixed"), n512)].into()))
+        );
+        // A node-wide override keeps applying to the walk `--budget` leaves alone; other
+        // nodes' overrides stay as they were.
+        let base = [
+            (Name::from("llm"), NodeBudget::All(BudgetValue::Off)),
+            (Name::from("vision"), NodeBudget::All(BudgetValue::Off)),
+        ]
+        .into();
+        let o = budget_flag_overrides(&m, &s, base, n512).unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk(
+                [
+                    (Name::from("mixed"), n512),
+                    (Name::from("prefill"), BudgetValue::Off)
+                ]
+                .into()
+            ))
+        );
+        assert_eq!(o.get("vision"), Some(&NodeBudget::All(BudgetValue::Off)));
+        // Stepping prefill and decode in turn: the budgeted one is set.
+        let o = budget_flag_overrides(
+            &m,
+            &setup("llm", &["prefill", "decode"]),
+            Default::default(),
+            BudgetValue::Off,
+        )
+        .unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk(
+                [(Name::from("prefill"), BudgetValue::Off)].into()
+            ))
+        );
+        // A node that budgets none of its step walks is refused, naming what it budgets.
+        let e = budget_flag_overrides(&m, &setup("vision", &["decode"]), Default::default(), n512)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "`--budget` = 512: node `vision` has no token budget on its step walk decode to replace (its model budgets prefill)"
+        );
+    }
 }

@@ -383,8 +383,12 @@ impl StepDurations {
             return None;
         }
         let k = ((p.clamp(0.0, 1.0) * self.n as f64).ceil() as u64).clamp(1, self.n);
+        // The first and last ranks are the exact minimum and maximum.
         if k == self.n {
             return Some(self.max);
+        }
+        if k == 1 {
+            return Some(self.min);
         }
         let mut seen = 0u64;
         for (i, c) in self.counts.iter().enumerate() {
@@ -647,5 +651,56 @@ mod tests {
         let mut one = [7.5f32];
         assert_eq!(Latency::of(&mut one).unwrap().p99, 7.5);
         assert!(Latency::of::<f64>(&mut []).is_none());
+        let mut v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(Latency::of(&mut v).unwrap().p90, 9.0);
+    }
+
+    #[test]
+    fn step_durations_are_exact_below_2ms_and_within_a_thousandth_above() {
+        let mut d = StepDurations::default();
+        assert!(d.is_empty() && d.latency().is_none() && d.quantile(0.5).is_none());
+        for us in 1..=1000u32 {
+            d.record(f64::from(us) / 1000.0);
+        }
+        assert_eq!(d.len(), 1000);
+        assert_eq!(d.quantile(0.0), Some(0.001));
+        assert_eq!(d.quantile(0.5), Some(0.5));
+        assert_eq!(d.quantile(0.99), Some(0.99));
+        assert_eq!(d.quantile(1.0), Some(1.0));
+        let mut big = StepDurations::default();
+        let samples: Vec<f64> = (0..10_000).map(|i| 8.0 + f64::from(i) * 0.37).collect();
+        for s in &samples {
+            big.record(*s);
+        }
+        for p in [0.01, 0.25, 0.5, 0.9, 0.99] {
+            let exact = samples[((p * 10_000.0_f64).ceil() as usize).max(1) - 1];
+            let got = big.quantile(p).unwrap();
+            assert!(
+                (got - exact).abs() <= exact * 0.001,
+                "p{p}: {got} vs {exact}"
+            );
+        }
+        assert_eq!(big.quantile(1.0), Some(*samples.last().unwrap()));
+        assert_eq!(big.quantile(0.0), Some(8.0));
+        // Hostile values are bounded, never a panic or a huge allocation.
+        for v in [f64::NAN, f64::INFINITY, -3.0, 1e300] {
+            big.record(v);
+        }
+        assert!(big.counts.len() <= 2048 + 31 * 1024);
+        assert_eq!(big.len(), 10_004);
+        let json = serde_json::to_value(&big).unwrap();
+        assert_eq!(json["samples"], 10_004);
+        assert_eq!(json["max"], 1e300);
+        assert_eq!(
+            serde_json::to_value(StepDurations::default()).unwrap(),
+            serde_json::Value::Null
+        );
+    }
+
+    #[test]
+    fn plurals_are_english() {
+        assert_eq!(plural(1, "node"), "1 node");
+        assert_eq!(plural(0, "token"), "0 tokens");
+        assert_eq!(plural(2, "row-step"), "2 row-steps");
     }
 }

@@ -937,6 +937,50 @@ mod tests {
     use super::*;
 
     #[test]
+    fn records_become_a_trace_numbered_from_zero_with_their_hashes() {
+        use crate::replay::formats::TraceRecord;
+        let rec = |line, arrival_ms, prompt_tokens, hash_ids: Vec<u64>| TraceRecord {
+            line,
+            arrival_ms,
+            prompt_tokens,
+            output_tokens: 3,
+            hash_ids,
+        };
+        let t = Trace::from_records(Records {
+            file: "t.csv".into(),
+            format: InputFormat::GenericCsv,
+            records: vec![rec(2, 100.0, 600, vec![7, 8]), rec(5, 150.5, 10, vec![])],
+            skipped_lines: 2,
+            bad_line_examples: vec!["bad".into()],
+        });
+        assert_eq!(t.format, TraceFormat::GenericCsv);
+        assert_eq!(t.format.to_string(), "generic CSV");
+        assert_eq!(
+            t.requests
+                .iter()
+                .map(|r| (r.rid, r.arrival_ms))
+                .collect::<Vec<_>>(),
+            [(0, 0.0), (1, 50.5)]
+        );
+        assert_eq!(t.hashes(&t.requests[0]), [7, 8]);
+        assert!(t.hashes(&t.requests[1]).is_empty());
+        assert!(t.has_hashes());
+        assert_eq!((t.skipped_lines, t.bad_line_examples.len()), (2, 1));
+        // The Azure reader refuses a length-only file forced on it without arrivals.
+        let e = Trace::read(
+            "x".into(),
+            TraceFormat::LengthsCsv,
+            &b"num_prefill_tokens,num_decode_tokens\n5,1\n"[..],
+            ReadOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, TraceError::Format(FormatError::NeedsArrivals { .. })),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_csv_line_beyond_the_limit_stops_the_read_naming_its_line() {
         let text = format!(
             "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.0,10,2\n2023-11-16 18:17:04.0,{},2\n",
