@@ -610,7 +610,7 @@ fn sweep_labels(
         ),
         ("config layers".to_string(), loaded.layers.join(" -> ")),
         (
-            "node / step walks".to_string(),
+            "node, step walk".to_string(),
             format!("{} / {}", setup.node, setup.walks.join(", ")),
         ),
         (
@@ -642,14 +642,31 @@ fn sweep_labels(
         ),
         ("seed".to_string(), setup.seed.to_string()),
         (
-            "budget".to_string(),
+            "budget axis".to_string(),
             format!(
-                "the sweep's, on node `{}` walk {}",
+                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
                 setup.node,
                 setup.walks.join(", ")
             ),
         ),
     ]);
+    // Time budgets are the config's, the same in every cell.
+    let times: Vec<String> = setup
+        .walks
+        .iter()
+        .filter_map(|w| {
+            let ms = loaded.table.max_step_ms(&setup.node, w)?;
+            Some(format!("{w} {ms} ms"))
+        })
+        .collect();
+    v.push((
+        "time budgets".to_string(),
+        if times.is_empty() {
+            "none".to_string()
+        } else {
+            times.join(", ")
+        },
+    ));
     v
 }
 

@@ -175,8 +175,12 @@ pub fn table(sweep: &Sweep) -> String {
     let rates: Vec<String> = sweep.rates.iter().map(|r| fmt_rate(*r)).collect();
     let _ = writeln!(
         out,
-        "sweep of {} replays: budgets {} x rate scales {}",
-        sweep.cells.len(),
+        "sweep of {}: budgets {} x rate scales {}",
+        if sweep.cells.len() == 1 {
+            "1 replay".to_string()
+        } else {
+            format!("{} replays", sweep.cells.len())
+        },
         budgets.join(", "),
         rates.join(", ")
     );
