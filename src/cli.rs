@@ -422,7 +422,6 @@ fn is_usage(e: &crate::replay::ReplayError) -> bool {
             f,
             FormatError::UnknownName(_)
                 | FormatError::Unknown { .. }
-                | FormatError::NotAFile { .. }
                 | FormatError::NeedsArrivals { .. }
                 | FormatError::HasArrivals { .. }
                 | FormatError::Arrivals(_)

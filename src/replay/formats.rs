@@ -181,10 +181,12 @@ pub enum FormatError {
         file: String,
     },
     /// The path is not a regular file (a directory, a FIFO, a device).
-    #[error("trace `{file}` is not a regular file")]
+    #[error("trace `{file}` is not a regular file (it is a {kind}); inputs must be regular files")]
     NotAFile {
         /// The file.
         file: String,
+        /// What it is instead: `directory`, `FIFO`, `device`, ...
+        kind: &'static str,
     },
     /// The file is larger than [`MAX_FILE_BYTES`].
     #[error("trace `{file}` is larger than {MAX_FILE_BYTES} bytes")]
@@ -293,16 +295,18 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
 /// The file cannot be opened, is not a regular file, or is too large.
 pub fn open(path: &Path) -> Result<BufReader<File>, FormatError> {
     let file = path.display().to_string();
-    // Checked before opening: opening a FIFO for reading would block until a writer came.
-    let before = std::fs::metadata(path).map_err(|source| io_error(&file, source))?;
-    if !before.is_file() {
-        return Err(FormatError::NotAFile { file });
-    }
-    let f = File::open(path).map_err(|source| io_error(&file, source))?;
+    // The config's opener checks before opening (opening a FIFO for reading would block until
+    // a writer came) and says what the path is instead: the trace reader's message too.
+    let f = crate::config::input::open_regular(path).map_err(|e| match e {
+        crate::config::InputError::Io(source) => io_error(&file, source),
+        crate::config::InputError::NotRegular(kind) => FormatError::NotAFile {
+            file: file.clone(),
+            kind,
+        },
+        other => io_error(&file, io::Error::other(other.to_string())),
+    })?;
+    // `open_regular` checked the opened file is regular too.
     let meta = f.metadata().map_err(|source| io_error(&file, source))?;
-    if !meta.is_file() {
-        return Err(FormatError::NotAFile { file });
-    }
     if meta.len() > MAX_FILE_BYTES {
         return Err(FormatError::TooLarge { file });
     }

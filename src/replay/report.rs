@@ -27,8 +27,8 @@ pub struct ReplayReport {
     pub walks: Vec<String>,
     /// Whether every budget was turned off (`--budget-off`).
     pub budget_off: bool,
-    /// Arrivals were this many times as dense as the trace's.
-    #[serde(serialize_with = "ser_ms")]
+    /// Arrivals were this many times as dense as the trace's (as given: not rounded, since
+    /// it may be as small as 1e-6).
     pub rate_scale: f64,
     /// Requests replayed, and bad trace lines left out (`--skip-bad-lines`).
     pub requests: usize,
@@ -238,8 +238,7 @@ pub struct RunSettings {
     pub arrivals: Option<String>,
     /// Requests replayed.
     pub requests: usize,
-    /// The rate scale.
-    #[serde(serialize_with = "ser_ms")]
+    /// The rate scale, as given.
     pub rate_scale: f64,
 }
 
