@@ -49,9 +49,9 @@ impl Handler<Step> for Engine {
             // A step without a budget (chunking off for the walk) says so instead of a number.
             let budget = batch
                 .budget
-                .map_or_else(|| "no budget".to_string(), |b| format!("{b} budgeted"));
+                .map_or_else(|| "no budget".to_string(), |b| format!("budget {b}"));
             println!(
-                "step {:>2}: {:>4} tokens of {budget} | {}",
+                "step {:>2}: {:>4} tokens, {budget} | {}",
                 batch.step,
                 batch.scheduled_tokens,
                 rows.join(", ")
