@@ -272,7 +272,8 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
     if let Some(f) = forced {
         return Ok(f);
     }
-    let file = path.display().to_string();
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
     let mut head = Vec::new();
     open(path)?
         .take(SNIFF_BYTES)
@@ -294,7 +295,8 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
 /// # Errors
 /// The file cannot be opened, is not a regular file, or is too large.
 pub fn open(path: &Path) -> Result<BufReader<File>, FormatError> {
-    let file = path.display().to_string();
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
     // The config's opener checks before opening (opening a FIFO for reading would block until
     // a writer came) and says what the path is instead: the trace reader's message too.
     let f = crate::config::input::open_regular(path).map_err(|e| match e {
@@ -327,7 +329,8 @@ pub fn read_path(
     seed: u64,
     opts: ReadOptions,
 ) -> Result<Records, FormatError> {
-    let file = path.display().to_string();
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
     match (format, arrivals) {
         (InputFormat::LengthsCsv, Some(a)) => read_lengths_csv(file, open(path)?, a, seed, opts),
         (InputFormat::LengthsCsv, None) => Err(FormatError::NeedsArrivals { file }),

@@ -539,8 +539,13 @@ impl fmt::Display for ReplayReport {
             f,
             "tokens",
             format!(
-                "{} ran ({} scheduled): {} prefill, {} decode; {} generated; {} prompt tokens cached",
-                t.ran, t.scheduled, t.prefill, t.decode, t.generated, t.cached
+                "{} ran ({} scheduled): {} prefill, {} decode; {} generated; {} cached",
+                t.ran,
+                t.scheduled,
+                t.prefill,
+                t.decode,
+                t.generated,
+                plural(t.cached, "prompt token")
             ),
         )?;
         row(
