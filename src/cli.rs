@@ -320,7 +320,8 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    if let Listen::Addr(addr) = metrics_listen(args, &loaded) {
+    let listen = metrics_listen(args, &loaded);
+    if let Listen::Addr(addr) = listen {
         warn_if_exposed(addr);
         if let Err(e) = crate::metrics::install_prometheus(addr) {
             say(&format!("error: {e}"));
@@ -393,7 +394,12 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                     return ExitCode::from(crate::replay::signal_exit_code(&signal));
                 }
                 if args.hold {
-                    say("holding: metrics stay served until interrupted (Ctrl-C)");
+                    say(match listen {
+                        Listen::Addr(_) => {
+                            "holding: metrics stay served until interrupted (Ctrl-C)"
+                        }
+                        Listen::Off => "holding until interrupted (Ctrl-C); metrics are off",
+                    });
                     let _ = tokio::signal::ctrl_c().await;
                 }
                 code
