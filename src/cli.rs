@@ -502,6 +502,13 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if let Err(e) = sweep::output::check_output_dir(&args.out, &inputs) {
         return usage(&e);
     }
+    if let Err(e) = std::fs::create_dir_all(&args.out) {
+        say(&format!(
+            "error: cannot create the output directory `{}`: {e}",
+            config::problem::escape(&args.out.display().to_string())
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),
         requests: args

@@ -420,6 +420,10 @@ fn hostile_sweep_and_replay_flags_are_refused_with_exit_2() {
         (vec!["sweep", "--jobs", "100000"], "--jobs"),
         (vec!["sweep", "--out", f], "not a directory"),
         (
+            vec!["sweep", "--out", "/proc/self/no-such-dir/out"],
+            "cannot create the output directory",
+        ),
+        (
             vec![
                 "sweep",
                 "--trace",
