@@ -46,11 +46,14 @@ impl Handler<Step> for Engine {
                     ),
                 })
                 .collect();
+            // A step without a budget (chunking off for the walk) says so instead of a number.
+            let budget = batch
+                .budget
+                .map_or_else(|| "no budget".to_string(), |b| format!("budget {b}"));
             println!(
-                "step {:>2}: {:>4} of {:?} tokens | {}",
+                "step {:>2}: {:>4} tokens, {budget} | {}",
                 batch.step,
                 batch.scheduled_tokens,
-                batch.budget,
                 rows.join(", ")
             );
             // A real engine runs the batch on the GPU here, reading each chunk's token ids from

@@ -1,5 +1,6 @@
-//! The command line (`docs/config.md#the-command-line`): `replay`, `check` and `budgets`, each
-//! taking `--model FILE` and repeatable `--config FILE`. `check` and `replay` check the
+//! The command line (`docs/config.md#the-command-line`): `replay`, `sweep`, `fit`, `check` and
+//! `budgets`, each taking `--model FILE` and repeatable `--config FILE` (`fit` only for
+//! `--node`'s default). `check` and `replay` check the
 //! `[replay]` section the same way (`replay::settings::check`), so they agree on every setting.
 //!
 //! Nothing here panics on output: a closed stdout or stderr (`replay | head -1`, `/dev/full`)
@@ -11,7 +12,10 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::budget::BudgetValue;
 use crate::config::{self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, Loaded};
+use crate::replay::arrivals::Arrivals;
+use crate::replay::formats::InputFormat;
 
 /// The exit code of a refused configuration (and of clap's usage errors).
 pub const EXIT_CONFIG: u8 = 2;
@@ -35,6 +39,13 @@ pub enum Command {
     Check(ConfigArgs),
     /// Print the effective budget table only (`--json`: one object per node and walk).
     Budgets(BudgetsArgs),
+    /// Replay the trace over a grid of token budgets x rate scales, find each budget's capacity
+    /// under a latency objective, and write a table, CSV, JSON, SVG/PNG plots and report.html.
+    Sweep(SweepArgs),
+    /// Fit the step latency model from a replay step log (with `ms`) or a CSV of step features
+    /// (`tokens,kv_tokens,attention_pairs,ms`); print the coefficients, R², error quantiles and
+    /// a `[chunking.cost.<node>]` table.
+    Fit(FitArgs),
 }
 
 /// Where the model and the config layers come from.
@@ -85,6 +96,18 @@ pub struct ReplayArgs {
     /// Turn every budget off (a baseline without chunking)
     #[arg(long)]
     pub budget_off: bool,
+    /// The token budget of the replayed node's step walk: a number of tokens, or "off"
+    /// (shorthand for its `chunking.max_batch_tokens`)
+    #[arg(long, value_name = "N|off", value_parser = budget_value, conflicts_with = "budget_off")]
+    pub budget: Option<BudgetValue>,
+    /// The trace's format, instead of what its header or extension says: azure, mooncake,
+    /// generic or lengths
+    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
+    pub format: Option<InputFormat>,
+    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV (seeded with
+    /// `replay.speculation.seed`)
+    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
+    pub arrivals: Option<Arrivals>,
     /// Write one JSON object per step to FILE
     #[arg(long, value_name = "FILE")]
     pub step_log: Option<PathBuf>,
@@ -94,18 +117,123 @@ pub struct ReplayArgs {
     /// Skip trace lines that cannot be parsed instead of stopping
     #[arg(long)]
     pub skip_bad_lines: bool,
-    /// Metrics endpoint address, or "off" [default: metrics.listen of the config]
+    /// Serve metrics at this address, or "off" [default: off, unless `--hold` is given or a
+    /// config layer sets `metrics.listen`]
     #[arg(long, value_name = "ADDR|off")]
     pub metrics_listen: Option<Listen>,
-    /// Keep serving metrics after the replay ends, until interrupted
+    /// Serve metrics (at `metrics.listen`) and keep serving them after the replay ends, until
+    /// interrupted
     #[arg(long)]
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying
-    #[arg(long, conflicts_with = "budget_off")]
+    #[arg(long, conflicts_with_all = ["budget_off", "budget"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
     pub no_progress: bool,
+}
+
+/// `sweep` arguments (`docs/replay.md#sweeps`).
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct SweepArgs {
+    /// Where the model and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Token budgets of the replayed node's step walk, comma-separated; "off" for none
+    #[arg(long, value_name = "LIST", default_value = "512,1024,2048,4096,off")]
+    pub budgets: String,
+    /// Rate scales (1 = the trace's own rate), comma-separated
+    #[arg(long, value_name = "LIST", default_value = "0.5,1,2")]
+    pub rates: String,
+    /// The objective's bound on p99 time between tokens, simulated ms
+    #[arg(long, value_name = "MS", value_parser = slo_ms)]
+    pub slo_tbt_p99: Option<f64>,
+    /// The objective's bound on p90 time to first token, simulated ms
+    #[arg(long, value_name = "MS", value_parser = slo_ms)]
+    pub slo_ttft_p90: Option<f64>,
+    /// The directory to write sweep.csv, sweep.json, the plots and report.html into
+    #[arg(long, value_name = "DIR", default_value = "sweep-out")]
+    pub out: PathBuf,
+    /// Replays run at once [default: the cores available]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub jobs: Option<u16>,
+    /// The rate scale whose step-time distributions are plotted (one of `--rates`)
+    /// [default: 1 if listed, else the middle one]
+    #[arg(long, value_name = "X", value_parser = rate_scale)]
+    pub step_time_rate: Option<f64>,
+    /// Request trace (any format of `replay --trace`) [default: the bundled trace]
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// The trace's format, instead of what its header or extension says
+    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
+    pub format: Option<InputFormat>,
+    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV
+    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
+    pub arrivals: Option<Arrivals>,
+    /// Replay only the first N requests of the trace
+    #[arg(long, value_name = "N")]
+    pub requests: Option<u64>,
+    /// Skip trace lines that cannot be parsed instead of stopping
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// No progress bar
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `fit` arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct FitArgs {
+    /// A replay step log (JSON Lines with `ms`) or a CSV with `tokens,kv_tokens,attention_pairs,ms`
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// The node the `[chunking.cost.<node>]` table is for [default: the model's first node]
+    #[arg(long, value_name = "NODE")]
+    pub node: Option<String>,
+    /// Where the model (for `--node`'s default) and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+fn budget_value(s: &str) -> Result<BudgetValue, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("off") {
+        return Ok(BudgetValue::Off);
+    }
+    t.parse::<u32>()
+        .ok()
+        .filter(|n| *n <= crate::sweep::grid::MAX_BUDGET_TOKENS)
+        .and_then(BudgetValue::tokens)
+        .ok_or_else(|| {
+            format!(
+                "expected a whole number of tokens between 1 and {}, or `off`; got {}",
+                crate::sweep::grid::MAX_BUDGET_TOKENS,
+                config::problem::quote(s)
+            )
+        })
+}
+
+fn input_format(s: &str) -> Result<InputFormat, String> {
+    s.parse::<InputFormat>().map_err(|_| {
+        format!(
+            "expected one of `azure`, `mooncake`, `generic`, `lengths`; got {}",
+            config::problem::quote(s)
+        )
+    })
+}
+
+fn arrivals(s: &str) -> Result<Arrivals, String> {
+    s.parse::<Arrivals>().map_err(|e| e.to_string())
+}
+
+fn slo_ms(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 && x <= 1e9 => Ok(x),
+        _ => Err(format!(
+            "expected a number of milliseconds above 0 and at most 1e9, such as 60 or 5000; got {}",
+            config::problem::quote(s)
+        )),
+    }
 }
 
 fn rate_scale(s: &str) -> Result<f64, String> {
@@ -192,10 +320,8 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    if let Listen::Addr(addr) = args
-        .metrics_listen
-        .unwrap_or(loaded.settings.metrics.listen)
-    {
+    let listen = metrics_listen(args, &loaded);
+    if let Listen::Addr(addr) = listen {
         warn_if_exposed(addr);
         if let Err(e) = crate::metrics::install_prometheus(addr) {
             say(&format!("error: {e}"));
@@ -209,6 +335,9 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         rate_scale: args.rate_scale,
         budget_off: args.budget_off,
+        budget: args.budget,
+        format: args.format,
+        arrivals: args.arrivals,
         step_log: args.step_log.clone(),
         report_json: args.report_json.clone(),
         skip_bad_lines: args.skip_bad_lines,
@@ -254,6 +383,9 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         };
         match crate::replay::run_on(&cm, &loaded.manifest, &loaded.settings, &opts).await {
             Ok(report) => {
+                for w in &report.warnings {
+                    say(&format!("warning: {w}"));
+                }
                 let code = print_stdout(&format!("{report}\n"));
                 if let Some(signal) = report.interrupted {
                     say(&format!(
@@ -262,7 +394,12 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                     return ExitCode::from(crate::replay::signal_exit_code(&signal));
                 }
                 if args.hold {
-                    say("holding: metrics stay served until interrupted (Ctrl-C)");
+                    say(match listen {
+                        Listen::Addr(_) => {
+                            "holding: metrics stay served until interrupted (Ctrl-C)"
+                        }
+                        Listen::Off => "holding until interrupted (Ctrl-C); metrics are off",
+                    });
                     let _ = tokio::signal::ctrl_c().await;
                 }
                 code
@@ -271,14 +408,340 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                 say(&format!("error: {e}"));
                 match e {
                     // Refused before anything ran: usage, as a refused config.
-                    crate::replay::ReplayError::Output { .. }
-                    | crate::replay::ReplayError::Config { .. }
-                    | crate::replay::ReplayError::RateScale(_) => ExitCode::from(EXIT_CONFIG),
+                    e if is_usage(&e) => ExitCode::from(EXIT_CONFIG),
                     _ => ExitCode::FAILURE,
                 }
             }
         }
     })
+}
+
+/// Whether a replay error refuses what was asked before anything ran (exit 2): an output, a
+/// setting, the rate scale, `--budget`, or `--format` / `--arrivals` against the trace.
+fn is_usage(e: &crate::replay::ReplayError) -> bool {
+    use crate::replay::formats::FormatError;
+    use crate::replay::{ReplayError, TraceError};
+    match e {
+        ReplayError::Output { .. } | ReplayError::Config { .. } | ReplayError::RateScale(_) => true,
+        ReplayError::Trace(TraceError::Bundled { .. }) => true,
+        ReplayError::Trace(TraceError::Format(f)) => matches!(
+            f,
+            FormatError::UnknownName(_)
+                | FormatError::Unknown { .. }
+                | FormatError::NeedsArrivals { .. }
+                | FormatError::HasArrivals { .. }
+                | FormatError::Arrivals(_)
+        ),
+        _ => false,
+    }
+}
+
+/// Where a replay serves metrics (`docs/replay.md#quiet-batch-runs`): `--metrics-listen` when
+/// given; else `metrics.listen` when `--hold` asks for metrics or a config layer (a file or an
+/// environment variable, not the built-in default) sets it; else nowhere, so that batch runs
+/// never clash over a port.
+fn metrics_listen(args: &ReplayArgs, loaded: &Loaded) -> Listen {
+    if let Some(l) = args.metrics_listen {
+        return l;
+    }
+    let who = loaded.origins.of("metrics.listen");
+    let explicit = who != "built-in default" && loaded.layers.first() != Some(&who);
+    if args.hold || explicit {
+        loaded.settings.metrics.listen
+    } else {
+        Listen::Off
+    }
+}
+
+/// `sweep` (`docs/replay.md#sweeps`): reads the trace once, replays it for every budget x rate
+/// scale of the grid (and the capacity search's probes) on `--jobs` threads, each replay in its
+/// own actix system with metrics off and no progress bar of its own; prints the table and
+/// writes the outputs. Exit codes: 0 done, 2 refused arguments or config, 1 a failed replay or
+/// write.
+pub fn sweep(args: &SweepArgs) -> ExitCode {
+    use crate::sweep::{self, Budget, SweepOptions};
+    let usage = |e: &dyn std::fmt::Display| {
+        say(&format!("error: {e}"));
+        ExitCode::from(EXIT_CONFIG)
+    };
+    let load = args.config.load_options();
+    let (loaded, setup) = match load_for_replay(&load) {
+        Ok((l, s)) => {
+            init_logging(&l);
+            (l, s)
+        }
+        Err(errors) => {
+            report(&errors);
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let budgets = match sweep::parse_budgets(&args.budgets) {
+        Ok(b) => b,
+        Err(e) => return usage(&e),
+    };
+    let rates = match sweep::parse_rates(&args.rates) {
+        Ok(r) => r,
+        Err(e) => return usage(&e),
+    };
+    let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
+        match sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90) {
+            Ok(s) => Some(s),
+            Err(e) => return usage(&e),
+        }
+    } else {
+        None
+    };
+    let inputs: Vec<PathBuf> = load
+        .config_files()
+        .into_iter()
+        .chain(load.configs.iter().cloned())
+        .chain(load.model_path())
+        .chain(args.trace.clone())
+        .collect();
+    // Refused before hours of replays, not after.
+    if let Err(e) = sweep::output::check_output_dir(&args.out, &inputs) {
+        return usage(&e);
+    }
+    if let Err(e) = std::fs::create_dir_all(&args.out) {
+        say(&format!(
+            "error: cannot create the output directory `{}`: {e}",
+            config::problem::escape(&args.out.display().to_string())
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let base = crate::replay::ReplayOptions {
+        trace: args.trace.clone(),
+        requests: args
+            .requests
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        format: args.format,
+        arrivals: args.arrivals,
+        skip_bad_lines: args.skip_bad_lines,
+        progress: false,
+        inputs: inputs.clone(),
+        ..Default::default()
+    };
+    let trace = match crate::replay::load_trace(&base, setup.seed) {
+        Ok(t) => t,
+        Err(e) => {
+            say(&format!("error: {e}"));
+            return if is_usage(&e) {
+                ExitCode::from(EXIT_CONFIG)
+            } else {
+                ExitCode::FAILURE
+            };
+        }
+    };
+    for w in crate::replay::trace_warnings(&setup, &trace) {
+        say(&format!("warning: {w}"));
+    }
+    let opts = SweepOptions {
+        budgets,
+        rates,
+        slo,
+        jobs: args.jobs.map_or_else(sweep::run::default_jobs, usize::from),
+        progress: !args.no_progress,
+        step_time_rate: args.step_time_rate,
+        settings: sweep_labels(&loaded, &setup, &base, &trace),
+    };
+    let (manifest, settings) = (&loaded.manifest, &loaded.settings);
+    let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
+        let mut o = base.clone();
+        o.rate_scale = rate;
+        o.budget = Some(match budget {
+            Budget::Tokens(n) => BudgetValue::Tokens(n),
+            Budget::Off => BudgetValue::Off,
+        });
+        actix::System::new().block_on(async {
+            let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
+                .map_err(|e| e.to_string())?;
+            let started = std::time::Instant::now();
+            crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
+                .await
+                .map(|r| sweep::RunSummary::from(&r))
+                .map_err(|e| e.to_string())
+        })
+    };
+    let wall = std::time::Instant::now();
+    let result = match sweep::run_sweep(&opts, run) {
+        Ok(r) => r,
+        Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => return usage(&e),
+        Err(e) => {
+            say(&format!("error: {e}"));
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = print_stdout(&sweep::output::table(&result));
+    match sweep::write_outputs(&result, &args.out, &inputs) {
+        Ok(written) => {
+            say(&format!(
+                "wrote {} to {} in {:.1} s: {}",
+                crate::replay::report::plural(written.paths.len() as u64, "file"),
+                config::problem::escape(&args.out.display().to_string()),
+                wall.elapsed().as_secs_f64(),
+                written
+                    .paths
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            code
+        }
+        Err(
+            e @ (sweep::SweepError::OutputIsInput(_) | sweep::SweepError::OutputNotADirectory(_)),
+        ) => usage(&e),
+        Err(e) => {
+            say(&format!("error: {e}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The settings every replay of a sweep shares, as label and value.
+fn sweep_labels(
+    loaded: &Loaded,
+    setup: &crate::replay::Setup,
+    opts: &crate::replay::ReplayOptions,
+    trace: &crate::replay::Trace,
+) -> Vec<(String, String)> {
+    let mut v = vec![
+        (
+            "trace".to_string(),
+            format!("{} ({})", trace.file, InputFormat::from(trace.format)),
+        ),
+        ("requests".to_string(), trace.requests.len().to_string()),
+    ];
+    if let Some(a) = &opts.arrivals {
+        v.push(("arrivals".into(), a.to_string()));
+    }
+    v.extend([
+        (
+            "model".to_string(),
+            format!("{} ({})", loaded.manifest.name, loaded.model_origin),
+        ),
+        ("config layers".to_string(), loaded.layers.join(" -> ")),
+        (
+            "node, step walk".to_string(),
+            format!("{} / {}", setup.node, setup.walks.join(", ")),
+        ),
+        (
+            "cost model".to_string(),
+            crate::replay::report::CostLabel::of(&setup).to_string(),
+        ),
+        (
+            "speculation".to_string(),
+            if setup.spec_tokens == 0 {
+                "off".to_string()
+            } else {
+                format!(
+                    "{}, overshoot rate {}",
+                    crate::replay::report::plural(u64::from(setup.spec_tokens), "token"),
+                    setup.overshoot_rate
+                )
+            },
+        ),
+        (
+            "prefix cache".to_string(),
+            if setup.cache_blocks == 0 {
+                "off".to_string()
+            } else {
+                format!(
+                    "{} blocks of {} tokens",
+                    setup.cache_blocks, setup.cache_block_tokens
+                )
+            },
+        ),
+        ("seed".to_string(), setup.seed.to_string()),
+        (
+            "budget axis".to_string(),
+            format!(
+                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
+                setup.node,
+                setup.walks.join(", ")
+            ),
+        ),
+    ]);
+    // Time budgets are the config's, the same in every cell.
+    let times: Vec<String> = setup
+        .walks
+        .iter()
+        .filter_map(|w| {
+            let ms = loaded.table.max_step_ms(&setup.node, w)?;
+            Some(format!("{w} {ms} ms"))
+        })
+        .collect();
+    v.push((
+        "time budgets".to_string(),
+        if times.is_empty() {
+            "none".to_string()
+        } else {
+            times.join(", ")
+        },
+    ));
+    v
+}
+
+/// `fit FILE`: fits the latency model and prints it with its quality, then the TOML table for
+/// the serving config. Exit codes: 0 done, 2 a file that cannot be fitted (or a refused
+/// config, when `--node` is not given and the model is read for its first node).
+pub fn fit(args: &FitArgs) -> ExitCode {
+    let node = match &args.node {
+        Some(n) => n.clone(),
+        None => match load_or_report(&args.config.load_options()) {
+            Ok(l) => match l.manifest.nodes.keys().next() {
+                Some(n) => n.clone(),
+                None => {
+                    say("error: the model has no node to name the cost table after; give `--node`");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            },
+            Err(code) => return code,
+        },
+    };
+    let (input, fit) = match crate::latency_fit_file::fit_file(&args.file) {
+        Ok(r) => r,
+        Err(e) => {
+            say(&format!("error: cannot fit the latency model: {e}"));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let source = args.file.display().to_string();
+    let kind = match input {
+        crate::latency_fit_file::FitInput::StepLog => "a replay step log",
+        crate::latency_fit_file::FitInput::Csv => "a CSV of step features",
+    };
+    let mut out = format!(
+        "fit of {} ({kind}): {}\n",
+        config::problem::escape(&source),
+        crate::replay::report::plural(fit.samples as u64, "step")
+    );
+    for (k, v) in crate::latency::COEFFICIENT_KEYS
+        .iter()
+        .zip(fit.model.coefficients())
+    {
+        out.push_str(&format!("  {k:<24} {v:.6e}\n"));
+    }
+    out.push_str(&format!(
+        "  {:<24} {}\n",
+        "R²",
+        fit.r_squared.map_or_else(
+            || "n/a (every step took the same time)".to_string(),
+            |r| format!("{r:.4}")
+        )
+    ));
+    out.push_str(&format!(
+        "  {:<24} {:.1}%\n",
+        "relative RMS error",
+        fit.relative_rms * 100.0
+    ));
+    let e = &fit.abs_error_ms;
+    out.push_str(&format!(
+        "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n\n",
+        "|error| ms", e.p50, e.p90, e.p99, e.max
+    ));
+    out.push_str(&crate::latency_fit_file::render_toml(&fit, &node, &source));
+    print_stdout(&out)
 }
 
 /// `check`: loads and validates everything, prints the layers and the effective table.
@@ -311,9 +774,9 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
         render_table(&rows)
     );
     out.push_str(&format!(
-        "\nok: {} nodes, {} walks, min_chunk_tokens {}\n",
-        loaded.manifest.nodes.len(),
-        loaded.manifest.walks.len(),
+        "\nok: {}, {}, min_chunk_tokens {}\n",
+        crate::replay::report::plural(loaded.manifest.nodes.len() as u64, "node"),
+        crate::replay::report::plural(loaded.manifest.walks.len() as u64, "walk"),
         loaded.settings.chunking.min_chunk_tokens
     ));
     print_stdout(&out)
@@ -575,8 +1038,51 @@ mod tests {
         };
         assert_eq!(r.rate_scale, 1.0);
         assert_eq!(r.metrics_listen, None);
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--budget",
+            "OFF",
+            "--format",
+            "Generic",
+            "--arrivals",
+            "gamma:4:2",
+        ])
+        .unwrap();
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
+        assert_eq!(r.budget, Some(BudgetValue::Off));
+        assert_eq!(r.format, Some(InputFormat::GenericCsv));
+        assert_eq!(r.arrivals, Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 }));
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "sweep",
+            "--jobs",
+            "3",
+            "--slo-tbt-p99",
+            "60",
+        ])
+        .unwrap();
+        let Command::Sweep(s) = cli.command else {
+            panic!("not sweep")
+        };
+        assert_eq!(
+            (s.jobs, s.slo_tbt_p99, s.slo_ttft_p90, s.out.as_path()),
+            (Some(3), Some(60.0), None, std::path::Path::new("sweep-out"))
+        );
+        assert_eq!(s.budgets, "512,1024,2048,4096,off");
         for bad in [
-            &["replay", "--rate-scale", "0"][..],
+            &["replay", "--budget", "0"][..],
+            &["replay", "--budget", "16777217"],
+            &["replay", "--budget", "2048", "--budget-off"],
+            &["replay", "--format", "csv"],
+            &["replay", "--arrivals", "poisson:0"],
+            &["sweep", "--slo-tbt-p99", "NaN"],
+            &["sweep", "--slo-ttft-p90", "0"],
+            &["sweep", "--jobs", "65"],
+            &["fit"],
+            &["replay", "--rate-scale", "0"],
             &["replay", "--rate-scale", "-1"],
             &["replay", "--metrics-listen", "nowhere"],
             &["budgets", "--jsn"],

@@ -23,8 +23,12 @@ pub fn init(log: &LogSection) {
         Some(Err(bad)) => (configured(), Some(bad)),
         None => (configured(), None),
     };
+    // Colour only for a person at a terminal: escape codes in a log file or a pipe are noise.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let installed = match log.format {
         LogFormat::Json => builder.json().try_init(),

@@ -1,4 +1,4 @@
-//! The `mstar-chunking` binary: `replay`, `check` and `budgets` (see `cli.rs`).
+//! The `mstar-chunking` binary: `replay`, `sweep`, `fit`, `check` and `budgets` (see `cli.rs`).
 
 use std::process::ExitCode;
 
@@ -10,5 +10,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => cli::replay(&args),
         Command::Check(args) => cli::check(&args),
         Command::Budgets(args) => cli::budgets(&args),
+        Command::Sweep(args) => cli::sweep(&args),
+        Command::Fit(args) => cli::fit(&args),
     }
 }

@@ -181,10 +181,12 @@ pub enum FormatError {
         file: String,
     },
     /// The path is not a regular file (a directory, a FIFO, a device).
-    #[error("trace `{file}` is not a regular file")]
+    #[error("trace `{file}` is not a regular file (it is a {kind}); inputs must be regular files")]
     NotAFile {
         /// The file.
         file: String,
+        /// What it is instead: `directory`, `FIFO`, `device`, ...
+        kind: &'static str,
     },
     /// The file is larger than [`MAX_FILE_BYTES`].
     #[error("trace `{file}` is larger than {MAX_FILE_BYTES} bytes")]
@@ -213,7 +215,7 @@ pub enum FormatError {
     #[error("bad trace line: {0}")]
     BadLine(#[from] BadLine),
     /// The trace has no usable request.
-    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({skipped} bad lines skipped)") } else { String::new() })]
+    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({} skipped)", super::report::plural(*skipped as u64, "bad line")) } else { String::new() })]
     Empty {
         /// The file.
         file: String,
@@ -270,7 +272,8 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
     if let Some(f) = forced {
         return Ok(f);
     }
-    let file = path.display().to_string();
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
     let mut head = Vec::new();
     open(path)?
         .take(SNIFF_BYTES)
@@ -292,12 +295,20 @@ pub fn choose_format(path: &Path, forced: Option<InputFormat>) -> Result<InputFo
 /// # Errors
 /// The file cannot be opened, is not a regular file, or is too large.
 pub fn open(path: &Path) -> Result<BufReader<File>, FormatError> {
-    let file = path.display().to_string();
-    let f = File::open(path).map_err(|source| io_error(&file, source))?;
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
+    // The config's opener checks before opening (opening a FIFO for reading would block until
+    // a writer came) and says what the path is instead: the trace reader's message too.
+    let f = crate::config::input::open_regular(path).map_err(|e| match e {
+        crate::config::InputError::Io(source) => io_error(&file, source),
+        crate::config::InputError::NotRegular(kind) => FormatError::NotAFile {
+            file: file.clone(),
+            kind,
+        },
+        other => io_error(&file, io::Error::other(other.to_string())),
+    })?;
+    // `open_regular` checked the opened file is regular too.
     let meta = f.metadata().map_err(|source| io_error(&file, source))?;
-    if !meta.is_file() {
-        return Err(FormatError::NotAFile { file });
-    }
     if meta.len() > MAX_FILE_BYTES {
         return Err(FormatError::TooLarge { file });
     }
@@ -318,7 +329,8 @@ pub fn read_path(
     seed: u64,
     opts: ReadOptions,
 ) -> Result<Records, FormatError> {
-    let file = path.display().to_string();
+    // Escaped: a file name with control characters must not garble the message.
+    let file = crate::config::problem::escape(&path.display().to_string());
     match (format, arrivals) {
         (InputFormat::LengthsCsv, Some(a)) => read_lengths_csv(file, open(path)?, a, seed, opts),
         (InputFormat::LengthsCsv, None) => Err(FormatError::NeedsArrivals { file }),

@@ -33,6 +33,7 @@ pub mod step_log;
 pub mod trace;
 
 pub use report::ReplayReport;
+pub use report::{RunSettings, StepDurations};
 pub use settings::Setup;
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};
 
@@ -52,6 +53,14 @@ pub struct ReplayOptions {
     pub rate_scale: f64,
     /// Turn every budget off, to compare with chunking.
     pub budget_off: bool,
+    /// `--budget N|off`: the token budget of the replayed node's step walks, over the config's
+    /// (after `budget_off`).
+    pub budget: Option<BudgetValue>,
+    /// `--format`: the trace's format, instead of what its header or extension says.
+    pub format: Option<formats::InputFormat>,
+    /// `--arrivals`: generated arrival times for a length-only trace (seeded from
+    /// `[replay] speculation.seed`).
+    pub arrivals: Option<arrivals::Arrivals>,
     /// Write the step log here.
     pub step_log: Option<PathBuf>,
     /// Write the report as JSON here.
@@ -164,6 +173,9 @@ impl Default for ReplayOptions {
             requests: None,
             rate_scale: 1.0,
             budget_off: false,
+            budget: None,
+            format: None,
+            arrivals: None,
             step_log: None,
             report_json: None,
             skip_bad_lines: false,
@@ -269,6 +281,116 @@ impl Setup {
     }
 }
 
+/// `--budget N|off` (`docs/replay.md#labelled-runs`): `value` for every step walk of the
+/// replayed node that its policies budget, layered over the node's `overrides` (a node-wide
+/// override keeps holding for the node's other walks).
+///
+/// # Errors
+/// [`ReplayError::Config`] when the node budgets none of its step walks.
+pub fn budget_flag_overrides(
+    manifest: &Manifest,
+    setup: &Setup,
+    mut overrides: std::collections::BTreeMap<Name, NodeBudget>,
+    value: BudgetValue,
+) -> Result<std::collections::BTreeMap<Name, NodeBudget>, ReplayError> {
+    let node = manifest.nodes.get(&setup.node);
+    let budgeted: Vec<&String> = node
+        .map(|n| {
+            n.policies
+                .iter()
+                .filter(|(_, p)| p.max_batch_tokens.is_some())
+                .map(|(w, _)| w)
+                .collect()
+        })
+        .unwrap_or_default();
+    let step_walks: Vec<&String> = setup
+        .walks
+        .iter()
+        .filter(|w| budgeted.contains(w))
+        .collect();
+    if step_walks.is_empty() {
+        return Err(ReplayError::Config {
+            key: "--budget",
+            problem: format!(
+                "= {value}: node `{}` has no token budget on its step walk{} {} to replace (its model budgets {})",
+                setup.node,
+                if setup.walks.len() == 1 { "" } else { "s" },
+                setup.walks.join(", "),
+                if budgeted.is_empty() {
+                    "no walk".to_string()
+                } else {
+                    budgeted.iter().map(|w| w.as_str()).collect::<Vec<_>>().join(", ")
+                }
+            ),
+        });
+    }
+    let key = Name::from(setup.node.as_str());
+    let mut per_walk: std::collections::BTreeMap<Name, BudgetValue> = match overrides.remove(&key) {
+        Some(NodeBudget::PerWalk(m)) => m,
+        // A node-wide value keeps applying to the walks `--budget` does not name.
+        Some(NodeBudget::All(v)) => budgeted
+            .iter()
+            .map(|w| (Name::from(w.as_str()), v))
+            .collect(),
+        None => std::collections::BTreeMap::new(),
+    };
+    for w in step_walks {
+        per_walk.insert(Name::from(w.as_str()), value);
+    }
+    overrides.insert(key, NodeBudget::PerWalk(per_walk));
+    Ok(overrides)
+}
+
+/// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
+/// file says, with generated arrivals for a length-only trace, seeded with `seed`.
+///
+/// # Errors
+/// As [`Trace::load`]; `--format` (other than `azure`) or `--arrivals` without a trace.
+pub fn load_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError> {
+    let read = trace::ReadOptions {
+        limit: opts.requests,
+        skip_bad_lines: opts.skip_bad_lines,
+    };
+    match &opts.trace {
+        Some(path) => Ok(Trace::load(
+            path,
+            opts.format,
+            opts.arrivals.as_ref(),
+            seed,
+            read,
+        )?),
+        None => {
+            if opts.arrivals.is_some() {
+                return Err(TraceError::Bundled {
+                    flag: "`--arrivals`",
+                }
+                .into());
+            }
+            if opts
+                .format
+                .is_some_and(|f| f != formats::InputFormat::AzureCsv)
+            {
+                return Err(TraceError::Bundled { flag: "`--format`" }.into());
+            }
+            Ok(Trace::bundled(read)?)
+        }
+    }
+}
+
+/// The warnings a run of `trace` under `setup` deserves: a prefix cache with no block hashes
+/// to look up never hits.
+pub fn trace_warnings(setup: &Setup, trace: &Trace) -> Vec<String> {
+    let mut out = Vec::new();
+    if setup.cache_blocks > 0 && !trace.has_hashes() {
+        out.push(format!(
+            "the prefix cache is on (`replay.prefix_cache.blocks` = {}) but trace {} carries no block hashes (`hash_ids`), so it never hits; see docs/replay.md#trace-formats",
+            setup.cache_blocks,
+            crate::config::problem::escape(&trace.file)
+        ));
+    }
+    out
+}
+
 /// `--budget-off`: every node that budgets a walk gets one node-wide budget of "off".
 pub fn budget_off_overrides(manifest: &Manifest) -> std::collections::BTreeMap<Name, NodeBudget> {
     manifest
@@ -321,14 +443,35 @@ pub async fn run_on(
     .filter_map(|(what, p)| Some((what, p?)))
     .collect();
     check_outputs(&outputs, &inputs)?;
-    let read = trace::ReadOptions {
-        limit: opts.requests,
-        skip_bad_lines: opts.skip_bad_lines,
-    };
-    let trace = match &opts.trace {
-        Some(path) => Trace::read_path(path, read)?,
-        None => Trace::bundled(read)?,
-    };
+    let trace = load_trace(opts, setup.seed)?;
+    run_trace(cm, manifest, settings, opts, &trace, wall).await
+}
+
+/// [`run_on`] with the trace already read ([`load_trace`]), so that a sweep reads it once for
+/// all its replays. `wall` is when the run started, for its wall time.
+///
+/// # Errors
+/// As [`run`], but for reading the trace.
+pub async fn run_trace(
+    cm: &ChunkingManagement,
+    manifest: &Manifest,
+    settings: &Settings,
+    opts: &ReplayOptions,
+    trace: &Trace,
+    wall: Instant,
+) -> Result<ReplayReport, ReplayError> {
+    settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
+    let setup = Setup::resolve(manifest, settings)?;
+    let outputs: Vec<(&'static str, &Path)> = [
+        ("step log", opts.step_log.as_deref()),
+        ("JSON report", opts.report_json.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(what, p)| Some((what, p?)))
+    .collect();
+    let mut inputs = opts.inputs.clone();
+    inputs.extend(opts.trace.clone());
+    check_outputs(&outputs, &inputs)?;
 
     cm.set_policies(manifest.policies())
         .await
@@ -336,6 +479,9 @@ pub async fn run_on(
     let mut budgets = manifest.settings_budgets(settings);
     if opts.budget_off {
         budgets.overrides = budget_off_overrides(manifest);
+    }
+    if let Some(value) = opts.budget {
+        budgets.overrides = budget_flag_overrides(manifest, &setup, budgets.overrides, value)?;
     }
     // `replay.cost.learn`: the component learns the simulated cost of the replayed node online,
     // without being given a model for it.
@@ -345,6 +491,7 @@ pub async fn run_on(
     cm.set_budgets(budgets)
         .await
         .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
+    let labels = run_settings(cm, manifest, &setup, opts, trace).await?;
 
     let step_log = match &opts.step_log {
         Some(p) => Some(
@@ -356,7 +503,7 @@ pub async fn run_on(
         ),
         None => None,
     };
-    let mut sim = sim::Sim::new(cm, &setup, &trace, opts, step_log);
+    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log);
     let _signals = if opts.handle_signals {
         let flag = Arc::new(AtomicI32::new(0));
         sim = sim.stop_on(flag.clone());
@@ -370,6 +517,8 @@ pub async fn run_on(
         "replay started"
     );
     let mut report = sim.run().await?;
+    report.settings = labels;
+    report.warnings = trace_warnings(&setup, trace);
 
     // Every prompt ran its final chunk, so every prepared input must have been released
     // (unless a signal stopped the replay midway: then the counts are reported).
@@ -402,6 +551,61 @@ pub async fn run_on(
         })?;
     }
     Ok(report)
+}
+
+/// The settings a run goes by, read back from the budgets the actors hold.
+async fn run_settings(
+    cm: &ChunkingManagement,
+    manifest: &Manifest,
+    setup: &Setup,
+    opts: &ReplayOptions,
+    trace: &Trace,
+) -> Result<report::RunSettings, ReplayError> {
+    let snapshot = cm
+        .snapshot()
+        .await
+        .map_err(ReplayError::chunking("reading the budgets back"))?;
+    let table = snapshot.table();
+    let node = setup.node.as_str();
+    let budgets = manifest
+        .walks
+        .iter()
+        .map(|walk| report::WalkBudget {
+            walk: walk.clone(),
+            policy_budget: table.policy(node, walk).max_batch_tokens,
+            max_batch_tokens: table.max_batch_tokens(node, walk),
+            max_step_ms: table.max_step_ms(node, walk),
+        })
+        .filter(|b| {
+            b.policy_budget.is_some() || b.max_batch_tokens.is_some() || b.max_step_ms.is_some()
+        })
+        .collect();
+    let budget_flag = match (opts.budget, opts.budget_off) {
+        (Some(v), _) => Some(v.to_string()),
+        (None, true) => Some("off (every node)".to_string()),
+        (None, false) => None,
+    };
+    Ok(report::RunSettings {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        node: setup.node.clone(),
+        step_walks: setup.walks.clone(),
+        budgets,
+        budget_flag,
+        cost: report::CostLabel::of(&setup),
+        speculation_tokens: setup.spec_tokens,
+        overshoot_rate: setup.overshoot_rate,
+        prefix_cache_blocks: setup.cache_blocks,
+        prefix_cache_block_tokens: setup.cache_block_tokens,
+        seed: setup.seed,
+        trace: trace.file.clone(),
+        format: formats::InputFormat::from(trace.format).to_string(),
+        arrivals: opts
+            .arrivals
+            .filter(|_| trace.format == TraceFormat::LengthsCsv)
+            .map(|a| a.to_string()),
+        requests: trace.requests.len(),
+        rate_scale: opts.rate_scale,
+    })
 }
 
 /// Sets `flag` to the number of the first SIGINT or SIGTERM received, until dropped. Must be
@@ -464,5 +668,87 @@ mod tests {
         assert!(off
             .values()
             .all(|b| *b == NodeBudget::All(BudgetValue::Off)));
+    }
+
+    fn setup(node: &str, walks: &[&str]) -> Setup {
+        Setup {
+            node: node.into(),
+            walks: walks.iter().map(|w| (*w).to_string()).collect(),
+            cost: crate::latency::LatencyModel::from_coefficients(settings::DEFAULT_COST).unwrap(),
+            cost_preset: None,
+            noise: 0.0,
+            learn: false,
+            spec_tokens: 0,
+            overshoot_rate: 0.0,
+            seed: 42,
+            cache_blocks: 0,
+            cache_block_tokens: 512,
+        }
+    }
+
+    #[test]
+    fn the_budget_flag_replaces_the_step_walks_budget_only() {
+        let m: Manifest = toml::from_str(
+            r#"
+            name = "m"
+            walks = ["prefill", "decode", "mixed"]
+            [combined_walks]
+            mixed = ["prefill", "decode"]
+            [nodes.llm]
+            chunkable_walks = ["prefill", "mixed"]
+            policies = { prefill = { max_batch_tokens = 2048 }, mixed = { max_batch_tokens = 4096 } }
+            [nodes.vision]
+            policies = { prefill = { max_batch_tokens = 512 } }
+            "#,
+        )
+        .unwrap();
+        let n512 = BudgetValue::tokens(512).unwrap();
+        let s = setup("llm", &["mixed"]);
+        let o = budget_flag_overrides(&m, &s, Default::default(), n512).unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk([(Name::from("mixed"), n512)].into()))
+        );
+        // A node-wide override keeps applying to the walk `--budget` leaves alone; other
+        // nodes' overrides stay as they were.
+        let base = [
+            (Name::from("llm"), NodeBudget::All(BudgetValue::Off)),
+            (Name::from("vision"), NodeBudget::All(BudgetValue::Off)),
+        ]
+        .into();
+        let o = budget_flag_overrides(&m, &s, base, n512).unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk(
+                [
+                    (Name::from("mixed"), n512),
+                    (Name::from("prefill"), BudgetValue::Off)
+                ]
+                .into()
+            ))
+        );
+        assert_eq!(o.get("vision"), Some(&NodeBudget::All(BudgetValue::Off)));
+        // Stepping prefill and decode in turn: the budgeted one is set.
+        let o = budget_flag_overrides(
+            &m,
+            &setup("llm", &["prefill", "decode"]),
+            Default::default(),
+            BudgetValue::Off,
+        )
+        .unwrap();
+        assert_eq!(
+            o.get("llm"),
+            Some(&NodeBudget::PerWalk(
+                [(Name::from("prefill"), BudgetValue::Off)].into()
+            ))
+        );
+        // A node that budgets none of its step walks is refused, naming what it budgets.
+        let e = budget_flag_overrides(&m, &setup("vision", &["decode"]), Default::default(), n512)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "`--budget` = 512: node `vision` has no token budget on its step walk decode to replace (its model budgets prefill)"
+        );
     }
 }

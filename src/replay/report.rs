@@ -1,14 +1,21 @@
-//! What a replay shows: the summary table and the `--report-json` document.
+//! What a replay shows: the summary table and the `--report-json` document
+//! (`docs/replay.md#the-summary-figure-by-figure`).
+//!
+//! Floats in the JSON document are rounded to what they mean: simulated and wall milliseconds
+//! to 0.001 ms, ratios to 0.0001.
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use super::trace::TraceFormat;
 
 /// The outcome of a replay. Serialised as is by `--report-json`; `Display` is the summary table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayReport {
+    /// The effective settings the replay ran under: version, budgets, cost model, speculation,
+    /// prefix cache, trace, arrivals, seed (filled in by `replay::run`).
+    pub settings: RunSettings,
     /// The trace file (or the bundled trace's name) and its format.
     pub trace: String,
     /// The trace's format.
@@ -20,7 +27,8 @@ pub struct ReplayReport {
     pub walks: Vec<String>,
     /// Whether every budget was turned off (`--budget-off`).
     pub budget_off: bool,
-    /// Arrivals were this many times as dense as the trace's.
+    /// Arrivals were this many times as dense as the trace's (as given: not rounded, since
+    /// it may be as small as 1e-6).
     pub rate_scale: f64,
     /// Requests replayed, and bad trace lines left out (`--skip-bad-lines`).
     pub requests: usize,
@@ -35,11 +43,13 @@ pub struct ReplayReport {
     /// Tokens, by kind.
     pub tokens: TokenCounts,
     /// `sum(min(scheduled, budget)) / sum(budget)` over the steps with a budget; null if none.
+    #[serde(serialize_with = "ser_opt_ratio")]
     pub budget_utilisation: Option<f64>,
     /// Steps that cut a prompt (ran a non-final chunk), and their utilisation: a cut step
     /// should be full, since a prompt is cut only to what is left of the budget.
     pub cut_steps: u64,
     /// The budget utilisation of the steps that cut a prompt.
+    #[serde(serialize_with = "ser_opt_ratio")]
     pub cut_step_utilisation: Option<f64>,
     /// Chunks run.
     pub chunks: ChunkCounts,
@@ -56,6 +66,11 @@ pub struct ReplayReport {
     pub ttft_ms: Option<Latency>,
     /// Time between tokens, in simulated ms.
     pub tbt_ms: Option<Latency>,
+    /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
+    /// their percentiles, like a latency; null without steps).
+    pub step_ms: StepDurations,
+    /// Warnings about the run (a prefix cache without block hashes to look up).
+    pub warnings: Vec<String>,
     /// The most prepared inputs held at once (rows, and their tokens).
     pub peak_prepared_rows: usize,
     /// The tokens of the prepared inputs held at the peak.
@@ -65,10 +80,13 @@ pub struct ReplayReport {
     /// Their tokens.
     pub prepared_left_tokens: u64,
     /// The simulated time the replay covered, from the first arrival to the last step's end.
+    #[serde(serialize_with = "ser_ms")]
     pub simulated_ms: f64,
     /// Wall time of the replay (trace reading included), and steps per wall second.
+    #[serde(serialize_with = "ser_ms")]
     pub wall_ms: f64,
     /// Steps per wall-clock second.
+    #[serde(serialize_with = "ser_ms")]
     pub steps_per_second: f64,
     /// Where the step log went, if one was written.
     pub step_log: Option<String>,
@@ -192,14 +210,20 @@ impl
     }
 }
 
-/// Two percentiles of a latency, in simulated ms.
+/// Percentiles of a latency, in simulated ms (nearest rank).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Latency {
     /// The median.
+    #[serde(serialize_with = "ser_ms")]
     pub p50: f64,
-    /// The 99th percentile (nearest rank).
+    /// The 90th percentile (the sweep's TTFT objective uses it).
+    #[serde(serialize_with = "ser_ms")]
+    pub p90: f64,
+    /// The 99th percentile.
+    #[serde(serialize_with = "ser_ms")]
     pub p99: f64,
     /// The largest sample.
+    #[serde(serialize_with = "ser_ms")]
     pub max: f64,
     /// How many samples.
     pub samples: usize,
@@ -223,6 +247,7 @@ impl Latency {
         };
         Some(Self {
             p50: rank(0.50),
+            p90: rank(0.90),
             p99: rank(0.99),
             max: rank(1.0),
             samples: n,
@@ -230,13 +255,326 @@ impl Latency {
     }
 }
 
+/// Rounds to 0.001, the precision a simulated ms means.
+pub fn round_ms(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn ser_ms<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if x.is_finite() {
+        s.serialize_f64(round_ms(*x))
+    } else {
+        s.serialize_none()
+    }
+}
+
+fn ser_opt_ms<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => ser_ms(x, s),
+        None => s.serialize_none(),
+    }
+}
+
+fn ser_opt_ratio<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) if x.is_finite() => s.serialize_f64((x * 10_000.0).round() / 10_000.0),
+        _ => s.serialize_none(),
+    }
+}
+
+/// The effective settings a replay ran under, shown at the head of the summary and recorded in
+/// the JSON report, so that two runs can be told apart (`docs/replay.md#labelled-runs`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RunSettings {
+    /// The crate version that ran the replay.
+    pub version: String,
+    /// The node replayed.
+    pub node: String,
+    /// The walks its steps ran on.
+    pub step_walks: Vec<String>,
+    /// The node's effective budgets, one row per walk that has one (or whose policy has one).
+    pub budgets: Vec<WalkBudget>,
+    /// What `--budget` or `--budget-off` set, if either was given (`"2048"`, `"off"`).
+    pub budget_flag: Option<String>,
+    /// The step cost model (`[replay] cost`).
+    pub cost: CostLabel,
+    /// Speculative tokens per decode row (0: off) and the overshoot probability.
+    pub speculation_tokens: u32,
+    /// The probability a speculating row runs more than its estimate.
+    pub overshoot_rate: f64,
+    /// Prefix cache blocks (0: off) and tokens per block.
+    pub prefix_cache_blocks: usize,
+    /// Tokens per prefix cache block.
+    pub prefix_cache_block_tokens: u32,
+    /// The seed of every random draw (speculation overshoots, generated arrivals).
+    pub seed: u64,
+    /// The trace file, or the bundled trace's name.
+    pub trace: String,
+    /// Its format, as `--format` names it (`azure`, `mooncake`, `generic`, `lengths`).
+    pub format: String,
+    /// Generated arrivals (`poisson:4`), for a length-only trace.
+    pub arrivals: Option<String>,
+    /// Requests replayed.
+    pub requests: usize,
+    /// The rate scale, as given.
+    pub rate_scale: f64,
+}
+
+/// One walk's budgets on the replayed node.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WalkBudget {
+    /// The walk.
+    pub walk: String,
+    /// The model's policy budget, if it declares one.
+    pub policy_budget: Option<u32>,
+    /// The effective token budget (`None`: off or none).
+    pub max_batch_tokens: Option<u32>,
+    /// The effective time budget, ms (`chunking.max_step_ms`; `None`: none).
+    #[serde(serialize_with = "ser_opt_ms")]
+    pub max_step_ms: Option<f64>,
+}
+
+/// The simulated step cost a replay ran under (`docs/cost-model.md`), under the config's key
+/// names.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CostLabel {
+    /// The preset it came from, if any.
+    pub preset: Option<String>,
+    /// Milliseconds every step costs.
+    pub base_ms: f64,
+    /// Milliseconds each token of a step adds.
+    pub per_token_ms: f64,
+    /// Milliseconds each context token a continuing row reads adds.
+    pub per_kv_token_ms: f64,
+    /// Milliseconds each causal attention pair adds.
+    pub per_attention_pair_ms: f64,
+    /// The noise fraction on each step's time.
+    pub noise: f64,
+    /// Whether the component learned the model online.
+    pub learn: bool,
+}
+
+impl CostLabel {
+    /// The cost of a replay's setup.
+    pub fn of(setup: &super::Setup) -> Self {
+        let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] =
+            setup.cost.coefficients();
+        Self {
+            preset: setup.cost_preset.clone(),
+            base_ms,
+            per_token_ms,
+            per_kv_token_ms,
+            per_attention_pair_ms,
+            noise: setup.noise,
+            learn: setup.learn,
+        }
+    }
+}
+
+impl fmt::Display for CostLabel {
+    /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
+    /// online learning when they apply.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ms + {} ms per token",
+            self.base_ms, self.per_token_ms
+        )?;
+        if self.per_kv_token_ms > 0.0 {
+            write!(f, " + {:e} ms per context token", self.per_kv_token_ms)?;
+        }
+        if self.per_attention_pair_ms > 0.0 {
+            write!(
+                f,
+                " + {:e} ms per attention pair",
+                self.per_attention_pair_ms
+            )?;
+        }
+        if let Some(p) = &self.preset {
+            write!(f, " ({p})")?;
+        }
+        if self.noise > 0.0 {
+            write!(f, ", noise ±{}%", self.noise * 100.0)?;
+        }
+        if self.learn {
+            f.write_str(", learned online")?;
+        }
+        Ok(())
+    }
+}
+
+impl RunSettings {
+    /// The budget table as text: `mixed 2048 (policy 2048), prefill off (policy 2048)`, time
+    /// budgets after a `;`.
+    pub fn budget_text(&self) -> String {
+        let opt = |v: Option<u32>| v.map_or_else(|| "off".to_string(), |v| v.to_string());
+        let tokens: Vec<String> = self
+            .budgets
+            .iter()
+            .map(|b| {
+                let policy = b
+                    .policy_budget
+                    .map_or_else(|| "none".to_string(), |p| p.to_string());
+                format!("{} {} (policy {policy})", b.walk, opt(b.max_batch_tokens))
+            })
+            .collect();
+        let times: Vec<String> = self
+            .budgets
+            .iter()
+            .filter_map(|b| Some(format!("{} {} ms", b.walk, b.max_step_ms?)))
+            .collect();
+        let tokens = if tokens.is_empty() {
+            "none".to_string()
+        } else {
+            tokens.join(", ")
+        };
+        let times = if times.is_empty() {
+            "none".to_string()
+        } else {
+            times.join(", ")
+        };
+        let flag = self
+            .budget_flag
+            .as_ref()
+            .map_or_else(String::new, |f| format!(" [--budget {f}]"));
+        format!("{tokens}{flag}; time budgets {times}")
+    }
+}
+
+/// The lowest exact bucket count: durations below 2.048 ms are kept to the microsecond.
+const EXACT_US: u64 = 2048;
+/// Buckets per doubling above [`EXACT_US`]: a relative error below 0.1%.
+const SUB_BUCKETS: u64 = 1024;
+/// Durations are clamped to 2^42 µs (about 51 days), so the histogram has at most
+/// 2048 + 31 × 1024 buckets (279 KB).
+const MAX_US: u64 = (1 << 42) - 1;
+
+/// Step durations in a fixed-size log-linear histogram: memory stays bounded whatever the
+/// number of steps, percentiles are exact below 2.048 ms and within 0.1% above, and the
+/// maximum is exact. Serialised as a [`Latency`] (null without steps).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepDurations {
+    counts: Vec<u64>,
+    n: u64,
+    min: f64,
+    max: f64,
+}
+
+impl StepDurations {
+    fn index(us: u64) -> usize {
+        if us < EXACT_US {
+            return us as usize;
+        }
+        let e = 63 - u64::from(us.leading_zeros());
+        let shift = e - 10;
+        let sub = (us >> shift) - SUB_BUCKETS;
+        (EXACT_US + (e - 11) * SUB_BUCKETS + sub) as usize
+    }
+
+    /// The middle of bucket `i`, in µs.
+    fn value(i: usize) -> f64 {
+        let i = i as u64;
+        if i < EXACT_US {
+            return i as f64;
+        }
+        let e = (i - EXACT_US) / SUB_BUCKETS + 11;
+        let sub = (i - EXACT_US) % SUB_BUCKETS;
+        let shift = e - 10;
+        let lo = (SUB_BUCKETS + sub) << shift;
+        lo as f64 + ((1u64 << shift) as f64 - 1.0) / 2.0
+    }
+
+    /// Records one step of `ms` simulated milliseconds (a non-finite or negative one as 0).
+    pub fn record(&mut self, ms: f64) {
+        let ms = if ms.is_finite() && ms > 0.0 { ms } else { 0.0 };
+        let us = ((ms * 1000.0).round() as u64).min(MAX_US);
+        let i = Self::index(us);
+        if self.counts.len() <= i {
+            self.counts.resize(i + 1, 0);
+        }
+        self.counts[i] += 1;
+        if self.n == 0 {
+            self.min = ms;
+            self.max = ms;
+        } else {
+            self.min = self.min.min(ms);
+            self.max = self.max.max(ms);
+        }
+        self.n += 1;
+    }
+
+    /// Steps recorded.
+    pub fn len(&self) -> u64 {
+        self.n
+    }
+
+    /// Whether no step was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The nearest-rank quantile `p` (in `[0, 1]`) in ms; `None` without steps. `p = 0` is the
+    /// minimum and `p = 1` the maximum, both exact.
+    pub fn quantile(&self, p: f64) -> Option<f64> {
+        if self.n == 0 || !p.is_finite() {
+            return None;
+        }
+        let k = ((p.clamp(0.0, 1.0) * self.n as f64).ceil() as u64).clamp(1, self.n);
+        // The first and last ranks are the exact minimum and maximum.
+        if k == self.n {
+            return Some(self.max);
+        }
+        if k == 1 {
+            return Some(self.min);
+        }
+        let mut seen = 0u64;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= k {
+                return Some((Self::value(i) / 1000.0).clamp(self.min, self.max));
+            }
+        }
+        Some(self.max)
+    }
+
+    /// p50, p90, p99 and the maximum, as a latency; `None` without steps.
+    pub fn latency(&self) -> Option<Latency> {
+        Some(Latency {
+            p50: self.quantile(0.50)?,
+            p90: self.quantile(0.90)?,
+            p99: self.quantile(0.99)?,
+            max: self.max,
+            samples: usize::try_from(self.n).unwrap_or(usize::MAX),
+        })
+    }
+}
+
+impl Serialize for StepDurations {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.latency().serialize(s)
+    }
+}
+
 fn latency(l: &Option<Latency>) -> String {
     match l {
         Some(l) => format!(
-            "{:.1} / {:.1} ms (max {:.1}, {} samples)",
-            l.p50, l.p99, l.max, l.samples
+            "{:.1} / {:.1} / {:.1} ms (max {:.1}, {})",
+            l.p50,
+            l.p90,
+            l.p99,
+            l.max,
+            plural(l.samples as u64, "sample")
         ),
         None => "none".into(),
+    }
+}
+
+/// `n thing` or `n things`: "1 token", "2 tokens".
+pub fn plural(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
     }
 }
 
@@ -264,8 +602,55 @@ impl fmt::Display for ReplayReport {
                 .join(" / "),
             if self.budget_off { ", budgets off" } else { "" },
         )?;
+        let st = &self.settings;
+        if !st.version.is_empty() {
+            row(
+                f,
+                "settings",
+                format!(
+                    "mstar-chunking {}, format {}{}, seed {}",
+                    st.version,
+                    st.format,
+                    st.arrivals
+                        .as_ref()
+                        .map_or_else(String::new, |a| format!(", arrivals {a}")),
+                    st.seed
+                ),
+            )?;
+            row(f, "budgets", st.budget_text())?;
+            row(f, "cost model", st.cost.to_string())?;
+            row(
+                f,
+                "speculation",
+                if st.speculation_tokens == 0 {
+                    "off".into()
+                } else {
+                    format!(
+                        "{}, overshoot rate {}",
+                        plural(u64::from(st.speculation_tokens), "token"),
+                        st.overshoot_rate
+                    )
+                },
+            )?;
+            row(
+                f,
+                "prefix cache",
+                if st.prefix_cache_blocks == 0 {
+                    "off".into()
+                } else {
+                    format!(
+                        "{} of {}",
+                        plural(st.prefix_cache_blocks as u64, "block"),
+                        plural(u64::from(st.prefix_cache_block_tokens), "token")
+                    )
+                },
+            )?;
+        }
         let skipped = if self.skipped_lines > 0 {
-            format!(" ({} bad lines skipped)", self.skipped_lines)
+            format!(
+                " ({} skipped)",
+                plural(self.skipped_lines as u64, "bad line")
+            )
         } else {
             String::new()
         };
@@ -279,13 +664,19 @@ impl fmt::Display for ReplayReport {
             "steps",
             format!("{} ({} under a budget)", self.steps, self.budgeted_steps),
         )?;
+        row(f, "step time p50/p90/p99", latency(&self.step_ms.latency()))?;
         let t = &self.tokens;
         row(
             f,
             "tokens",
             format!(
-                "{} ran ({} scheduled): {} prefill, {} decode; {} generated; {} prompt tokens cached",
-                t.ran, t.scheduled, t.prefill, t.decode, t.generated, t.cached
+                "{} ran ({} scheduled): {} prefill, {} decode; {} generated; {} cached",
+                t.ran,
+                t.scheduled,
+                t.prefill,
+                t.decode,
+                t.generated,
+                plural(t.cached, "prompt token")
             ),
         )?;
         row(
@@ -295,10 +686,10 @@ impl fmt::Display for ReplayReport {
                 (None, _) => "no budgeted step".into(),
                 (Some(u), None) => format!("{:.1}% (no step cut a prompt)", u * 100.0),
                 (Some(u), Some(c)) => format!(
-                    "{:.1}% of all budgeted steps; {:.1}% of the {} steps that cut a prompt",
+                    "{:.1}% of all budgeted steps; {:.1}% of the {} that cut a prompt",
                     u * 100.0,
                     c * 100.0,
-                    self.cut_steps
+                    plural(self.cut_steps, "step")
                 ),
             },
         )?;
@@ -307,12 +698,12 @@ impl fmt::Display for ReplayReport {
             f,
             "chunks",
             format!(
-                "{} ({} final); {} prompts cut ({}); {} prefix-cache hits",
+                "{} ({} final); {} cut ({}); {}",
                 c.total,
                 c.final_chunks,
-                c.prompts_cut,
+                plural(c.prompts_cut, "prompt"),
                 pct(c.prompts_cut, self.requests as u64),
-                c.prefix_cache_hits
+                plural(c.prefix_cache_hits, "prefix-cache hit")
             ),
         )?;
         let o = &self.overruns;
@@ -351,16 +742,17 @@ impl fmt::Display for ReplayReport {
         row(
             f,
             "decode row waits",
-            format!("{} row-steps", self.decode_row_waits),
+            plural(self.decode_row_waits, "row-step"),
         )?;
-        row(f, "TTFT p50 / p99", latency(&self.ttft_ms))?;
-        row(f, "TBT p50 / p99", latency(&self.tbt_ms))?;
+        row(f, "TTFT p50/p90/p99", latency(&self.ttft_ms))?;
+        row(f, "TBT p50/p90/p99", latency(&self.tbt_ms))?;
         row(
             f,
             "peak prepared inputs",
             format!(
-                "{} rows, {} tokens",
-                self.peak_prepared_rows, self.peak_prepared_tokens
+                "{}, {}",
+                plural(self.peak_prepared_rows as u64, "row"),
+                plural(self.peak_prepared_tokens, "token")
             ),
         )?;
         row(
@@ -370,8 +762,9 @@ impl fmt::Display for ReplayReport {
                 "none (every prepared input was released)".into()
             } else {
                 format!(
-                    "{} rows, {} tokens",
-                    self.prepared_left_rows, self.prepared_left_tokens
+                    "{}, {}",
+                    plural(self.prepared_left_rows as u64, "row"),
+                    plural(self.prepared_left_tokens, "token")
                 )
             },
         )?;
@@ -417,5 +810,56 @@ mod tests {
         let mut one = [7.5f32];
         assert_eq!(Latency::of(&mut one).unwrap().p99, 7.5);
         assert!(Latency::of::<f64>(&mut []).is_none());
+        let mut v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(Latency::of(&mut v).unwrap().p90, 9.0);
+    }
+
+    #[test]
+    fn step_durations_are_exact_below_2ms_and_within_a_thousandth_above() {
+        let mut d = StepDurations::default();
+        assert!(d.is_empty() && d.latency().is_none() && d.quantile(0.5).is_none());
+        for us in 1..=1000u32 {
+            d.record(f64::from(us) / 1000.0);
+        }
+        assert_eq!(d.len(), 1000);
+        assert_eq!(d.quantile(0.0), Some(0.001));
+        assert_eq!(d.quantile(0.5), Some(0.5));
+        assert_eq!(d.quantile(0.99), Some(0.99));
+        assert_eq!(d.quantile(1.0), Some(1.0));
+        let mut big = StepDurations::default();
+        let samples: Vec<f64> = (0..10_000).map(|i| 8.0 + f64::from(i) * 0.37).collect();
+        for s in &samples {
+            big.record(*s);
+        }
+        for p in [0.01, 0.25, 0.5, 0.9, 0.99] {
+            let exact = samples[((p * 10_000.0_f64).ceil() as usize).max(1) - 1];
+            let got = big.quantile(p).unwrap();
+            assert!(
+                (got - exact).abs() <= exact * 0.001,
+                "p{p}: {got} vs {exact}"
+            );
+        }
+        assert_eq!(big.quantile(1.0), Some(*samples.last().unwrap()));
+        assert_eq!(big.quantile(0.0), Some(8.0));
+        // Hostile values are bounded, never a panic or a huge allocation.
+        for v in [f64::NAN, f64::INFINITY, -3.0, 1e300] {
+            big.record(v);
+        }
+        assert!(big.counts.len() <= 2048 + 31 * 1024);
+        assert_eq!(big.len(), 10_004);
+        let json = serde_json::to_value(&big).unwrap();
+        assert_eq!(json["samples"], 10_004);
+        assert_eq!(json["max"], 1e300);
+        assert_eq!(
+            serde_json::to_value(StepDurations::default()).unwrap(),
+            serde_json::Value::Null
+        );
+    }
+
+    #[test]
+    fn plurals_are_english() {
+        assert_eq!(plural(1, "node"), "1 node");
+        assert_eq!(plural(0, "token"), "0 tokens");
+        assert_eq!(plural(2, "row-step"), "2 row-steps");
     }
 }

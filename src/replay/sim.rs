@@ -106,6 +106,10 @@ impl<'a> Sim<'a> {
             index_of_rid[r.rid as usize] = i as u32;
         }
         let report = ReplayReport {
+            // Filled in by `replay::run`, which knows the budgets and the trace's reading.
+            settings: Default::default(),
+            step_ms: Default::default(),
+            warnings: Vec::new(),
             trace: trace.file.clone(),
             format: trace.format,
             node: setup.node.clone(),
@@ -356,6 +360,7 @@ impl<'a> Sim<'a> {
         let t_start = self.t_ms;
         let step_ms = self.step_ms(&batch);
         let t_end = t_start + step_ms;
+        self.report.step_ms.record(step_ms);
         let outcome = cm
             .complete_measured(batch.step, self.ran.clone(), step_ms)
             .await

@@ -13,6 +13,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::arrivals::Arrivals;
+use super::formats::{self, FormatError, InputFormat, Records};
+
 /// The bundled default trace: Azure LLM inference trace 2023, code (CC BY 4.0, Microsoft; see
 /// `data/traces/AzureLLMInferenceTrace_code.csv.LICENSE.txt`). Its prompts are long enough that
 /// chunking is visible under the demo budgets.
@@ -59,6 +62,33 @@ pub enum TraceFormat {
     AzureCsv,
     /// `{"timestamp" (ms), "input_length", "output_length", "hash_ids"}` per line.
     MooncakeJsonl,
+    /// `arrival_ms,prompt_tokens,output_tokens[,hash_ids]` (read by [`super::formats`]).
+    GenericCsv,
+    /// `num_prefill_tokens,num_decode_tokens`, with generated arrivals (read by
+    /// [`super::formats`]).
+    LengthsCsv,
+}
+
+impl From<InputFormat> for TraceFormat {
+    fn from(f: InputFormat) -> Self {
+        match f {
+            InputFormat::AzureCsv => Self::AzureCsv,
+            InputFormat::MooncakeJsonl => Self::MooncakeJsonl,
+            InputFormat::GenericCsv => Self::GenericCsv,
+            InputFormat::LengthsCsv => Self::LengthsCsv,
+        }
+    }
+}
+
+impl From<TraceFormat> for InputFormat {
+    fn from(f: TraceFormat) -> Self {
+        match f {
+            TraceFormat::AzureCsv => Self::AzureCsv,
+            TraceFormat::MooncakeJsonl => Self::MooncakeJsonl,
+            TraceFormat::GenericCsv => Self::GenericCsv,
+            TraceFormat::LengthsCsv => Self::LengthsCsv,
+        }
+    }
 }
 
 impl TraceFormat {
@@ -77,6 +107,8 @@ impl fmt::Display for TraceFormat {
         f.write_str(match self {
             Self::AzureCsv => "Azure CSV",
             Self::MooncakeJsonl => "Mooncake JSON Lines",
+            Self::GenericCsv => "generic CSV",
+            Self::LengthsCsv => "length-only CSV",
         })
     }
 }
@@ -135,8 +167,19 @@ pub enum TraceError {
     /// A bad line (without `--skip-bad-lines`).
     #[error("bad trace line: {0}")]
     BadLine(#[from] BadLine),
+    /// A trace of the generic or length-only format could not be read, or `--format` and
+    /// `--arrivals` do not fit the trace.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// `--format` or `--arrivals` was given without `--trace`: the bundled trace is an Azure
+    /// CSV with its own arrival times.
+    #[error("{flag} applies to a trace given with `--trace`; the bundled trace is an Azure CSV with its own arrival times")]
+    Bundled {
+        /// The flag given.
+        flag: &'static str,
+    },
     /// No request was read.
-    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({} bad lines skipped)", .skipped) } else { String::new() })]
+    #[error("trace `{file}` has no requests{}", if *.skipped > 0 { format!(" ({} skipped)", super::report::plural(*.skipped as u64, "bad line")) } else { String::new() })]
     Empty {
         /// The trace file.
         file: String,
@@ -198,6 +241,76 @@ impl Trace {
         Self::read(file, format, BufReader::new(f), opts)
     }
 
+    /// Reads the trace at `path` in any format (`docs/replay.md#trace-formats`): `forced`
+    /// (`--format`) or the format its header or extension says; a length-only trace's arrivals
+    /// are generated from `arrivals` and `seed`, which any other format refuses.
+    ///
+    /// # Errors
+    /// The format cannot be told; arrivals missing for a length-only trace or given for one
+    /// with its own times; the file cannot be read, has a bad line (unless skipped), or no
+    /// requests.
+    pub fn load(
+        path: &Path,
+        forced: Option<InputFormat>,
+        arrivals: Option<&Arrivals>,
+        seed: u64,
+        opts: ReadOptions,
+    ) -> Result<Self, TraceError> {
+        let format = formats::choose_format(path, forced)?;
+        let file = crate::config::problem::escape(&path.display().to_string());
+        match (format, arrivals) {
+            (InputFormat::AzureCsv | InputFormat::MooncakeJsonl, Some(_)) => {
+                Err(FormatError::HasArrivals { file, format }.into())
+            }
+            (InputFormat::AzureCsv | InputFormat::MooncakeJsonl, None) => {
+                let f = open_trace(path).map_err(|source| TraceError::Io {
+                    file: file.clone(),
+                    source,
+                })?;
+                Self::read(file, format.into(), BufReader::new(f), opts)
+            }
+            (InputFormat::GenericCsv | InputFormat::LengthsCsv, _) => {
+                let read = formats::ReadOptions {
+                    limit: opts.limit,
+                    skip_bad_lines: opts.skip_bad_lines,
+                };
+                let records = formats::read_path(path, format, arrivals, seed, read)?;
+                Ok(Self::from_records(records))
+            }
+        }
+    }
+
+    /// The trace of records read by [`super::formats`]: requests numbered from 0 in the
+    /// records' order, arrivals counted from the first, block hashes kept.
+    pub fn from_records(records: Records) -> Self {
+        let first = records.records.first().map_or(0.0, |r| r.arrival_ms);
+        let mut hash_pool = Vec::new();
+        let requests = records
+            .records
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let start = hash_pool.len();
+                hash_pool.extend_from_slice(&r.hash_ids);
+                Request {
+                    rid: i as u64,
+                    arrival_ms: (r.arrival_ms - first).max(0.0),
+                    input_tokens: r.prompt_tokens,
+                    output_tokens: r.output_tokens,
+                    hashes: start..hash_pool.len(),
+                }
+            })
+            .collect();
+        Self {
+            file: records.file,
+            format: records.format.into(),
+            requests,
+            skipped_lines: records.skipped_lines,
+            bad_line_examples: records.bad_line_examples,
+            hash_pool,
+        }
+    }
+
     /// Reads the bundled trace.
     ///
     /// # Errors
@@ -238,6 +351,17 @@ impl Trace {
         match format {
             TraceFormat::AzureCsv => read_azure(&mut b, reader)?,
             TraceFormat::MooncakeJsonl => read_mooncake(&mut b, reader)?,
+            TraceFormat::GenericCsv => {
+                let read = formats::ReadOptions {
+                    limit: opts.limit,
+                    skip_bad_lines: opts.skip_bad_lines,
+                };
+                let records = formats::read_generic_csv(b.trace.file, reader, read)?;
+                return Ok(Self::from_records(records));
+            }
+            TraceFormat::LengthsCsv => {
+                return Err(FormatError::NeedsArrivals { file: b.trace.file }.into());
+            }
         }
         if b.trace.requests.is_empty() {
             return Err(TraceError::Empty {
@@ -811,6 +935,50 @@ fn parse_mooncake(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn records_become_a_trace_numbered_from_zero_with_their_hashes() {
+        use crate::replay::formats::TraceRecord;
+        let rec = |line, arrival_ms, prompt_tokens, hash_ids: Vec<u64>| TraceRecord {
+            line,
+            arrival_ms,
+            prompt_tokens,
+            output_tokens: 3,
+            hash_ids,
+        };
+        let t = Trace::from_records(Records {
+            file: "t.csv".into(),
+            format: InputFormat::GenericCsv,
+            records: vec![rec(2, 100.0, 600, vec![7, 8]), rec(5, 150.5, 10, vec![])],
+            skipped_lines: 2,
+            bad_line_examples: vec!["bad".into()],
+        });
+        assert_eq!(t.format, TraceFormat::GenericCsv);
+        assert_eq!(t.format.to_string(), "generic CSV");
+        assert_eq!(
+            t.requests
+                .iter()
+                .map(|r| (r.rid, r.arrival_ms))
+                .collect::<Vec<_>>(),
+            [(0, 0.0), (1, 50.5)]
+        );
+        assert_eq!(t.hashes(&t.requests[0]), [7, 8]);
+        assert!(t.hashes(&t.requests[1]).is_empty());
+        assert!(t.has_hashes());
+        assert_eq!((t.skipped_lines, t.bad_line_examples.len()), (2, 1));
+        // The Azure reader refuses a length-only file forced on it without arrivals.
+        let e = Trace::read(
+            "x".into(),
+            TraceFormat::LengthsCsv,
+            &b"num_prefill_tokens,num_decode_tokens\n5,1\n"[..],
+            ReadOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, TraceError::Format(FormatError::NeedsArrivals { .. })),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_csv_line_beyond_the_limit_stops_the_read_naming_its_line() {

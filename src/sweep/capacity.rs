@@ -11,8 +11,18 @@ use serde::Serialize;
 use super::grid::{MAX_RATE_SCALE, MIN_RATE_SCALE};
 use super::{RunSummary, SweepError};
 
-/// The relative precision of a capacity: the rate that misses is at most this much above it.
+/// The relative precision of a capacity: the rate that misses is at most this much above it
+/// (or 0.001 above it, below a rate of 0.05, since probes are multiples of 0.001).
 pub const TOLERANCE: f64 = 0.02;
+/// The lowest rate scale a search probes. Probes are made at multiples of 0.001, the precision
+/// every output gives a rate scale in, so that a capacity printed can be replayed as printed.
+pub const MIN_PROBE: f64 = 0.001;
+
+/// A probe's rate: `r` rounded to 0.001.
+fn snap(r: f64) -> f64 {
+    super::output::round3(r)
+}
+
 /// The most probes one search runs (the bracket needs at most 11 doublings and the bisection at
 /// most 6 halvings at [`TOLERANCE`]; the limit only guards the loop).
 pub const MAX_PROBES: usize = 64;
@@ -156,7 +166,7 @@ pub fn search<E>(
                     probes,
                 })
             }
-            (None, Some(h)) if h <= MIN_RATE_SCALE => {
+            (None, Some(h)) if h <= MIN_PROBE.max(MIN_RATE_SCALE) => {
                 return Ok(Search {
                     rate_scale: None,
                     misses_at: Some(h),
@@ -164,8 +174,8 @@ pub fn search<E>(
                     probes,
                 })
             }
-            (Some(l), None) => (l * 2.0).min(MAX_RATE_SCALE),
-            (None, Some(h)) => (h / 2.0).max(MIN_RATE_SCALE),
+            (Some(l), None) => snap(l * 2.0).min(MAX_RATE_SCALE),
+            (None, Some(h)) => snap(h / 2.0).max(MIN_PROBE),
             (None, None) => 1.0,
         };
         if probe(r, &mut probes)? {
@@ -179,7 +189,12 @@ pub fn search<E>(
         if h <= l * (1.0 + TOLERANCE) || probes.len() >= MAX_PROBES {
             break;
         }
-        let mid = (l * h).sqrt();
+        let mid = snap((l * h).sqrt());
+        // Below 0.05 two multiples of 0.001 can be more than 2% apart: the bracket is as
+        // narrow as the probes' precision allows.
+        if mid <= l || mid >= h {
+            break;
+        }
         if probe(mid, &mut probes)? {
             lo = Some(mid);
         } else {
@@ -226,7 +241,19 @@ mod tests {
         assert_eq!(s.bound, Bound::Found, "{capacity}: {s:?}");
         let (lo, hi) = (s.rate_scale.unwrap(), s.misses_at.unwrap());
         assert!(lo <= capacity && capacity < hi, "{capacity}: {lo}..{hi}");
-        assert!(hi <= lo * (1.0 + TOLERANCE), "{capacity}: {lo}..{hi}");
+        // 2%, or one step of 0.001 where 2% is less than that.
+        assert!(
+            hi <= lo * (1.0 + TOLERANCE) || (hi - lo - MIN_PROBE).abs() < 1e-12,
+            "{capacity}: {lo}..{hi}"
+        );
+        for p in &s.probes {
+            let thousandths = p.rate_scale * 1000.0;
+            assert!(
+                (thousandths - thousandths.round()).abs() < 1e-9,
+                "{capacity}: probe {} is not a multiple of 0.001",
+                p.rate_scale
+            );
+        }
         assert!(
             s.probes.len() <= 20,
             "{capacity}: {} probes",
@@ -259,8 +286,9 @@ mod tests {
     fn no_capacity_and_capacity_beyond_the_range_are_told_apart() {
         let none = search(&[], up_to(0.0)).unwrap();
         assert_eq!((none.bound, none.rate_scale), (Bound::BelowMin, None));
-        assert_eq!(none.misses_at, Some(MIN_RATE_SCALE));
-        assert_eq!(none.probes.len(), 11);
+        assert_eq!(none.misses_at, Some(MIN_PROBE));
+        assert_eq!(none.probes.last().map(|p| p.rate_scale), Some(MIN_PROBE));
+        assert!(none.probes.len() <= 11, "{none:?}");
         let all = search(&[], up_to(f64::INFINITY)).unwrap();
         assert_eq!(
             (all.bound, all.rate_scale),

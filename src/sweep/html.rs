@@ -91,8 +91,12 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         .collect();
     let _ = write!(
         out,
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>mstar-chunking sweep</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<h1>Chunking sweep: {} replays</h1>\n<p>Every token budget ({}) was replayed at every rate scale ({}) on a simulated clock. A rate scale of 2x makes requests arrive twice as densely as the trace's own arrivals; all times are simulated milliseconds. Made by mstar-chunking {}.</p>\n",
-        sweep.cells.len(),
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>mstar-chunking sweep</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<h1>Chunking sweep: {}</h1>\n<p>Every token budget ({}) was replayed at every rate scale ({}) on a simulated clock. A rate scale of 2x makes requests arrive twice as densely as the trace's own arrivals; all times are simulated milliseconds. Made by mstar-chunking {}.</p>\n",
+        if sweep.cells.len() == 1 {
+            "1 replay".to_string()
+        } else {
+            format!("{} replays", sweep.cells.len())
+        },
         escape(&budgets.join(", ")),
         escape(&rates.join(", ")),
         escape(sweep.version),
@@ -144,7 +148,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         &mut out,
         plots,
         "step_times",
-        "each line is one token budget: for a step time on the horizontal axis, the height is the fraction of steps that took at most that long. A line that rises steeply and early means short, even steps; a long flat tail to the right means some steps ran long (a big prompt chunk), which is what decode rows feel as time between tokens.",
+        "each line is one token budget: for a step time on the horizontal axis (logarithmic), the height is the fraction of steps that took at most that long. A line that rises steeply and early means short, even steps; a long flat tail to the right means some steps ran long (a big prompt chunk), which is what decode rows feel as time between tokens.",
     );
 
     out.push_str("<h2>Every run</h2>\n");

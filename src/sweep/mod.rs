@@ -95,6 +95,35 @@ impl StepTimes {
     }
 }
 
+/// What a sweep keeps of one replay: its latencies, and its step durations as the
+/// percentiles of the report's histogram.
+#[cfg(feature = "replay")]
+impl From<&crate::replay::ReplayReport> for RunSummary {
+    fn from(r: &crate::replay::ReplayReport) -> Self {
+        let step_ms = StepTimes {
+            percentiles_ms: if r.step_ms.is_empty() {
+                Vec::new()
+            } else {
+                (0..=STEP_QUANTILES)
+                    .filter_map(|i| r.step_ms.quantile(i as f64 / STEP_QUANTILES as f64))
+                    .collect()
+            },
+        };
+        Self {
+            requests: r.requests,
+            steps: r.steps,
+            overruns: r.overruns.total,
+            budget_utilisation: r.budget_utilisation,
+            tbt_p50_ms: r.tbt_ms.map(|l| l.p50),
+            tbt_p99_ms: r.tbt_ms.map(|l| l.p99),
+            ttft_p50_ms: r.ttft_ms.map(|l| l.p50),
+            ttft_p90_ms: r.ttft_ms.map(|l| l.p90),
+            ttft_p99_ms: r.ttft_ms.map(|l| l.p99),
+            step_ms,
+        }
+    }
+}
+
 /// The nearest-rank quantile `p` (in `[0, 1]`) of `sorted` (ascending): the smallest value with
 /// at least `p` of the samples at or below it; the minimum for `p = 0`. `None` when empty.
 pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {

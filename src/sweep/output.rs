@@ -175,8 +175,12 @@ pub fn table(sweep: &Sweep) -> String {
     let rates: Vec<String> = sweep.rates.iter().map(|r| fmt_rate(*r)).collect();
     let _ = writeln!(
         out,
-        "sweep of {} replays: budgets {} x rate scales {}",
-        sweep.cells.len(),
+        "sweep of {}: budgets {} x rate scales {}",
+        if sweep.cells.len() == 1 {
+            "1 replay".to_string()
+        } else {
+            format!("{} replays", sweep.cells.len())
+        },
         budgets.join(", "),
         rates.join(", ")
     );
@@ -317,6 +321,54 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
         paths.push(path);
     }
     Ok(Written { paths })
+}
+
+/// The names of every file [`write_outputs`] may write into its directory.
+pub fn output_names() -> Vec<String> {
+    let mut names = vec![
+        CSV_FILE.to_owned(),
+        JSON_FILE.to_owned(),
+        HTML_FILE.to_owned(),
+    ];
+    for stem in plots::NAMES {
+        names.push(format!("{stem}.svg"));
+        names.push(format!("{stem}.png"));
+    }
+    names
+}
+
+/// Checks, before a sweep runs, that its outputs can go into `dir`: `dir` is a directory or
+/// does not exist yet, is none of `inputs`, and none of `inputs` is a file the sweep would
+/// write there.
+///
+/// # Errors
+/// [`SweepError::OutputNotADirectory`] or [`SweepError::OutputIsInput`].
+pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError> {
+    // `metadata` follows links and never opens: a FIFO is refused without blocking.
+    if let Ok(meta) = fs::metadata(dir) {
+        if !meta.is_dir() {
+            return Err(SweepError::OutputNotADirectory(dir.to_owned()));
+        }
+    } else {
+        return Ok(());
+    }
+    let Ok(canon_dir) = fs::canonicalize(dir) else {
+        return Ok(());
+    };
+    let names = output_names();
+    for input in inputs {
+        let Ok(canon) = fs::canonicalize(input) else {
+            continue;
+        };
+        let inside = canon.parent() == Some(canon_dir.as_path())
+            && canon
+                .file_name()
+                .is_some_and(|n| names.iter().any(|o| n == o.as_str()));
+        if inside {
+            return Err(SweepError::OutputIsInput(input.clone()));
+        }
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then

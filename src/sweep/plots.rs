@@ -26,6 +26,9 @@ pub const HEIGHT: u32 = 600;
 static FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
+/// The file stems of every plot a sweep may draw.
+pub const NAMES: [&str; 3] = ["tradeoff", "capacity", "step_times"];
+
 /// One drawn plot.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plot {
@@ -403,15 +406,23 @@ where
     if series.is_empty() || top <= 0.0 {
         return no_data(root, title, "No run at this rate scale has step times.");
     }
+    // A log axis: a budget's steps cluster at a few tens of ms while an unbudgeted run's
+    // longest prompt takes seconds; a linear axis would squash every curve against the left.
+    let bottom = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().copied())
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(top, f64::min);
+    let (x0, x1) = (bottom / 1.2, top * 1.2);
     let mut chart = ChartBuilder::on(root)
         .caption(title, font_of(22))
         .margin(16)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d(0.0..top * 1.05, 0.0..1.0)?;
+        .build_cartesian_2d((x0..x1).log_scale(), 0.0..1.0)?;
     chart
         .configure_mesh()
-        .x_desc("step time (simulated ms)")
+        .x_desc("step time (simulated ms, log scale)")
         .y_desc("fraction of steps at or below")
         .label_style(font_of(14))
         .axis_desc_style(font_of(16))
@@ -421,7 +432,9 @@ where
         let last = (p.len().max(2) - 1) as f64;
         chart
             .draw_series(LineSeries::new(
-                p.iter().enumerate().map(|(k, v)| (*v, k as f64 / last)),
+                p.iter()
+                    .enumerate()
+                    .map(|(k, v)| (v.max(x0), k as f64 / last)),
                 c.stroke_width(2),
             ))?
             .label(label.clone())

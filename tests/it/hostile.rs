@@ -606,7 +606,7 @@ fn invalid_utf8_in_a_mooncake_line_is_a_bad_line_with_its_number() {
     skip.push("--skip-bad-lines");
     let r = run_bounded(&skip, &[]);
     assert_eq!(r.code, 0, "{r:?}");
-    assert!(r.stdout.contains("2 (1 bad lines skipped)"), "{}", r.stdout);
+    assert!(r.stdout.contains("2 (1 bad line skipped)"), "{}", r.stdout);
 }
 
 // === exposure ===

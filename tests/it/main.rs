@@ -9,4 +9,5 @@ mod props;
 mod reload;
 mod replay;
 mod state_machine;
+mod sweep_cli;
 mod time_budget;

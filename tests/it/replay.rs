@@ -299,7 +299,7 @@ fn chunking_lowers_p99_time_between_tokens() {
     let table = on.to_string();
     for needle in [
         "budget utilisation",
-        "TBT p50 / p99",
+        "TBT p50/p90/p99",
         "prepared inputs left",
         "none",
     ] {
