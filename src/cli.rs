@@ -627,7 +627,7 @@ fn sweep_labels(
         ),
         (
             "cost model".to_string(),
-            crate::replay::report::CostLabel::of(&setup).to_string(),
+            crate::replay::report::CostLabel::of(setup).to_string(),
         ),
         (
             "speculation".to_string(),

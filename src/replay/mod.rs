@@ -591,7 +591,7 @@ async fn run_settings(
         step_walks: setup.walks.clone(),
         budgets,
         budget_flag,
-        cost: report::CostLabel::of(&setup),
+        cost: report::CostLabel::of(setup),
         speculation_tokens: setup.spec_tokens,
         overshoot_rate: setup.overshoot_rate,
         prefix_cache_blocks: setup.cache_blocks,
