@@ -1,4 +1,5 @@
-//! Running the `mstar-chunking` binary the way a user does, in a clean environment.
+//! Running the `mstar-chunking` binary the way a user does, in a clean environment; the shared
+//! traces and the step-log checker.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -58,4 +59,43 @@ pub fn row<'a>(rows: &'a serde_json::Value, node: &str, walk: &str) -> &'a serde
     rows.as_array()
         .and_then(|a| a.iter().find(|r| r["node"] == node && r["walk"] == walk))
         .unwrap_or_else(|| panic!("no row {node}/{walk} in {rows}"))
+}
+
+/// The shared reference traces and tools: `$MSTAR_SHARED_DIR`, else `../shared` next to the
+/// crate, else the copies in `tests/fixtures/shared` (the checker, and each trace's first 400
+/// requests).
+pub fn shared(rel: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::var_os("MSTAR_SHARED_DIR")
+        .map(PathBuf::from)
+        .or_else(|| Some(root.join("../shared")).filter(|d| d.join(rel).exists()))
+        .unwrap_or_else(|| root.join("tests/fixtures/shared"));
+    let p = dir.join(rel);
+    assert!(
+        p.exists(),
+        "{} is missing: set MSTAR_SHARED_DIR to the shared traces and tools",
+        p.display()
+    );
+    p
+}
+
+/// Runs `check_step_log.py --complete --align N`; returns its last line, asserting success.
+pub fn check_step_log(log: &Path, align: u32) -> String {
+    let out = Command::new("python3")
+        .arg(shared("tools/check_step_log.py"))
+        .arg(log)
+        .arg("--complete")
+        .args(["--align", &align.to_string()])
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "check_step_log.py found violations in {}:\n{stdout}{}",
+        log.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default().to_owned();
+    assert!(last.starts_with("0 violations"), "{last}");
+    last
 }

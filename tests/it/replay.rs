@@ -2,7 +2,6 @@
 //! traces checked by `check_step_log.py`, chunking against `--budget-off`, and trace errors.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
@@ -22,23 +21,7 @@ can_override_mixed_max_tokens = true
 policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
 "#;
 
-/// The shared reference traces and tools: `$MSTAR_SHARED_DIR`, else `../shared` next to the
-/// crate, else the copies in `tests/fixtures/shared` (the checker, and each trace's first 400
-/// requests).
-fn shared(rel: &str) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::var_os("MSTAR_SHARED_DIR")
-        .map(PathBuf::from)
-        .or_else(|| Some(root.join("../shared")).filter(|d| d.join(rel).exists()))
-        .unwrap_or_else(|| root.join("tests/fixtures/shared"));
-    let p = dir.join(rel);
-    assert!(
-        p.exists(),
-        "{} is missing: set MSTAR_SHARED_DIR to the shared traces and tools",
-        p.display()
-    );
-    p
-}
+use crate::helpers::shared;
 
 fn model(toml_text: &str) -> Manifest {
     toml::from_str(toml_text).expect("test manifest parses")
@@ -61,26 +44,7 @@ fn read_log(path: &Path) -> Vec<Value> {
         .collect()
 }
 
-/// Runs `check_step_log.py --complete --align N`; returns its last line, asserting success.
-fn check(log: &Path, align: u32) -> String {
-    let out = Command::new("python3")
-        .arg(shared("tools/check_step_log.py"))
-        .arg(log)
-        .arg("--complete")
-        .args(["--align", &align.to_string()])
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "check_step_log.py found violations in {}:\n{stdout}{}",
-        log.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last = stdout.lines().last().unwrap_or_default().to_owned();
-    assert!(last.starts_with("0 violations"), "{last}");
-    last
-}
+use crate::helpers::check_step_log as check;
 
 /// A compact rendering of a step's rows: `400`, `400 final`, `decode`.
 fn rows(step: &Value) -> Vec<String> {

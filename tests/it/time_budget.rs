@@ -5,12 +5,13 @@
 //! and the component learns the preset's coefficients from noisy simulated times.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::{self, ReplayOptions, ReplayReport};
 use serde_json::Value;
+
+use crate::helpers::{check_step_log, shared};
 
 const MODEL: &str = r#"
 name = "time-demo"
@@ -24,15 +25,6 @@ policies = { mixed = { max_batch_tokens = 2048, align = 16 } }
 
 /// The step-time target of these tests, in ms.
 const TARGET_MS: f64 = 100.0;
-
-fn shared(rel: &str) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::var_os("MSTAR_SHARED_DIR")
-        .map(PathBuf::from)
-        .or_else(|| Some(root.join("../shared")).filter(|d| d.join(rel).exists()))
-        .unwrap_or_else(|| root.join("tests/fixtures/shared"));
-    dir.join(rel)
-}
 
 fn mooncake() -> PathBuf {
     shared("traces/mooncake_fast25_synthetic_trace.head2000.jsonl")
@@ -65,21 +57,6 @@ fn steps(log: &Path) -> Vec<Value> {
 fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)]
-}
-
-fn check_log(log: &Path) {
-    let out = Command::new("python3")
-        .arg(shared("tools/check_step_log.py"))
-        .arg(log)
-        .args(["--complete", "--align", "16"])
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "check_step_log.py: {stdout}");
-    assert!(
-        stdout.lines().last().unwrap().starts_with("0 violations"),
-        "{stdout}"
-    );
 }
 
 #[test]
@@ -135,7 +112,7 @@ fn a_time_budget_keeps_every_uncounted_step_within_its_target() {
         tbt(&timed),
         tbt(&tokens)
     );
-    check_log(&timed_log);
+    check_step_log(&timed_log, 16);
 }
 
 #[test]
@@ -185,5 +162,5 @@ fn with_learning_and_noise_the_component_finds_the_preset_and_keeps_steps_near_t
     assert!(planned.len() > log.len() / 2, "the fit took over late");
     let p99 = quantile(planned, 0.99);
     assert!(p99 <= 1.10 * TARGET_MS, "p99 {p99} ms");
-    check_log(&log_path);
+    check_step_log(&log_path, 16);
 }
