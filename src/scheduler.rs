@@ -266,30 +266,28 @@ impl SchedulerState {
     /// (`docs/cost-model.md#sources`): its online fit once trusted (with learning on), else
     /// its configured model, else none.
     pub fn latency_model(&self, node: &str) -> (Option<LatencyModel>, ModelSource) {
-        let Some(table) = self.snapshot.as_ref().map(|s| s.table()) else {
-            return (None, ModelSource::None);
-        };
-        let online = table
-            .settings()
-            .time
-            .learn
-            .then(|| self.fits.get(node).and_then(OnlineFit::trusted_model))
-            .flatten();
-        select_model(online, table.cost(node))
+        match self.snapshot.as_ref().map(|s| s.table()) {
+            Some(table) => self.select(node, table.settings().time.learn, table.cost(node)),
+            None => (None, ModelSource::None),
+        }
     }
 
-    /// [`SchedulerState::latency_model`] for a step planned under `params`, without map lookups
-    /// when online learning is off (the step's hot path).
+    /// [`SchedulerState::latency_model`] for a step planned under `params`: no lookup of the
+    /// configured model, and none of the fits unless the node learns (the step's hot path).
     fn model_for(&self, params: &StepParams) -> (Option<LatencyModel>, ModelSource) {
-        let online = params
-            .learn_cost
-            .then(|| {
-                self.fits
-                    .get(&params.node)
-                    .and_then(OnlineFit::trusted_model)
-            })
+        self.select(&params.node, params.learn_cost, params.cost)
+    }
+
+    fn select(
+        &self,
+        node: &str,
+        learn: bool,
+        configured: Option<LatencyModel>,
+    ) -> (Option<LatencyModel>, ModelSource) {
+        let online = learn
+            .then(|| self.fits.get(node).and_then(OnlineFit::trusted_model))
             .flatten();
-        select_model(online, params.cost)
+        select_model(online, configured)
     }
 
     /// Drops every row of `rid` on every node (an aborted or finished request). Rows of `rid`
