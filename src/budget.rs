@@ -58,14 +58,17 @@ impl fmt::Display for BudgetValue {
     }
 }
 
-/// A node's override: one budget for every walk the model budgets there, or one per walk.
+/// A node's setting: one value for every walk the model budgets there, or one per walk.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeBudget {
-    /// One budget for every walk the model budgets on the node.
-    All(BudgetValue),
-    /// A budget per walk.
-    PerWalk(BTreeMap<Name, BudgetValue>),
+pub enum NodeSetting<V> {
+    /// One value for every walk the model budgets on the node.
+    All(V),
+    /// A value per walk.
+    PerWalk(BTreeMap<Name, V>),
 }
+
+/// A node's token budget override (`chunking.max_batch_tokens.<node>`).
+pub type NodeBudget = NodeSetting<BudgetValue>;
 
 /// One time budget as a serving config writes it (`chunking.max_step_ms`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,14 +88,8 @@ impl fmt::Display for TimeBudget {
     }
 }
 
-/// A node's time budgets: one for every walk the model budgets there, or one per walk.
-#[derive(Debug, Clone, PartialEq)]
-pub enum NodeTimeBudget {
-    /// One time budget for every walk the model budgets on the node.
-    All(TimeBudget),
-    /// A time budget per walk.
-    PerWalk(BTreeMap<Name, TimeBudget>),
-}
+/// A node's time budgets (`chunking.max_step_ms.<node>`).
+pub type NodeTimeBudget = NodeSetting<TimeBudget>;
 
 /// Cost-aware chunking's settings (`docs/cost-model.md`): time budgets and where the latency
 /// model comes from.
@@ -490,37 +487,14 @@ impl BudgetTable {
                 .or_default()
                 .push(member.clone());
         }
-        let mut overrides = BTreeMap::new();
-        for (node, budget) in &settings.overrides {
-            if !model.has_node(node) {
-                errors.push(BudgetError::UnknownNode {
-                    setting: "max_batch_tokens",
-                    node: node.clone(),
-                });
-                continue;
-            }
-            match budget {
-                NodeBudget::All(value) => {
-                    let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
-                    if walks.is_empty() {
-                        errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
-                    }
-                    for walk in walks {
-                        overrides.insert((node.clone(), walk), value.get());
-                    }
-                }
-                NodeBudget::PerWalk(walks) => {
-                    for (walk, value) in walks {
-                        match Self::walk_refusal(&model, &settings, node, walk) {
-                            Some(e) => errors.push(e),
-                            None => {
-                                overrides.insert((node.clone(), walk.clone()), value.get());
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        let overrides = expand(
+            &model,
+            "max_batch_tokens",
+            &settings.overrides,
+            |_, _, value: BudgetValue, _| Some(value.get()),
+            |node, walk, _| Self::walk_refusal(&model, &settings, node, walk),
+            &mut errors,
+        );
         for ((node, walk), budget) in &overrides {
             let align = model.policy(node, walk).align;
             if let Some(budget) = budget.filter(|b| *b < align) {
@@ -582,74 +556,44 @@ impl BudgetTable {
                 Some(over) => *over,
                 None => model.policy(node, walk).max_batch_tokens,
             };
-        let mut accepted = BTreeMap::new();
-        for (node, budget) in &time.max_step_ms {
-            if !model.has_node(node) {
-                errors.push(BudgetError::UnknownNode {
-                    setting: "max_step_ms",
-                    node: node.clone(),
+        let check =
+            |node: &Name, walk: Option<&Name>, value, errors: &mut Vec<BudgetError>| match value {
+                TimeBudget::Off => Some(None),
+                TimeBudget::Ms(ms) if ms.is_finite() && ms > 0.0 => Some(Some(ms)),
+                TimeBudget::Ms(value) => {
+                    errors.push(BudgetError::BadTimeBudget {
+                        node: node.clone(),
+                        walk: walk.cloned(),
+                        value,
+                    });
+                    None
+                }
+            };
+        let refusal = |node: &Name, walk: &Name, ms: Option<&Option<f64>>| {
+            let (node, walk) = (node.clone(), walk.clone());
+            if !settings.walks.contains(&walk) {
+                return Some(BudgetError::WalkNotServed { node, walk });
+            }
+            if let Some(combined) = settings.combined_walk_of.get(&walk) {
+                let combined = combined.clone();
+                return Some(BudgetError::TimeMemberWalk {
+                    node,
+                    walk,
+                    combined,
                 });
-                continue;
             }
-            let check =
-                |walk: Option<&Name>, value: TimeBudget, errors: &mut Vec<BudgetError>| match value
-                {
-                    TimeBudget::Off => Some(None),
-                    TimeBudget::Ms(ms) if ms.is_finite() && ms > 0.0 => Some(Some(ms)),
-                    TimeBudget::Ms(value) => {
-                        errors.push(BudgetError::BadTimeBudget {
-                            node: node.clone(),
-                            walk: walk.cloned(),
-                            value,
-                        });
-                        None
-                    }
-                };
-            match budget {
-                NodeTimeBudget::All(value) => {
-                    let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
-                    if walks.is_empty() {
-                        errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
-                    }
-                    if let Some(ms) = check(None, *value, errors) {
-                        for walk in walks {
-                            accepted.insert((node.clone(), walk), ms);
-                        }
-                    }
-                }
-                NodeTimeBudget::PerWalk(walks) => {
-                    for (walk, value) in walks {
-                        let ms = check(Some(walk), *value, errors);
-                        let refusal = if !settings.walks.contains(walk) {
-                            Some(BudgetError::WalkNotServed {
-                                node: node.clone(),
-                                walk: walk.clone(),
-                            })
-                        } else if let Some(combined) = settings.combined_walk_of.get(walk) {
-                            Some(BudgetError::TimeMemberWalk {
-                                node: node.clone(),
-                                walk: walk.clone(),
-                                combined: combined.clone(),
-                            })
-                        } else if ms.flatten().is_some() && token_budget(node, walk).is_none() {
-                            Some(BudgetError::TimeBudgetDoesNothing {
-                                node: node.clone(),
-                                walk: walk.clone(),
-                            })
-                        } else {
-                            None
-                        };
-                        match (refusal, ms) {
-                            (Some(e), _) => errors.push(e),
-                            (None, Some(ms)) => {
-                                accepted.insert((node.clone(), walk.clone()), ms);
-                            }
-                            (None, None) => {}
-                        }
-                    }
-                }
-            }
-        }
+            let on = ms.is_some_and(Option::is_some);
+            (on && token_budget(&node, &walk).is_none())
+                .then_some(BudgetError::TimeBudgetDoesNothing { node, walk })
+        };
+        let accepted = expand(
+            model,
+            "max_step_ms",
+            &time.max_step_ms,
+            check,
+            refusal,
+            errors,
+        );
         let needs_model: BTreeSet<&Name> = accepted
             .iter()
             .filter(|(_, ms)| ms.is_some())
@@ -777,6 +721,58 @@ impl BudgetTable {
                 .collect(),
         )
     }
+}
+
+/// Expands per-node settings into `(node, walk) -> accepted value`, the one walk for all of
+/// `setting` (`max_batch_tokens`, `max_step_ms`): a node the model does not have is refused
+/// (rule 1); a node-wide value goes to every walk the model budgets on the node (none there:
+/// rule 4); a per-walk value goes to its walk unless `refusal` says why not. `accept` turns a
+/// written value into the accepted one, or refuses it (`None`, having said why); `refusal` sees
+/// the accepted value, if any.
+fn expand<V: Copy, T: Copy>(
+    model: &ModelPolicies,
+    setting: &'static str,
+    nodes: &BTreeMap<Name, NodeSetting<V>>,
+    accept: impl Fn(&Name, Option<&Name>, V, &mut Vec<BudgetError>) -> Option<T>,
+    refusal: impl Fn(&Name, &Name, Option<&T>) -> Option<BudgetError>,
+    errors: &mut Vec<BudgetError>,
+) -> BTreeMap<(Name, Name), T> {
+    let mut accepted = BTreeMap::new();
+    for (node, values) in nodes {
+        if !model.has_node(node) {
+            errors.push(BudgetError::UnknownNode {
+                setting,
+                node: node.clone(),
+            });
+            continue;
+        }
+        match values {
+            NodeSetting::All(value) => {
+                let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
+                if walks.is_empty() {
+                    errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
+                }
+                if let Some(v) = accept(node, None, *value, errors) {
+                    for walk in walks {
+                        accepted.insert((node.clone(), walk), v);
+                    }
+                }
+            }
+            NodeSetting::PerWalk(walks) => {
+                for (walk, value) in walks {
+                    let v = accept(node, Some(walk), *value, errors);
+                    match (refusal(node, walk, v.as_ref()), v) {
+                        (Some(e), _) => errors.push(e),
+                        (None, Some(v)) => {
+                            accepted.insert((node.clone(), walk.clone()), v);
+                        }
+                        (None, None) => {}
+                    }
+                }
+            }
+        }
+    }
+    accepted
 }
 
 #[cfg(test)]
@@ -1055,5 +1051,78 @@ mod tests {
         let e = first.with_settings(s).unwrap_err();
         assert_eq!(e.0.len(), 2);
         assert_eq!(first.max_batch_tokens("thinker", "mixed"), Some(8192));
+    }
+
+    #[test]
+    fn time_budgets_are_refused_where_they_would_do_nothing_and_applied_otherwise() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        let time_walks = |walks: &[(&str, TimeBudget)]| {
+            NodeSetting::PerWalk(walks.iter().map(|(w, v)| (n(w), *v)).collect())
+        };
+        let mut s = settings().cost("llm", model).cost("thinker", model);
+        s.time.max_step_ms = BTreeMap::from([
+            (n("llm"), time_walks(&[("mixed", TimeBudget::Ms(40.0))])),
+            (n("thinker"), NodeSetting::All(TimeBudget::Ms(60.0))),
+        ]);
+        let t = BudgetTable::build(omni(), s.clone()).unwrap();
+        assert_eq!(t.max_step_ms("llm", "mixed"), Some(40.0));
+        assert_eq!(t.max_step_ms("llm", "prefill"), None);
+        assert_eq!(t.max_step_ms("thinker", "decode"), Some(60.0));
+
+        // A member walk, a walk without a token budget, an unknown node, a bad value and a node
+        // without a model: every one refused, each naming its node.
+        let mut bad = settings();
+        bad.overrides = BTreeMap::from([(
+            n("llm"),
+            NodeSetting::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::Off)])),
+        )]);
+        bad.time.max_step_ms = BTreeMap::from([
+            (
+                n("llm"),
+                time_walks(&[
+                    ("decode", TimeBudget::Ms(40.0)),
+                    ("mixed", TimeBudget::Ms(40.0)),
+                ]),
+            ),
+            (
+                n("thinker"),
+                time_walks(&[("mixed", TimeBudget::Ms(f64::NAN))]),
+            ),
+            (n("ghost"), NodeSetting::All(TimeBudget::Ms(10.0))),
+            (n("talker"), NodeSetting::All(TimeBudget::Ms(10.0))),
+        ]);
+        bad = bad.cost("llm", model);
+        let errs = BudgetTable::build(omni(), bad).unwrap_err().0;
+        let has = |f: &dyn Fn(&BudgetError) -> bool| errs.iter().any(f);
+        assert!(
+            has(&|e| matches!(e, BudgetError::TimeMemberWalk { walk, .. } if &**walk == "decode")),
+            "{errs:?}"
+        );
+        assert!(
+            has(
+                &|e| matches!(e, BudgetError::TimeBudgetDoesNothing { walk, .. } if &**walk == "mixed")
+            ),
+            "{errs:?}"
+        );
+        assert!(
+            has(
+                &|e| matches!(e, BudgetError::BadTimeBudget { node, walk: Some(w), .. } if &**node == "thinker" && &**w == "mixed")
+            ),
+            "{errs:?}"
+        );
+        assert!(
+            has(
+                &|e| matches!(e, BudgetError::UnknownNode { setting: "max_step_ms", node } if &**node == "ghost")
+            ),
+            "{errs:?}"
+        );
+        assert!(
+            has(&|e| matches!(e, BudgetError::NoLatencyModel { node } if &**node == "talker")),
+            "{errs:?}"
+        );
+        assert_eq!(errs.len(), 5, "{errs:?}");
+        // With learning on, a node without a model is accepted.
+        let learn = s.step_ms("talker", Some(10.0)).learn_cost(true);
+        assert!(BudgetTable::build(omni(), learn).is_ok());
     }
 }
