@@ -79,7 +79,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
         let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
             .combined("mixed", ["prefill", "decode"])
-            .budget("llm", NonZeroU32::new(256))
+            .budget(
+                "llm",
+                NonZeroU32::new(256).expect("a budget is at least 1 token"),
+            )
             .min_chunk_tokens(NonZeroU32::new(32).expect("non-zero"));
         cm.set_budgets(settings).await?;
         for (rid, len) in [(0u64, 700u32), (1, 90), (2, 400)] {

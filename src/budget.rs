@@ -42,10 +42,11 @@ impl BudgetValue {
     }
 }
 
-impl From<Option<NonZeroU32>> for BudgetValue {
-    /// A token count, or off for `None`.
-    fn from(budget: Option<NonZeroU32>) -> Self {
-        budget.map_or(BudgetValue::Off, BudgetValue::Tokens)
+impl From<NonZeroU32> for BudgetValue {
+    /// A token count. There is deliberately no conversion from `Option<NonZeroU32>`: a failed
+    /// `NonZeroU32::new(n)` must never mean "off" (write [`BudgetValue::Off`]).
+    fn from(budget: NonZeroU32) -> Self {
+        BudgetValue::Tokens(budget)
     }
 }
 
@@ -85,6 +86,13 @@ impl fmt::Display for TimeBudget {
             TimeBudget::Ms(ms) => write!(f, "{ms}"),
             TimeBudget::Off => f.write_str("off"),
         }
+    }
+}
+
+impl From<f64> for TimeBudget {
+    /// A budget in ms (checked when the settings are applied).
+    fn from(ms: f64) -> Self {
+        TimeBudget::Ms(ms)
     }
 }
 
@@ -128,20 +136,34 @@ pub struct BudgetSettings {
     pub time: TimeSettings,
 }
 
-/// A builder over the fields: every method takes and returns the settings, and budgets are
-/// [`NonZeroU32`] (`None` is off), so a zero budget cannot be written.
+/// A builder over the fields: every method takes and returns the settings. A budget is a
+/// [`BudgetValue`]: a [`NonZeroU32`] token count (which converts into one) or an explicit
+/// [`BudgetValue::Off`], so neither a zero budget nor an accidental "off" can be written: a
+/// computed `NonZeroU32::new(n)` is an `Option` and does not convert.
 ///
 /// ```
 /// use std::num::NonZeroU32;
-/// use mstar_chunking::BudgetSettings;
+/// use mstar_chunking::{BudgetSettings, BudgetValue};
 ///
 /// let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
 ///     .combined("mixed", ["prefill", "decode"])
-///     .budget("llm", NonZeroU32::new(2048))
-///     .walk_budget("thinker", "prefill", None) // chunking off for this walk
+///     .budget("llm", NonZeroU32::new(2048).expect("a budget is at least 1 token"))
+///     .walk_budget("thinker", "prefill", BudgetValue::Off) // chunking off for this walk
+///     .max_step_ms("llm", 50.0) // a time budget (needs a latency model: `cost`)
 ///     .min_chunk_tokens(NonZeroU32::new(32).unwrap());
 /// assert_eq!(settings.combined_walk_of["decode"].as_ref(), "mixed");
 /// assert_eq!(settings.min_chunk_tokens, 32);
+/// ```
+///
+/// A computed budget that is 0 cannot turn chunking off by accident: `NonZeroU32::new(n)` is an
+/// `Option`, which is not a budget, so this does not compile:
+///
+/// ```compile_fail,E0277
+/// use std::num::NonZeroU32;
+/// use mstar_chunking::BudgetSettings;
+///
+/// let n: u32 = 0;
+/// let _ = BudgetSettings::new(["prefill"]).budget("llm", NonZeroU32::new(n));
 /// ```
 impl BudgetSettings {
     /// Settings serving `walks`, with no overrides (every budget the model's), no combined
@@ -181,21 +203,23 @@ impl BudgetSettings {
         self
     }
 
-    /// One budget for every walk the model budgets on `node`; `None` turns chunking off there.
-    pub fn budget(mut self, node: &str, budget: Option<NonZeroU32>) -> Self {
+    /// One budget for every walk the model budgets on `node`; [`BudgetValue::Off`] turns
+    /// chunking off there.
+    pub fn budget(mut self, node: &str, budget: impl Into<BudgetValue>) -> Self {
         self.overrides
-            .insert(node.into(), NodeBudget::All(BudgetValue::from(budget)));
+            .insert(node.into(), NodeBudget::All(budget.into()));
         self
     }
 
-    /// The budget of `walk` on `node`; `None` turns chunking off for that walk there.
-    pub fn walk_budget(mut self, node: &str, walk: &str, budget: Option<NonZeroU32>) -> Self {
+    /// The budget of `walk` on `node`; [`BudgetValue::Off`] turns chunking off for that walk
+    /// there.
+    pub fn walk_budget(mut self, node: &str, walk: &str, budget: impl Into<BudgetValue>) -> Self {
         let per_walk = match self.overrides.remove(node) {
             Some(NodeBudget::PerWalk(m)) => m,
             _ => BTreeMap::new(),
         };
         let mut per_walk = per_walk;
-        per_walk.insert(walk.into(), BudgetValue::from(budget));
+        per_walk.insert(walk.into(), budget.into());
         self.overrides
             .insert(node.into(), NodeBudget::PerWalk(per_walk));
         self
@@ -225,9 +249,12 @@ impl BudgetSettings {
         self
     }
 
-    /// One time budget in ms for every walk the model budgets on `node`; `None` is off.
-    pub fn step_ms(mut self, node: &str, ms: Option<f64>) -> Self {
-        let value = ms.map_or(TimeBudget::Off, TimeBudget::Ms);
+    /// `chunking.max_step_ms`: one time budget for every walk the model budgets on `node`,
+    /// in ms (an `f64`) or [`TimeBudget::Off`]. Refused by `set_budgets` unless it is finite
+    /// and above 0, and unless the node has a latency model ([`cost`](Self::cost) or
+    /// [`learn_cost`](Self::learn_cost)).
+    pub fn max_step_ms(mut self, node: &str, budget: impl Into<TimeBudget>) -> Self {
+        let value = budget.into();
         self.time
             .max_step_ms
             .insert(node.into(), NodeTimeBudget::All(value));
@@ -385,6 +412,19 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
+    /// A served walk the node's submodule can cut, with no budget of its own there and in no
+    /// combined walk: its rows would only be assembled under that walk, uncut, and a combined
+    /// walk's steps would never run them (rule 11).
+    #[error("walk `{walk}` on `{node}` would never be chunked: `{node}` can cut it, but the model gives it no budget there and it runs inside no combined walk, so its rows would run uncut{}; {}", .combined.as_ref().map(|c| format!(" and `{c}` steps would never run them")).unwrap_or_default(), .combined.as_ref().map(|c| format!("combine it (`combined_walk_of`: `{walk}` -> `{c}`) or name `{node}` in `no_chunking`")).unwrap_or_else(|| format!("run it inside a combined walk with a budget (`combined_walk_of`) or name `{node}` in `no_chunking`")))]
+    WalkNeverChunked {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+        /// A served walk with a budget on the node that is not a member of another, which could
+        /// take its rows as their combined walk (for a walk that is not combined itself).
+        combined: Option<Name>,
+    },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
@@ -506,6 +546,7 @@ impl BudgetTable {
                 });
             }
         }
+        Self::check_walks_chunked(&model, &settings, &members, &mut errors);
         let step_ms = Self::check_time_budgets(&model, &settings, &overrides, &mut errors);
         if let Some(max_row) = settings.max_row_tokens.filter(|m| *m > 0) {
             let widest = model
@@ -532,6 +573,51 @@ impl BudgetTable {
             step_ms,
             members,
         })
+    }
+
+    /// Rule 11: every served walk a node's submodule can cut is chunked somewhere: the model
+    /// budgets it on the node (overrides exist only where it does, rule 3), or it runs inside a
+    /// combined walk, or it is one. A missing
+    /// `combined_walk_of` would otherwise leave its rows running uncut, and a combined walk's
+    /// steps empty while they wait. `no_chunking` nodes chunk nothing by decision.
+    fn check_walks_chunked(
+        model: &ModelPolicies,
+        settings: &BudgetSettings,
+        members: &BTreeMap<Name, Vec<Name>>,
+        errors: &mut Vec<BudgetError>,
+    ) {
+        for node in model.nodes() {
+            if settings.no_chunking.contains(node) {
+                continue;
+            }
+            let Some(caps) = model.submodule(node) else {
+                continue;
+            };
+            for walk in &caps.chunkable_walks {
+                let never = settings.walks.contains(walk)
+                    && !settings.combined_walk_of.contains_key(walk)
+                    && model.policy(node, walk).max_batch_tokens.is_none();
+                if never {
+                    // A served walk with a budget here, itself no member, could be meant to
+                    // combine it (the `mixed` of `prefill` + `decode`); a combined walk without
+                    // a budget gets no such hint.
+                    let combined = model
+                        .budgeted_walks(node)
+                        .find(|w| {
+                            *w != walk
+                                && settings.walks.contains(*w)
+                                && !settings.combined_walk_of.contains_key(*w)
+                        })
+                        .filter(|_| !members.contains_key(walk))
+                        .cloned();
+                    errors.push(BudgetError::WalkNeverChunked {
+                        node: node.clone(),
+                        walk: walk.clone(),
+                        combined,
+                    });
+                }
+            }
+        }
     }
 
     /// Validates `chunking.max_step_ms` and `chunking.cost` (`docs/cost-model.md#time-budgets`):
@@ -845,6 +931,72 @@ mod tests {
             .0
     }
 
+    /// One node `llm` that cuts `prefill` and `mixed`, with a policy on `mixed` only (the
+    /// README's model), and a node `enc` that cuts `prefill` with no policy at all.
+    fn mixed_only() -> Arc<ModelPolicies> {
+        let subs = BTreeMap::from([
+            (n("llm"), SubmoduleCaps::new(["prefill", "mixed"], false)),
+            (n("enc"), SubmoduleCaps::new(["prefill"], false)),
+        ]);
+        let pols = BTreeMap::from([((n("llm"), n("mixed")), ChunkingPolicy::budget(2048))]);
+        ModelPolicies::new(subs, pols).unwrap().shared()
+    }
+
+    #[test]
+    fn a_chunkable_walk_with_no_budget_and_no_combined_walk_is_refused() {
+        let walks = BudgetSettings::new(["prefill", "decode", "mixed"]);
+        let errors = BudgetTable::build(mixed_only(), walks.clone())
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            errors,
+            vec![
+                BudgetError::WalkNeverChunked {
+                    node: n("enc"),
+                    walk: n("prefill"),
+                    combined: None,
+                },
+                BudgetError::WalkNeverChunked {
+                    node: n("llm"),
+                    walk: n("prefill"),
+                    combined: Some(n("mixed")),
+                },
+            ]
+        );
+        assert_eq!(
+            errors[1].to_string(),
+            "walk `prefill` on `llm` would never be chunked: `llm` can cut it, but the model \
+             gives it no budget there and it runs inside no combined walk, so its rows would run \
+             uncut and `mixed` steps would never run them; combine it (`combined_walk_of`: \
+             `prefill` -> `mixed`) or name `llm` in `no_chunking`"
+        );
+        assert!(errors[0].to_string().ends_with(
+            "run it inside a combined walk with a budget (`combined_walk_of`) or name `enc` in \
+             `no_chunking`"
+        ));
+        // Combined (as a member), not served, or on a no_chunking node: accepted.
+        let combined = walks.clone().combined("mixed", ["prefill", "decode"]);
+        assert!(BudgetTable::build(mixed_only(), combined.clone()).is_ok());
+        let unserved = BudgetSettings::new(["decode", "mixed"]).no_chunking("enc");
+        assert!(BudgetTable::build(mixed_only(), unserved).is_ok());
+        let enc_off = walks.no_chunking("enc").no_chunking("llm");
+        assert!(BudgetTable::build(mixed_only(), enc_off).is_ok());
+        // A combined walk without a budget runs its steps uncut: refused, with no hint.
+        let prefill_combines = BudgetSettings::new(["prefill", "decode", "mixed"])
+            .combined("prefill", ["decode"])
+            .no_chunking("enc");
+        assert_eq!(
+            BudgetTable::build(mixed_only(), prefill_combines)
+                .unwrap_err()
+                .0,
+            vec![BudgetError::WalkNeverChunked {
+                node: n("llm"),
+                walk: n("prefill"),
+                combined: None,
+            }]
+        );
+    }
+
     #[test]
     fn policy_budgets_apply_without_overrides() {
         let t = BudgetTable::build(omni(), settings()).unwrap();
@@ -1122,7 +1274,7 @@ mod tests {
         );
         assert_eq!(errs.len(), 5, "{errs:?}");
         // With learning on, a node without a model is accepted.
-        let learn = s.step_ms("talker", Some(10.0)).learn_cost(true);
+        let learn = s.max_step_ms("talker", 10.0).learn_cost(true);
         assert!(BudgetTable::build(omni(), learn).is_ok());
     }
 }

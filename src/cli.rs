@@ -84,11 +84,13 @@ pub struct ReplayArgs {
     /// Where the model and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// Request trace: Azure LLM inference CSV or Mooncake JSON Lines [default: the bundled trace]
+    /// Request trace: Azure LLM inference CSV, Mooncake JSON Lines, generic CSV
+    /// (arrival_ms,prompt_tokens,output_tokens,hash_ids) or length-only CSV (with --arrivals)
+    /// [default: the bundled trace]
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Replay only the first N requests of the trace
-    #[arg(long, value_name = "N")]
+    /// Replay only the first N requests of the trace (N >= 1)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub requests: Option<u64>,
     /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
@@ -170,8 +172,8 @@ pub struct SweepArgs {
     /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV
     #[arg(long, value_name = "SPEC", value_parser = arrivals)]
     pub arrivals: Option<Arrivals>,
-    /// Replay only the first N requests of the trace
-    #[arg(long, value_name = "N")]
+    /// Replay only the first N requests of the trace (N >= 1)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub requests: Option<u64>,
     /// Skip trace lines that cannot be parsed instead of stopping
     #[arg(long)]
@@ -867,6 +869,8 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
         "chunkable",
         "floor",
         "caps",
+        "step ms",
+        "model",
     ]
     .map(String::from)];
     for r in rows {
@@ -895,9 +899,19 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
             if r.chunkable { "yes" } else { "no" }.to_string(),
             opt(r.min_chunk_tokens),
             caps,
+            r.max_step_ms
+                .map_or_else(|| "-".to_string(), |ms| ms.to_string()),
+            // Where the node's latency model comes from (its coefficients: `budgets --json`).
+            match (r.cost.is_some(), r.learn_cost) {
+                (true, true) => "config+learned",
+                (true, false) => "config",
+                (false, true) => "learned",
+                (false, false) => "-",
+            }
+            .to_string(),
         ]);
     }
-    let mut widths = [0usize; 7];
+    let mut widths = [0usize; 9];
     for row in &cells {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
@@ -942,6 +956,9 @@ mod tests {
                 ("decode".into(), 192),
                 ("prefill".into(), 4096),
             ])),
+            max_step_ms: None,
+            cost: None,
+            learn_cost: false,
         }
     }
 
@@ -952,20 +969,38 @@ mod tests {
         off.min_chunk_tokens = None;
         off.chunkable = false;
         off.walk_caps = None;
-        let text = render_table(&[row("thinker", "mixed"), off]);
+        let mut timed = row("llm", "mixed");
+        timed.max_step_ms = Some(50.5);
+        timed.cost = Some(BTreeMap::from([("base_ms", 8.0)]));
+        let mut learned = row("llm", "decode");
+        learned.learn_cost = true;
+        learned.walk_caps = None;
+        let mut both = learned.clone();
+        both.walk = "prefill".into();
+        both.cost = timed.cost.clone();
+        let text = render_table(&[row("thinker", "mixed"), off, timed, learned, both]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[0],
-            "node     walk     policy  budget  chunkable  floor  caps"
+            "node     walk     policy  budget  chunkable  floor  caps                     step ms  model"
         );
         assert_eq!(
             lines[1],
-            "thinker  mixed    8192    6144    yes        64     decode=192,prefill=4096"
+            "thinker  mixed    8192    6144    yes        64     decode=192,prefill=4096  -        -"
         );
         assert_eq!(
             lines[2],
-            "talker   prefill  8192    off     no         -      -"
+            "talker   prefill  8192    off     no         -      -                        -        -"
         );
+        assert_eq!(
+            lines[3],
+            "llm      mixed    8192    6144    yes        64     decode=192,prefill=4096  50.5     config"
+        );
+        assert_eq!(
+            lines[4],
+            "llm      decode   8192    6144    yes        64     -                        -        learned"
+        );
+        assert!(lines[5].ends_with("config+learned"), "{}", lines[5]);
     }
 
     #[test]
@@ -977,7 +1012,8 @@ mod tests {
             serde_json::json!([{
                 "node": "thinker", "walk": "mixed", "policy_budget": 8192,
                 "max_batch_tokens": 6144, "chunkable": true, "min_chunk_tokens": 64,
-                "walk_caps": {"decode": 192, "prefill": 4096}
+                "walk_caps": {"decode": 192, "prefill": 4096},
+                "max_step_ms": null, "cost": null, "learn_cost": false
             }])
         );
     }
@@ -1032,6 +1068,20 @@ mod tests {
         .is_err());
         let cli = Cli::try_parse_from(["mstar-chunking", "replay", "--watch-config"]).unwrap();
         assert!(matches!(cli.command, Command::Replay(r) if r.watch_config));
+        // `--requests 0` would replay nothing: a usage error (exit 2), for replay and sweep.
+        for cmd in ["replay", "sweep"] {
+            let err = Cli::try_parse_from(["mstar-chunking", cmd, "--requests", "0"])
+                .expect_err("refused");
+            assert_eq!(err.exit_code(), 2, "{err}");
+            assert!(err.to_string().contains("--requests"), "{err}");
+        }
+        // `--help` names all four trace formats.
+        let help = Cli::try_parse_from(["mstar-chunking", "replay", "--help"])
+            .expect_err("help")
+            .to_string();
+        for format in ["Azure", "Mooncake", "generic", "length-only"] {
+            assert!(help.contains(format), "{format} missing from:\n{help}");
+        }
         let cli = Cli::try_parse_from(["mstar-chunking", "replay"]).unwrap();
         let Command::Replay(r) = cli.command else {
             panic!("not replay")

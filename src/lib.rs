@@ -92,8 +92,12 @@ pub mod sweep;
 pub type Name = Arc<str>;
 
 pub use actors::{ActorThread, ChunkingManagement, QueueStats};
-pub use budget::{BudgetSettings, BudgetTable, BudgetValue, NodeBudget, DEFAULT_MIN_CHUNK_TOKENS};
+pub use budget::{
+    BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
+};
 pub use error::{ChunkingError, ErrorKind};
+pub use latency::{LatencyModel, ModelSource, TimeOverrunReason};
+pub use latency_presets::preset_model;
 pub use overrun::{Overrun, OverrunReason};
 pub use planner::Work;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};

@@ -188,6 +188,10 @@ pub struct SchedulerState {
     snapshot: Option<Arc<BudgetSnapshot>>,
     nodes: FxHashMap<Name, NodeQueues>,
     in_flight: FxHashMap<Name, InFlight>,
+    /// Per node, the last batch handed out with no rows. It is not in flight (the node's next
+    /// `assemble` plans afresh, so rows admitted meanwhile are picked up), but completing it
+    /// with no rows or abandoning it is still accepted, once.
+    empty: FxHashMap<Name, InFlight>,
     /// Per node, the online fit of its latency model (when `chunking.learn_cost` is on).
     fits: FxHashMap<Name, OnlineFit>,
     next_step: u64,
@@ -358,7 +362,13 @@ impl SchedulerState {
             batch: None,
         };
         let batch = f.planned_batch();
-        self.in_flight.insert(f.params.node.clone(), f);
+        // An empty batch is not a step in flight: nothing waits on its completion, and holding
+        // the node for it would hide rows admitted before the engine completes it.
+        if f.plan.rows.is_empty() {
+            self.empty.insert(f.params.node.clone(), f);
+        } else {
+            self.in_flight.insert(f.params.node.clone(), f);
+        }
         Ok(Assembled::Planned(batch))
     }
 
@@ -372,12 +382,29 @@ impl SchedulerState {
         }
     }
 
-    fn in_flight_node(&self, step: u64) -> Result<Name, ChunkingError> {
-        self.in_flight
-            .iter()
-            .find(|(_, f)| f.step == step)
-            .map(|(n, _)| n.clone())
+    /// The node of step `step`, and whether it is in flight (`true`) or the node's last empty
+    /// batch (`false`).
+    fn find_step(&self, step: u64) -> Result<(Name, bool), ChunkingError> {
+        let find = |steps: &FxHashMap<Name, InFlight>| {
+            steps
+                .iter()
+                .find(|(_, f)| f.step == step)
+                .map(|(n, _)| n.clone())
+        };
+        find(&self.in_flight)
+            .map(|n| (n, true))
+            .or_else(|| find(&self.empty).map(|n| (n, false)))
             .ok_or(ChunkingError::UnknownStep { step })
+    }
+
+    /// Takes step `step` out of the steps in flight or the empty batches.
+    fn take_step(&mut self, node: &Name, in_flight: bool) -> InFlight {
+        let steps = if in_flight {
+            &mut self.in_flight
+        } else {
+            &mut self.empty
+        };
+        steps.remove(node).expect("found by find_step")
     }
 
     /// Abandons a step in flight without advancing its rows, and drops the rows of `drop_rids`
@@ -387,24 +414,13 @@ impl SchedulerState {
     /// # Errors
     /// The step is not in flight.
     pub fn abandon(&mut self, step: u64, drop_rids: &[u64]) -> Result<(), ChunkingError> {
-        let node = self.in_flight_node(step)?;
-        let f = self.in_flight.remove(&node).expect("found above");
+        let (node, in_flight) = self.find_step(step)?;
+        let f = self.take_step(&node, in_flight);
         for rid in drop_rids {
             self.forget_at(*rid, &node);
         }
         self.spare = f.plan;
         Ok(())
-    }
-
-    /// Abandons the step in flight `step` of `node` (the engine ran nothing of it).
-    ///
-    /// # Errors
-    /// No step `step` of `node` is in flight.
-    pub fn abandon_at(&mut self, node: &str, step: u64) -> Result<(), ChunkingError> {
-        match self.in_flight.get(node) {
-            Some(f) if f.step == step => self.abandon(step, &[]),
-            _ => Err(ChunkingError::UnknownStep { step }),
-        }
     }
 
     /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran,
@@ -424,12 +440,17 @@ impl SchedulerState {
         ran: &[u32],
         measured_ms: Option<f64>,
     ) -> Result<StepOutcome, ChunkingError> {
-        let node = self.in_flight_node(step)?;
-        check_ran(step, &self.in_flight[&node].plan, ran)?;
+        let (node, in_flight) = self.find_step(step)?;
+        let plan = if in_flight {
+            &self.in_flight[&node].plan
+        } else {
+            &self.empty[&node].plan
+        };
+        check_ran(step, plan, ran)?;
         if let Some(ms) = measured_ms.filter(|ms| !ms.is_finite() || *ms < 0.0) {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
-        let f = self.in_flight.remove(&node).expect("found above");
+        let f = self.take_step(&node, in_flight);
         let mut tokens = StepTokens::planned(
             f.params.budget,
             f.plan.scheduled_tokens,

@@ -41,10 +41,8 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// called inside an actix System (`actix::System::new().block_on(..)`, `#[actix::main]`,
 /// `#[actix::test]`). A tokio engine without an actix System uses
 /// [`ChunkingManagement::start_on_own_thread`], which hosts the actors on a thread of their own.
-/// The handle's methods can then be awaited from any runtime: with a request timeout (the
-/// default) that runtime needs tokio's time driver (`enable_time`, or `enable_all` as
-/// `#[tokio::main]` and actix set up); [`ChunkingManagement::with_timeout`]`(None)` removes
-/// the need.
+/// The handle's methods can then be awaited from any runtime, with or without tokio's time
+/// driver: request timeouts are timed on the actors' thread.
 ///
 /// # The step lifecycle
 /// One step per node is in flight at a time (`docs/scheduling.md#the-step-lifecycle`):
@@ -79,9 +77,19 @@ pub struct ChunkingManagement {
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     scheduler: Addr<Scheduler>,
-    timeout: Option<Duration>,
+    timeout: RequestTimeout,
     model: Name,
     metrics: Instance,
+}
+
+/// How long the facade waits for an answer, and where that wait is timed.
+#[derive(Clone)]
+struct RequestTimeout {
+    after: Option<Duration>,
+    /// The arbiter of the actors' own thread ([`ChunkingManagement::start_on_own_thread`]):
+    /// requests are timed there, so the caller's runtime needs no timer. `None` on the
+    /// caller's arbiter ([`ChunkingManagement::start`]), whose actix runtime has one.
+    host: Option<actix::ArbiterHandle>,
 }
 
 /// Sends `msg` to `actor` and waits at most `timeout` for the answer. A panic while handling it
@@ -89,7 +97,7 @@ pub struct ChunkingManagement {
 async fn ask<A, M, T>(
     addr: &Addr<A>,
     actor: &'static str,
-    timeout: Option<Duration>,
+    timeout: &RequestTimeout,
     msg: M,
 ) -> Result<T, ChunkingError>
 where
@@ -99,11 +107,24 @@ where
     T: Send + 'static,
 {
     let request = addr.send(Guarded(msg));
-    let answer = match timeout {
-        Some(after) => request.timeout(after).await,
-        None => request.await,
+    let answer = match (timeout.after, &timeout.host) {
+        (None, _) => request.await,
+        (Some(after), None) => request.timeout(after).await,
+        (Some(after), Some(host)) => {
+            // Timed on the actors' runtime: a caller's runtime without tokio's time driver
+            // would panic on a timer of its own ("timers are disabled").
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let spawned = host.spawn(async move {
+                // The caller may have dropped its future; then nobody waits for the answer.
+                let _ = tx.send(request.timeout(after).await);
+            });
+            match spawned {
+                true => rx.await.unwrap_or(Err(MailboxError::Closed)),
+                false => Err(MailboxError::Closed),
+            }
+        }
     };
-    answer.map_err(|e| match (e, timeout) {
+    answer.map_err(|e| match (e, timeout.after) {
         (MailboxError::Timeout, Some(after)) => ChunkingError::Timeout { actor, after },
         _ => ChunkingError::ActorStopped { actor },
     })?
@@ -198,7 +219,10 @@ impl ChunkingManagement {
             prepared,
             overruns,
             scheduler,
-            timeout: Some(DEFAULT_REQUEST_TIMEOUT),
+            timeout: RequestTimeout {
+                after: Some(DEFAULT_REQUEST_TIMEOUT),
+                host: None,
+            },
             model,
             metrics: instance_handle,
         })
@@ -245,7 +269,10 @@ impl ChunkingManagement {
             .spawn(move || {
                 let system = actix::System::new();
                 system.block_on(async {
-                    let started = ChunkingManagement::start(&model, submodules);
+                    let started = ChunkingManagement::start(&model, submodules).map(|mut cm| {
+                        cm.timeout.host = Some(actix::Arbiter::current());
+                        cm
+                    });
                     // The receiver waits for this answer; if it went away there is no one to tell.
                     let _ = tx.send(started.map(|cm| (cm, actix::System::current())));
                 });
@@ -283,7 +310,7 @@ impl ChunkingManagement {
     /// The same handle with another request timeout; `None` waits for every answer however
     /// long it takes (and needs no timer in the caller's runtime).
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.timeout = timeout;
+        self.timeout.after = timeout;
         self
     }
 
@@ -306,7 +333,7 @@ impl ChunkingManagement {
         ask(
             &self.policies,
             "PolicyRegistry",
-            self.timeout,
+            &self.timeout,
             SetPolicies(model),
         )
         .await?;
@@ -325,7 +352,7 @@ impl ChunkingManagement {
     /// # actix::System::new().block_on(async {
     /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
     /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
-    /// let bad = BudgetSettings::new(["prefill"]).budget("ghost", NonZeroU32::new(64));
+    /// let bad = BudgetSettings::new(["prefill"]).budget("ghost", NonZeroU32::new(64).unwrap());
     /// let err = cm.set_budgets(bad).await.unwrap_err();
     /// let problems = err.budget_errors().expect("a budget refusal");
     /// assert!(problems.to_string().contains("`ghost`"));
@@ -341,7 +368,7 @@ impl ChunkingManagement {
         ask(
             &self.budgets,
             "BudgetConfig",
-            self.timeout,
+            &self.timeout,
             SetBudgets(settings),
         )
         .await?;
@@ -364,7 +391,7 @@ impl ChunkingManagement {
     /// # Errors
     /// No policies bound yet, or the actor did not answer.
     pub async fn snapshot(&self) -> Result<Arc<BudgetSnapshot>, ChunkingError> {
-        ask(&self.budgets, "BudgetConfig", self.timeout, GetSnapshot).await
+        ask(&self.budgets, "BudgetConfig", &self.timeout, GetSnapshot).await
     }
 
     /// The model's declared policy for `node`/`walk`, or `NO_CHUNKING`.
@@ -372,7 +399,7 @@ impl ChunkingManagement {
     /// # Errors
     /// No policies bound yet, or the actor did not answer.
     pub async fn policy(&self, node: &str, walk: &str) -> Result<ChunkingPolicy, ChunkingError> {
-        let model = ask(&self.policies, "PolicyRegistry", self.timeout, GetPolicies).await?;
+        let model = ask(&self.policies, "PolicyRegistry", &self.timeout, GetPolicies).await?;
         Ok(model.policy(node, walk))
     }
 
@@ -436,7 +463,7 @@ impl ChunkingManagement {
             input,
             cached,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, admit).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, admit).await
     }
 
     /// Keeps a continuing row of `rid` (decode, speculative verify) queued at `node`: it runs
@@ -491,7 +518,7 @@ impl ChunkingManagement {
             estimate,
             context,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// Assembles the next step of `node`/`walk`, with every chunk's input cut from its prepared
@@ -522,7 +549,7 @@ impl ChunkingManagement {
             node: self.node_name(node),
             walk: walk.into(),
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. A chunk row
@@ -557,7 +584,7 @@ impl ChunkingManagement {
             ran,
             measured_ms: None,
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// As [`complete`](Self::complete), with the step's measured duration in ms: the step is
@@ -579,10 +606,11 @@ impl ChunkingManagement {
             ran,
             measured_ms: Some(measured_ms),
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
-    /// Abandons the step in flight `step` of `node`: it ran nothing. No row advances, nothing
+    /// Abandons the step in flight `step`: it ran nothing. Step ids are unique within the
+    /// facade, so the step names its node, as in [`complete`](Self::complete). No row advances, nothing
     /// is released, no overrun is checked, and the node can assemble again (the same rows are
     /// planned again under the budgets then in force).
     ///
@@ -593,7 +621,7 @@ impl ChunkingManagement {
     /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
     /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), 0).await?;
     /// let batch = cm.assemble("llm", "prefill").await?;
-    /// cm.abandon("llm", batch.step).await?; // e.g. the engine is draining
+    /// cm.abandon(batch.step).await?; // e.g. the engine is draining
     /// let again = cm.assemble("llm", "prefill").await?;
     /// assert_ne!(again.step, batch.step);
     /// assert_eq!(again.rows[0].work, batch.rows[0].work, "the same chunk, planned again");
@@ -603,13 +631,10 @@ impl ChunkingManagement {
     /// ```
     ///
     /// # Errors
-    /// No step `step` of `node` is in flight.
-    pub async fn abandon(&self, node: &str, step: u64) -> Result<(), ChunkingError> {
-        let msg = Abandon {
-            node: self.node_name(node),
-            step,
-        };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+    /// No step `step` is in flight (`UnknownStep`).
+    pub async fn abandon(&self, step: u64) -> Result<(), ChunkingError> {
+        let msg = Abandon { step };
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// Checks a batch against the budget it was scheduled under, with the tokens each row
@@ -645,7 +670,7 @@ impl ChunkingManagement {
             walk: batch.walk.clone(),
             tokens,
         };
-        ask(&self.overruns, "OverrunAccounting", self.timeout, msg).await
+        ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
 
     /// Drops the row of `rid` at `node` and its whole input there (the original class's
@@ -660,7 +685,7 @@ impl ChunkingManagement {
             rid,
             node: self.node_name(node),
         };
-        ask(&self.scheduler, "Scheduler", self.timeout, msg).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// Ends a request, finished or aborted, at any time: drops its rows (prefill and
@@ -689,7 +714,7 @@ impl ChunkingManagement {
         ask(
             &self.scheduler,
             "Scheduler",
-            self.timeout,
+            &self.timeout,
             ForgetRequest(rid),
         )
         .await
@@ -707,7 +732,7 @@ impl ChunkingManagement {
         ask(
             &self.prepared,
             "PreparedInputs",
-            self.timeout,
+            &self.timeout,
             GetPrepared {
                 rid,
                 node: node.into(),
@@ -724,7 +749,7 @@ impl ChunkingManagement {
         ask(
             &self.prepared,
             "PreparedInputs",
-            self.timeout,
+            &self.timeout,
             PreparedTotals,
         )
         .await
@@ -735,7 +760,7 @@ impl ChunkingManagement {
     /// # Errors
     /// The actor did not answer.
     pub async fn queue_stats(&self) -> Result<QueueStats, ChunkingError> {
-        ask(&self.scheduler, "Scheduler", self.timeout, SchedulerStats).await
+        ask(&self.scheduler, "Scheduler", &self.timeout, SchedulerStats).await
     }
 
     /// Makes one actor panic inside a handler, to exercise supervision: the call returns
@@ -747,7 +772,7 @@ impl ChunkingManagement {
     #[cfg(any(test, feature = "test-hooks"))]
     #[doc(hidden)]
     pub async fn inject_panic(&self, actor: ActorKind) -> Result<(), ChunkingError> {
-        let t = self.timeout;
+        let t = &self.timeout;
         match actor {
             ActorKind::PolicyRegistry => {
                 ask(&self.policies, "PolicyRegistry", t, InjectPanic).await
@@ -778,6 +803,6 @@ impl ChunkingManagement {
             walk: walk.into(),
             reason,
         };
-        ask(&self.overruns, "OverrunAccounting", self.timeout, msg).await
+        ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
 }

@@ -335,11 +335,10 @@ impl Handler<Assemble> for Scheduler {
     }
 }
 
-/// Abandons the step in flight `step` of `node` without advancing it.
+/// Abandons the step in flight `step` without advancing it.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct Abandon {
-    pub(crate) node: Name,
     pub(crate) step: u64,
 }
 
@@ -347,7 +346,7 @@ impl Handler<Abandon> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: Abandon, _: &mut Self::Context) -> Self::Result {
-        self.state.abandon_at(&m.node, m.step)
+        self.state.abandon(m.step, &[])
     }
 }
 

@@ -91,7 +91,7 @@ impl Manifest {
 
 /// One `(node, walk)` of the effective budget table, as `check` prints it and `budgets --json`
 /// emits it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct BudgetRow {
     /// The node.
     pub node: String,
@@ -107,6 +107,13 @@ pub struct BudgetRow {
     pub min_chunk_tokens: Option<u32>,
     /// Member walk -> cap, under a combined walk on a node that caps member walks.
     pub walk_caps: Option<BTreeMap<String, u32>>,
+    /// The time budget in ms (`chunking.max_step_ms`); `None` where there is none.
+    pub max_step_ms: Option<f64>,
+    /// The node's latency model from the config (`chunking.cost.<node>`), coefficient name ->
+    /// value; `None` where the node has none.
+    pub cost: Option<BTreeMap<&'static str, f64>>,
+    /// Whether the node's model is fitted online from measured steps (`chunking.learn_cost`).
+    pub learn_cost: bool,
 }
 
 /// The effective table of `table` over every node × walk of `manifest`, nodes in file order,
@@ -126,6 +133,14 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
                 walk_caps: table
                     .walk_caps(node, walk)
                     .map(|caps| caps.into_iter().map(|(w, c)| (w.to_string(), c)).collect()),
+                max_step_ms: table.max_step_ms(node, walk),
+                cost: table.settings().time.cost.get(node.as_str()).map(|m| {
+                    crate::latency::COEFFICIENT_KEYS
+                        .into_iter()
+                        .zip(m.coefficients())
+                        .collect()
+                }),
+                learn_cost: table.settings().time.learn,
             });
         }
     }
@@ -158,6 +173,7 @@ fn rule(e: &BudgetError) -> Option<u8> {
         BudgetError::WalkInTwoCombined { .. } => 7,
         BudgetError::BelowAlign { .. } => 8,
         BudgetError::RowCapBelowAlign { .. } => 9,
+        BudgetError::WalkNeverChunked { .. } => 11,
         _ => return None,
     })
 }

@@ -371,23 +371,51 @@ impl CostLabel {
     }
 }
 
+/// A coefficient to 4 significant digits, with no trailing zeros: `8`, `0.02`, `0.01235`,
+/// `6.104e-5`. The summary's cost and latency-model lines both print coefficients this way.
+pub fn coefficient(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor();
+    if (-3.0..6.0).contains(&magnitude) {
+        // Digits after the point for 4 significant ones; the cast is within 0..=6.
+        let decimals = (3.0 - magnitude).max(0.0) as usize;
+        let text = format!("{x:.decimals$}");
+        match text.contains('.') {
+            true => text.trim_end_matches('0').trim_end_matches('.').to_string(),
+            false => text,
+        }
+    } else {
+        let text = format!("{x:.3e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+        format!("{mantissa}e{exponent}")
+    }
+}
+
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
-    /// online learning when they apply.
+    /// online learning when they apply; coefficients as [`coefficient`] prints them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "{} ms + {} ms per token",
-            self.base_ms, self.per_token_ms
+            coefficient(self.base_ms),
+            coefficient(self.per_token_ms)
         )?;
         if self.per_kv_token_ms > 0.0 {
-            write!(f, " + {:e} ms per context token", self.per_kv_token_ms)?;
+            write!(
+                f,
+                " + {} ms per context token",
+                coefficient(self.per_kv_token_ms)
+            )?;
         }
         if self.per_attention_pair_ms > 0.0 {
             write!(
                 f,
-                " + {:e} ms per attention pair",
-                self.per_attention_pair_ms
+                " + {} ms per attention pair",
+                coefficient(self.per_attention_pair_ms)
             )?;
         }
         if let Some(p) = &self.preset {
@@ -730,11 +758,12 @@ impl fmt::Display for ReplayReport {
             "latency model",
             match m.base_ms {
                 Some(base) => format!(
-                    "{}: base_ms {base:.4}, per_token_ms {:.6}, per_kv_token_ms {:.3e}, per_attention_pair_ms {:.3e}",
+                    "{}: base_ms {}, per_token_ms {}, per_kv_token_ms {}, per_attention_pair_ms {}",
                     m.source.as_str(),
-                    m.per_token_ms.unwrap_or(0.0),
-                    m.per_kv_token_ms.unwrap_or(0.0),
-                    m.per_attention_pair_ms.unwrap_or(0.0)
+                    coefficient(base),
+                    coefficient(m.per_token_ms.unwrap_or(0.0)),
+                    coefficient(m.per_kv_token_ms.unwrap_or(0.0)),
+                    coefficient(m.per_attention_pair_ms.unwrap_or(0.0))
                 ),
                 None => "none".into(),
             },
@@ -801,6 +830,62 @@ impl fmt::Display for ReplayReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn coefficients_print_to_four_significant_digits() {
+        let cases = [
+            (8.0, "8"),
+            (0.02, "0.02"),
+            (12.5, "12.5"),
+            (1234.5678, "1235"),
+            (0.0123456, "0.01235"),
+            (0.001, "0.001"),
+            (0.000_999_9, "9.999e-4"),
+            (6.103_515_625e-5, "6.104e-5"),
+            (1.5e-9, "1.5e-9"),
+            (2.5e7, "2.5e7"),
+            (0.0, "0"),
+            (-0.5, "-0.5"),
+        ];
+        for (x, want) in cases {
+            assert_eq!(coefficient(x), want, "{x}");
+        }
+    }
+
+    #[test]
+    fn the_cost_line_rounds_like_the_latency_model_line() {
+        let preset = crate::latency_presets::preset_model("llama2-7b-a100").unwrap();
+        let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] = preset.coefficients();
+        let label = CostLabel {
+            preset: Some("llama2-7b-a100".into()),
+            base_ms,
+            per_token_ms,
+            per_kv_token_ms,
+            per_attention_pair_ms,
+            noise: 0.0,
+            learn: false,
+        };
+        let line = label.to_string();
+        for c in preset.coefficients().into_iter().filter(|c| *c > 0.0) {
+            assert!(line.contains(&coefficient(c)), "{c} in {line}");
+        }
+        // No coefficient prints more than 4 significant digits.
+        let digits = |word: &str| {
+            let mantissa = word.split('e').next().unwrap_or(word);
+            mantissa
+                .chars()
+                .filter(char::is_ascii_digit)
+                .collect::<String>()
+                .trim_start_matches('0')
+                .len()
+        };
+        assert!(
+            line.split_whitespace()
+                .filter(|w| w.parse::<f64>().is_ok())
+                .all(|w| digits(w) <= 4),
+            "{line}"
+        );
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

@@ -136,7 +136,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         &mut out,
         plots,
         "tradeoff",
-        "each line is one token budget, each point one rate scale (labelled, e.g. 2x), both axes logarithmic. Up means decode tokens wait longer between steps (a long prompt shares a step with decoding rows); right means prompts wait longer for their first token. Small budgets sit up-left of large ones along the lower edge: they keep TBT low at the cost of TTFT. As the rate grows, a line climbs to the upper right. The red line is the SLO's TBT p99 bound: points above it miss the objective.",
+        "each line is one token budget, each point one rate scale (labelled, e.g. 2x), both axes logarithmic. Up means decode tokens wait longer between steps (a long prompt shares a step with decoding rows); right means prompts wait longer for their first token. Small budgets sit up-left of large ones along the lower edge: they keep TBT low at the cost of TTFT. As the rate grows, a line climbs to the upper right. The x axis is TTFT p90 and the y axis TBT p99, the percentiles the SLO bounds. The red line is its TBT p99 bound and the blue line its TTFT p90 bound: a filled point meets the objective, a hollow one misses it (above the red line or right of the blue one).",
     );
 
     let _ = writeln!(

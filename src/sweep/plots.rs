@@ -44,8 +44,8 @@ pub struct Plot {
 
 type Drawn = Result<(), Box<dyn Error>>;
 
-/// A budget's points on the trade-off plot: (TTFT p99, TBT p99, rate scale).
-type Curve = Vec<(f64, f64, f64)>;
+/// A budget's points on the trade-off plot: (TTFT p90, TBT p99, rate scale, meets the SLO).
+type Curve = Vec<(f64, f64, f64, bool)>;
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
@@ -216,7 +216,9 @@ where
     Ok(())
 }
 
-/// TBT p99 against TTFT p99, one line per budget through its rates (log-log).
+/// TBT p99 against TTFT p90 (the percentiles the objective bounds), one line per budget through
+/// its rates (log-log); the objective's bounds as lines, and each point filled when its run
+/// meets the objective, hollow when it misses (with no objective, every point is filled).
 fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweep: &Sweep, title: &str) -> Drawn
 where
     DB::ErrorType: 'static,
@@ -228,11 +230,13 @@ where
             let pts = sweep
                 .cells_of(*b)
                 .filter_map(|c| {
-                    let (x, y) = (c.summary.ttft_p99_ms?, c.summary.tbt_p99_ms?);
+                    let (x, y) = (c.summary.ttft_p90_ms?, c.summary.tbt_p99_ms?);
+                    let meets = sweep.slo.is_none_or(|slo| slo.meets(&c.summary));
                     (x.is_finite() && y.is_finite() && x > 0.0 && y > 0.0).then_some((
                         x,
                         y,
                         c.rate_scale,
+                        meets,
                     ))
                 })
                 .collect();
@@ -240,12 +244,14 @@ where
         })
         .collect();
     let slo_tbt = sweep.slo.and_then(|s| s.tbt_p99_ms);
+    let slo_ttft = sweep.slo.and_then(|s| s.ttft_p90_ms);
     let xs = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.0));
     let ys = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.1));
     // The y range is padded more: room above the highest point for the legend.
-    let (Some((x0, x1)), Some((y0, y1))) =
-        (log_range(xs(), 1.3), log_range(ys().chain(slo_tbt), 2.5))
-    else {
+    let (Some((x0, x1)), Some((y0, y1))) = (
+        log_range(xs().chain(slo_ttft), 1.3),
+        log_range(ys().chain(slo_tbt), 2.5),
+    ) else {
         return no_data(root, title, "No run has both TTFT and TBT samples.");
     };
     let mut chart = ChartBuilder::on(root)
@@ -256,7 +262,7 @@ where
         .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())?;
     chart
         .configure_mesh()
-        .x_desc("TTFT p99 (simulated ms, log scale)")
+        .x_desc("TTFT p90 (simulated ms, log scale)")
         .y_desc("TBT p99 (simulated ms, log scale)")
         .x_label_formatter(&fmt_log_ms)
         .y_label_formatter(&fmt_log_ms)
@@ -274,7 +280,11 @@ where
             ))?
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|p| Circle::new((p.0, p.1), 4, c.filled())))?;
+        // Filled: the run meets the objective; hollow: it misses.
+        chart.draw_series(pts.iter().map(|p| {
+            let style = if p.3 { c.filled() } else { c.stroke_width(2) };
+            Circle::new((p.0, p.1), 4, style)
+        }))?;
         chart.draw_series(pts.iter().map(|p| {
             EmptyElement::at((p.0, p.1))
                 + Text::new(format!("{}x", fmt_rate(p.2)), (6, -16), font_of(12))
@@ -285,6 +295,12 @@ where
             .draw_series(LineSeries::new([(x0, t), (x1, t)], RED.stroke_width(1)))?
             .label(format!("SLO: TBT p99 <= {t} ms"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    }
+    if let Some(t) = slo_ttft {
+        chart
+            .draw_series(LineSeries::new([(t, y0), (t, y1)], BLUE.stroke_width(1)))?
+            .label(format!("SLO: TTFT p90 <= {t} ms"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
     }
     chart
         .configure_series_labels()
@@ -499,6 +515,26 @@ mod tests {
             assert!(steps.svg.contains(b), "{b}");
         }
         assert!(tradeoff.svg.contains("SLO: TBT p99 &lt;= 60 ms"));
+        // The x axis is the percentile the objective bounds, and its bound is drawn.
+        assert!(tradeoff.svg.contains("TTFT p90 (simulated ms"));
+        assert!(!tradeoff.svg.contains("TTFT p99"));
+        assert!(tradeoff.svg.contains("SLO: TTFT p90 &lt;= 5000 ms"));
+        // A point is hollow exactly when its run misses the objective.
+        let slo = s.slo.unwrap();
+        let misses = s.cells.iter().filter(|c| !slo.meets(&c.summary)).count();
+        let circles: Vec<&str> = tradeoff
+            .svg
+            .split("<circle")
+            .skip(1)
+            .map(|c| c.split("/>").next().unwrap_or(c))
+            .collect();
+        let hollow = circles
+            .iter()
+            .filter(|c| c.contains("fill=\"none\""))
+            .count();
+        assert!(misses > 0 && misses < s.cells.len(), "the sample has both");
+        assert_eq!(hollow, misses);
+        assert_eq!(circles.len() - hollow, s.cells.len() - misses);
         assert!(tradeoff.svg.contains("0.5x") && tradeoff.svg.contains("2x"));
         assert!(tradeoff.svg.contains("<polyline") || tradeoff.svg.contains("<path"));
         for c in &s.capacity {

@@ -6,6 +6,7 @@ mod helpers;
 mod hostile;
 mod metrics_live;
 mod props;
+mod readme;
 mod reload;
 mod replay;
 mod state_machine;

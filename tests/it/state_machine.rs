@@ -248,13 +248,16 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let polled = assemble.as_mut().poll(&mut cx);
                 prop_assert!(polled.is_pending(), "answered without yielding");
                 cm.queue_stats().await.unwrap();
-                m.unseen_in_flight |= m.in_flight.is_none();
+                // An empty batch is not a step in flight; a plan is empty exactly when no row
+                // is queued (a lone row always runs).
+                let queued = !(m.prefilling.is_empty() && m.continuing.is_empty());
+                m.unseen_in_flight |= m.in_flight.is_none() && queued;
             }
             Op::Fail => complete(&cm, &mut m, 0, true).await?,
             Op::Abandon => {
                 if let Some(b) = m.in_flight.take() {
-                    cm.abandon("llm", b.step).await.unwrap();
-                    let again = cm.abandon("llm", b.step).await;
+                    cm.abandon(b.step).await.unwrap();
+                    let again = cm.abandon(b.step).await;
                     prop_assert!(
                         matches!(again, Err(ChunkingError::UnknownStep { .. })),
                         "abandoned twice: {:?}",
@@ -268,6 +271,12 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     prop_assert_eq!(Some(&b), m.in_flight.as_ref(), "not the step in flight");
                 }
                 Ok(b) => {
+                    let queued = !(m.prefilling.is_empty() && m.continuing.is_empty());
+                    prop_assert_eq!(
+                        b.rows.is_empty(),
+                        !queued && !m.unseen_in_flight,
+                        "an empty plan exactly when nothing is queued"
+                    );
                     m.unseen_in_flight = false;
                     for r in b.rows.iter().filter(|r| !m.stale.contains(&r.rid)) {
                         if matches!(r.work, Work::Continue { .. }) {
@@ -284,7 +293,8 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                             );
                         }
                     }
-                    m.in_flight = Some(b);
+                    // An empty batch is not in flight: the next assemble plans afresh.
+                    m.in_flight = (!b.rows.is_empty()).then_some(b);
                 }
                 Err(e) => prop_assert!(false, "assemble: {e}"),
             },
