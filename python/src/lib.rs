@@ -158,8 +158,10 @@ fn cached_class<'py>(
     cell: &'static GILOnceCell<Py<PyAny>>,
     name: &str,
 ) -> PyResult<&'py Bound<'py, PyAny>> {
-    cell.get_or_try_init(py, || Ok::<_, PyErr>(py_attr(py, "mstar_chunking._types", name)?.unbind()))
-        .map(|c| c.bind(py))
+    cell.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py_attr(py, "mstar_chunking._types", name)?.unbind())
+    })
+    .map(|c| c.bind(py))
 }
 
 static CHUNK_RANGE: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
@@ -203,15 +205,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn nonzero(what: &str, n: u32) -> PyResult<NonZeroU32> {
-    NonZeroU32::new(n).ok_or_else(|| PyValueError::new_err(format!("{what} must be at least 1, got 0")))
+    NonZeroU32::new(n)
+        .ok_or_else(|| PyValueError::new_err(format!("{what} must be at least 1, got 0")))
 }
+
+/// Per node, `walk -> budget` (`None`: off), as the package passes per-walk overrides.
+type PerWalk = Vec<(String, Vec<(String, Option<u32>)>)>;
 
 /// Builds the settings of `set_budgets` from the package's normalised arguments. One place for
 /// the `BudgetSettings` fields, which the API of the budgets may rename.
 #[allow(clippy::too_many_arguments)]
 fn budget_settings(
     node_wide: Vec<(String, Option<u32>)>,
-    per_walk: Vec<(String, Vec<(String, Option<u32>)>)>,
+    per_walk: PerWalk,
     walks: Vec<String>,
     combined_walk_of: Vec<(String, String)>,
     override_mixed: Vec<String>,
@@ -237,7 +243,8 @@ fn budget_settings(
             let v = value(format!("overrides[{node:?}][{walk:?}]"), b)?;
             m.insert(walk.as_str().into(), v);
         }
-        s.overrides.insert(node.as_str().into(), NodeBudget::PerWalk(m));
+        s.overrides
+            .insert(node.as_str().into(), NodeBudget::PerWalk(m));
     }
     // Set as given (not with `combined`, which would also serve the walks): a combined walk the
     // deployment does not serve is refused, as the original's rule says.
@@ -343,7 +350,7 @@ impl Engine {
         &self,
         py: Python<'_>,
         node_wide: Vec<(String, Option<u32>)>,
-        per_walk: Vec<(String, Vec<(String, Option<u32>)>)>,
+        per_walk: PerWalk,
         walks: Vec<String>,
         combined_walk_of: Vec<(String, String)>,
         override_mixed: Vec<String>,
@@ -399,9 +406,7 @@ impl Engine {
         let input = call(py, || self.cm.prepared(rid, node))?;
         Ok(input.map(|i| {
             let n = i.len();
-            Tokens {
-                view: i.cut(0..n),
-            }
+            Tokens { view: i.cut(0..n) }
         }))
     }
 
@@ -454,7 +459,7 @@ impl Engine {
         tokens: &[u8],
         cached: u32,
     ) -> PyResult<()> {
-        if tokens.len() % 4 != 0 {
+        if !tokens.len().is_multiple_of(4) {
             return Err(PyValueError::new_err(format!(
                 "rid {rid} on `{node}`: token bytes must be whole uint32s, got {} bytes",
                 tokens.len()
@@ -766,9 +771,11 @@ impl Row {
     #[getter]
     fn range<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self.row().work {
-            Work::Chunk { range, .. } => Ok(Some(cached_class(py, &CHUNK_RANGE, "ChunkRange")?.call1(
-                (range.start, range.end, range.total, range.stride),
-            )?)),
+            Work::Chunk { range, .. } => {
+                Ok(Some(cached_class(py, &CHUNK_RANGE, "ChunkRange")?.call1(
+                    (range.start, range.end, range.total, range.stride),
+                )?))
+            }
             Work::Continue { .. } => Ok(None),
         }
     }
@@ -791,7 +798,9 @@ impl Row {
     fn input<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self.row().input.clone() {
             None => Ok(None),
-            Some(view) => Ok(Some(cached_class(py, &VIEW, "_view")?.call1((Tokens { view },))?)),
+            Some(view) => Ok(Some(
+                cached_class(py, &VIEW, "_view")?.call1((Tokens { view },))?,
+            )),
         }
     }
     /// The chunk's input as the native view (`address`, `len()`, `span`, `extras()`).
@@ -928,13 +937,20 @@ fn _bench_facade(
         cm.set_policies([(("llm", "prefill"), policy), (("llm", "mixed"), policy)])
             .await?;
         cm.set_budgets(
-            BudgetSettings::new(["prefill", "decode", "mixed"]).combined("mixed", ["prefill", "decode"]),
+            BudgetSettings::new(["prefill", "decode", "mixed"])
+                .combined("mixed", ["prefill", "decode"]),
         )
         .await?;
         let decode_base = 1u64 << 40;
         for d in 0..decode_rows {
-            cm.admit(decode_base + d, "llm", "prefill", PreparedInput::tokens(vec![1u32]), 0)
-                .await?;
+            cm.admit(
+                decode_base + d,
+                "llm",
+                "prefill",
+                PreparedInput::tokens(vec![1u32]),
+                0,
+            )
+            .await?;
         }
         // Run the decode rows' one-token prompts, then keep them as continuing rows.
         loop {
@@ -950,8 +966,14 @@ fn _bench_facade(
             }
         }
         let mut rid = 0u64;
-        cm.admit(rid, "llm", "prefill", PreparedInput::tokens(prompt.clone()), 0)
-            .await?;
+        cm.admit(
+            rid,
+            "llm",
+            "prefill",
+            PreparedInput::tokens(prompt.clone()),
+            0,
+        )
+        .await?;
         let t0 = Instant::now();
         for _ in 0..steps {
             let b = cm.assemble("llm", "mixed").await?;
@@ -960,8 +982,14 @@ fn _bench_facade(
             if out.finished.contains(&rid) {
                 cm.forget_request(rid).await?;
                 rid += 1;
-                cm.admit(rid, "llm", "prefill", PreparedInput::tokens(prompt.clone()), 0)
-                    .await?;
+                cm.admit(
+                    rid,
+                    "llm",
+                    "prefill",
+                    PreparedInput::tokens(prompt.clone()),
+                    0,
+                )
+                .await?;
             }
         }
         Ok((steps, t0.elapsed().as_secs_f64()))
@@ -979,9 +1007,15 @@ fn _error_for_test(py: Python<'_>, kind: &str) -> PyResult<PyObject> {
             actor: "Scheduler",
             after: Duration::from_millis(5),
         },
-        other => return Err(PyValueError::new_err(format!("unknown test error `{other}`"))),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown test error `{other}`"
+            )))
+        }
     };
-    Ok(to_py_err(py, Failure::Chunking(e)).into_value(py).into_any())
+    Ok(to_py_err(py, Failure::Chunking(e))
+        .into_value(py)
+        .into_any())
 }
 
 /// Panics inside a blocking call, to show the panic comes back as a `ChunkingError`.
@@ -1006,7 +1040,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_bench_facade, m)?)?;
     m.add_function(wrap_pyfunction!(_error_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
-    m.add("DEFAULT_MIN_CHUNK_TOKENS", mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS)?;
+    m.add(
+        "DEFAULT_MIN_CHUNK_TOKENS",
+        mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS,
+    )?;
     m.add(
         "DEFAULT_REQUEST_TIMEOUT_S",
         mstar_chunking::actors::DEFAULT_REQUEST_TIMEOUT.as_secs_f64(),
