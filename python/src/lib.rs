@@ -943,27 +943,7 @@ fn _bench_facade(
         .await?;
         let decode_base = 1u64 << 40;
         for d in 0..decode_rows {
-            cm.admit(
-                decode_base + d,
-                "llm",
-                "prefill",
-                PreparedInput::tokens(vec![1u32]),
-                0,
-            )
-            .await?;
-        }
-        // Run the decode rows' one-token prompts, then keep them as continuing rows.
-        loop {
-            let b = cm.assemble("llm", "mixed").await?;
-            if b.rows.is_empty() {
-                cm.abandon("llm", b.step).await?;
-                break;
-            }
-            let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
-            let out = cm.complete(b.step, ran).await?;
-            for rid in out.finished {
-                cm.continue_row(rid, "llm", "decode", 1).await?;
-            }
+            cm.continue_row(decode_base + d, "llm", "decode", 1).await?;
         }
         let mut rid = 0u64;
         cm.admit(
