@@ -33,7 +33,9 @@ def python_loop(steps: int, prompt_tokens: int, budget: int, decode_rows: int) -
     try:
         p = ChunkingPolicy(budget)
         cm.set_policies({("llm", "prefill"): p, ("llm", "mixed"): p})
-        cm.set_budgets({}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"})
+        cm.set_budgets(
+            {}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"}
+        )
         base = 1 << 40
         for d in range(decode_rows):
             cm.continue_row(base + d, "llm", "decode", 1)
@@ -74,9 +76,14 @@ def main() -> None:
         py_cpu.append(c2 - c1)
     r_us = statistics.median(rust) / a.steps * 1e6
     p_us = statistics.median(py) / a.steps * 1e6
-    print(f"steps per run: {a.steps}, decode rows: {a.decode_rows}, prompt {a.prompt_tokens} tokens, budget {a.budget}")
-    print(f"rust facade:  {r_us:8.2f} us/step (median of {a.repeats}; runs {', '.join(f'{x / a.steps * 1e6:.2f}' for x in rust)})")
-    print(f"python API:   {p_us:8.2f} us/step (median of {a.repeats}; runs {', '.join(f'{x / a.steps * 1e6:.2f}' for x in py)})")
+    print(
+        f"steps per run: {a.steps}, decode rows: {a.decode_rows}, prompt {a.prompt_tokens} tokens, budget {a.budget}"
+    )
+    def runs(xs):
+        return ", ".join(f"{x / a.steps * 1e6:.2f}" for x in xs)
+
+    print(f"rust facade:  {r_us:8.2f} us/step (median of {a.repeats}; runs {runs(rust)})")
+    print(f"python API:   {p_us:8.2f} us/step (median of {a.repeats}; runs {runs(py)})")
     print(f"ratio python/rust: {p_us / r_us:.2f} (wall time)")
     # CPU time of the whole process (the caller's thread and the actors' thread), setup
     # included on both sides: less sensitive than wall time to other load on the machine.

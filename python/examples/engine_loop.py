@@ -84,7 +84,9 @@ def run(cm: ChunkingManagement, requests) -> dict:
         while nxt < n and requests[nxt][0] <= t_ms:
             prompt = requests[nxt][1]
             base = (nxt * 31) & 0xFFFFFFFF  # synthetic token ids, a real prompt-length input
-            cm.admit(nxt, NODE, PREFILL, range(base, base + prompt) if base + prompt <= 2**32 else [1] * prompt)
+            cm.admit(
+                nxt, NODE, PREFILL, range(base, base + prompt) if base + prompt <= 2**32 else [1] * prompt
+            )
             prefilling += 1
             nxt += 1
         batch = cm.assemble(NODE, MIXED)
@@ -132,7 +134,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=500, help="replay the trace's first N requests")
     ap.add_argument("--trace", type=Path, default=TRACE, help="an Azure CSV trace")
-    ap.add_argument("--budget", type=int, default=None, help="max_batch_tokens of llm/mixed (as replay --budget)")
+    ap.add_argument(
+        "--budget", type=int, default=None, help="max_batch_tokens of llm/mixed (as replay --budget)"
+    )
     a = ap.parse_args()
     summary = replay(read_azure(a.trace, a.requests), a.budget)
     for k, v in summary.items():

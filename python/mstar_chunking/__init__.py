@@ -242,7 +242,10 @@ class ChunkingManagement:
         for node, value in overrides.items():
             if isinstance(value, _Mapping):
                 per_walk.append(
-                    (node, [(walk, _budget(b, f"overrides[{node!r}][{walk!r}]")) for walk, b in value.items()])
+                    (
+                        node,
+                        [(walk, _budget(b, f"overrides[{node!r}][{walk!r}]")) for walk, b in value.items()],
+                    )
                 )
             else:
                 node_wide.append((node, _budget(value, f"overrides[{node!r}]")))
@@ -280,7 +283,9 @@ class ChunkingManagement:
         """The fewest tokens the scheduler cuts a row to under ``budget``, or the whole budget
         when that is smaller."""
         if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= _U32_MAX:
-            raise InvalidRequestError(f"budget must be a whole number of tokens between 0 and {_U32_MAX}, got {budget!r}")
+            raise InvalidRequestError(
+                f"budget must be a whole number of tokens between 0 and {_U32_MAX}, got {budget!r}"
+            )
         return self._engine.min_chunk_tokens(budget)
 
     def walk_caps(self, node_name: str, graph_walk: str) -> Optional[dict]:

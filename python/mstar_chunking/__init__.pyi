@@ -36,7 +36,9 @@ NO_CHUNKING: ChunkingPolicy
 class SubmoduleCaps:
     chunkable_walks: frozenset[str]
     can_override_mixed_max_tokens: bool
-    def __init__(self, chunkable_walks: Iterable[str], can_override_mixed_max_tokens: bool = False) -> None: ...
+    def __init__(
+        self, chunkable_walks: Iterable[str], can_override_mixed_max_tokens: bool = False
+    ) -> None: ...
 
 class Overrun(NamedTuple):
     node: str

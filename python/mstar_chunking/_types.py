@@ -91,7 +91,7 @@ def _view(tokens) -> memoryview:
     if n == 0:
         return memoryview(_array("I")).toreadonly()
     arr = (_ctypes.c_uint32 * n).from_address(tokens.address)
-    arr._owner = tokens
+    arr._owner = tokens  # type: ignore[attr-defined]
     return memoryview(arr).cast("B").cast("I").toreadonly()
 
 

@@ -69,7 +69,9 @@ def test_policies_are_fixed_once_bound(cm):
 def test_bad_policies_are_refused_naming_node_and_walk(make_cm):
     cm = make_cm({"llm": SubmoduleCaps(["prefill"])})
     with pytest.raises(RefusedSettingsError) as e:
-        cm.set_policies({("llm", "prefill"): ChunkingPolicy(8, align=16), ("ghost", "prefill"): ChunkingPolicy(8)})
+        cm.set_policies(
+            {("llm", "prefill"): ChunkingPolicy(8, align=16), ("ghost", "prefill"): ChunkingPolicy(8)}
+        )
     assert isinstance(e.value, ValueError)
     assert len(e.value.problems) == 2
     assert "`llm`/`prefill`" in str(e.value) and "`ghost`" in str(e.value)

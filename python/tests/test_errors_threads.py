@@ -45,7 +45,9 @@ def test_invalid_requests_are_value_errors_naming_node_walk_and_rid(cm):
         cm.assemble("llm", "nope")
     with pytest.raises(InvalidRequestError, match="rid 3 on `llm`: an empty prepared input"):
         cm.admit(3, "llm", "prefill", [])
-    with pytest.raises(InvalidRequestError, match="rid 4 on `llm`: a continuing row must run at least 1 token"):
+    with pytest.raises(
+        InvalidRequestError, match="rid 4 on `llm`: a continuing row must run at least 1 token"
+    ):
         cm.continue_row(4, "llm", "prefill", 0)
     with pytest.raises(InvalidRequestError, match="finite number of ms"):
         cm.admit(5, "llm", "prefill", [1])
@@ -159,7 +161,9 @@ def test_one_thread_steps_while_others_admit(cm):
 def test_asyncio_through_run_in_executor(cm):
     async def main():
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(None, cm.admit, rid, "llm", "prefill", [1] * 100) for rid in range(10)))
+        await asyncio.gather(
+            *(loop.run_in_executor(None, cm.admit, rid, "llm", "prefill", [1] * 100) for rid in range(10))
+        )
         ran = 0
         while True:
             b = await loop.run_in_executor(None, cm.assemble, "llm", "prefill")

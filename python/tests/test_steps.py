@@ -27,7 +27,9 @@ def cm(make_cm):
             ("enc", "prefill"): ChunkingPolicy(100),
         }
     )
-    cm.set_budgets({}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"})
+    cm.set_budgets(
+        {}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"}
+    )
     return cm
 
 
@@ -72,7 +74,9 @@ def test_a_view_keeps_its_tokens_alive_after_the_input_is_released(cm):
 
 
 def test_tokens_in_many_spellings(cm):
-    for rid, tokens in enumerate([[5, 6, 7], range(3), array.array("L", [1, 2]), array.array("H", [9, 9]), bytearray(3)]):
+    for rid, tokens in enumerate(
+        [[5, 6, 7], range(3), array.array("L", [1, 2]), array.array("H", [9, 9]), bytearray(3)]
+    ):
         cm.admit(rid, "llm", "prefill", tokens)
     assert cm.prepared[(0, "llm")].tolist() == [5, 6, 7]
     assert cm.prepared[(3, "llm")].tolist() == [9, 9]
@@ -101,7 +105,11 @@ def test_continue_rows_run_every_step_until_forgotten(cm):
     cm.continue_row(6, "llm", "decode", 3)
     cm.admit(1, "llm", "prefill", [1] * 600)
     b = cm.assemble("llm", "mixed")
-    assert [(r.kind, r.rid, r.estimate) for r in b.rows] == [("continue", 5, 1), ("continue", 6, 3), ("chunk", 1, None)]
+    assert [(r.kind, r.rid, r.estimate) for r in b.rows] == [
+        ("continue", 5, 1),
+        ("continue", 6, 3),
+        ("chunk", 1, None),
+    ]
     assert b.rows[2].tokens == 256 - 4, "continuing rows first, the chunk takes what is left"
     cm.complete(b.step, b.planned())
     cm.forget_request(5)
@@ -141,7 +149,10 @@ def test_the_floor_keeps_a_prompt_from_running_a_few_tokens_a_step(cm):
 
 def test_a_lower_floor_lets_the_prompt_run_what_is_left(cm):
     cm.set_budgets(
-        {}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"}, min_chunk_tokens=4
+        {},
+        ["prefill", "decode", "mixed"],
+        combined_walk_of={"prefill": "mixed", "decode": "mixed"},
+        min_chunk_tokens=4,
     )
     for rid in range(100, 100 + 250):
         cm.continue_row(rid, "llm", "decode", 1)
@@ -179,7 +190,12 @@ def test_forget_request_leaves_nothing_held(cm):
     cm.forget_request(2)
     cm.forget_request(2)  # a no-op
     assert len(cm.prepared) == 0 and cm.prepared.tokens() == 0 and list(cm.prepared) == []
-    assert cm.queue_stats() == {"prefill_rows": 0, "mid_prefill_rows": 0, "continuing_rows": 0, "steps_in_flight": 0}
+    assert cm.queue_stats() == {
+        "prefill_rows": 0,
+        "mid_prefill_rows": 0,
+        "continuing_rows": 0,
+        "steps_in_flight": 0,
+    }
     cm.admit(1, "llm", "prefill", [1] * 10)  # the rid can be admitted again
 
 
