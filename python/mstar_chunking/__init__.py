@@ -67,7 +67,7 @@ _U64_MAX = 2**64 - 1
 
 def _refuse(key: str, what: str) -> RefusedSettingsError:
     e = RefusedSettingsError(f"refused budgets: {key} {what}")
-    e.kind, e.retryable, e.problems = "refused_settings", False, [f"{key} {what}"]
+    e.problems = [f"{key} {what}"]
     return e
 
 
@@ -113,9 +113,7 @@ def _token_bytes(rid: int, node: str, tokens: Any) -> bytes:
     try:
         return array("I", mv.tolist() if mv is not None else tokens).tobytes()
     except OverflowError as e:
-        err = InvalidRequestError(f"rid {rid} on `{node}`: token ids must be between 0 and {_U32_MAX} ({e})")
-        err.kind = "invalid_request"
-        raise err from None
+        raise InvalidRequestError(f"rid {rid} on `{node}`: token ids must be between 0 and {_U32_MAX} ({e})") from None
 
 
 class PreparedInputs(_Mapping):

@@ -31,20 +31,29 @@ class InvalidRequestError(ChunkingError, ValueError):
     """The call was wrong for the model or the request (an unknown node or walk, an empty
     input, a misreported step): retrying it fails the same way."""
 
+    kind = "invalid_request"
+
 
 class RefusedSettingsError(ChunkingError, ValueError):
     """``set_budgets`` or ``set_policies`` refused the settings whole; the previous ones stay.
     ``problems`` lists each, naming its node, walk and rule."""
+
+    kind = "refused_settings"
 
 
 class ConflictError(ChunkingError, RuntimeError):
     """The call conflicts with the state (a row already queued, a step in flight, no policies
     bound yet): it can succeed once the state changes."""
 
+    kind = "conflict"
+
 
 class TransientError(ChunkingError, RuntimeError):
     """A transient failure (an actor restarted after a panic, an input forgotten while its step
     was cut): retrying may succeed."""
+
+    kind = "transient"
+    retryable = True
 
 
 class ChunkingTimeoutError(TransientError, TimeoutError):
@@ -53,3 +62,5 @@ class ChunkingTimeoutError(TransientError, TimeoutError):
 
 class ActorsStoppedError(ChunkingError, RuntimeError):
     """The actors are stopped (``close()`` was called) or could not start."""
+
+    kind = "fatal"

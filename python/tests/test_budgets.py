@@ -266,6 +266,7 @@ def test_a_budget_must_be_a_positive_whole_number_or_none(cm, bad):
     with pytest.raises(RefusedSettingsError) as e:
         budgets(cm, {"llm": {"mixed": bad}})
     assert "overrides['llm']['mixed']" in str(e.value)
+    assert e.value.kind == "refused_settings" and len(e.value.problems) == 1
     with pytest.raises(RefusedSettingsError, match=r"overrides\['talker'\]"):
         budgets(cm, {"talker": bad})
 

@@ -55,10 +55,25 @@ def test_invalid_requests_are_value_errors_naming_node_walk_and_rid(cm):
         cm.complete(b.step, b.planned(), measured_ms=float("nan"))
 
 
+def test_a_bad_budget_argument_is_an_invalid_request(cm):
+    with pytest.raises(InvalidRequestError, match="budget must be a whole number") as e:
+        cm.min_chunk_tokens(-1)
+    assert e.value.kind == "invalid_request" and not e.value.retryable
+
+
+def test_the_package_ships_its_stub_and_py_typed():
+    from pathlib import Path
+
+    here = Path(mstar_chunking.__file__).parent
+    assert (here / "py.typed").exists() and (here / "__init__.pyi").exists()
+    assert "class ChunkingManagement" in (here / "__init__.pyi").read_text()
+
+
 def test_conflicts_name_the_row(cm):
     cm.admit(1, "llm", "prefill", [1])
-    with pytest.raises(ConflictError, match="rid 1 on `llm` is already queued"):
+    with pytest.raises(ConflictError, match="rid 1 on `llm` is already queued") as e:
         cm.admit(1, "llm", "prefill", [1])
+    assert e.value.kind == "conflict" and not isinstance(e.value, ValueError)
 
 
 def test_a_timeout_is_a_timeout_error():
