@@ -281,3 +281,22 @@ def test_a_walk_the_deployment_does_not_serve_is_refused(cm):
 def test_a_budget_below_the_policys_align_is_refused(cm):
     with pytest.raises(RefusedSettingsError, match="align"):
         budgets(cm, {"llm": {"mixed": 8}})
+
+
+def test_the_documentations_example(issue_example):
+    cm = issue_example
+    cm.set_budgets(
+        {"llm": {"mixed": 1024}},
+        ["prefill", "decode", "mixed"],
+        combined_walk_of={"prefill": "mixed", "decode": "mixed"},
+        override_mixed=["llm"],
+    )
+    assert cm.max_batch_tokens("llm", "mixed") == 1024
+    assert cm.policy("llm", "mixed") == ChunkingPolicy(2048, align=16)
+    assert cm.chunkable("llm", "mixed") and not cm.chunkable("llm", "decode")
+    # No member walk has a budget of its own (the model budgets only `mixed`): no caps.
+    assert cm.walk_caps("llm", "mixed") == {}
+    cm.admit(1, "llm", "prefill", [1] * 3000)
+    b = cm.assemble("llm", "mixed")
+    assert b.rows[0].range == (0, 1024, 3000, 1024)
+    cm.complete(b.step, b.planned())
