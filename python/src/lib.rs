@@ -8,7 +8,7 @@
 //! a Python `PanicException`. Errors become the exception classes of `mstar_chunking._errors`,
 //! chosen by the error's kind.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -260,15 +260,23 @@ fn budget_settings(
     Ok(s)
 }
 
+/// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
+#[derive(Default)]
+struct Admitted {
+    keys: BTreeMap<(u64, String), u64>,
+    next: u64,
+}
+
 /// One model's chunking actors, on a thread of their own (`ChunkingManagement` in Python wraps
 /// it). Frozen: every method takes `&self`, so calls from several Python threads run at once.
 #[pyclass(module = "mstar_chunking._native", frozen)]
 struct Engine {
     cm: ChunkingManagement,
     actors: Mutex<Option<ActorThread>>,
-    /// `(rid, node)` admitted and perhaps still held: the public API answers whether one key is
-    /// held, not which are, so iterating `prepared` checks these.
-    admitted: Mutex<BTreeSet<(u64, String)>>,
+    /// `(rid, node)` admitted and perhaps still held, with the admission's number: the public
+    /// API answers whether one key is held, not which are, so iterating `prepared` checks these
+    /// (and drops a key found gone only if it was not admitted again meanwhile).
+    admitted: Mutex<Admitted>,
 }
 
 #[pymethods]
@@ -310,7 +318,7 @@ impl Engine {
         Ok(Self {
             cm: cm.with_timeout(timeout),
             actors: Mutex::new(Some(actors)),
-            admitted: Mutex::new(BTreeSet::new()),
+            admitted: Mutex::new(Admitted::default()),
         })
     }
 
@@ -412,20 +420,26 @@ impl Engine {
 
     /// The `(rid, node)` keys whose input is held now.
     fn prepared_keys(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
-        let candidates: Vec<(u64, String)> = lock(&self.admitted).iter().cloned().collect();
-        let held = call(py, || async {
-            let mut held = Vec::new();
-            for (rid, node) in &candidates {
-                if self.cm.prepared(*rid, node).await?.is_some() {
-                    held.push((*rid, node.clone()));
+        let candidates: Vec<((u64, String), u64)> = lock(&self.admitted)
+            .keys
+            .iter()
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
+        let (held, gone) = call(py, || async {
+            let (mut held, mut gone) = (Vec::new(), Vec::new());
+            for (key, n) in &candidates {
+                if self.cm.prepared(key.0, &key.1).await?.is_some() {
+                    held.push(key.clone());
+                } else {
+                    gone.push((key, *n));
                 }
             }
-            Ok(held)
+            Ok((held, gone))
         })?;
         let mut admitted = lock(&self.admitted);
-        for key in &candidates {
-            if !held.contains(key) {
-                admitted.remove(key);
+        for (key, n) in gone {
+            if admitted.keys.get(key) == Some(&n) {
+                admitted.keys.remove(key);
             }
         }
         Ok(held)
@@ -438,13 +452,13 @@ impl Engine {
 
     fn release(&self, py: Python<'_>, rid: u64, node: &str) -> PyResult<bool> {
         let held = call(py, || self.cm.release(rid, node))?;
-        lock(&self.admitted).remove(&(rid, node.to_owned()));
+        lock(&self.admitted).keys.remove(&(rid, node.to_owned()));
         Ok(held)
     }
 
     fn forget_request(&self, py: Python<'_>, rid: u64) -> PyResult<()> {
         call(py, || self.cm.forget_request(rid))?;
-        lock(&self.admitted).retain(|(r, _)| *r != rid);
+        lock(&self.admitted).keys.retain(|(r, _), _| *r != rid);
         Ok(())
     }
 
@@ -471,7 +485,10 @@ impl Engine {
             .collect();
         let input = PreparedInput::tokens(ids);
         call(py, || self.cm.admit(rid, node, walk, input, cached))?;
-        lock(&self.admitted).insert((rid, node.to_owned()));
+        let mut admitted = lock(&self.admitted);
+        admitted.next += 1;
+        let n = admitted.next;
+        admitted.keys.insert((rid, node.to_owned()), n);
         Ok(())
     }
 
