@@ -283,3 +283,11 @@ def test_drain_runs_every_token_once(cm):
     for rid, ranges in per_rid.items():
         assert sum(r.stride for r in ranges) == 100 + 150 * rid
     assert len(cm.prepared) == 0
+
+
+def test_prepared_lists_a_row_admitted_again_after_it_was_dropped(cm):
+    cm.admit(1, "llm", "prefill", [1, 2])
+    cm.forget_request(1)
+    assert list(cm.prepared) == []
+    cm.admit(1, "llm", "prefill", [3])
+    assert list(cm.prepared) == [(1, "llm")] and cm.prepared[(1, "llm")].tolist() == [3]
