@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core
+.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core test-python
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -50,3 +50,15 @@ fuzz: ## cargo fuzz each target for FUZZ_SECONDS (stable toolchain, no sanitizer
 		RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --sanitizer none -O $$t target/fuzz-corpus/$$t fuzz/seeds/$$t \
 			-- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
+
+PY_VENV ?= target/py-venv
+# The replay binary is the debug build `make test` already made (same features), which the engine
+# loop test runs against the Python example.
+test-python: ## The Python package: a venv under target/, maturin + pytest from PyPI, the wheel built, installed and tested
+	python3 -m venv $(PY_VENV)
+	$(PY_VENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7"
+	rm -rf target/py-wheels
+	$(PY_VENV)/bin/maturin build --release -m python/Cargo.toml -i $(PY_VENV)/bin/python --out target/py-wheels
+	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/py-wheels/mstar_chunking-*.whl
+	$(CARGO) build --all-features --bin mstar-chunking
+	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
