@@ -412,18 +412,19 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
-    /// A served walk the node's submodule can cut, with no budget of its own there and in no
-    /// combined walk: its rows would only be assembled under that walk, uncut, and a combined
-    /// walk's steps would never run them (rule 11).
-    #[error("walk `{walk}` on `{node}` would never be chunked: `{node}` can cut it, but the model gives it no budget there and it runs inside no combined walk, so its rows would run uncut{}; {}", .combined.as_ref().map(|c| format!(" and `{c}` steps would never run them")).unwrap_or_default(), .combined.as_ref().map(|c| format!("combine it (`combined_walk_of`: `{walk}` -> `{c}`) or name `{node}` in `no_chunking`")).unwrap_or_else(|| format!("run it inside a combined walk with a budget (`combined_walk_of`) or name `{node}` in `no_chunking`")))]
+    /// A served walk the node's submodule can cut, with no budget there and in no combined walk,
+    /// on a node where another served walk with a budget runs standalone: that walk's steps
+    /// would never run its rows, which would only run uncut in steps of their own (rule 11). The
+    /// usual cause is a forgotten `combined_walk_of`.
+    #[error("walk `{walk}` on `{node}` runs inside no combined walk: `{combined}` steps would never run its rows, and `{walk}` steps would run them uncut (the model gives `{walk}` no budget on `{node}`); combine it (`combined_walk_of`: `{walk}` -> `{combined}`) or name `{node}` in `no_chunking`")]
     WalkNeverChunked {
         /// The node.
         node: Name,
         /// The walk.
         walk: Name,
-        /// A served walk with a budget on the node that is not a member of another, which could
-        /// take its rows as their combined walk (for a walk that is not combined itself).
-        combined: Option<Name>,
+        /// The served walk with a budget on the node that could take its rows as their
+        /// combined walk.
+        combined: Name,
     },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
@@ -575,17 +576,24 @@ impl BudgetTable {
         })
     }
 
-    /// Rule 11: every served walk a node's submodule can cut is chunked somewhere: the model
-    /// budgets it on the node (overrides exist only where it does, rule 3), or it runs inside a
-    /// combined walk, or it is one. A missing
-    /// `combined_walk_of` would otherwise leave its rows running uncut, and a combined walk's
-    /// steps empty while they wait. `no_chunking` nodes chunk nothing by decision.
+    /// Rule 11: a served walk a node's submodule can cut, with no budget there (overrides exist
+    /// only where the model budgets, rule 3), that is neither a member of a combined walk nor
+    /// one itself, is refused when the node has another served walk with a budget that is no
+    /// member either: an engine assembling that walk (the `mixed` of `prefill` + `decode`) would
+    /// wait forever while the row queues, and the row would run only uncut. A node the model
+    /// budgets nothing on runs such rows uncut by the model's decision, as the original contract
+    /// says; `no_chunking` nodes chunk nothing by the deployment's.
     fn check_walks_chunked(
         model: &ModelPolicies,
         settings: &BudgetSettings,
         members: &BTreeMap<Name, Vec<Name>>,
         errors: &mut Vec<BudgetError>,
     ) {
+        let standalone = |w: &Name| {
+            settings.walks.contains(w)
+                && !settings.combined_walk_of.contains_key(w)
+                && !members.contains_key(w)
+        };
         for node in model.nodes() {
             if settings.no_chunking.contains(node) {
                 continue;
@@ -593,27 +601,18 @@ impl BudgetTable {
             let Some(caps) = model.submodule(node) else {
                 continue;
             };
-            for walk in &caps.chunkable_walks {
-                let never = settings.walks.contains(walk)
-                    && !settings.combined_walk_of.contains_key(walk)
-                    && model.policy(node, walk).max_batch_tokens.is_none();
-                if never {
-                    // A served walk with a budget here, itself no member, could be meant to
-                    // combine it (the `mixed` of `prefill` + `decode`); a combined walk without
-                    // a budget gets no such hint.
-                    let combined = model
-                        .budgeted_walks(node)
-                        .find(|w| {
-                            *w != walk
-                                && settings.walks.contains(*w)
-                                && !settings.combined_walk_of.contains_key(*w)
-                        })
-                        .filter(|_| !members.contains_key(walk))
-                        .cloned();
+            for walk in caps.chunkable_walks.iter().filter(|w| standalone(w)) {
+                if model.policy(node, walk).max_batch_tokens.is_some() {
+                    continue;
+                }
+                let taker = model
+                    .budgeted_walks(node)
+                    .find(|w| *w != walk && standalone(w));
+                if let Some(combined) = taker {
                     errors.push(BudgetError::WalkNeverChunked {
                         node: node.clone(),
                         walk: walk.clone(),
-                        combined,
+                        combined: combined.clone(),
                     });
                 }
             }
@@ -943,58 +942,43 @@ mod tests {
     }
 
     #[test]
-    fn a_chunkable_walk_with_no_budget_and_no_combined_walk_is_refused() {
+    fn a_chunkable_walk_no_combined_walk_takes_is_refused_where_another_walk_runs_alone() {
         let walks = BudgetSettings::new(["prefill", "decode", "mixed"]);
         let errors = BudgetTable::build(mixed_only(), walks.clone())
             .unwrap_err()
             .0;
+        // `enc` has no budget at all: its rows run uncut by the model's decision.
         assert_eq!(
             errors,
-            vec![
-                BudgetError::WalkNeverChunked {
-                    node: n("enc"),
-                    walk: n("prefill"),
-                    combined: None,
-                },
-                BudgetError::WalkNeverChunked {
-                    node: n("llm"),
-                    walk: n("prefill"),
-                    combined: Some(n("mixed")),
-                },
-            ]
-        );
-        assert_eq!(
-            errors[1].to_string(),
-            "walk `prefill` on `llm` would never be chunked: `llm` can cut it, but the model \
-             gives it no budget there and it runs inside no combined walk, so its rows would run \
-             uncut and `mixed` steps would never run them; combine it (`combined_walk_of`: \
-             `prefill` -> `mixed`) or name `llm` in `no_chunking`"
-        );
-        assert!(errors[0].to_string().ends_with(
-            "run it inside a combined walk with a budget (`combined_walk_of`) or name `enc` in \
-             `no_chunking`"
-        ));
-        // Combined (as a member), not served, or on a no_chunking node: accepted.
-        let combined = walks.clone().combined("mixed", ["prefill", "decode"]);
-        assert!(BudgetTable::build(mixed_only(), combined.clone()).is_ok());
-        let unserved = BudgetSettings::new(["decode", "mixed"]).no_chunking("enc");
-        assert!(BudgetTable::build(mixed_only(), unserved).is_ok());
-        let enc_off = walks.no_chunking("enc").no_chunking("llm");
-        assert!(BudgetTable::build(mixed_only(), enc_off).is_ok());
-        // A combined walk without a budget runs its steps uncut: refused, with no hint.
-        let prefill_combines = BudgetSettings::new(["prefill", "decode", "mixed"])
-            .combined("prefill", ["decode"])
-            .no_chunking("enc");
-        assert_eq!(
-            BudgetTable::build(mixed_only(), prefill_combines)
-                .unwrap_err()
-                .0,
             vec![BudgetError::WalkNeverChunked {
                 node: n("llm"),
                 walk: n("prefill"),
-                combined: None,
+                combined: n("mixed"),
             }]
         );
+        assert_eq!(
+            errors[0].to_string(),
+            "walk `prefill` on `llm` runs inside no combined walk: `mixed` steps would never run \
+             its rows, and `prefill` steps would run them uncut (the model gives `prefill` no \
+             budget on `llm`); combine it (`combined_walk_of`: `prefill` -> `mixed`) or name \
+             `llm` in `no_chunking`"
+        );
+        // Combined as a member, not served, on a no_chunking node, or with the budgeted walk
+        // not served: accepted.
+        let combined = walks.clone().combined("mixed", ["prefill", "decode"]);
+        assert!(BudgetTable::build(mixed_only(), combined).is_ok());
+        let unserved = BudgetSettings::new(["decode", "mixed"]);
+        assert!(BudgetTable::build(mixed_only(), unserved).is_ok());
+        let llm_off = walks.clone().no_chunking("llm");
+        assert!(BudgetTable::build(mixed_only(), llm_off).is_ok());
+        let no_mixed = BudgetSettings::new(["prefill", "decode"]);
+        assert!(BudgetTable::build(mixed_only(), no_mixed).is_ok());
+        // A walk that is itself combined runs its members in its own steps: no stall.
+        let prefill_combines = walks.clone().combined("prefill", ["decode"]);
+        assert!(BudgetTable::build(mixed_only(), prefill_combines).is_ok());
+        // The budgeted walk as a member of another combined walk takes no rows of its own.
+        let mixed_member = walks.combined("decode", ["mixed"]);
+        assert!(BudgetTable::build(mixed_only(), mixed_member).is_ok());
     }
 
     #[test]

@@ -62,14 +62,14 @@ fn a_forgotten_combined_walk_is_refused_naming_the_walk() {
             vec![BudgetError::WalkNeverChunked {
                 node: "llm".into(),
                 walk: "prefill".into(),
-                combined: Some("mixed".into()),
+                combined: "mixed".into(),
             }]
         );
         let text = err.to_string();
         assert!(
             text.contains("`prefill`")
                 && text.contains("`mixed`")
-                && text.contains("never be chunked"),
+                && text.contains("would never run its rows"),
             "{text}"
         );
         // Nothing was applied: the model's budgets still answer.

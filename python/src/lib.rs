@@ -546,8 +546,8 @@ impl Engine {
         Ok(Outcome { outcome })
     }
 
-    fn abandon(&self, py: Python<'_>, node: &str, step: u64) -> PyResult<()> {
-        call(py, || self.cm.abandon(node, step))
+    fn abandon(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        call(py, || self.cm.abandon(step))
     }
 
     /// Checks `batch` as it ran (`ran[i]`: the tokens row `i` ran); counts, logs (1st, 2nd,

@@ -34,7 +34,7 @@ def run_all(cm, node, walk, limit=1000):
     for _ in range(limit):
         b = cm.assemble(node, walk)
         if len(b) == 0:
-            cm.abandon(node, b.step)
+            cm.abandon(b.step)
             return batches
         cm.complete(b.step, b.planned())
         batches.append(b)

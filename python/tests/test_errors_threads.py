@@ -154,7 +154,7 @@ def test_one_thread_steps_while_others_admit(cm):
         while ran < total:
             b = cm.assemble("llm", "prefill")
             if len(b) == 0:
-                cm.abandon("llm", b.step)
+                cm.abandon(b.step)
                 continue
             out = cm.complete(b.step, b.planned())
             ran += out.ran_tokens
@@ -183,7 +183,7 @@ def test_asyncio_through_run_in_executor(cm):
         while True:
             b = await loop.run_in_executor(None, cm.assemble, "llm", "prefill")
             if len(b) == 0:
-                await loop.run_in_executor(None, cm.abandon, "llm", b.step)
+                await loop.run_in_executor(None, cm.abandon, b.step)
                 return ran
             out = await loop.run_in_executor(None, cm.complete, b.step, b.planned())
             ran += out.ran_tokens

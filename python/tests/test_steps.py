@@ -95,7 +95,7 @@ def test_a_failed_step_reports_zero_and_the_same_chunk_is_planned_again(cm):
     assert again.step != b.step and again.rows[0].range == ChunkRange(0, 256, 600, 256)
     with pytest.raises(InvalidRequestError, match="planned at 256 tokens but 100"):
         cm.complete(again.step, [100])
-    cm.abandon("llm", again.step)
+    cm.abandon(again.step)
     with pytest.raises(InvalidRequestError, match="not in flight"):
         cm.complete(again.step, [256])
 
@@ -125,7 +125,7 @@ def test_step_in_flight_under_another_walk_is_a_conflict(cm):
     b = cm.assemble("llm", "mixed")
     with pytest.raises(ConflictError, match=f"step {b.step} of `llm`/`mixed` is still in flight"):
         cm.assemble("llm", "prefill")
-    cm.abandon("llm", b.step)
+    cm.abandon(b.step)
 
 
 # The floor: "Without a floor, decode rows that fill the budget leave a prompt a token or two a step."
@@ -176,7 +176,7 @@ def test_release_drops_one_nodes_row_and_input(cm):
     assert cm.queue_stats()["prefill_rows"] == 1
     b = cm.assemble("llm", "mixed")
     assert len(b) == 0, "the released row is not scheduled"
-    cm.abandon("llm", b.step)
+    cm.abandon(b.step)
 
 
 def test_forget_request_leaves_nothing_held(cm):
@@ -235,7 +235,7 @@ def test_check_budget_logs_the_1st_2nd_4th_8th_overrun_per_walk(cm, caplog):
     assert cm.check_budget(b, [256]) is None, "within the budget"
     assert cm.check_budget(b, [b.rows[0].input]) is None, "an input counts its tokens"
     assert cm.overrun_count("llm", "mixed") == 9
-    cm.abandon("llm", b.step)
+    cm.abandon(b.step)
 
 
 def test_the_cadence_counts_per_walk(cm, caplog):
@@ -243,12 +243,12 @@ def test_the_cadence_counts_per_walk(cm, caplog):
     cm.admit(1, "llm", "prefill", [1] * 600)
     b = cm.assemble("llm", "mixed")
     cm.check_budget(b, [300])
-    cm.abandon("llm", b.step)
+    cm.abandon(b.step)
     b = cm.assemble("llm", "prefill")
     caplog.clear()
     cm.check_budget(b, [300])
     assert len(caplog.records) == 1, "the first overrun of llm/prefill is logged too"
-    cm.abandon("llm", b.step)
+    cm.abandon(b.step)
 
 
 def test_complete_counts_an_estimate_overrun_of_a_combined_step(cm, caplog):
