@@ -8,6 +8,8 @@ mod metrics_live;
 mod props;
 mod reload;
 mod replay;
+mod sim_truth;
 mod state_machine;
 mod sweep_cli;
 mod time_budget;
+mod truth_cli;
