@@ -1177,11 +1177,14 @@ mod tests {
         let errs = BudgetTable::build(omni(), s).unwrap_err().0;
         let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
         assert!(
-            errs.iter().any(|e| matches!(e, BudgetError::ZeroLatencyModel { node } if &**node == "thinker")),
+            errs.iter().any(
+                |e| matches!(e, BudgetError::ZeroLatencyModel { node } if &**node == "thinker")
+            ),
             "{text:?}"
         );
         assert!(
-            text.iter().any(|t| t.contains("4.5 ms is below the latency model's `base_ms` of 5 ms")),
+            text.iter()
+                .any(|t| t.contains("4.5 ms is below the latency model's `base_ms` of 5 ms")),
             "{text:?}"
         );
         assert!(

@@ -48,7 +48,9 @@ pub enum FitError {
     NoSamples,
     /// The fit's sums overflow an `f64` once this sample is added (its values, or their
     /// squares and products, are too large to fit together).
-    #[error("the step's values are too large to fit: the fit's sums of squares overflow at this step")]
+    #[error(
+        "the step's values are too large to fit: the fit's sums of squares overflow at this step"
+    )]
     SumsOverflow {
         /// The sample's index (from 0) in the input.
         index: usize,
@@ -169,7 +171,11 @@ impl Normal {
 
     /// Whether every sum is finite.
     fn is_finite(&self) -> bool {
-        self.g.iter().flatten().chain(&self.h).all(|v| v.is_finite())
+        self.g
+            .iter()
+            .flatten()
+            .chain(&self.h)
+            .all(|v| v.is_finite())
             && self.yy.is_finite()
             && self.sy.is_finite()
             && self.sw.is_finite()

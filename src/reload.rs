@@ -292,7 +292,8 @@ fn relevant(names: &BTreeSet<std::ffi::OsString>, path: &std::path::Path) -> boo
 }
 
 /// What the watcher did with a settled burst of changes: reported to a test's stand-in
-/// ([`watch_events`]) so that it can step the watcher without sleeping.
+/// (`watch_events`, behind the `test-hooks` feature) so that it can step the watcher
+/// without sleeping.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchOutcome {
     /// A reload ran (applied or refused, as its log and `config_reloads_total` say).
@@ -412,11 +413,7 @@ impl Watching {
     }
 }
 
-async fn watch_loop(
-    reloader: Reloader,
-    mut rx: mpsc::UnboundedReceiver<()>,
-    mut w: Watching,
-) {
+async fn watch_loop(reloader: Reloader, mut rx: mpsc::UnboundedReceiver<()>, mut w: Watching) {
     let files = reloader.files();
     // Reads that disagreed, or changes seen while reading: settle and read again, a few
     // times at most (a file rewritten forever is read as it is then).

@@ -75,6 +75,7 @@ fn two_million_generated_tokens_hold_no_memory_per_token() {
     PEAK.store(before, Ordering::Relaxed);
     let report = system.block_on(replay::run(&m, &s, &opts)).unwrap();
     let growth = PEAK.load(Ordering::Relaxed).saturating_sub(before);
+    println!("peak heap growth: {growth} bytes");
     let tbt = report.tbt_ms.unwrap();
     assert_eq!(tbt.samples, 1000 * 1999);
     assert!(

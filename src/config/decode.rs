@@ -176,51 +176,6 @@ pub fn first_yaml_alias(text: &str) -> Option<usize> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn integers_in_other_notations_are_found_with_their_keys() {
-        let text = "[chunking]\nmin_chunk_tokens = 0x40\nmax_row_tokens = 512\n[chunking.max_batch_tokens]\nllm = { mixed = 0o4000, prefill = 2048 }\n[replay]\nspeculation = { seed = 0b1 }\nlist = [1, 0x2]\n";
-        assert_eq!(
-            non_decimal_integers(text),
-            [
-                (
-                    "chunking.max_batch_tokens.llm.mixed".to_string(),
-                    "0o4000".to_string()
-                ),
-                ("chunking.min_chunk_tokens".to_string(), "0x40".to_string()),
-                ("replay.list.1".to_string(), "0x2".to_string()),
-                ("replay.speculation.seed".to_string(), "0b1".to_string()),
-            ]
-        );
-        assert!(non_decimal_integers("a = 1_000\nb = \"0x10\"\n").is_empty());
-        assert!(non_decimal_integers("not toml [").is_empty());
-    }
-
-    #[test]
-    fn yaml_aliases_are_found_without_expanding_them() {
-        assert_eq!(first_yaml_alias("a: &x 1\nb: *x\n"), Some(2));
-        assert_eq!(first_yaml_alias("a: 1\nb: [2, 3]\n"), None);
-        let bomb = "a: &a [\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n";
-        assert_eq!(first_yaml_alias(bomb), Some(2));
-    }
-
-    #[test]
-    fn deep_tables_flatten_without_recursion() {
-        let mut v = config::Value::new(None, 1);
-        for _ in 0..2_000 {
-            let mut t = config::Map::new();
-            t.insert("a".to_string(), v);
-            v = config::Value::new(None, config::ValueKind::Table(t));
-        }
-        let mut n = 0;
-        flatten("k", &v, &mut |_| n += 1);
-        assert_eq!(n, 1);
-    }
-}
-
 /// The first key a JSON text repeats within one object, as a problem naming its dotted key,
 /// line and column; `None` when every key is once per object or the text is not JSON (the
 /// parse that follows reports that). The config crate, like `serde_json`, would keep the last
@@ -307,5 +262,50 @@ impl<'de> serde::de::Visitor<'de> for KeyPath {
             map.next_value_seed(child)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_in_other_notations_are_found_with_their_keys() {
+        let text = "[chunking]\nmin_chunk_tokens = 0x40\nmax_row_tokens = 512\n[chunking.max_batch_tokens]\nllm = { mixed = 0o4000, prefill = 2048 }\n[replay]\nspeculation = { seed = 0b1 }\nlist = [1, 0x2]\n";
+        assert_eq!(
+            non_decimal_integers(text),
+            [
+                (
+                    "chunking.max_batch_tokens.llm.mixed".to_string(),
+                    "0o4000".to_string()
+                ),
+                ("chunking.min_chunk_tokens".to_string(), "0x40".to_string()),
+                ("replay.list.1".to_string(), "0x2".to_string()),
+                ("replay.speculation.seed".to_string(), "0b1".to_string()),
+            ]
+        );
+        assert!(non_decimal_integers("a = 1_000\nb = \"0x10\"\n").is_empty());
+        assert!(non_decimal_integers("not toml [").is_empty());
+    }
+
+    #[test]
+    fn yaml_aliases_are_found_without_expanding_them() {
+        assert_eq!(first_yaml_alias("a: &x 1\nb: *x\n"), Some(2));
+        assert_eq!(first_yaml_alias("a: 1\nb: [2, 3]\n"), None);
+        let bomb = "a: &a [\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\",\"x\"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n";
+        assert_eq!(first_yaml_alias(bomb), Some(2));
+    }
+
+    #[test]
+    fn deep_tables_flatten_without_recursion() {
+        let mut v = config::Value::new(None, 1);
+        for _ in 0..2_000 {
+            let mut t = config::Map::new();
+            t.insert("a".to_string(), v);
+            v = config::Value::new(None, config::ValueKind::Table(t));
+        }
+        let mut n = 0;
+        flatten("k", &v, &mut |_| n += 1);
+        assert_eq!(n, 1);
     }
 }

@@ -491,9 +491,15 @@ mod tests {
             ("PATH", "/bin"),
         ]));
         assert_eq!(w.len(), 3, "{w:?}");
-        assert!(w[0].starts_with("environment variable MSTAR_CHUNKING__MIN_CHUNK_TOKENS is ignored"), "{w:?}");
+        assert!(
+            w[0].starts_with("environment variable MSTAR_CHUNKING__MIN_CHUNK_TOKENS is ignored"),
+            "{w:?}"
+        );
         assert!(w[1].starts_with("environment variable mstar__chunking__min_chunk_tokens is applied as `chunking.min_chunk_tokens`"), "{w:?}");
-        assert!(w[2].starts_with("environment variable mstar_env is ignored"), "{w:?}");
+        assert!(
+            w[2].starts_with("environment variable mstar_env is ignored"),
+            "{w:?}"
+        );
         assert!(w.iter().all(|w| !w.contains("secret")), "{w:?}");
     }
 

@@ -364,7 +364,7 @@ impl<'a> Sim<'a> {
     ///
     /// Priced from the simulated engine's own truth only: continuing rows at the contexts in
     /// `self.true_contexts`, never at `row.context`, the component's estimate, which it keeps
-    /// growing only when its own latency model reads it (`docs/replay.md#the-cost-model`).
+    /// growing only when its own latency model reads it (`docs/replay.md#the-step-cost-model`).
     fn step_ms(&mut self, batch: &crate::scheduler::Batch) -> f64 {
         let mut features = StepFeatures::EMPTY;
         for ((row, &r), &context) in batch.rows.iter().zip(&self.ran).zip(&self.true_contexts) {

@@ -1,4 +1,4 @@
-//! The simulated engine is independent of the scheduler it tests (docs/replay.md#the-cost-model):
+//! The simulated engine is independent of the scheduler it tests (docs/replay.md#the-step-cost-model):
 //! whatever the component is configured to do (no latency model, a configured one, learning
 //! one online), every step's simulated `ms` is the replay's four-term cost of the rows it ran,
 //! each continuing row at its true context: its prompt plus the tokens it has generated.

@@ -14,7 +14,11 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 
 fn refused(r: &Run, needle: &str) {
     assert_eq!(r.code, 2, "{r:?}");
-    assert!(r.stderr.contains(needle), "wanted {needle:?} in:\n{}", r.stderr);
+    assert!(
+        r.stderr.contains(needle),
+        "wanted {needle:?} in:\n{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -63,7 +67,10 @@ fn fit_refuses_overflowing_sums_all_zero_fits_and_unknown_nodes() {
     );
     let r = run(&["fit", &good, "--node", "ghost"], &[]);
     refused(&r, "`--node` = \"ghost\": the model `demo`");
-    assert!(r.stderr.contains("has no such node; its nodes: llm"), "{r:?}");
+    assert!(
+        r.stderr.contains("has no such node; its nodes: llm"),
+        "{r:?}"
+    );
     let r = run(&["fit", &good, "--node", "llm"], &[]);
     assert_eq!(r.code, 0, "{r:?}");
     assert!(r.stdout.contains("[chunking.cost.llm]"), "{r:?}");
@@ -126,10 +133,14 @@ fn a_time_budget_that_never_took_effect_is_reported_with_one_warning() {
     let steps = report["steps"].as_u64().unwrap();
     assert!(steps > 20, "{steps}");
     assert_eq!(report["time_budget"]["steps"].as_u64(), Some(steps));
-    assert_eq!(report["time_budget"]["inactive_steps"].as_u64(), Some(steps));
+    assert_eq!(
+        report["time_budget"]["inactive_steps"].as_u64(),
+        Some(steps)
+    );
     assert!(
-        r.stdout
-            .contains(&format!("inactive for {steps} of {steps} steps: no trusted latency model")),
+        r.stdout.contains(&format!(
+            "inactive for {steps} of {steps} steps: no trusted latency model"
+        )),
         "{}",
         r.stdout
     );
