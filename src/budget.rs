@@ -426,6 +426,28 @@ pub enum BudgetError {
         /// combined walk.
         combined: Name,
     },
+    /// A configured latency model whose four coefficients are all 0: it would predict every
+    /// step at 0 ms, so a time budget would never cut anything (`fit` on steps that all took
+    /// 0 ms gives one).
+    #[error("latency model for `{node}` is all zero: it predicts every step at 0 ms; give measured coefficients or a preset")]
+    ZeroLatencyModel {
+        /// The node.
+        node: Name,
+    },
+    /// A time budget below the `base_ms` of the node's configured latency model: every step is
+    /// predicted over it, so no step can meet it.
+    #[error("time budget for `{node}`/`{walk}` of {max_step_ms} ms is below the latency model's `base_ms` of {base_ms} ms: every step is predicted over it, so no step can meet it")]
+    TimeBudgetBelowBase {
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+        /// The time budget, ms.
+        max_step_ms: f64,
+        /// The model's `base_ms`.
+        base_ms: f64,
+    },
+    },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
@@ -687,6 +709,26 @@ impl BudgetTable {
         for node in needs_model {
             if !time.learn && !time.cost.contains_key(node) {
                 errors.push(BudgetError::NoLatencyModel { node: node.clone() });
+            }
+        }
+        for (node, m) in &time.cost {
+            if m.coefficients() == [0.0; 4] {
+                errors.push(BudgetError::ZeroLatencyModel { node: node.clone() });
+            }
+        }
+        // Against the configured model only: a learned one is not known at load (the replay
+        // reports a time budget that was not in force, docs/replay.md).
+        for ((node, walk), ms) in &accepted {
+            let (Some(ms), Some(m)) = (ms, time.cost.get(node)) else {
+                continue;
+            };
+            if *ms < m.base_ms() {
+                errors.push(BudgetError::TimeBudgetBelowBase {
+                    node: node.clone(),
+                    walk: walk.clone(),
+                    max_step_ms: *ms,
+                    base_ms: m.base_ms(),
+                });
             }
         }
         accepted
@@ -1260,5 +1302,37 @@ mod tests {
         // With learning on, a node without a model is accepted.
         let learn = s.max_step_ms("talker", 10.0).learn_cost(true);
         assert!(BudgetTable::build(omni(), learn).is_ok());
+    }
+
+    #[test]
+    fn an_all_zero_model_and_a_time_budget_below_base_ms_are_refused_with_the_numbers() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        let s = settings()
+            .cost("llm", model)
+            .cost("thinker", LatencyModel::ZERO)
+            .max_step_ms("llm", 4.5);
+        let errs = BudgetTable::build(omni(), s).unwrap_err().0;
+        let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert!(
+            errs.iter().any(
+                |e| matches!(e, BudgetError::ZeroLatencyModel { node } if &**node == "thinker")
+            ),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("4.5 ms is below the latency model's `base_ms` of 5 ms")),
+            "{text:?}"
+        );
+        assert!(
+            errs.iter().all(|e| matches!(
+                e,
+                BudgetError::ZeroLatencyModel { .. } | BudgetError::TimeBudgetBelowBase { .. }
+            )),
+            "{text:?}"
+        );
+        // At `base_ms` exactly, a step of nothing else fits: accepted.
+        let at_base = settings().cost("llm", model).max_step_ms("llm", 5.0);
+        assert!(BudgetTable::build(omni(), at_base).is_ok());
     }
 }

@@ -685,20 +685,37 @@ fn sweep_labels(
 }
 
 /// `fit FILE`: fits the latency model and prints it with its quality, then the TOML table for
-/// the serving config. Exit codes: 0 done, 2 a file that cannot be fitted (or a refused
-/// config, when `--node` is not given and the model is read for its first node).
+/// the serving config. Exit codes: 0 done, 2 a file that cannot be fitted, a refused config,
+/// or a `--node` the model does not have.
 pub fn fit(args: &FitArgs) -> ExitCode {
+    let loaded = match load_or_report(&args.config.load_options()) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let nodes = &loaded.manifest.nodes;
     let node = match &args.node {
+        // The table must be one the config can take: `chunking.cost.<node>` of a model node.
+        Some(n) if !nodes.contains_key(n) => {
+            say(&format!(
+                "error: `--node` = {}: the model `{}` ({}) has no such node; its nodes: {}",
+                config::problem::quote(n),
+                config::problem::escape(&loaded.manifest.name),
+                config::problem::escape(&loaded.model_origin),
+                nodes
+                    .keys()
+                    .map(|k| config::problem::escape(k))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            return ExitCode::from(EXIT_CONFIG);
+        }
         Some(n) => n.clone(),
-        None => match load_or_report(&args.config.load_options()) {
-            Ok(l) => match l.manifest.nodes.keys().next() {
-                Some(n) => n.clone(),
-                None => {
-                    say("error: the model has no node to name the cost table after; give `--node`");
-                    return ExitCode::from(EXIT_CONFIG);
-                }
-            },
-            Err(code) => return code,
+        None => match nodes.keys().next() {
+            Some(n) => n.clone(),
+            None => {
+                say("error: the model has no node to name the cost table after; give `--node`");
+                return ExitCode::from(EXIT_CONFIG);
+            }
         },
     };
     let (input, fit) = match crate::latency_fit_file::fit_file(&args.file) {
@@ -818,6 +835,9 @@ pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
 
 fn init_logging(loaded: &Loaded) {
     crate::logging::init(&loaded.settings.log);
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
     tracing::debug!(
         model = %config::problem::escape(&loaded.model_origin),
         layers = %config::problem::escape(&loaded.layers.join(" -> ")),

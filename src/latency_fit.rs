@@ -46,6 +46,25 @@ pub enum FitError {
     /// There is nothing to fit.
     #[error("no steps to fit")]
     NoSamples,
+    /// The fit's sums overflow an `f64` once this sample is added (its values, or their
+    /// squares and products, are too large to fit together).
+    #[error(
+        "the step's values are too large to fit: the fit's sums of squares overflow at this step"
+    )]
+    SumsOverflow {
+        /// The sample's index (from 0) in the input.
+        index: usize,
+    },
+    /// The fit came out with a coefficient or an error that is not a finite number.
+    #[error("the fit is not finite ({what}); the steps cannot be fitted")]
+    NotFinite {
+        /// What is not finite.
+        what: &'static str,
+    },
+    /// Every coefficient fitted to 0: a model that predicts every step at 0 ms (every step
+    /// took 0 ms), never usable as a `[chunking.cost.<node>]` table.
+    #[error("every coefficient fitted to 0 (the steps' times are all 0 ms): such a model predicts every step at 0 ms, so there is no table to use")]
+    AllZero,
 }
 
 fn check_measurement(ms: f64) -> Result<f64, FitError> {
@@ -148,6 +167,18 @@ impl Normal {
         self.yy *= lambda;
         self.sy *= lambda;
         self.sw *= lambda;
+    }
+
+    /// Whether every sum is finite.
+    fn is_finite(&self) -> bool {
+        self.g
+            .iter()
+            .flatten()
+            .chain(&self.h)
+            .all(|v| v.is_finite())
+            && self.yy.is_finite()
+            && self.sy.is_finite()
+            && self.sw.is_finite()
     }
 
     fn add(&mut self, x: &[f64; 4], y: f64) {
@@ -507,18 +538,32 @@ pub struct FitReport {
 ///
 /// # Errors
 /// [`FitError::NoSamples`] when `samples` is empty; [`FitError::BadMeasurement`] or
-/// [`FitError::BadFeature`] for a negative or non-finite value.
+/// [`FitError::BadFeature`] for a negative or non-finite value; [`FitError::SumsOverflow`]
+/// naming the first sample at which the sums overflow; [`FitError::NotFinite`] when the
+/// coefficients or errors are not finite; [`FitError::AllZero`] when every coefficient is 0.
 pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
     if samples.is_empty() {
         return Err(FitError::NoSamples);
     }
     let mut normal = Normal::default();
-    for s in samples {
+    for (index, s) in samples.iter().enumerate() {
         let x = s.checked()?;
         normal.add(&x, s.ms);
+        if !normal.is_finite() {
+            return Err(FitError::SumsOverflow { index });
+        }
     }
-    let model = to_model(normal.solve());
+    let solved = normal.solve();
+    if solved.iter().any(|v| !v.is_finite()) {
+        return Err(FitError::NotFinite {
+            what: "a coefficient",
+        });
+    }
+    let model = to_model(solved);
     let c = model.coefficients();
+    if c == [0.0; 4] {
+        return Err(FitError::AllZero);
+    }
     // Residuals straight from the samples: exact, unlike the sums' cancellation.
     let n = samples.len() as f64;
     let mean = samples.iter().map(|s| s.ms).sum::<f64>() / n;
@@ -529,6 +574,11 @@ pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
         ss_res += r * r;
         ss_tot += (s.ms - mean) * (s.ms - mean);
         errors.push(r.abs());
+    }
+    if !(ss_res.is_finite() && ss_tot.is_finite() && mean.is_finite()) {
+        return Err(FitError::NotFinite {
+            what: "the prediction errors",
+        });
     }
     errors.sort_by(f64::total_cmp);
     let q = |p: f64| {

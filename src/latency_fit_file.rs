@@ -107,15 +107,23 @@ pub enum FitInput {
 /// # Errors
 /// As [`read_samples`]; [`FitFileError::EmptyFile`] when the file holds no step.
 pub fn fit_file(path: &Path) -> Result<(FitInput, FitReport), FitFileError> {
-    let (input, samples) = read_samples(path)?;
+    let (input, samples, lines) = read_samples_with(path, LIMITS)?;
     if samples.is_empty() {
         return Err(FitFileError::EmptyFile {
             path: path.to_owned(),
         });
     }
-    let report = fit_samples(&samples).map_err(|source| FitFileError::Fit {
-        path: path.to_owned(),
-        source,
+    let report = fit_samples(&samples).map_err(|source| match source {
+        // The sample that overflowed is named by its line.
+        FitError::SumsOverflow { index } => bad_line(
+            path,
+            lines.get(index).copied().unwrap_or(0),
+            source.to_string(),
+        ),
+        source => FitFileError::Fit {
+            path: path.to_owned(),
+            source,
+        },
     })?;
     Ok((input, report))
 }
@@ -147,10 +155,13 @@ const LIMITS: Limits = Limits {
 /// a line longer than [`MAX_FIT_LINE_BYTES`] or more than [`MAX_FIT_SAMPLES`] steps, or a line
 /// is not a step (each error names the file and the line).
 pub fn read_samples(path: &Path) -> Result<(FitInput, Vec<Sample>), FitFileError> {
-    read_samples_with(path, LIMITS)
+    read_samples_with(path, LIMITS).map(|(input, samples, _)| (input, samples))
 }
 
-fn read_samples_with(path: &Path, limits: Limits) -> Result<(FitInput, Vec<Sample>), FitFileError> {
+/// The samples, and the line (from 1) each was read from.
+type SamplesRead = (FitInput, Vec<Sample>, Vec<u64>);
+
+fn read_samples_with(path: &Path, limits: Limits) -> Result<SamplesRead, FitFileError> {
     let io_err = |source| FitFileError::Io {
         path: path.to_owned(),
         source,
@@ -182,9 +193,15 @@ fn read_samples_with(path: &Path, limits: Limits) -> Result<(FitInput, Vec<Sampl
         }
     };
     match first {
-        None => Ok((FitInput::StepLog, Vec::new())),
-        Some(b'{') => Ok((FitInput::StepLog, read_step_log(path, reader, limits)?)),
-        Some(_) => Ok((FitInput::Csv, read_csv(path, reader, limits)?)),
+        None => Ok((FitInput::StepLog, Vec::new(), Vec::new())),
+        Some(b'{') => {
+            let (samples, lines) = read_step_log(path, reader, limits)?;
+            Ok((FitInput::StepLog, samples, lines))
+        }
+        Some(_) => {
+            let (samples, lines) = read_csv(path, reader, limits)?;
+            Ok((FitInput::Csv, samples, lines))
+        }
     }
 }
 
@@ -244,8 +261,9 @@ fn read_step_log<R: BufRead>(
     path: &Path,
     mut reader: R,
     limits: Limits,
-) -> Result<Vec<Sample>, FitFileError> {
+) -> Result<(Vec<Sample>, Vec<u64>), FitFileError> {
     let mut samples = Vec::new();
+    let mut lines = Vec::new();
     let mut buf = Vec::new();
     let mut line = 0u64;
     loop {
@@ -254,7 +272,7 @@ fn read_step_log<R: BufRead>(
             .read_until(b'\n', &mut buf)
             .map_err(|e| limit_error(path, e))?;
         if n == 0 {
-            return Ok(samples);
+            return Ok((samples, lines));
         }
         line += 1;
         if buf.iter().all(u8::is_ascii_whitespace) {
@@ -267,6 +285,7 @@ fn read_step_log<R: BufRead>(
             return Err(too_many(path, limits));
         }
         samples.push(sample);
+        lines.push(line);
     }
 }
 
@@ -316,7 +335,11 @@ struct CsvStep {
     ms: f64,
 }
 
-fn read_csv<R: Read>(path: &Path, reader: R, limits: Limits) -> Result<Vec<Sample>, FitFileError> {
+fn read_csv<R: Read>(
+    path: &Path,
+    reader: R,
+    limits: Limits,
+) -> Result<(Vec<Sample>, Vec<u64>), FitFileError> {
     let mut csv = csv::ReaderBuilder::new()
         .has_headers(true)
         .trim(csv::Trim::All)
@@ -346,6 +369,7 @@ fn read_csv<R: Read>(path: &Path, reader: R, limits: Limits) -> Result<Vec<Sampl
         ));
     }
     let mut samples = Vec::new();
+    let mut lines = Vec::new();
     let mut record = csv::StringRecord::new();
     let header = header.clone();
     while csv.read_record(&mut record).map_err(csv_err)? {
@@ -376,8 +400,9 @@ fn read_csv<R: Read>(path: &Path, reader: R, limits: Limits) -> Result<Vec<Sampl
             attention_pairs: step.attention_pairs,
             ms: step.ms,
         });
+        lines.push(line);
     }
-    Ok(samples)
+    Ok((samples, lines))
 }
 
 /// Which limit a [`Capped`] read hit, carried inside an `io::Error`.

@@ -195,6 +195,16 @@ impl StepPlan {
         self.time_over = None;
     }
 
+    /// A prefill row runs over the time budget by a liveness rule (`floor`, `uncut_row`): that
+    /// names the step's time overrun, over `continuing` (continuing rows already over time,
+    /// which the prefill row ran on top of); the first such reason stays.
+    fn prefill_over_time(&mut self, reason: TimeOverrunReason) {
+        match self.time_over {
+            None | Some(TimeOverrunReason::Continuing) => self.time_over = Some(reason),
+            Some(_) => {}
+        }
+    }
+
     fn push(&mut self, seq: u64, rid: u64, walk: usize, work: Work, context: u64) {
         let tokens = u64::from(work.tokens());
         self.scheduled_tokens += tokens;
@@ -490,7 +500,7 @@ fn timed_end(
             return Some(total);
         }
         if first_in_order {
-            out.time_over.get_or_insert(TimeOverrunReason::UncutRow);
+            out.prefill_over_time(TimeOverrunReason::UncutRow);
             return Some(total);
         }
         return None;
@@ -515,7 +525,7 @@ fn timed_end(
             let align = u64::from(params.align.max(1));
             let floor_end = (progress + floor).div_ceil(align) * align;
             let end = floor_end.min(token_end);
-            out.time_over.get_or_insert(TimeOverrunReason::Floor);
+            out.prefill_over_time(TimeOverrunReason::Floor);
             Some(end)
         }
         _ => None,
@@ -1000,6 +1010,25 @@ mod tests {
         let out = run(&p, &cont, &[]);
         assert_eq!(out.rows.len(), 10);
         assert_eq!(out.time_over, Some(TimeOverrunReason::Continuing));
+    }
+
+    #[test]
+    fn a_floor_chunk_behind_continuing_rows_over_time_is_a_floor_overrun() {
+        // Ten decode rows alone are predicted at 6 ms, over 5.5 ms; the
+        // first prefill row still runs the floor: the step's reason is `floor`.
+        let p = timed(4096, 64, 5.5);
+        let cont: Vec<ContRow> = (1..=10).map(|i| decode(i, 1)).collect();
+        let out = run(&p, &cont, &[prompt(11, 1000)]);
+        assert_eq!(out.rows.len(), 11);
+        assert_eq!(shape(&out).last(), Some(&(11, 64, false)));
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
+        // So is a row that cannot be cut, run whole behind them.
+        let p = StepParams {
+            chunkable: false,
+            ..p
+        };
+        let out = run(&p, &cont, &[prompt(11, 100)]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::UncutRow));
     }
 
     #[test]

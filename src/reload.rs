@@ -11,8 +11,9 @@
 //! when a config file changes or the process gets SIGHUP. The watcher follows the watched
 //! paths, not the files they pointed to at start: a Kubernetes ConfigMap swaps a `..data`
 //! symlink to a new directory on every update, and every update applies. A burst of changes
-//! is left to settle, and a reload applies only a parse that is the same twice in a row, so an
-//! editor's truncate-then-write is not applied in passing.
+//! is left to settle, and a reload applies only a parse that is the same twice in a row with
+//! no watched file empty, so an editor's truncate-then-write is not applied in passing, however
+//! late the write comes.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -290,14 +291,42 @@ fn relevant(names: &BTreeSet<std::ffi::OsString>, path: &std::path::Path) -> boo
         .is_some_and(|n| names.contains(n) || n.to_string_lossy().starts_with(".."))
 }
 
+/// What the watcher did with a settled burst of changes: reported to a test's stand-in
+/// (`watch_events`, behind the `test-hooks` feature) so that it can step the watcher
+/// without sleeping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchOutcome {
+    /// A reload ran (applied or refused, as its log and `config_reloads_total` say).
+    Reloaded,
+    /// A watched file was empty: an editor truncates before it writes, so the watcher waits
+    /// for the next change instead of applying a config without that file's settings.
+    WaitingForWrite {
+        /// The empty file.
+        path: PathBuf,
+    },
+    /// The two reads disagreed or the files changed meanwhile: read again.
+    Unsettled,
+}
+
+/// The first of `files` that exists and is empty (0 bytes): a file between an editor's
+/// truncation and its write. An empty layer on purpose is written as a comment.
+fn empty_file(files: &[PathBuf]) -> Option<PathBuf> {
+    files
+        .iter()
+        .find(|f| std::fs::metadata(f).is_ok_and(|m| m.is_file() && m.len() == 0))
+        .cloned()
+}
+
 /// Reloads through `reloader` whenever one of its files (or what it points to) changes, or on
-/// SIGHUP. A change is applied once the files have settled and two reads agree. Must be called
-/// inside an actix system; the reloads run on the current arbiter.
+/// SIGHUP. A change is applied once the files have settled, two reads agree, and no watched
+/// file is empty (an editor's truncation, however long before its write: the watcher waits
+/// for the next change). Must be called inside an actix system; the reloads run on the current
+/// arbiter.
 ///
 /// # Errors
 /// The file watcher or the signal handler cannot be set up.
 pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let (tx, rx) = mpsc::unbounded_channel::<()>();
     let events = tx.clone();
     let files = reloader.files();
     let names = watched_names(&files);
@@ -316,57 +345,128 @@ pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
         watched.insert(dir);
     }
     #[cfg(unix)]
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
-    let task = async move {
-        // Reads that disagreed, or changes seen while reading: settle and read again, a few
-        // times at most (a file rewritten forever is read as it is then).
-        let mut retries = 0u32;
-        loop {
-            let signalled = if retries > 0 {
-                false
-            } else {
-                #[cfg(unix)]
-                let (woke, signalled) = tokio::select! {
-                    e = rx.recv() => (e.is_some(), false),
-                    s = hangup.recv() => (s.is_some(), true),
-                };
-                #[cfg(not(unix))]
-                let (woke, signalled) = (rx.recv().await.is_some(), false);
-                if !woke {
-                    return;
-                }
-                signalled
+    let hangup = Some(
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| format!("cannot handle SIGHUP: {e}"))?,
+    );
+    #[cfg(not(unix))]
+    let hangup = None;
+    let watching = Watching {
+        watcher: Some(watcher),
+        watched,
+        hangup,
+        outcomes: None,
+    };
+    let handle = actix::spawn(watch_loop(reloader, rx, watching));
+    drop(tx);
+    Ok(ConfigWatcher { task: handle })
+}
+
+/// [`watch`] fed by a stand-in for the file watcher: each `()` sent on `events` is a change to
+/// the files, and each settled burst's [`WatchOutcome`] is sent on `outcomes`. No SIGHUP, no
+/// file watcher: a test steps it deterministically (`tests/it/reload.rs`).
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn watch_events(
+    reloader: Reloader,
+    events: mpsc::UnboundedReceiver<()>,
+    outcomes: mpsc::UnboundedSender<WatchOutcome>,
+) -> ConfigWatcher {
+    let watching = Watching {
+        watcher: None,
+        watched: BTreeSet::new(),
+        hangup: None,
+        outcomes: Some(outcomes),
+    };
+    ConfigWatcher {
+        task: actix::spawn(watch_loop(reloader, events, watching)),
+    }
+}
+
+/// What the watch loop holds besides its reloader and events.
+struct Watching {
+    watcher: Option<notify::RecommendedWatcher>,
+    watched: BTreeSet<PathBuf>,
+    #[cfg(unix)]
+    hangup: Option<tokio::signal::unix::Signal>,
+    #[cfg(not(unix))]
+    hangup: Option<()>,
+    outcomes: Option<mpsc::UnboundedSender<WatchOutcome>>,
+}
+
+impl Watching {
+    fn report(&self, outcome: WatchOutcome) {
+        if let Some(tx) = &self.outcomes {
+            let _ = tx.send(outcome);
+        }
+    }
+
+    /// The next change (`Some(false)`) or SIGHUP (`Some(true)`); `None` once the events end.
+    async fn next(&mut self, rx: &mut mpsc::UnboundedReceiver<()>) -> Option<bool> {
+        #[cfg(unix)]
+        if let Some(hangup) = &mut self.hangup {
+            return tokio::select! {
+                e = rx.recv() => e.map(|()| false),
+                s = hangup.recv() => s.map(|()| true),
             };
-            if !signalled {
-                if !settle(&mut rx).await {
-                    return;
-                }
-                // The same parse twice, with nothing changing in between.
-                let first = reloader.read().await.ok();
-                tokio::time::sleep(STABLE).await;
-                let changed_meanwhile = rx.try_recv().is_ok();
-                let second = reloader.read().await.ok();
-                if (changed_meanwhile || first != second) && retries < MAX_RETRIES {
-                    retries += 1;
-                    continue;
-                }
+        }
+        rx.recv().await.map(|()| false)
+    }
+}
+
+async fn watch_loop(reloader: Reloader, mut rx: mpsc::UnboundedReceiver<()>, mut w: Watching) {
+    let files = reloader.files();
+    // Reads that disagreed, or changes seen while reading: settle and read again, a few
+    // times at most (a file rewritten forever is read as it is then).
+    let mut retries = 0u32;
+    loop {
+        let signalled = if retries > 0 {
+            false
+        } else {
+            match w.next(&mut rx).await {
+                Some(signalled) => signalled,
+                None => return,
             }
-            retries = 0;
-            let _ = reloader.reload().await;
-            // A ConfigMap update points the paths into a new directory: watch it too.
+        };
+        if !signalled {
+            if !settle(&mut rx).await {
+                return;
+            }
+            // The same parse twice, with nothing changing in between, and no file left
+            // empty by a truncation (checked before and after the reads).
+            let empty_before = empty_file(&files);
+            let first = reloader.read().await.ok();
+            tokio::time::sleep(STABLE).await;
+            let changed_meanwhile = rx.try_recv().is_ok();
+            let second = reloader.read().await.ok();
+            if let Some(path) = empty_before.or_else(|| empty_file(&files)) {
+                tracing::info!(
+                    "config file {} is empty: waiting for it to be written before reloading",
+                    crate::config::problem::escape(&path.display().to_string())
+                );
+                retries = 0;
+                w.report(WatchOutcome::WaitingForWrite { path });
+                continue;
+            }
+            if (changed_meanwhile || first != second) && retries < MAX_RETRIES {
+                retries += 1;
+                w.report(WatchOutcome::Unsettled);
+                continue;
+            }
+        }
+        retries = 0;
+        let _ = reloader.reload().await;
+        w.report(WatchOutcome::Reloaded);
+        // A ConfigMap update points the paths into a new directory: watch it too.
+        if let Some(watcher) = &mut w.watcher {
             for dir in watch_dirs(&files) {
-                if !watched.contains(&dir)
+                if !w.watched.contains(&dir)
                     && watcher.watch(&dir, RecursiveMode::NonRecursive).is_ok()
                 {
-                    watched.insert(dir);
+                    w.watched.insert(dir);
                 }
             }
         }
-    };
-    let handle = actix::spawn(task);
-    drop(tx);
-    Ok(ConfigWatcher { task: handle })
+    }
 }
 
 /// Waits until no event came for [`SETTLE`] (at most [`MAX_SETTLE`]); false when the

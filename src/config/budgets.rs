@@ -195,6 +195,7 @@ fn is_time(e: &BudgetError) -> bool {
             | BudgetError::TimeBudgetDoesNothing { .. }
             | BudgetError::TimeMemberWalk { .. }
             | BudgetError::NoLatencyModel { .. }
+            | BudgetError::TimeBudgetBelowBase { .. }
     ) || matches!(e, BudgetError::UnknownNode { setting, .. } if *setting == "max_step_ms")
 }
 
@@ -211,6 +212,8 @@ fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
         BudgetError::TimeBudgetDoesNothing { node, walk }
         | BudgetError::TimeMemberWalk { node, walk, .. } => time_key(node, Some(walk)),
         BudgetError::NoLatencyModel { node } => time_key(node, None),
+        BudgetError::TimeBudgetBelowBase { node, walk, .. } => time_key(node, Some(walk)),
+        BudgetError::ZeroLatencyModel { node } => Some((format!("chunking.cost.{node}"), None)),
         BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
             Some(("chunking.no_chunking".into(), Some((&**node, None))))
         }
@@ -238,7 +241,9 @@ pub(super) fn budget_problem(
 ) -> ConfigProblem {
     let reason = match rule(e) {
         Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
-        None if is_time(e) => format!("{e} (docs/cost-model.md#time-budgets)"),
+        None if is_time(e) || matches!(e, BudgetError::ZeroLatencyModel { .. }) => {
+            format!("{e} (docs/cost-model.md#time-budgets)")
+        }
         None => format!("{e} (docs/budgets.md#refusals)"),
     };
     match chunking_key(e) {

@@ -176,6 +176,95 @@ pub fn first_yaml_alias(text: &str) -> Option<usize> {
     }
 }
 
+/// The first key a JSON text repeats within one object, as a problem naming its dotted key,
+/// line and column; `None` when every key is once per object or the text is not JSON (the
+/// parse that follows reports that). The config crate, like `serde_json`, would keep the last
+/// value silently; TOML and YAML refuse a repeated key, and so do JSON layers.
+pub fn json_duplicate_key(text: &str) -> Option<String> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    match (KeyPath(String::new())).deserialize(&mut de) {
+        Err(e) if e.is_data() => Some(e.to_string()),
+        _ => None,
+    }
+}
+
+/// Walks a JSON value, refusing a key repeated within an object; holds the dotted path so far.
+struct KeyPath(String);
+
+impl KeyPath {
+    fn child(&self, key: &str) -> Self {
+        if self.0.is_empty() {
+            Self(key.to_string())
+        } else {
+            Self(format!("{}.{key}", self.0))
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyPath {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeyPath {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0usize;
+        while seq.next_element_seed(self.child(&i.to_string()))?.is_some() {
+            i += 1;
+        }
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let child = self.child(&key);
+            if !seen.insert(key) {
+                return Err(serde::de::Error::custom(format!(
+                    "duplicate key `{}`",
+                    super::problem::escape(&child.0)
+                )));
+            }
+            map.next_value_seed(child)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

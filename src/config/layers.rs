@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 
 use config::{Config, Environment, File, FileFormat, Source};
 
-use super::decode::{first_yaml_alias, flatten, line_of, non_decimal_integers, one_line};
+use super::decode::{
+    first_yaml_alias, flatten, json_duplicate_key, line_of, non_decimal_integers, one_line,
+};
 use super::input::{read_text, MAX_CONFIG_BYTES};
 use super::problem::{ConfigErrors, ConfigProblem};
 use super::DEFAULT_CONFIG_TOML;
@@ -274,6 +276,17 @@ fn text_layer(
             return None;
         }
     }
+    if format == FileFormat::Json {
+        if let Some(duplicate) = json_duplicate_key(text) {
+            problems.push(ConfigProblem::File {
+                path: label,
+                reason: format!(
+                    "{duplicate}: a key is given once per object in JSON layers, as in TOML and YAML (docs/config.md#spellings)"
+                ),
+            });
+            return None;
+        }
+    }
     if format == FileFormat::Toml {
         let found = non_decimal_integers(text);
         if !found.is_empty() {
@@ -324,6 +337,56 @@ fn text_layer(
         label,
         config,
         keys,
+    })
+}
+
+/// Environment variables that look meant for this program but are not in the documented
+/// `MSTAR__SECTION__KEY` form: a name starting `MSTAR_` in any case, other than `MSTAR_ENV`,
+/// that is not `MSTAR__` followed by upper-case letters, digits and `_`. One warning each,
+/// naming the variable and never its value: with a single `_` (`MSTAR_CHUNKING__…`) it is
+/// ignored; in lower or mixed case (`mstar__chunking__…`) it is applied, under its lowercased
+/// key, but the documented spelling is upper case.
+pub fn env_warnings(opts: &LoadOptions) -> Vec<String> {
+    let names: Vec<String> = match &opts.env {
+        Some(map) => map.keys().cloned().collect(),
+        None => std::env::vars_os()
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect(),
+    };
+    let mut out: Vec<String> = names
+        .into_iter()
+        .filter_map(|name| env_name_warning(&name))
+        .collect();
+    out.sort();
+    out
+}
+
+/// The warning [`env_warnings`] gives for a variable called `name`, if any.
+fn env_name_warning(name: &str) -> Option<String> {
+    const OURS: &str = "MSTAR_";
+    if name == "MSTAR_ENV" || !name.get(..OURS.len())?.eq_ignore_ascii_case(OURS) {
+        return None;
+    }
+    let shown = super::problem::escape(name);
+    let applied = name
+        .get(..ENV_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(ENV_PREFIX));
+    let documented = name.starts_with(ENV_PREFIX)
+        && name[ENV_PREFIX.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+    if documented {
+        return None;
+    }
+    Some(if applied {
+        format!(
+            "environment variable {shown} is applied as `{}`, but overrides are spelled MSTAR__SECTION__KEY in upper case (docs/config.md#layers)",
+            super::problem::escape(&name[ENV_PREFIX.len()..].to_lowercase().replace("__", "."))
+        )
+    } else {
+        format!(
+            "environment variable {shown} is ignored: overrides are spelled MSTAR__SECTION__KEY, with two underscores after MSTAR and between names (e.g. MSTAR__CHUNKING__MIN_CHUNK_TOKENS), and MSTAR_ENV names a layer (docs/config.md#layers)"
+        )
     })
 }
 
@@ -406,6 +469,39 @@ fn env_layer(opts: &LoadOptions, problems: &mut ConfigErrors) -> Option<Layer> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn misspelt_mstar_variables_are_named_never_their_values() {
+        let env = |pairs: &[(&str, &str)]| LoadOptions {
+            env: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                    .collect(),
+            ),
+            ..LoadOptions::default()
+        };
+        let w = env_warnings(&env(&[
+            ("MSTAR__CHUNKING__MIN_CHUNK_TOKENS", "32"),
+            ("MSTAR_ENV", "production"),
+            ("MSTAR_CHUNKING__MIN_CHUNK_TOKENS", "secret-1"),
+            ("mstar__chunking__min_chunk_tokens", "secret-2"),
+            ("mstar_env", "secret-3"),
+            ("MSTARX", "x"),
+            ("PATH", "/bin"),
+        ]));
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert!(
+            w[0].starts_with("environment variable MSTAR_CHUNKING__MIN_CHUNK_TOKENS is ignored"),
+            "{w:?}"
+        );
+        assert!(w[1].starts_with("environment variable mstar__chunking__min_chunk_tokens is applied as `chunking.min_chunk_tokens`"), "{w:?}");
+        assert!(
+            w[2].starts_with("environment variable mstar_env is ignored"),
+            "{w:?}"
+        );
+        assert!(w.iter().all(|w| !w.contains("secret")), "{w:?}");
+    }
 
     #[test]
     fn mstar_env_is_a_name_and_nothing_else() {

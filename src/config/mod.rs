@@ -65,6 +65,9 @@ pub struct Loaded {
     pub layers: Vec<String>,
     /// Which layer set each key, to name it in problems found after the load.
     pub origins: Origins,
+    /// Warnings about the load that refuse nothing: `MSTAR_…` environment variables not in the
+    /// documented `MSTAR__SECTION__KEY` form ([`layers::env_warnings`]). The CLI logs them.
+    pub warnings: Vec<String>,
 }
 
 impl Loaded {
@@ -107,6 +110,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, ConfigErrors> {
             model_origin,
             layers: layers.labels(),
             origins,
+            warnings: layers::env_warnings(opts),
         }),
         _ => Err(problems),
     }

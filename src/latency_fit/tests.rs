@@ -283,8 +283,13 @@ proptest! {
                 Sample { tokens: t, kv_tokens: k, attention_pairs: a, ms: y }
             })
             .collect();
-        let r = fit_samples(&s).unwrap();
-        assert_kkt(&s, r.model.coefficients());
+        // An all-zero optimum (every truth clamped away) is refused, not returned: it must
+        // then be the optimum.
+        match fit_samples(&s) {
+            Ok(r) => assert_kkt(&s, r.model.coefficients()),
+            Err(FitError::AllZero) => assert_kkt(&s, [0.0; 4]),
+            Err(e) => panic!("{e}"),
+        }
     }
 }
 
@@ -468,4 +473,30 @@ fn collinear_columns_give_one_of_the_optimal_fits() {
     assert!((c[0] - 4.0).abs() < 1e-6, "{c:?}");
     assert!(r.abs_error_ms.max < 1e-6, "{r:?}");
     assert_kkt(&s, c);
+}
+
+#[test]
+fn overflowing_sums_an_all_zero_fit_and_non_finite_fits_are_refused() {
+    let sample = |t: f64, k: f64, a: f64, ms: f64| Sample {
+        tokens: t,
+        kv_tokens: k,
+        attention_pairs: a,
+        ms,
+    };
+    // 1e200 pairs: finite alone, but its square overflows the sums at the second sample.
+    let s = [
+        sample(10.0, 0.0, 10.0, 5.0),
+        sample(20.0, 0.0, 1e200, 6.0),
+        sample(30.0, 0.0, 10.0, 7.0),
+    ];
+    assert_eq!(fit_samples(&s), Err(FitError::SumsOverflow { index: 1 }));
+    // A huge time overflows `Σ y²` as well.
+    let s = [sample(1.0, 0.0, 0.0, 1e300), sample(2.0, 0.0, 0.0, 1.0)];
+    assert_eq!(fit_samples(&s), Err(FitError::SumsOverflow { index: 0 }));
+    // Every step took 0 ms: the fit is all zero, refused rather than printed as a table.
+    let s: Vec<Sample> = (1..50)
+        .map(|t| sample(f64::from(t), 100.0, 0.0, 0.0))
+        .collect();
+    assert_eq!(fit_samples(&s), Err(FitError::AllZero));
+    assert!(FitError::AllZero.to_string().contains("all 0 ms"));
 }

@@ -348,3 +348,23 @@ fn labels_serialise_as_their_names() {
         assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
     }
 }
+
+#[test]
+fn overflowing_and_all_zero_inputs_are_refused_naming_the_line() {
+    // The third line's pairs square past f64::MAX: named by its line (the header is line 1).
+    let csv = "tokens,kv_tokens,attention_pairs,ms\n10,0,10,5\n20,0,1e200,6\n30,0,10,7\n";
+    let e = file_error(csv);
+    assert!(
+        e.ends_with("in.txt:3: the step's values are too large to fit: the fit's sums of squares overflow at this step"),
+        "{e}"
+    );
+    // In a step log, by its line too.
+    let good = log_line(0, &[("chunk", 0, 64, 0)], 5.0, None);
+    let huge = log_line(1, &[("chunk", 0, 64, 0)], 1e300, None);
+    let e = file_error(&format!("{good}\n\n{huge}\n"));
+    assert!(e.contains("in.txt:3: "), "{e}");
+    // Steps that all took 0 ms fit to an all-zero model: refused, never a table.
+    let zero = "tokens,kv_tokens,attention_pairs,ms\n10,0,0,0\n20,0,0,0\n";
+    let e = file_error(zero);
+    assert!(e.contains("every coefficient fitted to 0"), "{e}");
+}

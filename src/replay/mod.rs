@@ -119,6 +119,32 @@ pub fn signal_exit_code(signal: &str) -> u8 {
     }
 }
 
+/// The latest simulated time, in ms, an arrival may fall at: `2^53` µs (about 285 years).
+/// Below it an `f64` holds a simulated time to the microsecond, the precision the outputs
+/// print; beyond it steps of a few ms would round away and latencies print as 0.
+pub const MAX_SIMULATED_MS: f64 = 9_007_199_254_740.992;
+
+/// Refuses a trace whose arrivals, at `rate_scale`, fall past [`MAX_SIMULATED_MS`] (naming
+/// the first such request), where the simulated clock would lose its precision.
+///
+/// # Errors
+/// [`ReplayError::RateScale`], naming the request, its arrival and the scaled time.
+pub fn check_clock(trace: &Trace, rate_scale: f64) -> Result<(), ReplayError> {
+    let late = trace.requests.iter().find(|r| {
+        let t = r.arrival_ms / rate_scale;
+        !(t.is_finite() && t <= MAX_SIMULATED_MS)
+    });
+    match late {
+        None => Ok(()),
+        Some(r) => Err(ReplayError::RateScale(format!(
+            "request rid {} arrives at {} ms, which at rate scale {rate_scale} is {:e} simulated ms: past the {MAX_SIMULATED_MS:e} ms (about 285 years) within which the simulated clock keeps microseconds; use a larger `--rate-scale` or re-base the trace's timestamps",
+            r.rid,
+            r.arrival_ms,
+            r.arrival_ms / rate_scale
+        ))),
+    }
+}
+
 /// Refuses outputs that would overwrite an input or each other, or that are not regular files:
 /// each output is compared with each input and with the other output as the same file (device
 /// and inode, through links) or the same path.
@@ -472,6 +498,7 @@ pub async fn run_trace(
     let mut inputs = opts.inputs.clone();
     inputs.extend(opts.trace.clone());
     check_outputs(&outputs, &inputs)?;
+    check_clock(trace, opts.rate_scale)?;
 
     cm.set_policies(manifest.policies())
         .await
@@ -503,7 +530,7 @@ pub async fn run_trace(
         ),
         None => None,
     };
-    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log);
+    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log).time_budgets(&labels.budgets);
     let _signals = if opts.handle_signals {
         let flag = Arc::new(AtomicI32::new(0));
         sim = sim.stop_on(flag.clone());
@@ -518,7 +545,9 @@ pub async fn run_trace(
     );
     let mut report = sim.run().await?;
     report.settings = labels;
-    report.warnings = trace_warnings(&setup, trace);
+    let mut warnings = trace_warnings(&setup, trace);
+    warnings.append(&mut report.warnings);
+    report.warnings = warnings;
 
     // Every prompt ran its final chunk, so every prepared input must have been released
     // (unless a signal stopped the replay midway: then the counts are reported).

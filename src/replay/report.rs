@@ -58,13 +58,17 @@ pub struct ReplayReport {
     /// Steps whose simulated time exceeded their time budget, by reason
     /// (`docs/cost-model.md#time-overruns`).
     pub time_overruns: TimeOverrunCounts,
+    /// Whether the step walks' time budget was in force, step by step; `None` when no step
+    /// walk has one (`docs/replay.md#the-summary-figure-by-figure`).
+    pub time_budget: Option<TimeBudgetUse>,
     /// The latency model the component planned with at the end, under the config's key names.
     pub latency_model: LatencyModelReport,
     /// Step slots a decode row (already generating) waited without running: "decode stalls".
     pub decode_row_waits: u64,
     /// Time to first token and time between tokens, in simulated ms; null without samples.
     pub ttft_ms: Option<Latency>,
-    /// Time between tokens, in simulated ms.
+    /// Time between tokens, in simulated ms: one sample per token a continuing row generated,
+    /// kept in a [`StepDurations`] histogram (bounded memory; within 0.1%).
     pub tbt_ms: Option<Latency>,
     /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
     /// their percentiles, like a latency; null without steps).
@@ -162,6 +166,32 @@ impl TimeOverrunCounts {
             R::UncutRow => self.uncut_row += 1,
             R::Continuing => self.continuing += 1,
             R::Misprediction => self.misprediction += 1,
+        }
+    }
+}
+
+/// How many steps of a walk with a time budget ran under it: a step is planned under its time
+/// budget only while the component has a latency model (configured, or learned and trusted).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TimeBudgetUse {
+    /// Steps on a walk with a time budget.
+    pub steps: u64,
+    /// Those planned without it: no trusted latency model yet.
+    pub inactive_steps: u64,
+    /// Why it was inactive, when it was for any step.
+    pub inactive_reason: Option<String>,
+}
+
+impl fmt::Display for TimeBudgetUse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inactive_reason {
+            Some(why) if self.inactive_steps > 0 => write!(
+                f,
+                "inactive for {} of {}: {why}",
+                self.inactive_steps,
+                plural(self.steps, "step")
+            ),
+            _ => write!(f, "in force for every step ({})", self.steps),
         }
     }
 }
@@ -477,9 +507,10 @@ const SUB_BUCKETS: u64 = 1024;
 /// 2048 + 31 × 1024 buckets (279 KB).
 const MAX_US: u64 = (1 << 42) - 1;
 
-/// Step durations in a fixed-size log-linear histogram: memory stays bounded whatever the
-/// number of steps, percentiles are exact below 2.048 ms and within 0.1% above, and the
-/// maximum is exact. Serialised as a [`Latency`] (null without steps).
+/// Durations (step times, and times between tokens) in a fixed-size log-linear histogram:
+/// memory stays bounded whatever the number of samples, percentiles are exact to the µs below
+/// 2.048 ms and within 0.1% above (a bucket's middle), and the minimum and maximum are exact.
+/// Serialised as a [`Latency`] (null without samples).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepDurations {
     counts: Vec<u64>,
@@ -752,6 +783,9 @@ impl fmt::Display for ReplayReport {
                 t.total, t.floor, t.uncut_row, t.continuing, t.misprediction
             ),
         )?;
+        if let Some(t) = &self.time_budget {
+            row(f, "time budget", t.to_string())?;
+        }
         let m = &self.latency_model;
         row(
             f,

@@ -16,7 +16,9 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::prefix_cache::PrefixCache;
-use super::report::{ChunkCounts, Latency, OverrunCounts, ReplayReport, TokenCounts};
+use super::report::{
+    ChunkCounts, Latency, OverrunCounts, ReplayReport, StepDurations, TokenCounts,
+};
 use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, Setup, DECODE_WALK, PREFILL_WALK};
@@ -38,6 +40,10 @@ struct ReqState {
     last_token_ms: f64,
     /// Chunks its prompt ran in.
     chunks: u32,
+    /// The KV context its next continuing row reads, as the simulated engine knows it: its
+    /// prompt plus the tokens it has generated. Kept here, never read from the component,
+    /// whose own contexts are estimates it may not even keep (see [`Sim::step_ms`]).
+    true_context: u64,
 }
 
 /// One replay in progress.
@@ -70,6 +76,9 @@ pub struct Sim<'a> {
     done: usize,
     /// Reused per step: the tokens each row ran.
     ran: Vec<u32>,
+    /// Reused per step: each row's true context (a continuing row's
+    /// [`ReqState::true_context`]; 0 for a chunk), what the step is priced and logged with.
+    true_contexts: Vec<u64>,
 
     report: ReplayReport,
     budget_sum: u64,
@@ -78,9 +87,14 @@ pub struct Sim<'a> {
     cut_budget_sum: u64,
     cut_budget_used: u64,
     ttft: Vec<f64>,
-    tbt: Vec<f32>,
+    /// Time between tokens: one sample per generated token, so kept in the bounded
+    /// histogram step times use (its error is documented there), never in a `Vec`.
+    tbt: StepDurations,
     /// Set to a signal number when the replay is to stop at the next step boundary.
     stop: Option<Arc<AtomicI32>>,
+    /// The step walks that have a time budget (`chunking.max_step_ms`), to count the steps
+    /// planned without it ([`super::report::TimeBudgetUse`]).
+    timed_walks: Vec<String>,
 }
 
 /// What one step did.
@@ -128,6 +142,7 @@ impl<'a> Sim<'a> {
             chunks: ChunkCounts::default(),
             overruns: OverrunCounts::default(),
             time_overruns: Default::default(),
+            time_budget: None,
             latency_model: Default::default(),
             decode_row_waits: 0,
             ttft_ms: None,
@@ -166,16 +181,52 @@ impl<'a> Sim<'a> {
             held_tokens: 0,
             done: 0,
             ran: Vec::new(),
+            true_contexts: Vec::new(),
             report,
             budget_sum: 0,
             budget_used: 0,
             cut_budget_sum: 0,
             cut_budget_used: 0,
-            // Latency samples grow with the tokens generated, never reserved from the trace's
-            // declared sizes (50,000 rows within the limits would declare 10^11 tokens).
+            // TTFT samples grow with the requests that got a first token, never reserved from
+            // the trace's declared sizes.
             ttft: Vec::new(),
-            tbt: Vec::new(),
+            tbt: StepDurations::default(),
             stop: None,
+            timed_walks: Vec::new(),
+        }
+    }
+
+    /// Counts, for the walks in `budgets` with a time budget, the steps planned without it.
+    #[must_use]
+    pub fn time_budgets(mut self, budgets: &[super::report::WalkBudget]) -> Self {
+        self.timed_walks = budgets
+            .iter()
+            .filter(|b| b.max_step_ms.is_some())
+            .map(|b| b.walk.clone())
+            .collect();
+        self
+    }
+
+    /// Counts a step on `walk` under its time budget, or without it (no trusted latency model
+    /// yet: the component plans with the token budget alone), warning once.
+    fn count_time_budget(&mut self, walk: &str, planned_under: Option<f64>) {
+        if !self.timed_walks.iter().any(|w| w == walk) {
+            return;
+        }
+        let t = self.report.time_budget.get_or_insert_with(Default::default);
+        t.steps += 1;
+        if planned_under.is_some() {
+            return;
+        }
+        t.inactive_steps += 1;
+        if t.inactive_reason.is_none() {
+            let why = inactive_reason(self.setup);
+            tracing::warn!(
+                node = %self.setup.node,
+                walk = %crate::config::problem::escape(walk),
+                "the time budget is not in force: {why}; steps run under the token budget alone until it is"
+            );
+            t.inactive_reason = Some(why);
         }
     }
 
@@ -308,13 +359,17 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// The simulated duration of `batch` as it ran (`self.ran`): the cost model over what it ran
-    /// (`docs/cost-model.md`), times a noise factor from `[1 - noise, 1 + noise]`.
+    /// The simulated duration of `batch` as it ran (`self.ran`): the replay cost over what it
+    /// ran (`docs/cost-model.md`), times a noise factor from `[1 - noise, 1 + noise]`.
+    ///
+    /// Priced from the simulated engine's own truth only: continuing rows at the contexts in
+    /// `self.true_contexts`, never at `row.context`, the component's estimate, which it keeps
+    /// growing only when its own latency model reads it (`docs/replay.md#the-step-cost-model`).
     fn step_ms(&mut self, batch: &crate::scheduler::Batch) -> f64 {
         let mut features = StepFeatures::EMPTY;
-        for (row, &r) in batch.rows.iter().zip(&self.ran) {
+        for ((row, &r), &context) in batch.rows.iter().zip(&self.ran).zip(&self.true_contexts) {
             match row.work {
-                Work::Continue { .. } => features.add_continuing(r, row.context),
+                Work::Continue { .. } => features.add_continuing(r, context),
                 Work::Chunk { range, .. } => features.add_chunk(range.start, range.end),
             }
         }
@@ -342,20 +397,22 @@ impl<'a> Sim<'a> {
         }
 
         self.ran.clear();
+        self.true_contexts.clear();
         let mut decode_rows = 0usize;
         let mut cuts = false;
         for row in &batch.rows {
-            let r = match row.work {
+            let (r, context) = match row.work {
                 Work::Continue { estimate } => {
                     decode_rows += 1;
-                    self.continue_ran(estimate)
+                    (self.continue_ran(estimate), self.true_context_of(row.rid))
                 }
                 Work::Chunk { range, .. } => {
                     cuts |= !range.is_final();
-                    range.tokens()
+                    (range.tokens(), 0)
                 }
             };
             self.ran.push(r);
+            self.true_contexts.push(context);
         }
         let t_start = self.t_ms;
         let step_ms = self.step_ms(&batch);
@@ -366,7 +423,7 @@ impl<'a> Sim<'a> {
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
         if let Some(log) = &mut self.step_log {
-            log.write(t_start, &batch, &outcome)
+            log.write(t_start, &batch, &self.true_contexts, &outcome)
                 .map_err(|source| ReplayError::Write {
                     what: "step log",
                     path: log.path().to_owned(),
@@ -392,6 +449,8 @@ impl<'a> Sim<'a> {
         if let Some(reason) = outcome.time_overrun {
             rep.time_overruns.count(reason);
         }
+        self.count_time_budget(walk, outcome.max_step_ms);
+        let rep = &mut self.report;
         rep.latency_model = outcome.model.into();
         if let Some(o) = &outcome.overrun {
             let c = &mut rep.overruns;
@@ -423,8 +482,9 @@ impl<'a> Sim<'a> {
                     self.report.tokens.decode += u64::from(r);
                     self.report.tokens.generated += 1;
                     let s = &mut self.state[i];
-                    self.tbt.push((t_end - s.last_token_ms) as f32);
+                    self.tbt.record(t_end - s.last_token_ms);
                     s.last_token_ms = t_end;
+                    s.true_context += 1;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
                         self.cm
@@ -448,6 +508,14 @@ impl<'a> Sim<'a> {
         }
         self.t_ms = t_end;
         Ok(Stepped::Ran)
+    }
+
+    /// The true context of `rid`'s continuing row (0 for a rid the trace does not have).
+    fn true_context_of(&self, rid: u64) -> u64 {
+        self.index_of_rid
+            .get(usize::try_from(rid).unwrap_or(usize::MAX))
+            .filter(|&&i| i != u32::MAX)
+            .map_or(0, |&i| self.state[i as usize].true_context)
     }
 
     /// A prompt's final chunk ran: its prepared input is released, its first token is out, and
@@ -474,6 +542,8 @@ impl<'a> Sim<'a> {
         }
         let s = &mut self.state[i];
         s.last_token_ms = t_end;
+        // The whole prompt (a cached prefix included) and the first token, just generated.
+        s.true_context = u64::from(total) + 1;
         s.remaining = req.output_tokens.saturating_sub(1);
         if s.remaining == 0 {
             self.done += 1;
@@ -504,7 +574,31 @@ impl<'a> Sim<'a> {
         rep.cut_step_utilisation = (self.cut_budget_sum > 0)
             .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
         rep.ttft_ms = Latency::of(&mut self.ttft);
-        rep.tbt_ms = Latency::of(&mut self.tbt);
+        rep.tbt_ms = self.tbt.latency();
+        if let Some(t) = rep.time_budget.as_ref().filter(|t| t.inactive_steps > 0) {
+            rep.warnings.push(format!(
+                "the time budget was inactive for {} of {} steps: {}",
+                t.inactive_steps,
+                t.steps,
+                t.inactive_reason.as_deref().unwrap_or("no latency model")
+            ));
+        }
         Ok(rep)
     }
+}
+
+/// Why a time budget was not in force: the component had no latency model it trusted.
+fn inactive_reason(setup: &super::Setup) -> String {
+    use crate::latency_fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
+    let mut why = format!(
+        "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/cost-model.md#fitting)",
+        DEFAULT_MAX_RELATIVE_RMS * 100.0
+    );
+    if setup.noise > 0.0 {
+        why.push_str(&format!(
+            " (the replay's cost noise is ±{}%)",
+            setup.noise * 100.0
+        ));
+    }
+    why
 }

@@ -5,7 +5,7 @@
 //! {"step", "t_ms", "node", "walk", "budget" (null when none), "floor", "caps" (object or null),
 //!  "rows": [{"rid", "walk", "kind": "continue"|"chunk", "tokens",
 //!            chunks only: "start", "end", "total", "stride", "final", first chunks only: "cached"}],
-//!  continuing rows also: "context"],
+//!  continuing rows also: "context" (the simulated engine's: prompt + tokens generated)],
 //!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting",
 //!  "ms" (the step's simulated duration), "predicted_ms" (null without a latency model),
 //!  "max_step_ms" (null without a time budget), "time_overrun" (null or {"reason"})}
@@ -118,14 +118,23 @@ impl StepLog {
     }
 
     /// Writes one step: `batch` as assembled, started at `t_ms` of simulated time, which ran
-    /// `ran_tokens` and overran (or not) as its completion said.
+    /// `ran_tokens` and overran (or not) as its completion said. `contexts` holds each row's
+    /// context as the simulated engine knows it (by row; a chunk's entry is unused): what a
+    /// continuing row's `context` shows, and what its step was priced with.
     ///
     /// # Errors
     /// The write failed.
-    pub fn write(&mut self, t_ms: f64, batch: &Batch, outcome: &StepOutcome) -> io::Result<()> {
+    pub fn write(
+        &mut self,
+        t_ms: f64,
+        batch: &Batch,
+        contexts: &[u64],
+        outcome: &StepOutcome,
+    ) -> io::Result<()> {
         let line = StepLine {
             t_ms,
             batch,
+            contexts,
             outcome,
         };
         let out = self
@@ -151,6 +160,7 @@ impl StepLog {
 struct StepLine<'a> {
     t_ms: f64,
     batch: &'a Batch,
+    contexts: &'a [u64],
     outcome: &'a StepOutcome,
 }
 
@@ -170,7 +180,7 @@ impl Serialize for StepLine<'_> {
         m.serialize_entry("budget", &b.budget)?;
         m.serialize_entry("floor", &b.floor)?;
         m.serialize_entry("caps", &b.caps.as_deref().map(Caps))?;
-        m.serialize_entry("rows", &Rows(b))?;
+        m.serialize_entry("rows", &Rows(b, self.contexts))?;
         m.serialize_entry("scheduled_tokens", &b.scheduled_tokens)?;
         m.serialize_entry("ran_tokens", &o.tokens.ran)?;
         m.serialize_entry(
@@ -204,19 +214,24 @@ impl Serialize for Reason {
     }
 }
 
-struct Rows<'a>(&'a Batch);
+/// A batch's rows, with the true context of each (by row).
+struct Rows<'a>(&'a Batch, &'a [u64]);
 
 impl Serialize for Rows<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.rows.iter().map(|r| Row(r, self.0.walk_of(r))))
+        s.collect_seq(self.0.rows.iter().enumerate().map(|(i, r)| {
+            // Without an entry (never, from the replay), the component's own context.
+            let context = self.1.get(i).copied().unwrap_or(r.context);
+            Row(r, self.0.walk_of(r), context)
+        }))
     }
 }
 
-struct Row<'a>(&'a BatchRow, &'a str);
+struct Row<'a>(&'a BatchRow, &'a str, u64);
 
 impl Serialize for Row<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (r, walk) = (self.0, self.1);
+        let (r, walk, context) = (self.0, self.1, self.2);
         match r.work {
             Work::Continue { estimate } => {
                 let mut m = s.serialize_map(Some(5))?;
@@ -224,7 +239,7 @@ impl Serialize for Row<'_> {
                 m.serialize_entry("walk", walk)?;
                 m.serialize_entry("kind", "continue")?;
                 m.serialize_entry("tokens", &estimate)?;
-                m.serialize_entry("context", &r.context)?;
+                m.serialize_entry("context", &context)?;
                 m.end()
             }
             Work::Chunk { range, cached } => {

@@ -9,6 +9,8 @@ mod props;
 mod readme;
 mod reload;
 mod replay;
+mod sim_truth;
 mod state_machine;
 mod sweep_cli;
 mod time_budget;
+mod truth_cli;

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use mstar_chunking::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
-use mstar_chunking::reload::{watch, Applied, ReloadError, Reloader};
+use mstar_chunking::reload::{watch, watch_events, Applied, ReloadError, Reloader, WatchOutcome};
 use mstar_chunking::ChunkingManagement;
 
 fn options(dir: &Path) -> LoadOptions {
@@ -231,4 +231,47 @@ async fn every_configmap_update_applies_not_only_the_first() {
             "update {version} was not applied"
         );
     }
+}
+
+/// An editor truncates the layer, then writes it whenever it likes (250 ms later, or much
+/// later): the watcher, stepped through a stand-in for its file watcher, never applies the
+/// empty file in between, and applies the write. No sleeps: each step awaits the outcome.
+#[actix::test]
+async fn a_truncated_layer_is_never_applied_however_late_the_write_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    write_layer(dir.path(), "1024");
+    let (cm, reloader) = start(&opts).await;
+    let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (outcomes_tx, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
+    let _watcher = watch_events(reloader, rx, outcomes_tx);
+
+    let layer = dir.path().join("layer.toml");
+    std::fs::write(&layer, "").unwrap();
+    events.send(()).unwrap();
+    assert_eq!(
+        outcomes.recv().await,
+        Some(WatchOutcome::WaitingForWrite {
+            path: layer.clone()
+        })
+    );
+    assert_eq!(
+        cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+        Some(1024),
+        "the empty layer was not applied"
+    );
+    // Another event while it is still empty (a chmod, say): still waiting.
+    events.send(()).unwrap();
+    assert_eq!(
+        outcomes.recv().await,
+        Some(WatchOutcome::WaitingForWrite { path: layer })
+    );
+
+    write_layer(dir.path(), "512");
+    events.send(()).unwrap();
+    assert_eq!(outcomes.recv().await, Some(WatchOutcome::Reloaded));
+    assert_eq!(
+        cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+        Some(512)
+    );
 }

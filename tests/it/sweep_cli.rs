@@ -383,7 +383,18 @@ fn fit_prints_the_model_and_refuses_bad_files() {
             r.stdout
         );
     }
-    let r = run(&["fit", csv.to_str().unwrap(), "--node", "talker"], &[]);
+    // `--node` names a node of the model (`--model`): omni's `talker`.
+    let r = run(
+        &[
+            "fit",
+            csv.to_str().unwrap(),
+            "--node",
+            "talker",
+            "--model",
+            "config/models/omni.toml",
+        ],
+        &[],
+    );
     ok(&r);
     assert!(r.stdout.contains("[chunking.cost.talker]"), "{}", r.stdout);
     let bad = dir.path().join("bad.csv");
