@@ -350,6 +350,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             .collect(),
         handle_signals: true,
         on_step: None,
+        stop: None,
     };
     actix::System::new().block_on(async {
         let cm = match crate::ChunkingManagement::start(
@@ -498,16 +499,21 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         .chain(load.model_path())
         .chain(args.trace.clone())
         .collect();
-    // Refused before hours of replays, not after.
+    // Refused before hours of replays, not after: the outputs, and every budget of the grid
+    // as the config would refuse it (as `replay --budget` does).
     if let Err(e) = sweep::output::check_output_dir(&args.out, &inputs) {
         return usage(&e);
     }
-    if let Err(e) = std::fs::create_dir_all(&args.out) {
-        say(&format!(
-            "error: cannot create the output directory `{}`: {e}",
-            config::problem::escape(&args.out.display().to_string())
-        ));
-        return ExitCode::from(EXIT_CONFIG);
+    for b in &budgets {
+        if let Err(e) = crate::replay::replay_budgets(
+            &loaded.manifest,
+            &loaded.settings,
+            &setup,
+            false,
+            Some(grid_budget(*b)),
+        ) {
+            return usage(&format!("`--budgets` cannot run budget {b}: {e}"));
+        }
     }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),
@@ -535,6 +541,24 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     for w in crate::replay::trace_warnings(&setup, &trace) {
         say(&format!("warning: {w}"));
     }
+    // Created only now that every input was accepted, and removed again if the sweep writes
+    // nothing into it.
+    let created = !args.out.exists();
+    if let Err(e) = std::fs::create_dir_all(&args.out) {
+        say(&format!(
+            "error: cannot create the output directory `{}`: {e}",
+            config::problem::escape(&args.out.display().to_string())
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let remove_if_created = || {
+        if created {
+            // Only an empty directory is removed.
+            let _ = std::fs::remove_dir(&args.out);
+        }
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let _signals = sweep_signals(stop.clone());
     let opts = SweepOptions {
         budgets,
         rates,
@@ -543,35 +567,48 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         progress: !args.no_progress,
         step_time_rate: args.step_time_rate,
         settings: sweep_labels(&loaded, &setup, &base, &trace),
+        stop: Some(stop.clone()),
     };
     let (manifest, settings) = (&loaded.manifest, &loaded.settings);
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         let mut o = base.clone();
         o.rate_scale = rate;
-        o.budget = Some(match budget {
-            Budget::Tokens(n) => BudgetValue::Tokens(n),
-            Budget::Off => BudgetValue::Off,
-        });
+        o.budget = Some(grid_budget(budget));
+        o.stop = Some(crate::replay::StopFlag(stop.clone()));
         actix::System::new().block_on(async {
             let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
                 .map_err(|e| e.to_string())?;
             let started = std::time::Instant::now();
-            crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
+            let r = crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
                 .await
-                .map(|r| sweep::RunSummary::from(&r))
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.to_string())?;
+            match &r.interrupted {
+                // Half a replay is no cell: the sweep lists it as not run.
+                Some(signal) => Err(format!("interrupted by {signal}")),
+                None => Ok(sweep::RunSummary::from(&r)),
+            }
         })
     };
     let wall = std::time::Instant::now();
     let result = match sweep::run_sweep(&opts, run) {
         Ok(r) => r,
-        Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => return usage(&e),
+        Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => {
+            remove_if_created();
+            return usage(&e);
+        }
         Err(e) => {
+            remove_if_created();
             say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
     };
-    let code = print_stdout(&sweep::output::table(&result));
+    let mut code = print_stdout(&sweep::output::table(&result));
+    if let Some(signal) = &result.interrupted {
+        say(&format!(
+            "interrupted by {signal}: the outputs cover the replays that finished"
+        ));
+        code = ExitCode::from(crate::replay::signal_exit_code(signal));
+    }
     match sweep::write_outputs(&result, &args.out, &inputs) {
         Ok(written) => {
             say(&format!(
@@ -589,12 +626,93 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             code
         }
         Err(
-            e @ (sweep::SweepError::OutputIsInput(_) | sweep::SweepError::OutputNotADirectory(_)),
-        ) => usage(&e),
+            e @ (sweep::SweepError::OutputIsInput(_)
+            | sweep::SweepError::OutputNotADirectory(_)
+            | sweep::SweepError::OutputNotAFile(_)),
+        ) => {
+            remove_if_created();
+            usage(&e)
+        }
         Err(e) => {
+            remove_if_created();
             say(&format!("error: {e}"));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Each of `items` escaped ([`config::problem::escape`]), joined with `sep`.
+fn escape_join(items: &[String], sep: &str) -> String {
+    items
+        .iter()
+        .map(|i| config::problem::escape(i))
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+/// A grid budget as `--budget` takes it.
+fn grid_budget(b: crate::sweep::Budget) -> BudgetValue {
+    match b {
+        crate::sweep::Budget::Tokens(n) => BudgetValue::Tokens(n),
+        crate::sweep::Budget::Off => BudgetValue::Off,
+    }
+}
+
+/// Stops a sweep on SIGINT or SIGTERM: the first sets `stop` to its number (the workers start
+/// no new replay and stop theirs at the next step; the finished cells are written), a second
+/// one exits at once with 128 + its number. Watched on a thread of its own until the process
+/// ends; `None` where signals cannot be watched.
+fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        // Registered before the grid starts, so that no signal is missed.
+        let (mut int, mut term) = {
+            let _entered = runtime.enter();
+            (
+                signal(SignalKind::interrupt()).ok()?,
+                signal(SignalKind::terminate()).ok()?,
+            )
+        };
+        std::thread::Builder::new()
+            .name("mstar-sweep-signals".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    loop {
+                        let sig = tokio::select! {
+                            _ = int.recv() => 2,
+                            _ = term.recv() => 15,
+                        };
+                        let first = stop
+                            .compare_exchange(
+                                0,
+                                sig,
+                                std::sync::atomic::Ordering::SeqCst,
+                                std::sync::atomic::Ordering::SeqCst,
+                            )
+                            .is_ok();
+                        if first {
+                            say(&format!(
+                                "{}: stopping the sweep after the replays running now; signal again to stop at once",
+                                crate::replay::signal_name(sig)
+                            ));
+                        } else {
+                            std::process::exit(128 + sig);
+                        }
+                    }
+                });
+            })
+            .ok()?;
+        Some(())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stop;
+        None
     }
 }
 
@@ -608,7 +726,11 @@ fn sweep_labels(
     let mut v = vec![
         (
             "trace".to_string(),
-            format!("{} ({})", trace.file, InputFormat::from(trace.format)),
+            format!(
+                "{} ({})",
+                config::problem::escape(&trace.file),
+                InputFormat::from(trace.format)
+            ),
         ),
         ("requests".to_string(), trace.requests.len().to_string()),
     ];
@@ -618,12 +740,23 @@ fn sweep_labels(
     v.extend([
         (
             "model".to_string(),
-            format!("{} ({})", loaded.manifest.name, loaded.model_origin),
+            format!(
+                "{} ({})",
+                config::problem::escape(&loaded.manifest.name),
+                config::problem::escape(&loaded.model_origin)
+            ),
         ),
-        ("config layers".to_string(), loaded.layers.join(" -> ")),
+        (
+            "config layers".to_string(),
+            escape_join(&loaded.layers, " -> "),
+        ),
         (
             "node, step walk".to_string(),
-            format!("{} / {}", setup.node, setup.walks.join(", ")),
+            format!(
+                "{} / {}",
+                config::problem::escape(&setup.node),
+                escape_join(&setup.walks, ", ")
+            ),
         ),
         (
             "cost model".to_string(),
@@ -656,9 +789,12 @@ fn sweep_labels(
         (
             "budget axis".to_string(),
             format!(
-                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
-                setup.node,
-                setup.walks.join(", ")
+                "chunking.max_batch_tokens of {} (as `replay --budget`)",
+                format!(
+                "{} / {}",
+                config::problem::escape(&setup.node),
+                escape_join(&setup.walks, ", ")
+            )
             ),
         ),
     ]);
@@ -668,7 +804,7 @@ fn sweep_labels(
         .iter()
         .filter_map(|w| {
             let ms = loaded.table.max_step_ms(&setup.node, w)?;
-            Some(format!("{w} {ms} ms"))
+            Some(format!("{} {ms} ms", config::problem::escape(w)))
         })
         .collect();
     v.push((
@@ -768,9 +904,9 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
     let rows = loaded.rows();
     let mut out = format!(
         "model `{}` from {}\nlayers: {}\n\n{}",
-        loaded.manifest.name,
-        loaded.model_origin,
-        loaded.layers.join(" -> "),
+        config::problem::escape(&loaded.manifest.name),
+        config::problem::escape(&loaded.model_origin),
+        escape_join(&loaded.layers, " -> "),
         render_table(&rows)
     );
     out.push_str(&format!(
@@ -818,7 +954,7 @@ fn init_logging(loaded: &Loaded) {
     crate::logging::init(&loaded.settings.log);
     tracing::debug!(
         model = %config::problem::escape(&loaded.model_origin),
-        layers = %config::problem::escape(&loaded.layers.join(" -> ")),
+        layers = %escape_join(&loaded.layers, " -> "),
         "configuration loaded"
     );
 }
@@ -873,7 +1009,10 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
         let caps = r.walk_caps.as_ref().map_or_else(
             || "-".to_string(),
             |caps| {
-                let parts: Vec<String> = caps.iter().map(|(w, c)| format!("{w}={c}")).collect();
+                let parts: Vec<String> = caps
+                    .iter()
+                    .map(|(w, c)| format!("{}={c}", config::problem::escape(w)))
+                    .collect();
                 if parts.is_empty() {
                     "{}".to_string()
                 } else {
@@ -888,8 +1027,8 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
             (None, None) => "-".to_string(),
         };
         cells.push([
-            r.node.clone(),
-            r.walk.clone(),
+            config::problem::escape(&r.node),
+            config::problem::escape(&r.walk),
             opt(r.policy_budget),
             budget,
             if r.chunkable { "yes" } else { "no" }.to_string(),

@@ -77,6 +77,46 @@ pub fn slo_text(slo: &capacity::Slo) -> String {
     parts.join(" and ")
 }
 
+/// What a reader must know before trusting the figures, one sentence each: that the sweep was
+/// interrupted (and which cells did not run), and each budget whose grid contradicts rising
+/// latency. Empty for a complete sweep of monotone budgets.
+pub fn notes(sweep: &Sweep) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(signal) = &sweep.interrupted {
+        let total = sweep.cells.len() + sweep.not_run.len();
+        let not_run: Vec<String> = sweep
+            .not_run
+            .iter()
+            .map(|c| format!("{} at {}x", c.budget, fmt_rate(c.rate_scale)))
+            .collect();
+        out.push(format!(
+            "interrupted by {signal}: {} of {total} grid replays finished{}{}",
+            sweep.cells.len(),
+            if not_run.is_empty() {
+                String::new()
+            } else {
+                format!("; not run: {}", not_run.join(", "))
+            },
+            if sweep.slo.is_some() {
+                "; capacity searches that did not finish are left out"
+            } else {
+                ""
+            }
+        ));
+    }
+    for c in &sweep.capacity {
+        if let Some(n) = c.search.non_monotone {
+            out.push(format!(
+                "budget {}: latency does not rise with load on this grid ({}x misses the SLO while {}x meets it); its capacity is the highest rate below the first miss",
+                c.budget,
+                fmt_rate(n.misses_at),
+                fmt_rate(n.meets_at)
+            ));
+        }
+    }
+    out
+}
+
 /// The cells as a table: its header and one row of text per cell.
 pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
     let header = vec![
@@ -187,6 +227,9 @@ pub fn table(sweep: &Sweep) -> String {
     for (k, v) in &sweep.settings {
         let _ = writeln!(out, "  {k:<16} {v}");
     }
+    for n in notes(sweep) {
+        let _ = writeln!(out, "warning: {n}");
+    }
     render(&mut out, cell_table(sweep));
     if let Some(slo) = &sweep.slo {
         let _ = writeln!(
@@ -205,7 +248,8 @@ fn opt(v: Option<f64>) -> String {
         .map_or_else(String::new, |v| round3(v).to_string())
 }
 
-/// `sweep.csv`: one row per cell, figures in ms rounded to 0.001, empty where there is none.
+/// `sweep.csv`: one row per cell, figures in ms rounded to 0.001, empty where there is none; its
+/// `status` is `done`, or `interrupted` for a cell an interrupted sweep did not run (no figures).
 ///
 /// # Errors
 /// None in practice (the CSV is written to memory).
@@ -228,6 +272,7 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
         "step_p99_ms",
         "step_max_ms",
         "meets_slo",
+        "status",
     ])?;
     for c in &sweep.cells {
         let s = &c.summary;
@@ -248,7 +293,15 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
             opt(s.step_ms.percentile(99)),
             opt(s.step_ms.percentile(100)),
             c.meets_slo.map_or_else(String::new, |m| m.to_string()),
+            "done".to_owned(),
         ])?;
+    }
+    // An interrupted sweep's cells that did not run: their figures empty.
+    for c in &sweep.not_run {
+        let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        row.resize(16, String::new());
+        row.push("interrupted".to_owned());
+        w.write_record(row)?;
     }
     w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
@@ -271,17 +324,16 @@ pub struct Written {
 }
 
 /// Writes every output of `sweep` into `dir` (created if missing): `sweep.csv`, `sweep.json`,
-/// the plots as SVG and PNG (the capacity plot only with an SLO), and `report.html`. Everything
-/// is drawn before anything is written, and each file is written whole (a temporary file in
-/// `dir`, then renamed), so a failure leaves no half-written output.
+/// the plots as SVG and PNG (the capacity plot only with an SLO), and `report.html`, as one
+/// set: everything is drawn, then every file is written to a temporary file in `dir`, and only
+/// when all are written are they renamed into place, so a failure replaces no output. Outputs
+/// of an earlier sweep that this one does not write (`capacity.png` without an SLO) are then
+/// removed, so the directory never mixes two runs; files with other names are left alone.
 ///
 /// # Errors
-/// `dir` exists and is not a directory; an output path is one of `inputs`; a plot cannot be
-/// drawn; a file cannot be written.
+/// As [`check_output_dir`]; a plot cannot be drawn; a file cannot be written.
 pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Written, SweepError> {
-    if dir.exists() && !dir.is_dir() {
-        return Err(SweepError::OutputNotADirectory(dir.to_owned()));
-    }
+    check_output_dir(dir, inputs)?;
     fs::create_dir_all(dir).map_err(|source| SweepError::Write {
         path: dir.to_owned(),
         source,
@@ -314,11 +366,47 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
             return Err(SweepError::OutputIsInput(dir.join(name)));
         }
     }
-    let mut paths = Vec::with_capacity(files.len());
-    for (name, bytes) in files {
-        let path = dir.join(&name);
-        write_whole(&path, &bytes).map_err(write_err(&path))?;
-        paths.push(path);
+    // Every temporary file first; on any failure, all of them are removed.
+    let mut staged: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(files.len());
+    for (name, bytes) in &files {
+        let path = dir.join(name);
+        match stage(&path, bytes) {
+            Ok(tmp) => staged.push((tmp, path)),
+            Err(e) => {
+                for (tmp, _) in &staged {
+                    let _ = fs::remove_file(tmp);
+                }
+                return Err(write_err(&path)(e));
+            }
+        }
+    }
+    let mut paths = Vec::with_capacity(staged.len());
+    let mut failure = None;
+    for (tmp, path) in staged {
+        if failure.is_some() {
+            let _ = fs::remove_file(&tmp);
+            continue;
+        }
+        match fs::rename(&tmp, &path) {
+            Ok(()) => paths.push(path),
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                failure = Some(write_err(&path)(e));
+            }
+        }
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    for name in output_names() {
+        if !files.iter().any(|(n, _)| *n == name) {
+            let stale = dir.join(&name);
+            match fs::remove_file(&stale) {
+                Ok(()) => tracing::debug!(file = %stale.display(), "removed an output of an earlier sweep"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(write_err(&stale)(e)),
+            }
+        }
     }
     Ok(Written { paths })
 }
@@ -338,11 +426,13 @@ pub fn output_names() -> Vec<String> {
 }
 
 /// Checks, before a sweep runs, that its outputs can go into `dir`: `dir` is a directory or
-/// does not exist yet, is none of `inputs`, and none of `inputs` is a file the sweep would
-/// write there.
+/// does not exist yet, is none of `inputs`, none of `inputs` is a file the sweep would write
+/// there, and every output name there is free or a file to replace (a directory named
+/// `report.html` is refused now, not after the grid ran).
 ///
 /// # Errors
-/// [`SweepError::OutputNotADirectory`] or [`SweepError::OutputIsInput`].
+/// [`SweepError::OutputNotADirectory`], [`SweepError::OutputNotAFile`] or
+/// [`SweepError::OutputIsInput`].
 pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError> {
     // `metadata` follows links and never opens: a FIFO is refused without blocking.
     if let Ok(meta) = fs::metadata(dir) {
@@ -351,6 +441,15 @@ pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError
         }
     } else {
         return Ok(());
+    }
+    for name in output_names() {
+        let path = dir.join(&name);
+        // A link is replaced by the rename, not followed; anything else but a file is refused.
+        if let Ok(meta) = fs::symlink_metadata(&path) {
+            if !(meta.is_file() || meta.file_type().is_symlink()) {
+                return Err(SweepError::OutputNotAFile(path));
+            }
+        }
     }
     let Ok(canon_dir) = fs::canonicalize(dir) else {
         return Ok(());
@@ -371,12 +470,9 @@ pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError
     Ok(())
 }
 
-/// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then
-/// renamed over `path`, so a reader never sees half a file.
-///
-/// # Errors
-/// The temporary file cannot be created, written or renamed (it is removed on failure).
-pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` to a temporary file next to `path`, flushed to disk, and returns its path
+/// (for [`write_outputs`] to rename once every output is staged).
+fn stage(path: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -397,10 +493,22 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             .create_new(true)
             .open(&tmp)?;
         f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
+        f.sync_all()
     };
     write().inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })?;
+    Ok(tmp)
+}
+
+/// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then
+/// renamed over `path`, so a reader never sees half a file.
+///
+/// # Errors
+/// The temporary file cannot be created, written or renamed (it is removed on failure).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = stage(path, bytes)?;
+    fs::rename(&tmp, path).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
 }
