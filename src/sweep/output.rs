@@ -581,15 +581,15 @@ mod tests {
         assert_eq!(lines.len(), 10);
         assert_eq!(
             lines[0],
-            "budget,rate_scale,requests,steps,overruns,budget_utilisation,tbt_p50_ms,tbt_p99_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,step_p50_ms,step_p90_ms,step_p99_ms,step_max_ms,meets_slo"
+            "budget,rate_scale,requests,steps,overruns,budget_utilisation,tbt_p50_ms,tbt_p99_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,step_p50_ms,step_p90_ms,step_p99_ms,step_max_ms,meets_slo,status"
         );
         assert_eq!(
             lines[2],
-            "512,1,100,200,0,0.75,9.12,18.24,533.333,1066.667,1600,12.096,16.192,17.216,17.216,true"
+            "512,1,100,200,0,0.75,9.12,18.24,533.333,1066.667,1600,12.096,16.192,17.216,17.216,true,done"
         );
         assert_eq!(
             lines[9],
-            "off,2,100,200,1,,167.84,335.68,266.667,533.333,800,73.536,139.072,155.456,155.456,false"
+            "off,2,100,200,1,,167.84,335.68,266.667,533.333,800,73.536,139.072,155.456,155.456,false,done"
         );
     }
 
@@ -671,6 +671,89 @@ mod tests {
         let out2 = dir.path().join("out2");
         let w = write_outputs(&no_slo, &out2, &[]).unwrap();
         assert!(!w.paths.iter().any(|p| p.ends_with("capacity.svg")));
+    }
+
+    /// `sample_sweep` as interrupted by SIGINT after its first four cells.
+    fn interrupted() -> Sweep {
+        let mut s = sample_sweep();
+        let rest = s.cells.split_off(4);
+        s.not_run = rest
+            .iter()
+            .map(|c| super::super::NotRun {
+                budget: c.budget,
+                rate_scale: c.rate_scale,
+            })
+            .collect();
+        s.capacity.clear();
+        s.interrupted = Some("SIGINT".into());
+        s
+    }
+
+    #[test]
+    fn an_interrupted_sweep_says_so_in_every_output() {
+        let s = interrupted();
+        let note = "interrupted by SIGINT: 4 of 9 grid replays finished; not run: 2048 at 1x, 2048 at 2x, off at 0.5x, off at 1x, off at 2x; capacity searches that did not finish are left out";
+        assert_eq!(notes(&s), [note]);
+        assert!(table(&s).contains(&format!("warning: {note}")), "{}", table(&s));
+        let csv = String::from_utf8(to_csv(&s).unwrap()).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 10);
+        assert!(lines[4].ends_with(",done"), "{}", lines[4]);
+        assert_eq!(lines[5], "2048,1,,,,,,,,,,,,,,,interrupted");
+        let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+        assert_eq!(v["interrupted"], "SIGINT");
+        assert_eq!(v["not_run"][0], serde_json::json!({"budget": 2048, "rate_scale": 1.0}));
+        let drawn = plots::draw_all(&s).unwrap();
+        assert!(html::report(&s, &drawn).contains(&html::escape(note)));
+        let done: serde_json::Value =
+            serde_json::from_slice(&to_json(&sample_sweep()).unwrap()).unwrap();
+        assert_eq!(done["interrupted"], serde_json::Value::Null);
+        assert!(notes(&sample_sweep()).is_empty());
+    }
+
+    #[test]
+    fn a_non_monotone_budget_is_noted() {
+        let mut s = sample_sweep();
+        s.capacity[1].search.non_monotone = Some(super::super::NonMonotone {
+            misses_at: 1.0,
+            meets_at: 2.0,
+        });
+        let note = "budget 2048: latency does not rise with load on this grid (1x misses the SLO while 2x meets it); its capacity is the highest rate below the first miss";
+        assert_eq!(notes(&s), [note]);
+        assert!(table(&s).contains(note));
+        let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+        assert_eq!(
+            v["capacity"][1]["non_monotone"],
+            serde_json::json!({"misses_at": 1.0, "meets_at": 2.0})
+        );
+        assert_eq!(v["capacity"][0]["non_monotone"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn outputs_are_written_as_one_set_and_stale_ones_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        write_outputs(&sample_sweep(), &out, &[]).unwrap();
+        assert!(out.join("capacity.png").is_file());
+        fs::write(out.join("notes.txt"), "mine").unwrap();
+        // A run without an SLO draws no capacity plot: the earlier one goes, other files stay.
+        let no_slo = run_sweep(&options(None), fake).unwrap();
+        write_outputs(&no_slo, &out, &[]).unwrap();
+        assert!(!out.join("capacity.png").exists());
+        assert!(!out.join("capacity.svg").exists());
+        assert!(out.join("notes.txt").is_file());
+        assert_eq!(fs::read(out.join(CSV_FILE)).unwrap(), to_csv(&no_slo).unwrap());
+
+        // A directory where an output goes is refused before anything is written.
+        let out2 = dir.path().join("out2");
+        fs::create_dir_all(out2.join(HTML_FILE)).unwrap();
+        let e = check_output_dir(&out2, &[]).unwrap_err();
+        assert!(matches!(&e, SweepError::OutputNotAFile(p) if p.ends_with(HTML_FILE)), "{e}");
+        assert!(matches!(
+            write_outputs(&no_slo, &out2, &[]),
+            Err(SweepError::OutputNotAFile(_))
+        ));
+        assert_eq!(fs::read_dir(&out2).unwrap().count(), 1);
     }
 
     #[test]
