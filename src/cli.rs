@@ -397,11 +397,14 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                 if args.hold {
                     say(match listen {
                         Listen::Addr(_) => {
-                            "holding: metrics stay served until interrupted (Ctrl-C)"
+                            "holding: metrics stay served until SIGINT (Ctrl-C) or SIGTERM"
                         }
-                        Listen::Off => "holding until interrupted (Ctrl-C); metrics are off",
+                        Listen::Off => {
+                            "holding until SIGINT (Ctrl-C) or SIGTERM; metrics are off"
+                        }
                     });
-                    let _ = tokio::signal::ctrl_c().await;
+                    let signal = hold_until_signal().await;
+                    say(&format!("{signal}: stopped holding"));
                 }
                 code
             }
@@ -415,6 +418,26 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             }
         }
     })
+}
+
+/// Waits for SIGINT or SIGTERM (a service manager's stop) and names it. The replay is done by
+/// then, so either ends the hold with the replay's own exit status.
+async fn hold_until_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            return tokio::select! {
+                _ = int.recv() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            };
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    "SIGINT"
 }
 
 /// Whether a replay error refuses what was asked before anything ran (exit 2): an output, a

@@ -73,6 +73,8 @@ pub mod logging;
 #[cfg(feature = "config")]
 pub mod manifest;
 pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod metrics_server;
 pub mod overrun;
 pub mod planner;
 pub mod policy;
