@@ -528,15 +528,23 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         return usage(&e);
     }
     for b in &budgets {
-        if let Err(e) = crate::replay::replay_budgets(
+        let refused = match crate::replay::replay_budgets(
             &loaded.manifest,
             &loaded.settings,
             &setup,
             false,
             Some(grid_budget(*b)),
         ) {
-            return usage(&format!("`--budgets` cannot run budget {b}: {e}"));
-        }
+            Ok(_) => continue,
+            Err(crate::replay::ReplayError::Config { problem, .. }) => problem,
+            Err(e) => e.to_string(),
+        };
+        let reason = refused
+            .split_once("would refuse it: ")
+            .map_or(refused.as_str(), |(_, r)| r);
+        return usage(&format!(
+            "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks (no replay ran): {reason}"
+        ));
     }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),

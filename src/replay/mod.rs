@@ -399,22 +399,34 @@ pub fn replay_budgets(
         } else {
             "--budget-off"
         };
-        let refused = |problem: String| ReplayError::Config { key, problem };
-        let model = crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies())
-            .map_err(|e| {
-                let e: Vec<String> = e.iter().map(ToString::to_string).collect();
-                refused(format!("cannot be checked against the model: {}", e.join("; ")))
-            })?
-            .shared();
-        if let Err(e) = crate::budget::BudgetTable::build(model, budgets.clone()) {
+        if let Some(reason) = budget_refusal(manifest, &budgets) {
             let shown = value.map_or_else(String::new, |v| format!("= {v} "));
-            return Err(refused(format!(
-                "{shown}is refused as the config would refuse it: {}",
-                crate::config::problem::escape(&e.to_string())
-            )));
+            return Err(ReplayError::Config {
+                key,
+                problem: format!("{shown}is refused as the config would refuse it: {reason}"),
+            });
         }
     }
     Ok(budgets)
+}
+
+/// Why the config would refuse `budgets` for `manifest` (every refusal, escaped), if it would.
+pub fn budget_refusal(
+    manifest: &Manifest,
+    budgets: &crate::budget::BudgetSettings,
+) -> Option<String> {
+    let escaped = |e: String| crate::config::problem::escape(&e);
+    let model = match crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies())
+    {
+        Ok(m) => m.shared(),
+        Err(e) => {
+            let e: Vec<String> = e.iter().map(ToString::to_string).collect();
+            return Some(escaped(e.join("; ")));
+        }
+    };
+    crate::budget::BudgetTable::build(model, budgets.clone())
+        .err()
+        .map(|e| escaped(e.to_string()))
 }
 
 /// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
