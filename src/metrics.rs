@@ -334,25 +334,33 @@ mod exporter {
             addr: listen,
             reason,
         };
-        // Bound at once, so that a bad address fails here, at startup.
-        let std_listener = std::net::TcpListener::bind(listen)
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| MetricsError::Bind {
-                addr: listen,
-                reason: e.to_string(),
-            })?;
-        let listen = std_listener
-            .local_addr()
-            .map_err(|e| exporter_error(e.to_string()))?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| exporter_error(e.to_string()))?;
+        // Bound at once, so that a bad address fails here, at startup. The listen queue is long
+        // enough for clients waiting while `metrics_server::MAX_CONNECTIONS` are served.
         let listener = {
             let _entered = runtime.enter();
-            tokio::net::TcpListener::from_std(std_listener)
-                .map_err(|e| exporter_error(e.to_string()))?
+            let socket = if listen.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()
+            } else {
+                tokio::net::TcpSocket::new_v6()
+            };
+            socket
+                .and_then(|s| {
+                    s.set_reuseaddr(true)?;
+                    s.bind(listen)?;
+                    s.listen(crate::metrics_server::LISTEN_BACKLOG)
+                })
+                .map_err(|e| MetricsError::Bind {
+                    addr: listen,
+                    reason: e.to_string(),
+                })?
         };
+        let listen = listener
+            .local_addr()
+            .map_err(|e| exporter_error(e.to_string()))?;
         let recorder = prometheus_builder().build_recorder();
         let handle = recorder.handle();
         metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;

@@ -28,6 +28,8 @@ use tokio::sync::Semaphore;
 
 /// The most connections served at once.
 pub const MAX_CONNECTIONS: usize = 64;
+/// The listen queue asked of the kernel (which may cap it at `net.core.somaxconn`).
+pub const LISTEN_BACKLOG: u32 = 1024;
 /// How long a client may take to send a request's headers.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection stays open at most, however busy.
