@@ -399,9 +399,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                         Listen::Addr(_) => {
                             "holding: metrics stay served until SIGINT (Ctrl-C) or SIGTERM"
                         }
-                        Listen::Off => {
-                            "holding until SIGINT (Ctrl-C) or SIGTERM; metrics are off"
-                        }
+                        Listen::Off => "holding until SIGINT (Ctrl-C) or SIGTERM; metrics are off",
                     });
                     let signal = hold_until_signal().await;
                     say(&format!("{signal}: stopped holding"));
@@ -822,10 +820,10 @@ fn sweep_labels(
             format!(
                 "chunking.max_batch_tokens of {} (as `replay --budget`)",
                 format!(
-                "{} / {}",
-                config::problem::escape(&setup.node),
-                escape_join(&setup.walks, ", ")
-            )
+                    "{} / {}",
+                    config::problem::escape(&setup.node),
+                    escape_join(&setup.walks, ", ")
+                )
             ),
         ),
     ]);

@@ -332,7 +332,11 @@ mod tests {
         let (lo, hi) = (s.rate_scale.unwrap(), s.misses_at.unwrap());
         assert!(lo < 1.0 && hi <= 1.0, "{lo}..{hi}");
         assert!((0.7 / 1.02..=0.7).contains(&lo), "{lo}");
-        assert!(s.probes.iter().all(|p| p.rate_scale < 1.0), "{:?}", s.probes);
+        assert!(
+            s.probes.iter().all(|p| p.rate_scale < 1.0),
+            "{:?}",
+            s.probes
+        );
         // Every miss below every meet: no first meet below it either, so it halves down.
         let s = search(&[(1.0, false), (2.0, true)], |r| Ok::<_, ()>(r <= 0.25)).unwrap();
         assert!(s.non_monotone.is_some());

@@ -236,7 +236,10 @@ mod tests {
             ("2.1534", "(give 2.153)"),
         ] {
             let e = parse_rates(list).unwrap_err().to_string();
-            assert!(e.contains("in steps of 0.001") && e.contains(shown), "{list}: {e}");
+            assert!(
+                e.contains("in steps of 0.001") && e.contains(shown),
+                "{list}: {e}"
+            );
         }
         assert_eq!(
             parse_rates("0.001,0.1,0.3,1.234,1024").unwrap(),

@@ -103,7 +103,11 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
     );
 
     for n in super::output::notes(sweep) {
-        let _ = writeln!(out, "<p class=\"warn\"><strong>Warning:</strong> {}</p>", escape(&n));
+        let _ = writeln!(
+            out,
+            "<p class=\"warn\"><strong>Warning:</strong> {}</p>",
+            escape(&n)
+        );
     }
 
     out.push_str("<h2>Settings</h2>\n<table>\n");

@@ -402,7 +402,9 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
         if !files.iter().any(|(n, _)| *n == name) {
             let stale = dir.join(&name);
             match fs::remove_file(&stale) {
-                Ok(()) => tracing::debug!(file = %stale.display(), "removed an output of an earlier sweep"),
+                Ok(()) => {
+                    tracing::debug!(file = %stale.display(), "removed an output of an earlier sweep")
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(write_err(&stale)(e)),
             }
@@ -694,7 +696,11 @@ mod tests {
         let s = interrupted();
         let note = "interrupted by SIGINT: 4 of 9 grid replays finished; not run: 2048 at 1x, 2048 at 2x, off at 0.5x, off at 1x, off at 2x; capacity searches that did not finish are left out";
         assert_eq!(notes(&s), [note]);
-        assert!(table(&s).contains(&format!("warning: {note}")), "{}", table(&s));
+        assert!(
+            table(&s).contains(&format!("warning: {note}")),
+            "{}",
+            table(&s)
+        );
         let csv = String::from_utf8(to_csv(&s).unwrap()).unwrap();
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 10);
@@ -702,7 +708,10 @@ mod tests {
         assert_eq!(lines[5], "2048,1,,,,,,,,,,,,,,,interrupted");
         let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
         assert_eq!(v["interrupted"], "SIGINT");
-        assert_eq!(v["not_run"][0], serde_json::json!({"budget": 2048, "rate_scale": 1.0}));
+        assert_eq!(
+            v["not_run"][0],
+            serde_json::json!({"budget": 2048, "rate_scale": 1.0})
+        );
         let drawn = plots::draw_all(&s).unwrap();
         assert!(html::report(&s, &drawn).contains(&html::escape(note)));
         let done: serde_json::Value =
@@ -742,13 +751,19 @@ mod tests {
         assert!(!out.join("capacity.png").exists());
         assert!(!out.join("capacity.svg").exists());
         assert!(out.join("notes.txt").is_file());
-        assert_eq!(fs::read(out.join(CSV_FILE)).unwrap(), to_csv(&no_slo).unwrap());
+        assert_eq!(
+            fs::read(out.join(CSV_FILE)).unwrap(),
+            to_csv(&no_slo).unwrap()
+        );
 
         // A directory where an output goes is refused before anything is written.
         let out2 = dir.path().join("out2");
         fs::create_dir_all(out2.join(HTML_FILE)).unwrap();
         let e = check_output_dir(&out2, &[]).unwrap_err();
-        assert!(matches!(&e, SweepError::OutputNotAFile(p) if p.ends_with(HTML_FILE)), "{e}");
+        assert!(
+            matches!(&e, SweepError::OutputNotAFile(p) if p.ends_with(HTML_FILE)),
+            "{e}"
+        );
         assert!(matches!(
             write_outputs(&no_slo, &out2, &[]),
             Err(SweepError::OutputNotAFile(_))

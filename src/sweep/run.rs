@@ -195,7 +195,18 @@ mod tests {
         let kept: Vec<Option<u32>> = slots.into_iter().map(|s| s.map(Result::unwrap)).collect();
         assert_eq!(
             kept,
-            [Some(0), Some(1), Some(2), Some(3), None, None, None, None, None, None]
+            [
+                Some(0),
+                Some(1),
+                Some(2),
+                Some(3),
+                None,
+                None,
+                None,
+                None,
+                None,
+                None
+            ]
         );
     }
 

@@ -201,9 +201,7 @@ fn idle_clients_cannot_starve_the_replay_of_descriptors_or_flood_its_log() {
         .map(|_| {
             std::thread::spawn(move || {
                 (0..30)
-                    .filter_map(|_| {
-                        TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()
-                    })
+                    .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok())
                     .collect::<Vec<_>>()
             })
         })

@@ -12,3 +12,4 @@ mod replay;
 mod state_machine;
 mod sweep_cli;
 mod time_budget;
+mod trusted_sweep;
