@@ -43,17 +43,26 @@ fn sweep_flags_and_grid_values_are_refused_before_any_replay() {
     for (args, words) in [
         // 1 and 1.0004 would both print as 1.
         (
-            vec!["--rates", "1,1.0004", "--budgets", "512"],
+            vec!["--rates", "1,1.0004", "--budgets", "512", "--requests", "20"],
             "`--rates` takes rate scales in steps of 0.001",
         ),
         // Below the demo model's `align` of 16: the config refuses it.
         (
-            vec!["--rates", "1", "--budgets", "512,8"],
+            vec!["--rates", "1", "--budgets", "512,8", "--requests", "20"],
             "`--budgets` names 8, which the config would refuse",
         ),
         // Off with a time budget on the same walk: the time budget would do nothing.
         (
-            vec!["--rates", "1", "--budgets", "512,off", "--config", s(&timed)],
+            vec![
+                "--rates",
+                "1",
+                "--budgets",
+                "512,off",
+                "--requests",
+                "20",
+                "--config",
+                s(&timed),
+            ],
             "`--budgets` names off, which the config would refuse as the budget of the replayed walks (no replay ran): time budget for `llm`/`mixed` would do nothing",
         ),
         // A trace that cannot be read: refused, and the output directory is not left behind.
