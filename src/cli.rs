@@ -818,12 +818,9 @@ fn sweep_labels(
         (
             "budget axis".to_string(),
             format!(
-                "chunking.max_batch_tokens of {} (as `replay --budget`)",
-                format!(
-                    "{} / {}",
-                    config::problem::escape(&setup.node),
-                    escape_join(&setup.walks, ", ")
-                )
+                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
+                config::problem::escape(&setup.node),
+                escape_join(&setup.walks, ", ")
             ),
         ),
     ]);
