@@ -513,6 +513,12 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     } else {
         None
     };
+    if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
+        return usage(&format!(
+            "`--step-time-rate` {} is not one of the rate scales of `--rates`",
+            sweep::output::fmt_rate(r)
+        ));
+    }
     let inputs: Vec<PathBuf> = load
         .config_files()
         .into_iter()

@@ -65,6 +65,10 @@ fn sweep_flags_and_grid_values_are_refused_before_any_replay() {
             ],
             "`--budgets` names off, which the config would refuse as the budget of the replayed walks (no replay ran): time budget for `llm`/`mixed` would do nothing",
         ),
+        (
+            vec!["--rates", "1,2", "--step-time-rate", "3", "--budgets", "512", "--requests", "20"],
+            "`--step-time-rate` 3 is not one of the rate scales",
+        ),
         // A trace that cannot be read: refused, and the output directory is not left behind.
         (
             vec!["--rates", "1", "--budgets", "512", "--trace", "/nonexistent/t.jsonl"],
