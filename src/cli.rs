@@ -515,7 +515,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     };
     if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
         return usage(&format!(
-            "`--step-time-rate` {} is not one of the rate scales of `--rates`",
+            "`--step-time-rate`: the step-time rate {} is not one of the rate scales of `--rates`",
             sweep::output::fmt_rate(r)
         ));
     }

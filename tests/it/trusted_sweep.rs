@@ -67,7 +67,7 @@ fn sweep_flags_and_grid_values_are_refused_before_any_replay() {
         ),
         (
             vec!["--rates", "1,2", "--step-time-rate", "3", "--budgets", "512", "--requests", "20"],
-            "`--step-time-rate` 3 is not one of the rate scales",
+            "`--step-time-rate`: the step-time rate 3 is not one of the rate scales",
         ),
         // A trace that cannot be read: refused, and the output directory is not left behind.
         (
