@@ -122,7 +122,7 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "ADDR|off")]
     pub metrics_listen: Option<Listen>,
     /// Serve metrics (at `metrics.listen`) and keep serving them after the replay ends, until
-    /// interrupted
+    /// SIGINT (Ctrl-C) or SIGTERM
     #[arg(long)]
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying
