@@ -444,7 +444,10 @@ fn is_usage(e: &crate::replay::ReplayError) -> bool {
     use crate::replay::formats::FormatError;
     use crate::replay::{ReplayError, TraceError};
     match e {
-        ReplayError::Output { .. } | ReplayError::Config { .. } | ReplayError::RateScale(_) => true,
+        ReplayError::Output { .. }
+        | ReplayError::Config { .. }
+        | ReplayError::RateScale(_)
+        | ReplayError::Budget { .. } => true,
         ReplayError::Trace(TraceError::Bundled { .. }) => true,
         ReplayError::Trace(TraceError::Format(f)) => matches!(
             f,
@@ -540,15 +543,12 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             Some(grid_budget(*b)),
         ) {
             Ok(_) => continue,
-            Err(crate::replay::ReplayError::Config { problem, .. }) => problem,
-            Err(e) => e.to_string(),
+            Err(crate::replay::ReplayError::Budget { reason, .. }) => format!(
+                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
+            ),
+            Err(e) => format!("`--budgets` names {b}: {e}"),
         };
-        let reason = refused
-            .split_once("would refuse it: ")
-            .map_or(refused.as_str(), |(_, r)| r);
-        return usage(&format!(
-            "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks (no replay ran): {reason}"
-        ));
+        return usage(&format!("{refused} (no replay ran)"));
     }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),

@@ -238,6 +238,17 @@ pub enum ReplayError {
     /// `--rate-scale` out of range.
     #[error("{0}")]
     RateScale(String),
+    /// `--budget` (or `--budget-off`) gives budgets the config would refuse (see
+    /// [`replay_budgets`]).
+    #[error("`{flag}`{} is refused as the config would refuse it: {reason}", value.map_or_else(String::new, |v| format!(" = {v}")))]
+    Budget {
+        /// `--budget` or `--budget-off`.
+        flag: &'static str,
+        /// The value of `--budget`.
+        value: Option<BudgetValue>,
+        /// Every refusal, escaped.
+        reason: String,
+    },
     /// An output refused before anything ran (see [`check_outputs`]).
     #[error("the {what} `{path}` {problem}", path = crate::config::problem::escape(&.path.display().to_string()))]
     Output {
@@ -372,7 +383,8 @@ pub fn budget_flag_overrides(
 /// refuse is refused before anything runs.
 ///
 /// # Errors
-/// [`ReplayError::Config`] on `--budget` (or `--budget-off`) with every refusal.
+/// [`ReplayError::Budget`] with every refusal; [`ReplayError::Config`] when the replayed node
+/// has no token budget for `--budget` to replace.
 pub fn replay_budgets(
     manifest: &Manifest,
     settings: &Settings,
@@ -394,16 +406,15 @@ pub fn replay_budgets(
     }
     // Only a flag can make the config's own budgets fail here: `check` accepted those.
     if budget_off || value.is_some() {
-        let key = if value.is_some() {
-            "--budget"
-        } else {
-            "--budget-off"
-        };
         if let Some(reason) = budget_refusal(manifest, &budgets) {
-            let shown = value.map_or_else(String::new, |v| format!("= {v} "));
-            return Err(ReplayError::Config {
-                key,
-                problem: format!("{shown}is refused as the config would refuse it: {reason}"),
+            return Err(ReplayError::Budget {
+                flag: if value.is_some() {
+                    "--budget"
+                } else {
+                    "--budget-off"
+                },
+                value,
+                reason,
             });
         }
     }

@@ -63,7 +63,7 @@ fn sweep_flags_and_grid_values_are_refused_before_any_replay() {
                 "--config",
                 s(&timed),
             ],
-            "`--budgets` names off, which the config would refuse as the budget of the replayed walks (no replay ran): time budget for `llm`/`mixed` would do nothing",
+            "`--budgets` names off, which the config would refuse as the budget of the replayed walks: time budget for `llm`/`mixed` would do nothing: steps of `mixed` on `llm` have no token budget, so nothing is cut (no replay ran)",
         ),
         (
             vec!["--rates", "1,2", "--step-time-rate", "3", "--budgets", "512", "--requests", "20"],
