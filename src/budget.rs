@@ -447,7 +447,6 @@ pub enum BudgetError {
         /// The model's `base_ms`.
         base_ms: f64,
     },
-    },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {

@@ -124,7 +124,7 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "ADDR|off")]
     pub metrics_listen: Option<Listen>,
     /// Serve metrics (at `metrics.listen`) and keep serving them after the replay ends, until
-    /// interrupted
+    /// SIGINT (Ctrl-C) or SIGTERM
     #[arg(long)]
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying
@@ -352,6 +352,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             .collect(),
         handle_signals: true,
         on_step: None,
+        stop: None,
     };
     actix::System::new().block_on(async {
         let cm = match crate::ChunkingManagement::start(
@@ -398,11 +399,12 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
                 if args.hold {
                     say(match listen {
                         Listen::Addr(_) => {
-                            "holding: metrics stay served until interrupted (Ctrl-C)"
+                            "holding: metrics stay served until SIGINT (Ctrl-C) or SIGTERM"
                         }
-                        Listen::Off => "holding until interrupted (Ctrl-C); metrics are off",
+                        Listen::Off => "holding until SIGINT (Ctrl-C) or SIGTERM; metrics are off",
                     });
-                    let _ = tokio::signal::ctrl_c().await;
+                    let signal = hold_until_signal().await;
+                    say(&format!("{signal}: stopped holding"));
                 }
                 code
             }
@@ -418,13 +420,36 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
     })
 }
 
+/// Waits for SIGINT or SIGTERM (a service manager's stop) and names it. The replay is done by
+/// then, so either ends the hold with the replay's own exit status.
+async fn hold_until_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            return tokio::select! {
+                _ = int.recv() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            };
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    "SIGINT"
+}
+
 /// Whether a replay error refuses what was asked before anything ran (exit 2): an output, a
 /// setting, the rate scale, `--budget`, or `--format` / `--arrivals` against the trace.
 fn is_usage(e: &crate::replay::ReplayError) -> bool {
     use crate::replay::formats::FormatError;
     use crate::replay::{ReplayError, TraceError};
     match e {
-        ReplayError::Output { .. } | ReplayError::Config { .. } | ReplayError::RateScale(_) => true,
+        ReplayError::Output { .. }
+        | ReplayError::Config { .. }
+        | ReplayError::RateScale(_)
+        | ReplayError::Budget { .. } => true,
         ReplayError::Trace(TraceError::Bundled { .. }) => true,
         ReplayError::Trace(TraceError::Format(f)) => matches!(
             f,
@@ -493,6 +518,12 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     } else {
         None
     };
+    if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
+        return usage(&format!(
+            "`--step-time-rate`: the step-time rate {} is not one of the rate scales of `--rates`",
+            sweep::output::fmt_rate(r)
+        ));
+    }
     let inputs: Vec<PathBuf> = load
         .config_files()
         .into_iter()
@@ -500,16 +531,26 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         .chain(load.model_path())
         .chain(args.trace.clone())
         .collect();
-    // Refused before hours of replays, not after.
+    // Refused before hours of replays, not after: the outputs, and every budget of the grid
+    // as the config would refuse it (as `replay --budget` does).
     if let Err(e) = sweep::output::check_output_dir(&args.out, &inputs) {
         return usage(&e);
     }
-    if let Err(e) = std::fs::create_dir_all(&args.out) {
-        say(&format!(
-            "error: cannot create the output directory `{}`: {e}",
-            config::problem::escape(&args.out.display().to_string())
-        ));
-        return ExitCode::from(EXIT_CONFIG);
+    for b in &budgets {
+        let refused = match crate::replay::replay_budgets(
+            &loaded.manifest,
+            &loaded.settings,
+            &setup,
+            false,
+            Some(grid_budget(*b)),
+        ) {
+            Ok(_) => continue,
+            Err(crate::replay::ReplayError::Budget { reason, .. }) => format!(
+                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
+            ),
+            Err(e) => format!("`--budgets` names {b}: {e}"),
+        };
+        return usage(&format!("{refused} (no replay ran)"));
     }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),
@@ -537,6 +578,24 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     for w in crate::replay::trace_warnings(&setup, &trace) {
         say(&format!("warning: {w}"));
     }
+    // Created only now that every input was accepted, and removed again if the sweep writes
+    // nothing into it.
+    let created = !args.out.exists();
+    if let Err(e) = std::fs::create_dir_all(&args.out) {
+        say(&format!(
+            "error: cannot create the output directory `{}`: {e}",
+            config::problem::escape(&args.out.display().to_string())
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let remove_if_created = || {
+        if created {
+            // Only an empty directory is removed.
+            let _ = std::fs::remove_dir(&args.out);
+        }
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let _signals = sweep_signals(stop.clone());
     let opts = SweepOptions {
         budgets,
         rates,
@@ -545,35 +604,48 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         progress: !args.no_progress,
         step_time_rate: args.step_time_rate,
         settings: sweep_labels(&loaded, &setup, &base, &trace),
+        stop: Some(stop.clone()),
     };
     let (manifest, settings) = (&loaded.manifest, &loaded.settings);
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         let mut o = base.clone();
         o.rate_scale = rate;
-        o.budget = Some(match budget {
-            Budget::Tokens(n) => BudgetValue::Tokens(n),
-            Budget::Off => BudgetValue::Off,
-        });
+        o.budget = Some(grid_budget(budget));
+        o.stop = Some(crate::replay::StopFlag(stop.clone()));
         actix::System::new().block_on(async {
             let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
                 .map_err(|e| e.to_string())?;
             let started = std::time::Instant::now();
-            crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
+            let r = crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
                 .await
-                .map(|r| sweep::RunSummary::from(&r))
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.to_string())?;
+            match &r.interrupted {
+                // Half a replay is no cell: the sweep lists it as not run.
+                Some(signal) => Err(format!("interrupted by {signal}")),
+                None => Ok(sweep::RunSummary::from(&r)),
+            }
         })
     };
     let wall = std::time::Instant::now();
     let result = match sweep::run_sweep(&opts, run) {
         Ok(r) => r,
-        Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => return usage(&e),
+        Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => {
+            remove_if_created();
+            return usage(&e);
+        }
         Err(e) => {
+            remove_if_created();
             say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
     };
-    let code = print_stdout(&sweep::output::table(&result));
+    let mut code = print_stdout(&sweep::output::table(&result));
+    if let Some(signal) = &result.interrupted {
+        say(&format!(
+            "interrupted by {signal}: the outputs cover the replays that finished"
+        ));
+        code = ExitCode::from(crate::replay::signal_exit_code(signal));
+    }
     match sweep::write_outputs(&result, &args.out, &inputs) {
         Ok(written) => {
             say(&format!(
@@ -591,12 +663,93 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             code
         }
         Err(
-            e @ (sweep::SweepError::OutputIsInput(_) | sweep::SweepError::OutputNotADirectory(_)),
-        ) => usage(&e),
+            e @ (sweep::SweepError::OutputIsInput(_)
+            | sweep::SweepError::OutputNotADirectory(_)
+            | sweep::SweepError::OutputNotAFile(_)),
+        ) => {
+            remove_if_created();
+            usage(&e)
+        }
         Err(e) => {
+            remove_if_created();
             say(&format!("error: {e}"));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Each of `items` escaped ([`config::problem::escape`]), joined with `sep`.
+fn escape_join(items: &[String], sep: &str) -> String {
+    items
+        .iter()
+        .map(|i| config::problem::escape(i))
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+/// A grid budget as `--budget` takes it.
+fn grid_budget(b: crate::sweep::Budget) -> BudgetValue {
+    match b {
+        crate::sweep::Budget::Tokens(n) => BudgetValue::Tokens(n),
+        crate::sweep::Budget::Off => BudgetValue::Off,
+    }
+}
+
+/// Stops a sweep on SIGINT or SIGTERM: the first sets `stop` to its number (the workers start
+/// no new replay and stop theirs at the next step; the finished cells are written), a second
+/// one exits at once with 128 + its number. Watched on a thread of its own until the process
+/// ends; `None` where signals cannot be watched.
+fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        // Registered before the grid starts, so that no signal is missed.
+        let (mut int, mut term) = {
+            let _entered = runtime.enter();
+            (
+                signal(SignalKind::interrupt()).ok()?,
+                signal(SignalKind::terminate()).ok()?,
+            )
+        };
+        std::thread::Builder::new()
+            .name("mstar-sweep-signals".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    loop {
+                        let sig = tokio::select! {
+                            _ = int.recv() => 2,
+                            _ = term.recv() => 15,
+                        };
+                        let first = stop
+                            .compare_exchange(
+                                0,
+                                sig,
+                                std::sync::atomic::Ordering::SeqCst,
+                                std::sync::atomic::Ordering::SeqCst,
+                            )
+                            .is_ok();
+                        if first {
+                            say(&format!(
+                                "{}: stopping the sweep after the replays running now; signal again to stop at once",
+                                crate::replay::signal_name(sig)
+                            ));
+                        } else {
+                            std::process::exit(128 + sig);
+                        }
+                    }
+                });
+            })
+            .ok()?;
+        Some(())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stop;
+        None
     }
 }
 
@@ -610,7 +763,11 @@ fn sweep_labels(
     let mut v = vec![
         (
             "trace".to_string(),
-            format!("{} ({})", trace.file, InputFormat::from(trace.format)),
+            format!(
+                "{} ({})",
+                config::problem::escape(&trace.file),
+                InputFormat::from(trace.format)
+            ),
         ),
         ("requests".to_string(), trace.requests.len().to_string()),
     ];
@@ -620,12 +777,23 @@ fn sweep_labels(
     v.extend([
         (
             "model".to_string(),
-            format!("{} ({})", loaded.manifest.name, loaded.model_origin),
+            format!(
+                "{} ({})",
+                config::problem::escape(&loaded.manifest.name),
+                config::problem::escape(&loaded.model_origin)
+            ),
         ),
-        ("config layers".to_string(), loaded.layers.join(" -> ")),
+        (
+            "config layers".to_string(),
+            escape_join(&loaded.layers, " -> "),
+        ),
         (
             "node, step walk".to_string(),
-            format!("{} / {}", setup.node, setup.walks.join(", ")),
+            format!(
+                "{} / {}",
+                config::problem::escape(&setup.node),
+                escape_join(&setup.walks, ", ")
+            ),
         ),
         (
             "cost model".to_string(),
@@ -659,8 +827,8 @@ fn sweep_labels(
             "budget axis".to_string(),
             format!(
                 "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
-                setup.node,
-                setup.walks.join(", ")
+                config::problem::escape(&setup.node),
+                escape_join(&setup.walks, ", ")
             ),
         ),
     ]);
@@ -670,7 +838,7 @@ fn sweep_labels(
         .iter()
         .filter_map(|w| {
             let ms = loaded.table.max_step_ms(&setup.node, w)?;
-            Some(format!("{w} {ms} ms"))
+            Some(format!("{} {ms} ms", config::problem::escape(w)))
         })
         .collect();
     v.push((
@@ -787,9 +955,9 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
     let rows = loaded.rows();
     let mut out = format!(
         "model `{}` from {}\nlayers: {}\n\n{}",
-        loaded.manifest.name,
-        loaded.model_origin,
-        loaded.layers.join(" -> "),
+        config::problem::escape(&loaded.manifest.name),
+        config::problem::escape(&loaded.model_origin),
+        escape_join(&loaded.layers, " -> "),
         render_table(&rows)
     );
     out.push_str(&format!(
@@ -840,7 +1008,7 @@ fn init_logging(loaded: &Loaded) {
     }
     tracing::debug!(
         model = %config::problem::escape(&loaded.model_origin),
-        layers = %config::problem::escape(&loaded.layers.join(" -> ")),
+        layers = %escape_join(&loaded.layers, " -> "),
         "configuration loaded"
     );
 }
@@ -897,7 +1065,10 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
         let caps = r.walk_caps.as_ref().map_or_else(
             || "-".to_string(),
             |caps| {
-                let parts: Vec<String> = caps.iter().map(|(w, c)| format!("{w}={c}")).collect();
+                let parts: Vec<String> = caps
+                    .iter()
+                    .map(|(w, c)| format!("{}={c}", config::problem::escape(w)))
+                    .collect();
                 if parts.is_empty() {
                     "{}".to_string()
                 } else {
@@ -912,8 +1083,8 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
             (None, None) => "-".to_string(),
         };
         cells.push([
-            r.node.clone(),
-            r.walk.clone(),
+            config::problem::escape(&r.node),
+            config::problem::escape(&r.walk),
             opt(r.policy_budget),
             budget,
             if r.chunkable { "yes" } else { "no" }.to_string(),

@@ -27,8 +27,8 @@
 //! The edges, behind cargo features: `config` (`manifest`, the model's file; `config`, the
 //! layered serving config; `reload`, hot reload), `replay` (`replay`, which drives the
 //! actors through a request trace on a simulated clock, and `latency_fit_file`), `sweep`
-//! (`sweep`, replays over a grid of budgets and rates), `cli` (`cli`, `logging` and the
-//! binary).
+//! (`sweep`, replays over a grid of budgets and rates), `prometheus` (`metrics_server`, the
+//! metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and the binary).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -73,6 +73,8 @@ pub mod logging;
 #[cfg(feature = "config")]
 pub mod manifest;
 pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod metrics_server;
 pub mod overrun;
 pub mod planner;
 pub mod policy;

@@ -273,7 +273,7 @@ pub use exporter::{install_prometheus, MetricsError};
 mod exporter {
     use std::net::SocketAddr;
 
-    use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
     use super::*;
 
@@ -303,21 +303,6 @@ mod exporter {
 
     /// The exporter's settings: histograms get explicit buckets (without them the exporter renders
     /// summaries, which cannot be aggregated across nodes or over time windows).
-    /// `listen` with port 0 replaced by a free port the system picks, so that the address
-    /// logged and served is the real one. (The port could be taken between this probe and the
-    /// exporter's bind; that is then the usual bind error.)
-    fn concrete_port(listen: SocketAddr) -> Result<SocketAddr, MetricsError> {
-        if listen.port() != 0 {
-            return Ok(listen);
-        }
-        std::net::TcpListener::bind(listen)
-            .and_then(|l| l.local_addr())
-            .map_err(|e| MetricsError::Bind {
-                addr: listen,
-                reason: e.to_string(),
-            })
-    }
-
     pub(super) fn prometheus_builder() -> PrometheusBuilder {
         let tokens = token_buckets();
         let seconds = seconds_buckets();
@@ -337,14 +322,14 @@ mod exporter {
     }
 
     /// Installs the Prometheus exporter as the global recorder, serving `/metrics` on `listen` from
-    /// a thread of its own (so that scrapes are answered even while the actors are busy), and
-    /// describes every metric.
+    /// a thread of its own (so that scrapes are answered even while the actors are busy; see
+    /// [`crate::metrics_server`] for the limits it holds clients to), and describes every metric.
+    /// Port 0 binds a free port the system picks; the address logged is the real one.
     ///
     /// # Errors
     /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
     /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
     pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
-        let listen = concrete_port(listen)?;
         let exporter_error = |reason: String| MetricsError::Exporter {
             addr: listen,
             reason,
@@ -353,29 +338,35 @@ mod exporter {
             .enable_all()
             .build()
             .map_err(|e| exporter_error(e.to_string()))?;
-        // `build` binds the listener at once, so a bad address fails here, at startup, and spawns
-        // the exporter's upkeep task on `runtime`.
-        let (recorder, exporter) = {
+        // Bound at once, so that a bad address fails here, at startup. The listen queue is long
+        // enough for clients waiting while `metrics_server::MAX_CONNECTIONS` are served.
+        let listener = {
             let _entered = runtime.enter();
-            prometheus_builder()
-                .with_http_listener(listen)
-                .build()
-                .map_err(|e| match e {
-                    BuildError::FailedToCreateHTTPListener(reason) => MetricsError::Bind {
-                        addr: listen,
-                        reason,
-                    },
-                    other => exporter_error(other.to_string()),
+            let socket = if listen.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()
+            } else {
+                tokio::net::TcpSocket::new_v6()
+            };
+            socket
+                .and_then(|s| {
+                    s.set_reuseaddr(true)?;
+                    s.bind(listen)?;
+                    s.listen(crate::metrics_server::LISTEN_BACKLOG)
+                })
+                .map_err(|e| MetricsError::Bind {
+                    addr: listen,
+                    reason: e.to_string(),
                 })?
         };
+        let listen = listener
+            .local_addr()
+            .map_err(|e| exporter_error(e.to_string()))?;
+        let recorder = prometheus_builder().build_recorder();
+        let handle = recorder.handle();
         metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
         std::thread::Builder::new()
             .name("mstar-metrics".into())
-            .spawn(move || {
-                if let Err(e) = runtime.block_on(exporter) {
-                    tracing::error!(addr = %listen, error = ?e, "the metrics endpoint stopped");
-                }
-            })
+            .spawn(move || runtime.block_on(crate::metrics_server::serve(listener, handle)))
             .map_err(|e| exporter_error(e.to_string()))?;
         describe_all();
         tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");

@@ -76,6 +76,30 @@ pub struct ReplayOptions {
     pub handle_signals: bool,
     /// Called after every step with the number of steps run so far.
     pub on_step: Option<StepHook>,
+    /// Stop at a step boundary once this holds a signal number (a sweep's workers share one
+    /// that its own signal watch sets); with `handle_signals`, the signals set it too.
+    pub stop: Option<StopFlag>,
+}
+
+/// A flag shared by replays that are to stop together: 0 while running, else the number of the
+/// signal that stopped them (see [`signal_name`]).
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(pub Arc<AtomicI32>);
+
+impl StopFlag {
+    /// The signal that set the flag, if any.
+    pub fn signal(&self) -> Option<i32> {
+        match self.0.load(Ordering::SeqCst) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+}
+
+impl PartialEq for StopFlag {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A callback after every replay step, given the steps run so far (tests drive faults from it).
@@ -209,6 +233,7 @@ impl Default for ReplayOptions {
             inputs: Vec::new(),
             handle_signals: false,
             on_step: None,
+            stop: None,
         }
     }
 }
@@ -239,6 +264,17 @@ pub enum ReplayError {
     /// `--rate-scale` out of range.
     #[error("{0}")]
     RateScale(String),
+    /// `--budget` (or `--budget-off`) gives budgets the config would refuse (see
+    /// [`replay_budgets`]).
+    #[error("`{flag}`{} is refused as the config would refuse it: {reason}", value.map_or_else(String::new, |v| format!(" = {v}")))]
+    Budget {
+        /// `--budget` or `--budget-off`.
+        flag: &'static str,
+        /// The value of `--budget`.
+        value: Option<BudgetValue>,
+        /// Every refusal, escaped.
+        reason: String,
+    },
     /// An output refused before anything ran (see [`check_outputs`]).
     #[error("the {what} `{path}` {problem}", path = crate::config::problem::escape(&.path.display().to_string()))]
     Output {
@@ -367,6 +403,69 @@ pub fn budget_flag_overrides(
     Ok(overrides)
 }
 
+/// The budgets a replay applies: the config's, then `--budget-off` and `--budget` (`value`),
+/// and without the replayed node's cost model when `replay.cost.learn` is on. Checked whole
+/// against the model as the config is (`BudgetTable::build`), so that a flag the config would
+/// refuse is refused before anything runs.
+///
+/// # Errors
+/// [`ReplayError::Budget`] with every refusal; [`ReplayError::Config`] when the replayed node
+/// has no token budget for `--budget` to replace.
+pub fn replay_budgets(
+    manifest: &Manifest,
+    settings: &Settings,
+    setup: &Setup,
+    budget_off: bool,
+    value: Option<BudgetValue>,
+) -> Result<crate::budget::BudgetSettings, ReplayError> {
+    let mut budgets = manifest.settings_budgets(settings);
+    if budget_off {
+        budgets.overrides = budget_off_overrides(manifest);
+    }
+    if let Some(value) = value {
+        budgets.overrides = budget_flag_overrides(manifest, setup, budgets.overrides, value)?;
+    }
+    // `replay.cost.learn`: the component learns the simulated cost of the replayed node online,
+    // without being given a model for it.
+    if setup.learn {
+        budgets.time.cost.remove(setup.node.as_str());
+    }
+    // Only a flag can make the config's own budgets fail here: `check` accepted those.
+    if budget_off || value.is_some() {
+        if let Some(reason) = budget_refusal(manifest, &budgets) {
+            return Err(ReplayError::Budget {
+                flag: if value.is_some() {
+                    "--budget"
+                } else {
+                    "--budget-off"
+                },
+                value,
+                reason,
+            });
+        }
+    }
+    Ok(budgets)
+}
+
+/// Why the config would refuse `budgets` for `manifest` (every refusal, escaped), if it would.
+pub fn budget_refusal(
+    manifest: &Manifest,
+    budgets: &crate::budget::BudgetSettings,
+) -> Option<String> {
+    let escaped = |e: String| crate::config::problem::escape(&e);
+    let model = match crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies())
+    {
+        Ok(m) => m.shared(),
+        Err(e) => {
+            let e: Vec<String> = e.iter().map(ToString::to_string).collect();
+            return Some(escaped(e.join("; ")));
+        }
+    };
+    crate::budget::BudgetTable::build(model, budgets.clone())
+        .err()
+        .map(|e| escaped(e.to_string()))
+}
+
 /// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
 /// file says, with generated arrivals for a length-only trace, seeded with `seed`.
 ///
@@ -469,6 +568,8 @@ pub async fn run_on(
     .filter_map(|(what, p)| Some((what, p?)))
     .collect();
     check_outputs(&outputs, &inputs)?;
+    // Refused before the trace is read, not after.
+    replay_budgets(manifest, settings, &setup, opts.budget_off, opts.budget)?;
     let trace = load_trace(opts, setup.seed)?;
     run_trace(cm, manifest, settings, opts, &trace, wall).await
 }
@@ -503,18 +604,7 @@ pub async fn run_trace(
     cm.set_policies(manifest.policies())
         .await
         .map_err(ReplayError::chunking("setting the model's policies"))?;
-    let mut budgets = manifest.settings_budgets(settings);
-    if opts.budget_off {
-        budgets.overrides = budget_off_overrides(manifest);
-    }
-    if let Some(value) = opts.budget {
-        budgets.overrides = budget_flag_overrides(manifest, &setup, budgets.overrides, value)?;
-    }
-    // `replay.cost.learn`: the component learns the simulated cost of the replayed node online,
-    // without being given a model for it.
-    if setup.learn {
-        budgets.time.cost.remove(setup.node.as_str());
-    }
+    let budgets = replay_budgets(manifest, settings, &setup, opts.budget_off, opts.budget)?;
     cm.set_budgets(budgets)
         .await
         .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
@@ -531,11 +621,15 @@ pub async fn run_trace(
         None => None,
     };
     let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log).time_budgets(&labels.budgets);
+    let flag = opts.stop.as_ref().map(|f| f.0.clone());
     let _signals = if opts.handle_signals {
-        let flag = Arc::new(AtomicI32::new(0));
+        let flag = flag.unwrap_or_default();
         sim = sim.stop_on(flag.clone());
         watch_signals(flag)
     } else {
+        if let Some(flag) = flag {
+            sim = sim.stop_on(flag);
+        }
         None
     };
     tracing::debug!(

@@ -9,6 +9,7 @@ use std::fmt;
 use serde::{Serialize, Serializer};
 
 use super::trace::TraceFormat;
+use crate::config::problem::escape;
 
 /// The outcome of a replay. Serialised as is by `--report-json`; `Display` is the summary table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -473,13 +474,17 @@ impl RunSettings {
                 let policy = b
                     .policy_budget
                     .map_or_else(|| "none".to_string(), |p| p.to_string());
-                format!("{} {} (policy {policy})", b.walk, opt(b.max_batch_tokens))
+                format!(
+                    "{} {} (policy {policy})",
+                    escape(&b.walk),
+                    opt(b.max_batch_tokens)
+                )
             })
             .collect();
         let times: Vec<String> = self
             .budgets
             .iter()
-            .filter_map(|b| Some(format!("{} {} ms", b.walk, b.max_step_ms?)))
+            .filter_map(|b| Some(format!("{} {} ms", escape(&b.walk), b.max_step_ms?)))
             .collect();
         let tokens = if tokens.is_empty() {
             "none".to_string()
@@ -650,13 +655,13 @@ impl fmt::Display for ReplayReport {
         writeln!(
             f,
             "replay of {} ({}) on node `{}`, walk{} {}{}",
-            self.trace,
+            escape(&self.trace),
             self.format,
-            self.node,
+            escape(&self.node),
             if self.walks.len() > 1 { "s" } else { "" },
             self.walks
                 .iter()
-                .map(|w| format!("`{w}`"))
+                .map(|w| format!("`{}`", escape(w)))
                 .collect::<Vec<_>>()
                 .join(" / "),
             if self.budget_off { ", budgets off" } else { "" },

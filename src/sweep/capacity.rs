@@ -5,6 +5,11 @@
 //! by a higher one that meets it. Starting from what the grid already measured, it doubles (or
 //! halves) the rate until one meets and one misses, then bisects geometrically until the two are
 //! within [`TOLERANCE`] of each other, and answers the one that meets.
+//!
+//! When the grid itself contradicts that assumption (a rate misses while a higher one meets),
+//! the search says so ([`Search::non_monotone`]) and never answers a rate above a miss: it
+//! brackets below the lowest miss the grid measured, so the capacity is the highest rate below
+//! the first miss.
 
 use serde::Serialize;
 
@@ -104,6 +109,18 @@ pub struct Probe {
     pub meets: bool,
 }
 
+/// Two grid rates of one budget that contradict rising latency: the lower misses the SLO while
+/// the higher meets it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct NonMonotone {
+    /// The lowest rate the grid measured to miss the SLO.
+    #[serde(serialize_with = "super::output::ser_round")]
+    pub misses_at: f64,
+    /// The highest rate above it that meets the SLO.
+    #[serde(serialize_with = "super::output::ser_round")]
+    pub meets_at: f64,
+}
+
 /// The answer of one search.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Search {
@@ -117,6 +134,8 @@ pub struct Search {
     pub bound: Bound,
     /// The runs the search made itself, in order (the grid's own are not repeated).
     pub probes: Vec<Probe>,
+    /// Set when the grid contradicts rising latency; the capacity is then below its first miss.
+    pub non_monotone: Option<NonMonotone>,
 }
 
 /// Searches the highest rate scale for which `meets` holds, to [`TOLERANCE`].
@@ -131,17 +150,28 @@ pub fn search<E>(
     mut meets: impl FnMut(f64) -> Result<bool, E>,
 ) -> Result<Search, E> {
     let usable = |r: &f64| r.is_finite() && (MIN_RATE_SCALE..=MAX_RATE_SCALE).contains(r);
-    let mut lo: Option<f64> = known
-        .iter()
-        .filter(|(r, m)| *m && usable(r))
-        .map(|(r, _)| *r)
-        .max_by(f64::total_cmp);
-    // The lowest miss above the highest meet: with a monotone SLO, every miss is above it.
+    // The first miss, and the highest meet below it: never a rate above a miss.
     let mut hi: Option<f64> = known
         .iter()
-        .filter(|(r, m)| !*m && usable(r) && lo.is_none_or_below(*r))
+        .filter(|(r, m)| !*m && usable(r))
         .map(|(r, _)| *r)
         .min_by(f64::total_cmp);
+    let mut lo: Option<f64> = known
+        .iter()
+        .filter(|(r, m)| *m && usable(r) && hi.is_none_or_above(*r))
+        .map(|(r, _)| *r)
+        .max_by(f64::total_cmp);
+    let non_monotone = hi.and_then(|h| {
+        known
+            .iter()
+            .filter(|(r, m)| *m && usable(r) && *r > h)
+            .map(|(r, _)| *r)
+            .max_by(f64::total_cmp)
+            .map(|meets_at| NonMonotone {
+                misses_at: h,
+                meets_at,
+            })
+    });
     let mut probes = Vec::new();
     let mut probe = |r: f64, probes: &mut Vec<Probe>| -> Result<bool, E> {
         let m = meets(r)?;
@@ -164,6 +194,7 @@ pub fn search<E>(
                     misses_at: None,
                     bound: Bound::AtLeastMax,
                     probes,
+                    non_monotone,
                 })
             }
             (None, Some(h)) if h <= MIN_PROBE.max(MIN_RATE_SCALE) => {
@@ -172,6 +203,7 @@ pub fn search<E>(
                     misses_at: Some(h),
                     bound: Bound::BelowMin,
                     probes,
+                    non_monotone,
                 })
             }
             (Some(l), None) => snap(l * 2.0).min(MAX_RATE_SCALE),
@@ -210,19 +242,20 @@ pub fn search<E>(
             Bound::BelowMin
         },
         probes,
+        non_monotone,
     })
 }
 
-/// `None` or a value below `r`.
-trait NoneOrBelow {
-    fn is_none_or_below(&self, r: f64) -> bool;
+/// `None` or a value above `r`.
+trait NoneOrAbove {
+    fn is_none_or_above(&self, r: f64) -> bool;
 }
 
-impl NoneOrBelow for Option<f64> {
-    fn is_none_or_below(&self, r: f64) -> bool {
+impl NoneOrAbove for Option<f64> {
+    fn is_none_or_above(&self, r: f64) -> bool {
         match self {
             None => true,
-            Some(l) => *l < r,
+            Some(h) => *h > r,
         }
     }
 }
@@ -280,6 +313,37 @@ mod tests {
             .all(|p| p.rate_scale > 1.0 && p.rate_scale < 2.0));
         // ceil(log2(ln 2 / ln 1.02)) = 6 halvings of the log-interval.
         assert_eq!(s.probes.len(), 6);
+    }
+
+    #[test]
+    fn a_grid_that_contradicts_rising_latency_is_told_and_never_answers_above_a_miss() {
+        // The grid: 1 misses, 2 meets (a fluke of the trace), 4 misses. The true boundary the
+        // search can trust is below 1.
+        let grid = [(0.5, true), (1.0, false), (2.0, true), (4.0, false)];
+        let s = search(&grid, |r| Ok::<_, ()>(r <= 0.7 || (1.9..=2.1).contains(&r))).unwrap();
+        assert_eq!(
+            s.non_monotone,
+            Some(NonMonotone {
+                misses_at: 1.0,
+                meets_at: 2.0
+            })
+        );
+        assert_eq!(s.bound, Bound::Found);
+        let (lo, hi) = (s.rate_scale.unwrap(), s.misses_at.unwrap());
+        assert!(lo < 1.0 && hi <= 1.0, "{lo}..{hi}");
+        assert!((0.7 / 1.02..=0.7).contains(&lo), "{lo}");
+        assert!(
+            s.probes.iter().all(|p| p.rate_scale < 1.0),
+            "{:?}",
+            s.probes
+        );
+        // Every miss below every meet: no first meet below it either, so it halves down.
+        let s = search(&[(1.0, false), (2.0, true)], |r| Ok::<_, ()>(r <= 0.25)).unwrap();
+        assert!(s.non_monotone.is_some());
+        assert!(s.rate_scale.unwrap() <= 0.25, "{s:?}");
+        // A monotone grid says nothing.
+        let s = search(&[(0.5, true), (1.0, false)], up_to(0.7)).unwrap();
+        assert_eq!(s.non_monotone, None);
     }
 
     #[test]

@@ -128,11 +128,13 @@ pub fn parse_budgets(list: &str) -> Result<Vec<Budget>, GridError> {
 }
 
 /// Parses `--rates`: a comma-separated list of rate scales in
-/// `[MIN_RATE_SCALE, MAX_RATE_SCALE]`, each at most once, returned in ascending order.
+/// `[MIN_RATE_SCALE, MAX_RATE_SCALE]` and in steps of 0.001 (the precision every output prints,
+/// so that no two cells print the same rate and a printed rate replays as run), each at most
+/// once, returned in ascending order.
 ///
 /// # Errors
-/// An empty entry, a value that is not a finite number in range, a repeated value, or more than
-/// [`MAX_AXIS_VALUES`].
+/// An empty entry, a value that is not a finite number in range or not a multiple of 0.001, a
+/// repeated value, or more than [`MAX_AXIS_VALUES`].
 pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
     let mut out: Vec<f64> = Vec::new();
     for item in split("--rates", list)? {
@@ -146,6 +148,17 @@ pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
                     "takes rate scales between 1/1024 and 1024 (1 = the trace's own rate), got {item:?}"
                 ),
             })?;
+        // Every output prints a rate to 0.001: a finer one would print as another, and the
+        // printed figure would not replay the cell that was run.
+        if super::output::round3(r) != r {
+            return Err(GridError {
+                flag: "--rates",
+                problem: format!(
+                    "takes rate scales in steps of 0.001, as every output prints them, got {item:?} (give {})",
+                    super::output::fmt_rate(r)
+                ),
+            });
+        }
         if out.contains(&r) {
             return Err(GridError {
                 flag: "--rates",
@@ -212,5 +225,25 @@ mod tests {
             let e = parse_rates(list).unwrap_err();
             assert_eq!(e.flag, "--rates", "{list}");
         }
+    }
+
+    #[test]
+    fn rates_finer_than_the_printed_precision_are_refused() {
+        // 1 and 1.0004 would both print as 1; 1/1024 prints as 0.001 but runs 0.0009765625.
+        for (list, shown) in [
+            ("1,1.0004", "\"1.0004\" (give 1)"),
+            ("0.0009765625", "(give 0.001)"),
+            ("2.1534", "(give 2.153)"),
+        ] {
+            let e = parse_rates(list).unwrap_err().to_string();
+            assert!(
+                e.contains("in steps of 0.001") && e.contains(shown),
+                "{list}: {e}"
+            );
+        }
+        assert_eq!(
+            parse_rates("0.001,0.1,0.3,1.234,1024").unwrap(),
+            [0.001, 0.1, 0.3, 1.234, 1024.0]
+        );
     }
 }

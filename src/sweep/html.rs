@@ -14,7 +14,7 @@ h1{font-size:1.6em}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #d
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}\
 th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}\
 .plot svg{max-width:100%;height:auto;border:1px solid #eee}.read{background:#f8f8f0;border-left:4px solid #cc9;padding:.5em 1em}\
-td.meets{color:#060}td.misses{color:#a00}code{background:#f4f4f4;padding:0 .2em}";
+td.meets{color:#060}td.misses{color:#a00}.warn{background:#fdecea;border-left:4px solid #a00;padding:.5em 1em}code{background:#f4f4f4;padding:0 .2em}";
 
 /// Escapes text for HTML.
 pub fn escape(s: &str) -> String {
@@ -101,6 +101,14 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         escape(&rates.join(", ")),
         escape(sweep.version),
     );
+
+    for n in super::output::notes(sweep) {
+        let _ = writeln!(
+            out,
+            "<p class=\"warn\"><strong>Warning:</strong> {}</p>",
+            escape(&n)
+        );
+    }
 
     out.push_str("<h2>Settings</h2>\n<table>\n");
     let mut settings: Vec<(String, String)> = sweep.settings.clone();

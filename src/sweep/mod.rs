@@ -15,6 +15,8 @@
 use std::fmt;
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
@@ -27,7 +29,7 @@ pub mod plots;
 mod raster;
 pub mod run;
 
-pub use capacity::{Bound, Probe, Search, Slo};
+pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
 pub use grid::{parse_budgets, parse_rates, Budget, GridError};
 pub use output::{write_outputs, Written};
 
@@ -163,6 +165,9 @@ pub enum SweepError {
     /// The output directory is an existing file (or something else that is not a directory).
     #[error("the output directory `{}` exists and is not a directory", .0.display())]
     OutputNotADirectory(PathBuf),
+    /// An output name in the output directory is taken by something that is not a file.
+    #[error("the output `{}` exists and is not a file; remove it or choose another output directory", .0.display())]
+    OutputNotAFile(PathBuf),
     /// An output would overwrite an input.
     #[error("the output `{}` is also an input; choose another output directory", .0.display())]
     OutputIsInput(PathBuf),
@@ -186,7 +191,7 @@ pub enum SweepError {
 }
 
 /// What to sweep and how.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct SweepOptions {
     /// The budgets, in the order given (at least one).
     pub budgets: Vec<Budget>,
@@ -204,6 +209,29 @@ pub struct SweepOptions {
     /// The settings every replay ran under (trace, cost model, …), as label and value, shown
     /// by every output.
     pub settings: Vec<(String, String)>,
+    /// Set to a signal number (2 SIGINT, 15 SIGTERM) to stop the sweep: no new replay starts,
+    /// replays that `run` reports failed after it was set count as not run, and the sweep
+    /// returns what finished, marked [`Sweep::interrupted`]. `None`: never stopped.
+    pub stop: Option<Arc<AtomicI32>>,
+}
+
+/// A signal's name, as the outputs state an interruption.
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        2 => "SIGINT".into(),
+        15 => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// A grid cell that did not finish because the sweep was interrupted.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct NotRun {
+    /// Its budget.
+    pub budget: Budget,
+    /// Its rate scale.
+    #[serde(serialize_with = "output::ser_round")]
+    pub rate_scale: f64,
 }
 
 /// One replay of the grid.
@@ -262,8 +290,14 @@ pub struct Sweep {
     pub step_time_rate: f64,
     /// Every cell, budget by budget, each budget's rates ascending.
     pub cells: Vec<Cell>,
-    /// One per budget, in the same order, when there was an SLO.
+    /// One per budget, in the same order, when there was an SLO (and the search of each
+    /// finished: an interrupted sweep keeps only the searches that did).
     pub capacity: Vec<Capacity>,
+    /// The signal that interrupted the sweep (`SIGINT`, `SIGTERM`), if one did: `cells` are
+    /// then the replays that finished, and `not_run` the rest.
+    pub interrupted: Option<String>,
+    /// The grid cells that did not finish, in grid order (empty unless interrupted).
+    pub not_run: Vec<NotRun>,
 }
 
 impl Sweep {
@@ -321,6 +355,9 @@ impl SweepOptions {
 /// (budgets in parallel, each search's probes in turn). `run` must be deterministic for the
 /// capacity to agree with the grid.
 ///
+/// With `opts.stop`, a signal ends the sweep early but successfully: the result holds the cells
+/// (and capacity searches) that finished, and names the rest.
+///
 /// # Errors
 /// Bad options, or the first replay (in grid order) that failed or panicked.
 pub fn run_sweep<F, E>(opts: &SweepOptions, run: F) -> Result<Sweep, SweepError>
@@ -329,59 +366,93 @@ where
     E: fmt::Display + Send,
 {
     let step_time_rate = opts.check()?;
-    let cells: Vec<(Budget, f64)> = opts
+    let grid: Vec<(Budget, f64)> = opts
         .budgets
         .iter()
         .flat_map(|b| opts.rates.iter().map(move |r| (*b, *r)))
         .collect();
-    let progress = progress_bar(opts.progress, cells.len() as u64);
+    let progress = progress_bar(opts.progress, grid.len() as u64);
+    let signal = || {
+        opts.stop
+            .as_ref()
+            .map(|f| f.load(Ordering::SeqCst))
+            .filter(|s| *s != 0)
+    };
+    let stopped = || signal().is_some();
     let failed = |budget: Budget, rate_scale: f64, e: E| SweepError::Run {
         budget,
         rate_scale,
         message: e.to_string(),
     };
-    let summaries = run::parallel_map(&cells, opts.jobs, &progress, |(b, r)| run(*b, *r)).map_err(
-        |f| match f {
+    let slots = run::parallel_slots(&grid, opts.jobs, &progress, &stopped, |(b, r)| run(*b, *r))
+        .map_err(|f| match f {
             run::JobFailure::Failed { index, error } => {
-                let (b, r) = cells[index];
+                let (b, r) = grid[index];
                 failed(b, r, error)
             }
             run::JobFailure::Panicked { message } => SweepError::Panicked(message),
-        },
-    )?;
-    let cells: Vec<Cell> = cells
-        .iter()
-        .zip(summaries)
-        .map(|((budget, rate_scale), summary)| Cell {
-            budget: *budget,
-            rate_scale: *rate_scale,
-            meets_slo: opts.slo.map(|s| s.meets(&summary)),
-            summary,
-        })
-        .collect();
+        })?;
+    let mut cells = Vec::with_capacity(grid.len());
+    let mut not_run = Vec::new();
+    for ((budget, rate_scale), slot) in grid.iter().copied().zip(slots) {
+        match slot {
+            Some(Ok(summary)) => cells.push(Cell {
+                budget,
+                rate_scale,
+                meets_slo: opts.slo.map(|s| s.meets(&summary)),
+                summary,
+            }),
+            // A replay stopped by the signal reports itself failed (or never started).
+            _ if stopped() => not_run.push(NotRun { budget, rate_scale }),
+            Some(Err(e)) => return Err(failed(budget, rate_scale, e)),
+            None => {
+                return Err(SweepError::Panicked(
+                    "a replay of the grid ended without a result".into(),
+                ))
+            }
+        }
+    }
 
     let mut capacity = Vec::new();
-    if let Some(slo) = opts.slo {
+    if let (Some(slo), false) = (opts.slo, stopped()) {
         progress.set_message("capacity search");
-        let searched = run::parallel_map(&opts.budgets, opts.jobs, &ProgressBar::hidden(), |b| {
-            let known: Vec<(f64, bool)> = cells
-                .iter()
-                .filter(|c| c.budget == *b)
-                .map(|c| (c.rate_scale, c.meets_slo == Some(true)))
-                .collect();
-            capacity::search(&known, |r| {
-                progress.inc_length(1);
-                let s = run(*b, r).map_err(|e| failed(*b, r, e))?;
-                progress.inc(1);
-                Ok::<_, SweepError>(slo.meets(&s))
-            })
-            .map(|search| Capacity { budget: *b, search })
-        })
+        let searched = run::parallel_slots(
+            &opts.budgets,
+            opts.jobs,
+            &ProgressBar::hidden(),
+            &stopped,
+            |b| {
+                let known: Vec<(f64, bool)> = cells
+                    .iter()
+                    .filter(|c| c.budget == *b)
+                    .map(|c| (c.rate_scale, c.meets_slo == Some(true)))
+                    .collect();
+                capacity::search(&known, |r| {
+                    progress.inc_length(1);
+                    let s = run(*b, r).map_err(|e| failed(*b, r, e))?;
+                    progress.inc(1);
+                    Ok::<_, SweepError>(slo.meets(&s))
+                })
+                .map(|search| Capacity { budget: *b, search })
+            },
+        )
         .map_err(|f| match f {
             run::JobFailure::Failed { error, .. } => error,
             run::JobFailure::Panicked { message } => SweepError::Panicked(message),
         })?;
-        capacity = searched;
+        for slot in searched {
+            match slot {
+                Some(Ok(c)) => capacity.push(c),
+                // A search the signal stopped is left out; the sweep says it was interrupted.
+                _ if stopped() => {}
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(SweepError::Panicked(
+                        "a capacity search ended without a result".into(),
+                    ))
+                }
+            }
+        }
     }
     progress.finish_and_clear();
     Ok(Sweep {
@@ -393,6 +464,8 @@ where
         step_time_rate,
         cells,
         capacity,
+        interrupted: signal().map(signal_name),
+        not_run,
     })
 }
 
@@ -452,6 +525,7 @@ pub(crate) mod tests {
                 ("trace".into(), "bundled <test> & co".into()),
                 ("cost".into(), "8 ms + 0.02 ms/token".into()),
             ],
+            stop: None,
         }
     }
 
@@ -551,6 +625,41 @@ pub(crate) mod tests {
         let mut o = options(None);
         o.rates = vec![0.5, 2.0, 4.0];
         assert_eq!(run_sweep(&o, fake).unwrap().step_time_rate, 2.0);
+    }
+
+    #[test]
+    fn a_stopped_sweep_keeps_the_finished_cells_and_names_the_rest() {
+        let stop = Arc::new(AtomicI32::new(0));
+        let mut o = options(Some(Slo::new(Some(60.0), None).unwrap()));
+        o.jobs = 1;
+        o.stop = Some(stop.clone());
+        let calls = AtomicUsize::new(0);
+        // The fourth replay is stopped midway by SIGTERM and reports itself failed.
+        let s = run_sweep(&o, |b, r| {
+            if calls.fetch_add(1, Ordering::SeqCst) == 3 {
+                stop.store(15, Ordering::SeqCst);
+                return Err("interrupted".to_owned());
+            }
+            fake(b, r)
+        })
+        .unwrap();
+        assert_eq!(s.interrupted.as_deref(), Some("SIGTERM"));
+        assert_eq!(s.cells.len(), 3);
+        assert!(s.cells.iter().all(|c| c.budget.tokens() == Some(512)));
+        assert_eq!(s.not_run.len(), 6);
+        assert_eq!(
+            (s.not_run[0].budget.tokens(), s.not_run[0].rate_scale),
+            (Some(2048), 0.5)
+        );
+        // No capacity search starts after the signal.
+        assert!(s.capacity.is_empty());
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+        // A failure without a signal is still a failure.
+        o.stop = Some(Arc::new(AtomicI32::new(0)));
+        assert!(matches!(
+            run_sweep(&o, |_, _| Err::<RunSummary, _>("broken".to_owned())),
+            Err(SweepError::Run { .. })
+        ));
     }
 
     #[test]

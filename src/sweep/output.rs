@@ -77,6 +77,46 @@ pub fn slo_text(slo: &capacity::Slo) -> String {
     parts.join(" and ")
 }
 
+/// What a reader must know before trusting the figures, one sentence each: that the sweep was
+/// interrupted (and which cells did not run), and each budget whose grid contradicts rising
+/// latency. Empty for a complete sweep of monotone budgets.
+pub fn notes(sweep: &Sweep) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(signal) = &sweep.interrupted {
+        let total = sweep.cells.len() + sweep.not_run.len();
+        let not_run: Vec<String> = sweep
+            .not_run
+            .iter()
+            .map(|c| format!("{} at {}x", c.budget, fmt_rate(c.rate_scale)))
+            .collect();
+        out.push(format!(
+            "interrupted by {signal}: {} of {total} grid replays finished{}{}",
+            sweep.cells.len(),
+            if not_run.is_empty() {
+                String::new()
+            } else {
+                format!("; not run: {}", not_run.join(", "))
+            },
+            if sweep.slo.is_some() {
+                "; capacity searches that did not finish are left out"
+            } else {
+                ""
+            }
+        ));
+    }
+    for c in &sweep.capacity {
+        if let Some(n) = c.search.non_monotone {
+            out.push(format!(
+                "budget {}: latency does not rise with load on this grid ({}x misses the SLO while {}x meets it); its capacity is the highest rate below the first miss",
+                c.budget,
+                fmt_rate(n.misses_at),
+                fmt_rate(n.meets_at)
+            ));
+        }
+    }
+    out
+}
+
 /// The cells as a table: its header and one row of text per cell.
 pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
     let header = vec![
@@ -187,6 +227,9 @@ pub fn table(sweep: &Sweep) -> String {
     for (k, v) in &sweep.settings {
         let _ = writeln!(out, "  {k:<16} {v}");
     }
+    for n in notes(sweep) {
+        let _ = writeln!(out, "warning: {n}");
+    }
     render(&mut out, cell_table(sweep));
     if let Some(slo) = &sweep.slo {
         let _ = writeln!(
@@ -205,7 +248,8 @@ fn opt(v: Option<f64>) -> String {
         .map_or_else(String::new, |v| round3(v).to_string())
 }
 
-/// `sweep.csv`: one row per cell, figures in ms rounded to 0.001, empty where there is none.
+/// `sweep.csv`: one row per cell, figures in ms rounded to 0.001, empty where there is none; its
+/// `status` is `done`, or `interrupted` for a cell an interrupted sweep did not run (no figures).
 ///
 /// # Errors
 /// None in practice (the CSV is written to memory).
@@ -228,6 +272,7 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
         "step_p99_ms",
         "step_max_ms",
         "meets_slo",
+        "status",
     ])?;
     for c in &sweep.cells {
         let s = &c.summary;
@@ -248,7 +293,15 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
             opt(s.step_ms.percentile(99)),
             opt(s.step_ms.percentile(100)),
             c.meets_slo.map_or_else(String::new, |m| m.to_string()),
+            "done".to_owned(),
         ])?;
+    }
+    // An interrupted sweep's cells that did not run: their figures empty.
+    for c in &sweep.not_run {
+        let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        row.resize(16, String::new());
+        row.push("interrupted".to_owned());
+        w.write_record(row)?;
     }
     w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
@@ -271,17 +324,16 @@ pub struct Written {
 }
 
 /// Writes every output of `sweep` into `dir` (created if missing): `sweep.csv`, `sweep.json`,
-/// the plots as SVG and PNG (the capacity plot only with an SLO), and `report.html`. Everything
-/// is drawn before anything is written, and each file is written whole (a temporary file in
-/// `dir`, then renamed), so a failure leaves no half-written output.
+/// the plots as SVG and PNG (the capacity plot only with an SLO), and `report.html`, as one
+/// set: everything is drawn, then every file is written to a temporary file in `dir`, and only
+/// when all are written are they renamed into place, so a failure replaces no output. Outputs
+/// of an earlier sweep that this one does not write (`capacity.png` without an SLO) are then
+/// removed, so the directory never mixes two runs; files with other names are left alone.
 ///
 /// # Errors
-/// `dir` exists and is not a directory; an output path is one of `inputs`; a plot cannot be
-/// drawn; a file cannot be written.
+/// As [`check_output_dir`]; a plot cannot be drawn; a file cannot be written.
 pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Written, SweepError> {
-    if dir.exists() && !dir.is_dir() {
-        return Err(SweepError::OutputNotADirectory(dir.to_owned()));
-    }
+    check_output_dir(dir, inputs)?;
     fs::create_dir_all(dir).map_err(|source| SweepError::Write {
         path: dir.to_owned(),
         source,
@@ -314,11 +366,49 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
             return Err(SweepError::OutputIsInput(dir.join(name)));
         }
     }
-    let mut paths = Vec::with_capacity(files.len());
-    for (name, bytes) in files {
-        let path = dir.join(&name);
-        write_whole(&path, &bytes).map_err(write_err(&path))?;
-        paths.push(path);
+    // Every temporary file first; on any failure, all of them are removed.
+    let mut staged: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(files.len());
+    for (name, bytes) in &files {
+        let path = dir.join(name);
+        match stage(&path, bytes) {
+            Ok(tmp) => staged.push((tmp, path)),
+            Err(e) => {
+                for (tmp, _) in &staged {
+                    let _ = fs::remove_file(tmp);
+                }
+                return Err(write_err(&path)(e));
+            }
+        }
+    }
+    let mut paths = Vec::with_capacity(staged.len());
+    let mut failure = None;
+    for (tmp, path) in staged {
+        if failure.is_some() {
+            let _ = fs::remove_file(&tmp);
+            continue;
+        }
+        match fs::rename(&tmp, &path) {
+            Ok(()) => paths.push(path),
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                failure = Some(write_err(&path)(e));
+            }
+        }
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    for name in output_names() {
+        if !files.iter().any(|(n, _)| *n == name) {
+            let stale = dir.join(&name);
+            match fs::remove_file(&stale) {
+                Ok(()) => {
+                    tracing::debug!(file = %stale.display(), "removed an output of an earlier sweep")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(write_err(&stale)(e)),
+            }
+        }
     }
     Ok(Written { paths })
 }
@@ -338,11 +428,13 @@ pub fn output_names() -> Vec<String> {
 }
 
 /// Checks, before a sweep runs, that its outputs can go into `dir`: `dir` is a directory or
-/// does not exist yet, is none of `inputs`, and none of `inputs` is a file the sweep would
-/// write there.
+/// does not exist yet, is none of `inputs`, none of `inputs` is a file the sweep would write
+/// there, and every output name there is free or a file to replace (a directory named
+/// `report.html` is refused now, not after the grid ran).
 ///
 /// # Errors
-/// [`SweepError::OutputNotADirectory`] or [`SweepError::OutputIsInput`].
+/// [`SweepError::OutputNotADirectory`], [`SweepError::OutputNotAFile`] or
+/// [`SweepError::OutputIsInput`].
 pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError> {
     // `metadata` follows links and never opens: a FIFO is refused without blocking.
     if let Ok(meta) = fs::metadata(dir) {
@@ -351,6 +443,15 @@ pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError
         }
     } else {
         return Ok(());
+    }
+    for name in output_names() {
+        let path = dir.join(&name);
+        // A link is replaced by the rename, not followed; anything else but a file is refused.
+        if let Ok(meta) = fs::symlink_metadata(&path) {
+            if !(meta.is_file() || meta.file_type().is_symlink()) {
+                return Err(SweepError::OutputNotAFile(path));
+            }
+        }
     }
     let Ok(canon_dir) = fs::canonicalize(dir) else {
         return Ok(());
@@ -371,12 +472,9 @@ pub fn check_output_dir(dir: &Path, inputs: &[PathBuf]) -> Result<(), SweepError
     Ok(())
 }
 
-/// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then
-/// renamed over `path`, so a reader never sees half a file.
-///
-/// # Errors
-/// The temporary file cannot be created, written or renamed (it is removed on failure).
-pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` to a temporary file next to `path`, flushed to disk, and returns its path
+/// (for [`write_outputs`] to rename once every output is staged).
+fn stage(path: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -397,10 +495,22 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             .create_new(true)
             .open(&tmp)?;
         f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
+        f.sync_all()
     };
     write().inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })?;
+    Ok(tmp)
+}
+
+/// Writes `bytes` to `path` whole: into a temporary file next to it, flushed to disk, then
+/// renamed over `path`, so a reader never sees half a file.
+///
+/// # Errors
+/// The temporary file cannot be created, written or renamed (it is removed on failure).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = stage(path, bytes)?;
+    fs::rename(&tmp, path).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
 }
@@ -473,15 +583,15 @@ mod tests {
         assert_eq!(lines.len(), 10);
         assert_eq!(
             lines[0],
-            "budget,rate_scale,requests,steps,overruns,budget_utilisation,tbt_p50_ms,tbt_p99_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,step_p50_ms,step_p90_ms,step_p99_ms,step_max_ms,meets_slo"
+            "budget,rate_scale,requests,steps,overruns,budget_utilisation,tbt_p50_ms,tbt_p99_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,step_p50_ms,step_p90_ms,step_p99_ms,step_max_ms,meets_slo,status"
         );
         assert_eq!(
             lines[2],
-            "512,1,100,200,0,0.75,9.12,18.24,533.333,1066.667,1600,12.096,16.192,17.216,17.216,true"
+            "512,1,100,200,0,0.75,9.12,18.24,533.333,1066.667,1600,12.096,16.192,17.216,17.216,true,done"
         );
         assert_eq!(
             lines[9],
-            "off,2,100,200,1,,167.84,335.68,266.667,533.333,800,73.536,139.072,155.456,155.456,false"
+            "off,2,100,200,1,,167.84,335.68,266.667,533.333,800,73.536,139.072,155.456,155.456,false,done"
         );
     }
 
@@ -563,6 +673,102 @@ mod tests {
         let out2 = dir.path().join("out2");
         let w = write_outputs(&no_slo, &out2, &[]).unwrap();
         assert!(!w.paths.iter().any(|p| p.ends_with("capacity.svg")));
+    }
+
+    /// `sample_sweep` as interrupted by SIGINT after its first four cells.
+    fn interrupted() -> Sweep {
+        let mut s = sample_sweep();
+        let rest = s.cells.split_off(4);
+        s.not_run = rest
+            .iter()
+            .map(|c| super::super::NotRun {
+                budget: c.budget,
+                rate_scale: c.rate_scale,
+            })
+            .collect();
+        s.capacity.clear();
+        s.interrupted = Some("SIGINT".into());
+        s
+    }
+
+    #[test]
+    fn an_interrupted_sweep_says_so_in_every_output() {
+        let s = interrupted();
+        let note = "interrupted by SIGINT: 4 of 9 grid replays finished; not run: 2048 at 1x, 2048 at 2x, off at 0.5x, off at 1x, off at 2x; capacity searches that did not finish are left out";
+        assert_eq!(notes(&s), [note]);
+        assert!(
+            table(&s).contains(&format!("warning: {note}")),
+            "{}",
+            table(&s)
+        );
+        let csv = String::from_utf8(to_csv(&s).unwrap()).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 10);
+        assert!(lines[4].ends_with(",done"), "{}", lines[4]);
+        assert_eq!(lines[5], "2048,1,,,,,,,,,,,,,,,interrupted");
+        let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+        assert_eq!(v["interrupted"], "SIGINT");
+        assert_eq!(
+            v["not_run"][0],
+            serde_json::json!({"budget": 2048, "rate_scale": 1.0})
+        );
+        let drawn = plots::draw_all(&s).unwrap();
+        assert!(html::report(&s, &drawn).contains(&html::escape(note)));
+        let done: serde_json::Value =
+            serde_json::from_slice(&to_json(&sample_sweep()).unwrap()).unwrap();
+        assert_eq!(done["interrupted"], serde_json::Value::Null);
+        assert!(notes(&sample_sweep()).is_empty());
+    }
+
+    #[test]
+    fn a_non_monotone_budget_is_noted() {
+        let mut s = sample_sweep();
+        s.capacity[1].search.non_monotone = Some(super::super::NonMonotone {
+            misses_at: 1.0,
+            meets_at: 2.0,
+        });
+        let note = "budget 2048: latency does not rise with load on this grid (1x misses the SLO while 2x meets it); its capacity is the highest rate below the first miss";
+        assert_eq!(notes(&s), [note]);
+        assert!(table(&s).contains(note));
+        let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+        assert_eq!(
+            v["capacity"][1]["non_monotone"],
+            serde_json::json!({"misses_at": 1.0, "meets_at": 2.0})
+        );
+        assert_eq!(v["capacity"][0]["non_monotone"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn outputs_are_written_as_one_set_and_stale_ones_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        write_outputs(&sample_sweep(), &out, &[]).unwrap();
+        assert!(out.join("capacity.png").is_file());
+        fs::write(out.join("notes.txt"), "mine").unwrap();
+        // A run without an SLO draws no capacity plot: the earlier one goes, other files stay.
+        let no_slo = run_sweep(&options(None), fake).unwrap();
+        write_outputs(&no_slo, &out, &[]).unwrap();
+        assert!(!out.join("capacity.png").exists());
+        assert!(!out.join("capacity.svg").exists());
+        assert!(out.join("notes.txt").is_file());
+        assert_eq!(
+            fs::read(out.join(CSV_FILE)).unwrap(),
+            to_csv(&no_slo).unwrap()
+        );
+
+        // A directory where an output goes is refused before anything is written.
+        let out2 = dir.path().join("out2");
+        fs::create_dir_all(out2.join(HTML_FILE)).unwrap();
+        let e = check_output_dir(&out2, &[]).unwrap_err();
+        assert!(
+            matches!(&e, SweepError::OutputNotAFile(p) if p.ends_with(HTML_FILE)),
+            "{e}"
+        );
+        assert!(matches!(
+            write_outputs(&no_slo, &out2, &[]),
+            Err(SweepError::OutputNotAFile(_))
+        ));
+        assert_eq!(fs::read_dir(&out2).unwrap().count(), 1);
     }
 
     #[test]

@@ -49,23 +49,59 @@ where
     R: Send,
     E: Send,
 {
+    let slots = parallel_slots(items, jobs, progress, &|| false, f)?;
+    let mut out = Vec::with_capacity(items.len());
+    let mut missing = false;
+    for (index, slot) in slots.into_iter().enumerate() {
+        match slot {
+            Some(Ok(r)) => out.push(r),
+            Some(Err(error)) => return Err(JobFailure::Failed { index, error }),
+            None => missing = true,
+        }
+    }
+    // Items are skipped only after a failure, which returned above.
+    if missing {
+        return Err(JobFailure::Panicked {
+            message: "a job ended without a result".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// [`parallel_map`] that keeps every result: one slot per item, in order, `None` for an item
+/// that never started because a job failed or `stop` said so (it is asked before each item).
+///
+/// # Errors
+/// A panic in `f`.
+pub fn parallel_slots<T, R, E>(
+    items: &[T],
+    jobs: usize,
+    progress: &ProgressBar,
+    stop: &(dyn Fn() -> bool + Sync),
+    f: impl Fn(&T) -> Result<R, E> + Sync,
+) -> Result<Vec<Option<Result<R, E>>>, JobFailure<E>>
+where
+    T: Sync,
+    R: Send,
+    E: Send,
+{
     let threads = jobs.clamp(1, MAX_JOBS).min(items.len().max(1));
     let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
+    let failed = AtomicBool::new(false);
     let slots: Mutex<Vec<Option<Result<R, E>>>> =
         Mutex::new(std::iter::repeat_with(|| None).take(items.len()).collect());
     let panicked = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 scope.spawn(|| loop {
-                    if stop.load(Ordering::Relaxed) {
+                    if failed.load(Ordering::Relaxed) || stop() {
                         break;
                     }
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(item) = items.get(i) else { break };
                     let out = f(item);
                     if out.is_err() {
-                        stop.store(true, Ordering::Relaxed);
+                        failed.store(true, Ordering::Relaxed);
                     }
                     if let Ok(mut s) = slots.lock() {
                         if let Some(slot) = s.get_mut(i) {
@@ -93,23 +129,7 @@ where
         return Err(JobFailure::Panicked { message });
     }
     // A poisoned lock means a job panicked while holding it, reported above.
-    let slots = slots.into_inner().unwrap_or_default();
-    let mut out = Vec::with_capacity(items.len());
-    let mut missing = false;
-    for (index, slot) in slots.into_iter().enumerate() {
-        match slot {
-            Some(Ok(r)) => out.push(r),
-            Some(Err(error)) => return Err(JobFailure::Failed { index, error }),
-            None => missing = true,
-        }
-    }
-    // Items are skipped only after a failure, which returned above.
-    if missing {
-        return Err(JobFailure::Panicked {
-            message: "a job ended without a result".into(),
-        });
-    }
-    Ok(out)
+    Ok(slots.into_inner().unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -154,6 +174,40 @@ mod tests {
             Err(JobFailure::Panicked { message }) => assert_eq!(message, "cell 5 broke"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_stop_keeps_what_finished_and_starts_nothing_new() {
+        let items: Vec<u32> = (0..10).collect();
+        let done = AtomicUsize::new(0);
+        // One thread: items run in order; the stop is seen before item 4 starts.
+        let slots = parallel_slots(
+            &items,
+            1,
+            &ProgressBar::hidden(),
+            &|| done.load(Ordering::Relaxed) >= 4,
+            |i| {
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok::<_, ()>(*i)
+            },
+        )
+        .unwrap();
+        let kept: Vec<Option<u32>> = slots.into_iter().map(|s| s.map(Result::unwrap)).collect();
+        assert_eq!(
+            kept,
+            [
+                Some(0),
+                Some(1),
+                Some(2),
+                Some(3),
+                None,
+                None,
+                None,
+                None,
+                None,
+                None
+            ]
+        );
     }
 
     #[test]

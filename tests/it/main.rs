@@ -2,6 +2,7 @@
 
 mod config_cli;
 mod core;
+mod endpoint;
 mod helpers;
 mod hostile;
 mod metrics_live;
@@ -14,3 +15,4 @@ mod state_machine;
 mod sweep_cli;
 mod time_budget;
 mod truth_cli;
+mod trusted_sweep;
