@@ -73,6 +73,34 @@ impl PrefixCache {
         }
     }
 
+    /// What [`lookup`](Self::lookup) would answer, without making any block more recent (to
+    /// test whether a prompt could be admitted).
+    pub fn peek(&self, hashes: &[u64], input_tokens: u32) -> u32 {
+        let mut seen = rustc_hash::FxHashSet::default();
+        let hits = hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h) && seen.insert(**h))
+            .count();
+        let tokens = u64::from(self.block_tokens) * hits as u64;
+        tokens.min(u64::from(input_tokens.saturating_sub(1))) as u32
+    }
+
+    /// Evicts the least recently used block; answers whether there was one.
+    pub fn evict_lru(&mut self) -> bool {
+        match self.by_use.pop_first() {
+            Some((_, oldest)) => {
+                self.blocks.remove(&oldest);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
     /// Blocks held.
     pub fn len(&self) -> usize {
         self.blocks.len()
@@ -116,6 +144,22 @@ mod tests {
         let mut c = PrefixCache::new(4, 512);
         c.insert(&[1, 2]);
         assert_eq!(c.lookup(&[1, 2, 1, 2], 4096), 1024);
+    }
+
+    #[test]
+    fn peek_does_not_reorder_and_eviction_takes_the_oldest() {
+        let mut c = PrefixCache::new(3, 512);
+        c.insert(&[1, 2, 3]);
+        assert_eq!(c.peek(&[1, 2], 2000), 1024);
+        // Peeking at 1 did not make it recent: it is still the oldest.
+        assert!(c.evict_lru());
+        assert_eq!(c.peek(&[1], 600), 0);
+        assert_eq!(c.lookup(&[2], 600), 512); // 2 is now the most recent
+        assert!(c.evict_lru()); // evicts 3
+        assert_eq!((c.len(), c.peek(&[2], 600), c.peek(&[3], 600)), (1, 512, 0));
+        assert!(c.evict_lru());
+        assert!(!c.evict_lru());
+        assert!(c.is_empty());
     }
 
     #[test]

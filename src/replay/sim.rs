@@ -26,6 +26,10 @@ use crate::planner::Work;
 use crate::prepared::PreparedInput;
 use crate::ChunkingManagement;
 
+mod memory;
+
+pub use memory::{component_rid, first_chunk_walk, KvState, RID_ATTEMPT_SHIFT, RID_MASK};
+
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;
 
@@ -38,6 +42,30 @@ struct ReqState {
     last_token_ms: f64,
     /// Chunks its prompt ran in.
     chunks: u32,
+    /// Tokens generated so far (a preempted request recomputes its prompt and these).
+    generated: u32,
+    /// Times it was preempted: it is admitted to the component as `rid + attempt << 32`.
+    attempt: u32,
+    /// Where it is, for the KV memory model.
+    phase: Phase,
+    /// The tokens its current admission prefills (prompt + tokens generated before it).
+    input_total: u32,
+    /// The end of its last completed chunk in the current admission.
+    prefilled: u32,
+}
+
+/// A request's phase, as the KV memory model needs it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Phase {
+    /// Not admitted to the component (not arrived, or waiting for memory).
+    #[default]
+    Waiting,
+    /// Admitted, its prompt not through its final chunk.
+    Prefilling,
+    /// Generating on a continuing row.
+    Decoding,
+    /// Its last token is out.
+    Done,
 }
 
 /// One replay in progress.
@@ -79,6 +107,8 @@ pub struct Sim<'a> {
     cut_budget_used: u64,
     ttft: Vec<f64>,
     tbt: Vec<f32>,
+    /// The KV memory model (`[replay.kv]`); `None`: unlimited memory, as without it.
+    kv: Option<memory::KvState>,
     /// Set to a signal number when the replay is to stop at the next step boundary.
     stop: Option<Arc<AtomicI32>>,
 }
@@ -141,6 +171,7 @@ impl<'a> Sim<'a> {
             steps_per_second: 0.0,
             step_log: step_log.as_ref().map(|l| l.path().display().to_string()),
             interrupted: None,
+            kv: None,
         };
         Self {
             cm,
@@ -175,8 +206,31 @@ impl<'a> Sim<'a> {
             // declared sizes (50,000 rows within the limits would declare 10^11 tokens).
             ttft: Vec::new(),
             tbt: Vec::new(),
+            kv: setup
+                .kv
+                .as_ref()
+                .map(|k| memory::KvState::new(k, reqs.len())),
             stop: None,
         }
+    }
+
+    /// With a KV memory limit: the most tokens a prompt's first chunk may run (the step
+    /// walk's token budget), which admission reserves blocks for; `None`: the whole prompt.
+    #[must_use]
+    pub fn first_chunk_cap(mut self, cap: Option<u32>) -> Self {
+        if let Some(kv) = &mut self.kv {
+            kv.first_chunk_cap = cap;
+        }
+        self
+    }
+
+    /// The trace index of a component rid (`rid + attempt << 32`).
+    fn index_of(&self, rid: u64) -> Option<usize> {
+        self.index_of_rid
+            .get((rid & memory::RID_MASK) as usize)
+            .copied()
+            .filter(|i| *i != u32::MAX)
+            .map(|i| i as usize)
     }
 
     /// Stops the replay at the next step boundary once `flag` holds a signal number (not 0):
@@ -198,6 +252,7 @@ impl<'a> Sim<'a> {
         let mut next = 0usize;
         let mut turn = 0usize;
         let mut empty_streak = 0usize;
+        self.check_kv_fits()?;
         loop {
             if let Some(sig) = self.stop.as_ref().map(|f| f.load(Ordering::SeqCst)) {
                 if sig != 0 {
@@ -205,21 +260,31 @@ impl<'a> Sim<'a> {
                     break;
                 }
             }
-            if self.prefilling == 0 && self.decoding == 0 {
+            if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() == 0 {
                 if next == n {
                     break;
                 }
                 self.t_ms = self.t_ms.max(self.arrivals[next]);
             }
             while next < n && self.arrivals[next] <= self.t_ms {
-                self.admit(next).await?;
+                match &mut self.kv {
+                    Some(kv) => kv.enqueue_arrival(next, self.t_ms),
+                    None => self.admit(next).await?,
+                }
                 next += 1;
+            }
+            if self.kv.is_some() && self.admit_waiting().await? {
+                // Admitting or preempting changes what a step can schedule.
+                empty_streak = 0;
             }
             let setup = self.setup;
             let walk = &setup.walks[turn % setup.walks.len()];
             turn += 1;
             match self.step(walk).await? {
                 Stepped::Ran => empty_streak = 0,
+                // Preemption emptied the component: the next admission runs the waiting head.
+                Stepped::Empty
+                    if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() > 0 => {}
                 Stepped::Empty => {
                     empty_streak += 1;
                     // Every step walk had its turn and none scheduled a row: nothing will change.
@@ -261,10 +326,16 @@ impl<'a> Sim<'a> {
         Some(pb)
     }
 
-    /// Admits request `i`: its prompt as a real prepared input, its cached prefix looked up.
+    /// Admits request `i`: its prompt (after a preemption, its prompt and the tokens it had
+    /// generated) as a real prepared input, its cached prefix looked up.
     async fn admit(&mut self, i: usize) -> Result<(), ReplayError> {
         let r = &self.trace.requests[i];
-        let n = r.input_tokens;
+        let s = &mut self.state[i];
+        let n = r.input_tokens + s.generated;
+        let rid = memory::component_rid(r.rid, s.attempt);
+        s.phase = Phase::Prefilling;
+        s.input_total = n;
+        s.prefilled = 0;
         // Synthetic token ids, but a real allocation of the prompt's length.
         let base = (r.rid as u32).wrapping_mul(31);
         let ids: Arc<[u32]> = (0..n).map(|t| base.wrapping_add(t)).collect();
@@ -274,7 +345,7 @@ impl<'a> Sim<'a> {
         };
         self.cm
             .admit(
-                r.rid,
+                rid,
                 &self.setup.node,
                 PREFILL_WALK,
                 PreparedInput::tokens(ids),
@@ -330,33 +401,42 @@ impl<'a> Sim<'a> {
     async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
         let cm = self.cm;
         let node = self.setup.node.as_str();
-        let batch = cm
-            .assemble(node, walk)
-            .await
-            .map_err(ReplayError::chunking("assembling a step"))?;
-        if batch.rows.is_empty() {
-            cm.complete(batch.step, Vec::new())
+        let mut decode_rows;
+        let mut cuts;
+        // With a KV limit, a step whose rows do not fit is abandoned after preempting, and
+        // planned again (`memory.rs`).
+        let batch = loop {
+            let batch = cm
+                .assemble(node, walk)
                 .await
-                .map_err(ReplayError::chunking("completing an empty step"))?;
-            return Ok(Stepped::Empty);
-        }
+                .map_err(ReplayError::chunking("assembling a step"))?;
+            if batch.rows.is_empty() {
+                cm.complete(batch.step, Vec::new())
+                    .await
+                    .map_err(ReplayError::chunking("completing an empty step"))?;
+                return Ok(Stepped::Empty);
+            }
 
-        self.ran.clear();
-        let mut decode_rows = 0usize;
-        let mut cuts = false;
-        for row in &batch.rows {
-            let r = match row.work {
-                Work::Continue { estimate } => {
-                    decode_rows += 1;
-                    self.continue_ran(estimate)
-                }
-                Work::Chunk { range, .. } => {
-                    cuts |= !range.is_final();
-                    range.tokens()
-                }
-            };
-            self.ran.push(r);
-        }
+            self.ran.clear();
+            decode_rows = 0usize;
+            cuts = false;
+            for row in &batch.rows {
+                let r = match row.work {
+                    Work::Continue { estimate } => {
+                        decode_rows += 1;
+                        self.continue_ran(estimate)
+                    }
+                    Work::Chunk { range, .. } => {
+                        cuts |= !range.is_final();
+                        range.tokens()
+                    }
+                };
+                self.ran.push(r);
+            }
+            if self.kv.is_none() || self.allocate(&batch).await? {
+                break batch;
+            }
+        };
         let t_start = self.t_ms;
         let step_ms = self.step_ms(&batch);
         let t_end = t_start + step_ms;
@@ -365,8 +445,9 @@ impl<'a> Sim<'a> {
             .complete_measured(batch.step, self.ran.clone(), step_ms)
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
+        let kv_line = self.kv.as_mut().map(memory::KvState::step_line);
         if let Some(log) = &mut self.step_log {
-            log.write(t_start, &batch, &outcome)
+            log.write_with(t_start, &batch, &outcome, kv_line.as_ref())
                 .map_err(|source| ReplayError::Write {
                     what: "step log",
                     path: log.path().to_owned(),
@@ -409,15 +490,9 @@ impl<'a> Sim<'a> {
 
         for k in 0..batch.rows.len() {
             let (row, r) = (&batch.rows[k], self.ran[k]);
-            let Some(i) = self
-                .index_of_rid
-                .get(row.rid as usize)
-                .copied()
-                .filter(|i| *i != u32::MAX)
-            else {
+            let Some(i) = self.index_of(row.rid) else {
                 continue;
             };
-            let i = i as usize;
             match row.work {
                 Work::Continue { .. } => {
                     self.report.tokens.decode += u64::from(r);
@@ -425,20 +500,24 @@ impl<'a> Sim<'a> {
                     let s = &mut self.state[i];
                     self.tbt.push((t_end - s.last_token_ms) as f32);
                     s.last_token_ms = t_end;
+                    s.generated += 1;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
+                        s.phase = Phase::Done;
                         self.cm
                             .forget_request(row.rid)
                             .await
                             .map_err(ReplayError::chunking("ending a finished request"))?;
                         self.decoding -= 1;
                         self.done += 1;
+                        self.release_kv(i);
                     }
                 }
                 Work::Chunk { range, .. } => {
                     self.report.tokens.prefill += u64::from(r);
                     self.report.chunks.total += 1;
                     self.state[i].chunks += 1;
+                    self.state[i].prefilled = range.end;
                     if !range.is_final() {
                         continue;
                     }
@@ -468,17 +547,33 @@ impl<'a> Sim<'a> {
         self.prefilling -= 1;
         self.held_rows -= 1;
         self.held_tokens -= u64::from(total);
-        self.ttft.push(t_end - self.arrivals[i]);
+        let recompute = self.state[i].generated > 0;
+        if recompute {
+            // A preempted request's prefill of its prompt and generated tokens yields its
+            // next token: a time between tokens, not a first token.
+            self.tbt.push((t_end - self.state[i].last_token_ms) as f32);
+        } else {
+            self.ttft.push(t_end - self.arrivals[i]);
+        }
         if let Some(c) = &mut self.cache {
             c.insert(self.trace.hashes(req));
         }
+        self.fit_cache();
         let s = &mut self.state[i];
         s.last_token_ms = t_end;
-        s.remaining = req.output_tokens.saturating_sub(1);
+        if recompute {
+            s.remaining = s.remaining.saturating_sub(1);
+        } else {
+            s.remaining = req.output_tokens.saturating_sub(1);
+        }
+        s.generated += 1;
         if s.remaining == 0 {
+            s.phase = Phase::Done;
             self.done += 1;
+            self.release_kv(i);
             return Ok(());
         }
+        s.phase = Phase::Decoding;
         self.cm
             .continue_row(rid, &self.setup.node, DECODE_WALK, self.estimate)
             .await
@@ -505,6 +600,7 @@ impl<'a> Sim<'a> {
             .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
         rep.ttft_ms = Latency::of(&mut self.ttft);
         rep.tbt_ms = Latency::of(&mut self.tbt);
+        rep.kv = self.kv.take().map(memory::KvState::report);
         Ok(rep)
     }
 }

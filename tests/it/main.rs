@@ -4,6 +4,7 @@ mod config_cli;
 mod core;
 mod helpers;
 mod hostile;
+mod kv_memory;
 mod metrics_live;
 mod props;
 mod reload;
