@@ -383,6 +383,7 @@ impl Figure for KvComparison {
                 "TTFT p90 at rate scale {}, ms",
                 fmt_rate(self.rate_scale)
             ))
+            .y_label_formatter(&|v: &f64| format!("{v:.0}"))
             .label_style(text_style(13))
             .axis_desc_style(text_style(14))
             .draw()?;

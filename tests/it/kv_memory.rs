@@ -434,3 +434,63 @@ fn random_traces_under_random_pools_keep_every_rule() {
         preempting.get()
     );
 }
+
+#[test]
+fn a_sweep_over_kv_blocks_writes_one_run_per_pool_and_their_comparison() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let trace = mooncake();
+    let r = run(
+        &[
+            "sweep",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--requests",
+            "60",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1,4",
+            "--slo-ttft-p90",
+            "20000",
+            "--kv-blocks",
+            "unlimited,6000",
+            "--jobs",
+            "2",
+            "--no-progress",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    for name in [
+        "kv-6000/sweep.json",
+        "kv-unlimited/sweep.json",
+        "kv-6000/report.html",
+        "kv.csv",
+        "kv.json",
+        "kv.svg",
+        "kv.png",
+    ] {
+        assert!(out.join(name).is_file(), "{name} missing: {r:?}");
+    }
+    let text = std::fs::read_to_string(out.join("kv.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(doc["kv_blocks"], serde_json::json!([6000, "unlimited"]));
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    // Less memory never raises the capacity or lowers the TTFT (at the same rate).
+    let cap = |i: usize| rows[i]["capacity_rate"].as_f64().unwrap_or(0.0);
+    let ttft = |i: usize| rows[i]["ttft_p90_ms"].as_f64().unwrap();
+    assert!(cap(0) <= cap(1), "{text}");
+    assert!(ttft(0) >= ttft(1), "{text}");
+    // Each run is labelled with its pool.
+    let limited = std::fs::read_to_string(out.join("kv-6000/sweep.json")).unwrap();
+    assert!(limited.contains("6000 blocks of 16 tokens (--kv-blocks)"), "{limited}");
+    assert!(r.stdout.contains("KV memory: capacity and latency"), "{}", r.stdout);
+    // A bad list is refused before anything runs.
+    let r = run(&["sweep", "--kv-blocks", "0,10", "--out", out.to_str().unwrap()], &[]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("`--kv-blocks`"), "{}", r.stderr);
+}
