@@ -490,7 +490,11 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         Ok(r) => r,
         Err(e) => return usage(&e),
     };
-    let kv_axis = match args.kv_blocks.as_deref().map(sweep::kv_axis::parse_kv_blocks) {
+    let kv_axis = match args
+        .kv_blocks
+        .as_deref()
+        .map(sweep::kv_axis::parse_kv_blocks)
+    {
         None => None,
         Some(Ok(k)) => Some(k),
         Some(Err(e)) => return usage(&e),
@@ -683,7 +687,10 @@ fn sweep_kv_axis(
                 return ExitCode::FAILURE;
             }
         };
-        code = print_stdout(&format!("KV blocks: {kv}\n{}", sweep::output::table(&result)));
+        code = print_stdout(&format!(
+            "KV blocks: {kv}\n{}",
+            sweep::output::table(&result)
+        ));
         if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
             say(&format!("error: {e}"));
             return ExitCode::FAILURE;
@@ -779,16 +786,14 @@ fn sweep_labels(
             ),
         ));
     }
-    v.extend([
-        (
-            "budget axis".to_string(),
-            format!(
-                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
-                setup.node,
-                setup.walks.join(", ")
-            ),
+    v.extend([(
+        "budget axis".to_string(),
+        format!(
+            "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
+            setup.node,
+            setup.walks.join(", ")
         ),
-    ]);
+    )]);
     // Time budgets are the config's, the same in every cell.
     let times: Vec<String> = setup
         .walks

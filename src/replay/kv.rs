@@ -203,8 +203,7 @@ impl KvPool {
     /// The mean blocks in use over the steps sampled, as a fraction of the pool; `None`
     /// without a sample.
     pub fn mean_utilisation(&self) -> Option<f64> {
-        (self.samples > 0)
-            .then(|| self.used_sum as f64 / self.samples as f64 / self.limit as f64)
+        (self.samples > 0).then(|| self.used_sum as f64 / self.samples as f64 / self.limit as f64)
     }
 }
 
@@ -289,7 +288,15 @@ mod tests {
     #[test]
     fn blocks_round_up_and_growth_only_adds_what_is_missing() {
         let mut p = KvPool::new(10, 16, 1, 3);
-        assert_eq!((p.blocks_for(0), p.blocks_for(1), p.blocks_for(16), p.blocks_for(17)), (0, 1, 1, 2));
+        assert_eq!(
+            (
+                p.blocks_for(0),
+                p.blocks_for(1),
+                p.blocks_for(16),
+                p.blocks_for(17)
+            ),
+            (0, 1, 1, 2)
+        );
         assert_eq!(p.grow(0, 17), Ok(2));
         assert_eq!(p.grow(0, 32), Ok(0), "32 tokens still fit in 2 blocks");
         assert_eq!(p.grow(0, 33), Ok(1));
@@ -347,7 +354,7 @@ mod tests {
         assert_eq!(p.grow(0, 16 * 5), Err(Short { missing: 1 }));
         // The cache is evictable, so admission counts its blocks as available.
         assert!(p.can_admit(10, false));
-        assert_eq!(p.set_cache(11), Err(Short { missing: 5 }));
+        assert_eq!(p.set_cache(11), Err(Short { missing: 1 }), "5 more, 4 free");
         p.set_cache(1).unwrap();
         assert_eq!(p.grow(0, 16 * 5), Ok(5));
         assert_eq!((p.used(), p.peak()), (6, 6));

@@ -458,7 +458,12 @@ fn check_kv(
         for (key, v, lo_open, hi) in [
             ("replay.kv.gpu_memory_gb", g, true, MAX_MEMORY_GB),
             ("replay.kv.weights_gb", w, false, MAX_MEMORY_GB),
-            ("replay.kv.kv_bytes_per_token", t, true, MAX_KV_BYTES_PER_TOKEN),
+            (
+                "replay.kv.kv_bytes_per_token",
+                t,
+                true,
+                MAX_KV_BYTES_PER_TOKEN,
+            ),
         ] {
             let lo_ok = if lo_open { v > 0.0 } else { v >= 0.0 };
             if !(v.is_finite() && lo_ok && v <= hi) {
@@ -628,11 +633,17 @@ mod tests {
         assert_eq!(check(&m, &r).unwrap().kv, None, "no limit: unlimited");
         r.kv.blocks = Some(1000);
         let kv = check(&m, &r).unwrap().kv.unwrap();
-        assert_eq!((kv.blocks, kv.block_tokens, kv.watermark_blocks()), (1000, 32, 10));
+        assert_eq!(
+            (kv.blocks, kv.block_tokens, kv.watermark_blocks()),
+            (1000, 32, 10)
+        );
         r.kv = Default::default();
         r.kv.preset = Some("llama2-7b-a100".into());
         let kv = check(&m, &r).unwrap().kv.unwrap();
-        assert_eq!((kv.blocks, kv.block_tokens, kv.source.as_str()), (7609, 16, "preset llama2-7b-a100"));
+        assert_eq!(
+            (kv.blocks, kv.block_tokens, kv.source.as_str()),
+            (7609, 16, "preset llama2-7b-a100")
+        );
         r.kv.memory_utilization = Some(0.5);
         // 40 GiB − 12.551 GiB = 27.449 GiB / 8 MiB = 3513 blocks.
         assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 3513);
@@ -651,17 +662,78 @@ mod tests {
         };
         let cases: [(&dyn Fn(&mut crate::config::KvSection), &str, &str); 12] = [
             (&|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
-            (&|k| { k.blocks = Some(10); k.preset = Some("llama2-7b-a100".into()) }, "replay.kv.blocks", "not both (also set: `preset`)"),
-            (&|k| { k.blocks = Some(10); k.weights_gb = Some(1.0) }, "replay.kv.blocks", "`weights_gb`"),
-            (&|k| k.block_tokens = Some(0), "replay.kv.block_tokens", "from 1 to 65536"),
-            (&|k| k.watermark = Some(0.6), "replay.kv.watermark", "from 0 to 0.5"),
-            (&|k| k.watermark = Some(f64::NAN), "replay.kv.watermark", "fraction"),
-            (&|k| k.memory_utilization = Some(1.5), "replay.kv.memory_utilization", "at most 1"),
-            (&|k| k.preset = Some("gpt-9".into()), "replay.kv.preset", "llama2-7b-h100"),
-            (&|k| { k.preset = Some("llama2-7b-a100".into()); k.gpu_memory_gb = Some(40.0) }, "replay.kv.preset", "`gpu_memory_gb`"),
-            (&|k| k.gpu_memory_gb = Some(80.0), "replay.kv.weights_gb", "is needed with `gpu_memory_gb`"),
-            (&|k| { k.gpu_memory_gb = Some(f64::INFINITY); k.weights_gb = Some(1.0); k.kv_bytes_per_token = Some(1.0) }, "replay.kv.gpu_memory_gb", "above 0"),
-            (&|k| { k.gpu_memory_gb = Some(16.0); k.weights_gb = Some(15.0); k.kv_bytes_per_token = Some(524_288.0) }, "replay.kv", "leaves no KV block"),
+            (
+                &|k| {
+                    k.blocks = Some(10);
+                    k.preset = Some("llama2-7b-a100".into())
+                },
+                "replay.kv.blocks",
+                "not both (also set: `preset`)",
+            ),
+            (
+                &|k| {
+                    k.blocks = Some(10);
+                    k.weights_gb = Some(1.0)
+                },
+                "replay.kv.blocks",
+                "`weights_gb`",
+            ),
+            (
+                &|k| k.block_tokens = Some(0),
+                "replay.kv.block_tokens",
+                "from 1 to 65536",
+            ),
+            (
+                &|k| k.watermark = Some(0.6),
+                "replay.kv.watermark",
+                "from 0 to 0.5",
+            ),
+            (
+                &|k| k.watermark = Some(f64::NAN),
+                "replay.kv.watermark",
+                "fraction",
+            ),
+            (
+                &|k| k.memory_utilization = Some(1.5),
+                "replay.kv.memory_utilization",
+                "at most 1",
+            ),
+            (
+                &|k| k.preset = Some("gpt-9".into()),
+                "replay.kv.preset",
+                "llama2-7b-h100",
+            ),
+            (
+                &|k| {
+                    k.preset = Some("llama2-7b-a100".into());
+                    k.gpu_memory_gb = Some(40.0)
+                },
+                "replay.kv.preset",
+                "`gpu_memory_gb`",
+            ),
+            (
+                &|k| k.gpu_memory_gb = Some(80.0),
+                "replay.kv.weights_gb",
+                "is needed with `gpu_memory_gb`",
+            ),
+            (
+                &|k| {
+                    k.gpu_memory_gb = Some(f64::INFINITY);
+                    k.weights_gb = Some(1.0);
+                    k.kv_bytes_per_token = Some(1.0)
+                },
+                "replay.kv.gpu_memory_gb",
+                "above 0",
+            ),
+            (
+                &|k| {
+                    k.gpu_memory_gb = Some(16.0);
+                    k.weights_gb = Some(15.0);
+                    k.kv_bytes_per_token = Some(524_288.0)
+                },
+                "replay.kv",
+                "leaves no KV block",
+            ),
         ];
         for (f, key, words) in cases {
             let (k, reason) = refused(f);

@@ -363,7 +363,9 @@ impl Figure for KvComparison {
             .iter()
             .filter_map(|r| r.ttft_p90_ms)
             .filter(|v| v.is_finite() && *v > 0.0)
-            .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
         let (lo, hi) = if hi > 0.0 {
             (10f64.powf((lo / 1.3).log10().floor()), hi * 2.0)
         } else {

@@ -67,7 +67,10 @@ fn check_kv_log(log: &[Value], requests: &[(u32, u32)], limit: u64) -> u64 {
         assert!(kv.is_object(), "a step without `kv`: {line}");
         assert_eq!(kv["limit"], limit);
         let blocks = kv["blocks"].as_u64().unwrap();
-        assert!(blocks <= limit, "{blocks} blocks in use over {limit}: {line}");
+        assert!(
+            blocks <= limit,
+            "{blocks} blocks in use over {limit}: {line}"
+        );
         for p in kv["preempted"].as_array().unwrap() {
             preemptions += 1;
             discarded += p["discarded_tokens"].as_u64().unwrap();
@@ -189,9 +192,19 @@ fn a_small_pool_preempts_and_every_request_still_completes() {
     .unwrap();
     let kv = r.kv.clone().expect("a KV report");
     assert!(kv.preemptions > 0, "no preemption\n{r}");
-    assert!(kv.admissions_waited > 0, "no request waited for memory\n{r}");
-    assert!(kv.peak_blocks <= blocks && kv.peak_blocks > blocks / 2, "{r}");
-    assert_eq!(r.ttft_ms.unwrap().samples, n, "every request has a first token");
+    assert!(
+        kv.admissions_waited > 0,
+        "no request waited for memory\n{r}"
+    );
+    assert!(
+        kv.peak_blocks <= blocks && kv.peak_blocks > blocks / 2,
+        "{r}"
+    );
+    assert_eq!(
+        r.ttft_ms.unwrap().samples,
+        n,
+        "every request has a first token"
+    );
     let steps = read_log(&log);
     assert_eq!(steps.len() as u64, r.steps);
     let seen = check_kv_log(&steps, &reqs, blocks);
@@ -326,13 +339,15 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just(1u32), Just(16), Just(64)],
         prop_oneof![Just(0.0), Just(0.01), Just(0.2)],
     )
-        .prop_map(|(requests, extra_blocks, budget, block_tokens, watermark)| Case {
-            requests,
-            extra_blocks,
-            budget,
-            block_tokens,
-            watermark,
-        })
+        .prop_map(
+            |(requests, extra_blocks, budget, block_tokens, watermark)| Case {
+                requests,
+                extra_blocks,
+                budget,
+                block_tokens,
+                watermark,
+            },
+        )
 }
 
 /// Runs one case and checks it; answers its preemptions.
@@ -398,11 +413,18 @@ fn run_case(c: &Case) -> Result<u64, TestCaseError> {
     prop_assert_eq!(r.tokens.prefill, prompts + readmitted - unfinished);
     prop_assert_eq!(
         kv.recomputed_tokens,
-        events.iter().map(|p| p["discarded_tokens"].as_u64().unwrap()).sum::<u64>()
+        events
+            .iter()
+            .map(|p| p["discarded_tokens"].as_u64().unwrap())
+            .sum::<u64>()
     );
     prop_assert_eq!(
         r.chunks.final_chunks,
-        (reqs.len() + events.iter().filter(|p| p["during_prefill"] == false).count()) as u64
+        (reqs.len()
+            + events
+                .iter()
+                .filter(|p| p["during_prefill"] == false)
+                .count()) as u64
     );
     check_step_log(&without_abandoned_prefills(&log), 0);
     Ok(kv.preemptions)
@@ -487,10 +509,26 @@ fn a_sweep_over_kv_blocks_writes_one_run_per_pool_and_their_comparison() {
     assert!(ttft(0) >= ttft(1), "{text}");
     // Each run is labelled with its pool.
     let limited = std::fs::read_to_string(out.join("kv-6000/sweep.json")).unwrap();
-    assert!(limited.contains("6000 blocks of 16 tokens (--kv-blocks)"), "{limited}");
-    assert!(r.stdout.contains("KV memory: capacity and latency"), "{}", r.stdout);
+    assert!(
+        limited.contains("6000 blocks of 16 tokens (--kv-blocks)"),
+        "{limited}"
+    );
+    assert!(
+        r.stdout.contains("KV memory: capacity and latency"),
+        "{}",
+        r.stdout
+    );
     // A bad list is refused before anything runs.
-    let r = run(&["sweep", "--kv-blocks", "0,10", "--out", out.to_str().unwrap()], &[]);
+    let r = run(
+        &[
+            "sweep",
+            "--kv-blocks",
+            "0,10",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("`--kv-blocks`"), "{}", r.stderr);
 }

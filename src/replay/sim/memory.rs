@@ -135,8 +135,7 @@ impl Sim<'_> {
         let Some(kv) = &self.kv else { return Ok(()) };
         let spec = 2 * u64::from(self.setup.spec_tokens);
         for r in &self.trace.requests {
-            let tokens =
-                u64::from(r.input_tokens) + u64::from(r.output_tokens.max(1)) + spec;
+            let tokens = u64::from(r.input_tokens) + u64::from(r.output_tokens.max(1)) + spec;
             let need = kv.pool.blocks_for(tokens);
             if need > kv.pool.limit() {
                 return Err(ReplayError::KvTooSmall {
@@ -204,8 +203,7 @@ impl Sim<'_> {
                 // The KV cache holds the prompt and every generated token but the last, which
                 // this step runs with its speculative tokens.
                 Work::Continue { .. } => {
-                    u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated)
-                        - 1
+                    u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated) - 1
                         + u64::from(ran)
                 }
             };
