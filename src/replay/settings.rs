@@ -654,16 +654,17 @@ mod tests {
         // 24 × 0.9 − 8 = 13.6 GiB / (128 KiB × 16) = 6963 blocks.
         assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 6963);
 
-        let refused = |f: &dyn Fn(&mut crate::config::KvSection)| {
+        let refused = |f: fn(&mut crate::config::KvSection)| {
             let mut r = Settings::default().replay;
             f(&mut r.kv);
             let p = check(&m, &r).unwrap_err();
             (p[0].key, p[0].reason.clone())
         };
-        let cases: [(&dyn Fn(&mut crate::config::KvSection), &str, &str); 12] = [
-            (&|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
+        type Edit = fn(&mut crate::config::KvSection);
+        let cases: [(Edit, &str, &str); 12] = [
+            (|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
             (
-                &|k| {
+                |k| {
                     k.blocks = Some(10);
                     k.preset = Some("llama2-7b-a100".into())
                 },
@@ -671,7 +672,7 @@ mod tests {
                 "not both (also set: `preset`)",
             ),
             (
-                &|k| {
+                |k| {
                     k.blocks = Some(10);
                     k.weights_gb = Some(1.0)
                 },
@@ -679,32 +680,32 @@ mod tests {
                 "`weights_gb`",
             ),
             (
-                &|k| k.block_tokens = Some(0),
+                |k| k.block_tokens = Some(0),
                 "replay.kv.block_tokens",
                 "from 1 to 65536",
             ),
             (
-                &|k| k.watermark = Some(0.6),
+                |k| k.watermark = Some(0.6),
                 "replay.kv.watermark",
                 "from 0 to 0.5",
             ),
             (
-                &|k| k.watermark = Some(f64::NAN),
+                |k| k.watermark = Some(f64::NAN),
                 "replay.kv.watermark",
                 "fraction",
             ),
             (
-                &|k| k.memory_utilization = Some(1.5),
+                |k| k.memory_utilization = Some(1.5),
                 "replay.kv.memory_utilization",
                 "at most 1",
             ),
             (
-                &|k| k.preset = Some("gpt-9".into()),
+                |k| k.preset = Some("gpt-9".into()),
                 "replay.kv.preset",
                 "llama2-7b-h100",
             ),
             (
-                &|k| {
+                |k| {
                     k.preset = Some("llama2-7b-a100".into());
                     k.gpu_memory_gb = Some(40.0)
                 },
@@ -712,12 +713,12 @@ mod tests {
                 "`gpu_memory_gb`",
             ),
             (
-                &|k| k.gpu_memory_gb = Some(80.0),
+                |k| k.gpu_memory_gb = Some(80.0),
                 "replay.kv.weights_gb",
                 "is needed with `gpu_memory_gb`",
             ),
             (
-                &|k| {
+                |k| {
                     k.gpu_memory_gb = Some(f64::INFINITY);
                     k.weights_gb = Some(1.0);
                     k.kv_bytes_per_token = Some(1.0)
@@ -726,7 +727,7 @@ mod tests {
                 "above 0",
             ),
             (
-                &|k| {
+                |k| {
                     k.gpu_memory_gb = Some(16.0);
                     k.weights_gb = Some(15.0);
                     k.kv_bytes_per_token = Some(524_288.0)

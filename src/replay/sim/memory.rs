@@ -154,18 +154,18 @@ impl Sim<'_> {
     /// watermark kept free (`KvPool::can_admit`). Answers whether it admitted any.
     pub(super) async fn admit_waiting(&mut self) -> Result<bool, ReplayError> {
         let mut any = false;
-        loop {
-            let Some(kv) = &self.kv else { break };
-            let Some(&(i, since)) = kv.waiting.front() else {
-                break;
-            };
+        while let Some((i, since, cap)) = self.kv.as_ref().and_then(|kv| {
+            let &(i, since) = kv.waiting.front()?;
+            Some((i, since, kv.first_chunk_cap))
+        }) {
             let r = &self.trace.requests[i];
             let total = r.input_tokens + self.state[i].generated;
             let cached = self
                 .cache
                 .as_ref()
                 .map_or(0, |c| c.peek(self.trace.hashes(r), total));
-            let first = (total - cached).min(kv.first_chunk_cap.unwrap_or(u32::MAX));
+            let first = (total - cached).min(cap.unwrap_or(u32::MAX));
+            let Some(kv) = &self.kv else { break };
             let need = kv.pool.blocks_for(u64::from(cached) + u64::from(first));
             let alone = self.prefilling == 0 && self.decoding == 0;
             if !kv.pool.can_admit(need, alone) {
