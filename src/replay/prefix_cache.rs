@@ -18,6 +18,10 @@ pub struct PrefixCache {
     /// `last use -> hash`, oldest first: the eviction order.
     by_use: BTreeMap<u64, u64>,
     tick: u64,
+    /// Whether a prompt's blocks are made recent last block first, so that eviction takes a
+    /// prefix's tail before its head (as vLLM frees a request's blocks); see
+    /// [`PrefixCache::tail_first`].
+    tail_first: bool,
 }
 
 impl PrefixCache {
@@ -29,6 +33,29 @@ impl PrefixCache {
             blocks: FxHashMap::default(),
             by_use: BTreeMap::new(),
             tick: 0,
+            tail_first: false,
+        }
+    }
+
+    /// Makes a prompt's blocks recent from its last to its first, so that the least recently
+    /// used block of a prefix is its tail: evicting one block then shortens a cached prefix
+    /// instead of making it unreachable (a lookup needs the leading run). The KV memory model
+    /// evicts block by block, so it turns this on; without it the cache keeps its first order.
+    #[must_use]
+    pub fn tail_first(mut self) -> Self {
+        self.tail_first = true;
+        self
+    }
+
+    fn touch_all(&mut self, hashes: &[u64]) {
+        if self.tail_first {
+            for &h in hashes.iter().rev() {
+                self.touch(h);
+            }
+        } else {
+            for &h in hashes {
+                self.touch(h);
+            }
         }
     }
 
@@ -50,9 +77,7 @@ impl PrefixCache {
             .iter()
             .take_while(|h| self.blocks.contains_key(h) && seen.insert(**h))
             .count();
-        for &h in &hashes[..hits] {
-            self.touch(h);
-        }
+        self.touch_all(&hashes[..hits]);
         let tokens = u64::from(self.block_tokens) * hits as u64;
         tokens.min(u64::from(input_tokens.saturating_sub(1))) as u32
     }
@@ -62,9 +87,7 @@ impl PrefixCache {
         if self.capacity == 0 {
             return;
         }
-        for &h in hashes {
-            self.touch(h);
-        }
+        self.touch_all(hashes);
         while self.blocks.len() > self.capacity {
             let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
@@ -160,6 +183,27 @@ mod tests {
         assert!(c.evict_lru());
         assert!(!c.evict_lru());
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn tail_first_eviction_shortens_a_prefix_instead_of_losing_it() {
+        let mut plain = PrefixCache::new(8, 512);
+        let mut tail = PrefixCache::new(8, 512).tail_first();
+        for c in [&mut plain, &mut tail] {
+            c.insert(&[1, 2, 3]);
+            assert!(c.evict_lru());
+        }
+        // Head first: block 1 went, so nothing of the prefix can hit.
+        assert_eq!(plain.peek(&[1, 2, 3], 2000), 0);
+        // Tail first: block 3 went, two blocks still hit.
+        assert_eq!(tail.peek(&[1, 2, 3], 2000), 1024);
+        tail.lookup(&[1, 2], 2000);
+        assert!(tail.evict_lru());
+        assert_eq!(
+            tail.peek(&[1, 2], 2000),
+            512,
+            "the lookup kept the head recent"
+        );
     }
 
     #[test]

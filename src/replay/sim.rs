@@ -185,8 +185,15 @@ impl<'a> Sim<'a> {
                 .collect(),
             index_of_rid,
             state: vec![ReqState::default(); reqs.len()],
-            cache: (setup.cache_blocks > 0)
-                .then(|| PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens)),
+            cache: (setup.cache_blocks > 0).then(|| {
+                let c = PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens);
+                // The KV memory model evicts block by block (`sim/memory.rs`).
+                if setup.kv.is_some() {
+                    c.tail_first()
+                } else {
+                    c
+                }
+            }),
             rng: SmallRng::seed_from_u64(setup.seed),
             noise_rng: SmallRng::seed_from_u64(setup.seed ^ 0x9e37_79b9_7f4a_7c15),
             estimate: setup.spec_tokens + 1,

@@ -532,3 +532,48 @@ fn a_sweep_over_kv_blocks_writes_one_run_per_pool_and_their_comparison() {
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("`--kv-blocks`"), "{}", r.stderr);
 }
+
+#[test]
+fn the_prefix_cache_shares_the_pool_and_is_evicted_before_preempting() {
+    let n = 400;
+    let trace = mooncake();
+    let reqs = lengths(&trace, n);
+    let run_with = |blocks: u64| {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("steps.jsonl");
+        let s = settings(
+            2048,
+            &format!(
+                "[replay]\nprefix_cache = {{ blocks = 4096, block_tokens = 512 }}\n[replay.kv]\nblocks = {blocks}\n"
+            ),
+        );
+        let r = replay(
+            &s,
+            &ReplayOptions {
+                trace: Some(trace.clone()),
+                requests: Some(n),
+                rate_scale: 1.0,
+                step_log: Some(log.clone()),
+                ..ReplayOptions::default()
+            },
+        )
+        .unwrap();
+        let steps = read_log(&log);
+        assert_eq!(
+            check_kv_log(&steps, &reqs, blocks),
+            r.kv.as_ref().unwrap().preemptions
+        );
+        assert!(steps
+            .iter()
+            .any(|s| s["kv"]["cache_blocks"].as_u64().unwrap() > 0));
+        check_step_log(&without_abandoned_prefills(&log), 16);
+        r
+    };
+    // A pool the cache fills: it is evicted to make room, and prefixes still hit (1 of the
+    // 12 hits with unlimited memory: the cache keeps its own copy of a prefix, see
+    // docs/kv-memory.md#why-these-rules).
+    let r = run_with(12_000);
+    let kv = r.kv.clone().unwrap();
+    assert!(kv.cache_evictions > 0, "{r}");
+    assert!(r.chunks.prefix_cache_hits > 0, "no hit\n{r}");
+}
