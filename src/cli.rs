@@ -181,6 +181,10 @@ pub struct SweepArgs {
     /// No progress bar
     #[arg(long)]
     pub no_progress: bool,
+    /// KV pool sizes in blocks (`replay.kv.blocks`), comma-separated, "unlimited" for none: the
+    /// grid runs once per size, each into OUT/kv-<blocks>/, and OUT/kv.* compares them
+    #[arg(long, value_name = "LIST")]
+    pub kv_blocks: Option<String>,
 }
 
 /// `fit` arguments.
@@ -449,7 +453,8 @@ fn is_usage(e: &crate::replay::ReplayError) -> bool {
         ReplayError::Output { .. }
         | ReplayError::Config { .. }
         | ReplayError::RateScale(_)
-        | ReplayError::Budget { .. } => true,
+        | ReplayError::Budget { .. }
+        | ReplayError::KvTooSmall { .. } => true,
         ReplayError::Trace(TraceError::Bundled { .. }) => true,
         ReplayError::Trace(TraceError::Format(f)) => matches!(
             f,
@@ -509,6 +514,15 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     let rates = match sweep::parse_rates(&args.rates) {
         Ok(r) => r,
         Err(e) => return usage(&e),
+    };
+    let kv_axis = match args
+        .kv_blocks
+        .as_deref()
+        .map(sweep::kv_axis::parse_kv_blocks)
+    {
+        None => None,
+        Some(Ok(k)) => Some(k),
+        Some(Err(e)) => return usage(&e),
     };
     let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
         match sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90) {
@@ -607,24 +621,11 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         stop: Some(stop.clone()),
     };
     let (manifest, settings) = (&loaded.manifest, &loaded.settings);
+    if let Some(axis) = kv_axis {
+        return sweep_kv_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
+    }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
-        let mut o = base.clone();
-        o.rate_scale = rate;
-        o.budget = Some(grid_budget(budget));
-        o.stop = Some(crate::replay::StopFlag(stop.clone()));
-        actix::System::new().block_on(async {
-            let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
-                .map_err(|e| e.to_string())?;
-            let started = std::time::Instant::now();
-            let r = crate::replay::run_trace(&cm, manifest, settings, &o, &trace, started)
-                .await
-                .map_err(|e| e.to_string())?;
-            match &r.interrupted {
-                // Half a replay is no cell: the sweep lists it as not run.
-                Some(signal) => Err(format!("interrupted by {signal}")),
-                None => Ok(sweep::RunSummary::from(&r)),
-            }
-        })
+        sweep_cell(manifest, settings, &base, &trace, budget, rate, &stop)
     };
     let wall = std::time::Instant::now();
     let result = match sweep::run_sweep(&opts, run) {
@@ -753,6 +754,128 @@ fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<(
     }
 }
 
+/// One replay of a sweep's grid: `base` at `rate` under `budget`, in its own actix system,
+/// stopped at a step by `stop` (a signal): half a replay is no cell, so an interrupted one is
+/// an error the sweep lists as not run.
+fn sweep_cell(
+    manifest: &crate::manifest::Manifest,
+    settings: &config::Settings,
+    base: &crate::replay::ReplayOptions,
+    trace: &crate::replay::Trace,
+    budget: crate::sweep::Budget,
+    rate: f64,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicI32>,
+) -> Result<crate::sweep::RunSummary, String> {
+    let mut o = base.clone();
+    o.rate_scale = rate;
+    o.budget = Some(grid_budget(budget));
+    o.stop = Some(crate::replay::StopFlag(stop.clone()));
+    actix::System::new().block_on(async {
+        let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
+            .map_err(|e| e.to_string())?;
+        let started = std::time::Instant::now();
+        let r = crate::replay::run_trace(&cm, manifest, settings, &o, trace, started)
+            .await
+            .map_err(|e| e.to_string())?;
+        match &r.interrupted {
+            Some(signal) => Err(format!("interrupted by {signal}")),
+            None => Ok(crate::sweep::RunSummary::from(&r)),
+        }
+    })
+}
+
+/// `sweep --kv-blocks` (`docs/kv-memory.md#in-a-sweep`): the grid once per KV pool size, each
+/// written into `OUT/kv-<blocks>/`, then their comparison (`OUT/kv.*`).
+fn sweep_kv_axis(
+    args: &SweepArgs,
+    opts: &crate::sweep::SweepOptions,
+    loaded: &Loaded,
+    base: &crate::replay::ReplayOptions,
+    trace: &crate::replay::Trace,
+    inputs: &[PathBuf],
+    axis: &[crate::sweep::kv_axis::KvBlocks],
+) -> ExitCode {
+    use crate::sweep::{self, kv_axis::KvBlocks};
+    let wall = std::time::Instant::now();
+    let stop = opts.stop.clone().unwrap_or_default();
+    let mut runs = Vec::new();
+    let mut code = ExitCode::SUCCESS;
+    for kv in axis {
+        let mut settings = loaded.settings.clone();
+        let given = &loaded.settings.replay.kv;
+        settings.replay.kv = config::KvSection {
+            blocks: match kv {
+                KvBlocks::Blocks(n) => Some(*n),
+                KvBlocks::Unlimited => None,
+            },
+            block_tokens: given.block_tokens,
+            watermark: given.watermark,
+            ..Default::default()
+        };
+        let mut o = opts.clone();
+        o.settings.push((
+            "KV memory".into(),
+            match kv {
+                KvBlocks::Blocks(n) => format!(
+                    "{n} blocks of {} tokens (--kv-blocks)",
+                    given
+                        .block_tokens
+                        .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
+                ),
+                KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
+            },
+        ));
+        let dir = args.out.join(kv.dir_name());
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            say(&format!(
+                "error: cannot create the output directory `{}`: {e}",
+                config::problem::escape(&dir.display().to_string())
+            ));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        let result = match sweep::run_sweep(&o, |b, r| {
+            sweep_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                say(&format!("error: with {kv} KV blocks: {e}"));
+                return ExitCode::FAILURE;
+            }
+        };
+        code = print_stdout(&format!(
+            "KV blocks: {kv}\n{}",
+            sweep::output::table(&result)
+        ));
+        if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
+            say(&format!("error: {e}"));
+            return ExitCode::FAILURE;
+        }
+        runs.push((*kv, result));
+    }
+    let cmp = sweep::kv_axis::KvComparison::of(&runs);
+    let _ = print_stdout(&cmp.table());
+    match cmp.write(&args.out) {
+        Ok(paths) => {
+            say(&format!(
+                "wrote {} runs into {}/kv-*/ and {} in {:.1} s",
+                runs.len(),
+                config::problem::escape(&args.out.display().to_string()),
+                paths
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                wall.elapsed().as_secs_f64()
+            ));
+            code
+        }
+        Err(e) => {
+            say(&format!("error: {e}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// The settings every replay of a sweep shares, as label and value.
 fn sweep_labels(
     loaded: &Loaded,
@@ -832,6 +955,23 @@ fn sweep_labels(
             ),
         ),
     ]);
+    if let Some(kv) = &setup.kv {
+        v.push((
+            "KV memory".to_string(),
+            format!(
+                "{} blocks of {} tokens ({}), watermark {}",
+                kv.blocks, kv.block_tokens, kv.source, kv.watermark
+            ),
+        ));
+    }
+    v.extend([(
+        "budget axis".to_string(),
+        format!(
+            "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
+            setup.node,
+            setup.walks.join(", ")
+        ),
+    )]);
     // Time budgets are the config's, the same in every cell.
     let times: Vec<String> = setup
         .walks

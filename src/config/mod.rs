@@ -32,7 +32,7 @@ pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use layers::{LoadOptions, Origins, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
-    ChunkingSection, CostSection, Listen, LogFormat, LogSection, MetricsSection,
+    ChunkingSection, CostSection, KvSection, Listen, LogFormat, LogSection, MetricsSection,
     PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
 pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};

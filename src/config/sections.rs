@@ -156,6 +156,8 @@ pub struct ReplaySection {
     pub speculation: SpeculationSection,
     /// The simulated prefix cache.
     pub prefix_cache: PrefixCacheSection,
+    /// The simulated KV-cache memory (`docs/kv-memory.md`); unset: unlimited.
+    pub kv: KvSection,
 }
 
 /// A step's simulated duration (`docs/cost-model.md`): `base_ms + per_token_ms·T +
@@ -271,4 +273,29 @@ impl Default for PrefixCacheSection {
             block_tokens: 512,
         }
     }
+}
+
+/// `[replay.kv]`: the KV-cache memory the replay simulates (`docs/kv-memory.md`). No limit
+/// (`blocks`, `preset` or a memory budget) means unlimited memory. Checked by
+/// [`crate::replay::settings`].
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvSection {
+    /// Tokens per KV block; unset: 16.
+    pub block_tokens: Option<u32>,
+    /// The pool's size in blocks; excludes `preset` and the memory keys.
+    pub blocks: Option<u64>,
+    /// A model/GPU pair whose memory budget gives the blocks (`llama2-7b-a100`, `llama2-7b-h100`).
+    pub preset: Option<String>,
+    /// GPU memory, GiB.
+    pub gpu_memory_gb: Option<f64>,
+    /// The fraction of GPU memory the engine may use; unset: 0.9.
+    pub memory_utilization: Option<f64>,
+    /// Memory the model's weights take, GiB.
+    pub weights_gb: Option<f64>,
+    /// Bytes of KV cache one token holds.
+    pub kv_bytes_per_token: Option<f64>,
+    /// The fraction of the blocks admission keeps free for running requests to grow into;
+    /// unset: 0.01.
+    pub watermark: Option<f64>,
 }

@@ -25,6 +25,7 @@ use crate::{ChunkingManagement, Name};
 
 pub mod arrivals;
 pub mod formats;
+pub mod kv;
 pub mod prefix_cache;
 pub mod report;
 pub mod settings;
@@ -34,7 +35,7 @@ pub mod trace;
 
 pub use report::ReplayReport;
 pub use report::{RunSettings, StepDurations};
-pub use settings::Setup;
+pub use settings::{KvSetup, Setup};
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};
 
 /// The walk prompts are admitted on.
@@ -307,6 +308,29 @@ pub enum ReplayError {
         prefilling: usize,
         /// Decode rows registered.
         decoding: usize,
+    },
+    /// A request needs more KV blocks than the pool holds, even alone.
+    #[error("request {rid} needs {tokens} tokens of KV cache ({need} blocks of {block_tokens} tokens: its prompt, outputs and speculative tokens) but `replay.kv` holds {blocks} blocks, so it could never run; give the replay more memory, or leave such requests out (`--requests`)")]
+    KvTooSmall {
+        /// The request (its position in the trace).
+        rid: u64,
+        /// The tokens it needs.
+        tokens: u64,
+        /// The blocks it needs.
+        need: u64,
+        /// The pool's blocks.
+        blocks: u64,
+        /// Tokens per block.
+        block_tokens: u32,
+    },
+    /// A step's rows could not be given blocks with nothing left to preempt (a bug: reported,
+    /// never a panic).
+    #[error("request {rid}: no block left to give and nothing left to preempt in a pool of {blocks} blocks")]
+    KvStuck {
+        /// The request whose row did not fit.
+        rid: u64,
+        /// The pool's blocks.
+        blocks: u64,
     },
     /// Prepared inputs still held after every prompt finished.
     #[error("{rows} prepared inputs ({tokens} tokens) were still held after the replay; every one must be released after its final chunk")]
@@ -620,7 +644,16 @@ pub async fn run_trace(
         ),
         None => None,
     };
-    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log).time_budgets(&labels.budgets);
+    // A first chunk runs at most the token budget of the walk prompts are planned on.
+    let cap = cm
+        .snapshot()
+        .await
+        .map_err(ReplayError::chunking("reading the budgets back"))?
+        .table()
+        .max_batch_tokens(&setup.node, sim::first_chunk_walk(&setup.walks));
+    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
+        .time_budgets(&labels.budgets)
+        .first_chunk_cap(cap);
     let flag = opts.stop.as_ref().map(|f| f.0.clone());
     let _signals = if opts.handle_signals {
         let flag = flag.unwrap_or_default();
@@ -806,6 +839,7 @@ mod tests {
             seed: 42,
             cache_blocks: 0,
             cache_block_tokens: 512,
+            kv: None,
         }
     }
 

@@ -18,6 +18,10 @@ pub struct PrefixCache {
     /// `last use -> hash`, oldest first: the eviction order.
     by_use: BTreeMap<u64, u64>,
     tick: u64,
+    /// Whether a prompt's blocks are made recent last block first, so that eviction takes a
+    /// prefix's tail before its head (as vLLM frees a request's blocks); see
+    /// [`PrefixCache::tail_first`].
+    tail_first: bool,
 }
 
 impl PrefixCache {
@@ -29,6 +33,29 @@ impl PrefixCache {
             blocks: FxHashMap::default(),
             by_use: BTreeMap::new(),
             tick: 0,
+            tail_first: false,
+        }
+    }
+
+    /// Makes a prompt's blocks recent from its last to its first, so that the least recently
+    /// used block of a prefix is its tail: evicting one block then shortens a cached prefix
+    /// instead of making it unreachable (a lookup needs the leading run). The KV memory model
+    /// evicts block by block, so it turns this on; without it the cache keeps its first order.
+    #[must_use]
+    pub fn tail_first(mut self) -> Self {
+        self.tail_first = true;
+        self
+    }
+
+    fn touch_all(&mut self, hashes: &[u64]) {
+        if self.tail_first {
+            for &h in hashes.iter().rev() {
+                self.touch(h);
+            }
+        } else {
+            for &h in hashes {
+                self.touch(h);
+            }
         }
     }
 
@@ -50,9 +77,7 @@ impl PrefixCache {
             .iter()
             .take_while(|h| self.blocks.contains_key(h) && seen.insert(**h))
             .count();
-        for &h in &hashes[..hits] {
-            self.touch(h);
-        }
+        self.touch_all(&hashes[..hits]);
         let tokens = u64::from(self.block_tokens) * hits as u64;
         tokens.min(u64::from(input_tokens.saturating_sub(1))) as u32
     }
@@ -62,15 +87,41 @@ impl PrefixCache {
         if self.capacity == 0 {
             return;
         }
-        for &h in hashes {
-            self.touch(h);
-        }
+        self.touch_all(hashes);
         while self.blocks.len() > self.capacity {
             let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
             self.blocks.remove(&oldest);
         }
+    }
+
+    /// What [`lookup`](Self::lookup) would answer, without making any block more recent (to
+    /// test whether a prompt could be admitted).
+    pub fn peek(&self, hashes: &[u64], input_tokens: u32) -> u32 {
+        let mut seen = rustc_hash::FxHashSet::default();
+        let hits = hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h) && seen.insert(**h))
+            .count();
+        let tokens = u64::from(self.block_tokens) * hits as u64;
+        tokens.min(u64::from(input_tokens.saturating_sub(1))) as u32
+    }
+
+    /// Evicts the least recently used block; answers whether there was one.
+    pub fn evict_lru(&mut self) -> bool {
+        match self.by_use.pop_first() {
+            Some((_, oldest)) => {
+                self.blocks.remove(&oldest);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
     }
 
     /// Blocks held.
@@ -116,6 +167,43 @@ mod tests {
         let mut c = PrefixCache::new(4, 512);
         c.insert(&[1, 2]);
         assert_eq!(c.lookup(&[1, 2, 1, 2], 4096), 1024);
+    }
+
+    #[test]
+    fn peek_does_not_reorder_and_eviction_takes_the_oldest() {
+        let mut c = PrefixCache::new(3, 512);
+        c.insert(&[1, 2, 3]);
+        assert_eq!(c.peek(&[1, 2], 2000), 1024);
+        // Peeking at 1 did not make it recent: it is still the oldest.
+        assert!(c.evict_lru());
+        assert_eq!(c.peek(&[1], 600), 0);
+        assert_eq!(c.lookup(&[2], 600), 512); // 2 is now the most recent
+        assert!(c.evict_lru()); // evicts 3
+        assert_eq!((c.len(), c.peek(&[2], 600), c.peek(&[3], 600)), (1, 512, 0));
+        assert!(c.evict_lru());
+        assert!(!c.evict_lru());
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn tail_first_eviction_shortens_a_prefix_instead_of_losing_it() {
+        let mut plain = PrefixCache::new(8, 512);
+        let mut tail = PrefixCache::new(8, 512).tail_first();
+        for c in [&mut plain, &mut tail] {
+            c.insert(&[1, 2, 3]);
+            assert!(c.evict_lru());
+        }
+        // Head first: block 1 went, so nothing of the prefix can hit.
+        assert_eq!(plain.peek(&[1, 2, 3], 2000), 0);
+        // Tail first: block 3 went, two blocks still hit.
+        assert_eq!(tail.peek(&[1, 2, 3], 2000), 1024);
+        tail.lookup(&[1, 2], 2000);
+        assert!(tail.evict_lru());
+        assert_eq!(
+            tail.peek(&[1, 2], 2000),
+            512,
+            "the lookup kept the head recent"
+        );
     }
 
     #[test]

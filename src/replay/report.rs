@@ -97,6 +97,53 @@ pub struct ReplayReport {
     pub step_log: Option<String>,
     /// The signal that stopped the replay early (`SIGINT`, `SIGTERM`); `None`: it ran to the end.
     pub interrupted: Option<String>,
+    /// The KV memory model's figures (`docs/kv-memory.md`); absent with unlimited memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv: Option<KvReport>,
+}
+
+/// What KV memory did to a replay (`docs/kv-memory.md#the-summary`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KvReport {
+    /// Blocks in the pool.
+    pub blocks: u64,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// The watermark, as a fraction of the blocks.
+    pub watermark: f64,
+    /// The watermark, in blocks: admission keeps them free.
+    pub watermark_blocks: u64,
+    /// Where the blocks came from (`7609 blocks`, `preset llama2-7b-a100`, a memory budget).
+    pub source: String,
+    /// The most blocks in use at once (requests' and prefix cache's).
+    pub peak_blocks: u64,
+    /// `peak_blocks / blocks`.
+    #[serde(serialize_with = "ser_ratio")]
+    pub peak_utilisation: f64,
+    /// The mean over the steps of the blocks in use, over `blocks`.
+    #[serde(serialize_with = "ser_opt_ratio")]
+    pub mean_utilisation: Option<f64>,
+    /// Preemptions by recompute.
+    pub preemptions: u64,
+    /// Requests preempted at least once.
+    pub preempted_requests: usize,
+    /// The tokens preemptions threw away from KV caches (run again by the recomputes).
+    pub recomputed_tokens: u64,
+    /// Admitted prompts whose first chunk did not fit when planned, sent back to wait.
+    pub withdrawn_admissions: u64,
+    /// Prefix-cache blocks evicted to make room.
+    pub cache_evictions: u64,
+    /// The time requests spent waiting for memory, summed over admissions, simulated ms.
+    #[serde(serialize_with = "ser_ms")]
+    pub memory_wait_total_ms: f64,
+    /// Admissions that waited for memory at all.
+    pub admissions_waited: usize,
+    /// The wait of each admission (from arrival, or preemption, to admission), simulated ms.
+    pub memory_wait_ms: Option<Latency>,
+}
+
+fn ser_ratio<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    ser_opt_ratio(&Some(*x), s)
 }
 
 /// Tokens, by kind.
@@ -812,6 +859,53 @@ impl fmt::Display for ReplayReport {
             "decode row waits",
             plural(self.decode_row_waits, "row-step"),
         )?;
+        if let Some(kv) = &self.kv {
+            row(
+                f,
+                "KV memory",
+                format!(
+                    "{} of {} ({}), watermark {}",
+                    plural(kv.blocks, "block"),
+                    plural(u64::from(kv.block_tokens), "token"),
+                    kv.source,
+                    plural(kv.watermark_blocks, "block")
+                ),
+            )?;
+            row(
+                f,
+                "KV utilisation",
+                format!(
+                    "peak {:.1}% ({}), mean {}",
+                    kv.peak_utilisation * 100.0,
+                    plural(kv.peak_blocks, "block"),
+                    kv.mean_utilisation
+                        .map_or_else(|| "-".into(), |m| format!("{:.1}%", m * 100.0))
+                ),
+            )?;
+            row(
+                f,
+                "preemptions",
+                format!(
+                    "{} ({}), {} recomputed; {} withdrawn, {} evicted",
+                    kv.preemptions,
+                    plural(kv.preempted_requests as u64, "request"),
+                    plural(kv.recomputed_tokens, "token"),
+                    plural(kv.withdrawn_admissions, "admission"),
+                    plural(kv.cache_evictions, "prefix-cache block")
+                ),
+            )?;
+            row(
+                f,
+                "memory wait",
+                format!(
+                    "{:.1} s in total, {} of {} admissions waited; p50/p90/p99 {}",
+                    kv.memory_wait_total_ms / 1000.0,
+                    kv.admissions_waited,
+                    kv.memory_wait_ms.map_or(0, |l| l.samples),
+                    latency(&kv.memory_wait_ms)
+                ),
+            )?;
+        }
         row(f, "TTFT p50/p90/p99", latency(&self.ttft_ms))?;
         row(f, "TBT p50/p90/p99", latency(&self.tbt_ms))?;
         row(

@@ -48,7 +48,46 @@ pub struct Setup {
     pub cache_blocks: usize,
     /// Tokens per prefix cache block.
     pub cache_block_tokens: u32,
+    /// The KV-cache memory (`[replay.kv]`); `None`: unlimited.
+    pub kv: Option<KvSetup>,
 }
+
+/// The KV pool a replay simulates (`docs/kv-memory.md`), resolved from `[replay.kv]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvSetup {
+    /// Blocks in the pool.
+    pub blocks: u64,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// The fraction of the blocks admission keeps free.
+    pub watermark: f64,
+    /// Where the blocks came from: `blocks`, a preset's name, or the memory budget, as text.
+    pub source: String,
+}
+
+impl KvSetup {
+    /// The watermark in blocks: `floor(watermark × blocks)`.
+    pub fn watermark_blocks(&self) -> u64 {
+        (self.watermark * self.blocks as f64).floor() as u64
+    }
+}
+
+/// The default tokens per KV block (vLLM's default block size).
+pub const DEFAULT_KV_BLOCK_TOKENS: u32 = 16;
+/// The most tokens per KV block.
+pub const MAX_KV_BLOCK_TOKENS: u32 = 1 << 16;
+/// The most KV blocks a pool may have (2^40: far beyond any GPU, and the sums stay exact).
+pub const MAX_KV_BLOCKS: u64 = 1 << 40;
+/// The default watermark (vLLM V0's and Vidur's 1% of the blocks).
+pub const DEFAULT_KV_WATERMARK: f64 = 0.01;
+/// The highest watermark: admission keeps at most half the pool free.
+pub const MAX_KV_WATERMARK: f64 = 0.5;
+/// The default `memory_utilization` (vLLM's `gpu_memory_utilization`).
+pub const DEFAULT_MEMORY_UTILIZATION: f64 = 0.9;
+/// The most GiB a memory size (`gpu_memory_gb`, `weights_gb`) may be.
+pub const MAX_MEMORY_GB: f64 = 1e6;
+/// The most bytes of KV one token may hold.
+pub const MAX_KV_BYTES_PER_TOKEN: f64 = 1e12;
 
 /// One refused `[replay]` setting: its key (`replay.cost.base_ms`, or `walks`/`nodes` of the
 /// model), the value as written, and why.
@@ -183,6 +222,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
             ),
         );
     }
+    let kv = check_kv(&r.kv, &mut refuse);
     match node {
         Some(node) if problems.is_empty() => Ok(Setup {
             node,
@@ -196,6 +236,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
             seed: s.seed,
             cache_blocks: p.blocks as usize,
             cache_block_tokens: p.block_tokens,
+            kv,
         }),
         _ => Err(problems),
     }
@@ -270,6 +311,211 @@ fn check_cost(
     }
     ok.then(|| LatencyModel::from_coefficients(coefficients).ok())
         .flatten()
+}
+
+/// Checks `[replay.kv]` and resolves its pool: `blocks`, or a `preset`, or a memory budget
+/// (`gpu_memory_gb`, `weights_gb` and `kv_bytes_per_token`, with `memory_utilization`), one of
+/// the three at most; nothing: unlimited (`None`). Every value finite and in range, and at
+/// least one block left for the KV cache.
+fn check_kv(
+    k: &crate::config::KvSection,
+    refuse: &mut impl FnMut(&'static str, Option<String>, String),
+) -> Option<KvSetup> {
+    let mut ok = true;
+    let block_tokens = k.block_tokens.unwrap_or(DEFAULT_KV_BLOCK_TOKENS);
+    if !(1..=MAX_KV_BLOCK_TOKENS).contains(&block_tokens) {
+        refuse(
+            "replay.kv.block_tokens",
+            Some(block_tokens.to_string()),
+            format!("must be a whole number of tokens from 1 to {MAX_KV_BLOCK_TOKENS}"),
+        );
+        ok = false;
+    }
+    let watermark = k.watermark.unwrap_or(DEFAULT_KV_WATERMARK);
+    if !(watermark.is_finite() && (0.0..=MAX_KV_WATERMARK).contains(&watermark)) {
+        refuse(
+            "replay.kv.watermark",
+            Some(float(watermark)),
+            format!("must be a fraction of the blocks from 0 to {MAX_KV_WATERMARK}"),
+        );
+        ok = false;
+    }
+    let utilization = k.memory_utilization.unwrap_or(DEFAULT_MEMORY_UTILIZATION);
+    if !(utilization.is_finite() && utilization > 0.0 && utilization <= 1.0) {
+        refuse(
+            "replay.kv.memory_utilization",
+            Some(float(utilization)),
+            "must be a fraction of GPU memory above 0 and at most 1".into(),
+        );
+        ok = false;
+    }
+    let memory_keys = [
+        ("replay.kv.gpu_memory_gb", k.gpu_memory_gb),
+        ("replay.kv.weights_gb", k.weights_gb),
+        ("replay.kv.kv_bytes_per_token", k.kv_bytes_per_token),
+    ];
+    let memory_given: Vec<&str> = memory_keys
+        .iter()
+        .filter(|(_, v)| v.is_some())
+        .map(|(key, _)| *key)
+        .collect();
+    let memory_text = |keys: &[&str]| {
+        keys.iter()
+            .map(|key| format!("`{}`", key.trim_start_matches("replay.kv.")))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(b) = k.blocks {
+        if k.preset.is_some() || !memory_given.is_empty() || k.memory_utilization.is_some() {
+            let mut others: Vec<&str> = memory_given.clone();
+            if k.preset.is_some() {
+                others.insert(0, "replay.kv.preset");
+            }
+            if k.memory_utilization.is_some() {
+                others.push("replay.kv.memory_utilization");
+            }
+            refuse(
+                "replay.kv.blocks",
+                Some(b.to_string()),
+                format!(
+                    "sizes the pool itself: set either `blocks` or a memory budget, not both (also set: {})",
+                    memory_text(&others)
+                ),
+            );
+            return None;
+        }
+        if !(1..=MAX_KV_BLOCKS).contains(&b) {
+            refuse(
+                "replay.kv.blocks",
+                Some(b.to_string()),
+                format!("must be a whole number of blocks from 1 to {MAX_KV_BLOCKS}"),
+            );
+            return None;
+        }
+        return ok.then(|| KvSetup {
+            blocks: b,
+            block_tokens,
+            watermark,
+            source: format!("{b} blocks"),
+        });
+    }
+    let (budget, source) = if let Some(name) = &k.preset {
+        if !memory_given.is_empty() {
+            refuse(
+                "replay.kv.preset",
+                Some(crate::config::problem::quote(name)),
+                format!(
+                    "names the memory budget itself: set either `preset` or {}, not both",
+                    memory_text(&memory_given)
+                ),
+            );
+            return None;
+        }
+        let Some(p) = super::kv::memory_preset(name) else {
+            refuse(
+                "replay.kv.preset",
+                Some(crate::config::problem::quote(name)),
+                format!(
+                    "is not a KV memory preset (presets: {})",
+                    super::kv::MEMORY_PRESETS
+                        .iter()
+                        .map(|p| p.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+            return None;
+        };
+        let mut b = p.budget;
+        b.memory_utilization = utilization;
+        (b, format!("preset {name}"))
+    } else if memory_given.is_empty() {
+        // No limit: unlimited memory, whatever `block_tokens`, `watermark` or
+        // `memory_utilization` say (they were checked all the same).
+        return None;
+    } else {
+        let missing: Vec<&str> = memory_keys
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(key, _)| *key)
+            .collect();
+        if let Some(first) = missing.first() {
+            refuse(
+                first,
+                None,
+                format!(
+                    "is needed with {}: a memory budget takes `gpu_memory_gb`, `weights_gb` and `kv_bytes_per_token` (or use `blocks` or a `preset`)",
+                    memory_text(&memory_given)
+                ),
+            );
+            return None;
+        }
+        let (g, w, t) = (
+            k.gpu_memory_gb.unwrap_or(0.0),
+            k.weights_gb.unwrap_or(0.0),
+            k.kv_bytes_per_token.unwrap_or(0.0),
+        );
+        for (key, v, lo_open, hi) in [
+            ("replay.kv.gpu_memory_gb", g, true, MAX_MEMORY_GB),
+            ("replay.kv.weights_gb", w, false, MAX_MEMORY_GB),
+            (
+                "replay.kv.kv_bytes_per_token",
+                t,
+                true,
+                MAX_KV_BYTES_PER_TOKEN,
+            ),
+        ] {
+            let lo_ok = if lo_open { v > 0.0 } else { v >= 0.0 };
+            if !(v.is_finite() && lo_ok && v <= hi) {
+                refuse(
+                    key,
+                    Some(float(v)),
+                    format!(
+                        "must be a number {} and at most {hi:e}",
+                        if lo_open { "above 0" } else { "from 0" }
+                    ),
+                );
+                ok = false;
+            }
+        }
+        if !ok {
+            return None;
+        }
+        (
+            super::kv::MemoryBudget {
+                gpu_memory_gb: g,
+                memory_utilization: utilization,
+                weights_gb: w,
+                kv_bytes_per_token: t,
+            },
+            format!("{g} GiB × {utilization} − {w} GiB weights, {t} B per token"),
+        )
+    };
+    if !ok {
+        return None;
+    }
+    let blocks = budget.blocks(block_tokens).min(MAX_KV_BLOCKS);
+    if blocks == 0 {
+        refuse(
+            "replay.kv",
+            None,
+            format!(
+                "leaves no KV block: {} GiB × {} − {:.3} GiB of weights leaves {:.3} GiB, less than one block of {block_tokens} tokens × {} B",
+                budget.gpu_memory_gb,
+                budget.memory_utilization,
+                budget.weights_gb,
+                budget.kv_bytes() / super::kv::GIB,
+                budget.kv_bytes_per_token
+            ),
+        );
+        return None;
+    }
+    Some(KvSetup {
+        blocks,
+        block_tokens,
+        watermark,
+        source,
+    })
 }
 
 /// Checks `--rate-scale`: a finite number in `[1 / MAX_RATE_SCALE, MAX_RATE_SCALE]`.
@@ -376,6 +622,125 @@ mod tests {
         r.cost.preset = Some("gpt-9".into());
         let p = &check(&model(), &r).unwrap_err()[0];
         assert!(p.reason.contains("llama2-7b-a100"), "{}", p.reason);
+    }
+
+    #[test]
+    fn kv_memory_is_unlimited_unless_sized_and_every_key_is_checked() {
+        let m = model();
+        let mut r = Settings::default().replay;
+        assert_eq!(check(&m, &r).unwrap().kv, None);
+        r.kv.block_tokens = Some(32);
+        assert_eq!(check(&m, &r).unwrap().kv, None, "no limit: unlimited");
+        r.kv.blocks = Some(1000);
+        let kv = check(&m, &r).unwrap().kv.unwrap();
+        assert_eq!(
+            (kv.blocks, kv.block_tokens, kv.watermark_blocks()),
+            (1000, 32, 10)
+        );
+        r.kv = Default::default();
+        r.kv.preset = Some("llama2-7b-a100".into());
+        let kv = check(&m, &r).unwrap().kv.unwrap();
+        assert_eq!(
+            (kv.blocks, kv.block_tokens, kv.source.as_str()),
+            (7609, 16, "preset llama2-7b-a100")
+        );
+        r.kv.memory_utilization = Some(0.5);
+        // 40 GiB − 12.551 GiB = 27.449 GiB / 8 MiB = 3513 blocks.
+        assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 3513);
+        r.kv = Default::default();
+        r.kv.gpu_memory_gb = Some(24.0);
+        r.kv.weights_gb = Some(8.0);
+        r.kv.kv_bytes_per_token = Some(131_072.0);
+        // 24 × 0.9 − 8 = 13.6 GiB / (128 KiB × 16) = 6963 blocks.
+        assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 6963);
+
+        let refused = |f: fn(&mut crate::config::KvSection)| {
+            let mut r = Settings::default().replay;
+            f(&mut r.kv);
+            let p = check(&m, &r).unwrap_err();
+            (p[0].key, p[0].reason.clone())
+        };
+        type Edit = fn(&mut crate::config::KvSection);
+        let cases: [(Edit, &str, &str); 12] = [
+            (|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
+            (
+                |k| {
+                    k.blocks = Some(10);
+                    k.preset = Some("llama2-7b-a100".into())
+                },
+                "replay.kv.blocks",
+                "not both (also set: `preset`)",
+            ),
+            (
+                |k| {
+                    k.blocks = Some(10);
+                    k.weights_gb = Some(1.0)
+                },
+                "replay.kv.blocks",
+                "`weights_gb`",
+            ),
+            (
+                |k| k.block_tokens = Some(0),
+                "replay.kv.block_tokens",
+                "from 1 to 65536",
+            ),
+            (
+                |k| k.watermark = Some(0.6),
+                "replay.kv.watermark",
+                "from 0 to 0.5",
+            ),
+            (
+                |k| k.watermark = Some(f64::NAN),
+                "replay.kv.watermark",
+                "fraction",
+            ),
+            (
+                |k| k.memory_utilization = Some(1.5),
+                "replay.kv.memory_utilization",
+                "at most 1",
+            ),
+            (
+                |k| k.preset = Some("gpt-9".into()),
+                "replay.kv.preset",
+                "llama2-7b-h100",
+            ),
+            (
+                |k| {
+                    k.preset = Some("llama2-7b-a100".into());
+                    k.gpu_memory_gb = Some(40.0)
+                },
+                "replay.kv.preset",
+                "`gpu_memory_gb`",
+            ),
+            (
+                |k| k.gpu_memory_gb = Some(80.0),
+                "replay.kv.weights_gb",
+                "is needed with `gpu_memory_gb`",
+            ),
+            (
+                |k| {
+                    k.gpu_memory_gb = Some(f64::INFINITY);
+                    k.weights_gb = Some(1.0);
+                    k.kv_bytes_per_token = Some(1.0)
+                },
+                "replay.kv.gpu_memory_gb",
+                "above 0",
+            ),
+            (
+                |k| {
+                    k.gpu_memory_gb = Some(16.0);
+                    k.weights_gb = Some(15.0);
+                    k.kv_bytes_per_token = Some(524_288.0)
+                },
+                "replay.kv",
+                "leaves no KV block",
+            ),
+        ];
+        for (f, key, words) in cases {
+            let (k, reason) = refused(f);
+            assert_eq!(k, key, "{reason}");
+            assert!(reason.contains(words), "{key}: {reason}");
+        }
     }
 
     #[test]

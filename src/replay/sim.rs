@@ -28,6 +28,10 @@ use crate::planner::Work;
 use crate::prepared::PreparedInput;
 use crate::ChunkingManagement;
 
+mod memory;
+
+pub use memory::{component_rid, first_chunk_walk, KvState, RID_ATTEMPT_SHIFT, RID_MASK};
+
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;
 
@@ -44,6 +48,30 @@ struct ReqState {
     /// prompt plus the tokens it has generated. Kept here, never read from the component,
     /// whose own contexts are estimates it may not even keep (see [`Sim::step_ms`]).
     true_context: u64,
+    /// Tokens generated so far (a preempted request recomputes its prompt and these).
+    generated: u32,
+    /// Times it was preempted: it is admitted to the component as `rid + attempt << 32`.
+    attempt: u32,
+    /// Where it is, for the KV memory model.
+    phase: Phase,
+    /// The tokens its current admission prefills (prompt + tokens generated before it).
+    input_total: u32,
+    /// The end of its last completed chunk in the current admission.
+    prefilled: u32,
+}
+
+/// A request's phase, as the KV memory model needs it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Phase {
+    /// Not admitted to the component (not arrived, or waiting for memory).
+    #[default]
+    Waiting,
+    /// Admitted, its prompt not through its final chunk.
+    Prefilling,
+    /// Generating on a continuing row.
+    Decoding,
+    /// Its last token is out.
+    Done,
 }
 
 /// One replay in progress.
@@ -90,6 +118,8 @@ pub struct Sim<'a> {
     /// Time between tokens: one sample per generated token, so kept in the bounded
     /// histogram step times use (its error is documented there), never in a `Vec`.
     tbt: StepDurations,
+    /// The KV memory model (`[replay.kv]`); `None`: unlimited memory, as without it.
+    kv: Option<memory::KvState>,
     /// Set to a signal number when the replay is to stop at the next step boundary.
     stop: Option<Arc<AtomicI32>>,
     /// The step walks that have a time budget (`chunking.max_step_ms`), to count the steps
@@ -156,6 +186,7 @@ impl<'a> Sim<'a> {
             steps_per_second: 0.0,
             step_log: step_log.as_ref().map(|l| l.path().display().to_string()),
             interrupted: None,
+            kv: None,
         };
         Self {
             cm,
@@ -169,8 +200,15 @@ impl<'a> Sim<'a> {
                 .collect(),
             index_of_rid,
             state: vec![ReqState::default(); reqs.len()],
-            cache: (setup.cache_blocks > 0)
-                .then(|| PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens)),
+            cache: (setup.cache_blocks > 0).then(|| {
+                let c = PrefixCache::new(setup.cache_blocks, setup.cache_block_tokens);
+                // The KV memory model evicts block by block (`sim/memory.rs`).
+                if setup.kv.is_some() {
+                    c.tail_first()
+                } else {
+                    c
+                }
+            }),
             rng: SmallRng::seed_from_u64(setup.seed),
             noise_rng: SmallRng::seed_from_u64(setup.seed ^ 0x9e37_79b9_7f4a_7c15),
             estimate: setup.spec_tokens + 1,
@@ -191,6 +229,10 @@ impl<'a> Sim<'a> {
             // the trace's declared sizes.
             ttft: Vec::new(),
             tbt: StepDurations::default(),
+            kv: setup
+                .kv
+                .as_ref()
+                .map(|k| memory::KvState::new(k, reqs.len())),
             stop: None,
             timed_walks: Vec::new(),
         }
@@ -230,6 +272,25 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// With a KV memory limit: the most tokens a prompt's first chunk may run (the step
+    /// walk's token budget), which admission reserves blocks for; `None`: the whole prompt.
+    #[must_use]
+    pub fn first_chunk_cap(mut self, cap: Option<u32>) -> Self {
+        if let Some(kv) = &mut self.kv {
+            kv.first_chunk_cap = cap;
+        }
+        self
+    }
+
+    /// The trace index of a component rid (`rid + attempt << 32`).
+    fn index_of(&self, rid: u64) -> Option<usize> {
+        self.index_of_rid
+            .get((rid & memory::RID_MASK) as usize)
+            .copied()
+            .filter(|i| *i != u32::MAX)
+            .map(|i| i as usize)
+    }
+
     /// Stops the replay at the next step boundary once `flag` holds a signal number (not 0):
     /// the report then covers what ran and names the signal.
     #[must_use]
@@ -249,6 +310,7 @@ impl<'a> Sim<'a> {
         let mut next = 0usize;
         let mut turn = 0usize;
         let mut empty_streak = 0usize;
+        self.check_kv_fits()?;
         loop {
             if let Some(sig) = self.stop.as_ref().map(|f| f.load(Ordering::SeqCst)) {
                 if sig != 0 {
@@ -256,21 +318,31 @@ impl<'a> Sim<'a> {
                     break;
                 }
             }
-            if self.prefilling == 0 && self.decoding == 0 {
+            if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() == 0 {
                 if next == n {
                     break;
                 }
                 self.t_ms = self.t_ms.max(self.arrivals[next]);
             }
             while next < n && self.arrivals[next] <= self.t_ms {
-                self.admit(next).await?;
+                match &mut self.kv {
+                    Some(kv) => kv.enqueue_arrival(next, self.t_ms),
+                    None => self.admit(next).await?,
+                }
                 next += 1;
+            }
+            if self.kv.is_some() && self.admit_waiting().await? {
+                // Admitting or preempting changes what a step can schedule.
+                empty_streak = 0;
             }
             let setup = self.setup;
             let walk = &setup.walks[turn % setup.walks.len()];
             turn += 1;
             match self.step(walk).await? {
                 Stepped::Ran => empty_streak = 0,
+                // Preemption emptied the component: the next admission runs the waiting head.
+                Stepped::Empty
+                    if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() > 0 => {}
                 Stepped::Empty => {
                     empty_streak += 1;
                     // Every step walk had its turn and none scheduled a row: nothing will change.
@@ -312,10 +384,16 @@ impl<'a> Sim<'a> {
         Some(pb)
     }
 
-    /// Admits request `i`: its prompt as a real prepared input, its cached prefix looked up.
+    /// Admits request `i`: its prompt (after a preemption, its prompt and the tokens it had
+    /// generated) as a real prepared input, its cached prefix looked up.
     async fn admit(&mut self, i: usize) -> Result<(), ReplayError> {
         let r = &self.trace.requests[i];
-        let n = r.input_tokens;
+        let s = &mut self.state[i];
+        let n = r.input_tokens + s.generated;
+        let rid = memory::component_rid(r.rid, s.attempt);
+        s.phase = Phase::Prefilling;
+        s.input_total = n;
+        s.prefilled = 0;
         // Synthetic token ids, but a real allocation of the prompt's length.
         let base = (r.rid as u32).wrapping_mul(31);
         let ids: Arc<[u32]> = (0..n).map(|t| base.wrapping_add(t)).collect();
@@ -325,7 +403,7 @@ impl<'a> Sim<'a> {
         };
         self.cm
             .admit(
-                r.rid,
+                rid,
                 &self.setup.node,
                 PREFILL_WALK,
                 PreparedInput::tokens(ids),
@@ -385,35 +463,44 @@ impl<'a> Sim<'a> {
     async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
         let cm = self.cm;
         let node = self.setup.node.as_str();
-        let batch = cm
-            .assemble(node, walk)
-            .await
-            .map_err(ReplayError::chunking("assembling a step"))?;
-        if batch.rows.is_empty() {
-            cm.complete(batch.step, Vec::new())
+        let mut decode_rows;
+        let mut cuts;
+        // With a KV limit, a step whose rows do not fit is abandoned after preempting, and
+        // planned again (`memory.rs`).
+        let batch = loop {
+            let batch = cm
+                .assemble(node, walk)
                 .await
-                .map_err(ReplayError::chunking("completing an empty step"))?;
-            return Ok(Stepped::Empty);
-        }
+                .map_err(ReplayError::chunking("assembling a step"))?;
+            if batch.rows.is_empty() {
+                cm.complete(batch.step, Vec::new())
+                    .await
+                    .map_err(ReplayError::chunking("completing an empty step"))?;
+                return Ok(Stepped::Empty);
+            }
 
-        self.ran.clear();
-        self.true_contexts.clear();
-        let mut decode_rows = 0usize;
-        let mut cuts = false;
-        for row in &batch.rows {
-            let (r, context) = match row.work {
-                Work::Continue { estimate } => {
-                    decode_rows += 1;
-                    (self.continue_ran(estimate), self.true_context_of(row.rid))
-                }
-                Work::Chunk { range, .. } => {
-                    cuts |= !range.is_final();
-                    (range.tokens(), 0)
-                }
-            };
-            self.ran.push(r);
-            self.true_contexts.push(context);
-        }
+            self.ran.clear();
+            self.true_contexts.clear();
+            decode_rows = 0usize;
+            cuts = false;
+            for row in &batch.rows {
+                let (r, context) = match row.work {
+                    Work::Continue { estimate } => {
+                        decode_rows += 1;
+                        (self.continue_ran(estimate), self.true_context_of(row.rid))
+                    }
+                    Work::Chunk { range, .. } => {
+                        cuts |= !range.is_final();
+                        (range.tokens(), 0)
+                    }
+                };
+                self.ran.push(r);
+                self.true_contexts.push(context);
+            }
+            if self.kv.is_none() || self.allocate(&batch).await? {
+                break batch;
+            }
+        };
         let t_start = self.t_ms;
         let step_ms = self.step_ms(&batch);
         let t_end = t_start + step_ms;
@@ -422,13 +509,20 @@ impl<'a> Sim<'a> {
             .complete_measured(batch.step, self.ran.clone(), step_ms)
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
+        let kv_line = self.kv.as_mut().map(memory::KvState::step_line);
         if let Some(log) = &mut self.step_log {
-            log.write(t_start, &batch, &self.true_contexts, &outcome)
-                .map_err(|source| ReplayError::Write {
-                    what: "step log",
-                    path: log.path().to_owned(),
-                    source,
-                })?;
+            log.write_with(
+                t_start,
+                &batch,
+                &self.true_contexts,
+                &outcome,
+                kv_line.as_ref(),
+            )
+            .map_err(|source| ReplayError::Write {
+                what: "step log",
+                path: log.path().to_owned(),
+                source,
+            })?;
         }
 
         let rep = &mut self.report;
@@ -468,15 +562,9 @@ impl<'a> Sim<'a> {
 
         for k in 0..batch.rows.len() {
             let (row, r) = (&batch.rows[k], self.ran[k]);
-            let Some(i) = self
-                .index_of_rid
-                .get(row.rid as usize)
-                .copied()
-                .filter(|i| *i != u32::MAX)
-            else {
+            let Some(i) = self.index_of(row.rid) else {
                 continue;
             };
-            let i = i as usize;
             match row.work {
                 Work::Continue { .. } => {
                     self.report.tokens.decode += u64::from(r);
@@ -485,20 +573,24 @@ impl<'a> Sim<'a> {
                     self.tbt.record(t_end - s.last_token_ms);
                     s.last_token_ms = t_end;
                     s.true_context += 1;
+                    s.generated += 1;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
+                        s.phase = Phase::Done;
                         self.cm
                             .forget_request(row.rid)
                             .await
                             .map_err(ReplayError::chunking("ending a finished request"))?;
                         self.decoding -= 1;
                         self.done += 1;
+                        self.release_kv(i);
                     }
                 }
                 Work::Chunk { range, .. } => {
                     self.report.tokens.prefill += u64::from(r);
                     self.report.chunks.total += 1;
                     self.state[i].chunks += 1;
+                    self.state[i].prefilled = range.end;
                     if !range.is_final() {
                         continue;
                     }
@@ -512,10 +604,7 @@ impl<'a> Sim<'a> {
 
     /// The true context of `rid`'s continuing row (0 for a rid the trace does not have).
     fn true_context_of(&self, rid: u64) -> u64 {
-        self.index_of_rid
-            .get(usize::try_from(rid).unwrap_or(usize::MAX))
-            .filter(|&&i| i != u32::MAX)
-            .map_or(0, |&i| self.state[i as usize].true_context)
+        self.index_of(rid).map_or(0, |i| self.state[i].true_context)
     }
 
     /// A prompt's final chunk ran: its prepared input is released, its first token is out, and
@@ -536,19 +625,36 @@ impl<'a> Sim<'a> {
         self.prefilling -= 1;
         self.held_rows -= 1;
         self.held_tokens -= u64::from(total);
-        self.ttft.push(t_end - self.arrivals[i]);
+        let recompute = self.state[i].generated > 0;
+        if recompute {
+            // A preempted request's prefill of its prompt and generated tokens yields its
+            // next token: a time between tokens, not a first token.
+            self.tbt.record(t_end - self.state[i].last_token_ms);
+        } else {
+            self.ttft.push(t_end - self.arrivals[i]);
+        }
         if let Some(c) = &mut self.cache {
             c.insert(self.trace.hashes(req));
         }
+        self.fit_cache();
         let s = &mut self.state[i];
         s.last_token_ms = t_end;
-        // The whole prompt (a cached prefix included) and the first token, just generated.
+        // The whole prompt (a cached prefix included; for a recompute, the tokens generated
+        // before it too) and the first token, just generated: prompt + tokens generated.
         s.true_context = u64::from(total) + 1;
-        s.remaining = req.output_tokens.saturating_sub(1);
+        if recompute {
+            s.remaining = s.remaining.saturating_sub(1);
+        } else {
+            s.remaining = req.output_tokens.saturating_sub(1);
+        }
+        s.generated += 1;
         if s.remaining == 0 {
+            s.phase = Phase::Done;
             self.done += 1;
+            self.release_kv(i);
             return Ok(());
         }
+        s.phase = Phase::Decoding;
         self.cm
             .continue_row(rid, &self.setup.node, DECODE_WALK, self.estimate)
             .await
@@ -583,6 +689,7 @@ impl<'a> Sim<'a> {
                 t.inactive_reason.as_deref().unwrap_or("no latency model")
             ));
         }
+        rep.kv = self.kv.take().map(memory::KvState::report);
         Ok(rep)
     }
 }

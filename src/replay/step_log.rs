@@ -8,7 +8,10 @@
 //!  continuing rows also: "context" (the simulated engine's: prompt + tokens generated)],
 //!  "scheduled_tokens", "ran_tokens", "overrun" (null or {"reason"}), "waiting",
 //!  "ms" (the step's simulated duration), "predicted_ms" (null without a latency model),
-//!  "max_step_ms" (null without a time budget), "time_overrun" (null or {"reason"})}
+//!  "max_step_ms" (null without a time budget), "time_overrun" (null or {"reason"}),
+//!  with a KV limit only: "kv": {"blocks", "cache_blocks", "limit", "waiting",
+//!  "preempted": [{"rid", "readmit_rid", "generated", "during_prefill", "discarded_tokens",
+//!  "blocks"}]}}
 //! ```
 //!
 //! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`
@@ -131,11 +134,28 @@ impl StepLog {
         contexts: &[u64],
         outcome: &StepOutcome,
     ) -> io::Result<()> {
+        self.write_with(t_ms, batch, contexts, outcome, None)
+    }
+
+    /// [`write`](Self::write), with the KV memory of the step when the replay models it (a
+    /// `kv` object; no such key without a KV limit).
+    ///
+    /// # Errors
+    /// The write failed.
+    pub fn write_with(
+        &mut self,
+        t_ms: f64,
+        batch: &Batch,
+        contexts: &[u64],
+        outcome: &StepOutcome,
+        kv: Option<&KvStepLine>,
+    ) -> io::Result<()> {
         let line = StepLine {
             t_ms,
             batch,
             contexts,
             outcome,
+            kv,
         };
         let out = self
             .out
@@ -162,6 +182,42 @@ struct StepLine<'a> {
     batch: &'a Batch,
     contexts: &'a [u64],
     outcome: &'a StepOutcome,
+    kv: Option<&'a KvStepLine>,
+}
+
+/// A step's KV memory (`docs/kv-memory.md#the-step-log`): the blocks in use while it ran
+/// (requests' and prefix cache's), the pool's size, the requests waiting for memory, and the
+/// preemptions made to fit it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KvStepLine {
+    /// Blocks in use while the step ran, the prefix cache's included.
+    pub blocks: u64,
+    /// Of which the prefix cache's.
+    pub cache_blocks: u64,
+    /// Blocks in the pool.
+    pub limit: u64,
+    /// Requests waiting for memory when the step ran.
+    pub waiting: usize,
+    /// Requests preempted to fit this step (or an earlier one planned again).
+    pub preempted: Vec<Preemption>,
+}
+
+/// One preemption by recompute.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Preemption {
+    /// The request's position in the trace.
+    pub rid: u64,
+    /// The rid its recompute is admitted under (`rid + attempts << 32`).
+    pub readmit_rid: u64,
+    /// Tokens it had generated: its recompute prefills its prompt and these.
+    pub generated: u32,
+    /// Whether it was preempted before its final chunk: that admission's prefill never
+    /// finishes (its rid is `readmit_rid - 2^32`).
+    pub during_prefill: bool,
+    /// The tokens its KV cache held, thrown away.
+    pub discarded_tokens: u64,
+    /// The blocks freed.
+    pub blocks: u64,
 }
 
 /// A time in ms to the µs: enough to order and compare steps, short to print.
@@ -192,6 +248,9 @@ impl Serialize for StepLine<'_> {
         m.serialize_entry("predicted_ms", &o.predicted_ms.map(ms))?;
         m.serialize_entry("max_step_ms", &o.max_step_ms)?;
         m.serialize_entry("time_overrun", &o.time_overrun.map(|r| Reason(r.as_str())))?;
+        if let Some(kv) = self.kv {
+            m.serialize_entry("kv", kv)?;
+        }
         m.end()
     }
 }

@@ -10,7 +10,8 @@
 //! - [`capacity`]: the SLO and the bracketing-and-bisection search for capacity;
 //! - [`output`]: the terminal table, `sweep.csv`, `sweep.json`, and whole-file writes;
 //! - [`plots`]: the trade-off curve, capacity bars and step-time distributions, SVG and PNG;
-//! - [`html`]: the self-contained `report.html`.
+//! - [`html`]: the self-contained `report.html`;
+//! - [`kv_axis`]: `--kv-blocks`, the grid run once per KV pool size, and their comparison.
 
 use std::fmt;
 use std::io::IsTerminal;
@@ -24,6 +25,7 @@ use serde::Serialize;
 pub mod capacity;
 pub mod grid;
 pub mod html;
+pub mod kv_axis;
 pub mod output;
 pub mod plots;
 mod raster;

@@ -466,6 +466,63 @@ where
     Ok(())
 }
 
+/// A plot drawn outside this module (the KV axis, `kv_axis.rs`), on any backend.
+pub(crate) trait Figure {
+    /// Draws the plot on `root`, already filled white.
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn
+    where
+        DB::ErrorType: 'static;
+}
+
+/// Renders `figure` as SVG and PNG, as the sweep's own plots are.
+///
+/// # Errors
+/// The plot cannot be drawn or encoded.
+pub(crate) fn render_figure(
+    name: &'static str,
+    title: String,
+    figure: &impl Figure,
+) -> Result<Plot, SweepError> {
+    font()?;
+    let err = |e: Box<dyn Error>| SweepError::Plot {
+        plot: name,
+        message: e.to_string(),
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.into()))?;
+        figure.draw(&root).map_err(err)?;
+        root.present().map_err(|e| err(e.into()))?;
+    }
+    let mut rgb = vec![0u8; WIDTH as usize * HEIGHT as usize * 3];
+    {
+        let backend =
+            PngBackend::new(&mut rgb, (WIDTH, HEIGHT), FONT).map_err(|e| err(e.into()))?;
+        let root = backend.into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.into()))?;
+        figure.draw(&root).map_err(err)?;
+        root.present().map_err(|e| err(e.into()))?;
+    }
+    let png = encode_png(&rgb).map_err(|e| err(e.into()))?;
+    Ok(Plot {
+        name,
+        title,
+        svg,
+        png,
+    })
+}
+
+/// The palette and fonts of the sweep's plots, for [`Figure`]s.
+pub(crate) fn series_color(i: usize) -> RGBAColor {
+    color(i)
+}
+
+/// A text style of the sweep's plots.
+pub(crate) fn text_style(size: u32) -> TextStyle<'static> {
+    font_of(size)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{options, sample_sweep};

@@ -1,0 +1,442 @@
+//! The KV-memory axis of a sweep (`docs/kv-memory.md#in-a-sweep`): `--kv-blocks` runs the
+//! whole grid once per KV pool size, each into `OUT/kv-<blocks>/`. This module parses the list
+//! and compares the runs: `kv.csv`, `kv.json` and the plot `kv.svg`/`kv.png`, with each
+//! budget's capacity and TTFT p90 per pool size.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde::{Serialize, Serializer};
+
+use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
+use super::output::{fmt_rate, write_whole};
+use super::plots::{render_figure, series_color, text_style, Figure};
+use super::{Sweep, SweepError};
+
+/// The most blocks `--kv-blocks` takes (as `replay.kv.blocks`).
+pub const MAX_KV_BLOCKS: u64 = 1 << 40;
+/// The comparison's CSV file.
+pub const KV_CSV: &str = "kv.csv";
+/// The comparison as JSON.
+pub const KV_JSON: &str = "kv.json";
+
+/// One pool size of the axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvBlocks {
+    /// A pool of this many blocks (`replay.kv.blocks`).
+    Blocks(u64),
+    /// Unlimited memory (`[replay.kv]` unset).
+    Unlimited,
+}
+
+impl fmt::Display for KvBlocks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Blocks(n) => write!(f, "{n}"),
+            Self::Unlimited => f.write_str("unlimited"),
+        }
+    }
+}
+
+/// Serialised as its number, or the string `"unlimited"`.
+impl Serialize for KvBlocks {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Blocks(n) => s.serialize_u64(*n),
+            Self::Unlimited => s.serialize_str("unlimited"),
+        }
+    }
+}
+
+impl KvBlocks {
+    /// The subdirectory its run is written to: `kv-7609`, `kv-unlimited`.
+    pub fn dir_name(self) -> String {
+        format!("kv-{self}")
+    }
+}
+
+/// Parses `--kv-blocks`: block counts from 1 to [`MAX_KV_BLOCKS`] and `unlimited` (or `off`),
+/// each at most once, returned in ascending order with `unlimited` last.
+///
+/// # Errors
+/// An empty entry, a bad or repeated value, or more than [`MAX_AXIS_VALUES`].
+pub fn parse_kv_blocks(list: &str) -> Result<Vec<KvBlocks>, GridError> {
+    let bad = |problem: String| GridError {
+        flag: "--kv-blocks",
+        problem,
+    };
+    let items: Vec<&str> = list.split(',').map(str::trim).collect();
+    if items.iter().any(|i| i.is_empty()) {
+        return Err(bad(format!(
+            "takes a comma-separated list without empty entries, got {list:?}"
+        )));
+    }
+    if items.len() > MAX_AXIS_VALUES {
+        return Err(bad(format!(
+            "takes at most {MAX_AXIS_VALUES} values, got {}",
+            items.len()
+        )));
+    }
+    let mut out: Vec<KvBlocks> = Vec::new();
+    for item in items {
+        let v = if item.eq_ignore_ascii_case("unlimited") || item.eq_ignore_ascii_case("off") {
+            KvBlocks::Unlimited
+        } else {
+            item.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=MAX_KV_BLOCKS).contains(n))
+                .map(KvBlocks::Blocks)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "takes whole numbers of KV blocks from 1 to {MAX_KV_BLOCKS}, or `unlimited`; got {item:?}"
+                    ))
+                })?
+        };
+        if out.contains(&v) {
+            return Err(bad(format!("names {v} twice")));
+        }
+        out.push(v);
+    }
+    out.sort_by_key(|v| match v {
+        KvBlocks::Blocks(n) => *n,
+        KvBlocks::Unlimited => u64::MAX,
+    });
+    Ok(out)
+}
+
+/// One budget under one pool size.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KvRow {
+    /// The pool size.
+    pub kv_blocks: KvBlocks,
+    /// The budget.
+    pub budget: Budget,
+    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
+    pub capacity: Option<String>,
+    /// The capacity's rate scale (`None`: none, or no SLO).
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub capacity_rate: Option<f64>,
+    /// TTFT p90 and p99 and TBT p99 at the comparison's rate scale, simulated ms.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p90_ms: Option<f64>,
+    /// See `ttft_p90_ms`.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p99_ms: Option<f64>,
+    /// See `ttft_p90_ms`.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub tbt_p99_ms: Option<f64>,
+}
+
+/// The comparison of the pool sizes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KvComparison {
+    /// The rate scale the latencies are taken at (the sweep's step-time rate).
+    #[serde(serialize_with = "super::output::ser_round")]
+    pub rate_scale: f64,
+    /// Whether the runs had an SLO (and so capacities).
+    pub slo: Option<super::Slo>,
+    /// The pool sizes, in order.
+    pub kv_blocks: Vec<KvBlocks>,
+    /// One row per pool size and budget.
+    pub rows: Vec<KvRow>,
+}
+
+impl KvComparison {
+    /// Compares the sweeps run under each pool size (same budgets and rates in each).
+    pub fn of(runs: &[(KvBlocks, Sweep)]) -> Self {
+        let rate_scale = runs.first().map_or(1.0, |(_, s)| s.step_time_rate);
+        let mut rows = Vec::new();
+        for (kv, sweep) in runs {
+            for b in &sweep.budgets {
+                let cap = sweep.capacity.iter().find(|c| c.budget == *b);
+                let cell = sweep.cell(*b, rate_scale).map(|c| &c.summary);
+                rows.push(KvRow {
+                    kv_blocks: *kv,
+                    budget: *b,
+                    capacity: cap.map(super::Capacity::label),
+                    capacity_rate: cap.and_then(|c| c.search.rate_scale),
+                    ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
+                    ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
+                    tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
+                });
+            }
+        }
+        Self {
+            rate_scale,
+            slo: runs.first().and_then(|(_, s)| s.slo),
+            kv_blocks: runs.iter().map(|(k, _)| *k).collect(),
+            rows,
+        }
+    }
+
+    /// The table on the terminal.
+    pub fn table(&self) -> String {
+        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
+        let mut out = format!(
+            "KV memory: capacity and latency at rate scale {}\n  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
+            fmt_rate(self.rate_scale),
+            "kv blocks",
+            "budget",
+            "capacity",
+            "TTFT p90 ms",
+            "TTFT p99 ms",
+            "TBT p99 ms"
+        );
+        for r in &self.rows {
+            out.push_str(&format!(
+                "  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
+                r.kv_blocks.to_string(),
+                r.budget.to_string(),
+                r.capacity.clone().unwrap_or_else(|| "-".into()),
+                opt(r.ttft_p90_ms),
+                opt(r.ttft_p99_ms),
+                opt(r.tbt_p99_ms)
+            ));
+        }
+        out
+    }
+
+    /// The rows as CSV.
+    ///
+    /// # Errors
+    /// The CSV writer failed.
+    pub fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
+        let mut w = csv::Writer::from_writer(Vec::new());
+        w.write_record([
+            "kv_blocks",
+            "budget",
+            "capacity_rate",
+            "capacity",
+            "ttft_p90_ms",
+            "ttft_p99_ms",
+            "tbt_p99_ms",
+        ])?;
+        let f = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{:.3}", v));
+        for r in &self.rows {
+            w.write_record([
+                r.kv_blocks.to_string(),
+                r.budget.to_string(),
+                f(r.capacity_rate),
+                r.capacity.clone().unwrap_or_default(),
+                f(r.ttft_p90_ms),
+                f(r.ttft_p99_ms),
+                f(r.tbt_p99_ms),
+            ])?;
+        }
+        w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+    }
+
+    /// Writes `kv.csv`, `kv.json`, `kv.svg` and `kv.png` into `dir`; answers their paths.
+    ///
+    /// # Errors
+    /// A file could not be written or the plot drawn.
+    pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
+        let plot = render_figure("kv", self.title(), self)?;
+        let csv = self.to_csv().map_err(|e| SweepError::Write {
+            path: dir.join(KV_CSV),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let mut json = serde_json::to_vec_pretty(self).map_err(|e| SweepError::Write {
+            path: dir.join(KV_JSON),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        json.push(b'\n');
+        let files: [(&str, &[u8]); 4] = [
+            (KV_CSV, &csv),
+            (KV_JSON, &json),
+            ("kv.svg", plot.svg.as_bytes()),
+            ("kv.png", &plot.png),
+        ];
+        let mut paths = Vec::new();
+        for (name, bytes) in files {
+            let path = dir.join(name);
+            write_whole(&path, bytes).map_err(|source| SweepError::Write {
+                path: path.clone(),
+                source,
+            })?;
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+
+    fn title(&self) -> String {
+        format!(
+            "KV memory: capacity{} and TTFT p90 at rate scale {}",
+            if self.slo.is_some() {
+                " under the SLO"
+            } else {
+                ""
+            },
+            fmt_rate(self.rate_scale)
+        )
+    }
+
+    fn budgets(&self) -> Vec<Budget> {
+        let mut v: Vec<Budget> = Vec::new();
+        for r in &self.rows {
+            if !v.contains(&r.budget) {
+                v.push(r.budget);
+            }
+        }
+        v
+    }
+
+    fn x(&self, kv: KvBlocks) -> i32 {
+        self.kv_blocks.iter().position(|k| *k == kv).unwrap_or(0) as i32
+    }
+}
+
+type Drawn = Result<(), Box<dyn std::error::Error>>;
+
+impl Figure for KvComparison {
+    /// Left: each budget's capacity against the pool size; right: its TTFT p90 (log axis).
+    /// Pool sizes are spread evenly, in order, `unlimited` last.
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn
+    where
+        DB::ErrorType: 'static,
+    {
+        let root = root.titled(&self.title(), text_style(20))?;
+        let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
+        let n = self.kv_blocks.len().max(1) as i32;
+        let names: Vec<String> = self.kv_blocks.iter().map(ToString::to_string).collect();
+        let label = |v: &i32| {
+            usize::try_from(*v)
+                .ok()
+                .and_then(|i| names.get(i).cloned())
+                .unwrap_or_default()
+        };
+        let budgets = self.budgets();
+        // Capacity.
+        let top = self
+            .rows
+            .iter()
+            .filter_map(|r| r.capacity_rate)
+            .fold(0.0_f64, f64::max)
+            .max(0.001)
+            * 1.2;
+        let mut chart = ChartBuilder::on(&left)
+            .margin(12)
+            .x_label_area_size(45)
+            .y_label_area_size(60)
+            .build_cartesian_2d(-1..n, 0.0..top)?;
+        chart
+            .configure_mesh()
+            .x_labels(n as usize + 2)
+            .x_label_formatter(&label)
+            .x_desc("KV blocks")
+            .y_desc(if self.slo.is_some() {
+                "capacity (rate scale meeting the SLO)"
+            } else {
+                "capacity (no SLO given)"
+            })
+            .label_style(text_style(13))
+            .axis_desc_style(text_style(14))
+            .draw()?;
+        for (k, b) in budgets.iter().enumerate() {
+            let pts: Vec<(i32, f64)> = self
+                .rows
+                .iter()
+                .filter(|r| r.budget == *b)
+                .filter_map(|r| Some((self.x(r.kv_blocks), r.capacity_rate?)))
+                .collect();
+            let c = series_color(k);
+            chart
+                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
+                .label(format!("budget {b}"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+        }
+        if !budgets.is_empty() {
+            chart
+                .configure_series_labels()
+                .label_font(text_style(13))
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::LowerRight)
+                .draw()?;
+        }
+        // TTFT p90, log axis.
+        let (lo, hi) = self
+            .rows
+            .iter()
+            .filter_map(|r| r.ttft_p90_ms)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
+        let (lo, hi) = if hi > 0.0 {
+            (10f64.powf((lo / 1.3).log10().floor()), hi * 2.0)
+        } else {
+            (1.0, 10.0)
+        };
+        let mut chart = ChartBuilder::on(&right)
+            .margin(12)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(-1..n, (lo..hi).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_labels(n as usize + 2)
+            .x_label_formatter(&label)
+            .x_desc("KV blocks")
+            .y_desc(format!(
+                "TTFT p90 at rate scale {}, ms",
+                fmt_rate(self.rate_scale)
+            ))
+            .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+            .label_style(text_style(13))
+            .axis_desc_style(text_style(14))
+            .draw()?;
+        for (k, b) in budgets.iter().enumerate() {
+            let pts: Vec<(i32, f64)> = self
+                .rows
+                .iter()
+                .filter(|r| r.budget == *b)
+                .filter_map(|r| Some((self.x(r.kv_blocks), r.ttft_p90_ms?)))
+                .collect();
+            let c = series_color(k);
+            chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
+            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_blocks_parse_sorted_with_unlimited_last() {
+        assert_eq!(
+            parse_kv_blocks("unlimited, 8000,2000 ,4000").unwrap(),
+            [
+                KvBlocks::Blocks(2000),
+                KvBlocks::Blocks(4000),
+                KvBlocks::Blocks(8000),
+                KvBlocks::Unlimited
+            ]
+        );
+        assert_eq!(parse_kv_blocks("OFF").unwrap(), [KvBlocks::Unlimited]);
+        assert_eq!(KvBlocks::Blocks(7609).dir_name(), "kv-7609");
+        assert_eq!(
+            serde_json::to_string(&[KvBlocks::Blocks(3), KvBlocks::Unlimited]).unwrap(),
+            r#"[3,"unlimited"]"#
+        );
+        for (list, words) in [
+            ("0", "from 1 to"),
+            ("-3", "got \"-3\""),
+            ("1099511627777", "from 1 to"),
+            ("10,,20", "without empty entries"),
+            ("10,10", "names 10 twice"),
+            ("off,unlimited", "names unlimited twice"),
+            ("1.5", "got \"1.5\""),
+        ] {
+            let e = parse_kv_blocks(list).unwrap_err().to_string();
+            assert!(e.starts_with("`--kv-blocks` "), "{e}");
+            assert!(e.contains(words), "{list}: {e}");
+        }
+    }
+}
