@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core
+.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -50,3 +50,13 @@ fuzz: ## cargo fuzz each target for FUZZ_SECONDS (stable toolchain, no sanitizer
 		RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --sanitizer none -O $$t target/fuzz-corpus/$$t fuzz/seeds/$$t \
 			-- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
+
+test-engine: ## The reference engine's tests (tiny model): exactness, serving, load generator
+	$(CARGO) test -p mstar-engine
+
+SERVE_LISTEN ?= 127.0.0.1:8000
+serve: ## Serve the reference engine (small model) on SERVE_LISTEN; prints the address
+	$(CARGO) run --release -p mstar-engine -- serve --model small --listen $(SERVE_LISTEN)
+
+engine-bench: ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~20 min)
+	engine/scripts/bench.sh
