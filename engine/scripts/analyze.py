@@ -89,6 +89,9 @@ if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "decode-ms":
         print(f"{decode_ms(sys.argv[2]):.3f}")
+    elif cmd == "cost":
+        c, _ = fit_coefficients(sys.argv[2])
+        print(",".join(repr(v) for v in c.values()))
     elif cmd == "replay-config":
         replay_config(sys.argv[2])
     elif cmd == "summary":

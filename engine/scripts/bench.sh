@@ -3,7 +3,8 @@
 # this machine's CPU. Writes everything under target/engine-bench/ and prints the summary table.
 #
 #   A  token budget 256        -> step log for `fit` (R^2, coefficients), TBT p99 "token budget"
-#   B  time budget X (online fit, X = 2 x median decode-only step of A) -> p99 step vs 1.2 X
+#   B  time budget X (X = 2 x median decode-only step of A; A's fit to start, then the online
+#      fit) -> p99 step vs 1.2 X, time overruns by reason
 #   C  chunking off            -> TBT p99 "off"
 #   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients -> vs A
 #
@@ -13,11 +14,11 @@ cd "$(dirname "$0")/../.."
 OUT=target/engine-bench
 mkdir -p "$OUT"
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_code.csv}
-REQUESTS=${REQUESTS:-120}
-RATE_SCALE=${RATE_SCALE:-0.5}
-LENGTH_SCALE=${LENGTH_SCALE:-0.5}
-MAX_PROMPT=${MAX_PROMPT:-2000}
-MAX_OUTPUT=${MAX_OUTPUT:-64}
+REQUESTS=${REQUESTS:-40}
+RATE_SCALE=${RATE_SCALE:-0.4}
+LENGTH_SCALE=${LENGTH_SCALE:-0.25}
+MAX_PROMPT=${MAX_PROMPT:-1024}
+MAX_OUTPUT=${MAX_OUTPUT:-32}
 PORT=${PORT:-8317}
 CARGO=${CARGO:-cargo}
 
@@ -49,8 +50,9 @@ run A --budget 256 --align 16 --min-chunk-tokens 16
 "$CHUNKING" fit "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
 
 X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl")
-echo "== B: time budget ${X} ms (2 x decode-only step), online fit"
-run B --budget 2048 --align 16 --min-chunk-tokens 16 --max-step-ms "$X" --learn-cost
+COST=$(python3 engine/scripts/analyze.py cost "$OUT/A.fit.txt")
+echo "== B: time budget ${X} ms (2 x decode-only step), A's fit refined online"
+run B --budget 2048 --align 16 --min-chunk-tokens 16 --max-step-ms "$X" --cost "$COST" --learn-cost
 
 echo "== C: chunking off"
 run C --budget off

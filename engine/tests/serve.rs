@@ -347,3 +347,21 @@ fn binary_exits_zero_on_sigterm() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Streamed text holds back an incomplete UTF-8 sequence until its last byte arrives.
+#[test]
+fn utf8_stream_holds_back_incomplete_sequences() {
+    use mstar_engine::server::Utf8Stream;
+    let mut u = Utf8Stream::default();
+    let b = "é😀".as_bytes();
+    assert_eq!(u.push(u32::from(b[0])), "");
+    assert_eq!(u.push(u32::from(b[1])), "é");
+    assert_eq!(u.push(u32::from(b[2])), "");
+    assert_eq!(u.push(u32::from(b[3])), "");
+    assert_eq!(u.push(u32::from(b[4])), "");
+    assert_eq!(u.push(u32::from(b[5])), "😀");
+    assert_eq!(u.push(257), "", "EOS has no text");
+    assert_eq!(u.push(0xff), "\u{FFFD}", "an invalid byte");
+    assert_eq!(u.push(0xe2), "");
+    assert_eq!(u.finish(), "\u{FFFD}", "an incomplete sequence at the end");
+}
