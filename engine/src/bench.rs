@@ -83,9 +83,11 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, String> {
         .map(|h| h.trim_start_matches('\u{feff}').to_ascii_lowercase())
         .collect();
     let col = |name: &str| headers.iter().position(|h| h == name);
-    let (generic, a, p, o) = if let (Some(a), Some(p), Some(o)) =
-        (col("arrival_ms"), col("prompt_tokens"), col("output_tokens"))
-    {
+    let (generic, a, p, o) = if let (Some(a), Some(p), Some(o)) = (
+        col("arrival_ms"),
+        col("prompt_tokens"),
+        col("output_tokens"),
+    ) {
         (true, a, p, o)
     } else if let (Some(a), Some(p), Some(o)) = (
         col("timestamp"),
@@ -134,14 +136,28 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, String> {
                 ));
             }
         }
-        let prompt = num(p, if generic { "prompt_tokens" } else { "ContextTokens" })?;
+        let prompt = num(
+            p,
+            if generic {
+                "prompt_tokens"
+            } else {
+                "ContextTokens"
+            },
+        )?;
         if prompt == 0 {
             return Err(format!("{shown}:{line}: a prompt of 0 tokens"));
         }
         out.push(TraceRequest {
             arrival_ms: arrival,
             prompt_tokens: prompt,
-            output_tokens: num(o, if generic { "output_tokens" } else { "GeneratedTokens" })?,
+            output_tokens: num(
+                o,
+                if generic {
+                    "output_tokens"
+                } else {
+                    "GeneratedTokens"
+                },
+            )?,
         });
     }
     Ok(out)
@@ -415,8 +431,11 @@ pub async fn run_async(a: &BenchArgs) -> Result<serde_json::Value, String> {
         "output_tokens_per_second": tokens as f64 * 1000.0 / wall_ms,
     });
     if let Some(p) = &a.report_json {
-        std::fs::write(p, serde_json::to_string_pretty(&report).expect("json") + "\n")
-            .map_err(|e| format!("{}: {e}", p.display()))?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&report).expect("json") + "\n",
+        )
+        .map_err(|e| format!("{}: {e}", p.display()))?;
     }
     Ok(report)
 }

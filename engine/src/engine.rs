@@ -265,11 +265,12 @@ pub fn budget_settings(settings: &EngineSettings) -> BudgetSettings {
     b
 }
 
-/// Starts the component on its own thread with the engine's policies and budgets.
+/// Starts the component on its own thread and binds the engine's policies and budgets (from
+/// inside a runtime: call it on the engine's thread).
 ///
 /// # Errors
 /// The component refused the settings.
-pub fn start_chunking(
+pub async fn start_chunking(
     settings: &EngineSettings,
 ) -> Result<(ChunkingManagement, ActorThread), String> {
     let (cm, thread) = ChunkingManagement::start_on_own_thread(
@@ -282,18 +283,12 @@ pub fn start_chunking(
         Chunking::Off => 1 << 20,
     };
     let policy = ChunkingPolicy::budget(budget).aligned(settings.align.max(1));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        cm.set_policies([((NODE, PREFILL), policy), ((NODE, MIXED), policy)])
-            .await
-            .map_err(|e| format!("setting the policies: {e}"))?;
-        cm.set_budgets(budget_settings(settings))
-            .await
-            .map_err(|e| format!("setting the budgets: {e}"))
-    })?;
+    cm.set_policies([((NODE, PREFILL), policy), ((NODE, MIXED), policy)])
+        .await
+        .map_err(|e| format!("setting the policies: {e}"))?;
+    cm.set_budgets(budget_settings(settings))
+        .await
+        .map_err(|e| format!("setting the budgets: {e}"))?;
     Ok((cm, thread))
 }
 
@@ -325,7 +320,6 @@ pub fn start(
     model: Model,
     settings: EngineSettings,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>), String> {
-    let (cm, actors) = start_chunking(&settings)?;
     let log = match &settings.step_log {
         Some(p) => Some(BufWriter::new(
             File::create(p).map_err(|e| format!("step log {}: {e}", p.display()))?,
@@ -333,17 +327,28 @@ pub fn start(
         None => None,
     };
     let (tx, rx) = mpsc::unbounded_channel();
-    let handle = EngineHandle {
-        tx,
-        chunking: cm.clone(),
-    };
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("mstar-engine".into())
         .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
+            let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .expect("a current-thread runtime");
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            let (cm, actors) = match rt.block_on(start_chunking(&settings)) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(cm.clone()));
             let mut engine = Engine {
                 model,
                 settings,
@@ -366,7 +371,10 @@ pub fn start(
             actors.stop();
         })
         .map_err(|e| e.to_string())?;
-    Ok((handle, thread))
+    let chunking = ready_rx
+        .recv()
+        .map_err(|_| "the engine thread ended before starting".to_owned())??;
+    Ok((EngineHandle { tx, chunking }, thread))
 }
 
 struct Engine {

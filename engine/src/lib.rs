@@ -6,7 +6,7 @@
 
 #![deny(missing_docs)]
 
-pub mod model;
-pub mod engine;
-pub mod server;
 pub mod bench;
+pub mod engine;
+pub mod model;
+pub mod server;

@@ -12,7 +12,11 @@ use mstar_engine::model::{Config, Model};
 use mstar_engine::{bench, server};
 
 #[derive(Parser)]
-#[command(name = "mstar-engine", version, about = "The mstar-chunking reference engine")]
+#[command(
+    name = "mstar-engine",
+    version,
+    about = "The mstar-chunking reference engine"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -153,7 +157,9 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         eprintln!("mstar-engine: shutting down (grace {:?})", grace);
         srv.shutdown(grace).await.map_err(|e| e.to_string())
     })?;
-    thread.join().map_err(|_| "the engine thread panicked".to_owned())?;
+    thread
+        .join()
+        .map_err(|_| "the engine thread panicked".to_owned())?;
     Ok(())
 }
 

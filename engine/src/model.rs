@@ -411,7 +411,7 @@ impl Model {
         let t_all = ids.len();
         let ids = Tensor::from_vec(ids, t_all, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [T, d]
-        // New caches are built aside and swapped in only when the whole step succeeded.
+                                                       // New caches are built aside and swapped in only when the whole step succeeded.
         let mut new_kv: Vec<Vec<(Tensor, Tensor)>> = rows.iter().map(|_| Vec::new()).collect();
         let scale = 1.0 / (hd as f64).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -463,7 +463,10 @@ impl Model {
                 };
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
                 let o = probs.matmul(&v_all)?; // [KV, rep n, hd]
-                let o = o.reshape((h, n, hd))?.transpose(0, 1)?.reshape((n, h * hd))?;
+                let o = o
+                    .reshape((h, n, hd))?
+                    .transpose(0, 1)?
+                    .reshape((n, h * hd))?;
                 outs.push(o);
                 new_kv[ri].push((k_all, v_all));
             }
@@ -616,14 +619,13 @@ impl Sampler {
 
 /// Largest absolute logit difference between `a` and `b`, relative to `a`'s largest |logit|.
 pub fn relative_diff(a: &[f32], b: &[f32]) -> f32 {
-    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
-    let d = a
+    let scale = a
         .iter()
-        .zip(b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     if a.len() != b.len() {
         return f32::INFINITY;
     }
     d / scale
 }
-

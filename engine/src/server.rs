@@ -179,7 +179,10 @@ fn request_of(body: &CompletionBody, served: &str) -> Result<GenRequest, ApiErro
     let prompt = prompt_tokens(&body.prompt)?;
     let max_tokens = body.max_tokens.unwrap_or(16);
     if max_tokens == 0 {
-        return Err(ApiError::bad(Some("max_tokens"), "`max_tokens` must be at least 1"));
+        return Err(ApiError::bad(
+            Some("max_tokens"),
+            "`max_tokens` must be at least 1",
+        ));
     }
     let temperature = body.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
@@ -402,10 +405,14 @@ async fn metrics_page(state: web::Data<AppState>) -> HttpResponse {
 
 /// Configures the routes on an actix-web app.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.app_data(web::JsonConfig::default().limit(16 << 20).error_handler(|err, _| {
-        let msg = format!("the request body is not a valid completion request: {err}");
-        ApiError::bad(None, msg).into()
-    }))
+    cfg.app_data(
+        web::JsonConfig::default()
+            .limit(16 << 20)
+            .error_handler(|err, _| {
+                let msg = format!("the request body is not a valid completion request: {err}");
+                ApiError::bad(None, msg).into()
+            }),
+    )
     .route("/v1/completions", web::post().to(completions))
     .route("/v1/models", web::get().to(models))
     .route("/health", web::get().to(health))
@@ -461,4 +468,3 @@ impl Server {
         self.task.await.map_err(std::io::Error::other)?
     }
 }
-

@@ -33,15 +33,27 @@ fn reads_generic_and_azure_traces() {
     assert_eq!(
         t,
         vec![
-            TraceRequest { arrival_ms: 0.0, prompt_tokens: 1200, output_tokens: 64 },
-            TraceRequest { arrival_ms: 15.5, prompt_tokens: 5000, output_tokens: 200 },
+            TraceRequest {
+                arrival_ms: 0.0,
+                prompt_tokens: 1200,
+                output_tokens: 64
+            },
+            TraceRequest {
+                arrival_ms: 15.5,
+                prompt_tokens: 5000,
+                output_tokens: 200
+            },
         ]
     );
     let a = dir.path().join("a.csv");
     std::fs::write(&a, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 23:59:59.9000000,4808,10\n2023-11-17 00:00:00.0500000,3180,8\n").unwrap();
     let t = read_trace(&a).unwrap();
     assert_eq!(t[0].arrival_ms, 0.0);
-    assert!((t[1].arrival_ms - 150.0).abs() < 1e-6, "across midnight: {}", t[1].arrival_ms);
+    assert!(
+        (t[1].arrival_ms - 150.0).abs() < 1e-6,
+        "across midnight: {}",
+        t[1].arrival_ms
+    );
 
     // Scaling: rate, lengths, caps, at least one token.
     let mut a2 = args(g.clone());
@@ -50,15 +62,33 @@ fn reads_generic_and_azure_traces() {
     a2.max_prompt = 1000;
     a2.max_output = 50;
     let s = scale(&read_trace(&g).unwrap(), &a2);
-    assert_eq!(s[1], TraceRequest { arrival_ms: 7.75, prompt_tokens: 1000, output_tokens: 50 });
+    assert_eq!(
+        s[1],
+        TraceRequest {
+            arrival_ms: 7.75,
+            prompt_tokens: 1000,
+            output_tokens: 50
+        }
+    );
     assert_eq!(s[0].prompt_tokens, 600);
 
     // Errors name the file and the line.
     let bad = dir.path().join("bad.csv");
-    std::fs::write(&bad, "arrival_ms,prompt_tokens,output_tokens\n0,10,1\n5,ten,1\n").unwrap();
+    std::fs::write(
+        &bad,
+        "arrival_ms,prompt_tokens,output_tokens\n0,10,1\n5,ten,1\n",
+    )
+    .unwrap();
     let e = read_trace(&bad).unwrap_err();
-    assert!(e.contains("bad.csv:3") && e.contains("prompt_tokens") && e.contains("ten"), "{e}");
-    std::fs::write(&bad, "arrival_ms,prompt_tokens,output_tokens\n5,10,1\n4,10,1\n").unwrap();
+    assert!(
+        e.contains("bad.csv:3") && e.contains("prompt_tokens") && e.contains("ten"),
+        "{e}"
+    );
+    std::fs::write(
+        &bad,
+        "arrival_ms,prompt_tokens,output_tokens\n5,10,1\n4,10,1\n",
+    )
+    .unwrap();
     let e = read_trace(&bad).unwrap_err();
     assert!(e.contains("bad.csv:3") && e.contains("goes back"), "{e}");
     std::fs::write(&bad, "when,what\n1,2\n").unwrap();
@@ -70,7 +100,10 @@ fn reads_generic_and_azure_traces() {
 fn nearest_rank_percentiles() {
     let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
     let l = Latency::of(&mut v).unwrap();
-    assert_eq!((l.p50, l.p90, l.p99, l.max, l.samples), (50.0, 90.0, 99.0, 100.0, 100));
+    assert_eq!(
+        (l.p50, l.p90, l.p99, l.max, l.samples),
+        (50.0, 90.0, 99.0, 100.0, 100)
+    );
     assert!(Latency::of(&mut []).is_none());
 }
 
@@ -90,7 +123,11 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
     .unwrap();
     let srv = Server::start(handle, "tiny", "127.0.0.1:0").unwrap();
     let trace = dir.path().join("t.csv");
-    std::fs::write(&trace, "arrival_ms,prompt_tokens,output_tokens\n0,300,8\n20,40,8\n40,500,8\n60,10,8\n").unwrap();
+    std::fs::write(
+        &trace,
+        "arrival_ms,prompt_tokens,output_tokens\n0,300,8\n20,40,8\n40,500,8\n60,10,8\n",
+    )
+    .unwrap();
     let mut a = args(trace);
     a.url = format!("http://{}", srv.addr);
     a.report_json = Some(dir.path().join("r.json"));
@@ -115,8 +152,24 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
     let mut chunk_tokens = 0;
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        for key in ["step", "t_ms", "node", "walk", "budget", "floor", "caps", "rows", "scheduled_tokens",
-                    "ran_tokens", "overrun", "waiting", "ms", "predicted_ms", "max_step_ms", "time_overrun"] {
+        for key in [
+            "step",
+            "t_ms",
+            "node",
+            "walk",
+            "budget",
+            "floor",
+            "caps",
+            "rows",
+            "scheduled_tokens",
+            "ran_tokens",
+            "overrun",
+            "waiting",
+            "ms",
+            "predicted_ms",
+            "max_step_ms",
+            "time_overrun",
+        ] {
             assert!(v.get(key).is_some(), "{key} in {line}");
         }
         assert!(v["ms"].as_f64().unwrap() >= 0.0);
@@ -128,5 +181,9 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
             }
         }
     }
-    assert_eq!(chunk_tokens, 300 + 40 + 500 + 10, "every prompt token ran once");
+    assert_eq!(
+        chunk_tokens,
+        300 + 40 + 500 + 10,
+        "every prompt token ran once"
+    );
 }

@@ -230,7 +230,10 @@ fn mixed_step_rows_equal_each_row_alone() {
     for (i, ((want, want_cache), got)) in alone.iter().zip(&mixed).enumerate() {
         let got = got.as_ref().expect("every row asked for logits");
         let d = relative_diff(want, got);
-        assert!(d <= TOLERANCE, "row {i}: logits differ by {d} of max |logit|");
+        assert!(
+            d <= TOLERANCE,
+            "row {i}: logits differ by {d} of max |logit|"
+        );
         assert_eq!(caches[i].len(), want_cache.len(), "row {i}: cache length");
         // The caches they leave are equivalent: the next token gives the same logits.
         let next = [65u32];

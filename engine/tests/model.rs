@@ -11,9 +11,15 @@ fn sizes_have_the_documented_shapes() {
     let tiny = Config::tiny();
     assert_eq!((tiny.layers, tiny.hidden), (2, 64));
     let small = Config::small();
-    assert_eq!((small.layers, small.hidden, small.heads, small.kv_heads), (6, 512, 8, 2));
+    assert_eq!(
+        (small.layers, small.hidden, small.heads, small.kv_heads),
+        (6, 512, 8, 2)
+    );
     let p = small.parameters();
-    assert!((23_000_000..27_000_000).contains(&p), "small has {p} parameters");
+    assert!(
+        (23_000_000..27_000_000).contains(&p),
+        "small has {p} parameters"
+    );
     assert!(matches!(Config::by_name("huge"), Err(ModelError::UnknownSize(s)) if s == "huge"));
 }
 
@@ -29,9 +35,21 @@ fn byte_vocabulary_round_trips_text() {
 #[test]
 fn random_weights_depend_on_the_seed_only() {
     let p = encode("the same prompt");
-    let a = Model::random(Config::tiny(), 1, &Device::Cpu).unwrap().prefill(&p).unwrap().1;
-    let b = Model::random(Config::tiny(), 1, &Device::Cpu).unwrap().prefill(&p).unwrap().1;
-    let c = Model::random(Config::tiny(), 2, &Device::Cpu).unwrap().prefill(&p).unwrap().1;
+    let a = Model::random(Config::tiny(), 1, &Device::Cpu)
+        .unwrap()
+        .prefill(&p)
+        .unwrap()
+        .1;
+    let b = Model::random(Config::tiny(), 1, &Device::Cpu)
+        .unwrap()
+        .prefill(&p)
+        .unwrap()
+        .1;
+    let c = Model::random(Config::tiny(), 2, &Device::Cpu)
+        .unwrap()
+        .prefill(&p)
+        .unwrap()
+        .1;
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert_eq!(a.len(), VOCAB);
@@ -58,19 +76,37 @@ fn safetensors_with_llama_names_load_to_the_same_model() {
     missing.remove("model.layers.0.mlp.up_proj.weight");
     let bad = dir.path().join("missing.safetensors");
     save_safetensors(&missing, &bad).unwrap();
-    let err = Model::load(cfg, &bad, &Device::Cpu).err().unwrap().to_string();
-    assert!(err.contains("missing.safetensors") && err.contains("model.layers.0.mlp.up_proj.weight"), "{err}");
+    let err = Model::load(cfg, &bad, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("missing.safetensors") && err.contains("model.layers.0.mlp.up_proj.weight"),
+        "{err}"
+    );
 
     // A tensor of the wrong shape is named with both shapes.
     let mut wrong = w.clone();
-    wrong.insert("model.norm.weight".into(), Tensor::ones(3, candle_core::DType::F32, &Device::Cpu).unwrap());
-    let err = Model::from_weights(cfg, &wrong, &Device::Cpu, "mem").err().unwrap().to_string();
-    assert!(err.contains("model.norm.weight") && err.contains("[3]") && err.contains("[64]"), "{err}");
+    wrong.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(3, candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
+    let err = Model::from_weights(cfg, &wrong, &Device::Cpu, "mem")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.norm.weight") && err.contains("[3]") && err.contains("[64]"),
+        "{err}"
+    );
 
     // A file that is not safetensors.
     let junk = dir.path().join("junk.safetensors");
     std::fs::write(&junk, b"not a safetensors file").unwrap();
-    let err = Model::load(cfg, &junk, &Device::Cpu).err().unwrap().to_string();
+    let err = Model::load(cfg, &junk, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("junk.safetensors"), "{err}");
 }
 
@@ -79,7 +115,11 @@ fn bad_rows_are_refused_without_touching_caches() {
     let m = Model::random(Config::tiny(), 3, &Device::Cpu).unwrap();
     let mut cache = mstar_engine::model::KvCache::new(&m);
     let err = m
-        .step(&mut [mstar_engine::model::StepRow { tokens: &[1, 999], cache: &mut cache, logits: true }])
+        .step(&mut [mstar_engine::model::StepRow {
+            tokens: &[1, 999],
+            cache: &mut cache,
+            logits: true,
+        }])
         .err()
         .unwrap()
         .to_string();

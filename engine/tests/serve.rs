@@ -58,7 +58,15 @@ async fn wait_idle(srv: &Server) -> EngineStats {
 
 fn idle_stats(s: &EngineStats) {
     assert_eq!(
-        (s.running, s.waiting, s.kv_used, s.kv_reserved, s.prepared, s.prefill_rows, s.continuing_rows),
+        (
+            s.running,
+            s.waiting,
+            s.kv_used,
+            s.kv_reserved,
+            s.prepared,
+            s.prefill_rows,
+            s.continuing_rows
+        ),
         (0, 0, 0, 0, (0, 0), 0, 0),
         "everything released: {s:?}"
     );
@@ -73,7 +81,12 @@ async fn streaming_completion_end_to_end() {
     let c = reqwest::Client::new();
     let body = json!({"model": "tiny", "prompt": "Hello, chunked world! ".repeat(5), "max_tokens": 20,
                       "temperature": 0, "stream": true, "ignore_eos": true});
-    let resp = c.post(url(&srv, "/v1/completions")).json(&body).send().await.unwrap();
+    let resp = c
+        .post(url(&srv, "/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let (events, done) = read_sse(resp).await;
@@ -86,30 +99,74 @@ async fn streaming_completion_end_to_end() {
     let last = &events[20];
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     let prompt_tokens = 1 + 22 * 5;
-    assert_eq!(last["usage"], json!({"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}));
-    let streamed: String = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(
+        last["usage"],
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20})
+    );
+    let streamed: String = events
+        .iter()
+        .map(|e| e["choices"][0]["text"].as_str().unwrap())
+        .collect();
 
     // The same request unstreamed: the same greedy text and usage.
     let mut plain = body.clone();
     plain["stream"] = json!(false);
-    let v: Value = c.post(url(&srv, "/v1/completions")).json(&plain).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .post(url(&srv, "/v1/completions"))
+        .json(&plain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["choices"][0]["text"].as_str().unwrap(), streamed);
     assert_eq!(v["usage"]["completion_tokens"], 20);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 
     // Token ids as the prompt, and seeded sampling repeats itself.
     let sampled = json!({"prompt": [256, 72, 105], "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 42, "ignore_eos": true});
-    let a: Value = c.post(url(&srv, "/v1/completions")).json(&sampled).send().await.unwrap().json().await.unwrap();
-    let b: Value = c.post(url(&srv, "/v1/completions")).json(&sampled).send().await.unwrap().json().await.unwrap();
+    let a: Value = c
+        .post(url(&srv, "/v1/completions"))
+        .json(&sampled)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let b: Value = c
+        .post(url(&srv, "/v1/completions"))
+        .json(&sampled)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
     assert_eq!(a["usage"]["prompt_tokens"], 3);
 
     // models, health, metrics.
-    let m: Value = c.get(url(&srv, "/v1/models")).send().await.unwrap().json().await.unwrap();
+    let m: Value = c
+        .get(url(&srv, "/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["data"][0]["id"], "tiny");
     let h = c.get(url(&srv, "/health")).send().await.unwrap();
     assert_eq!(h.status(), 200);
-    let text = c.get(url(&srv, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let text = c
+        .get(url(&srv, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for name in [
         "engine_ttft_seconds_bucket",
         "engine_tbt_seconds_bucket",
@@ -136,19 +193,39 @@ async fn bad_requests_get_the_openai_error_object() {
     let c = reqwest::Client::new();
     let cases: Vec<(Value, &str, &str)> = vec![
         (json!({"prompt": [1, 999]}), "prompt", "prompt[1]"),
-        (json!({"prompt": "x", "temperature": 5}), "temperature", "temperature"),
+        (
+            json!({"prompt": "x", "temperature": 5}),
+            "temperature",
+            "temperature",
+        ),
         (json!({"prompt": "x", "top_p": 0}), "top_p", "top_p"),
-        (json!({"prompt": "x", "max_tokens": 0}), "max_tokens", "at least 1"),
+        (
+            json!({"prompt": "x", "max_tokens": 0}),
+            "max_tokens",
+            "at least 1",
+        ),
         (json!({"prompt": 17}), "prompt", "string or an array"),
-        (json!({"prompt": "x", "max_tokens": 5000}), "max_tokens", "KV capacity"),
+        (
+            json!({"prompt": "x", "max_tokens": 5000}),
+            "max_tokens",
+            "KV capacity",
+        ),
     ];
     for (body, param, says) in cases {
-        let r = c.post(url(&srv, "/v1/completions")).json(&body).send().await.unwrap();
+        let r = c
+            .post(url(&srv, "/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 400, "{body}");
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
         assert_eq!(v["error"]["param"], param, "{body}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{body}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(says),
+            "{body}: {v}"
+        );
     }
     // Not JSON, and JSON without a prompt.
     for raw in ["{not json", "{\"max_tokens\": 3}"] {
@@ -185,7 +262,7 @@ async fn memory_waits_and_a_full_queue_is_503() {
         .unwrap();
     let mut a_stream = a.bytes_stream();
     a_stream.next().await.unwrap().unwrap(); // A runs.
-    // B needs 500: it waits for memory.
+                                             // B needs 500: it waits for memory.
     let c2 = c.clone();
     let b_url = url(&srv, "/v1/completions");
     let b = tokio::spawn(async move {
@@ -211,7 +288,13 @@ async fn memory_waits_and_a_full_queue_is_503() {
         .unwrap();
     assert_eq!(r.status(), 503);
     let v: Value = r.json().await.unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("queue is full"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("queue is full"),
+        "{v}"
+    );
     // A's client goes away: A is aborted, its memory released, and B runs to the end.
     drop(a_stream);
     let b = b.await.unwrap();
@@ -259,10 +342,17 @@ async fn sixty_four_streaming_clients_some_disconnecting() {
         }));
     }
     let t0 = Instant::now();
-    let results = tokio::time::timeout(Duration::from_secs(120), futures_util::future::join_all(tasks))
-        .await
-        .expect("the 64 clients finish in bounded time");
-    let completed = results.into_iter().map(|r| r.unwrap()).filter(|&c| c).count();
+    let results = tokio::time::timeout(
+        Duration::from_secs(120),
+        futures_util::future::join_all(tasks),
+    )
+    .await
+    .expect("the 64 clients finish in bounded time");
+    let completed = results
+        .into_iter()
+        .map(|r| r.unwrap())
+        .filter(|&c| c)
+        .count();
     assert_eq!(completed, 48);
     let s = wait_idle(&srv).await;
     idle_stats(&s);
@@ -315,24 +405,45 @@ fn binary_exits_zero_on_sigterm() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let mut child = Command::new(env!("CARGO_BIN_EXE_mstar-engine"))
-        .args(["serve", "--model", "tiny", "--listen", "127.0.0.1:0", "--grace-secs", "1"])
+        .args([
+            "serve",
+            "--model",
+            "tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--grace-secs",
+            "1",
+        ])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     let addr = line
         .split("http://")
         .nth(1)
         .and_then(|r| r.split_whitespace().next())
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .to_owned();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
-        let v: Value = reqwest::get(format!("http://{addr}/health")).await.unwrap().json().await.unwrap();
+        let v: Value = reqwest::get(format!("http://{addr}/health"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         assert_eq!(v["status"], "ok");
     });
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(killed.success());
     let t0 = Instant::now();
     loop {
