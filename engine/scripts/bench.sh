@@ -15,17 +15,20 @@ OUT=target/engine-bench
 mkdir -p "$OUT"
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_code.csv}
 REQUESTS=${REQUESTS:-40}
-RATE_SCALE=${RATE_SCALE:-0.4}
+RATE_SCALE=${RATE_SCALE:-0.2}
 LENGTH_SCALE=${LENGTH_SCALE:-0.25}
 MAX_PROMPT=${MAX_PROMPT:-1024}
 MAX_OUTPUT=${MAX_OUTPUT:-32}
 PORT=${PORT:-8317}
 CARGO=${CARGO:-cargo}
 
-$CARGO build --release -p mstar-engine -p mstar-chunking --bins
-BIN=${CARGO_TARGET_DIR:-target}/release
-ENGINE=$BIN/mstar-engine
-CHUNKING=$BIN/mstar-chunking
+# ENGINE / CHUNKING: prebuilt binaries to use instead of building release ones.
+if [[ -z "${ENGINE:-}" || -z "${CHUNKING:-}" ]]; then
+  $CARGO build --release -p mstar-engine -p mstar-chunking --bins
+  BIN=${CARGO_TARGET_DIR:-target}/release
+  ENGINE=$BIN/mstar-engine
+  CHUNKING=$BIN/mstar-chunking
+fi
 
 # run NAME SERVE-FLAGS...: serve, replay the trace against it, stop it with SIGTERM.
 run() {
@@ -52,7 +55,7 @@ run A --budget 256 --align 16 --min-chunk-tokens 16
 X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl")
 COST=$(python3 engine/scripts/analyze.py cost "$OUT/A.fit.txt")
 echo "== B: time budget ${X} ms (2 x decode-only step), A's fit refined online"
-run B --budget 2048 --align 16 --min-chunk-tokens 16 --max-step-ms "$X" --cost "$COST" --learn-cost
+run B --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms "$X" --cost "$COST" --learn-cost
 
 echo "== C: chunking off"
 run C --budget off
