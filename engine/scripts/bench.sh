@@ -36,7 +36,7 @@ run() {
   "$ENGINE" serve --model small --listen "127.0.0.1:$PORT" --step-log "$OUT/$name.steps.jsonl" \
     --kv-tokens 200000 "$@" >"$OUT/$name.serve.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 100); do
+  for _ in $(seq 1 300); do
     grep -q "listening on" "$OUT/$name.serve.log" && break
     sleep 0.2
   done
