@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 OUT=target/engine-bench
 mkdir -p "$OUT"
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_code.csv}
-REQUESTS=${REQUESTS:-40}
+REQUESTS=${REQUESTS:-20}
 RATE_SCALE=${RATE_SCALE:-0.2}
 LENGTH_SCALE=${LENGTH_SCALE:-0.25}
 MAX_PROMPT=${MAX_PROMPT:-1024}
