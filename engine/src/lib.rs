@@ -1,7 +1,9 @@
 //! # mstar-engine
 //!
 //! A reference serving engine built on `mstar-chunking`'s public API (default features off):
-//! a Llama-architecture decoder on candle ([`model`]), scheduled one step per `assemble`.
+//! a Llama-architecture decoder on candle ([`model`]), run one step per assembled batch by an
+//! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`]) and
+//! driven by a trace-replaying load generator ([`bench`]).
 //! `engine/README.md` describes the design.
 
 #![deny(missing_docs)]
