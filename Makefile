@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core test-python
+.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core test-python test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -10,10 +10,12 @@ help: ## List the targets
 run: ## Replay the bundled trace with the default config and the demo model
 	$(CARGO) run --release --bin mstar-chunking -- replay
 
-lint: ## rustfmt check, clippy with warnings as errors (every feature, and the core alone), docs complete
-	$(CARGO) fmt --check
+lint: ## rustfmt check, clippy with warnings as errors (every feature, the core alone, the engine, the Python package), docs complete
+	$(CARGO) fmt --all --check
 	$(CARGO) clippy --all-features --all-targets -- -D warnings
 	$(CARGO) clippy --no-default-features --lib --tests -- -D warnings
+	$(CARGO) clippy -p mstar-engine --all-targets -- -D warnings
+	$(CARGO) clippy -p mstar-chunking-py -- -D warnings
 	$(CARGO) rustdoc --lib --all-features -- -D missing_docs -D rustdoc::broken_intra_doc_links
 
 fmt: ## Format the code
@@ -22,10 +24,12 @@ fmt: ## Format the code
 doc: ## Build the API docs
 	$(CARGO) doc --no-deps --all-features
 
-test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite
+test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package)
 	$(CARGO) test --all-features --all-targets
 	$(CARGO) test --all-features --doc
 	$(CARGO) test --no-default-features --lib --tests
+	$(MAKE) test-engine
+	$(MAKE) test-python
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
@@ -62,3 +66,13 @@ test-python: ## The Python package: a venv under target/, maturin + pytest from 
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/py-wheels/mstar_chunking-*.whl
 	$(CARGO) build --all-features --bin mstar-chunking
 	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
+
+test-engine: ## The reference engine's tests (tiny model): exactness, serving, load generator
+	$(CARGO) test -p mstar-engine
+
+SERVE_LISTEN ?= 127.0.0.1:8000
+serve: ## Serve the reference engine (small model) on SERVE_LISTEN; prints the address
+	$(CARGO) run --release -p mstar-engine -- serve --model small --listen $(SERVE_LISTEN)
+
+engine-bench: ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~20 min)
+	engine/scripts/bench.sh

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The reference engine's measurements (engine/README.md#measurements), with the small model on
+# this machine's CPU. Writes everything under target/engine-bench/ and prints the summary table.
+#
+#   A  token budget 256        -> step log for `fit` (R^2, coefficients), TBT p99 "token budget"
+#   B  time budget X (X = 2 x median decode-only step of A; A's fit to start, then the online
+#      fit) -> p99 step vs 1.2 X, time overruns by reason
+#   C  chunking off            -> TBT p99 "off"
+#   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients -> vs A
+#
+# Knobs (environment): REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=target/engine-bench
+mkdir -p "$OUT"
+TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_code.csv}
+REQUESTS=${REQUESTS:-20}
+RATE_SCALE=${RATE_SCALE:-0.2}
+LENGTH_SCALE=${LENGTH_SCALE:-0.25}
+MAX_PROMPT=${MAX_PROMPT:-1024}
+MAX_OUTPUT=${MAX_OUTPUT:-32}
+PORT=${PORT:-8317}
+CARGO=${CARGO:-cargo}
+
+# ENGINE / CHUNKING: prebuilt binaries to use instead of building release ones.
+if [[ -z "${ENGINE:-}" || -z "${CHUNKING:-}" ]]; then
+  $CARGO build --release -p mstar-engine -p mstar-chunking --bins
+  BIN=${CARGO_TARGET_DIR:-target}/release
+  ENGINE=$BIN/mstar-engine
+  CHUNKING=$BIN/mstar-chunking
+fi
+
+# run NAME SERVE-FLAGS...: serve, replay the trace against it, stop it with SIGTERM.
+run() {
+  local name=$1; shift
+  "$ENGINE" serve --model small --listen "127.0.0.1:$PORT" --step-log "$OUT/$name.steps.jsonl" \
+    --kv-tokens 200000 "$@" >"$OUT/$name.serve.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 300); do
+    grep -q "listening on" "$OUT/$name.serve.log" && break
+    sleep 0.2
+  done
+  "$ENGINE" bench --url "http://127.0.0.1:$PORT" --trace "$TRACE" --requests "$REQUESTS" \
+    --rate-scale "$RATE_SCALE" --length-scale "$LENGTH_SCALE" --max-prompt "$MAX_PROMPT" \
+    --max-output "$MAX_OUTPUT" --report-json "$OUT/$name.bench.json" \
+    --write-trace "$OUT/scaled.csv" --timeout-secs 1800 >/dev/null
+  kill -TERM "$pid"
+  wait "$pid"
+}
+
+echo "== A: token budget 256"
+run A --budget 256 --align 16 --min-chunk-tokens 16
+"$CHUNKING" fit "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
+
+X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl")
+COST=$(python3 engine/scripts/analyze.py cost "$OUT/A.fit.txt")
+echo "== B: time budget ${X} ms (2 x decode-only step), A's fit refined online"
+run B --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms "$X" --cost "$COST" --learn-cost
+
+echo "== C: chunking off"
+run C --budget off
+
+echo "== R: replay with A's fitted coefficients"
+python3 engine/scripts/analyze.py replay-config "$OUT/A.fit.txt" >"$OUT/replay.toml"
+"$CHUNKING" replay --model engine/scripts/engine-model.toml --config "$OUT/replay.toml" \
+  --trace "$OUT/scaled.csv" --format generic --report-json "$OUT/R.replay.json" --no-progress >/dev/null
+
+python3 engine/scripts/analyze.py summary "$OUT" "$X" | tee "$OUT/summary.md"

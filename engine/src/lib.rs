@@ -1,0 +1,14 @@
+//! # mstar-engine
+//!
+//! A reference serving engine built on `mstar-chunking`'s public API (default features off):
+//! a Llama-architecture decoder on candle ([`model`]), run one step per assembled batch by an
+//! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`]) and
+//! driven by a trace-replaying load generator ([`bench`]).
+//! `engine/README.md` describes the design.
+
+#![deny(missing_docs)]
+
+pub mod bench;
+pub mod engine;
+pub mod model;
+pub mod server;
