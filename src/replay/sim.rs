@@ -24,6 +24,7 @@ use crate::latency::StepFeatures;
 use crate::overrun::OverrunReason;
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
+use crate::scheduler::{Batch, NextStep, RowChangeRef};
 use crate::ChunkingManagement;
 
 /// Steps between progress bar updates (drawing per step would cost more than the step).
@@ -70,6 +71,11 @@ pub struct Sim<'a> {
     done: usize,
     /// Reused per step: the tokens each row ran.
     ran: Vec<u32>,
+    /// The next request to admit, by index.
+    next_arrival: usize,
+    /// The next step's batch, answered with the last step's completion (one round trip a
+    /// step, `ChunkingManagement::complete_and_assemble_with`).
+    pending: Option<Arc<Batch>>,
 
     report: ReplayReport,
     budget_sum: u64,
@@ -166,6 +172,8 @@ impl<'a> Sim<'a> {
             held_tokens: 0,
             done: 0,
             ran: Vec::new(),
+            next_arrival: 0,
+            pending: None,
             report,
             budget_sum: 0,
             budget_used: 0,
@@ -195,7 +203,6 @@ impl<'a> Sim<'a> {
     pub async fn run(mut self) -> Result<ReplayReport, ReplayError> {
         let progress = self.progress_bar();
         let n = self.arrivals.len();
-        let mut next = 0usize;
         let mut turn = 0usize;
         let mut empty_streak = 0usize;
         loop {
@@ -206,19 +213,17 @@ impl<'a> Sim<'a> {
                 }
             }
             if self.prefilling == 0 && self.decoding == 0 {
-                if next == n {
+                if self.next_arrival == n {
                     break;
                 }
-                self.t_ms = self.t_ms.max(self.arrivals[next]);
+                self.t_ms = self.t_ms.max(self.arrivals[self.next_arrival]);
             }
-            while next < n && self.arrivals[next] <= self.t_ms {
-                self.admit(next).await?;
-                next += 1;
-            }
+            self.admit_arrived(self.t_ms).await?;
             let setup = self.setup;
             let walk = &setup.walks[turn % setup.walks.len()];
             turn += 1;
-            match self.step(walk).await? {
+            let next_walk = &setup.walks[turn % setup.walks.len()];
+            match self.step(walk, next_walk).await? {
                 Stepped::Ran => empty_streak = 0,
                 Stepped::Empty => {
                     empty_streak += 1;
@@ -245,7 +250,25 @@ impl<'a> Sim<'a> {
         if let Some(pb) = progress {
             pb.finish_and_clear();
         }
+        // Interrupted: the step assembled with the last completion never runs.
+        if let Some(batch) = self.pending.take() {
+            // A use of `abandon` (its signature changes with issue 18).
+            self.cm
+                .abandon(&self.setup.node, batch.step)
+                .await
+                .map_err(ReplayError::chunking("abandoning the next step"))?;
+        }
         self.finish()
+    }
+
+    /// Admits every request that arrived by `t_ms`, in trace order.
+    async fn admit_arrived(&mut self, t_ms: f64) -> Result<(), ReplayError> {
+        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms
+        {
+            self.admit(self.next_arrival).await?;
+            self.next_arrival += 1;
+        }
+        Ok(())
     }
 
     fn progress_bar(&self) -> Option<ProgressBar> {
@@ -263,6 +286,16 @@ impl<'a> Sim<'a> {
 
     /// Admits request `i`: its prompt as a real prepared input, its cached prefix looked up.
     async fn admit(&mut self, i: usize) -> Result<(), ReplayError> {
+        let (rid, input, cached) = self.admission(i);
+        self.cm
+            .admit(rid, &self.setup.node, PREFILL_WALK, input, cached)
+            .await
+            .map_err(ReplayError::chunking("admitting a prompt"))
+    }
+
+    /// Request `i`'s prompt as a real prepared input, with its cached prefix looked up;
+    /// counted as prefilling and held from now on.
+    fn admission(&mut self, i: usize) -> (u64, PreparedInput, u32) {
         let r = &self.trace.requests[i];
         let n = r.input_tokens;
         // Synthetic token ids, but a real allocation of the prompt's length.
@@ -272,16 +305,6 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
-        self.cm
-            .admit(
-                r.rid,
-                &self.setup.node,
-                PREFILL_WALK,
-                PreparedInput::tokens(ids),
-                cached,
-            )
-            .await
-            .map_err(ReplayError::chunking("admitting a prompt"))?;
         if cached > 0 {
             self.report.chunks.prefix_cache_hits += 1;
             self.report.tokens.cached += u64::from(cached);
@@ -291,7 +314,18 @@ impl<'a> Sim<'a> {
         self.held_tokens += u64::from(n);
         self.report.peak_prepared_rows = self.report.peak_prepared_rows.max(self.held_rows);
         self.report.peak_prepared_tokens = self.report.peak_prepared_tokens.max(self.held_tokens);
-        Ok(())
+        (r.rid, PreparedInput::tokens(ids), cached)
+    }
+
+    /// `next` with every request that arrived by `t_ms` admitted, in trace order.
+    fn admissions_arrived(&mut self, t_ms: f64, mut next: NextStep) -> NextStep {
+        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms
+        {
+            let (rid, input, cached) = self.admission(self.next_arrival);
+            next = next.admit(rid, PREFILL_WALK, input, cached);
+            self.next_arrival += 1;
+        }
+        next
     }
 
     /// Tokens a continuing row actually runs: its estimate, or with speculation and probability
@@ -327,13 +361,21 @@ impl<'a> Sim<'a> {
         }
     }
 
-    async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
+    /// Runs one step of `walk`: the batch answered with the last completion, or a new one.
+    /// Completes it and assembles the next step of `next_walk` in one round trip, with the row
+    /// changes it brought (requests done, prompts that decode from now on) and the arrivals up
+    /// to its end admitted before that step is planned; when nothing is left queued, completes
+    /// it alone (the clock then jumps to the next arrival).
+    async fn step(&mut self, walk: &str, next_walk: &str) -> Result<Stepped, ReplayError> {
         let cm = self.cm;
         let node = self.setup.node.as_str();
-        let batch = cm
-            .assemble(node, walk)
-            .await
-            .map_err(ReplayError::chunking("assembling a step"))?;
+        let batch = match self.pending.take() {
+            Some(batch) => batch,
+            None => cm
+                .assemble(node, walk)
+                .await
+                .map_err(ReplayError::chunking("assembling a step"))?,
+        };
         if batch.rows.is_empty() {
             cm.complete(batch.step, Vec::new())
                 .await
@@ -361,10 +403,32 @@ impl<'a> Sim<'a> {
         let step_ms = self.step_ms(&batch);
         let t_end = t_start + step_ms;
         self.report.step_ms.record(step_ms);
-        let outcome = cm
-            .complete_measured(batch.step, self.ran.clone(), step_ms)
-            .await
-            .map_err(ReplayError::chunking("completing a step"))?;
+        // Decode rows registered before this step that it did not run waited a step.
+        if walk != PREFILL_WALK {
+            self.report.decode_row_waits += self.decoding.saturating_sub(decode_rows) as u64;
+        }
+        let next = self.rows_ran(&batch, t_end, NextStep::new(node, next_walk));
+
+        let outcome = if self.prefilling == 0 && self.decoding == 0 {
+            let outcome = cm
+                .complete_measured(batch.step, self.ran.clone(), step_ms)
+                .await
+                .map_err(ReplayError::chunking("completing a step"))?;
+            self.apply_alone(&next).await?;
+            outcome
+        } else {
+            // Requests that arrived while the step ran are queued before the next is planned.
+            let next = self.admissions_arrived(t_end, next);
+            let done = cm
+                .complete_and_assemble_with(batch.step, self.ran.clone(), Some(step_ms), next)
+                .await
+                .map_err(ReplayError::chunking("completing a step"))?;
+            self.pending = Some(
+                done.next
+                    .map_err(ReplayError::chunking("assembling a step"))?,
+            );
+            done.outcome
+        };
         if let Some(log) = &mut self.step_log {
             log.write(t_start, &batch, &outcome)
                 .map_err(|source| ReplayError::Write {
@@ -402,11 +466,14 @@ impl<'a> Sim<'a> {
                 OverrunReason::Other => c.other += 1,
             }
         }
-        // Decode rows registered before this step that it did not run waited a step.
-        if walk != PREFILL_WALK {
-            rep.decode_row_waits += self.decoding.saturating_sub(decode_rows) as u64;
-        }
+        self.t_ms = t_end;
+        Ok(Stepped::Ran)
+    }
 
+    /// What the rows of `batch` did, as they ran (`self.ran`) and ended at `t_end`: tokens
+    /// generated, requests done, prompts through their final chunk. Returns `next` with the row
+    /// changes that follow: done requests end, prompts that generate more continue on `decode`.
+    fn rows_ran(&mut self, batch: &Batch, t_end: f64, mut next: NextStep) -> NextStep {
         for k in 0..batch.rows.len() {
             let (row, r) = (&batch.rows[k], self.ran[k]);
             let Some(i) = self
@@ -427,10 +494,7 @@ impl<'a> Sim<'a> {
                     s.last_token_ms = t_end;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
-                        self.cm
-                            .forget_request(row.rid)
-                            .await
-                            .map_err(ReplayError::chunking("ending a finished request"))?;
+                        next = next.forget_request(row.rid);
                         self.decoding -= 1;
                         self.done += 1;
                     }
@@ -442,23 +506,53 @@ impl<'a> Sim<'a> {
                     if !range.is_final() {
                         continue;
                     }
-                    self.first_token(i, row.rid, range.total, t_end).await?;
+                    if self.first_token(i, range.total, t_end) {
+                        next = next.continue_row(row.rid, DECODE_WALK, self.estimate);
+                        self.decoding += 1;
+                    }
                 }
             }
         }
-        self.t_ms = t_end;
-        Ok(Stepped::Ran)
+        next
     }
 
-    /// A prompt's final chunk ran: its prepared input is released, its first token is out, and
-    /// it continues as a decode row if it generates more.
-    async fn first_token(
-        &mut self,
-        i: usize,
-        rid: u64,
-        total: u32,
-        t_end: f64,
-    ) -> Result<(), ReplayError> {
+    /// The row changes of `next` as separate calls, in its order, for a step completed without
+    /// assembling the next one.
+    async fn apply_alone(&self, next: &NextStep) -> Result<(), ReplayError> {
+        for change in next.row_changes() {
+            match change {
+                RowChangeRef::Forget(rid) => self
+                    .cm
+                    .forget_request(rid)
+                    .await
+                    .map_err(ReplayError::chunking("ending a finished request"))?,
+                RowChangeRef::Continue {
+                    rid,
+                    walk,
+                    estimate,
+                } => self
+                    .cm
+                    .continue_row(rid, &self.setup.node, walk, estimate)
+                    .await
+                    .map_err(ReplayError::chunking("continuing a request on `decode`"))?,
+                RowChangeRef::Admit {
+                    rid,
+                    walk,
+                    input,
+                    cached,
+                } => self
+                    .cm
+                    .admit(rid, &self.setup.node, walk, input.clone(), cached)
+                    .await
+                    .map_err(ReplayError::chunking("admitting a prompt"))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A prompt's final chunk ran: its prepared input is released, its first token is out.
+    /// Returns whether it generates more (it then continues as a decode row).
+    fn first_token(&mut self, i: usize, total: u32, t_end: f64) -> bool {
         let req = &self.trace.requests[i];
         self.report.chunks.final_chunks += 1;
         self.report.tokens.generated += 1;
@@ -477,14 +571,9 @@ impl<'a> Sim<'a> {
         s.remaining = req.output_tokens.saturating_sub(1);
         if s.remaining == 0 {
             self.done += 1;
-            return Ok(());
+            return false;
         }
-        self.cm
-            .continue_row(rid, &self.setup.node, DECODE_WALK, self.estimate)
-            .await
-            .map_err(ReplayError::chunking("continuing a request on `decode`"))?;
-        self.decoding += 1;
-        Ok(())
+        true
     }
 
     fn finish(mut self) -> Result<ReplayReport, ReplayError> {
