@@ -25,7 +25,7 @@ use criterion::{black_box, Criterion};
 use mstar_chunking::planner::StepPlan;
 
 mod common;
-use common::{planner_state, plan_once, plan_timed_once, time_limit, Engine, Workload, WORKLOADS};
+use common::{plan_once, plan_timed_once, planner_state, time_limit, Engine, Workload, WORKLOADS};
 
 /// Counts every allocation (and reallocation) of the process.
 struct Counting;

@@ -19,7 +19,9 @@ use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome};
+use crate::scheduler::{
+    Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
+};
 use crate::Name;
 
 /// Wraps [`SchedulerState`].

@@ -263,8 +263,7 @@ impl<'a> Sim<'a> {
 
     /// Admits every request that arrived by `t_ms`, in trace order.
     async fn admit_arrived(&mut self, t_ms: f64) -> Result<(), ReplayError> {
-        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms
-        {
+        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms {
             self.admit(self.next_arrival).await?;
             self.next_arrival += 1;
         }
@@ -319,8 +318,7 @@ impl<'a> Sim<'a> {
 
     /// `next` with every request that arrived by `t_ms` admitted, in trace order.
     fn admissions_arrived(&mut self, t_ms: f64, mut next: NextStep) -> NextStep {
-        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms
-        {
+        while self.next_arrival < self.arrivals.len() && self.arrivals[self.next_arrival] <= t_ms {
             let (rid, input, cached) = self.admission(self.next_arrival);
             next = next.admit(rid, PREFILL_WALK, input, cached);
             self.next_arrival += 1;
