@@ -487,7 +487,7 @@ impl Scheduler {
             });
         }
         self.step_metrics(&outcome.node, &outcome.walk)
-            .completed(&outcome);
+            .completed(outcome);
         self.publish_model(&outcome.node, outcome.model);
         self.publish_queue(&outcome.node);
     }
