@@ -185,8 +185,7 @@ mod harness {
 /// build, valgrind and the runner, so there is nothing to do.
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().is_some_and(|a| a == "--gungraun-run") || args.iter().any(|a| a == "--bench")
-    {
+    if args.first().is_some_and(|a| a == "--gungraun-run") || args.iter().any(|a| a == "--bench") {
         harness::run();
     } else {
         println!("instructions: counted by `make bench-check` (cargo bench), not in test mode");

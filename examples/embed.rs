@@ -86,11 +86,13 @@ impl Handler<Step> for Engine {
                 .await?;
             Ok((true, Some(done.next?)))
         };
-        Box::pin(step.into_actor(self).map(|answer, act, _| {
-            let (ran, next) = answer?;
-            act.pending = next;
-            Ok(ran)
-        }))
+        Box::pin(step.into_actor(self).map(
+            |answer: Result<_, mstar_chunking::ChunkingError>, act, _| {
+                let (ran, next) = answer?;
+                act.pending = next;
+                Ok(ran)
+            },
+        ))
     }
 }
 
