@@ -107,54 +107,25 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(l) for l in text.splitlines() if l.startswith("{")]
 
 
-def metric(value) -> int | None:
-    """A metric of a gungraun summary: {"Int": n} or {"Float": x}."""
-    if isinstance(value, dict):
-        for key in ("Int", "Float"):
-            if key in value:
-                return int(value[key])
-    if isinstance(value, (int, float)):
-        return int(value)
-    return None
-
-
 def figures(summary: dict) -> dict[str, int]:
-    """The callgrind metrics of one benchmark's summary (gungraun summary schema v6)."""
-    found: dict[str, int] = {}
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            metrics = node.get("metrics")
-            if isinstance(metrics, dict) and "Ir" in metrics:
-                # {"Ir": {"Left": {"Int": n}}} or {"Ir": {"Both": [new, old]}} ...
-                for name, v in metrics.items():
-                    if name in found:
-                        continue
-                    if isinstance(v, dict) and "Left" in v:
-                        v = v["Left"]
-                    elif isinstance(v, dict) and "Both" in v:
-                        v = v["Both"][0]
-                    n = metric(v)
-                    if n is not None:
-                        found[name] = n
-                return
-            for child in node.values():
-                walk(child)
-        elif isinstance(node, list):
-            for child in node:
-                walk(child)
-
-    walk(summary.get("profiles", summary))
+    """The Callgrind metrics of one benchmark's summary (gungraun 0.20: summary version 7),
+    `profiles[0].data.total.metrics.<name>.values.new`."""
+    try:
+        metrics = summary["profiles"][0]["data"]["total"]["metrics"]
+    except (KeyError, IndexError, TypeError):
+        return {}
+    found = {}
+    for name, value in metrics.items():
+        new = value.get("values", {}).get("new") if isinstance(value, dict) else None
+        if isinstance(new, (int, float)):
+            found[name] = int(new)
     return found
 
 
 def bench_id(summary: dict) -> str:
     """`group::function::id`, e.g. `planner::token::w1`."""
-    module = summary.get("module_path", "")
-    parts = module.split("::")
-    # module_path is `instructions::<group>::<function>`.
-    name = "::".join(parts[1:]) if len(parts) > 1 else module
-    return f"{name}::{summary.get('id') or ''}".rstrip(":")
+    parts = [summary.get("group"), summary.get("function_name"), summary.get("id")]
+    return "::".join(p for p in parts if p)
 
 
 def collect(summaries: list[dict]) -> dict[str, dict[str, int]]:
