@@ -638,17 +638,22 @@ impl ChunkingManagement {
     /// and is [`Completed::next`]'s error (no step is assembled).
     ///
     /// ```
-    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, Work};
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, Work};
     /// # actix::System::new().block_on(async {
-    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
-    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))])?;
+    /// # cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256))]).await?;
+    /// # cm.set_budgets(BudgetSettings::new(["prefill", "decode", "mixed"]).combined("mixed", ["prefill", "decode"])).await?;
     /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 100]), 0).await?;
-    /// let batch = cm.assemble("llm", "prefill").await?;
-    /// // The prompt's final chunk runs: it decodes from the very next step.
-    /// let next = NextStep::new("llm", "prefill").continue_row(1, "decode", 1);
+    /// let batch = cm.assemble("llm", "mixed").await?;
+    /// // The prompt's final chunk runs: it decodes from the very next step, beside a new prompt.
+    /// let next = NextStep::new("llm", "mixed")
+    ///     .continue_row(1, "decode", 1)
+    ///     .admit(2, "prefill", PreparedInput::tokens(vec![2; 50]), 0);
     /// let done = cm.complete_and_assemble_with(batch.step, vec![100], None, next).await?;
     /// assert_eq!(done.outcome.finished, vec![1]);
-    /// assert_eq!(done.next?.rows[0].work, Work::Continue { estimate: 1 });
+    /// let next = done.next?;
+    /// assert_eq!(next.rows[0].work, Work::Continue { estimate: 1 });
+    /// assert_eq!(next.rows[1].rid, 2);
     /// # Ok::<_, mstar_chunking::ChunkingError>(())
     /// # })?;
     /// # Ok::<_, Box<dyn std::error::Error>>(())
