@@ -127,7 +127,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 cm.forget_request(2).await?;
             }
             if step == 5 {
-                // Requests 0 and 1 are done generating: ending a request drops its rows.
+                // Requests 0 and 1 are done generating: ending a request drops its rows (the
+                // next step, answered with the last completion, still runs them without
+                // advancing; an engine that knows earlier passes `NextStep::forget_request`).
                 for rid in 0..2 {
                     cm.forget_request(rid).await?;
                 }
