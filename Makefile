@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench soak fuzz check-core test-python test-engine serve engine-bench
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-check-selftest soak fuzz check-core test-python test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -34,12 +34,24 @@ test: test-deps lint check-core ## Install what the tests need, lint, then the w
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
 
-test-deps: ## Install what the tests need: prometheus + promtool (apt), python3, @grafana/schema + typescript (npm, into target/)
+test-deps: ## Install what the tests need: prometheus + promtool + valgrind (apt), python3, gungraun-runner (cargo), @grafana/schema + typescript (npm, into target/)
 	scripts/install-test-deps.sh
 
 bench: ## Criterion benchmarks of one step (not in CI), then their table
 	$(CARGO) bench --bench step
 	python3 scripts/bench_table.py
+
+bench-check: ## Instruction counts under Callgrind against benches/baseline/instructions.json: fails on a rise > 3%
+	python3 scripts/bench_check.py check
+
+bench-baseline: ## Record benches/baseline/instructions.json from this build (commit it)
+	python3 scripts/bench_check.py baseline
+	python3 scripts/bench_check.py table
+
+bench-check-selftest: ## bench-check must fail on a deliberately slowed planner (feature bench-slow-planner)
+	@if python3 scripts/bench_check.py check --features bench-slow-planner; then \
+		echo "bench-check passed a slowed planner" >&2; exit 1; \
+	else echo "bench-check-selftest: the slowed planner was caught"; fi
 
 SOAK_STEPS ?= 1000000
 soak: ## Soak: a million steps with reloads and aborts; nothing held, flat memory (CI runs 20,000)

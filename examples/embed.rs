@@ -1,18 +1,23 @@
-//! How an engine embeds mstar-chunking: an engine actor admits requests, asks for each step's
-//! batch, "runs" it, reports the tokens each row ran, and aborts one request midway.
+//! How an engine embeds mstar-chunking: an engine actor admits requests, "runs" each step's
+//! batch, reports the tokens each row ran and gets the next step's batch in the same round trip
+//! (`complete_and_assemble_with`), and aborts one request midway.
 //!
 //! `cargo run --example embed` prints every step.
 
 use std::num::NonZeroU32;
+use std::sync::Arc;
 
 use actix::prelude::*;
 use mstar_chunking::{
-    BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps, Work,
+    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput,
+    SubmoduleCaps, Work,
 };
 
 /// The engine's side: owns the model's requests and calls the chunking facade each step.
 struct Engine {
     chunking: ChunkingManagement,
+    /// The next step's batch, answered with the last completion.
+    pending: Option<Arc<Batch>>,
 }
 
 impl Actor for Engine {
@@ -25,12 +30,17 @@ impl Actor for Engine {
 struct Step;
 
 impl Handler<Step> for Engine {
-    type Result = ResponseFuture<Result<bool, mstar_chunking::ChunkingError>>;
+    type Result = ResponseActFuture<Self, Result<bool, mstar_chunking::ChunkingError>>;
 
     fn handle(&mut self, _: Step, _: &mut Self::Context) -> Self::Result {
         let cm = self.chunking.clone();
-        Box::pin(async move {
-            let batch = cm.assemble("llm", "mixed").await?;
+        let pending = self.pending.take();
+        let step = async move {
+            // The first step is assembled alone; every later one came with a completion.
+            let batch = match pending {
+                Some(batch) => batch,
+                None => cm.assemble("llm", "mixed").await?,
+            };
             let rows: Vec<String> = batch
                 .rows
                 .iter()
@@ -59,13 +69,30 @@ impl Handler<Step> for Engine {
             // A real engine runs the batch on the GPU here, reading each chunk's token ids from
             // `row.input`; this one runs exactly what was scheduled.
             let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
-            let outcome = cm.complete(batch.step, ran).await?;
-            // Requests whose prompt finished generate two tokens with decode rows.
-            for rid in &outcome.finished {
-                cm.continue_row(*rid, "llm", "decode", 1).await?;
+            if batch.rows.is_empty() {
+                cm.complete(batch.step, ran).await?;
+                return Ok((false, None));
             }
-            Ok(!batch.rows.is_empty())
-        })
+            // Requests whose prompt finishes now generate tokens with decode rows from the
+            // next step on: queued before it is planned.
+            let mut next = NextStep::new("llm", "mixed");
+            for r in &batch.rows {
+                if matches!(r.work, Work::Chunk { range, .. } if range.is_final()) {
+                    next = next.continue_row(r.rid, "decode", 1);
+                }
+            }
+            let done = cm
+                .complete_and_assemble_with(batch.step, ran, None, next)
+                .await?;
+            Ok((true, Some(done.next?)))
+        };
+        Box::pin(step.into_actor(self).map(
+            |answer: Result<_, mstar_chunking::ChunkingError>, act, _| {
+                let (ran, next) = answer?;
+                act.pending = next;
+                Ok(ran)
+            },
+        ))
     }
 }
 
@@ -92,6 +119,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let engine = Engine {
             chunking: cm.clone(),
+            pending: None,
         }
         .start();
         let mut step = 0;
@@ -102,7 +130,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 cm.forget_request(2).await?;
             }
             if step == 5 {
-                // Requests 0 and 1 are done generating: ending a request drops its rows.
+                // Requests 0 and 1 are done generating: ending a request drops its rows (the
+                // next step, answered with the last completion, still runs them without
+                // advancing; an engine that knows earlier passes `NextStep::forget_request`).
                 for rid in 0..2 {
                     cm.forget_request(rid).await?;
                 }

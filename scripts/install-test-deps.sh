@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the integration tests need and is idempotent:
 # - `prometheus` and `promtool` (Debian's `prometheus` package) for the live metrics tests;
+# - `valgrind` (Debian) and `gungraun-runner` (cargo install) for `make bench-check`;
 # - `python3` for the step-log checker;
 # - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
 set -euo pipefail
@@ -44,6 +45,26 @@ if ! command -v python3 >/dev/null; then
     as_root apt-get install -y -qq --no-install-recommends python3
 fi
 python3 --version
+
+# Instruction counts (make bench-check): valgrind (Debian) and gungraun-runner, the exact
+# version of the `gungraun` crate in Cargo.lock (the harness refuses any other).
+if ! command -v valgrind >/dev/null; then
+    echo "install-test-deps: installing Debian's valgrind"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq --no-install-recommends valgrind
+fi
+valgrind --version
+gungraun="$(awk '/^name = "gungraun"$/ { getline; gsub(/[^0-9.]/, ""); print; exit }' "$root/Cargo.lock")"
+if [ -z "$gungraun" ]; then
+    echo "install-test-deps: no gungraun package in Cargo.lock" >&2
+    exit 1
+fi
+if ! gungraun-runner --version 2>/dev/null | grep -qF "$gungraun"; then
+    echo "install-test-deps: installing gungraun-runner $gungraun (cargo install)"
+    cargo install gungraun-runner --version "$gungraun" --locked
+fi
+gungraun-runner --version
 
 if ! command -v npm >/dev/null; then
     echo "install-test-deps: npm missing; install Node.js (Debian: apt-get install nodejs npm)" >&2

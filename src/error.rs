@@ -112,6 +112,14 @@ pub enum ChunkingError {
         /// The step named.
         step: u64,
     },
+    /// `complete_and_assemble` repeated for a step it already completed (its answer was lost)
+    /// with other `ran` counts or another measured time: the completion was applied once, as
+    /// first reported, and is not changed.
+    #[error("step {step} was already completed with other ran-token counts or another measured time; repeat the call as first made")]
+    CompletedDifferently {
+        /// The step.
+        step: u64,
+    },
     /// `complete` with a `ran` list that does not have one entry per row of the batch.
     #[error("step {step} has {expected} rows but {got} ran-token counts were reported")]
     RanLengthMismatch {
@@ -227,7 +235,8 @@ impl ChunkingError {
             Self::AlreadyQueued { .. }
             | Self::StillPrefilling { .. }
             | Self::PoliciesNotSet
-            | Self::StepInFlight { .. } => ErrorKind::Conflict,
+            | Self::StepInFlight { .. }
+            | Self::CompletedDifferently { .. } => ErrorKind::Conflict,
             Self::Budget(_) | Self::Policy(_) => ErrorKind::RefusedSettings,
             Self::MissingPreparedInput { .. }
             | Self::ActorPanicked { .. }

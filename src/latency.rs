@@ -204,13 +204,22 @@ impl StepFeatures {
 
     /// The features as `f64`s `[T, K, A]`, as the prediction and the fits use them.
     pub fn to_f64(&self) -> [f64; 3] {
-        // `as` rounds to the nearest `f64`; exact below 2^53, monotone everywhere.
-        [
-            self.tokens as f64,
-            self.kv_tokens as f64,
-            self.attention_pairs as f64,
-        ]
+        // `as` rounds to the nearest `f64`; exact below 2^53, monotone everywhere. A `u128`
+        // below 2^64 converts through `u64`: the same value, so the same nearest `f64`, without
+        // the software conversion of a `u128`.
+        let pairs = match u64::try_from(self.attention_pairs) {
+            Ok(small) => small as f64,
+            Err(_) => u128_to_f64(self.attention_pairs),
+        };
+        [self.tokens as f64, self.kv_tokens as f64, pairs]
     }
+}
+
+/// `x as f64`, out of line: kept apart so that the compiler does not fold the `u64` fast path of
+/// [`StepFeatures::to_f64`] back into this software conversion.
+#[inline(never)]
+fn u128_to_f64(x: u128) -> f64 {
+    x as f64
 }
 
 /// The causal attention pairs of a chunk `[start, end)`: each of its tokens attends to itself and
@@ -222,8 +231,12 @@ pub fn chunk_attention_pairs(start: u32, end: u32) -> u128 {
     if end <= start {
         return 0;
     }
-    let (s, e) = (u128::from(start), u128::from(end));
-    (e - s) * (e + s + 1) / 2
+    // In `u64` when the product fits (every chunk of a prompt below ~2^31 tokens), else `u128`.
+    let (s, e) = (u64::from(start), u64::from(end));
+    match (e - s).checked_mul(e + s + 1) {
+        Some(twice) => u128::from(twice / 2),
+        None => (u128::from(e - s) * u128::from(e + s + 1)) / 2,
+    }
 }
 
 // === impl LatencyModel ===

@@ -280,7 +280,22 @@ pub fn plan_timed(
     prefill: &[PrefillRow],
     out: &mut StepPlan,
 ) {
+    plan_timed_with(params, time, cont, prefill, out, true);
+}
+
+/// [`plan_timed`], with the `TimeFull` shortcut on or (for the test that it changes no plan)
+/// off.
+fn plan_timed_with(
+    params: &StepParams,
+    time: Option<TimeLimit>,
+    cont: &[ContRow],
+    prefill: &[PrefillRow],
+    out: &mut StepPlan,
+    shortcut: bool,
+) {
     out.clear();
+    #[cfg(feature = "bench-slow-planner")]
+    slow_pass(cont, prefill);
     let Some(budget) = params.budget else {
         plan_unbudgeted(params, cont, prefill, out);
         return;
@@ -295,7 +310,7 @@ pub fn plan_timed(
         out.waiting += count_u32(prefill.iter().filter(|p| params.takes(&p.walk)));
         return;
     }
-    plan_prefill(params, prefill, &mut room, out);
+    plan_prefill(params, prefill, &mut room, out, shortcut);
 }
 
 /// What is left of a step's budget and of each member walk's cap.
@@ -410,6 +425,7 @@ fn plan_prefill(
     prefill: &[PrefillRow],
     room: &mut Room<'_>,
     out: &mut StepPlan,
+    shortcut: bool,
 ) {
     // Rows that would stay mid-prefill after this step, for `max_partial_prefills`: every
     // started row, less those that finish in this step, plus new rows started with a
@@ -417,12 +433,22 @@ fn plan_prefill(
     let mut staying_partial = count_u32(prefill.iter().filter(|p| p.started));
     let mut prefill_in_step = false;
     let mut first_in_order = true;
+    let mut time_full = TimeFull {
+        shortcut,
+        ..TimeFull::default()
+    };
     for mid in [true, false] {
         let group = prefill
             .iter()
             .filter(|p| p.started == mid)
             .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
         for (r, walk) in group {
+            if time_full.full {
+                // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
+                // have found one by one.
+                out.waiting += 1;
+                continue;
+            }
             let uncut_before = out.uncut_over_budget;
             let left = room.left(walk);
             let need = u64::from(r.total - r.progress);
@@ -442,7 +468,11 @@ fn plan_prefill(
             };
             let end = match (token_end, out.time) {
                 (Some(end), Some(time)) => {
-                    timed_end(params, r, end, time, first_in_order, partial_full, out)
+                    let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
+                    if end.is_none() && !first_in_order {
+                        time_full.check(params, prefill, out);
+                    }
+                    end
                 }
                 (end, _) => end,
             };
@@ -462,6 +492,54 @@ fn plan_prefill(
             room.take(walk, u64::from(end - r.progress));
             prefill_in_step = true;
             out.push_chunk(r, walk, end);
+        }
+    }
+}
+
+/// Whether a step is full in time for every row that is not first in order. `timed_end`
+/// refuses such a row when even its least chunk, `l = min(total − progress, F)` tokens from its
+/// progress `p`, is predicted over the time budget; that chunk has `l` tokens and
+/// `l(2p + l + 1)/2 >= l(l + 1)/2` attention pairs. With `m` the least `l` of every prefill row
+/// of the node, a step whose features plus `m` tokens and `m(m + 1)/2` pairs are predicted over
+/// the budget refuses every later row (the prediction is monotone in the features): the
+/// planner counts them as waiting without planning them one by one. Found once, it holds for
+/// the rest of the step (features only grow); checked again only after a row was added.
+#[derive(Default)]
+struct TimeFull {
+    /// Off only in the test that the shortcut changes no plan.
+    shortcut: bool,
+    full: bool,
+    /// `m`, once computed.
+    least: Option<u64>,
+    /// The step's tokens when it was last found not full.
+    not_full_at: Option<u64>,
+}
+
+impl TimeFull {
+    fn check(&mut self, params: &StepParams, prefill: &[PrefillRow], out: &StepPlan) {
+        let (features, Some(time)) = (&out.features, out.time) else {
+            return;
+        };
+        if !self.shortcut || self.not_full_at == Some(features.tokens) {
+            return;
+        }
+        let floor = u64::from(params.floor.max(1));
+        let m = *self.least.get_or_insert_with(|| {
+            prefill
+                .iter()
+                .map(|r| u64::from(r.total - r.progress))
+                .fold(floor, u64::min)
+        });
+        let least = StepFeatures {
+            tokens: features.tokens.saturating_add(m),
+            kv_tokens: features.kv_tokens,
+            attention_pairs: features
+                .attention_pairs
+                .saturating_add(u128::from(m) * u128::from(m + 1) / 2),
+        };
+        self.full = time.model.predict_ms(&least) > time.max_step_ms;
+        if !self.full {
+            self.not_full_at = Some(features.tokens);
         }
     }
 }
@@ -596,6 +674,21 @@ fn plan_unbudgeted(
             out.push_chunk(r, walk, r.total);
         }
     }
+}
+
+/// The `bench-slow-planner` feature's extra pass over the step's queues: work that changes no
+/// plan, so that `make bench-check` can be shown to catch a slower planner. Never in
+/// production builds.
+#[cfg(feature = "bench-slow-planner")]
+fn slow_pass(cont: &[ContRow], prefill: &[PrefillRow]) {
+    let mut features = StepFeatures::EMPTY;
+    for r in cont {
+        features.add_continuing(r.estimate, r.context);
+    }
+    for r in prefill {
+        features.add_chunk(r.progress, r.total);
+    }
+    std::hint::black_box(features);
 }
 
 fn count_u32<I: Iterator>(it: I) -> u32 {
@@ -1070,5 +1163,69 @@ mod tests {
         let b = run(&no_model, &[decode(9, 1)], &rows);
         assert_eq!(shape(&a), shape(&b));
         assert_eq!(b.time_over, None);
+    }
+
+    // === the `TimeFull` shortcut changes no plan ===
+
+    use proptest::prelude::*;
+
+    fn arb_rows() -> impl Strategy<Value = (Vec<ContRow>, Vec<PrefillRow>)> {
+        let cont = prop::collection::vec((1u32..4, 0u64..50_000), 0..40);
+        let prefill = prop::collection::vec((1u32..20_000, 0u32..100, any::<bool>()), 0..40);
+        (cont, prefill).prop_map(|(cont, prefill)| {
+            let cont = cont
+                .into_iter()
+                .enumerate()
+                .map(|(i, (estimate, context))| ContRow {
+                    context,
+                    ..decode(i as u64 + 1, estimate)
+                })
+                .collect();
+            let prefill = prefill
+                .into_iter()
+                .enumerate()
+                .map(|(i, (total, pct, started))| {
+                    let seq = 1_000 + i as u64;
+                    let progress = (u64::from(total) * u64::from(pct) / 100) as u32;
+                    if started && progress > 0 && progress < total {
+                        mid(seq, total, progress)
+                    } else {
+                        prompt(seq, total)
+                    }
+                })
+                .collect();
+            (cont, prefill)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+        #[test]
+        fn the_time_full_shortcut_changes_no_plan(
+            (cont, prefill) in arb_rows(),
+            budget in 16u32..20_000,
+            floor in 1u32..128,
+            align in prop::sample::select(vec![1u32, 16, 64]),
+            chunkable in any::<bool>(),
+            partial in prop::option::of(1u32..4),
+            coefficients in (0.0f64..10.0, 0.0f64..0.1, 0.0f64..1e-4, 0.0f64..1e-5),
+            max_step_ms in 1.0f64..200.0,
+        ) {
+            let p = StepParams {
+                align,
+                chunkable,
+                max_partial_prefills: partial,
+                ..params(Some(budget), floor.min(budget))
+            };
+            let (b, t, k, a) = coefficients;
+            let time = Some(TimeLimit {
+                model: LatencyModel::try_new(b, t, k, a).unwrap(),
+                max_step_ms,
+            });
+            let (mut fast, mut reference) = (StepPlan::default(), StepPlan::default());
+            plan_timed_with(&p, time, &cont, &prefill, &mut fast, true);
+            plan_timed_with(&p, time, &cont, &prefill, &mut reference, false);
+            prop_assert_eq!(fast, reference);
+        }
     }
 }

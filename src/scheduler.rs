@@ -15,7 +15,7 @@ use crate::latency::{
 use crate::latency_fit::{OnlineFit, OnlineFitConfig};
 use crate::overrun::{classify, Overrun, StepTokens};
 use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
-use crate::prepared::ChunkInput;
+use crate::prepared::{ChunkInput, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
 use crate::Name;
@@ -80,6 +80,161 @@ impl Batch {
     pub fn walk_of(&self, row: &BatchRow) -> &Name {
         &self.walks[row.walk]
     }
+}
+
+/// What the engine changes between two steps of a node, sent with the completion of the first
+/// (`ChunkingManagement::complete_and_assemble_with`): the node and walk of the next step, and
+/// row changes applied in order after the completion and before the next step is planned, so
+/// the next batch sees them (a request that ended is not in it; a prompt that finished its
+/// prefill runs its first decode in it; a prompt that arrived may run its first chunk in it).
+/// Build it once and clone it per step: the names are shared, and a clone without changes
+/// allocates nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NextStep {
+    pub(crate) node: Name,
+    pub(crate) walk: Name,
+    pub(crate) changes: Vec<RowChange>,
+}
+
+/// One row change of a [`NextStep`].
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum RowChange {
+    /// `forget_request(rid)`: the request's rows and inputs on every node.
+    Forget(u64),
+    /// `continue_row(rid, node, walk, estimate)`.
+    Continue { rid: u64, walk: Name, estimate: u32 },
+    /// `admit(rid, node, walk, input, cached)`.
+    Admit {
+        rid: u64,
+        walk: Name,
+        input: PreparedInput,
+        cached: u32,
+    },
+}
+
+impl NextStep {
+    /// The next step is of `node`/`walk`, with no row changes.
+    pub fn new(node: &str, walk: &str) -> Self {
+        Self {
+            node: node.into(),
+            walk: walk.into(),
+            changes: Vec::new(),
+        }
+    }
+
+    /// The node of the next step.
+    pub fn node(&self) -> &Name {
+        &self.node
+    }
+
+    /// The walk of the next step.
+    pub fn walk(&self) -> &Name {
+        &self.walk
+    }
+
+    /// Ends request `rid` before the next step, as `forget_request` does.
+    #[must_use]
+    pub fn forget_request(mut self, rid: u64) -> Self {
+        self.changes.push(RowChange::Forget(rid));
+        self
+    }
+
+    /// Queues a continuing row of `rid` on the next step's node before it is planned, as
+    /// `continue_row(rid, node, walk, estimate)` does.
+    #[must_use]
+    pub fn continue_row(mut self, rid: u64, walk: &str, estimate: u32) -> Self {
+        self.changes.push(RowChange::Continue {
+            rid,
+            walk: walk.into(),
+            estimate,
+        });
+        self
+    }
+
+    /// Admits a prompt on the next step's node before it is planned, as
+    /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
+    /// is cut.
+    #[must_use]
+    pub fn admit(mut self, rid: u64, walk: &str, input: PreparedInput, cached: u32) -> Self {
+        self.changes.push(RowChange::Admit {
+            rid,
+            walk: walk.into(),
+            input,
+            cached,
+        });
+        self
+    }
+
+    /// How many row changes it carries.
+    pub fn changes(&self) -> usize {
+        self.changes.len()
+    }
+
+    /// The row changes, in the order they are applied.
+    pub fn row_changes(&self) -> impl Iterator<Item = RowChangeRef<'_>> {
+        self.changes.iter().map(|c| match c {
+            RowChange::Forget(rid) => RowChangeRef::Forget(*rid),
+            RowChange::Continue {
+                rid,
+                walk,
+                estimate,
+            } => RowChangeRef::Continue {
+                rid: *rid,
+                walk,
+                estimate: *estimate,
+            },
+            RowChange::Admit {
+                rid,
+                walk,
+                input,
+                cached,
+            } => RowChangeRef::Admit {
+                rid: *rid,
+                walk,
+                input,
+                cached: *cached,
+            },
+        })
+    }
+}
+
+/// One row change of a [`NextStep`], as [`NextStep::row_changes`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowChangeRef<'a> {
+    /// The request ends (`forget_request`).
+    Forget(u64),
+    /// A continuing row is queued on the node (`continue_row`).
+    Continue {
+        /// The request.
+        rid: u64,
+        /// Its walk.
+        walk: &'a str,
+        /// Tokens it runs a step.
+        estimate: u32,
+    },
+    /// A prompt is admitted on the node (`admit`).
+    Admit {
+        /// The request.
+        rid: u64,
+        /// Its walk.
+        walk: &'a str,
+        /// Its whole prepared input.
+        input: &'a PreparedInput,
+        /// Its cached prefix.
+        cached: u32,
+    },
+}
+
+/// The answer of a completion with the next step's assembly (one round trip per step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    /// What completing the step did. A repeated call (its answer was lost) gets the same
+    /// outcome again; the completion is applied once.
+    pub outcome: StepOutcome,
+    /// The next step's batch, or why there is none: a row change was refused (the changes
+    /// before it stand), or the assembly failed. The completion stands either way; call
+    /// `assemble` (or repeat the call) to get the next batch.
+    pub next: Result<Arc<Batch>, ChunkingError>,
 }
 
 /// What completing a step did.
@@ -380,6 +535,15 @@ impl SchedulerState {
                 f.batch = Some(batch);
             }
         }
+    }
+
+    /// The node of step `step`, if it is in flight or the node's last empty batch.
+    pub fn node_of_step(&self, step: u64) -> Option<&Name> {
+        [&self.in_flight, &self.empty]
+            .into_iter()
+            .flat_map(|steps| steps.iter())
+            .find(|(_, f)| f.step == step)
+            .map(|(n, _)| n)
     }
 
     /// The node of step `step`, and whether it is in flight (`true`) or the node's last empty

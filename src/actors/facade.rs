@@ -13,8 +13,8 @@ use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
 use super::scheduler::{
-    Abandon, AdmitPrepared, Assemble, Complete, ContinueRow, ForgetRequest, ForgetRow, QueueStats,
-    Scheduler, SchedulerStats,
+    Abandon, AdmitPrepared, Assemble, Complete, CompleteAndAssemble, ContinueRow, ForgetRequest,
+    ForgetRow, QueueStats, Scheduler, SchedulerStats,
 };
 use super::Guarded;
 #[cfg(any(test, feature = "test-hooks"))]
@@ -25,7 +25,7 @@ use crate::metrics::Instance;
 use crate::overrun::{Overrun, OverrunReason, StepTokens};
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, StepOutcome};
+use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
 use crate::Name;
 
@@ -605,6 +605,101 @@ impl ChunkingManagement {
             step,
             ran,
             measured_ms: Some(measured_ms),
+        };
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
+    }
+
+    /// Completes step `step` (as [`complete`](Self::complete), or
+    /// [`complete_measured`](Self::complete_measured) with `measured_ms`) and assembles the next
+    /// step of `node`/`walk` (as [`assemble`](Self::assemble)) in one round trip: the engine's
+    /// loop pays one actor round trip per step instead of two. `step` must be a step of `node`.
+    ///
+    /// Every guarantee of the two calls holds: a failed step reports 0 for its chunk rows; on a
+    /// refused completion nothing changes and no step is assembled. An answer lost on the way
+    /// (a dropped or timed-out future) is answered again by the same call: the completion is
+    /// applied once (the repeat gets the same outcome; with other `ran` counts it is refused
+    /// with [`ChunkingError::CompletedDifferently`]), and the next step is the one in flight,
+    /// the same batch. The next step can be [`abandon`](Self::abandon)ed as any other.
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 600]), 0).await?;
+    /// let mut batch = cm.assemble("llm", "prefill").await?;
+    /// while !batch.rows.is_empty() {
+    ///     let ran = batch.rows.iter().map(|r| r.tokens()).collect();
+    ///     let done = cm.complete_and_assemble(batch.step, ran, Some(12.5), "llm", "prefill").await?;
+    ///     batch = done.next?;
+    /// }
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As `complete` (then nothing changed), and [`ChunkingError::UnknownStep`] for a step of
+    /// another node. Once the completion is applied, the answer is `Ok`: an assembly that
+    /// failed is its [`Completed::next`].
+    pub async fn complete_and_assemble(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        node: &str,
+        walk: &str,
+    ) -> Result<Completed, ChunkingError> {
+        let next = NextStep {
+            node: self.node_name(node),
+            walk: walk.into(),
+            changes: Vec::new(),
+        };
+        self.complete_and_assemble_with(step, ran, measured_ms, next)
+            .await
+    }
+
+    /// As [`complete_and_assemble`](Self::complete_and_assemble), with row changes applied
+    /// after the completion and before the next step is planned ([`NextStep`]): requests that
+    /// ended, prompts that continue as decode rows. A refused change stops the changes after it
+    /// and is [`Completed::next`]'s error (no step is assembled).
+    ///
+    /// ```
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, Work};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))])?;
+    /// # cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256))]).await?;
+    /// # cm.set_budgets(BudgetSettings::new(["prefill", "decode", "mixed"]).combined("mixed", ["prefill", "decode"])).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 100]), 0).await?;
+    /// let batch = cm.assemble("llm", "mixed").await?;
+    /// // The prompt's final chunk runs: it decodes from the very next step, beside a new prompt.
+    /// let next = NextStep::new("llm", "mixed")
+    ///     .continue_row(1, "decode", 1)
+    ///     .admit(2, "prefill", PreparedInput::tokens(vec![2; 50]), 0);
+    /// let done = cm.complete_and_assemble_with(batch.step, vec![100], None, next).await?;
+    /// assert_eq!(done.outcome.finished, vec![1]);
+    /// let next = done.next?;
+    /// assert_eq!(next.rows[0].work, Work::Continue { estimate: 1 });
+    /// assert_eq!(next.rows[1].rid, 2);
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As `complete_and_assemble`.
+    pub async fn complete_and_assemble_with(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        next: NextStep,
+    ) -> Result<Completed, ChunkingError> {
+        let msg = CompleteAndAssemble {
+            step,
+            ran,
+            measured_ms,
+            next,
         };
         ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }

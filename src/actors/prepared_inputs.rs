@@ -55,7 +55,14 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [Insert, Cut, ForgetInputs, GetPrepared, PreparedTotals]
+    [
+        Insert,
+        Cut,
+        InsertAndCut,
+        ForgetInputs,
+        GetPrepared,
+        PreparedTotals
+    ]
 );
 
 /// Holds a row's whole input; answers its measured length.
@@ -109,6 +116,46 @@ impl Handler<Cut> for PreparedInputs {
             }
         }
         Ok(CutBatch { batch, missing })
+    }
+}
+
+/// Holds the inputs of prompts admitted with a step's completion, then cuts the next step's
+/// batch (`CompleteAndAssemble`): one message, so the inputs are held before the cut. Answers
+/// the cut batch and the admissions refused, each with its error (their rows are dropped by
+/// the Scheduler, as for [`Insert`]).
+#[derive(Message)]
+#[rtype(result = "Result<InsertedAndCut, ChunkingError>")]
+pub(crate) struct InsertAndCut {
+    pub(crate) inserts: Vec<Insert>,
+    pub(crate) batch: Batch,
+}
+
+/// The answer to [`InsertAndCut`].
+#[derive(Debug)]
+pub(crate) struct InsertedAndCut {
+    pub(crate) cut: CutBatch,
+    pub(crate) refused: Vec<(u64, ChunkingError)>,
+}
+
+impl Handler<InsertAndCut> for PreparedInputs {
+    type Result = Result<InsertedAndCut, ChunkingError>;
+
+    fn handle(&mut self, msg: InsertAndCut, ctx: &mut Self::Context) -> Self::Result {
+        let mut refused = Vec::new();
+        let mut nodes: Vec<Name> = Vec::new();
+        for i in msg.inserts {
+            if let Err(e) = self.store.insert(i.rid, &i.node, i.input) {
+                refused.push((i.rid, e));
+            }
+            if !nodes.contains(&i.node) {
+                nodes.push(i.node);
+            }
+        }
+        for node in &nodes {
+            self.publish(node);
+        }
+        let cut = <Self as Handler<Cut>>::handle(self, Cut(msg.batch), ctx)?;
+        Ok(InsertedAndCut { cut, refused })
     }
 }
 

@@ -10,14 +10,18 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{Cut, CutBatch, ForgetInputs, Insert, PreparedInputs, Release};
+use super::prepared_inputs::{
+    Cut, CutBatch, ForgetInputs, Insert, InsertAndCut, InsertedAndCut, PreparedInputs, Release,
+};
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
 use crate::planner::Work;
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Assembled, Batch, SchedulerState, StepOutcome};
+use crate::scheduler::{
+    Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
+};
 use crate::Name;
 
 /// Wraps [`SchedulerState`].
@@ -32,6 +36,18 @@ pub(crate) struct Scheduler {
     queue_gauges: FxHashMap<Name, QueueGauges>,
     /// Latency-model gauges per node.
     model_gauges: FxHashMap<Name, ModelGauges>,
+    /// Per node, the last step completed by [`CompleteAndAssemble`], to answer a repeat of it.
+    completed: FxHashMap<Name, LastCompleted>,
+}
+
+/// A step completed by [`CompleteAndAssemble`], as reported and as it came out.
+struct LastCompleted {
+    step: u64,
+    ran: Vec<u32>,
+    measured_ms: Option<f64>,
+    outcome: StepOutcome,
+    /// The row change refused after the completion, if one was.
+    refused: Option<ChunkingError>,
 }
 
 impl Scheduler {
@@ -48,6 +64,7 @@ impl Scheduler {
             metrics: FxHashMap::default(),
             queue_gauges: FxHashMap::default(),
             model_gauges: FxHashMap::default(),
+            completed: FxHashMap::default(),
         }
     }
 
@@ -132,6 +149,20 @@ impl Handler<Guarded<Assemble>> for Scheduler {
     fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
         guard_later(self, ctx, |act, ctx| {
             <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
+        })
+    }
+}
+
+impl Handler<Guarded<CompleteAndAssemble>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Completed, ChunkingError>>;
+
+    fn handle(
+        &mut self,
+        msg: Guarded<CompleteAndAssemble>,
+        ctx: &mut Self::Context,
+    ) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<CompleteAndAssemble>>::handle(act, msg.0, ctx)
         })
     }
 }
@@ -287,8 +318,20 @@ impl Handler<Assemble> for Scheduler {
     type Result = ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
+        self.assemble(&m.node, &m.walk)
+    }
+}
+
+impl Scheduler {
+    /// [`Assemble`]: plans the next step of `node`/`walk` (or finds it in flight) and has its
+    /// chunks cut; shared with [`CompleteAndAssemble`].
+    fn assemble(
+        &mut self,
+        node: &str,
+        walk: &str,
+    ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
         let started = Instant::now();
-        let batch = match self.state.assemble(&m.node, &m.walk) {
+        let batch = match self.state.assemble(node, walk) {
             Ok(Assembled::InFlight(batch)) => return Box::pin(fut::ready(Ok(batch))),
             Ok(Assembled::Planned(batch)) => batch,
             Err(e) => return Box::pin(fut::ready(Err(e))),
@@ -333,6 +376,67 @@ impl Handler<Assemble> for Scheduler {
             Err(error)
         }))
     }
+
+    /// [`Scheduler::assemble`] after queueing the rows of `inserts` (admitted with a
+    /// completion): PreparedInputs holds their inputs and cuts the batch in one message. An
+    /// admission it refuses drops its row and abandons the step (its error is the answer).
+    fn assemble_admitting(
+        &mut self,
+        node: &str,
+        walk: &str,
+        inserts: Vec<Insert>,
+    ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
+        if inserts.is_empty() {
+            return self.assemble(node, walk);
+        }
+        let started = Instant::now();
+        let batch = match self.state.assemble(node, walk) {
+            Ok(Assembled::Planned(batch)) => batch,
+            // Not after a completion of the node's step (the walk was checked before), but the
+            // rows queued must still get their inputs.
+            other => {
+                for insert in inserts {
+                    self.prepared.do_send(insert);
+                }
+                return Box::pin(fut::ready(other.map(Assembled::into_batch).map(Arc::new)));
+            }
+        };
+        self.step_metrics(&batch.node, &batch.walk)
+            .assembled(&batch, started.elapsed());
+        let (step, node) = (batch.step, batch.node.clone());
+        let cut = self.prepared.send(Guarded(InsertAndCut { inserts, batch }));
+        Box::pin(cut.into_actor(self).map(move |answer, act, _| {
+            let (CutBatch { batch, missing }, refused) = match answer {
+                Ok(Ok(InsertedAndCut { cut, refused })) => (cut, refused),
+                Ok(Err(e)) => {
+                    act.state.abandon(step, &[])?;
+                    return Err(e);
+                }
+                Err(_) => {
+                    act.state.abandon(step, &[])?;
+                    return Err(ChunkingError::ActorStopped {
+                        actor: "PreparedInputs",
+                    });
+                }
+            };
+            if missing.is_empty() && refused.is_empty() {
+                let batch = Arc::new(batch);
+                act.state.hold(batch.clone());
+                return Ok(batch);
+            }
+            let mut drop = missing.clone();
+            drop.extend(refused.iter().map(|(rid, _)| *rid));
+            act.state.abandon(step, &drop)?;
+            act.publish_queue(&node);
+            Err(match refused.into_iter().next() {
+                Some((_, e)) => e,
+                None => ChunkingError::MissingPreparedInput {
+                    rid: missing[0],
+                    node,
+                },
+            })
+        }))
+    }
 }
 
 /// Abandons the step in flight `step` without advancing it.
@@ -364,6 +468,14 @@ impl Handler<Complete> for Scheduler {
 
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
         let outcome = self.state.complete(m.step, &m.ran, m.measured_ms)?;
+        self.completed_step(&outcome);
+        Ok(outcome)
+    }
+}
+
+impl Scheduler {
+    /// What follows a completed step: overruns recorded, finished inputs released, metrics.
+    fn completed_step(&mut self, outcome: &StepOutcome) {
         if let Some(o) = &outcome.overrun {
             self.overruns.do_send(RecordOverrun(o.clone()));
         }
@@ -374,10 +486,142 @@ impl Handler<Complete> for Scheduler {
             });
         }
         self.step_metrics(&outcome.node, &outcome.walk)
-            .completed(&outcome);
+            .completed(outcome);
         self.publish_model(&outcome.node, outcome.model);
         self.publish_queue(&outcome.node);
-        Ok(outcome)
+    }
+
+    /// Applies `next`'s row changes in order and stops at the first refused one; answers the
+    /// inputs of the prompts admitted (their rows are queued; PreparedInputs is to hold them
+    /// before the next cut) and the refusal, if any.
+    fn apply_changes(&mut self, next: NextStep) -> (Vec<Insert>, Result<(), ChunkingError>) {
+        let NextStep { node, changes, .. } = next;
+        let mut forgot = false;
+        let mut inserts = Vec::new();
+        let mut result = Ok(());
+        let any = !changes.is_empty();
+        for change in changes {
+            result = match change {
+                RowChange::Forget(rid) => {
+                    self.state.forget(rid);
+                    self.prepared.do_send(ForgetInputs(rid));
+                    forgot = true;
+                    Ok(())
+                }
+                RowChange::Continue {
+                    rid,
+                    walk,
+                    estimate,
+                } => self.state.continue_row(rid, &node, &walk, estimate, None),
+                RowChange::Admit {
+                    rid,
+                    walk,
+                    input,
+                    cached,
+                } => input
+                    .measure(rid, &node)
+                    .and_then(|total| self.state.admit(rid, &node, &walk, total, cached))
+                    .map(|()| {
+                        inserts.push(Insert {
+                            rid,
+                            node: node.clone(),
+                            input,
+                        })
+                    }),
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        if forgot {
+            self.publish_all_queues();
+        } else if any {
+            self.publish_queue(&node);
+        }
+        (inserts, result)
+    }
+}
+
+/// Completes step `step` of `next.node` (as [`Complete`]), applies `next`'s row changes, and
+/// assembles the next step of `next.node`/`next.walk` (as [`Assemble`]): one round trip per
+/// step for the engine.
+///
+/// A repeat of the message for the step it completed last on the node (its answer was lost: a
+/// dropped or timed-out future) is not applied again: it gets the same outcome, and the next
+/// step as `assemble` answers it then (the same batch while that step is in flight). A repeat
+/// with other `ran` counts or another measured time is refused.
+#[derive(Message)]
+#[rtype(result = "Result<Completed, ChunkingError>")]
+pub(crate) struct CompleteAndAssemble {
+    pub(crate) step: u64,
+    pub(crate) ran: Vec<u32>,
+    pub(crate) measured_ms: Option<f64>,
+    pub(crate) next: NextStep,
+}
+
+impl Handler<CompleteAndAssemble> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<Completed, ChunkingError>>;
+
+    fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
+        let ready = |r| -> Self::Result { Box::pin(fut::ready(r)) };
+        let CompleteAndAssemble {
+            step,
+            ran,
+            measured_ms,
+            next,
+        } = m;
+        let (node, walk) = (next.node.clone(), next.walk.clone());
+        let (outcome, inserts, refused) = match self.completed.get(&*node) {
+            Some(last) if last.step == step => {
+                let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
+                if last.ran != ran || !same_ms {
+                    return ready(Err(ChunkingError::CompletedDifferently { step }));
+                }
+                (last.outcome.clone(), Vec::new(), last.refused.clone())
+            }
+            _ => {
+                // The step must be of the node named for the next one, and the next step's walk
+                // one the node serves: checked before anything changes.
+                if self.state.node_of_step(step) != Some(&node) {
+                    return ready(Err(ChunkingError::UnknownStep { step }));
+                }
+                if let Some(snap) = self.state.snapshot() {
+                    if snap.step_params(&node, &walk).is_none() {
+                        return ready(Err(ChunkingError::UnknownWalk { node, walk }));
+                    }
+                }
+                let outcome = match self.state.complete(step, &ran, measured_ms) {
+                    Ok(o) => o,
+                    Err(e) => return ready(Err(e)),
+                };
+                self.completed_step(&outcome);
+                let (inserts, changed) = self.apply_changes(next);
+                let refused = changed.err();
+                let last = LastCompleted {
+                    step,
+                    ran,
+                    measured_ms,
+                    outcome: outcome.clone(),
+                    refused: refused.clone(),
+                };
+                self.completed.insert(outcome.node.clone(), last);
+                (outcome, inserts, refused)
+            }
+        };
+        if let Some(e) = refused {
+            // The rows admitted before the refused change are queued: their inputs are held.
+            for insert in inserts {
+                self.prepared.do_send(insert);
+            }
+            return ready(Ok(Completed {
+                outcome,
+                next: Err(e),
+            }));
+        }
+        Box::pin(
+            self.assemble_admitting(&node, &walk, inserts)
+                .map(move |next, _, _| Ok(Completed { outcome, next })),
+        )
     }
 }
 
