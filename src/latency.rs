@@ -934,7 +934,7 @@ mod tests {
                         let fits = |k: u64| {
                             assert!((lo..=hi).contains(&k), "probed {k} outside {lo}..={hi}");
                             calls.set(calls.get() + 1);
-                            k <= t && !(t < lo)
+                            k <= t
                         };
                         let want = (t >= lo).then(|| t.min(hi));
                         assert_eq!(
