@@ -419,12 +419,18 @@ impl LatencyModel {
         // Aligned candidates are `k·align` for `k` in `lo..=hi`.
         let lo = s / align + 1;
         let mut hi = u64::from(upper) / align;
+        // Skips the final end just found over the limit. Only a saving: that candidate would
+        // fail again, so the answer is the same without it (cargo-mutants' survivors here are
+        // equivalent).
         if upper == total && hi * align == u64::from(total) {
-            hi -= 1; // just found over the limit
+            hi -= 1;
         }
         if lo > hi {
             return None;
         }
+        // Where the search starts. Any `k` in `lo..=hi` gives the same answer
+        // (`largest_fitting` is exact from every guess); a good one only saves predictions, so
+        // a mutated guess changes the cost, not the answer.
         let guess = self.real_max_tokens(start, max_step_ms - before);
         let k = match guess {
             Some(d) if d < (hi * align - s) as f64 => ((s + d as u64) / align).clamp(lo, hi),
@@ -888,6 +894,15 @@ mod tests {
         assert_eq!(
             m.max_chunk_end(&e, bounds(0, 16, 16, 16), 10.0 + 15.0),
             None
+        );
+        // A final end one past an aligned one: the aligned end is still a candidate.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 17, 17, 16), 10.0 + 16.0),
+            Some(16)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 45, 45, 16), 10.0 + 44.0),
+            Some(32)
         );
         // Attention terms: the quadratic root, checked around the answer.
         let q = model([0.0, 0.5, 0.0, 0.25]);
