@@ -1334,4 +1334,196 @@ mod tests {
         let at_base = settings().cost("llm", model).max_step_ms("llm", 5.0);
         assert!(BudgetTable::build(omni(), at_base).is_ok());
     }
+
+    #[test]
+    fn budget_values_and_time_budgets_print_as_a_config_writes_them() {
+        assert_eq!(tok(2048).to_string(), "2048");
+        assert_eq!(BudgetValue::Off.to_string(), "off");
+        assert_eq!(TimeBudget::Ms(42.5).to_string(), "42.5");
+        assert_eq!(TimeBudget::Off.to_string(), "off");
+        assert_eq!(tok(3).get(), Some(3));
+        assert_eq!(BudgetValue::Off.get(), None);
+        assert_eq!(BudgetValue::from(NonZeroU32::new(3).unwrap()), tok(3));
+        assert_eq!(TimeBudget::from(7.5), TimeBudget::Ms(7.5));
+    }
+
+    #[test]
+    fn the_builder_sets_each_field() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        let one = NonZeroU32::MIN;
+        let s = BudgetSettings::new(["prefill"])
+            .combined("mixed", ["decode"])
+            .budget("llm", tok(7))
+            // A per-walk budget replaces a node-wide one; a second one keeps the first.
+            .walk_budget("llm", "mixed", tok(100))
+            .walk_budget("thinker", "mixed", tok(100))
+            .walk_budget("thinker", "prefill", BudgetValue::Off)
+            .min_chunk_tokens(NonZeroU32::new(32).unwrap())
+            .max_row_tokens(NonZeroU32::new(512).unwrap())
+            .max_partial_prefills(one)
+            .override_mixed("thinker")
+            .no_chunking("vision")
+            .max_step_ms("llm", 50.0)
+            .cost("llm", model)
+            .learn_cost(true);
+        assert_eq!(
+            s.walks,
+            BTreeSet::from([n("decode"), n("mixed"), n("prefill")])
+        );
+        assert_eq!(
+            s.combined_walk_of,
+            BTreeMap::from([(n("decode"), n("mixed"))])
+        );
+        assert_eq!(
+            s.overrides["llm"],
+            NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), tok(100))]))
+        );
+        assert_eq!(
+            s.overrides["thinker"],
+            NodeBudget::PerWalk(BTreeMap::from([
+                (n("mixed"), tok(100)),
+                (n("prefill"), BudgetValue::Off)
+            ]))
+        );
+        assert_eq!(s.min_chunk_tokens, 32);
+        assert_eq!(s.max_row_tokens, Some(512));
+        assert_eq!(s.max_partial_prefills, Some(1));
+        assert_eq!(s.override_mixed, BTreeSet::from([n("thinker")]));
+        assert_eq!(s.no_chunking, BTreeSet::from([n("vision")]));
+        assert_eq!(
+            s.time.max_step_ms["llm"],
+            NodeTimeBudget::All(TimeBudget::Ms(50.0))
+        );
+        assert_eq!(s.time.cost["llm"], model);
+        assert!(s.time.learn);
+        let defaults = BudgetSettings::defaults_for(&omni());
+        assert_eq!(
+            defaults,
+            BudgetSettings::new(["decode", "mixed", "prefill"])
+        );
+    }
+
+    #[test]
+    fn the_table_answers_what_it_was_built_from() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        let s = settings().cost("llm", model);
+        let t = BudgetTable::build(omni(), s.clone()).unwrap();
+        assert_eq!(t.model(), &omni());
+        assert_eq!(t.settings(), &s);
+        assert_eq!(
+            t.policy("thinker", "mixed"),
+            ChunkingPolicy::budget(8192).aligned(16)
+        );
+        assert_eq!(
+            t.policy("thinker", "spec_verify"),
+            crate::policy::NO_CHUNKING
+        );
+        assert_eq!(t.cost("llm"), Some(model));
+        assert_eq!(t.cost("thinker"), None);
+        assert_eq!(t.members("mixed"), [n("decode"), n("prefill")]);
+        assert!(t.members("prefill").is_empty());
+        assert_eq!(t.combined_walk_of("prefill"), Some(&n("mixed")));
+        assert_eq!(t.combined_walk_of("mixed"), None);
+        // Before any setting, the table is the model's.
+        let bare = BudgetTable::from_policies(omni());
+        assert_eq!(bare.settings(), &BudgetSettings::defaults_for(&omni()));
+        assert_eq!(bare.max_batch_tokens("llm", "prefill"), Some(2048));
+    }
+
+    #[test]
+    fn a_budget_equal_to_the_align_is_accepted() {
+        let mut s = settings();
+        s.overrides = per_walk("thinker", &[("mixed", tok(16))]);
+        let t = BudgetTable::build(omni(), s).unwrap();
+        assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(16));
+        let mut s = settings();
+        s.overrides = per_walk("thinker", &[("mixed", tok(15))]);
+        assert!(matches!(
+            &refused(s)[..],
+            [BudgetError::BelowAlign {
+                budget: 15,
+                align: 16,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn a_row_cap_equal_to_the_widest_align_is_accepted_and_zero_is_refused_once() {
+        let mut s = settings();
+        s.max_row_tokens = Some(16);
+        assert!(BudgetTable::build(omni(), s).is_ok());
+        let mut s = settings();
+        s.max_row_tokens = Some(15);
+        assert_eq!(
+            refused(s)[0].to_string(),
+            "`max_row_tokens` 15 is below the `align` of 16 tokens of `thinker`/`prefill`: rows \
+             there could never be cut"
+        );
+        // 0 is refused as 0, not also as below every align.
+        let mut s = settings();
+        s.max_row_tokens = Some(0);
+        s.max_partial_prefills = Some(0);
+        assert_eq!(
+            refused(s),
+            vec![
+                BudgetError::ZeroSetting {
+                    key: "max_row_tokens"
+                },
+                BudgetError::ZeroSetting {
+                    key: "max_partial_prefills"
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_time_budget_must_be_finite_and_above_zero() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        for bad in [0.0, -0.0, -1.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN] {
+            let s = settings().cost("llm", model).max_step_ms("llm", bad);
+            let errs = refused(s);
+            assert!(
+                matches!(&errs[..], [BudgetError::BadTimeBudget { node, walk: None, .. }] if &**node == "llm"),
+                "{bad}: {errs:?}"
+            );
+            assert!(
+                errs[0].to_string().starts_with(
+                    "time budget for `llm` must be a finite number of milliseconds above 0, got "
+                ),
+                "{}",
+                errs[0]
+            );
+        }
+        // The smallest positive time is a time budget (with a learned model, no `base_ms` is
+        // known to be over it).
+        let tiny = settings()
+            .learn_cost(true)
+            .max_step_ms("llm", f64::MIN_POSITIVE);
+        let t = BudgetTable::build(omni(), tiny).unwrap();
+        assert_eq!(t.max_step_ms("llm", "mixed"), Some(f64::MIN_POSITIVE));
+        // Off needs no model.
+        let off = settings().max_step_ms("llm", TimeBudget::Off);
+        let t = BudgetTable::build(omni(), off).unwrap();
+        assert_eq!(t.max_step_ms("llm", "mixed"), None);
+    }
+
+    #[test]
+    fn a_walk_is_refused_only_where_a_served_standalone_walk_could_take_it() {
+        // `mixed` has the budget on `llm` but is not served: nothing waits on it.
+        assert!(BudgetTable::build(mixed_only(), BudgetSettings::new(["prefill"])).is_ok());
+        // `mixed` is served but a member of another combined walk: its steps are not assembled.
+        let member = BudgetSettings::new(["prefill", "decode"]).combined("decode", ["mixed"]);
+        assert!(BudgetTable::build(mixed_only(), member).is_ok());
+        // Served and standalone: refused, naming it.
+        let standalone = BudgetSettings::new(["prefill", "mixed"]);
+        assert_eq!(
+            BudgetTable::build(mixed_only(), standalone).unwrap_err().0,
+            vec![BudgetError::WalkNeverChunked {
+                node: n("llm"),
+                walk: n("prefill"),
+                combined: n("mixed"),
+            }]
+        );
+    }
 }

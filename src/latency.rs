@@ -432,12 +432,18 @@ impl LatencyModel {
         // Aligned candidates are `k·align` for `k` in `lo..=hi`.
         let lo = s / align + 1;
         let mut hi = u64::from(upper) / align;
+        // Skips the final end just found over the limit. Only a saving: that candidate would
+        // fail again, so the answer is the same without it (cargo-mutants' survivors here are
+        // equivalent).
         if upper == total && hi * align == u64::from(total) {
-            hi -= 1; // just found over the limit
+            hi -= 1;
         }
         if lo > hi {
             return None;
         }
+        // Where the search starts. Any `k` in `lo..=hi` gives the same answer
+        // (`largest_fitting` is exact from every guess); a good one only saves predictions, so
+        // a mutated guess changes the cost, not the answer.
         let guess = self.real_max_tokens(start, max_step_ms - before);
         let k = match guess {
             Some(d) if d < (hi * align - s) as f64 => ((s + d as u64) / align).clamp(lo, hi),
@@ -801,6 +807,179 @@ mod tests {
                     let first = (start / 16 + 1) * 16;
                     let first = first.min(total);
                     assert!(m.predict_ms(&f.with_chunk(start, first)) > max_ms);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn accessors_read_each_coefficient_and_every_minus_zero_is_zero() {
+        let m = model([5.0, 0.25, 0.125, 0.0625]);
+        assert_eq!(
+            [
+                m.base_ms(),
+                m.per_token_ms(),
+                m.per_kv_token_ms(),
+                m.per_attention_pair_ms()
+            ],
+            [5.0, 0.25, 0.125, 0.0625]
+        );
+        let z = model([-0.0, -0.0, -0.0, -0.0]);
+        assert!(
+            z.coefficients().iter().all(|c| c.is_sign_positive()),
+            "{:?}",
+            z.coefficients()
+        );
+    }
+
+    #[test]
+    fn a_reversed_chunk_counts_nothing() {
+        let mut f = StepFeatures::EMPTY;
+        f.add_chunk(7, 6);
+        assert_eq!(f, StepFeatures::EMPTY);
+        assert_eq!(StepFeatures::EMPTY.with_chunk(3, 5).tokens, 2);
+    }
+
+    #[test]
+    fn max_chunk_end_edges() {
+        let m = model([10.0, 1.0, 0.0, 0.0]);
+        let e = StepFeatures::EMPTY;
+        // No room before the end: no chunk, even a "final" empty one.
+        assert_eq!(m.max_chunk_end(&e, bounds(5, 5, 5, 1), 500.0), None);
+        assert_eq!(m.max_chunk_end(&e, bounds(5, 4, 5, 1), 500.0), None);
+        // The end is not past `upper` even when the whole row would fit.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 20, 1000, 1), 5000.0),
+            Some(20)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 20, 1000, 8), 5000.0),
+            Some(16)
+        );
+        // `upper` past `total` is cut to `total`.
+        assert_eq!(m.max_chunk_end(&e, bounds(0, 50, 37, 16), 5000.0), Some(37));
+        // A step already at its budget still takes a chunk that costs nothing.
+        let free = model([10.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            free.max_chunk_end(&e, bounds(0, 100, 100, 1), 10.0),
+            Some(100)
+        );
+        assert_eq!(
+            free.max_chunk_end(&e, bounds(0, 100, 1000, 16), 10.0),
+            Some(96)
+        );
+        assert_eq!(free.max_chunk_end(&e, bounds(0, 100, 100, 1), 9.5), None);
+        // Aligned ends from a start past 0: the first candidate is the next multiple.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(16, 1000, 1000, 16), 10.0 + 16.0),
+            Some(32)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(16, 1000, 1000, 16), 10.0 + 15.0),
+            None
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(20, 1000, 1000, 16), 10.0 + 12.0),
+            Some(32)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(20, 1000, 1000, 16), 10.0 + 27.0),
+            Some(32)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(20, 1000, 1000, 16), 10.0 + 28.0),
+            Some(48)
+        );
+        // Align 0 is align 1.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(3, 1000, 1000, 0), 10.0 + 7.0),
+            Some(10)
+        );
+        // A final end that is also aligned and does not fit: the aligned end below it.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 48, 48, 16), 10.0 + 47.0),
+            Some(32)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 32, 32, 16), 10.0 + 31.0),
+            Some(16)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 16, 16, 16), 10.0 + 15.0),
+            None
+        );
+        // A final end one past an aligned one: the aligned end is still a candidate.
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 17, 17, 16), 10.0 + 16.0),
+            Some(16)
+        );
+        assert_eq!(
+            m.max_chunk_end(&e, bounds(0, 45, 45, 16), 10.0 + 44.0),
+            Some(32)
+        );
+        // Attention terms: the quadratic root, checked around the answer.
+        let q = model([0.0, 0.5, 0.0, 0.25]);
+        for (start, budget) in [(0, 100.0), (100, 1000.0), (7, 3.0), (1000, 0.6)] {
+            let b = bounds(start, start + 5000, start + 6000, 1);
+            assert_eq!(
+                q.max_chunk_end(&e, b, budget),
+                brute_force(&q, &e, b, budget),
+                "{start} {budget}"
+            );
+        }
+    }
+
+    #[test]
+    fn real_max_tokens_is_the_root_of_the_cost() {
+        // Linear: slack / per_token.
+        let lin = model([3.0, 0.5, 7.0, 0.0]);
+        assert_eq!(lin.real_max_tokens(100, 10.0), Some(20.0));
+        // Quadratic: 0.5·d + 0.25·d·(d + 2·4 + 1)/2 = 8.5 at d = 4.
+        let q = model([3.0, 0.5, 7.0, 0.25]);
+        let d = q.real_max_tokens(4, 8.5).unwrap();
+        assert!((d - 4.0).abs() < 1e-12, "{d}");
+        // No per-token cost at all: unbounded.
+        assert_eq!(model([3.0, 0.0, 7.0, 0.0]).real_max_tokens(0, 10.0), None);
+        // Attention only: 2·d·(d + 1)/2 = 12 at d = 3.
+        let a = model([0.0, 0.0, 0.0, 2.0]);
+        let d = a.real_max_tokens(0, 12.0).unwrap();
+        assert!((d - 3.0).abs() < 1e-12, "{d}");
+        // A negative or NaN slack has no root.
+        assert_eq!(lin.real_max_tokens(0, -1.0), None);
+        assert_eq!(lin.real_max_tokens(0, f64::NAN), None);
+        assert_eq!(lin.real_max_tokens(0, 0.0), Some(0.0));
+    }
+
+    #[test]
+    fn largest_fitting_finds_the_last_fitting_k_from_any_guess() {
+        use std::cell::Cell;
+        for lo in 0u64..5 {
+            for hi in lo..12 {
+                for k0 in lo..=hi {
+                    // `fits` holds for k <= t.
+                    for t in lo.saturating_sub(1)..=hi + 1 {
+                        let calls = Cell::new(0u32);
+                        let fits = |k: u64| {
+                            assert!((lo..=hi).contains(&k), "probed {k} outside {lo}..={hi}");
+                            calls.set(calls.get() + 1);
+                            k <= t
+                        };
+                        let want = (t >= lo).then(|| t.min(hi));
+                        assert_eq!(
+                            largest_fitting(lo, hi, k0, fits),
+                            want,
+                            "{lo} {hi} {k0} {t}"
+                        );
+                        assert!(calls.get() <= 2 * 64, "{} calls", calls.get());
+                        if want == Some(k0) {
+                            // The guess right: it and the one above it (if any).
+                            assert_eq!(
+                                calls.get(),
+                                if k0 == hi { 1 } else { 2 },
+                                "{lo} {hi} {k0} {t}"
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -759,6 +759,7 @@ mod tests {
 
     use super::*;
     use crate::budget::BudgetTable;
+    use crate::latency::ModelSource;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 
     fn state() -> SchedulerState {
@@ -858,5 +859,265 @@ mod tests {
         assert!(b.rows.is_empty());
         let out = s.complete(b.step, &[], None).unwrap();
         assert_eq!((out.chunks, out.overrun), (0, None));
+    }
+
+    /// A state over `llm` (cuts `prefill`, budget 100) serving `prefill` and `decode`, under
+    /// `settings` applied to the walks.
+    fn state_with(
+        settings: impl FnOnce(crate::budget::BudgetSettings) -> crate::budget::BudgetSettings,
+    ) -> SchedulerState {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(100),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let settings = settings(crate::budget::BudgetSettings::new(["prefill", "decode"]));
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut s = SchedulerState::default();
+        s.set_snapshot(Arc::new(BudgetSnapshot::new(table, 1)));
+        s
+    }
+
+    fn chunk(row: &BatchRow) -> (u32, u32) {
+        let Work::Chunk { range, .. } = row.work else {
+            panic!("a chunk: {row:?}")
+        };
+        (range.start, range.end)
+    }
+
+    #[test]
+    fn a_step_in_flight_is_answered_again_and_its_held_batch_returned() {
+        let mut s = state_with(|s| s);
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        let Assembled::Planned(b) = s.assemble("llm", "prefill").unwrap() else {
+            panic!("planned")
+        };
+        assert_eq!(
+            (b.budget, b.floor, b.caps.clone()),
+            (Some(100), Some(64), None)
+        );
+        assert_eq!(b.rows[0].tokens(), 100);
+        assert_eq!(&**b.walk_of(&b.rows[0]), "prefill");
+        assert_eq!(s.steps_in_flight(), 1);
+        // Asked again before it is held: the same step, planned again.
+        let Assembled::Planned(again) = s.assemble("llm", "prefill").unwrap() else {
+            panic!("planned")
+        };
+        assert_eq!(again, b);
+        // Another walk of the node waits for the step.
+        assert_eq!(
+            s.assemble("llm", "decode"),
+            Err(ChunkingError::StepInFlight {
+                node: "llm".into(),
+                walk: "prefill".into(),
+                step: b.step
+            })
+        );
+        // A batch of another step is not held; the step's own is, once.
+        s.hold(Arc::new(Batch {
+            step: b.step + 1,
+            ..b.clone()
+        }));
+        assert!(matches!(
+            s.assemble("llm", "prefill").unwrap(),
+            Assembled::Planned(_)
+        ));
+        let held = Arc::new(b.clone());
+        s.hold(held.clone());
+        s.hold(Arc::new(b.clone()));
+        let Assembled::InFlight(got) = s.assemble("llm", "prefill").unwrap() else {
+            panic!("in flight")
+        };
+        assert!(Arc::ptr_eq(&got, &held));
+        assert_eq!(Assembled::InFlight(got).into_batch(), b);
+        // The next step gets a new number.
+        s.complete(b.step, &[100], None).unwrap();
+        let next = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert!(next.step > b.step, "{} after {}", next.step, b.step);
+    }
+
+    #[test]
+    fn complete_refuses_a_bad_report_and_changes_nothing() {
+        let mut s = state_with(|s| s);
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let step = b.step;
+        assert_eq!(
+            s.complete(step, &[], None),
+            Err(ChunkingError::RanLengthMismatch {
+                step,
+                expected: 1,
+                got: 0
+            })
+        );
+        assert_eq!(
+            s.complete(step, &[50], None),
+            Err(ChunkingError::PartialChunk {
+                step,
+                rid: 1,
+                planned: 100,
+                ran: 50
+            })
+        );
+        for ms in [-1.0, -f64::MIN_POSITIVE, f64::INFINITY, f64::NAN] {
+            assert!(
+                matches!(
+                    s.complete(step, &[100], Some(ms)),
+                    Err(ChunkingError::BadMeasurement { .. })
+                ),
+                "{ms}"
+            );
+        }
+        assert_eq!(s.steps_in_flight(), 1);
+        assert_eq!(s.node("llm").unwrap().prefill()[0].progress, 0);
+        // 0 ms is a measurement.
+        let out = s.complete(step, &[100], Some(0.0)).unwrap();
+        assert_eq!(
+            (
+                out.chunks,
+                out.final_chunks,
+                out.unrun_chunks,
+                out.measured_ms
+            ),
+            (1, 0, 0, Some(0.0))
+        );
+        assert_eq!(s.steps_in_flight(), 0);
+        // A chunk reported at 0 did not run and is planned again from the same place.
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!(chunk(&b.rows[0]), (100, 150));
+        let out = s.complete(b.step, &[0], None).unwrap();
+        assert_eq!((out.chunks, out.final_chunks, out.unrun_chunks), (0, 0, 1));
+        assert!(out.finished.is_empty());
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!(chunk(&b.rows[0]), (100, 150));
+        let out = s.complete(b.step, &[50], None).unwrap();
+        assert_eq!(
+            (out.chunks, out.final_chunks, out.unrun_chunks, out.finished),
+            (1, 1, 0, vec![1])
+        );
+        assert_eq!(s.prefill_rows(), 0);
+    }
+
+    #[test]
+    fn an_empty_batch_is_not_in_flight_and_is_completed_or_abandoned_once() {
+        let mut s = state_with(|s| s);
+        let empty = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert!(empty.rows.is_empty());
+        assert_eq!(s.steps_in_flight(), 0);
+        // A row admitted meanwhile is planned by the next assemble, under any walk.
+        s.admit(1, "llm", "prefill", 30, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!(b.rows.len(), 1);
+        assert_eq!(s.steps_in_flight(), 1);
+        s.complete(empty.step, &[], None).unwrap();
+        assert_eq!(
+            s.complete(empty.step, &[], None),
+            Err(ChunkingError::UnknownStep { step: empty.step })
+        );
+        assert_eq!(s.steps_in_flight(), 1, "the step with rows stays in flight");
+        s.complete(b.step, &[30], None).unwrap();
+        let empty = s.assemble("llm", "decode").unwrap().into_batch();
+        s.abandon(empty.step, &[]).unwrap();
+        assert_eq!(
+            s.abandon(empty.step, &[]),
+            Err(ChunkingError::UnknownStep { step: empty.step })
+        );
+    }
+
+    #[test]
+    fn forget_drops_rows_and_counts_prefill_rows() {
+        let mut s = state_with(|s| s);
+        assert_eq!(s.node_names().count(), 0);
+        assert!(s.node("llm").is_none());
+        s.admit(1, "llm", "prefill", 30, 0).unwrap();
+        s.admit(2, "llm", "prefill", 30, 0).unwrap();
+        s.admit(3, "llm", "prefill", 30, 0).unwrap();
+        s.continue_row(4, "llm", "decode", 1, Some(10)).unwrap();
+        assert_eq!(s.prefill_rows(), 3);
+        assert_eq!(s.node_names().map(|n| &**n).collect::<Vec<_>>(), ["llm"]);
+        assert_eq!(s.forget(1), 1);
+        assert_eq!(s.forget(4), 0, "a continuing row holds no prepared input");
+        assert!(s.node("llm").unwrap().cont().is_empty());
+        assert!(s.forget_at(2, "llm"));
+        assert!(!s.forget_at(2, "llm"));
+        assert!(!s.forget_at(3, "ghost"));
+        assert_eq!(s.prefill_rows(), 1);
+    }
+
+    #[test]
+    fn contexts_grow_only_where_a_model_reads_them() {
+        let kv = LatencyModel::try_new(1.0, 0.0, 0.5, 0.0).unwrap();
+        let no_kv = LatencyModel::try_new(1.0, 0.5, 0.0, 0.0).unwrap();
+        for (model, grows) in [(Some(kv), true), (Some(no_kv), false), (None, false)] {
+            let mut s = state_with(|s| match model {
+                Some(m) => s.cost("llm", m),
+                None => s,
+            });
+            s.continue_row(1, "llm", "decode", 2, Some(100)).unwrap();
+            let b = s.assemble("llm", "decode").unwrap().into_batch();
+            let out = s.complete(b.step, &[2], None).unwrap();
+            assert_eq!(
+                contexts(&s),
+                [(1, if grows { 102 } else { 100 })],
+                "{model:?}"
+            );
+            assert_eq!(
+                out.predicted_ms,
+                model.map(|m| m.predict_ms(&{
+                    let mut f = StepFeatures::EMPTY;
+                    f.add_continuing(2, 100);
+                    f
+                }))
+            );
+        }
+    }
+
+    #[test]
+    fn the_latency_model_comes_from_the_config_then_from_a_trusted_fit_of_what_ran() {
+        assert_eq!(
+            SchedulerState::default().latency_model("llm"),
+            (None, ModelSource::None)
+        );
+        assert!(SchedulerState::default().snapshot().is_none());
+        let configured = LatencyModel::try_new(9.0, 0.0, 0.0, 0.0).unwrap();
+        let truth = LatencyModel::try_new(2.0, 0.5, 0.0, 0.001).unwrap();
+        let mut s = state_with(|s| s.cost("llm", configured).learn_cost(true));
+        assert_eq!(s.snapshot().unwrap().generation(), 1);
+        assert_eq!(
+            s.latency_model("llm"),
+            (Some(configured), ModelSource::Config)
+        );
+        // Steps of one chunk each, 10..=100 tokens, measured as `truth` predicts what ran;
+        // every third is reported unrun (0 tokens), measured at the base alone.
+        for i in 0..60u32 {
+            let total = 10 + (i * 37) % 91;
+            s.admit(u64::from(i), "llm", "prefill", total, 0).unwrap();
+            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let unrun = i % 3 == 0;
+            let ran = if unrun { 0 } else { total };
+            let features = StepFeatures::EMPTY.with_chunk(0, ran);
+            let out = s
+                .complete(b.step, &[ran], Some(truth.predict_ms(&features)))
+                .unwrap();
+            if unrun {
+                s.forget(u64::from(i));
+            }
+            if i + 1 < 50 {
+                assert_eq!(out.model.1, ModelSource::Config, "step {i}");
+            }
+        }
+        let (model, source) = s.latency_model("llm");
+        assert_eq!(source, ModelSource::Online);
+        let got = model.unwrap().coefficients();
+        for (g, w) in got.iter().zip(truth.coefficients()) {
+            assert!(
+                (g - w).abs() < 1e-6,
+                "{got:?} vs {:?}",
+                truth.coefficients()
+            );
+        }
     }
 }
