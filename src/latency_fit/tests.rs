@@ -242,8 +242,15 @@ fn assert_kkt(s: &[Sample], c: [f64; 4]) {
     }
     let y_norm = s.iter().map(|x| x.ms * x.ms).sum::<f64>().sqrt();
     for j in 0..4 {
-        // The gradient per unit of a scaled column, relative to the measurements' size.
-        let g = grad[j] / (scale[j].sqrt().max(1e-300) * y_norm.max(1e-300));
+        // The gradient per unit of a scaled column, relative to the measurements' size. A zero
+        // gradient is 0 however small the scale (an all-zero column or all-zero measurements
+        // would otherwise give 0/0); a non-zero one over a zero scale is infinite, and fails.
+        let denom = scale[j].sqrt() * y_norm;
+        let g = if grad[j] == 0.0 {
+            0.0
+        } else {
+            grad[j] / denom.max(f64::MIN_POSITIVE)
+        };
         if c[j] > 0.0 {
             assert!(
                 g.abs() < 1e-6,
@@ -254,6 +261,34 @@ fn assert_kkt(s: &[Sample], c: [f64; 4]) {
             assert!(g > -1e-6, "coefficient {j} is 0 but gradient {g} < 0");
         }
     }
+}
+
+/// The case the property below once found: every truth 0 and no noise, so every measurement
+/// is 0 (the fit is refused as all zero), in steps where a column is 0 throughout (no continuing
+/// row reads a context): the optimality check must hold there; it used to divide 0 by 0.
+#[test]
+fn all_zero_measurements_are_the_all_zero_optimum() {
+    let s: Vec<Sample> = (1..6)
+        .map(|i| {
+            let f = StepFeatures::EMPTY.with_chunk(0, 100 * i);
+            let [t, k, a] = f.to_f64();
+            assert_eq!(k, 0.0);
+            Sample {
+                tokens: t,
+                kv_tokens: k,
+                attention_pairs: a,
+                ms: 0.0,
+            }
+        })
+        .collect();
+    assert!(matches!(fit_samples(&s), Err(FitError::AllZero)));
+    assert_kkt(&s, [0.0; 4]);
+    // The same column of zeros under measurements that are not 0.
+    let mut s = s;
+    for (i, x) in s.iter_mut().enumerate() {
+        x.ms = 5.0 + i as f64;
+    }
+    assert_kkt(&s, fit_samples(&s).unwrap().model.coefficients());
 }
 
 proptest! {
