@@ -30,6 +30,7 @@ test: test-deps lint check-core ## Install what the tests need, lint, then the w
 	$(CARGO) test --no-default-features --lib --tests
 	$(MAKE) test-engine
 	$(MAKE) test-python
+	$(MAKE) bench-check
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
