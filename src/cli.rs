@@ -1047,16 +1047,29 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         .iter()
         .zip(fit.model.coefficients())
     {
-        out.push_str(&format!("  {k:<24} {v:.6e}\n"));
+        out.push_str(&format!(
+            "  {k:<24} {}\n",
+            crate::latency_fit_file::plain_decimal(v)
+        ));
     }
+    let underdetermined = fit.underdetermined();
     out.push_str(&format!(
         "  {:<24} {}\n",
         "R²",
-        fit.r_squared.map_or_else(
-            || "n/a (every step took the same time)".to_string(),
-            |r| format!("{r:.4}")
-        )
+        match fit.r_squared {
+            _ if underdetermined => "n/a (the fit is underdetermined)".to_string(),
+            None => "n/a (every step took the same time)".to_string(),
+            Some(r) => format!("{r:.4}"),
+        }
     ));
+    if underdetermined {
+        say(&format!(
+            "warning: the fit is underdetermined: {} for {} of the model's terms that vary, which the steps determine only {} of; several models fit these steps equally well, so the coefficients are one of them and R² means nothing. Fit on more steps, with varied token counts, contexts and chunk positions.",
+            crate::replay::report::plural(fit.samples as u64, "step"),
+            fit.observed_terms,
+            fit.rank
+        ));
+    }
     out.push_str(&format!(
         "  {:<24} {:.1}%\n",
         "relative RMS error",

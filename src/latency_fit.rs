@@ -200,6 +200,49 @@ impl Normal {
     /// restricted solution over the 16 subsets of the 4 columns is the optimum. Columns are
     /// scaled to unit diagonal first: `A` runs to 1e9 and more where the intercept is 1, and
     /// unscaled pivots would be meaningless.
+    /// `(rank, observed)` of the design the sums hold: `observed` counts the terms that are not
+    /// 0 in every sample, `rank` how many of those are linearly independent (pivots of the
+    /// unit-diagonal scaled matrix above [`MIN_PIVOT`]). `rank < observed` means several models
+    /// fit the samples equally well.
+    fn rank(&self) -> (usize, usize) {
+        let observed: Vec<usize> = (0..4)
+            .filter(|&j| self.g[j][j].is_finite() && self.g[j][j] > 0.0)
+            .collect();
+        let n = observed.len();
+        let mut m = [[0.0f64; 4]; 4];
+        for (a, &i) in observed.iter().enumerate() {
+            for (b, &j) in observed.iter().enumerate() {
+                m[a][b] = self.g[i][j] / (self.g[i][i].sqrt() * self.g[j][j].sqrt());
+            }
+        }
+        // Gaussian elimination with full pivoting on the diagonal (the matrix is symmetric
+        // positive semi-definite, so its largest entries sit on the diagonal).
+        let mut rank = 0;
+        let mut used = [false; 4];
+        for _ in 0..n {
+            let Some(p) = (0..n)
+                .filter(|&k| !used[k])
+                .max_by(|&a, &b| m[a][a].total_cmp(&m[b][b]))
+            else {
+                break;
+            };
+            let pivot = m[p][p];
+            if pivot.is_nan() || pivot <= MIN_PIVOT {
+                break;
+            }
+            used[p] = true;
+            rank += 1;
+            let pivot_row = m[p];
+            for r in (0..n).filter(|&r| !used[r]) {
+                let f = m[r][p] / pivot;
+                for (v, pv) in m[r].iter_mut().zip(pivot_row).take(n) {
+                    *v -= f * pv;
+                }
+            }
+        }
+        (rank, n)
+    }
+
     fn solve(&self) -> [f64; 4] {
         let mut scale = [0.0; 4];
         for (j, s) in scale.iter_mut().enumerate() {
@@ -532,6 +575,22 @@ pub struct FitReport {
     pub relative_rms: f64,
     /// Absolute errors, milliseconds.
     pub abs_error_ms: ErrorQuantiles,
+    /// How many of the model's terms the steps determine: the rank of the design (a constant,
+    /// tokens, context tokens, attention pairs, over the steps), counting only terms not 0 in
+    /// every step.
+    pub rank: usize,
+    /// The terms not 0 in every step (a term that is, e.g. context tokens in a log without
+    /// decode rows, is fitted as 0 and says nothing).
+    pub observed_terms: usize,
+}
+
+impl FitReport {
+    /// Whether the steps leave the fit underdetermined: fewer steps than observed terms, or
+    /// terms the steps cannot tell apart. Several models then fit equally well, and R² (often
+    /// a perfect 1) says nothing about the model.
+    pub fn underdetermined(&self) -> bool {
+        self.samples < self.observed_terms || self.rank < self.observed_terms
+    }
 }
 
 /// Fits the model to `samples`, all weighted alike.
@@ -553,6 +612,7 @@ pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
             return Err(FitError::SumsOverflow { index });
         }
     }
+    let (rank, observed_terms) = normal.rank();
     let solved = normal.solve();
     if solved.iter().any(|v| !v.is_finite()) {
         return Err(FitError::NotFinite {
@@ -597,6 +657,8 @@ pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
             p99: q(0.99),
             max: errors[errors.len() - 1],
         },
+        rank,
+        observed_terms,
     })
 }
 

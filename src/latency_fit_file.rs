@@ -474,14 +474,33 @@ impl<R: Read> Read for Capped<R> {
 
 // === rendering ===
 
+/// `x` in positional notation (never an exponent), to 6 significant digits, trailing zeros
+/// dropped: `3.4e-6` prints `0.0000034`, `56.4512` prints `56.4512`.
+pub fn plain_decimal(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor();
+    // Digits after the point for 6 significant ones; within 0..=340 for any finite f64.
+    let decimals = (5.0 - magnitude).clamp(0.0, 340.0) as usize;
+    let text = format!("{x:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
+    }
+}
+
 /// Renders a fit as a TOML snippet for the serving config: comment lines with its quality, then
 /// `[chunking.cost.<node>]` and the four coefficients (6 significant digits). `source` names
 /// what was fitted (a file name), in the comment only.
 pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
     let mut out = String::new();
-    let r2 = report
-        .r_squared
-        .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.4}"));
+    let r2 = match report.r_squared {
+        _ if report.underdetermined() => "n/a (underdetermined)".to_owned(),
+        None => "n/a".to_owned(),
+        Some(r) => format!("{r:.4}"),
+    };
     let e = &report.abs_error_ms;
     // `{:?}` escapes newlines and quotes, so a strange file name cannot end the comment.
     let _ = writeln!(

@@ -535,3 +535,36 @@ fn overflowing_sums_an_all_zero_fit_and_non_finite_fits_are_refused() {
     assert_eq!(fit_samples(&s), Err(FitError::AllZero));
     assert!(FitError::AllZero.to_string().contains("all 0 ms"));
 }
+
+#[test]
+fn too_few_or_collinear_steps_leave_the_fit_underdetermined() {
+    let step = |start: u32, end: u32, ms: f64| {
+        Sample::new(&StepFeatures::EMPTY.with_chunk(start, end), ms).unwrap()
+    };
+    // Two steps for three observed terms (constant, tokens, attention pairs): R² is a perfect 1
+    // and means nothing.
+    let two = [step(0, 100, 12.0), step(0, 300, 20.0)];
+    let r = fit_samples(&two).unwrap();
+    assert_eq!((r.samples, r.observed_terms), (2, 3));
+    assert!(r.rank <= 2 && r.underdetermined(), "{r:?}");
+    // Many steps, but every chunk the same size at different starts... still three terms that
+    // vary independently: determined.
+    let varied: Vec<Sample> = (0..20u32)
+        .map(|i| step(i * 64, i * 64 + 16 + (i % 5) * 40, 10.0 + f64::from(i)))
+        .collect();
+    let r = fit_samples(&varied).unwrap();
+    assert_eq!((r.rank, r.observed_terms), (3, 3));
+    assert!(!r.underdetermined());
+    // Tokens and attention pairs locked together (every chunk from 0 to the same end): the
+    // steps cannot tell the two terms apart however many there are.
+    let same: Vec<Sample> = (0..20)
+        .map(|i| step(0, 128, 10.0 + f64::from(i % 3)))
+        .collect();
+    let r = fit_samples(&same).unwrap();
+    assert_eq!(r.observed_terms, 3);
+    assert_eq!(
+        r.rank, 1,
+        "a constant, and tokens and pairs that are constant too"
+    );
+    assert!(r.underdetermined());
+}

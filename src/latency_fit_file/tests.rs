@@ -368,3 +368,19 @@ fn overflowing_and_all_zero_inputs_are_refused_naming_the_line() {
     let e = file_error(zero);
     assert!(e.contains("every coefficient fitted to 0"), "{e}");
 }
+
+#[test]
+fn coefficients_print_in_plain_decimals() {
+    for (x, want) in [
+        (3.4e-6, "0.0000034"),
+        (56.451_234_5, "56.4512"),
+        (0.062_4, "0.0624"),
+        (0.000_330_000_1, "0.00033"),
+        (8.0, "8"),
+        (1_234_567.0, "1234567"),
+        (0.0, "0"),
+        (1e-12, "0.000000000001"),
+    ] {
+        assert_eq!(plain_decimal(x), want, "{x}");
+    }
+}

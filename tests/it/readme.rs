@@ -86,3 +86,28 @@ fn check_shows_the_time_budget_and_the_latency_model_in_force() {
     assert_eq!(row["cost"]["base_ms"], preset.base_ms());
     assert_eq!(row["cost"]["per_kv_token_ms"], preset.per_kv_token_ms());
 }
+
+#[test]
+fn fit_on_too_few_steps_says_it_is_underdetermined_and_prints_plain_decimals() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("two.csv");
+    std::fs::write(
+        &csv,
+        "tokens,kv_tokens,attention_pairs,ms\n100,0,5050,12\n300,0,45150,20\n",
+    )
+    .unwrap();
+    let r = run(&["fit", csv.to_str().unwrap()], &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr
+            .contains("warning: the fit is underdetermined: 2 steps"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.contains("n/a (the fit is underdetermined)") && !r.stdout.contains("1.0000"),
+        "{}",
+        r.stdout
+    );
+    assert!(!r.stdout.contains("e-"), "no exponents: {}", r.stdout);
+}
