@@ -1198,6 +1198,47 @@ mod tests {
         })
     }
 
+    /// The `TimeFull` shortcut at its exact boundary: after A, the time left is exactly what
+    /// the smallest possible chunk (C's 2 tokens from its start) costs. B (its floor of 8 is
+    /// too much) does not fit and triggers the check; the step is not full, so C runs. A bound
+    /// that is `>=` instead of `>`, or a larger least chunk, would make C wait.
+    #[test]
+    fn the_time_full_shortcut_leaves_a_row_that_fits_exactly() {
+        // Powers of two: every prediction is exact. 5 ms + 0.5 ms a token + 0.25 ms a pair.
+        let model = LatencyModel::try_new(5.0, 0.5, 0.0, 0.25).unwrap();
+        // A: 10 tokens, 55 pairs -> 23.75 ms; C: 2 tokens, 3 pairs -> +1.75 ms = 25.5 ms.
+        let p = StepParams {
+            max_step_ms: Some(25.5),
+            cost: Some(model),
+            ..params(Some(4096), 8)
+        };
+        let rows = [prompt(1, 10), prompt(2, 100), prompt(3, 2)];
+        let out = run(&p, &[], &rows);
+        assert_eq!(shape(&out), vec![(1, 10, true), (3, 2, true)]);
+        assert_eq!(predicted(&p, &out), 25.5);
+        assert_eq!((out.waiting, out.time_over), (1, None));
+        let mut reference = StepPlan::default();
+        let time = Some(TimeLimit {
+            model,
+            max_step_ms: 25.5,
+        });
+        plan_timed_with(&p, time, &[], &rows, &mut reference, false);
+        assert_eq!(out, reference);
+        // A hair less time: the step is full after A, and B and C both wait.
+        let p = StepParams {
+            max_step_ms: Some(25.49),
+            ..p
+        };
+        let out = run(&p, &[], &rows);
+        assert_eq!(shape(&out), vec![(1, 10, true)]);
+        assert_eq!(out.waiting, 2);
+    }
+
+    // The shortcut's other mutants are equivalent: turning it off (`shortcut: false`, `check`
+    // doing nothing, the early return always taken, a smaller least chunk, the cache of the last
+    // "not full" dropped) only plans each later row one by one, to the same plan, as
+    // `the_time_full_shortcut_changes_no_plan` checks; `slow_pass` exists only under the
+    // `bench-slow-planner` feature.
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3000))]
         #[test]
