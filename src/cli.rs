@@ -182,7 +182,7 @@ pub struct SweepArgs {
     #[arg(long)]
     pub no_progress: bool,
     /// KV pool sizes in blocks (`replay.kv.blocks`), comma-separated, "unlimited" for none: the
-    /// grid runs once per size, each into OUT/kv-<blocks>/, and OUT/kv.* compares them
+    /// grid runs once per size, each into OUT/kv-N/ (N the pool size), and OUT/kv.* compares them
     #[arg(long, value_name = "LIST")]
     pub kv_blocks: Option<String>,
 }
