@@ -9,33 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use crate::helpers::repo_root;
+use crate::helpers::{repo_root, Watchdog};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mstar-chunking");
-
-/// Kills a run that hangs (the failure these tests guard against) after two minutes, so that the
-/// suite reports it instead of hanging; not a timing assertion.
-struct Watchdog(mpsc::Sender<()>);
-
-impl Watchdog {
-    fn new(pid: u32) -> Self {
-        let (tx, rx) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if rx.recv_timeout(Duration::from_secs(120)).is_err() {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .status();
-            }
-        });
-        Self(tx)
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        let _ = self.0.send(());
-    }
-}
 
 fn free_addr() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -125,7 +101,7 @@ fn a_holding_replay_stops_on_sigterm_and_the_endpoint_answers_only_get_on_metric
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let _dog = Watchdog::new(child.id());
+    let _dog = Watchdog::new(child.id(), 120);
     let rest = wait_for(&mut child, "holding");
 
     let (status, body) = request(addr, "GET", "/metrics");
@@ -192,7 +168,7 @@ fn idle_clients_cannot_starve_the_replay_of_descriptors_or_flood_its_log() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let _dog = Watchdog::new(child.id());
+    let _dog = Watchdog::new(child.id(), 120);
     let rest = wait_for(&mut child, "replay started");
 
     // 300 clients connect and send nothing (10 threads of 30; a connection the server's queue

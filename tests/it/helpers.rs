@@ -99,3 +99,31 @@ pub fn check_step_log(log: &Path, align: u32) -> String {
     assert!(last.starts_with("0 violations"), "{last}");
     last
 }
+
+/// A safety net, not a timing assertion: kills process `pid` if it is still running after
+/// `secs` seconds (a run that hangs, the failure the signal and endpoint tests guard against),
+/// so that the suite reports it instead of hanging. Dropping the guard disarms it.
+pub struct Watchdog(std::sync::mpsc::Sender<()>);
+
+impl Watchdog {
+    pub fn new(pid: u32, secs: u64) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if rx
+                .recv_timeout(std::time::Duration::from_secs(secs))
+                .is_err()
+            {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        });
+        Self(tx)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}

@@ -6,36 +6,10 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
 
-use crate::helpers::{repo_root, run_in, Run};
+use crate::helpers::{repo_root, run_in, Run, Watchdog};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mstar-chunking");
-
-/// A safety net, not a timing assertion: a run that hangs (the failure this file guards
-/// against) is killed after a minute so that the suite reports it instead of hanging.
-struct Watchdog(mpsc::Sender<()>);
-
-impl Watchdog {
-    fn new(pid: u32) -> Self {
-        let (tx, rx) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .status();
-            }
-        });
-        Self(tx)
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        let _ = self.0.send(());
-    }
-}
 
 fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut c = Command::new(BIN);
@@ -53,7 +27,7 @@ fn run_bounded(args: &[&str], env: &[(&str, &str)]) -> Run {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let _dog = Watchdog::new(child.id());
+    let _dog = Watchdog::new(child.id(), 60);
     let out = child.wait_with_output().unwrap();
     Run {
         code: out.status.code().unwrap_or(-1),
@@ -336,7 +310,7 @@ fn sigint_and_sigterm_stop_at_a_step_and_write_the_report_marked_interrupted() {
     for (signal, name, code) in [("-INT", "SIGINT", 130), ("-TERM", "SIGTERM", 143)] {
         let dir = tempfile::tempdir().unwrap();
         let (child, log, report) = start_long_replay(dir.path());
-        let _dog = Watchdog::new(child.id());
+        let _dog = Watchdog::new(child.id(), 60);
         let ok = Command::new("kill")
             .args([signal, &child.id().to_string()])
             .status()
