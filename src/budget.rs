@@ -110,6 +110,10 @@ pub struct TimeSettings {
     /// Whether to fit each node's model online from the step times `complete_measured`
     /// reports, and plan with it once it is trusted (`chunking.learn_cost`).
     pub learn: bool,
+    /// The time margin's quantile (`docs/cost-model.md#the-time-margin`): with measured step
+    /// times, each node's timed steps are planned against their time budget divided by this
+    /// quantile of its recent measured ÷ predicted ratios. `None`: planned against the budget.
+    pub margin_quantile: Option<f64>,
 }
 
 /// The arguments of `set_budgets`: a serving config applied on top of the model's policies.
@@ -270,6 +274,14 @@ impl BudgetSettings {
     /// Fits each node's latency model online from measured step times.
     pub fn learn_cost(mut self, learn: bool) -> Self {
         self.time.learn = learn;
+        self
+    }
+
+    /// Plans timed steps with a time margin at `quantile` of the recent measured ÷ predicted
+    /// ratios (`docs/cost-model.md#the-time-margin`). Refused by `set_budgets` unless
+    /// `quantile` is in `(0, 1]` and some node has a time budget.
+    pub fn time_margin(mut self, quantile: f64) -> Self {
+        self.time.margin_quantile = Some(quantile);
         self
     }
 
@@ -447,6 +459,15 @@ pub enum BudgetError {
         /// The model's `base_ms`.
         base_ms: f64,
     },
+    /// A time margin quantile outside `(0, 1]`, or not a number.
+    #[error("time margin quantile must be a number in (0, 1], got {value}")]
+    BadTimeMargin {
+        /// The refused value.
+        value: f64,
+    },
+    /// A time margin with no time budget on any node: it would do nothing.
+    #[error("a time margin does nothing without a time budget: set `max_step_ms` on a node")]
+    TimeMarginWithoutBudget,
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
@@ -713,6 +734,13 @@ impl BudgetTable {
         for (node, m) in &time.cost {
             if m.coefficients() == [0.0; 4] {
                 errors.push(BudgetError::ZeroLatencyModel { node: node.clone() });
+            }
+        }
+        if let Some(q) = time.margin_quantile {
+            if !(q > 0.0 && q <= 1.0) {
+                errors.push(BudgetError::BadTimeMargin { value: q });
+            } else if !accepted.values().any(Option::is_some) {
+                errors.push(BudgetError::TimeMarginWithoutBudget);
             }
         }
         // Against the configured model only: a learned one is not known at load (the replay
@@ -1474,6 +1502,55 @@ mod tests {
                     key: "max_partial_prefills"
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn a_time_margin_is_a_quantile_in_zero_one_and_needs_a_time_budget() {
+        let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+        let timed = || settings().cost("llm", model).max_step_ms("llm", 50.0);
+        for bad in [
+            0.0,
+            -0.0,
+            -0.5,
+            1.0 + f64::EPSILON,
+            2.0,
+            f64::INFINITY,
+            f64::NAN,
+        ] {
+            let errs = refused(timed().time_margin(bad));
+            assert!(
+                matches!(errs[..], [BudgetError::BadTimeMargin { value }] if value.to_bits() == bad.to_bits()),
+                "{bad}: {errs:?}"
+            );
+            assert!(
+                errs[0]
+                    .to_string()
+                    .starts_with("time margin quantile must be a number in (0, 1], got "),
+                "{}",
+                errs[0]
+            );
+        }
+        for good in [f64::MIN_POSITIVE, 0.5, 0.95, 1.0] {
+            let table = BudgetTable::from_policies(omni())
+                .with_settings(timed().time_margin(good))
+                .unwrap();
+            assert_eq!(table.settings().time.margin_quantile, Some(good));
+        }
+        // Without a time budget on any node (none, or every one off), a margin does nothing.
+        assert_eq!(
+            refused(settings().time_margin(0.9)),
+            vec![BudgetError::TimeMarginWithoutBudget]
+        );
+        let off = settings()
+            .cost("llm", model)
+            .max_step_ms("llm", TimeBudget::Off)
+            .time_margin(0.9);
+        assert_eq!(refused(off), vec![BudgetError::TimeMarginWithoutBudget]);
+        // A bad quantile is refused as bad, not also as doing nothing.
+        assert_eq!(
+            refused(settings().time_margin(2.0)),
+            vec![BudgetError::BadTimeMargin { value: 2.0 }]
         );
     }
 

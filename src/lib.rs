@@ -89,6 +89,7 @@ pub mod scheduler;
 pub mod snapshot;
 #[cfg(feature = "sweep")]
 pub mod sweep;
+pub mod time_margin;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;

@@ -37,6 +37,9 @@ pub struct StepParams {
     pub cost: Option<LatencyModel>,
     /// Whether the node's latency model is fitted online (`chunking.learn_cost`).
     pub learn_cost: bool,
+    /// The time margin's quantile, if steps are planned with one
+    /// (`docs/cost-model.md#the-time-margin`).
+    pub margin_quantile: Option<f64>,
 }
 
 /// A step's time limit: the latency model it is planned with and its time budget.
@@ -719,6 +722,7 @@ mod tests {
             max_step_ms: None,
             cost: None,
             learn_cost: false,
+            margin_quantile: None,
         }
     }
 

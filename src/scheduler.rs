@@ -18,6 +18,7 @@ use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
 use crate::prepared::{ChunkInput, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
+use crate::time_margin::TimeMargin;
 use crate::Name;
 
 /// One row of an assembled step.
@@ -264,6 +265,9 @@ pub struct StepOutcome {
     pub predicted_ms: Option<f64>,
     /// The time budget the step was scheduled under, in ms.
     pub max_step_ms: Option<f64>,
+    /// The time margin the step was planned with, if the node plans with one: the plan's
+    /// time limit was `max_step_ms / time_margin` (`docs/cost-model.md#the-time-margin`).
+    pub time_margin: Option<f64>,
     /// The time overrun, if the measured time exceeded the time budget.
     pub time_overrun: Option<TimeOverrunReason>,
     /// The node's latency model after this step (its online fit may have moved), and its
@@ -331,7 +335,7 @@ impl InFlight {
             scheduled_tokens: self.plan.scheduled_tokens,
             uncut_over_budget: self.plan.uncut_over_budget,
             waiting: self.plan.waiting,
-            max_step_ms: self.plan.time.map(|t| t.max_step_ms),
+            max_step_ms: self.plan.time.and(self.params.max_step_ms),
             predicted_ms: self.model.map(|m| self.plan.predicted_ms(&m)),
         }
     }
@@ -349,6 +353,9 @@ pub struct SchedulerState {
     empty: FxHashMap<Name, InFlight>,
     /// Per node, the online fit of its latency model (when `chunking.learn_cost` is on).
     fits: FxHashMap<Name, OnlineFit>,
+    /// Per node, its recent measured ÷ predicted step times (when `chunking.time_margin` is
+    /// set): timed steps are planned against their budget divided by the margin.
+    margins: FxHashMap<Name, TimeMargin>,
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
@@ -499,10 +506,14 @@ impl SchedulerState {
         }
         let params = params.clone();
         let (model, _) = self.model_for(&params);
+        let margin = self.time_margin(&params);
         let time = params
             .max_step_ms
             .zip(model)
-            .map(|(max_step_ms, model)| TimeLimit { model, max_step_ms });
+            .map(|(max_step_ms, model)| TimeLimit {
+                model,
+                max_step_ms: max_step_ms / margin,
+            });
         let mut step_plan = std::mem::take(&mut self.spare);
         match self.nodes.get(node) {
             Some(q) => plan_timed(&params, time, q.cont(), q.prefill(), &mut step_plan),
@@ -658,7 +669,8 @@ impl SchedulerState {
             tokens: tokens.ran,
             reason,
         });
-        let max_step_ms = f.plan.time.map(|t| t.max_step_ms);
+        // The step's own time budget: the plan's limit is divided by the time margin.
+        let max_step_ms = f.plan.time.and(f.params.max_step_ms);
         let time_overrun = measured_ms
             .zip(max_step_ms)
             .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
@@ -666,6 +678,21 @@ impl SchedulerState {
             self.observe(&node, &ran_features(&f.plan, ran), ms);
         }
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
+        let time_margin = f
+            .params
+            .margin_quantile
+            .and(f.plan.time.zip(max_step_ms))
+            .map(|(t, max)| max / t.max_step_ms);
+        if let (Some(q), Some(ms), Some(time)) =
+            (f.params.margin_quantile, measured_ms, f.plan.time)
+        {
+            // Against what the step ran: a chunk reported at 0 did not run.
+            let predicted = time.model.predict_ms(&ran_features(&f.plan, ran));
+            self.margins
+                .entry(node.clone())
+                .or_default()
+                .observe(ms, predicted, q);
+        }
         self.spare = f.plan;
         Ok(StepOutcome {
             step,
@@ -680,9 +707,27 @@ impl SchedulerState {
             measured_ms,
             predicted_ms,
             max_step_ms,
+            time_margin,
             time_overrun,
             model: self.model_for(&f.params),
         })
+    }
+
+    /// The time margin steps planned under `params` divide their time budget by
+    /// (`docs/cost-model.md#the-time-margin`): 1 without a margin quantile.
+    fn time_margin(&self, params: &StepParams) -> f64 {
+        match params.margin_quantile {
+            Some(_) => self
+                .margins
+                .get(&params.node)
+                .map_or(1.0, TimeMargin::margin),
+            None => 1.0,
+        }
+    }
+
+    /// The time margin of `node` now, if it plans with one and has seen a timed step.
+    pub fn margin(&self, node: &str) -> Option<f64> {
+        self.margins.get(node).map(TimeMargin::margin)
     }
 
     /// Feeds a measured step to `node`'s online fit.
@@ -1073,6 +1118,63 @@ mod tests {
                 }))
             );
         }
+    }
+
+    #[test]
+    fn a_time_margin_plans_against_the_budget_over_the_recent_ratio_and_checks_the_budget() {
+        use crate::time_margin::MIN_STEPS;
+        // 1 ms a token, no base: a time budget of 60 ms plans 60-token chunks.
+        let model = LatencyModel::try_new(0.0, 1.0, 0.0, 0.0).unwrap();
+        let floor = std::num::NonZeroU32::new(8).unwrap();
+        let timed = |s: crate::budget::BudgetSettings| {
+            s.cost("llm", model)
+                .max_step_ms("llm", 60.0)
+                .min_chunk_tokens(floor)
+        };
+        let mut s = state_with(|s| timed(s).time_margin(0.5));
+        let mut rid = 0;
+        let mut step = |s: &mut SchedulerState, slower: f64| {
+            rid += 1;
+            s.admit(rid, "llm", "prefill", 1_000, 0).unwrap();
+            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let (start, end) = chunk(&b.rows[0]);
+            let ran = end - start;
+            let out = s
+                .complete(b.step, &[ran], Some(f64::from(ran) * slower))
+                .unwrap();
+            s.forget(rid);
+            (ran, out)
+        };
+        // Until MIN_STEPS steps are seen, no margin: 60 tokens, and each 1.5x slower step is
+        // a time overrun of the budget itself.
+        for i in 0..MIN_STEPS {
+            let (ran, out) = step(&mut s, 1.5);
+            assert_eq!(ran, 60, "step {i}");
+            assert_eq!(out.max_step_ms, Some(60.0));
+            assert_eq!(out.time_margin, Some(1.0));
+            assert_eq!(out.time_overrun, Some(TimeOverrunReason::Misprediction));
+        }
+        assert_eq!(s.margin("llm"), Some(1.5));
+        // Then steps are planned against 60 / 1.5 = 40 ms: 40 tokens, measured 60 ms, which is
+        // the budget and no overrun; the outcome still names the budget, 60.
+        let (ran, out) = step(&mut s, 1.5);
+        assert_eq!(ran, 40);
+        assert_eq!((out.max_step_ms, out.time_margin), (Some(60.0), Some(1.5)));
+        assert_eq!((out.measured_ms, out.time_overrun), (Some(60.0), None));
+        // Steps that run as predicted bring the median ratio back to 1 (33 ratios of 1.5 and
+        // 33 of 1: the 0.5-quantile, rank 33, is the lower one), and the chunks back to 60.
+        for _ in 0..=MIN_STEPS {
+            step(&mut s, 1.0);
+        }
+        assert_eq!(s.margin("llm"), Some(1.0));
+        assert_eq!(step(&mut s, 1.0).0, 60);
+        // Without a quantile there is no margin, whatever the steps measure.
+        let mut plain = state_with(timed);
+        for _ in 0..MIN_STEPS + 1 {
+            let (ran, out) = step(&mut plain, 2.0);
+            assert_eq!((ran, out.time_margin), (60, None));
+        }
+        assert_eq!(plain.margin("llm"), None);
     }
 
     #[test]

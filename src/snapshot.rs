@@ -109,5 +109,6 @@ fn step_params(
         max_step_ms: table.max_step_ms(node, walk),
         cost: table.cost(node),
         learn_cost: settings.time.learn,
+        margin_quantile: settings.time.margin_quantile,
     }
 }

@@ -22,12 +22,12 @@ def quantile(xs, q):
     return xs[k - 1]
 
 
-def decode_ms(path):
-    """2 x the median measured time of steps that ran only decode rows."""
+def decode_ms(path, factor):
+    """`factor` x the median measured time of steps that ran only decode rows."""
     d = [s["ms"] for s in steps(path) if s["rows"] and all(r["kind"] == "continue" for r in s["rows"])]
     if not d:
         sys.exit(f"{path}: no decode-only step")
-    return 2 * statistics.median(d)
+    return factor * statistics.median(d)
 
 
 def fit_coefficients(fit_txt):
@@ -88,7 +88,7 @@ def summary(out, x):
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "decode-ms":
-        print(f"{decode_ms(sys.argv[2]):.3f}")
+        print(f"{decode_ms(sys.argv[2], float(sys.argv[3])):.3f}")
     elif cmd == "cost":
         c, _ = fit_coefficients(sys.argv[2])
         print(",".join(repr(v) for v in c.values()))

@@ -62,6 +62,9 @@ pub struct EngineSettings {
     pub cost: Option<LatencyModel>,
     /// Fit the latency model online from measured step times.
     pub learn_cost: bool,
+    /// Plan timed steps with a time margin at this quantile of the recent measured ÷ predicted
+    /// step times (the component's `time_margin`).
+    pub time_margin: Option<f64>,
     /// KV cache capacity in tokens over all requests (`engine.kv_tokens`).
     pub kv_tokens: u64,
     /// Requests that may wait for admission; more are refused (HTTP 503).
@@ -80,6 +83,7 @@ impl Default for EngineSettings {
             max_step_ms: None,
             cost: None,
             learn_cost: false,
+            time_margin: None,
             kv_tokens: 65_536,
             max_waiting: 1024,
             step_log: None,
@@ -264,6 +268,9 @@ pub fn budget_settings(settings: &EngineSettings) -> BudgetSettings {
         b = b.cost(NODE, m);
     }
     b.time.learn = settings.learn_cost;
+    if let Some(q) = settings.time_margin {
+        b = b.time_margin(q);
+    }
     b
 }
 
@@ -812,6 +819,7 @@ pub fn step_log_line(
         "ms": round_ms(ms),
         "predicted_ms": outcome.predicted_ms.map(round_ms),
         "max_step_ms": outcome.max_step_ms,
+        "time_margin": outcome.time_margin,
         "time_overrun": outcome.time_overrun.map(|r| json!({"reason": r.as_str()})),
     })
 }

@@ -11,6 +11,13 @@ use mstar_engine::engine::{self, Chunking, EngineSettings};
 use mstar_engine::model::{Config, Model};
 use mstar_engine::{bench, server};
 
+/// mimalloc instead of the system allocator: a step allocates and frees its activations and
+/// each row's grown KV cache, megabytes at a time, and glibc's malloc serves blocks that large
+/// with fresh mappings whose pages fault in on every step, which made a 1-token step ~1.7 times
+/// slower and its time noisier (`examples/step_cost.rs`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "mstar-engine",
@@ -75,6 +82,10 @@ struct EngineArgs {
     /// Fit the latency model online from measured step times.
     #[arg(long)]
     learn_cost: bool,
+    /// Plan timed steps against the time budget divided by this quantile (0-1] of the recent
+    /// measured / predicted step times.
+    #[arg(long)]
+    time_margin: Option<f64>,
     /// KV cache capacity in tokens over all requests.
     #[arg(long, default_value_t = 65_536)]
     kv_tokens: u64,
@@ -121,6 +132,7 @@ fn settings(a: &EngineArgs, name: &str) -> Result<EngineSettings, String> {
         max_step_ms: a.max_step_ms,
         cost,
         learn_cost: a.learn_cost,
+        time_margin: a.time_margin,
         kv_tokens: a.kv_tokens,
         max_waiting: a.max_waiting,
         step_log: a.step_log.clone(),

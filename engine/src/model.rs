@@ -210,13 +210,50 @@ pub fn save_safetensors(weights: &Weights, path: &Path) -> Result<(), ModelError
 struct Layer {
     in_norm: Tensor,
     post_norm: Tensor,
-    /// q, k and v projections fused into one `[d + 2 kv hd, d]` weight, transposed to
-    /// `[d, d + 2 kv hd]` so a step multiplies `[T, d]` by it once.
-    qkv_t: Tensor,
-    o_t: Tensor,
-    /// gate and up fused and transposed: `[d, 2 ffn]`.
-    gate_up_t: Tensor,
-    down_t: Tensor,
+    /// q, k and v projections fused into one `[d + 2 kv hd, d]` weight (as stored: output
+    /// features by input features), so a step runs them as one product ([`linear`]).
+    qkv: Linear,
+    o: Linear,
+    /// gate and up fused: `[2 ffn, d]`.
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// A linear layer's weight, kept in both layouts: `w` `[out, in]` (as stored) and `t`, its
+/// transposed copy `[in, out]`.
+///
+/// CPU matrix products are not linear in the step's tokens `T` at small `T`. `x t` is the
+/// fastest for one token (a matrix-vector product that streams the weight once) and for many
+/// (compute-bound), but for a few tokens it repacks or strides through the whole weight: on
+/// the small model a 2-token step cost three times a 1-token step and a 16-token step four
+/// times, a cliff no latency model of a few linear terms can follow. For `2..=SMALL_T` tokens
+/// [`Linear::apply`] computes `(w x^T)^T` instead, with the weight as the left operand, which
+/// keeps a step's cost nearly flat while the weight's memory traffic dominates. Both orders
+/// compute the same product; the price is the weights' memory twice.
+struct Linear {
+    w: Tensor,
+    t: Tensor,
+}
+
+/// The most tokens in a step for which [`Linear::apply`] puts the weight on the left.
+const SMALL_T: usize = 64;
+
+impl Linear {
+    fn new(w: Tensor) -> Result<Self, candle_core::Error> {
+        Ok(Self {
+            t: w.t()?.contiguous()?,
+            w: w.contiguous()?,
+        })
+    }
+
+    /// `x W^T` for activations `x` `[T, in]`.
+    fn apply(&self, x: &Tensor) -> Result<Tensor, candle_core::Error> {
+        if (2..=SMALL_T).contains(&x.dim(0)?) {
+            self.w.matmul(&x.t()?)?.t()?.contiguous()
+        } else {
+            x.matmul(&self.t)
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -264,7 +301,7 @@ pub struct Model {
     device: Device,
     embed: Tensor,
     norm: Tensor,
-    lm_head_t: Tensor,
+    lm_head: Linear,
     layers: Vec<Layer>,
     cos: Tensor,
     sin: Tensor,
@@ -332,14 +369,10 @@ impl Model {
             layers.push(Layer {
                 in_norm: get(&format!("{p}.input_layernorm.weight"))?,
                 post_norm: get(&format!("{p}.post_attention_layernorm.weight"))?,
-                qkv_t: Tensor::cat(&[q, k, v], 0)?.t()?.contiguous()?,
-                o_t: get(&format!("{p}.self_attn.o_proj.weight"))?
-                    .t()?
-                    .contiguous()?,
-                gate_up_t: Tensor::cat(&[gate, up], 0)?.t()?.contiguous()?,
-                down_t: get(&format!("{p}.mlp.down_proj.weight"))?
-                    .t()?
-                    .contiguous()?,
+                qkv: Linear::new(Tensor::cat(&[q, k, v], 0)?)?,
+                o: Linear::new(get(&format!("{p}.self_attn.o_proj.weight"))?)?,
+                gate_up: Linear::new(Tensor::cat(&[gate, up], 0)?)?,
+                down: Linear::new(get(&format!("{p}.mlp.down_proj.weight"))?)?,
             });
         }
         let hd = config.head_dim();
@@ -356,7 +389,7 @@ impl Model {
             device: device.clone(),
             embed: get("model.embed_tokens.weight")?,
             norm: get("model.norm.weight")?,
-            lm_head_t: get("lm_head.weight")?.t()?.contiguous()?,
+            lm_head: Linear::new(get("lm_head.weight")?)?,
             layers,
             cos: angles.cos()?,
             sin: angles.sin()?,
@@ -416,7 +449,7 @@ impl Model {
         let scale = 1.0 / (hd as f64).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = candle_nn::ops::rms_norm(&x, &layer.in_norm, cfg.eps as f32)?;
-            let qkv = hn.matmul(&layer.qkv_t)?; // [T, d + 2 kv hd]
+            let qkv = layer.qkv.apply(&hn)?; // [T, d + 2 kv hd]
             let mut outs = Vec::with_capacity(rows.len());
             let mut off = 0;
             for (ri, r) in rows.iter().enumerate() {
@@ -470,14 +503,14 @@ impl Model {
                 outs.push(o);
                 new_kv[ri].push((k_all, v_all));
             }
-            let attn = Tensor::cat(&outs, 0)?.matmul(&layer.o_t)?;
+            let attn = layer.o.apply(&Tensor::cat(&outs, 0)?)?;
             x = (x + attn)?;
             let hn = candle_nn::ops::rms_norm(&x, &layer.post_norm, cfg.eps as f32)?;
-            let gu = hn.matmul(&layer.gate_up_t)?; // [T, 2 ffn]
+            let gu = layer.gate_up.apply(&hn)?; // [T, 2 ffn]
             let gate = gu.narrow(1, 0, cfg.ffn)?;
             let up = gu.narrow(1, cfg.ffn, cfg.ffn)?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
-            x = (x + act.matmul(&layer.down_t)?)?;
+            x = (x + layer.down.apply(&act)?)?;
         }
         // Logits only at the last token of rows that want them: one LM-head product.
         let mut last = Vec::new();
@@ -495,7 +528,7 @@ impl Model {
             let idx = Tensor::from_vec(last, n, &self.device)?;
             let xl = x.index_select(&idx, 0)?;
             let xl = candle_nn::ops::rms_norm(&xl, &self.norm, cfg.eps as f32)?;
-            xl.matmul(&self.lm_head_t)?.to_vec2::<f32>()?
+            self.lm_head.apply(&xl)?.to_vec2::<f32>()?
         }
         .into_iter();
         let mut out = Vec::with_capacity(rows.len());

@@ -72,6 +72,7 @@ impl Manifest {
                     .map(|(node, c)| (name(node), c.0))
                     .collect(),
                 learn: chunking.learn_cost,
+                margin_quantile: chunking.time_margin,
             },
         }
     }
@@ -227,6 +228,9 @@ fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
         | BudgetError::BelowAlign { node, walk, .. } => budget(node, Some(walk)),
         BudgetError::ZeroSetting { key } => Some((format!("chunking.{key}"), None)),
         BudgetError::RowCapBelowAlign { .. } => Some(("chunking.max_row_tokens".into(), None)),
+        BudgetError::BadTimeMargin { .. } | BudgetError::TimeMarginWithoutBudget => {
+            Some(("chunking.time_margin".into(), None))
+        }
         _ => None,
     }
 }
@@ -241,6 +245,13 @@ pub(super) fn budget_problem(
 ) -> ConfigProblem {
     let reason = match rule(e) {
         Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
+        None if matches!(
+            e,
+            BudgetError::BadTimeMargin { .. } | BudgetError::TimeMarginWithoutBudget
+        ) =>
+        {
+            format!("{e} (docs/cost-model.md#the-time-margin)")
+        }
         None if is_time(e) || matches!(e, BudgetError::ZeroLatencyModel { .. }) => {
             format!("{e} (docs/cost-model.md#time-budgets)")
         }
@@ -263,6 +274,7 @@ pub(super) fn budget_problem(
                     .and_then(|b| b.shown(walk)),
                 (None, BudgetError::ZeroSetting { .. }) => Some("0".into()),
                 (None, BudgetError::RowCapBelowAlign { max_row, .. }) => Some(max_row.to_string()),
+                (None, BudgetError::BadTimeMargin { value }) => Some(value.to_string()),
                 (None, _) => None,
             };
             origins.problem(&key, value, reason)

@@ -47,6 +47,9 @@ pub struct ChunkingSection {
     pub cost: BTreeMap<String, CostSetting>,
     /// Fit each node's latency model online from the step times the engine measures.
     pub learn_cost: bool,
+    /// Plan timed steps with a margin at this quantile of the recent measured ÷ predicted
+    /// step times (`docs/cost-model.md#the-time-margin`); unset: no margin.
+    pub time_margin: Option<f64>,
 }
 
 impl Default for ChunkingSection {
@@ -60,6 +63,7 @@ impl Default for ChunkingSection {
             max_step_ms: BTreeMap::new(),
             cost: BTreeMap::new(),
             learn_cost: false,
+            time_margin: None,
         }
     }
 }

@@ -312,3 +312,28 @@ fn control_characters_in_keys_are_escaped() {
     assert!(!p[0].contains('\n') && !p[0].contains('\u{1b}'), "{p:?}");
     assert!(p[0].contains("\\u{1b}[31m\\nfake"), "{p:?}");
 }
+
+#[test]
+fn a_time_margin_is_read_and_its_refusals_name_the_key_and_layer() {
+    let timed = [
+        ("MSTAR__CHUNKING__MAX_STEP_MS__LLM", "50"),
+        ("MSTAR__CHUNKING__LEARN_COST", "true"),
+    ];
+    let with = |margin: &str| {
+        let mut env = timed.to_vec();
+        env.push(("MSTAR__CHUNKING__TIME_MARGIN", margin));
+        opts("demo.toml", &env)
+    };
+    let l = load(&with("0.95")).unwrap();
+    assert_eq!(l.settings.chunking.time_margin, Some(0.95));
+    assert_eq!(l.table.settings().time.margin_quantile, Some(0.95));
+    assert_eq!(
+        problems(&with("1.5")),
+        ["environment variable MSTAR__CHUNKING__TIME_MARGIN: `chunking.time_margin` = 1.5: time margin quantile must be a number in (0, 1], got 1.5 (docs/cost-model.md#the-time-margin)"]
+    );
+    let alone = opts("demo.toml", &[("MSTAR__CHUNKING__TIME_MARGIN", "0.9")]);
+    assert_eq!(
+        problems(&alone),
+        ["environment variable MSTAR__CHUNKING__TIME_MARGIN: `chunking.time_margin`: a time margin does nothing without a time budget: set `max_step_ms` on a node (docs/cost-model.md#the-time-margin)"]
+    );
+}

@@ -240,6 +240,7 @@ proptest! {
             max_step_ms: Some(c.max_step_ms),
             cost: Some(model),
             learn_cost: false,
+            margin_quantile: None,
         };
         let cont: Vec<ContRow> = c.cont.iter().enumerate().map(|(i, &(estimate, context))| ContRow {
             seq: i as u64, rid: i as u64, walk: n("decode"), estimate, context,
