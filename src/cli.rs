@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::budget::BudgetValue;
 use crate::config::{self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, Loaded};
 use crate::replay::arrivals::Arrivals;
-use crate::replay::formats::InputFormat;
+use crate::replay::TraceFormat;
 
 /// The exit code of a refused configuration (and of clap's usage errors).
 pub const EXIT_CONFIG: u8 = 2;
@@ -105,7 +105,7 @@ pub struct ReplayArgs {
     /// The trace's format, instead of what its header or extension says: azure, mooncake,
     /// generic or lengths
     #[arg(long, value_name = "FORMAT", value_parser = input_format)]
-    pub format: Option<InputFormat>,
+    pub format: Option<TraceFormat>,
     /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV (seeded with
     /// `replay.speculation.seed`)
     #[arg(long, value_name = "SPEC", value_parser = arrivals)]
@@ -168,7 +168,7 @@ pub struct SweepArgs {
     pub trace: Option<PathBuf>,
     /// The trace's format, instead of what its header or extension says
     #[arg(long, value_name = "FORMAT", value_parser = input_format)]
-    pub format: Option<InputFormat>,
+    pub format: Option<TraceFormat>,
     /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV
     #[arg(long, value_name = "SPEC", value_parser = arrivals)]
     pub arrivals: Option<Arrivals>,
@@ -219,8 +219,8 @@ fn budget_value(s: &str) -> Result<BudgetValue, String> {
         })
 }
 
-fn input_format(s: &str) -> Result<InputFormat, String> {
-    s.parse::<InputFormat>().map_err(|_| {
+fn input_format(s: &str) -> Result<TraceFormat, String> {
+    s.parse::<TraceFormat>().map_err(|_| {
         format!(
             "expected one of `azure`, `mooncake`, `generic`, `lengths`; got {}",
             config::problem::quote(s)
@@ -447,7 +447,6 @@ async fn hold_until_signal() -> &'static str {
 /// Whether a replay error refuses what was asked before anything ran (exit 2): an output, a
 /// setting, the rate scale, `--budget`, or `--format` / `--arrivals` against the trace.
 fn is_usage(e: &crate::replay::ReplayError) -> bool {
-    use crate::replay::formats::FormatError;
     use crate::replay::{ReplayError, TraceError};
     match e {
         ReplayError::Output { .. }
@@ -455,14 +454,14 @@ fn is_usage(e: &crate::replay::ReplayError) -> bool {
         | ReplayError::RateScale(_)
         | ReplayError::Budget { .. }
         | ReplayError::KvTooSmall { .. } => true,
-        ReplayError::Trace(TraceError::Bundled { .. }) => true,
-        ReplayError::Trace(TraceError::Format(f)) => matches!(
-            f,
-            FormatError::UnknownName(_)
-                | FormatError::Unknown { .. }
-                | FormatError::NeedsArrivals { .. }
-                | FormatError::HasArrivals { .. }
-                | FormatError::Arrivals(_)
+        ReplayError::Trace(t) => matches!(
+            t,
+            TraceError::Bundled { .. }
+                | TraceError::UnknownName(_)
+                | TraceError::Unknown { .. }
+                | TraceError::NeedsArrivals { .. }
+                | TraceError::HasArrivals { .. }
+                | TraceError::Arrivals(_)
         ),
         _ => false,
     }
@@ -535,7 +534,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
         return usage(&format!(
             "`--step-time-rate`: the step-time rate {} is not one of the rate scales of `--rates`",
-            sweep::output::fmt_rate(r)
+            crate::text::fmt_rate(r)
         ));
     }
     let inputs: Vec<PathBuf> = load
@@ -651,7 +650,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         Ok(written) => {
             say(&format!(
                 "wrote {} to {} in {:.1} s: {}",
-                crate::replay::report::plural(written.paths.len() as u64, "file"),
+                crate::text::plural(written.paths.len() as u64, "file"),
                 config::problem::escape(&args.out.display().to_string()),
                 wall.elapsed().as_secs_f64(),
                 written
@@ -889,7 +888,7 @@ fn sweep_labels(
             format!(
                 "{} ({})",
                 config::problem::escape(&trace.file),
-                InputFormat::from(trace.format)
+                trace.format.name()
             ),
         ),
         ("requests".to_string(), trace.requests.len().to_string()),
@@ -929,7 +928,7 @@ fn sweep_labels(
             } else {
                 format!(
                     "{}, overshoot rate {}",
-                    crate::replay::report::plural(u64::from(setup.spec_tokens), "token"),
+                    crate::text::plural(u64::from(setup.spec_tokens), "token"),
                     setup.overshoot_rate
                 )
             },
@@ -1041,16 +1040,13 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     let mut out = format!(
         "fit of {} ({kind}): {}\n",
         config::problem::escape(&source),
-        crate::replay::report::plural(fit.samples as u64, "step")
+        crate::text::plural(fit.samples as u64, "step")
     );
     for (k, v) in crate::latency::COEFFICIENT_KEYS
         .iter()
         .zip(fit.model.coefficients())
     {
-        out.push_str(&format!(
-            "  {k:<24} {}\n",
-            crate::latency_fit_file::plain_decimal(v)
-        ));
+        out.push_str(&format!("  {k:<24} {}\n", crate::text::plain_decimal(v)));
     }
     let underdetermined = fit.underdetermined();
     out.push_str(&format!(
@@ -1065,7 +1061,7 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     if underdetermined {
         say(&format!(
             "warning: the fit is underdetermined: {} for {} of the model's terms that vary, which the steps determine only {} of; several models fit these steps equally well, so the coefficients are one of them and R² means nothing. Fit on more steps, with varied token counts, contexts and chunk positions.",
-            crate::replay::report::plural(fit.samples as u64, "step"),
+            crate::text::plural(fit.samples as u64, "step"),
             fit.observed_terms,
             fit.rank
         ));
@@ -1115,8 +1111,8 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
     );
     out.push_str(&format!(
         "\nok: {}, {}, min_chunk_tokens {}\n",
-        crate::replay::report::plural(loaded.manifest.nodes.len() as u64, "node"),
-        crate::replay::report::plural(loaded.manifest.walks.len() as u64, "walk"),
+        crate::text::plural(loaded.manifest.nodes.len() as u64, "node"),
+        crate::text::plural(loaded.manifest.walks.len() as u64, "walk"),
         loaded.settings.chunking.min_chunk_tokens
     ));
     print_stdout(&out)
@@ -1447,7 +1443,7 @@ mod tests {
             panic!("not replay")
         };
         assert_eq!(r.budget, Some(BudgetValue::Off));
-        assert_eq!(r.format, Some(InputFormat::GenericCsv));
+        assert_eq!(r.format, Some(TraceFormat::GenericCsv));
         assert_eq!(r.arrivals, Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 }));
         let cli = Cli::try_parse_from([
             "mstar-chunking",

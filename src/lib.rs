@@ -63,6 +63,8 @@ pub mod cli;
 #[cfg(feature = "config")]
 pub mod config;
 pub mod error;
+#[cfg(feature = "config")]
+pub mod input;
 pub mod latency;
 pub mod latency_fit;
 #[cfg(feature = "replay")]
@@ -89,6 +91,8 @@ pub mod scheduler;
 pub mod snapshot;
 #[cfg(feature = "sweep")]
 pub mod sweep;
+#[cfg(any(feature = "replay", feature = "sweep"))]
+pub mod text;
 
 /// A node or walk name. Cloning is a reference-count increment.
 pub type Name = Arc<str>;

@@ -10,9 +10,9 @@ use config::{Config, Environment, File, FileFormat, Source};
 use super::decode::{
     first_yaml_alias, flatten, json_duplicate_key, line_of, non_decimal_integers, one_line,
 };
-use super::input::{read_text, MAX_CONFIG_BYTES};
 use super::problem::{ConfigErrors, ConfigProblem};
 use super::DEFAULT_CONFIG_TOML;
+use crate::input::{read_text, MAX_CONFIG_BYTES};
 
 /// Environment variables `MSTAR__SECTION__KEY` override the config files.
 pub const ENV_PREFIX: &str = "MSTAR__";

@@ -5,7 +5,6 @@
 //! - [`budget_spelling`]: budget spellings, parsed strictly into a typed budget;
 //! - [`layers`]: the layers, and which layer set each key;
 //! - [`decode`]: strict decoding (no coercion, no other integer notations, no YAML aliases);
-//! - [`input`]: bounded reading of input files (regular files only, size limits);
 //! - [`problem`]: problems with their layer attached, escaped, cut and capped;
 //! - [`budgets`]: `[chunking]` against the model, and budget refusals mapped to their keys.
 //!
@@ -18,7 +17,6 @@
 pub mod budget_spelling;
 pub mod budgets;
 pub mod decode;
-pub mod input;
 pub mod layers;
 pub mod problem;
 pub mod sections;
@@ -26,9 +24,9 @@ pub mod time_spelling;
 
 use std::path::Path;
 
+pub use crate::input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
 pub use budgets::{budget_rows, BudgetRow};
-pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use layers::{LoadOptions, Origins, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
@@ -146,7 +144,7 @@ pub fn load_settings(
 /// An unreadable, irregular or oversized file, or as [`Manifest::from_toml`].
 pub fn load_manifest(path: &Path) -> Result<Manifest, ManifestErrors> {
     let origin = path.display().to_string();
-    let text = input::read_text(path, MAX_MANIFEST_BYTES).map_err(|e| ManifestErrors {
+    let text = crate::input::read_text(path, MAX_MANIFEST_BYTES).map_err(|e| ManifestErrors {
         origin: origin.clone(),
         errors: vec![ManifestError::Read {
             reason: e.to_string(),

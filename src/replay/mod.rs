@@ -24,7 +24,6 @@ use crate::manifest::Manifest;
 use crate::{ChunkingManagement, Name};
 
 pub mod arrivals;
-pub mod formats;
 pub mod kv;
 pub mod prefix_cache;
 pub mod report;
@@ -58,7 +57,7 @@ pub struct ReplayOptions {
     /// (after `budget_off`).
     pub budget: Option<BudgetValue>,
     /// `--format`: the trace's format, instead of what its header or extension says.
-    pub format: Option<formats::InputFormat>,
+    pub format: Option<TraceFormat>,
     /// `--arrivals`: generated arrival times for a length-only trace (seeded from
     /// `[replay] speculation.seed`).
     pub arrivals: Option<arrivals::Arrivals>,
@@ -515,10 +514,7 @@ pub fn load_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError>
                 }
                 .into());
             }
-            if opts
-                .format
-                .is_some_and(|f| f != formats::InputFormat::AzureCsv)
-            {
+            if opts.format.is_some_and(|f| f != TraceFormat::AzureCsv) {
                 return Err(TraceError::Bundled { flag: "`--format`" }.into());
             }
             Ok(Trace::bundled(read)?)
@@ -754,7 +750,7 @@ async fn run_settings(
         prefix_cache_block_tokens: setup.cache_block_tokens,
         seed: setup.seed,
         trace: trace.file.clone(),
-        format: formats::InputFormat::from(trace.format).to_string(),
+        format: trace.format.name().to_owned(),
         arrivals: opts
             .arrivals
             .filter(|_| trace.format == TraceFormat::LengthsCsv)

@@ -10,6 +10,7 @@ use serde::{Serialize, Serializer};
 
 use super::trace::TraceFormat;
 use crate::config::problem::escape;
+use crate::text::{coefficient, plural};
 
 /// The outcome of a replay. Serialised as is by `--report-json`; `Display` is the summary table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -449,29 +450,6 @@ impl CostLabel {
     }
 }
 
-/// A coefficient to 4 significant digits, with no trailing zeros: `8`, `0.02`, `0.01235`,
-/// `6.104e-5`. The summary's cost and latency-model lines both print coefficients this way.
-pub fn coefficient(x: f64) -> String {
-    if x == 0.0 || !x.is_finite() {
-        return format!("{x}");
-    }
-    let magnitude = x.abs().log10().floor();
-    if (-3.0..6.0).contains(&magnitude) {
-        // Digits after the point for 4 significant ones; the cast is within 0..=6.
-        let decimals = (3.0 - magnitude).max(0.0) as usize;
-        let text = format!("{x:.decimals$}");
-        match text.contains('.') {
-            true => text.trim_end_matches('0').trim_end_matches('.').to_string(),
-            false => text,
-        }
-    } else {
-        let text = format!("{x:.3e}");
-        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
-        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
-        format!("{mantissa}e{exponent}")
-    }
-}
-
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
     /// online learning when they apply; coefficients as [`coefficient`] prints them.
@@ -677,15 +655,6 @@ fn latency(l: &Option<Latency>) -> String {
             plural(l.samples as u64, "sample")
         ),
         None => "none".into(),
-    }
-}
-
-/// `n thing` or `n things`: "1 token", "2 tokens".
-pub fn plural(n: u64, thing: &str) -> String {
-    if n == 1 {
-        format!("1 {thing}")
-    } else {
-        format!("{n} {thing}s")
     }
 }
 
@@ -1072,12 +1041,5 @@ mod tests {
             serde_json::to_value(StepDurations::default()).unwrap(),
             serde_json::Value::Null
         );
-    }
-
-    #[test]
-    fn plurals_are_english() {
-        assert_eq!(plural(1, "node"), "1 node");
-        assert_eq!(plural(0, "token"), "0 tokens");
-        assert_eq!(plural(2, "row-step"), "2 row-steps");
     }
 }

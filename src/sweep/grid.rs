@@ -150,12 +150,12 @@ pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
             })?;
         // Every output prints a rate to 0.001: a finer one would print as another, and the
         // printed figure would not replay the cell that was run.
-        if super::output::round3(r) != r {
+        if crate::text::round3(r) != r {
             return Err(GridError {
                 flag: "--rates",
                 problem: format!(
                     "takes rate scales in steps of 0.001, as every output prints them, got {item:?} (give {})",
-                    super::output::fmt_rate(r)
+                    crate::text::fmt_rate(r)
                 ),
             });
         }

@@ -265,8 +265,8 @@ impl Capacity {
     /// The capacity as text: `1.23x`, `>= 1024x` or `none`.
     pub fn label(&self) -> String {
         match (self.search.bound, self.search.rate_scale) {
-            (Bound::AtLeastMax, Some(r)) => format!(">= {}x", output::fmt_rate(r)),
-            (_, Some(r)) => format!("{}x", output::fmt_rate(r)),
+            (Bound::AtLeastMax, Some(r)) => format!(">= {}x", crate::text::fmt_rate(r)),
+            (_, Some(r)) => format!("{}x", crate::text::fmt_rate(r)),
             (_, None) => "none".into(),
         }
     }
@@ -343,7 +343,7 @@ impl SweepOptions {
         match self.step_time_rate {
             Some(r) if !self.rates.contains(&r) => Err(SweepError::Options(format!(
                 "the step-time rate {} is not one of the rate scales ({listed})",
-                output::fmt_rate(r)
+                crate::text::fmt_rate(r)
             ))),
             Some(r) => Ok(r),
             None if self.rates.contains(&1.0) => Ok(1.0),
@@ -593,7 +593,7 @@ pub(crate) mod tests {
         assert_eq!(s.cells[2].meets_slo, Some(true));
         assert_eq!(
             s.capacity[0].label(),
-            format!("{}x", output::fmt_rate(r512))
+            format!("{}x", crate::text::fmt_rate(r512))
         );
     }
 

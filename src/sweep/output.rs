@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use serde::ser::SerializeMap;
 use serde::Serializer;
 
+use super::capacity::slo_text;
 use super::{capacity, html, plots, Bound, Sweep, SweepError};
+use crate::text::{fmt_rate, round3};
 
 /// The cells' CSV file.
 pub const CSV_FILE: &str = "sweep.csv";
@@ -17,11 +19,6 @@ pub const CSV_FILE: &str = "sweep.csv";
 pub const JSON_FILE: &str = "sweep.json";
 /// The self-contained HTML report.
 pub const HTML_FILE: &str = "report.html";
-
-/// Rounds to 0.001, the precision a simulated ms (or a rate scale) means.
-pub fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
 
 /// Serialises a float rounded to 0.001 (a non-finite one as null).
 pub(crate) fn ser_round<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
@@ -54,27 +51,8 @@ pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S
     m.end()
 }
 
-/// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).
-pub fn fmt_rate(r: f64) -> String {
-    let s = format!("{:.3}", round3(r));
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    s.to_owned()
-}
-
 fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
-}
-
-/// The SLO as a sentence: `TBT p99 <= 60 ms and TTFT p90 <= 5000 ms`.
-pub fn slo_text(slo: &capacity::Slo) -> String {
-    let mut parts = Vec::new();
-    if let Some(t) = slo.tbt_p99_ms {
-        parts.push(format!("TBT p99 <= {t} ms"));
-    }
-    if let Some(t) = slo.ttft_p90_ms {
-        parts.push(format!("TTFT p90 <= {t} ms"));
-    }
-    parts.join(" and ")
 }
 
 /// What a reader must know before trusting the figures, one sentence each: that the sweep was
