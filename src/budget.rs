@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::num::NonZeroU32;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::latency::LatencyModel;
@@ -19,7 +20,7 @@ pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
 /// One budget as a serving config sets it: a positive token count or off. The config wing
 /// parses its spellings (`docs/config.md#budget-spellings`); 0, negatives and counts beyond
 /// `u32` cannot be represented, so they never reach the core.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BudgetValue {
     /// A token count, at least 1.
     Tokens(NonZeroU32),
@@ -38,6 +39,68 @@ impl BudgetValue {
         match self {
             Self::Tokens(t) => Some(t.get()),
             Self::Off => None,
+        }
+    }
+}
+
+/// What a refused budget value is told it should have been.
+pub const BUDGET_VALUE_EXPECTED: &str =
+    "a positive whole number of tokens (at most 4294967295) or \"off\"";
+
+/// Why a count or a text is not a [`BudgetValue`]; quotes what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected {BUDGET_VALUE_EXPECTED}, got {written}")]
+pub struct BudgetValueError {
+    /// What was written: a count as a number, other text quoted and cut.
+    pub written: String,
+}
+
+impl BudgetValue {
+    /// The budget of `n` tokens, as written (any integer, so that a refusal quotes it).
+    ///
+    /// # Errors
+    /// `n` is 0, negative or beyond `u32::MAX`.
+    pub fn from_count(n: i128) -> Result<Self, BudgetValueError> {
+        u32::try_from(n)
+            .ok()
+            .and_then(Self::tokens)
+            .ok_or_else(|| BudgetValueError {
+                written: n.to_string(),
+            })
+    }
+}
+
+/// The one text form of a budget, for the config's strings, `--budget` and the sweep's
+/// `--budgets`: `off` (any case) or decimal digits with an optional sign, spaces around
+/// ignored. `1.5`, `1e3`, `0x10`, `none` and `false` are refused rather than guessed at.
+impl FromStr for BudgetValue {
+    type Err = BudgetValueError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(Self::Off);
+        }
+        // The length cap keeps i128 parsing exact.
+        let digits = t.strip_prefix(['-', '+']).unwrap_or(t);
+        if digits.is_empty() || digits.len() > 30 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            // Quoted and cut, as the config quotes values: the text may be anything.
+            let cut: String = s.chars().take(200).collect();
+            let more = if cut.len() < s.len() { "…" } else { "" };
+            return Err(BudgetValueError {
+                written: format!("{cut:?}{more}"),
+            });
+        }
+        Self::from_count(t.parse::<i128>().unwrap_or(i128::MAX))
+    }
+}
+
+/// Serialised as its number of tokens, or the string `"off"`.
+impl serde::Serialize for BudgetValue {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Tokens(n) => s.serialize_u32(n.get()),
+            Self::Off => s.serialize_str("off"),
         }
     }
 }

@@ -201,15 +201,14 @@ pub struct FitArgs {
     pub config: ConfigArgs,
 }
 
+/// `--budget`: a budget value (its one `FromStr`) of at most the sweep grid's largest budget.
 fn budget_value(s: &str) -> Result<BudgetValue, String> {
-    let t = s.trim();
-    if t.eq_ignore_ascii_case("off") {
-        return Ok(BudgetValue::Off);
-    }
-    t.parse::<u32>()
+    s.parse::<BudgetValue>()
         .ok()
-        .filter(|n| *n <= crate::sweep::grid::MAX_BUDGET_TOKENS)
-        .and_then(BudgetValue::tokens)
+        .filter(|b| {
+            b.get()
+                .is_none_or(|n| n <= crate::sweep::grid::MAX_BUDGET_TOKENS)
+        })
         .ok_or_else(|| {
             format!(
                 "expected a whole number of tokens between 1 and {}, or `off`; got {}",
@@ -555,7 +554,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             &loaded.settings,
             &setup,
             false,
-            Some(grid_budget(*b)),
+            Some(*b),
         ) {
             Ok(_) => continue,
             Err(crate::replay::ReplayError::Budget { reason, .. }) => format!(
@@ -687,14 +686,6 @@ fn escape_join(items: &[String], sep: &str) -> String {
         .join(sep)
 }
 
-/// A grid budget as `--budget` takes it.
-fn grid_budget(b: crate::sweep::Budget) -> BudgetValue {
-    match b {
-        crate::sweep::Budget::Tokens(n) => BudgetValue::Tokens(n),
-        crate::sweep::Budget::Off => BudgetValue::Off,
-    }
-}
-
 /// Stops a sweep on SIGINT or SIGTERM: the first sets `stop` to its number (the workers start
 /// no new replay and stop theirs at the next step; the finished cells are written), a second
 /// one exits at once with 128 + its number. Watched on a thread of its own until the process
@@ -767,7 +758,7 @@ fn sweep_cell(
 ) -> Result<crate::sweep::RunSummary, String> {
     let mut o = base.clone();
     o.rate_scale = rate;
-    o.budget = Some(grid_budget(budget));
+    o.budget = Some(budget);
     o.stop = Some(crate::replay::StopFlag(stop.clone()));
     actix::System::new().block_on(async {
         let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())

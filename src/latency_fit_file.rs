@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
 use crate::input::{self, InputError};
+use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
 use crate::latency_fit::{fit_samples, FitError, FitReport, Sample};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.

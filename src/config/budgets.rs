@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use super::budget_spelling::NodeBudgetSetting;
 use super::layers::Origins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
-use super::time_spelling::NodeTimeSetting;
+use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
 use crate::budget::{
     BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, TimeSettings,
 };

@@ -2,7 +2,8 @@
 //! together (`docs/config.md`). One concept per module:
 //!
 //! - [`sections`]: the typed sections of the serving config;
-//! - [`budget_spelling`]: budget spellings, parsed strictly into a typed budget;
+//! - [`spelling`]: token and time budget spellings, parsed strictly into typed values by one
+//!   deserializer; [`cost`]: latency models by coefficients or preset;
 //! - [`layers`]: the layers, and which layer set each key;
 //! - [`decode`]: strict decoding (no coercion, no other integer notations, no YAML aliases);
 //! - [`problem`]: problems with their layer attached, escaped, cut and capped;
@@ -14,26 +15,26 @@
 //! `[replay]` section is checked by the replay itself (`replay::settings`); the config wing
 //! imports nothing from `replay/`.
 
-pub mod budget_spelling;
 pub mod budgets;
+pub mod cost;
 pub mod decode;
 pub mod layers;
 pub mod problem;
 pub mod sections;
-pub mod time_spelling;
+pub mod spelling;
 
 use std::path::Path;
 
 pub use crate::input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
-pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
 pub use budgets::{budget_rows, BudgetRow};
+pub use cost::CostSetting;
 pub use layers::{LoadOptions, Origins, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
     ChunkingSection, CostSection, KvSection, Listen, LogFormat, LogSection, MetricsSection,
     PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
-pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};
+pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
 
 use crate::budget::BudgetTable;
 use crate::manifest::{Manifest, ManifestError, ManifestErrors};

@@ -495,7 +495,7 @@ pub(crate) mod tests {
     /// A fake replay: latency grows with rate, more for larger budgets' TBT and smaller
     /// budgets' TTFT, like the real trade-off.
     pub(crate) fn fake(budget: Budget, rate: f64) -> Result<RunSummary, String> {
-        let b = f64::from(budget.tokens().unwrap_or(8192));
+        let b = f64::from(budget.get().unwrap_or(8192));
         let tbt = 8.0 + b * 0.02 * rate;
         let ttft = 200.0 * rate * rate * 4096.0 / b.min(4096.0);
         let mut steps: Vec<f64> = (0..200)
@@ -505,7 +505,7 @@ pub(crate) mod tests {
             requests: 100,
             steps: 200,
             overruns: u64::from(budget == Budget::Off),
-            budget_utilisation: budget.tokens().map(|_| 0.75),
+            budget_utilisation: budget.get().map(|_| 0.75),
             tbt_p50_ms: Some(tbt / 2.0),
             tbt_p99_ms: Some(tbt),
             ttft_p50_ms: Some(ttft / 3.0),
@@ -647,10 +647,10 @@ pub(crate) mod tests {
         .unwrap();
         assert_eq!(s.interrupted.as_deref(), Some("SIGTERM"));
         assert_eq!(s.cells.len(), 3);
-        assert!(s.cells.iter().all(|c| c.budget.tokens() == Some(512)));
+        assert!(s.cells.iter().all(|c| c.budget.get() == Some(512)));
         assert_eq!(s.not_run.len(), 6);
         assert_eq!(
-            (s.not_run[0].budget.tokens(), s.not_run[0].rate_scale),
+            (s.not_run[0].budget.get(), s.not_run[0].rate_scale),
             (Some(2048), 0.5)
         );
         // No capacity search starts after the signal.
