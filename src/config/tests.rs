@@ -312,3 +312,26 @@ fn control_characters_in_keys_are_escaped() {
     assert!(!p[0].contains('\n') && !p[0].contains('\u{1b}'), "{p:?}");
     assert!(p[0].contains("\\u{1b}[31m\\nfake"), "{p:?}");
 }
+
+#[test]
+fn a_time_budget_refusal_names_its_own_key_not_the_token_budget_key() {
+    // Refusals shared by both per-node settings (here a walk not served) carry the setting
+    // they are about, so they are reported at `max_step_ms`.
+    let o = opts(
+        "omni.toml",
+        &[
+            ("MSTAR__CHUNKING__COST__THINKER", "llama2-7b-a100"),
+            ("MSTAR__CHUNKING__MAX_STEP_MS__THINKER__SPEC_VERIFY", "40"),
+        ],
+    );
+    let p = problems(&o);
+    for want in [
+        "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#refusals, rule 2)",
+    ] {
+        assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
+    }
+    assert!(
+        p.iter().all(|l| !l.contains("chunking.max_batch_tokens")),
+        "{p:#?}"
+    );
+}
