@@ -1016,7 +1016,7 @@ pub fn fit(args: &FitArgs) -> ExitCode {
             }
         },
     };
-    let (input, fit) = match crate::latency_fit_file::fit_file(&args.file) {
+    let (input, fit) = match crate::latency::fit_file::fit_file(&args.file) {
         Ok(r) => r,
         Err(e) => {
             say(&format!("error: cannot fit the latency model: {e}"));
@@ -1025,8 +1025,8 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     };
     let source = args.file.display().to_string();
     let kind = match input {
-        crate::latency_fit_file::FitInput::StepLog => "a replay step log",
-        crate::latency_fit_file::FitInput::Csv => "a CSV of step features",
+        crate::latency::fit_file::FitInput::StepLog => "a replay step log",
+        crate::latency::fit_file::FitInput::Csv => "a CSV of step features",
     };
     let mut out = format!(
         "fit of {} ({kind}): {}\n",
@@ -1067,7 +1067,7 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n\n",
         "|error| ms", e.p50, e.p90, e.p99, e.max
     ));
-    out.push_str(&crate::latency_fit_file::render_toml(&fit, &node, &source));
+    out.push_str(&crate::latency::fit_file::render_toml(&fit, &node, &source));
     print_stdout(&out)
 }
 

@@ -15,8 +15,9 @@
 //!   validation and the budget answers;
 //! - [`snapshot`]: the immutable budget snapshot with every `(node, walk)`'s step parameters;
 //! - [`planner`]: the step planner, a pure function from queues and parameters to a step plan;
-//! - [`latency`], [`latency_fit`], [`latency_presets`]: the step latency model, the time limit
-//!   of a chunk's end, the online fit of the model and public model/GPU presets;
+//! - [`latency`]: the step latency model and the time limit of a chunk's end, its online fit
+//!   ([`latency::fit`]), public model/GPU presets ([`latency::presets`]) and, with `replay`,
+//!   the offline `fit` of a file (`latency::fit_file`);
 //! - [`queues`]: one node's row queues and their progress;
 //! - [`scheduler`]: all nodes' queues, the step in flight, assembly and completion;
 //! - [`prepared`]: whole prepared inputs and the zero-copy chunk views cut from them;
@@ -26,7 +27,7 @@
 //!
 //! The edges, behind cargo features: `config` (`manifest`, the model's file; `config`, the
 //! layered serving config; `reload`, hot reload), `replay` (`replay`, which drives the
-//! actors through a request trace on a simulated clock, and `latency_fit_file`), `sweep`
+//! actors through a request trace on a simulated clock, and `latency::fit_file`), `sweep`
 //! (`sweep`, replays over a grid of budgets and rates), `prometheus` (`metrics_server`, the
 //! metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and the binary).
 //!
@@ -66,10 +67,6 @@ pub mod error;
 #[cfg(feature = "config")]
 pub mod input;
 pub mod latency;
-pub mod latency_fit;
-#[cfg(feature = "replay")]
-pub mod latency_fit_file;
-pub mod latency_presets;
 #[cfg(feature = "cli")]
 pub mod logging;
 #[cfg(feature = "config")]
@@ -102,9 +99,9 @@ pub use budget::{
     BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
 };
 pub use error::{ChunkingError, ErrorKind};
-pub use latency::{LatencyModel, ModelSource, TimeOverrunReason};
-pub use latency_presets::preset_model;
-pub use overrun::{Overrun, OverrunReason};
+pub use latency::presets::preset_model;
+pub use latency::{LatencyModel, ModelSource};
+pub use overrun::{Overrun, OverrunReason, TimeOverrunReason};
 pub use planner::Work;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};

@@ -15,8 +15,9 @@ use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 
-use crate::latency::{LatencyModel, ModelSource, TimeOverrunReason, COEFFICIENT_KEYS};
+use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
 use crate::overrun::OverrunReason;
+use crate::overrun::TimeOverrunReason;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
 use crate::Name;

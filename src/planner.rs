@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use crate::latency::{ChunkBounds, LatencyModel, StepFeatures, TimeOverrunReason};
+use crate::latency::{ChunkBounds, LatencyModel, StepFeatures};
+use crate::overrun::TimeOverrunReason;
 use crate::range::ChunkRange;
 use crate::Name;
 
@@ -134,6 +135,14 @@ impl Work {
         match self {
             Work::Continue { estimate } => *estimate,
             Work::Chunk { range, .. } => range.tokens(),
+        }
+    }
+
+    /// A continuing row's estimate; `None` for a chunk.
+    pub fn continue_estimate(&self) -> Option<u32> {
+        match self {
+            Work::Continue { estimate } => Some(*estimate),
+            Work::Chunk { .. } => None,
         }
     }
 }

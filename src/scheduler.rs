@@ -9,11 +9,9 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::latency::{
-    classify_time_overrun, select_model, LatencyModel, ModelSource, StepFeatures, TimeOverrunReason,
-};
-use crate::latency_fit::{OnlineFit, OnlineFitConfig};
-use crate::overrun::{classify, Overrun, StepTokens};
+use crate::latency::fit::{OnlineFit, OnlineFitConfig};
+use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
+use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
 use crate::prepared::{ChunkInput, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
@@ -624,7 +622,7 @@ impl SchedulerState {
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
-            tokens.add_row(&row.work, r);
+            tokens.add_row(row.work.continue_estimate(), r);
             match row.work {
                 Work::Continue { .. } => continue,
                 Work::Chunk { .. } if r == 0 => {

@@ -450,7 +450,7 @@ async fn a_step_measured_over_its_time_budget_is_a_time_overrun_by_reason() {
         .unwrap();
     assert_eq!(
         out.time_overrun,
-        Some(mstar_chunking::latency::TimeOverrunReason::Misprediction)
+        Some(mstar_chunking::overrun::TimeOverrunReason::Misprediction)
     );
     let b = cm.assemble("llm", "prefill").await.unwrap();
     let out = cm

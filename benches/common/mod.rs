@@ -148,7 +148,7 @@ pub fn plan_once(state: &SchedulerState, params: &StepParams, out: &mut StepPlan
 /// The time limit of the timed planner: the A100 preset, and half the time a full token
 /// budget of prefill takes under it, so that the time limit, not the token budget, ends chunks.
 pub fn time_limit(w: Workload) -> TimeLimit {
-    let model = mstar_chunking::latency_presets::preset_model("llama2-7b-a100").expect("preset");
+    let model = mstar_chunking::latency::presets::preset_model("llama2-7b-a100").expect("preset");
     let full = model.base_ms() + model.per_token_ms() * f64::from(w.budget);
     TimeLimit {
         model,

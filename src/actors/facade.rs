@@ -758,7 +758,7 @@ impl ChunkingManagement {
             batch.uncut_over_budget,
         );
         for (row, &r) in batch.rows.iter().zip(ran) {
-            tokens.add_row(&row.work, r);
+            tokens.add_row(row.work.continue_estimate(), r);
         }
         let msg = CheckStep {
             node: batch.node.clone(),

@@ -6,8 +6,8 @@ use std::fmt;
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 
+use crate::latency::presets;
 use crate::latency::LatencyModel;
-use crate::latency_presets;
 
 /// `chunking.cost.<node>`: a latency model, as a table of its coefficients or a preset's name.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -23,7 +23,7 @@ impl<'de> Deserialize<'de> for CostSetting {
                 write!(
                     f,
                     "a table of base_ms, per_token_ms, per_kv_token_ms and per_attention_pair_ms, or a preset ({})",
-                    latency_presets::preset_names().collect::<Vec<_>>().join(", ")
+                    presets::preset_names().collect::<Vec<_>>().join(", ")
                 )
             }
 
@@ -33,15 +33,13 @@ impl<'de> Deserialize<'de> for CostSetting {
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                latency_presets::preset_model(v.trim())
+                presets::preset_model(v.trim())
                     .map(CostSetting)
                     .ok_or_else(|| {
                         E::custom(format!(
                             "no latency model preset {}; presets: {}",
                             super::problem::quote(v),
-                            latency_presets::preset_names()
-                                .collect::<Vec<_>>()
-                                .join(", ")
+                            presets::preset_names().collect::<Vec<_>>().join(", ")
                         ))
                     })
             }
@@ -62,7 +60,7 @@ mod tests {
         assert_eq!(m.coefficients(), [5.0, 0.06, 0.0002, 3e-6]);
         assert_eq!(
             cost(json!("llama2-7b-a100")).unwrap(),
-            latency_presets::preset_model("llama2-7b-a100").unwrap()
+            presets::preset_model("llama2-7b-a100").unwrap()
         );
         let e = cost(json!("gpt-9")).unwrap_err().to_string();
         assert!(e.contains("llama2-7b-a100"), "{e}");

@@ -207,8 +207,8 @@ pub struct TimeOverrunCounts {
 
 impl TimeOverrunCounts {
     /// Counts one time overrun.
-    pub fn count(&mut self, reason: crate::latency::TimeOverrunReason) {
-        use crate::latency::TimeOverrunReason as R;
+    pub fn count(&mut self, reason: crate::overrun::TimeOverrunReason) {
+        use crate::overrun::TimeOverrunReason as R;
         self.total += 1;
         match reason {
             R::Floor => self.floor += 1,
@@ -956,7 +956,7 @@ mod tests {
 
     #[test]
     fn the_cost_line_rounds_like_the_latency_model_line() {
-        let preset = crate::latency_presets::preset_model("llama2-7b-a100").unwrap();
+        let preset = crate::latency::presets::preset_model("llama2-7b-a100").unwrap();
         let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] = preset.coefficients();
         let label = CostLabel {
             preset: Some("llama2-7b-a100".into()),

@@ -3,8 +3,8 @@
 //! that every simulated time stays finite.
 
 use crate::config::ReplaySection;
+use crate::latency::presets;
 use crate::latency::LatencyModel;
-use crate::latency_presets;
 use crate::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
@@ -272,16 +272,14 @@ fn check_cost(
             );
             return None;
         }
-        let model = latency_presets::preset_model(name);
+        let model = presets::preset_model(name);
         if model.is_none() {
             refuse(
                 "replay.cost.preset",
                 Some(crate::config::problem::quote(name)),
                 format!(
                     "is not a latency model preset (presets: {})",
-                    latency_presets::preset_names()
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    presets::preset_names().collect::<Vec<_>>().join(", ")
                 ),
             );
         }
@@ -611,7 +609,7 @@ mod tests {
         let s = check(&model(), &r).unwrap();
         assert_eq!(
             Some(s.cost),
-            crate::latency_presets::preset_model("llama2-7b-h100")
+            crate::latency::presets::preset_model("llama2-7b-h100")
         );
         r.cost.base_ms = Some(1.0);
         assert_eq!(

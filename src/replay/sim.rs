@@ -696,7 +696,7 @@ impl<'a> Sim<'a> {
 
 /// Why a time budget was not in force: the component had no latency model it trusted.
 fn inactive_reason(setup: &super::Setup) -> String {
-    use crate::latency_fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
+    use crate::latency::fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
     let mut why = format!(
         "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/cost-model.md#fitting)",
         DEFAULT_MAX_RELATIVE_RMS * 100.0

@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 
 use super::capacity::slo_text;
 use super::capacity::TOLERANCE;
-use super::output::{capacity_table, cell_table};
 use super::plots::{Plot, HEIGHT, WIDTH};
+use super::tables::{capacity_table, cell_table, notes};
 use super::Sweep;
 use crate::text::fmt_rate;
 
@@ -104,7 +104,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         escape(sweep.version),
     );
 
-    for n in super::output::notes(sweep) {
+    for n in notes(sweep) {
         let _ = writeln!(
             out,
             "<p class=\"warn\"><strong>Warning:</strong> {}</p>",

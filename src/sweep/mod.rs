@@ -30,6 +30,7 @@ pub mod output;
 pub mod plots;
 mod raster;
 pub mod run;
+pub mod tables;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
 pub use grid::{parse_budgets, parse_rates, Budget, GridError};

@@ -222,7 +222,8 @@ proptest! {
     /// the token rules hold: budget, alignment, floor.
     #[test]
     fn no_step_is_planned_over_its_time_budget_but_the_liveness_cases(c in timed_case()) {
-        use mstar_chunking::latency::{LatencyModel, TimeOverrunReason};
+        use mstar_chunking::latency::LatencyModel;
+        use mstar_chunking::overrun::TimeOverrunReason;
         use mstar_chunking::planner::{plan_timed, ContRow, PrefillRow, StepParams, StepPlan, TimeLimit};
         let [b, t, k, a] = c.coefficients;
         let model = LatencyModel::try_new(b, t, k, a).unwrap();

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::input::{self, InputError};
+use crate::latency::fit::{fit_samples, FitError, FitReport, Sample};
 use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
-use crate::latency_fit::{fit_samples, FitError, FitReport, Sample};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
 pub const MAX_FIT_FILE_BYTES: u64 = 512 << 20;

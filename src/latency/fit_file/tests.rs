@@ -1,8 +1,9 @@
 use std::io::Write as _;
 
 use super::*;
-use crate::latency::{LatencyModel, ModelSource, TimeOverrunReason};
-use crate::latency_fit::tests::{assert_close, model, samples, TestRng, TRUE};
+use crate::latency::fit::tests::{assert_close, model, samples, TestRng, TRUE};
+use crate::latency::{LatencyModel, ModelSource};
+use crate::overrun::TimeOverrunReason;
 use crate::text::plain_decimal;
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
