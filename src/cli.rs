@@ -548,21 +548,10 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if let Err(e) = sweep::output::check_output_dir(&args.out, &inputs) {
         return usage(&e);
     }
-    for b in &budgets {
-        let refused = match crate::replay::replay_budgets(
-            &loaded.manifest,
-            &loaded.settings,
-            &setup,
-            false,
-            Some(*b),
-        ) {
-            Ok(_) => continue,
-            Err(crate::replay::ReplayError::Budget { reason, .. }) => format!(
-                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
-            ),
-            Err(e) => format!("`--budgets` names {b}: {e}"),
-        };
-        return usage(&format!("{refused} (no replay ran)"));
+    if let Err(refused) =
+        sweep::cells::check_budgets(&loaded.manifest, &loaded.settings, &setup, &budgets)
+    {
+        return usage(&refused);
     }
     let base = crate::replay::ReplayOptions {
         trace: args.trace.clone(),
@@ -615,7 +604,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         jobs: args.jobs.map_or_else(sweep::run::default_jobs, usize::from),
         progress: !args.no_progress,
         step_time_rate: args.step_time_rate,
-        settings: sweep_labels(&loaded, &setup, &base, &trace),
+        settings: sweep::cells::labels(&loaded, &setup, &base, &trace),
         stop: Some(stop.clone()),
     };
     let (manifest, settings) = (&loaded.manifest, &loaded.settings);
@@ -623,7 +612,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         return sweep_kv_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
     }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
-        sweep_cell(manifest, settings, &base, &trace, budget, rate, &stop)
+        sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
     };
     let wall = std::time::Instant::now();
     let result = match sweep::run_sweep(&opts, run) {
@@ -675,15 +664,6 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Each of `items` escaped ([`config::problem::escape`]), joined with `sep`.
-fn escape_join(items: &[String], sep: &str) -> String {
-    items
-        .iter()
-        .map(|i| config::problem::escape(i))
-        .collect::<Vec<_>>()
-        .join(sep)
 }
 
 /// Stops a sweep on SIGINT or SIGTERM: the first sets `stop` to its number (the workers start
@@ -744,36 +724,6 @@ fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<(
     }
 }
 
-/// One replay of a sweep's grid: `base` at `rate` under `budget`, in its own actix system,
-/// stopped at a step by `stop` (a signal): half a replay is no cell, so an interrupted one is
-/// an error the sweep lists as not run.
-fn sweep_cell(
-    manifest: &crate::manifest::Manifest,
-    settings: &config::Settings,
-    base: &crate::replay::ReplayOptions,
-    trace: &crate::replay::Trace,
-    budget: crate::sweep::Budget,
-    rate: f64,
-    stop: &std::sync::Arc<std::sync::atomic::AtomicI32>,
-) -> Result<crate::sweep::RunSummary, String> {
-    let mut o = base.clone();
-    o.rate_scale = rate;
-    o.budget = Some(budget);
-    o.stop = Some(crate::replay::StopFlag(stop.clone()));
-    actix::System::new().block_on(async {
-        let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
-            .map_err(|e| e.to_string())?;
-        let started = std::time::Instant::now();
-        let r = crate::replay::run_trace(&cm, manifest, settings, &o, trace, started)
-            .await
-            .map_err(|e| e.to_string())?;
-        match &r.interrupted {
-            Some(signal) => Err(format!("interrupted by {signal}")),
-            None => Ok(crate::sweep::RunSummary::from(&r)),
-        }
-    })
-}
-
 /// `sweep --kv-blocks` (`docs/kv-memory.md#in-a-sweep`): the grid once per KV pool size, each
 /// written into `OUT/kv-<blocks>/`, then their comparison (`OUT/kv.*`).
 fn sweep_kv_axis(
@@ -785,36 +735,15 @@ fn sweep_kv_axis(
     inputs: &[PathBuf],
     axis: &[crate::sweep::kv_axis::KvBlocks],
 ) -> ExitCode {
-    use crate::sweep::{self, kv_axis::KvBlocks};
+    use crate::sweep;
     let wall = std::time::Instant::now();
     let stop = opts.stop.clone().unwrap_or_default();
     let mut runs = Vec::new();
     let mut code = ExitCode::SUCCESS;
     for kv in axis {
-        let mut settings = loaded.settings.clone();
-        let given = &loaded.settings.replay.kv;
-        settings.replay.kv = config::KvSection {
-            blocks: match kv {
-                KvBlocks::Blocks(n) => Some(*n),
-                KvBlocks::Unlimited => None,
-            },
-            block_tokens: given.block_tokens,
-            watermark: given.watermark,
-            ..Default::default()
-        };
+        let (settings, label) = sweep::cells::with_kv(&loaded.settings, *kv);
         let mut o = opts.clone();
-        o.settings.push((
-            "KV memory".into(),
-            match kv {
-                KvBlocks::Blocks(n) => format!(
-                    "{n} blocks of {} tokens (--kv-blocks)",
-                    given
-                        .block_tokens
-                        .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
-                ),
-                KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
-            },
-        ));
+        o.settings.push(("KV memory".into(), label));
         let dir = args.out.join(kv.dir_name());
         if let Err(e) = std::fs::create_dir_all(&dir) {
             say(&format!(
@@ -824,7 +753,7 @@ fn sweep_kv_axis(
             return ExitCode::from(EXIT_CONFIG);
         }
         let result = match sweep::run_sweep(&o, |b, r| {
-            sweep_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
+            sweep::cells::run_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
         }) {
             Ok(r) => r,
             Err(e) => {
@@ -864,122 +793,6 @@ fn sweep_kv_axis(
             ExitCode::FAILURE
         }
     }
-}
-
-/// The settings every replay of a sweep shares, as label and value.
-fn sweep_labels(
-    loaded: &Loaded,
-    setup: &crate::replay::Setup,
-    opts: &crate::replay::ReplayOptions,
-    trace: &crate::replay::Trace,
-) -> Vec<(String, String)> {
-    let mut v = vec![
-        (
-            "trace".to_string(),
-            format!(
-                "{} ({})",
-                config::problem::escape(&trace.file),
-                trace.format.name()
-            ),
-        ),
-        ("requests".to_string(), trace.requests.len().to_string()),
-    ];
-    if let Some(a) = &opts.arrivals {
-        v.push(("arrivals".into(), a.to_string()));
-    }
-    v.extend([
-        (
-            "model".to_string(),
-            format!(
-                "{} ({})",
-                config::problem::escape(&loaded.manifest.name),
-                config::problem::escape(&loaded.model_origin)
-            ),
-        ),
-        (
-            "config layers".to_string(),
-            escape_join(&loaded.layers, " -> "),
-        ),
-        (
-            "node, step walk".to_string(),
-            format!(
-                "{} / {}",
-                config::problem::escape(&setup.node),
-                escape_join(&setup.walks, ", ")
-            ),
-        ),
-        (
-            "cost model".to_string(),
-            crate::replay::report::CostLabel::of(setup).to_string(),
-        ),
-        (
-            "speculation".to_string(),
-            if setup.spec_tokens == 0 {
-                "off".to_string()
-            } else {
-                format!(
-                    "{}, overshoot rate {}",
-                    crate::text::plural(u64::from(setup.spec_tokens), "token"),
-                    setup.overshoot_rate
-                )
-            },
-        ),
-        (
-            "prefix cache".to_string(),
-            if setup.cache_blocks == 0 {
-                "off".to_string()
-            } else {
-                format!(
-                    "{} blocks of {} tokens",
-                    setup.cache_blocks, setup.cache_block_tokens
-                )
-            },
-        ),
-        ("seed".to_string(), setup.seed.to_string()),
-        (
-            "budget axis".to_string(),
-            format!(
-                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
-                config::problem::escape(&setup.node),
-                escape_join(&setup.walks, ", ")
-            ),
-        ),
-    ]);
-    if let Some(kv) = &setup.kv {
-        v.push((
-            "KV memory".to_string(),
-            format!(
-                "{} blocks of {} tokens ({}), watermark {}",
-                kv.blocks, kv.block_tokens, kv.source, kv.watermark
-            ),
-        ));
-    }
-    v.extend([(
-        "budget axis".to_string(),
-        format!(
-            "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
-            setup.node,
-            setup.walks.join(", ")
-        ),
-    )]);
-    // Time budgets are the config's, the same in every cell.
-    let times: Vec<String> = setup
-        .walks
-        .iter()
-        .filter_map(|w| {
-            let ms = loaded.table.max_step_ms(&setup.node, w)?;
-            Some(format!("{} {ms} ms", config::problem::escape(w)))
-        })
-        .collect();
-    v.push((
-        "time budgets".to_string(),
-        if times.is_empty() {
-            "none".to_string()
-        } else {
-            times.join(", ")
-        },
-    ));
-    v
 }
 
 /// `fit FILE`: fits the latency model and prints it with its quality, then the TOML table for
@@ -1097,7 +910,7 @@ pub fn check(args: &ConfigArgs) -> ExitCode {
         "model `{}` from {}\nlayers: {}\n\n{}",
         config::problem::escape(&loaded.manifest.name),
         config::problem::escape(&loaded.model_origin),
-        escape_join(&loaded.layers, " -> "),
+        config::problem::escape_join(&loaded.layers, " -> "),
         render_table(&rows)
     );
     out.push_str(&format!(
@@ -1148,7 +961,7 @@ fn init_logging(loaded: &Loaded) {
     }
     tracing::debug!(
         model = %config::problem::escape(&loaded.model_origin),
-        layers = %escape_join(&loaded.layers, " -> "),
+        layers = %config::problem::escape_join(&loaded.layers, " -> "),
         "configuration loaded"
     );
 }

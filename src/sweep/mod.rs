@@ -23,6 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
 pub mod capacity;
+pub mod cells;
 pub mod grid;
 pub mod html;
 pub mod kv_axis;
