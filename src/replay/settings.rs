@@ -531,6 +531,28 @@ pub fn check_rate_scale(x: f64) -> Result<f64, String> {
     }
 }
 
+impl Setup {
+    /// Resolves `[replay]` against the model ([`check`]).
+    ///
+    /// # Errors
+    /// The first problem [`check`] finds.
+    pub fn resolve(
+        manifest: &Manifest,
+        settings: &crate::config::Settings,
+    ) -> Result<Self, super::error::ReplayError> {
+        check(manifest, &settings.replay).map_err(|problems| {
+            let p = problems.into_iter().next();
+            super::error::ReplayError::Config {
+                key: p.as_ref().map_or("replay", |p| p.key),
+                problem: p.map_or_else(String::new, |p| match p.value {
+                    Some(v) => format!("= {v}: {}", p.reason),
+                    None => p.reason,
+                }),
+            }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
