@@ -66,6 +66,22 @@ impl StepTokens {
         }
     }
 
+    /// A step as planned, and as it ran: each row's estimate when it is a continuing row, with
+    /// the tokens it ran. The one place a step's tokens are counted, by the scheduler as it
+    /// completes a step and by the facade's `check_budget` for a step run outside it.
+    pub fn of_step(
+        budget: Option<u32>,
+        scheduled: u64,
+        uncut_over_budget: bool,
+        rows: impl IntoIterator<Item = (Option<u32>, u32)>,
+    ) -> Self {
+        let mut tokens = Self::planned(budget, scheduled, uncut_over_budget);
+        for (continue_estimate, ran) in rows {
+            tokens.add_row(continue_estimate, ran);
+        }
+        tokens
+    }
+
     /// Counts one row: `ran` the tokens it actually ran, `continue_estimate` its estimate when
     /// it is a continuing row.
     pub fn add_row(&mut self, continue_estimate: Option<u32>, ran: u32) {

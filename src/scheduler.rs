@@ -78,6 +78,20 @@ impl Batch {
     pub fn walk_of(&self, row: &BatchRow) -> &Name {
         &self.walks[row.walk]
     }
+
+    /// The step's tokens as the overrun check counts them: as the scheduler planned them, with
+    /// what each row ran (`ran`: one entry per row, checked by the caller).
+    pub(crate) fn step_tokens(&self, ran: &[u32]) -> StepTokens {
+        StepTokens::of_step(
+            self.budget,
+            self.scheduled_tokens,
+            self.uncut_over_budget,
+            self.rows
+                .iter()
+                .map(|row| row.work.continue_estimate())
+                .zip(ran.iter().copied()),
+        )
+    }
 }
 
 /// What the engine changes between two steps of a node, sent with the completion of the first
@@ -613,16 +627,20 @@ impl SchedulerState {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);
-        let mut tokens = StepTokens::planned(
+        let tokens = StepTokens::of_step(
             f.params.budget,
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
+            f.plan
+                .rows
+                .iter()
+                .map(|row| row.work.continue_estimate())
+                .zip(ran.iter().copied()),
         );
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
-            tokens.add_row(row.work.continue_estimate(), r);
             match row.work {
                 Work::Continue { .. } => continue,
                 Work::Chunk { .. } if r == 0 => {

@@ -22,7 +22,7 @@ use super::{ActorKind, InjectPanic};
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
-use crate::overrun::{Overrun, OverrunReason, StepTokens};
+use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
@@ -752,18 +752,10 @@ impl ChunkingManagement {
                 got: ran.len(),
             });
         }
-        let mut tokens = StepTokens::planned(
-            batch.budget,
-            batch.scheduled_tokens,
-            batch.uncut_over_budget,
-        );
-        for (row, &r) in batch.rows.iter().zip(ran) {
-            tokens.add_row(row.work.continue_estimate(), r);
-        }
         let msg = CheckStep {
             node: batch.node.clone(),
             walk: batch.walk.clone(),
-            tokens,
+            tokens: batch.step_tokens(ran),
         };
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
