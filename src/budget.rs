@@ -11,8 +11,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::latency::{check_max_step_ms, LatencyModel};
+use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies};
-use crate::Name;
 
 /// `min_chunk_tokens` when the serving config sets none.
 pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;

@@ -13,7 +13,9 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use crate::budget::BudgetValue;
-use crate::config::{self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, Loaded};
+use crate::config::{
+    self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, LoadedConfig,
+};
 use crate::replay::arrivals::Arrivals;
 use crate::replay::TraceFormat;
 
@@ -252,7 +254,7 @@ fn rate_scale(s: &str) -> Result<f64, String> {
 }
 
 /// Writes one line to stderr; a closed or full stderr is ignored (`eprintln!` would panic).
-pub fn say(line: &str) {
+pub(crate) fn say(line: &str) {
     let mut err = std::io::stderr().lock();
     let _ = writeln!(err, "{line}");
 }
@@ -263,7 +265,9 @@ pub fn say(line: &str) {
 /// # Errors
 /// Every problem, each naming its key and layer (or the manifest, for a model replay cannot
 /// drive).
-pub fn load_for_replay(opts: &LoadOptions) -> Result<(Loaded, crate::replay::Setup), ConfigErrors> {
+pub fn load_for_replay(
+    opts: &LoadOptions,
+) -> Result<(LoadedConfig, crate::replay::ReplaySetup), ConfigErrors> {
     let loaded = config::load(opts)?;
     match crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay) {
         Ok(setup) => Ok((loaded, setup)),
@@ -280,7 +284,7 @@ pub fn load_for_replay(opts: &LoadOptions) -> Result<(Loaded, crate::replay::Set
 /// those of the model itself (a model without `prefill` or `decode`, which replay cannot drive
 /// whatever the settings say).
 fn replay_problems(
-    loaded: &Loaded,
+    loaded: &LoadedConfig,
     problems: Vec<crate::replay::settings::SettingProblem>,
 ) -> (Vec<ConfigProblem>, Vec<ConfigProblem>) {
     let (model, settings): (Vec<_>, Vec<_>) = problems
@@ -470,7 +474,7 @@ fn is_usage(e: &crate::replay::ReplayError) -> bool {
 /// given; else `metrics.listen` when `--hold` asks for metrics or a config layer (a file or an
 /// environment variable, not the built-in default) sets it; else nowhere, so that batch runs
 /// never clash over a port.
-fn metrics_listen(args: &ReplayArgs, loaded: &Loaded) -> Listen {
+fn metrics_listen(args: &ReplayArgs, loaded: &LoadedConfig) -> Listen {
     if let Some(l) = args.metrics_listen {
         return l;
     }
@@ -729,7 +733,7 @@ fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<(
 fn sweep_kv_axis(
     args: &SweepArgs,
     opts: &crate::sweep::SweepOptions,
-    loaded: &Loaded,
+    loaded: &LoadedConfig,
     base: &crate::replay::ReplayOptions,
     trace: &crate::replay::Trace,
     inputs: &[PathBuf],
@@ -941,7 +945,7 @@ pub fn budgets(args: &BudgetsArgs) -> ExitCode {
 ///
 /// # Errors
 /// The exit code to return when the configuration was refused.
-pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
+pub fn load_or_report(opts: &LoadOptions) -> Result<LoadedConfig, ExitCode> {
     match config::load(opts) {
         Ok(loaded) => {
             init_logging(&loaded);
@@ -954,7 +958,7 @@ pub fn load_or_report(opts: &LoadOptions) -> Result<Loaded, ExitCode> {
     }
 }
 
-fn init_logging(loaded: &Loaded) {
+fn init_logging(loaded: &LoadedConfig) {
     crate::logging::init(&loaded.settings.log);
     for w in &loaded.warnings {
         tracing::warn!("{w}");
@@ -968,7 +972,7 @@ fn init_logging(loaded: &Loaded) {
 
 /// Prints every problem, one per line (escaped, capped with a count of the rest), and how many
 /// there were. A closed stderr is ignored.
-pub fn report(errors: &ConfigErrors) {
+pub(crate) fn report(errors: &ConfigErrors) {
     let n = errors.total();
     let mut text = format!(
         "error: the configuration was refused ({n} problem{}):\n",

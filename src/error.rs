@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use crate::budget::BudgetErrors;
+use crate::policy::Name;
 use crate::policy::PolicyError;
-use crate::Name;
 
 /// A refused request to the chunking component. Nothing changed when one is returned (the one
 /// exception, [`ChunkingError::MissingPreparedInput`], says what it dropped).

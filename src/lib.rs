@@ -55,8 +55,6 @@
 
 #![deny(missing_docs)]
 
-use std::sync::Arc;
-
 pub mod actors;
 pub mod budget;
 #[cfg(feature = "cli")]
@@ -91,9 +89,6 @@ pub mod sweep;
 #[cfg(any(feature = "replay", feature = "sweep"))]
 pub mod text;
 
-/// A node or walk name. Cloning is a reference-count increment.
-pub type Name = Arc<str>;
-
 pub use actors::{ActorThread, ChunkingManagement, QueueStats};
 pub use budget::{
     BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
@@ -102,7 +97,7 @@ pub use error::{ChunkingError, ErrorKind};
 pub use latency::presets::preset_model;
 pub use latency::{LatencyModel, ModelSource};
 pub use overrun::{Overrun, OverrunReason, TimeOverrunReason};
-pub use planner::Work;
+pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;

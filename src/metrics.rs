@@ -18,9 +18,9 @@ use metrics::{
 use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
 use crate::overrun::OverrunReason;
 use crate::overrun::TimeOverrunReason;
+use crate::policy::Name;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
-use crate::Name;
 
 // === names ===
 

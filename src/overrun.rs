@@ -6,7 +6,7 @@
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::Name;
+use crate::policy::Name;
 
 /// Why a step ran over its budget. Bounded: used as a metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::Name;
+use crate::policy::Name;
 
 /// Per-token extras of a node's input (positions, multimodal features…): `width` values per token.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Extras {
+pub struct TokenExtras {
     /// Values per token.
     pub width: usize,
     /// `width` values per token, token after token.
@@ -24,7 +24,7 @@ pub struct PreparedInput {
     /// The token ids.
     pub token_ids: Arc<[u32]>,
     /// Per-token extras, if the node has them.
-    pub extras: Option<Extras>,
+    pub extras: Option<TokenExtras>,
 }
 
 impl PreparedInput {
@@ -242,7 +242,7 @@ mod tests {
         let node = Name::from("llm");
         let whole = PreparedInput {
             token_ids: (0..10).collect::<Vec<u32>>().into(),
-            extras: Some(Extras {
+            extras: Some(TokenExtras {
                 width: 2,
                 values: (0..20).map(|v| v as f32).collect::<Vec<_>>().into(),
             }),
@@ -284,7 +284,7 @@ mod tests {
         ));
         let bad = PreparedInput {
             token_ids: vec![1, 2, 3].into(),
-            extras: Some(Extras {
+            extras: Some(TokenExtras {
                 width: 2,
                 values: vec![0.0; 4].into(),
             }),

@@ -12,11 +12,11 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
-use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
+use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
+use crate::policy::Name;
 use crate::prepared::{ChunkInput, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
-use crate::Name;
 
 /// One row of an assembled step.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,7 +28,7 @@ pub struct BatchRow {
     /// count, and no name is interned for the life of the process.
     pub walk: usize,
     /// What the row runs: a continuing row's estimate, or a chunk's range.
-    pub work: Work,
+    pub work: RowWork,
     /// A continuing row's context, in tokens (the latency model's `K`); 0 for a chunk.
     pub context: u64,
     /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
@@ -285,7 +285,7 @@ pub struct StepOutcome {
 
 /// What [`SchedulerState::assemble`] found for the node.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Assembled {
+pub(crate) enum Assembled {
     /// A batch planned now, or a step in flight whose batch was not yet held: chunk rows carry
     /// no input yet; cut them, then [`SchedulerState::hold`] the batch.
     Planned(Batch),
@@ -295,7 +295,7 @@ pub enum Assembled {
 
 impl Assembled {
     /// The batch, cloned out of its `Arc` when the step was already in flight.
-    pub fn into_batch(self) -> Batch {
+    pub(crate) fn into_batch(self) -> Batch {
         match self {
             Self::Planned(b) => b,
             Self::InFlight(b) => Arc::unwrap_or_clone(b),
@@ -367,6 +367,14 @@ pub struct SchedulerState {
 }
 
 impl SchedulerState {
+    /// A state that plans every step under `table` (as its first snapshot): the plain state an
+    /// engine-free test or benchmark drives directly.
+    pub fn with_table(table: crate::budget::BudgetTable) -> Self {
+        let mut state = Self::default();
+        state.set_snapshot(Arc::new(BudgetSnapshot::new(table, 1)));
+        state
+    }
+
     /// Uses `snapshot` from the next assembled step on. Steps in flight keep their budgets.
     pub fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
         self.snapshot = Some(snapshot);
@@ -472,8 +480,17 @@ impl SchedulerState {
     }
 
     /// Drops the rows of `rid` on `node` only (its prepared input was released by hand).
-    pub fn forget_at(&mut self, rid: u64, node: &str) -> bool {
+    pub(crate) fn forget_at(&mut self, rid: u64, node: &str) -> bool {
         self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
+    }
+
+    /// The batch of the next step of `node`/`walk` (`assemble`'s, as a plain
+    /// batch): chunk rows carry no input, since cutting inputs is the actor shell's part.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub fn assemble_batch(&mut self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
+        self.assemble(node, walk).map(Assembled::into_batch)
     }
 
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
@@ -482,7 +499,7 @@ impl SchedulerState {
     /// # Errors
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
-    pub fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
+    pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -541,7 +558,7 @@ impl SchedulerState {
 
     /// Keeps the batch of a step in flight as handed to the engine (its inputs cut), so that a
     /// repeated `assemble` returns it again. Ignored when the step is no longer in flight.
-    pub fn hold(&mut self, batch: Arc<Batch>) {
+    pub(crate) fn hold(&mut self, batch: Arc<Batch>) {
         if let Some(f) = self.in_flight.get_mut(&*batch.node) {
             if f.step == batch.step && f.batch.is_none() {
                 f.batch = Some(batch);
@@ -642,12 +659,12 @@ impl SchedulerState {
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
             match row.work {
-                Work::Continue { .. } => continue,
-                Work::Chunk { .. } if r == 0 => {
+                RowWork::Continue { .. } => continue,
+                RowWork::Chunk { .. } if r == 0 => {
                     unrun_chunks += 1;
                     continue;
                 }
-                Work::Chunk { range, .. } => {
+                RowWork::Chunk { range, .. } => {
                     chunks += 1;
                     final_chunks += u32::from(range.is_final());
                 }
@@ -737,9 +754,9 @@ fn ran_features(plan: &StepPlan, ran: &[u32]) -> StepFeatures {
     let mut features = StepFeatures::EMPTY;
     for (row, &r) in plan.rows.iter().zip(ran) {
         match row.work {
-            Work::Continue { .. } => features.add_continuing(r, row.context),
-            Work::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
-            Work::Chunk { .. } => {}
+            RowWork::Continue { .. } => features.add_continuing(r, row.context),
+            RowWork::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
+            RowWork::Chunk { .. } => {}
         }
     }
     features
@@ -756,7 +773,7 @@ fn check_ran(step: u64, plan: &StepPlan, ran: &[u32]) -> Result<(), ChunkingErro
         });
     }
     let partial = plan.rows.iter().zip(ran).find(
-        |(row, &r)| matches!(row.work, Work::Chunk { range, .. } if r != 0 && r != range.tokens()),
+        |(row, &r)| matches!(row.work, RowWork::Chunk { range, .. } if r != 0 && r != range.tokens()),
     );
     match partial {
         Some((row, &r)) => Err(ChunkingError::PartialChunk {
@@ -854,7 +871,7 @@ mod tests {
         assert_eq!(s.steps_in_flight(), 0);
         assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
         let b = s.assemble("llm", "prefill").unwrap().into_batch();
-        let Work::Chunk { range, .. } = b.rows[0].work else {
+        let RowWork::Chunk { range, .. } = b.rows[0].work else {
             panic!("a chunk")
         };
         assert_eq!(
@@ -898,7 +915,7 @@ mod tests {
     }
 
     fn chunk(row: &BatchRow) -> (u32, u32) {
-        let Work::Chunk { range, .. } = row.work else {
+        let RowWork::Chunk { range, .. } = row.work else {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)

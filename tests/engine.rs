@@ -12,7 +12,7 @@ use std::task::{Context, Waker};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use mstar_chunking::{
     Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, PreparedInput, SubmoduleCaps, Work,
+    ErrorKind, PreparedInput, RowWork, SubmoduleCaps,
 };
 
 /// The process-wide recorder of this test binary, installed once: the actors record from
@@ -57,8 +57,8 @@ fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
     b.rows
         .iter()
         .filter_map(|r| match r.work {
-            Work::Chunk { range, .. } => Some((r.rid, range)),
-            Work::Continue { .. } => None,
+            RowWork::Chunk { range, .. } => Some((r.rid, range)),
+            RowWork::Continue { .. } => None,
         })
         .collect()
 }

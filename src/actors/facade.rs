@@ -23,11 +23,11 @@ use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
 use crate::overrun::{Overrun, OverrunReason};
+use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
-use crate::Name;
 
 /// How long the facade waits for an actor's answer before returning
 /// [`ChunkingError::Timeout`].
@@ -665,7 +665,7 @@ impl ChunkingManagement {
     /// and is [`Completed::next`]'s error (no step is assembled).
     ///
     /// ```
-    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, Work};
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, RowWork};
     /// # actix::System::new().block_on(async {
     /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))])?;
     /// # cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256))]).await?;
@@ -679,7 +679,7 @@ impl ChunkingManagement {
     /// let done = cm.complete_and_assemble_with(batch.step, vec![100], None, next).await?;
     /// assert_eq!(done.outcome.finished, vec![1]);
     /// let next = done.next?;
-    /// assert_eq!(next.rows[0].work, Work::Continue { estimate: 1 });
+    /// assert_eq!(next.rows[0].work, RowWork::Continue { estimate: 1 });
     /// assert_eq!(next.rows[1].rid, 2);
     /// # Ok::<_, mstar_chunking::ChunkingError>(())
     /// # })?;

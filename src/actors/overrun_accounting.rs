@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use crate::error::ChunkingError;
 use crate::metrics::{Instance, OverrunMetrics};
 use crate::overrun::{classify, Overrun, OverrunCounter, OverrunReason, StepTokens};
-use crate::Name;
+use crate::policy::Name;
 
 /// Owns the overrun counts.
 pub(crate) struct OverrunAccounting {

@@ -7,10 +7,10 @@ use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::prepared::{PreparedInput, PreparedStore};
 use crate::scheduler::Batch;
-use crate::Name;
 
 /// Owns every whole prepared input; keeps the prepared-input gauges current.
 pub(crate) struct PreparedInputs {
@@ -105,7 +105,7 @@ impl Handler<Cut> for PreparedInputs {
         let inputs = self.store.node(&batch.node);
         let mut missing = Vec::new();
         for row in &mut batch.rows {
-            let Work::Chunk { range, .. } = row.work else {
+            let RowWork::Chunk { range, .. } = row.work else {
                 continue;
             };
             match inputs.and_then(|m| m.get(row.rid)) {

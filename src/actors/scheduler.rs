@@ -17,12 +17,12 @@ use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::{
     Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
 };
-use crate::Name;
 
 /// Wraps [`SchedulerState`].
 pub(crate) struct Scheduler {
@@ -342,7 +342,7 @@ impl Scheduler {
         if !batch
             .rows
             .iter()
-            .any(|r| matches!(r.work, Work::Chunk { .. }))
+            .any(|r| matches!(r.work, RowWork::Chunk { .. }))
         {
             let batch = Arc::new(batch);
             self.state.hold(batch.clone());

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::layers::Origins;
+use super::layers::KeyOrigins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
 use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
@@ -12,7 +12,7 @@ use crate::budget::{
     TimeSettings,
 };
 use crate::manifest::Manifest;
-use crate::Name;
+use crate::policy::Name;
 
 /// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
 /// config wing (the config wing reads manifests; the reverse would be an import circle).
@@ -153,7 +153,7 @@ pub(super) fn budget_problem(
     e: &BudgetError,
     chunking: &ChunkingSection,
     model_origin: &str,
-    origins: &Origins,
+    origins: &KeyOrigins,
 ) -> ConfigProblem {
     let reason = format!("{e} ({})", e.rule());
     let from_model = |s: &Subject| {

@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 
 use super::error::ReplayError;
-use super::settings::Setup;
+use super::settings::ReplaySetup;
 use crate::budget::{BudgetValue, NodeBudget};
 use crate::config::Settings;
 use crate::manifest::Manifest;
-use crate::Name;
+use crate::policy::Name;
 
 /// `--budget N|off` (`docs/replay.md#labelled-runs`): `value` for every step walk of the
 /// replayed node that its policies budget, layered over the node's `overrides` (a node-wide
@@ -18,7 +18,7 @@ use crate::Name;
 /// [`ReplayError::Config`] when the node budgets none of its step walks.
 pub fn budget_flag_overrides(
     manifest: &Manifest,
-    setup: &Setup,
+    setup: &ReplaySetup,
     mut overrides: BTreeMap<Name, NodeBudget>,
     value: BudgetValue,
 ) -> Result<BTreeMap<Name, NodeBudget>, ReplayError> {
@@ -81,7 +81,7 @@ pub fn budget_flag_overrides(
 pub fn replay_budgets(
     manifest: &Manifest,
     settings: &Settings,
-    setup: &Setup,
+    setup: &ReplaySetup,
     budget_off: bool,
     value: Option<BudgetValue>,
 ) -> Result<crate::budget::BudgetSettings, ReplayError> {
@@ -172,8 +172,8 @@ mod tests {
             .all(|b| *b == NodeBudget::All(BudgetValue::Off)));
     }
 
-    fn setup(node: &str, walks: &[&str]) -> Setup {
-        Setup {
+    fn setup(node: &str, walks: &[&str]) -> ReplaySetup {
+        ReplaySetup {
             node: node.into(),
             walks: walks.iter().map(|w| (*w).to_string()).collect(),
             cost: crate::latency::LatencyModel::from_coefficients(

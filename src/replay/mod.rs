@@ -12,7 +12,7 @@
 //!   ([`ReplayOptions`]), how it fails ([`ReplayError`]), what it refuses before running, the
 //!   budgets it applies, the run itself ([`run`]), and stopping it on a signal.
 //!
-//! [`run`] must be awaited inside an actix system: it starts its own [`ChunkingManagement`] on
+//! [`run`] must be awaited inside an actix system: it starts its own [`crate::ChunkingManagement`] on
 //! the current arbiter.
 
 pub mod arrivals;
@@ -37,7 +37,7 @@ pub use options::{ReplayOptions, StepHook, StopFlag};
 pub use report::ReplayReport;
 pub use report::{RunSettings, StepDurations};
 pub use run::{load_trace, run, run_on, run_trace, trace_warnings};
-pub use settings::{KvSetup, Setup};
+pub use settings::{KvSetup, ReplaySetup};
 pub use signals::signal_exit_code;
 pub(crate) use signals::signal_name;
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};

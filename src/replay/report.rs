@@ -435,7 +435,7 @@ pub struct CostLabel {
 
 impl CostLabel {
     /// The cost of a replay's setup.
-    pub fn of(setup: &super::Setup) -> Self {
+    pub fn of(setup: &super::ReplaySetup) -> Self {
         let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] =
             setup.cost.coefficients();
         Self {

@@ -9,7 +9,7 @@ use super::checks::{check_clock, check_outputs};
 use super::error::ReplayError;
 use super::options::ReplayOptions;
 use super::report::{self, ReplayReport};
-use super::settings::{self, Setup};
+use super::settings::{self, ReplaySetup};
 use super::signals::watch_signals;
 use super::trace::{self, Trace, TraceError, TraceFormat};
 use super::{sim, step_log};
@@ -52,7 +52,7 @@ pub fn load_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError>
 
 /// The warnings a run of `trace` under `setup` deserves: a prefix cache with no block hashes
 /// to look up never hits.
-pub fn trace_warnings(setup: &Setup, trace: &Trace) -> Vec<String> {
+pub fn trace_warnings(setup: &ReplaySetup, trace: &Trace) -> Vec<String> {
     let mut out = Vec::new();
     if setup.cache_blocks > 0 && !trace.has_hashes() {
         out.push(format!(
@@ -95,7 +95,7 @@ pub async fn run_on(
 ) -> Result<ReplayReport, ReplayError> {
     let wall = Instant::now();
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
-    let setup = Setup::resolve(manifest, settings)?;
+    let setup = ReplaySetup::resolve(manifest, settings)?;
     let mut inputs = opts.inputs.clone();
     inputs.extend(opts.trace.clone());
     let outputs: Vec<(&'static str, &Path)> = [
@@ -126,7 +126,7 @@ pub async fn run_trace(
     wall: Instant,
 ) -> Result<ReplayReport, ReplayError> {
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
-    let setup = Setup::resolve(manifest, settings)?;
+    let setup = ReplaySetup::resolve(manifest, settings)?;
     let outputs: Vec<(&'static str, &Path)> = [
         ("step log", opts.step_log.as_deref()),
         ("JSON report", opts.report_json.as_deref()),
@@ -227,7 +227,7 @@ pub async fn run_trace(
 async fn run_settings(
     cm: &ChunkingManagement,
     manifest: &Manifest,
-    setup: &Setup,
+    setup: &ReplaySetup,
     opts: &ReplayOptions,
     trace: &Trace,
 ) -> Result<report::RunSettings, ReplayError> {

@@ -25,9 +25,9 @@ use std::path::{Path, PathBuf};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::scheduler::{Batch, BatchRow, StepOutcome};
-use crate::Name;
 
 /// A step log being written.
 pub struct StepLog {
@@ -292,7 +292,7 @@ impl Serialize for Row<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let (r, walk, context) = (self.0, self.1, self.2);
         match r.work {
-            Work::Continue { estimate } => {
+            RowWork::Continue { estimate } => {
                 let mut m = s.serialize_map(Some(5))?;
                 m.serialize_entry("rid", &r.rid)?;
                 m.serialize_entry("walk", walk)?;
@@ -301,7 +301,7 @@ impl Serialize for Row<'_> {
                 m.serialize_entry("context", &context)?;
                 m.end()
             }
-            Work::Chunk { range, cached } => {
+            RowWork::Chunk { range, cached } => {
                 // A first chunk moves the Loop by its `end`; a later one never starts at 0.
                 let first = range.stride == range.end;
                 let mut m = s.serialize_map(Some(if first { 10 } else { 9 }))?;

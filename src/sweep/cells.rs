@@ -8,9 +8,9 @@ use std::sync::Arc;
 use super::kv_axis::KvBlocks;
 use super::{Budget, RunSummary};
 use crate::config::problem::{escape, escape_join};
-use crate::config::{KvSection, Loaded, Settings};
+use crate::config::{KvSection, LoadedConfig, Settings};
 use crate::manifest::Manifest;
-use crate::replay::{ReplayError, ReplayOptions, Setup, StopFlag, Trace};
+use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
 
 /// Refuses, before any replay runs, a budget of the grid the config would refuse as the budget
 /// of the replayed walks (as `replay --budget` does).
@@ -20,7 +20,7 @@ use crate::replay::{ReplayError, ReplayOptions, Setup, StopFlag, Trace};
 pub fn check_budgets(
     manifest: &Manifest,
     settings: &Settings,
-    setup: &Setup,
+    setup: &ReplaySetup,
     budgets: &[Budget],
 ) -> Result<(), String> {
     for b in budgets {
@@ -94,8 +94,8 @@ pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
 
 /// The settings every replay of a sweep shares, as label and value.
 pub fn labels(
-    loaded: &Loaded,
-    setup: &Setup,
+    loaded: &LoadedConfig,
+    setup: &ReplaySetup,
     opts: &ReplayOptions,
     trace: &Trace,
 ) -> Vec<(String, String)> {

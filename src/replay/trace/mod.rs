@@ -4,7 +4,7 @@
 //!
 //! Every reader has one interface: it reads its format from a [`Bounded`] reader (the crate's
 //! one bounded input path: [`MAX_TRACE_BYTES`], [`MAX_LINE_BYTES`]) and offers each record to a
-//! [`Collector`], which applies the rules every format shares (token limits, arrivals that
+//! `Collector`, which applies the rules every format shares (token limits, arrivals that
 //! never go back, block hashes per 512 tokens), numbers the requests, and refuses or skips bad
 //! lines. A trace is read whole before the replay starts, so a bad line is reported, naming the
 //! file, the line and the field, before any step runs. No input makes a reader panic.
