@@ -389,6 +389,11 @@ impl Instance {
         Self { model }
     }
 
+    /// The model this instance is labelled with.
+    pub(crate) fn model_name(&self) -> &Name {
+        &self.model
+    }
+
     fn model_label(&self) -> String {
         self.model.to_string()
     }

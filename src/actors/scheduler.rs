@@ -13,6 +13,7 @@ use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
 use super::prepared_inputs::{
     Cut, CutBatch, ForgetInputs, Insert, InsertAndCut, InsertedAndCut, PreparedInputs, Release,
 };
+use super::spans::Spans;
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
@@ -38,6 +39,8 @@ pub(crate) struct Scheduler {
     model_gauges: FxHashMap<Name, ModelGauges>,
     /// Per node, the last step completed by [`CompleteAndAssemble`], to answer a repeat of it.
     completed: FxHashMap<Name, LastCompleted>,
+    /// The tracing spans of the steps in flight and of the requests admitted.
+    spans: Spans,
 }
 
 /// A step completed by [`CompleteAndAssemble`], as reported and as it came out.
@@ -60,11 +63,12 @@ impl Scheduler {
             state: SchedulerState::default(),
             prepared,
             overruns,
-            instance,
             metrics: FxHashMap::default(),
             queue_gauges: FxHashMap::default(),
             model_gauges: FxHashMap::default(),
             completed: FxHashMap::default(),
+            spans: Spans::new(instance.model_name().clone()),
+            instance,
         }
     }
 
@@ -217,6 +221,7 @@ impl Handler<AdmitPrepared> for Scheduler {
         if let Err(e) = queued {
             return Box::pin(fut::ready(Err(e)));
         }
+        self.spans.admitted(m.rid, &m.node, &m.walk);
         self.publish_queue(&m.node);
         let (rid, node) = (m.rid, m.node);
         let insert = self.prepared.send(Guarded(Insert {
@@ -233,6 +238,7 @@ impl Handler<AdmitPrepared> for Scheduler {
                 },
             };
             act.state.forget_at(rid, &node);
+            act.spans.forgotten(rid);
             act.publish_queue(&node);
             Err(refused)
         }))
@@ -257,6 +263,7 @@ impl Handler<ContinueRow> for Scheduler {
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
         self.state
             .continue_row(m.rid, &m.node, &m.walk, m.estimate, m.context)?;
+        self.spans.admitted(m.rid, &m.node, &m.walk);
         self.publish_queue(&m.node);
         Ok(())
     }
@@ -272,6 +279,7 @@ impl Handler<ForgetRequest> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) -> Self::Result {
+        self.spans.forgotten(m.0);
         self.state.forget(m.0);
         self.prepared.do_send(ForgetInputs(m.0));
         self.publish_all_queues();
@@ -339,6 +347,7 @@ impl Scheduler {
         let took = started.elapsed();
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, took);
+        self.open_step_span(&batch);
         if !batch
             .rows
             .iter()
@@ -360,10 +369,12 @@ impl Scheduler {
                 Ok(Ok(CutBatch { missing, .. })) => {
                     act.state.abandon(step, &missing)?;
                     act.publish_queue(&node);
-                    return Err(ChunkingError::MissingPreparedInput {
+                    let e = ChunkingError::MissingPreparedInput {
                         rid: missing[0],
                         node,
-                    });
+                    };
+                    act.abandoned_by(step, &e);
+                    return Err(e);
                 }
                 Ok(Err(e)) => e,
                 Err(_) => ChunkingError::ActorStopped {
@@ -373,6 +384,7 @@ impl Scheduler {
             // Without the batch the engine cannot complete the step: do not leave it blocking
             // the node.
             act.state.abandon(step, &[])?;
+            act.abandoned_by(step, &error);
             Err(error)
         }))
     }
@@ -403,6 +415,7 @@ impl Scheduler {
         };
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, started.elapsed());
+        self.open_step_span(&batch);
         let (step, node) = (batch.step, batch.node.clone());
         let cut = self.prepared.send(Guarded(InsertAndCut { inserts, batch }));
         Box::pin(cut.into_actor(self).map(move |answer, act, _| {
@@ -410,13 +423,16 @@ impl Scheduler {
                 Ok(Ok(InsertedAndCut { cut, refused })) => (cut, refused),
                 Ok(Err(e)) => {
                     act.state.abandon(step, &[])?;
+                    act.abandoned_by(step, &e);
                     return Err(e);
                 }
                 Err(_) => {
                     act.state.abandon(step, &[])?;
-                    return Err(ChunkingError::ActorStopped {
+                    let e = ChunkingError::ActorStopped {
                         actor: "PreparedInputs",
-                    });
+                    };
+                    act.abandoned_by(step, &e);
+                    return Err(e);
                 }
             };
             if missing.is_empty() && refused.is_empty() {
@@ -428,13 +444,15 @@ impl Scheduler {
             drop.extend(refused.iter().map(|(rid, _)| *rid));
             act.state.abandon(step, &drop)?;
             act.publish_queue(&node);
-            Err(match refused.into_iter().next() {
+            let e = match refused.into_iter().next() {
                 Some((_, e)) => e,
                 None => ChunkingError::MissingPreparedInput {
                     rid: missing[0],
                     node,
                 },
-            })
+            };
+            act.abandoned_by(step, &e);
+            Err(e)
         }))
     }
 }
@@ -450,7 +468,19 @@ impl Handler<Abandon> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: Abandon, _: &mut Self::Context) -> Self::Result {
-        self.state.abandon(m.step, &[])
+        let span = self.spans.step(m.step);
+        let _step = span.enter();
+        match self.state.abandon(m.step, &[]) {
+            Ok(()) => {
+                tracing::debug!("step abandoned");
+                self.spans.ended(m.step);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "abandon refused");
+                Err(e)
+            }
+        }
     }
 }
 
@@ -467,18 +497,55 @@ impl Handler<Complete> for Scheduler {
     type Result = Result<StepOutcome, ChunkingError>;
 
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
-        let outcome = self.state.complete(m.step, &m.ran, m.measured_ms)?;
-        self.completed_step(&outcome);
+        let span = self.spans.step(m.step);
+        let _step = span.enter();
+        let outcome = self
+            .state
+            .complete(m.step, &m.ran, m.measured_ms)
+            .inspect_err(completion_refused)?;
+        self.completed_step(&outcome, &span);
         Ok(outcome)
     }
 }
 
+/// Records a refused completion in the step's span (entered by the caller).
+fn completion_refused(e: &ChunkingError) {
+    tracing::debug!(error = %e, "step completion refused");
+}
+
 impl Scheduler {
-    /// What follows a completed step: overruns recorded, finished inputs released, metrics.
-    fn completed_step(&mut self, outcome: &StepOutcome) {
-        if let Some(o) = &outcome.overrun {
-            self.overruns.do_send(RecordOverrun(o.clone()));
+    /// Opens the span of a step just planned.
+    fn open_step_span(&mut self, batch: &Batch) {
+        let state = &self.state;
+        self.spans
+            .assembled(batch, |step| state.node_of_step(step).is_some());
+    }
+
+    /// Records in its span why step `step` was abandoned while its inputs were cut, and closes
+    /// the span.
+    fn abandoned_by(&mut self, step: u64, e: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %e, "step abandoned"));
+        self.spans.ended(step);
+    }
+
+    /// What follows a completed step: overruns recorded (in the step's `span`), finished
+    /// inputs released, metrics.
+    fn completed_step(&mut self, outcome: &StepOutcome, span: &tracing::Span) {
+        tracing::debug!(
+            ran_tokens = outcome.tokens.ran,
+            finished = outcome.finished.len(),
+            "step completed"
+        );
+        if let Some(reason) = outcome.time_overrun {
+            tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
         }
+        if let Some(o) = &outcome.overrun {
+            self.overruns
+                .do_send(RecordOverrun(o.clone(), span.clone()));
+        }
+        self.spans.ended(outcome.step);
         if !outcome.finished.is_empty() {
             self.prepared.do_send(Release {
                 node: outcome.node.clone(),
@@ -503,6 +570,7 @@ impl Scheduler {
         for change in changes {
             result = match change {
                 RowChange::Forget(rid) => {
+                    self.spans.forgotten(rid);
                     self.state.forget(rid);
                     self.prepared.do_send(ForgetInputs(rid));
                     forgot = true;
@@ -512,7 +580,10 @@ impl Scheduler {
                     rid,
                     walk,
                     estimate,
-                } => self.state.continue_row(rid, &node, &walk, estimate, None),
+                } => self
+                    .state
+                    .continue_row(rid, &node, &walk, estimate, None)
+                    .inspect(|()| self.spans.admitted(rid, &node, &walk)),
                 RowChange::Admit {
                     rid,
                     walk,
@@ -522,6 +593,7 @@ impl Scheduler {
                     .measure(rid, &node)
                     .and_then(|total| self.state.admit(rid, &node, &walk, total, cached))
                     .map(|()| {
+                        self.spans.admitted(rid, &node, &walk);
                         inserts.push(Insert {
                             rid,
                             node: node.clone(),
@@ -590,13 +662,21 @@ impl Handler<CompleteAndAssemble> for Scheduler {
                         return ready(Err(ChunkingError::UnknownWalk { node, walk }));
                     }
                 }
+                let span = self.spans.step(step);
+                let _step = span.enter();
                 let outcome = match self.state.complete(step, &ran, measured_ms) {
                     Ok(o) => o,
-                    Err(e) => return ready(Err(e)),
+                    Err(e) => {
+                        completion_refused(&e);
+                        return ready(Err(e));
+                    }
                 };
-                self.completed_step(&outcome);
+                self.completed_step(&outcome, &span);
                 let (inserts, changed) = self.apply_changes(next);
                 let refused = changed.err();
+                if let Some(e) = &refused {
+                    tracing::debug!(error = %e, "row change refused after the step");
+                }
                 let last = LastCompleted {
                     step,
                     ran,
