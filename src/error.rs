@@ -15,6 +15,10 @@ use crate::policy::PolicyError;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChunkingError {
+    /// The component is draining or drained (`ChunkingManagement::begin_drain`, `drain`): it
+    /// admits no request and assembles no step.
+    #[error("the chunking component is shutting down (drain): it admits no request and assembles no step")]
+    Draining,
     /// `admit` got a prepared input of no tokens.
     #[error("rid {rid} on `{node}`: an empty prepared input cannot be prefilled")]
     EmptyInput {
@@ -241,9 +245,10 @@ impl ChunkingError {
             Self::MissingPreparedInput { .. }
             | Self::ActorPanicked { .. }
             | Self::Timeout { .. } => ErrorKind::Transient,
-            Self::ActorStopped { .. } | Self::NoActixSystem | Self::ThreadStart { .. } => {
-                ErrorKind::Fatal
-            }
+            Self::ActorStopped { .. }
+            | Self::NoActixSystem
+            | Self::ThreadStart { .. }
+            | Self::Draining => ErrorKind::Fatal,
         }
     }
 

@@ -89,7 +89,7 @@ pub mod sweep;
 #[cfg(any(feature = "replay", feature = "sweep"))]
 pub mod text;
 
-pub use actors::{ActorThread, ChunkingManagement, QueueStats};
+pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{
     BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
 };

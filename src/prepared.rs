@@ -211,6 +211,17 @@ impl PreparedStore {
         nodes
     }
 
+    /// Drops every input on every node; answers the rows and tokens dropped.
+    pub(crate) fn clear(&mut self) -> (usize, u64) {
+        let dropped = (self.rows, self.tokens);
+        for inputs in self.by_node.values_mut() {
+            *inputs = NodeInputs::default();
+        }
+        self.rows = 0;
+        self.tokens = 0;
+        dropped
+    }
+
     /// The inputs held on `node`, to cut a step's chunks from with one lookup of the node.
     pub fn node(&self, node: &str) -> Option<&NodeInputs> {
         self.by_node.get(node)

@@ -349,6 +349,17 @@ impl InFlight {
     }
 }
 
+/// What [`SchedulerState::drain`] dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Drained {
+    /// Steps in flight (with rows), abandoned.
+    pub(crate) steps: usize,
+    /// Requests with a row queued on some node.
+    pub(crate) requests: usize,
+    /// Rows queued, prefill and continuing, over all nodes.
+    pub(crate) rows: usize,
+}
+
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
 #[derive(Debug, Default)]
 pub struct SchedulerState {
@@ -563,6 +574,28 @@ impl SchedulerState {
             if f.step == batch.step && f.batch.is_none() {
                 f.batch = Some(batch);
             }
+        }
+    }
+
+    /// Drops everything for a shutdown: abandons every step in flight (and forgets each node's
+    /// last empty one) and drops every row on every node; answers what was dropped. The
+    /// snapshot, the fits and the step numbering are kept.
+    pub(crate) fn drain(&mut self) -> Drained {
+        let steps = self.in_flight.len();
+        self.in_flight.clear();
+        self.empty.clear();
+        let mut rids = rustc_hash::FxHashSet::default();
+        let mut rows = 0;
+        for queues in self.nodes.values_mut() {
+            rows += queues.cont().len() + queues.prefill().len();
+            rids.extend(queues.cont().iter().map(|r| r.rid));
+            rids.extend(queues.prefill().iter().map(|r| r.rid));
+            *queues = NodeQueues::new(queues.name().clone());
+        }
+        Drained {
+            steps,
+            requests: rids.len(),
+            rows,
         }
     }
 

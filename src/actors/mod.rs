@@ -129,4 +129,4 @@ mod scheduler;
 mod spans;
 
 pub use facade::{ActorThread, ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
-pub use scheduler::QueueStats;
+pub use scheduler::{DrainReport, QueueStats};

@@ -61,7 +61,8 @@ super::supervised!(
         InsertAndCut,
         ForgetInputs,
         GetPrepared,
-        PreparedTotals
+        PreparedTotals,
+        ReleaseAll
     ]
 );
 
@@ -221,5 +222,23 @@ impl Handler<PreparedTotals> for PreparedInputs {
 
     fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> Self::Result {
         Ok((self.store.rows(), self.store.tokens()))
+    }
+}
+
+/// Drops every input held (a drain); answers the rows and tokens dropped.
+#[derive(Message)]
+#[rtype(result = "Result<(usize, u64), ChunkingError>")]
+pub(crate) struct ReleaseAll;
+
+impl Handler<ReleaseAll> for PreparedInputs {
+    type Result = Result<(usize, u64), ChunkingError>;
+
+    fn handle(&mut self, _: ReleaseAll, _: &mut Self::Context) -> Self::Result {
+        let dropped = self.store.clear();
+        let nodes: Vec<Name> = self.gauges.keys().cloned().collect();
+        for node in &nodes {
+            self.publish(node);
+        }
+        Ok(dropped)
     }
 }

@@ -12,6 +12,7 @@ use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
 use super::prepared_inputs::{
     Cut, CutBatch, ForgetInputs, Insert, InsertAndCut, InsertedAndCut, PreparedInputs, Release,
+    ReleaseAll,
 };
 use super::spans::Spans;
 use super::Guarded;
@@ -41,6 +42,8 @@ pub(crate) struct Scheduler {
     completed: FxHashMap<Name, LastCompleted>,
     /// The tracing spans of the steps in flight and of the requests admitted.
     spans: Spans,
+    /// Set by [`BeginDrain`] or [`Drain`], for good: no admission, no new step.
+    draining: bool,
 }
 
 /// A step completed by [`CompleteAndAssemble`], as reported and as it came out.
@@ -69,6 +72,7 @@ impl Scheduler {
             completed: FxHashMap::default(),
             spans: Spans::new(instance.model_name().clone()),
             instance,
+            draining: false,
         }
     }
 
@@ -123,7 +127,8 @@ super::supervised!(
         ForgetRow,
         Abandon,
         Complete,
-        SchedulerStats
+        SchedulerStats,
+        BeginDrain
     ]
 );
 
@@ -171,6 +176,16 @@ impl Handler<Guarded<CompleteAndAssemble>> for Scheduler {
     }
 }
 
+impl Handler<Guarded<Drain>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<Drain>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<Drain>>::handle(act, msg.0, ctx)
+        })
+    }
+}
+
 impl Handler<Guarded<AdmitPrepared>> for Scheduler {
     type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
 
@@ -214,6 +229,9 @@ impl Handler<AdmitPrepared> for Scheduler {
     type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+        }
         let queued = m
             .input
             .measure(m.rid, &m.node)
@@ -261,6 +279,9 @@ impl Handler<ContinueRow> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Err(ChunkingError::Draining);
+        }
         self.state
             .continue_row(m.rid, &m.node, &m.walk, m.estimate, m.context)?;
         self.spans.admitted(m.rid, &m.node, &m.walk);
@@ -338,6 +359,9 @@ impl Scheduler {
         node: &str,
         walk: &str,
     ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
+        if self.draining {
+            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+        }
         let started = Instant::now();
         let batch = match self.state.assemble(node, walk) {
             Ok(Assembled::InFlight(batch)) => return Box::pin(fut::ready(Ok(batch))),
@@ -398,7 +422,7 @@ impl Scheduler {
         walk: &str,
         inserts: Vec<Insert>,
     ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
-        if inserts.is_empty() {
+        if inserts.is_empty() || self.draining {
             return self.assemble(node, walk);
         }
         let started = Instant::now();
@@ -568,6 +592,10 @@ impl Scheduler {
         let mut result = Ok(());
         let any = !changes.is_empty();
         for change in changes {
+            if self.draining && !matches!(change, RowChange::Forget(_)) {
+                result = Err(ChunkingError::Draining);
+                break;
+            }
             result = match change {
                 RowChange::Forget(rid) => {
                     self.spans.forgotten(rid);
@@ -702,6 +730,76 @@ impl Handler<CompleteAndAssemble> for Scheduler {
             self.assemble_admitting(&node, &walk, inserts)
                 .map(move |next, _, _| Ok(Completed { outcome, next })),
         )
+    }
+}
+
+/// Starts a drain (`ChunkingManagement::begin_drain`): from now on no request is admitted
+/// and no step assembled; completions, abandons and forgets are still handled. Answers the
+/// steps in flight.
+#[derive(Message)]
+#[rtype(result = "Result<usize, ChunkingError>")]
+pub(crate) struct BeginDrain;
+
+impl Handler<BeginDrain> for Scheduler {
+    type Result = Result<usize, ChunkingError>;
+
+    fn handle(&mut self, _: BeginDrain, _: &mut Self::Context) -> Self::Result {
+        self.draining = true;
+        tracing::info!(
+            steps_in_flight = self.state.steps_in_flight(),
+            "draining: no more admissions or steps"
+        );
+        Ok(self.state.steps_in_flight())
+    }
+}
+
+/// Ends a drain (`ChunkingManagement::drain`): abandons the steps still in flight, drops every
+/// row and has PreparedInputs drop every input; answers what was dropped.
+#[derive(Message)]
+#[rtype(result = "Result<DrainReport, ChunkingError>")]
+pub(crate) struct Drain;
+
+/// What a drain dropped (`ChunkingManagement::drain`); all zero when the engine completed or
+/// forgot everything first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainReport {
+    /// Steps still in flight, abandoned (their rows did not advance).
+    pub steps_abandoned: usize,
+    /// Requests that still had a row queued, dropped.
+    pub requests: usize,
+    /// Rows still queued, prefill and continuing, over all nodes, dropped.
+    pub rows: usize,
+    /// Whole prepared inputs still held, released.
+    pub prepared_inputs: usize,
+    /// Their tokens.
+    pub prepared_tokens: u64,
+}
+
+impl Handler<Drain> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
+
+    fn handle(&mut self, _: Drain, _: &mut Self::Context) -> Self::Result {
+        self.draining = true;
+        let drained = self.state.drain();
+        self.spans = Spans::new(self.instance.model_name().clone());
+        self.completed.clear();
+        self.publish_all_queues();
+        let release = self.prepared.send(Guarded(ReleaseAll));
+        Box::pin(release.into_actor(self).map(move |answer, _, _| {
+            let (prepared_inputs, prepared_tokens) =
+                answer.map_err(|_| ChunkingError::ActorStopped {
+                    actor: "PreparedInputs",
+                })??;
+            let report = DrainReport {
+                steps_abandoned: drained.steps,
+                requests: drained.requests,
+                rows: drained.rows,
+                prepared_inputs,
+                prepared_tokens,
+            };
+            tracing::info!(?report, "drained");
+            Ok(report)
+        }))
     }
 }
 

@@ -96,9 +96,4 @@ impl Spans {
             span.in_scope(|| tracing::debug!("request forgotten"));
         }
     }
-
-    /// Spans open: steps, requests (for the drain's report and tests).
-    pub(crate) fn open(&self) -> (usize, usize) {
-        (self.steps.len(), self.requests.len())
-    }
 }
