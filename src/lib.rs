@@ -25,11 +25,13 @@
 //! - [`metrics`]: every exported metric, labelled per facade instance;
 //! - [`error`]: [`ChunkingError`] and its [`ErrorKind`].
 //!
-//! The edges, behind cargo features: `config` (`manifest`, the model's file; `config`, the
-//! layered serving config; `reload`, hot reload), `replay` (`replay`, which drives the
-//! actors through a request trace on a simulated clock, and `latency::fit_file`), `sweep`
-//! (`sweep`, replays over a grid of budgets and rates), `prometheus` (`metrics_server`, the
-//! metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and the binary).
+//! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
+//! file read; `manifest`, the model's file; `config`, the layered serving config; `reload`,
+//! hot reload), `replay` (`replay`, which drives the actors through a request trace on a
+//! simulated clock, and `latency::fit_file`), `sweep` (`sweep`, replays over a grid of budgets
+//! and rates; with `replay`, `text`, how numbers read in reports), `prometheus`
+//! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and
+//! the binary).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -51,7 +53,9 @@
 //! A step costs the engine one message to assemble (the Scheduler plans, then has
 //! PreparedInputs cut the chunk inputs; the batch is held until the step completes, so a
 //! repeated `assemble` answers it again) and one to complete; budgets reach the scheduler as an
-//! `Arc` snapshot, never per row. See `docs/actors.md`.
+//! `Arc` snapshot, never per row. Each step is a `tracing` span from assembly to completion,
+//! and an engine shuts the component down with `begin_drain` / `drain`, which report what they
+//! dropped. See `docs/actors.md`.
 
 #![deny(missing_docs)]
 
