@@ -14,7 +14,6 @@ mod reload;
 mod replay;
 mod sim_truth;
 mod state_machine;
-mod step_spans;
 mod sweep_cli;
 mod time_budget;
 mod trusted_sweep;
