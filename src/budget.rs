@@ -44,7 +44,7 @@ impl BudgetValue {
 }
 
 /// What a refused budget value is told it should have been.
-pub const BUDGET_VALUE_EXPECTED: &str =
+pub(crate) const BUDGET_VALUE_EXPECTED: &str =
     "a positive whole number of tokens (at most 4294967295) or \"off\"";
 
 /// Why a count or a text is not a [`BudgetValue`]; quotes what was written.
@@ -60,7 +60,7 @@ impl BudgetValue {
     ///
     /// # Errors
     /// `n` is 0, negative or beyond `u32::MAX`.
-    pub fn from_count(n: i128) -> Result<Self, BudgetValueError> {
+    pub(crate) fn from_count(n: i128) -> Result<Self, BudgetValueError> {
         u32::try_from(n)
             .ok()
             .and_then(Self::tokens)

@@ -48,7 +48,7 @@ pub enum InputError {
 }
 
 impl InputError {
-    /// The error a [`Bounded`] read returned: the limit it hit, or the plain I/O error.
+    /// The error a `Bounded` read returned: the limit it hit, or the plain I/O error.
     pub fn from_io(e: io::Error) -> Self {
         match e.get_ref().and_then(|inner| inner.downcast_ref::<Hit>()) {
             Some(&Hit::File { limit }) => Self::TooLarge { limit },
@@ -182,11 +182,6 @@ impl<R> Bounded<R> {
         }
     }
 
-    /// The number (from 1) of the line the last [`Bounded::next_line`] returned.
-    pub fn line_number(&self) -> u64 {
-        self.line.saturating_sub(1).max(1)
-    }
-
     fn count_total(&mut self, n: usize) -> io::Result<()> {
         self.total = self.total.saturating_add(n as u64);
         if self.total > self.limits.file_bytes {
@@ -227,12 +222,13 @@ impl<R: Read> Read for Bounded<R> {
 }
 
 impl<R: BufRead> Bounded<R> {
-    /// Reads the next line, `None` at the end. A line longer than the line limit is read to its
-    /// end but not kept ([`Line::TooLong`]): only the file limit ends the read.
+    /// Reads the next line, with its number (from 1); `None` at the end. A line longer than the
+    /// line limit is read to its end but not kept ([`Line::TooLong`]): only the file limit ends
+    /// the read.
     ///
     /// # Errors
     /// An I/O error, or the file limit passed.
-    pub fn next_line(&mut self) -> io::Result<Option<Line<'_>>> {
+    pub fn next_line(&mut self) -> io::Result<Option<(u64, Line<'_>)>> {
         self.buf.clear();
         let (mut read_any, mut too_long) = (false, false);
         loop {
@@ -264,15 +260,17 @@ impl<R: BufRead> Bounded<R> {
                 break;
             }
         }
+        let number = self.line;
         self.line += 1;
-        Ok(Some(if too_long {
+        let line = if too_long {
             Line::TooLong
         } else {
             match std::str::from_utf8(&self.buf) {
                 Ok(text) => Line::Text(text),
                 Err(_) => Line::NotUtf8,
             }
-        }))
+        };
+        Ok(Some((number, line)))
     }
 }
 
@@ -334,12 +332,12 @@ mod tests {
     fn lines_are_numbered_and_a_long_one_is_dropped_not_fatal() {
         let mut r = Bounded::new(&b"ab\r\n\ntoolong\n\xff\nend"[..], SMALL);
         let mut got = Vec::new();
-        while let Some(line) = r.next_line().unwrap() {
+        while let Some((number, line)) = r.next_line().unwrap() {
             let line = match line {
                 Line::Text(t) => t.to_owned(),
                 other => format!("{other:?}"),
             };
-            got.push((line, r.line_number()));
+            got.push((line, number));
         }
         let want = [
             ("ab\r", 1),

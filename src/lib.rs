@@ -67,7 +67,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 #[cfg(feature = "config")]
-pub mod input;
+mod input;
 pub mod latency;
 #[cfg(feature = "cli")]
 pub mod logging;
@@ -91,7 +91,7 @@ pub mod snapshot;
 #[cfg(feature = "sweep")]
 pub mod sweep;
 #[cfg(any(feature = "replay", feature = "sweep"))]
-pub mod text;
+pub(crate) mod text;
 
 pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{

@@ -57,7 +57,7 @@ pub struct StepTokens {
 
 impl StepTokens {
     /// A step as planned, before any row's actual tokens are counted.
-    pub fn planned(budget: Option<u32>, scheduled: u64, uncut_over_budget: bool) -> Self {
+    pub(crate) fn planned(budget: Option<u32>, scheduled: u64, uncut_over_budget: bool) -> Self {
         Self {
             budget,
             scheduled,
@@ -69,7 +69,7 @@ impl StepTokens {
     /// A step as planned, and as it ran: each row's estimate when it is a continuing row, with
     /// the tokens it ran. The one place a step's tokens are counted, by the scheduler as it
     /// completes a step and by the facade's `check_budget` for a step run outside it.
-    pub fn of_step(
+    pub(crate) fn of_step(
         budget: Option<u32>,
         scheduled: u64,
         uncut_over_budget: bool,
@@ -84,7 +84,7 @@ impl StepTokens {
 
     /// Counts one row: `ran` the tokens it actually ran, `continue_estimate` its estimate when
     /// it is a continuing row.
-    pub fn add_row(&mut self, continue_estimate: Option<u32>, ran: u32) {
+    pub(crate) fn add_row(&mut self, continue_estimate: Option<u32>, ran: u32) {
         self.ran += u64::from(ran);
         if let Some(estimate) = continue_estimate {
             self.continue_estimate += u64::from(estimate);

@@ -139,7 +139,7 @@ impl RowWork {
     }
 
     /// A continuing row's estimate; `None` for a chunk.
-    pub fn continue_estimate(&self) -> Option<u32> {
+    pub(crate) fn continue_estimate(&self) -> Option<u32> {
         match self {
             RowWork::Continue { estimate } => Some(*estimate),
             RowWork::Chunk { .. } => None,

@@ -387,7 +387,7 @@ impl SchedulerState {
     }
 
     /// Uses `snapshot` from the next assembled step on. Steps in flight keep their budgets.
-    pub fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
+    pub(crate) fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
         self.snapshot = Some(snapshot);
     }
 

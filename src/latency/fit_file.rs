@@ -3,7 +3,7 @@
 //! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
 //!
 //! Input is bounded (a regular file, [`MAX_FIT_FILE_BYTES`], [`MAX_FIT_LINE_BYTES`],
-//! [`MAX_FIT_SAMPLES`]; read through the crate's one bounded input path, [`crate::input`]) and
+//! [`MAX_FIT_SAMPLES`]; read through the crate's one bounded input path, `src/input.rs`) and
 //! every error names the file and the line.
 
 use std::fmt::Write as _;

@@ -87,17 +87,13 @@ impl KvPool {
         self.requests_used + self.cache_used
     }
 
-    /// Blocks the requests hold.
-    pub fn requests_used(&self) -> u64 {
-        self.requests_used
-    }
-
     /// Blocks the prefix cache holds.
     pub fn cache_used(&self) -> u64 {
         self.cache_used
     }
 
     /// Blocks reserved for admitted prompts' first chunks.
+    #[cfg(test)]
     pub fn reserved(&self) -> u64 {
         self.reserved_total
     }

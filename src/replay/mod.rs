@@ -3,10 +3,10 @@
 //! overruns and latency.
 //!
 //! - [`trace`]: the Azure CSV and Mooncake JSON Lines readers, and the bundled trace;
-//! - [`sim`]: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
-//! - [`prefix_cache`]: the LRU of prompt blocks keyed by a trace's block hashes;
+//! - `sim`: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
+//! - `prefix_cache`: the LRU of prompt blocks keyed by a trace's block hashes;
 //! - [`settings`]: the `[replay]` section, checked once for `check` and `replay`;
-//! - [`step_log`]: the `--step-log` JSON Lines writer, and outputs written by rename;
+//! - `step_log`: the `--step-log` JSON Lines writer, and outputs written by rename;
 //! - [`report`]: the summary table and the `--report-json` document;
 //! - `options`, `error`, `checks`, `budgets`, `run`, `signals`: what one replay is asked
 //!   ([`ReplayOptions`]), how it fails ([`ReplayError`]), what it refuses before running, the
@@ -19,15 +19,15 @@ pub mod arrivals;
 mod budgets;
 mod checks;
 mod error;
-pub mod kv;
+pub(crate) mod kv;
 mod options;
-pub mod prefix_cache;
+pub(crate) mod prefix_cache;
 pub mod report;
 mod run;
 pub mod settings;
 mod signals;
-pub mod sim;
-pub mod step_log;
+pub(crate) mod sim;
+pub(crate) mod step_log;
 pub mod trace;
 
 pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, replay_budgets};

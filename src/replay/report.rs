@@ -452,7 +452,7 @@ impl CostLabel {
 
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
-    /// online learning when they apply; coefficients as [`coefficient`] prints them.
+    /// online learning when they apply; coefficients as `text::coefficient` prints them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,

@@ -30,7 +30,7 @@ use crate::ChunkingManagement;
 
 mod memory;
 
-pub use memory::{component_rid, first_chunk_walk, KvState, RID_ATTEMPT_SHIFT, RID_MASK};
+pub use memory::first_chunk_walk;
 
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;

@@ -123,22 +123,9 @@ impl StepLog {
     /// Writes one step: `batch` as assembled, started at `t_ms` of simulated time, which ran
     /// `ran_tokens` and overran (or not) as its completion said. `contexts` holds each row's
     /// context as the simulated engine knows it (by row; a chunk's entry is unused): what a
-    /// continuing row's `context` shows, and what its step was priced with.
-    ///
-    /// # Errors
-    /// The write failed.
-    pub fn write(
-        &mut self,
-        t_ms: f64,
-        batch: &Batch,
-        contexts: &[u64],
-        outcome: &StepOutcome,
-    ) -> io::Result<()> {
-        self.write_with(t_ms, batch, contexts, outcome, None)
-    }
-
-    /// [`write`](Self::write), with the KV memory of the step when the replay models it (a
-    /// `kv` object; no such key without a KV limit).
+    /// continuing row's `context` shows, and what its step was priced with. `kv` is the KV
+    /// memory of the step when the replay models it (a `kv` object; no such key without a KV
+    /// limit).
     ///
     /// # Errors
     /// The write failed.

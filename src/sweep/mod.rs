@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
 pub mod capacity;
-pub mod cells;
+pub(crate) mod cells;
 pub mod grid;
 pub mod html;
 pub mod kv_axis;
@@ -31,7 +31,7 @@ pub mod output;
 pub mod plots;
 mod raster;
 pub mod run;
-pub mod tables;
+pub(crate) mod tables;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
 pub use grid::{parse_budgets, parse_rates, Budget, GridError};

@@ -1,8 +1,8 @@
 //! Request traces (`docs/replay.md#trace-formats`): one reader per format, in a file of its own
-//! ([`azure`], [`mooncake`], [`generic`], [`lengths`]), each producing the same [`Request`]s
+//! (`azure`, `mooncake`, `generic`, `lengths`), each producing the same [`Request`]s
 //! into one [`Trace`].
 //!
-//! Every reader has one interface: it reads its format from a [`Bounded`] reader (the crate's
+//! Every reader has one interface: it reads its format from a `Bounded` reader (the crate's
 //! one bounded input path: [`MAX_TRACE_BYTES`], [`MAX_LINE_BYTES`]) and offers each record to a
 //! `Collector`, which applies the rules every format shares (token limits, arrivals that
 //! never go back, block hashes per 512 tokens), numbers the requests, and refuses or skips bad
@@ -20,12 +20,12 @@ use serde::Serialize;
 use super::arrivals::{Arrivals, ArrivalsError};
 use crate::input::{self, Bounded, InputError, Limits};
 
-pub mod azure;
+mod azure;
 mod collector;
 mod columns;
-pub mod generic;
-pub mod lengths;
-pub mod mooncake;
+mod generic;
+mod lengths;
+mod mooncake;
 
 pub use azure::parse_wall_clock;
 use collector::Collector;

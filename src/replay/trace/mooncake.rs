@@ -36,13 +36,11 @@ pub(super) fn read<R: BufRead>(
     mut reader: Bounded<R>,
 ) -> Result<(), TraceError> {
     let mut hashes: Vec<u64> = Vec::new();
-    let mut line: u64 = 0;
     while !c.full() {
         let next = reader
             .next_line()
             .map_err(|e| TraceError::input(c.file(), input::InputError::from_io(e)))?;
-        let Some(next) = next else { break };
-        line += 1;
+        let Some((line, next)) = next else { break };
         let parsed = match next {
             input::Line::Text(text) if text.trim().is_empty() => continue,
             input::Line::Text(text) => {
