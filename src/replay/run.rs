@@ -96,16 +96,7 @@ pub async fn run_on(
     let wall = Instant::now();
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
     let setup = ReplaySetup::resolve(manifest, settings)?;
-    let mut inputs = opts.inputs.clone();
-    inputs.extend(opts.trace.clone());
-    let outputs: Vec<(&'static str, &Path)> = [
-        ("step log", opts.step_log.as_deref()),
-        ("JSON report", opts.report_json.as_deref()),
-    ]
-    .into_iter()
-    .filter_map(|(what, p)| Some((what, p?)))
-    .collect();
-    check_outputs(&outputs, &inputs)?;
+    check_run_outputs(opts)?;
     // Refused before the trace is read, not after.
     replay_budgets(manifest, settings, &setup, opts.budget_off, opts.budget)?;
     let trace = load_trace(opts, setup.seed)?;
@@ -127,16 +118,7 @@ pub async fn run_trace(
 ) -> Result<ReplayReport, ReplayError> {
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
     let setup = ReplaySetup::resolve(manifest, settings)?;
-    let outputs: Vec<(&'static str, &Path)> = [
-        ("step log", opts.step_log.as_deref()),
-        ("JSON report", opts.report_json.as_deref()),
-    ]
-    .into_iter()
-    .filter_map(|(what, p)| Some((what, p?)))
-    .collect();
-    let mut inputs = opts.inputs.clone();
-    inputs.extend(opts.trace.clone());
-    check_outputs(&outputs, &inputs)?;
+    check_run_outputs(opts)?;
     check_clock(trace, opts.rate_scale)?;
 
     cm.set_policies(manifest.policies())
@@ -276,4 +258,19 @@ async fn run_settings(
         requests: trace.requests.len(),
         rate_scale: opts.rate_scale,
     })
+}
+
+/// Refuses the outputs `opts` asks for (the step log, the JSON report) when one would overwrite
+/// an input (the trace, config layers, the model) or the other ([`check_outputs`]).
+fn check_run_outputs(opts: &ReplayOptions) -> Result<(), ReplayError> {
+    let outputs: Vec<(&'static str, &Path)> = [
+        ("step log", opts.step_log.as_deref()),
+        ("JSON report", opts.report_json.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(what, p)| Some((what, p?)))
+    .collect();
+    let mut inputs = opts.inputs.clone();
+    inputs.extend(opts.trace.clone());
+    check_outputs(&outputs, &inputs)
 }
