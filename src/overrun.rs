@@ -219,6 +219,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_step_is_counted_as_planned_and_as_its_rows_ran() {
+        // Two continuing rows (estimates 2 and 1, ran 5 and 1) and a chunk that ran 60.
+        let rows = [(Some(2), 5), (None, 60), (Some(1), 1)];
+        assert_eq!(
+            StepTokens::of_step(Some(100), 90, true, rows),
+            StepTokens {
+                budget: Some(100),
+                scheduled: 90,
+                ran: 66,
+                continue_estimate: 3,
+                continue_ran: 6,
+                uncut_over_budget: true,
+            }
+        );
+        assert_eq!(
+            StepTokens::of_step(None, 7, false, []),
+            StepTokens::planned(None, 7, false)
+        );
+    }
+
+    #[test]
     fn time_overruns_by_reason() {
         use TimeOverrunReason::*;
         assert_eq!(classify_time_overrun(45.0, 45.0, None), None);

@@ -267,6 +267,26 @@ mod tests {
     }
 
     #[test]
+    fn clear_drops_every_input_on_every_node() {
+        let mut s = PreparedStore::default();
+        let (a, b) = (Name::from("thinker"), Name::from("talker"));
+        s.insert(1, &a, PreparedInput::tokens(vec![1, 2])).unwrap();
+        s.insert(1, &b, PreparedInput::tokens(vec![1])).unwrap();
+        s.insert(2, &a, PreparedInput::tokens(vec![3])).unwrap();
+        assert_eq!(s.clear(), (3, 4));
+        assert_eq!((s.rows(), s.tokens()), (0, 0));
+        assert_eq!(
+            (s.node_totals("thinker"), s.node_totals("talker")),
+            ((0, 0), (0, 0))
+        );
+        assert!(s.get(1, "talker").is_none());
+        assert_eq!(s.clear(), (0, 0));
+        // Inputs are held again as before.
+        assert_eq!(s.insert(1, &a, PreparedInput::tokens(vec![5])).unwrap(), 1);
+        assert_eq!((s.rows(), s.tokens()), (1, 1));
+    }
+
+    #[test]
     fn release_and_forget_are_idempotent() {
         let mut s = PreparedStore::default();
         let (a, b) = (Name::from("thinker"), Name::from("talker"));

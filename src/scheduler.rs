@@ -861,6 +861,43 @@ mod tests {
         s
     }
 
+    #[test]
+    fn drain_abandons_the_steps_and_drops_every_row() {
+        let mut s = learning_state();
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        s.admit(2, "llm", "prefill", 30, 0).unwrap();
+        s.continue_row(3, "llm", "decode", 1, None).unwrap();
+        let b = s.assemble_batch("llm", "prefill").unwrap();
+        let empty = s.assemble_batch("llm", "decode");
+        assert!(
+            matches!(empty, Err(ChunkingError::StepInFlight { .. })),
+            "{empty:?}"
+        );
+        assert_eq!(s.steps_in_flight(), 1);
+        assert_eq!(
+            s.drain(),
+            Drained {
+                steps: 1,
+                requests: 3,
+                rows: 3
+            }
+        );
+        assert_eq!((s.steps_in_flight(), s.prefill_rows()), (0, 0));
+        assert_eq!(s.node("llm").unwrap().counts(), Default::default());
+        assert!(matches!(
+            s.complete(b.step, &[100], None),
+            Err(ChunkingError::UnknownStep { .. })
+        ));
+        // A node's last empty step is forgotten too; step numbers go on after a drain.
+        let empty = s.assemble_batch("llm", "prefill").unwrap();
+        assert!(empty.rows.is_empty() && empty.step > b.step);
+        assert_eq!(s.drain(), Drained::default());
+        assert!(matches!(
+            s.complete(empty.step, &[], None),
+            Err(ChunkingError::UnknownStep { .. })
+        ));
+    }
+
     fn contexts(s: &SchedulerState) -> Vec<(u64, u64)> {
         s.node("llm")
             .unwrap()
