@@ -862,6 +862,21 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_counts_its_tokens_as_the_completion_does() {
+        let mut s = learning_state();
+        s.admit(1, "llm", "prefill", 60, 0).unwrap();
+        s.admit(3, "llm", "prefill", 20, 0).unwrap();
+        let b = s.assemble_batch("llm", "prefill").unwrap();
+        // The first chunk ran, the second did not run at all (0).
+        let ran: Vec<u32> = vec![b.rows[0].tokens(), 0];
+        assert_eq!(b.rows.len(), 2);
+        let counted = b.step_tokens(&ran);
+        assert_eq!(counted.ran, ran.iter().map(|&r| u64::from(r)).sum::<u64>());
+        assert_eq!(counted.scheduled, b.scheduled_tokens);
+        assert_eq!(s.complete(b.step, &ran, None).unwrap().tokens, counted);
+    }
+
+    #[test]
     fn drain_abandons_the_steps_and_drops_every_row() {
         let mut s = learning_state();
         s.admit(1, "llm", "prefill", 150, 0).unwrap();
