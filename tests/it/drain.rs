@@ -57,6 +57,18 @@ async fn a_drain_refuses_new_work_lets_the_step_finish_and_leaves_nothing_held()
         .unwrap();
     assert!(done.outcome.finished.is_empty(), "rid 1 has 36 tokens left");
     assert_eq!(done.next.unwrap_err(), ChunkingError::Draining);
+    // What is held before the drain: rid 1 mid-prefill, rid 2 waiting, rid 3 decoding.
+    let held = cm.queue_stats().await.unwrap();
+    assert_eq!(
+        (
+            held.prefill_rows,
+            held.mid_prefill_rows,
+            held.continuing_rows,
+            held.steps_in_flight
+        ),
+        (2, 1, 1, 0)
+    );
+    assert_eq!(cm.prepared_totals().await.unwrap(), (2, 130));
 
     let report = cm.drain().await.unwrap();
     assert_eq!(
@@ -92,6 +104,7 @@ async fn a_drain_abandons_the_step_still_in_flight() {
     let cm = started().await;
     cm.admit(1, "llm", "prefill", tokens(100), 0).await.unwrap();
     let step = cm.assemble("llm", "prefill").await.unwrap();
+    assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 1);
     let report = cm.drain().await.unwrap();
     assert_eq!(
         (
