@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use mstar_chunking::{
-    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput,
-    SubmoduleCaps, Work,
+    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, RowWork,
+    SubmoduleCaps,
 };
 
 /// The engine's side: owns the model's requests and calls the chunking facade each step.
@@ -45,8 +45,8 @@ impl Handler<Step> for Engine {
                 .rows
                 .iter()
                 .map(|r| match r.work {
-                    Work::Continue { estimate } => format!("rid {} decode {estimate}", r.rid),
-                    Work::Chunk { range, .. } => format!(
+                    RowWork::Continue { estimate } => format!("rid {} decode {estimate}", r.rid),
+                    RowWork::Chunk { range, .. } => format!(
                         "rid {} chunk [{}, {}) of {}{}",
                         r.rid,
                         range.start,
@@ -77,7 +77,7 @@ impl Handler<Step> for Engine {
             // next step on: queued before it is planned.
             let mut next = NextStep::new("llm", "mixed");
             for r in &batch.rows {
-                if matches!(r.work, Work::Chunk { range, .. } if range.is_final()) {
+                if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
                     next = next.continue_row(r.rid, "decode", 1);
                 }
             }

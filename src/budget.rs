@@ -7,11 +7,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::num::NonZeroU32;
+use std::str::FromStr;
 use std::sync::Arc;
 
-use crate::latency::LatencyModel;
+use crate::latency::{check_max_step_ms, LatencyModel};
+use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies};
-use crate::Name;
 
 /// `min_chunk_tokens` when the serving config sets none.
 pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
@@ -19,7 +20,7 @@ pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
 /// One budget as a serving config sets it: a positive token count or off. The config wing
 /// parses its spellings (`docs/config.md#budget-spellings`); 0, negatives and counts beyond
 /// `u32` cannot be represented, so they never reach the core.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BudgetValue {
     /// A token count, at least 1.
     Tokens(NonZeroU32),
@@ -38,6 +39,68 @@ impl BudgetValue {
         match self {
             Self::Tokens(t) => Some(t.get()),
             Self::Off => None,
+        }
+    }
+}
+
+/// What a refused budget value is told it should have been.
+pub(crate) const BUDGET_VALUE_EXPECTED: &str =
+    "a positive whole number of tokens (at most 4294967295) or \"off\"";
+
+/// Why a count or a text is not a [`BudgetValue`]; quotes what was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected {BUDGET_VALUE_EXPECTED}, got {written}")]
+pub struct BudgetValueError {
+    /// What was written: a count as a number, other text quoted and cut.
+    pub written: String,
+}
+
+impl BudgetValue {
+    /// The budget of `n` tokens, as written (any integer, so that a refusal quotes it).
+    ///
+    /// # Errors
+    /// `n` is 0, negative or beyond `u32::MAX`.
+    pub(crate) fn from_count(n: i128) -> Result<Self, BudgetValueError> {
+        u32::try_from(n)
+            .ok()
+            .and_then(Self::tokens)
+            .ok_or_else(|| BudgetValueError {
+                written: n.to_string(),
+            })
+    }
+}
+
+/// The one text form of a budget, for the config's strings, `--budget` and the sweep's
+/// `--budgets`: `off` (any case) or decimal digits with an optional sign, spaces around
+/// ignored. `1.5`, `1e3`, `0x10`, `none` and `false` are refused rather than guessed at.
+impl FromStr for BudgetValue {
+    type Err = BudgetValueError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(Self::Off);
+        }
+        // The length cap keeps i128 parsing exact.
+        let digits = t.strip_prefix(['-', '+']).unwrap_or(t);
+        if digits.is_empty() || digits.len() > 30 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            // Quoted and cut, as the config quotes values: the text may be anything.
+            let cut: String = s.chars().take(200).collect();
+            let more = if cut.len() < s.len() { "…" } else { "" };
+            return Err(BudgetValueError {
+                written: format!("{cut:?}{more}"),
+            });
+        }
+        Self::from_count(t.parse::<i128>().unwrap_or(i128::MAX))
+    }
+}
+
+/// Serialised as its number of tokens, or the string `"off"`.
+impl serde::Serialize for BudgetValue {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Tokens(n) => s.serialize_u32(n.get()),
+            Self::Off => s.serialize_str("off"),
         }
     }
 }
@@ -318,13 +381,15 @@ pub enum BudgetError {
     #[error("`{setting}` names node `{node}`, which the model does not have")]
     UnknownNode {
         /// The setting that names it.
-        setting: &'static str,
+        setting: SettingKey,
         /// The node.
         node: Name,
     },
     /// A walk not in `walks` (rule 2).
     #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
     WalkNotServed {
+        /// The per-node setting (`max_batch_tokens` or `max_step_ms`) that names the walk.
+        setting: SettingKey,
         /// The node.
         node: Name,
         /// The walk.
@@ -347,6 +412,8 @@ pub enum BudgetError {
     /// A node-wide budget on a node that budgets no walk (rule 4).
     #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
     NodeBudgetsNothing {
+        /// The per-node setting (`max_batch_tokens` or `max_step_ms`) set on the node.
+        setting: SettingKey,
         /// The node.
         node: Name,
     },
@@ -361,10 +428,10 @@ pub enum BudgetError {
         combined: Name,
     },
     /// `min_chunk_tokens`, `max_row_tokens` or `max_partial_prefills` of 0 (rule 6).
-    #[error("`{key}` must be at least 1, got 0")]
+    #[error("`{setting}` must be at least 1, got 0")]
     ZeroSetting {
         /// The setting.
-        key: &'static str,
+        setting: SettingKey,
     },
     /// A budget below the policy's `align`: no aligned chunk could be cut.
     #[error("budget for `{node}`/`{walk}` is {budget}, below the policy's `align` of {align} tokens: no aligned chunk would fit")]
@@ -480,6 +547,186 @@ pub enum BudgetError {
     },
 }
 
+/// A setting of [`BudgetSettings`] a refusal is about; it displays as its key under a serving
+/// config's `[chunking]` section, so a config loader names the key a refusal is about without
+/// reading its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SettingKey {
+    /// [`BudgetSettings::overrides`]: `max_batch_tokens`, per node.
+    MaxBatchTokens,
+    /// [`TimeSettings::max_step_ms`]: `max_step_ms`, per node.
+    MaxStepMs,
+    /// [`TimeSettings::cost`]: `cost`, per node.
+    Cost,
+    /// [`BudgetSettings::no_chunking`]: a list of nodes.
+    NoChunking,
+    /// [`BudgetSettings::override_mixed`]: a list of nodes (the model's say).
+    OverrideMixed,
+    /// [`BudgetSettings::combined_walk_of`] (the model's say).
+    CombinedWalkOf,
+    /// [`BudgetSettings::min_chunk_tokens`].
+    MinChunkTokens,
+    /// [`BudgetSettings::max_row_tokens`].
+    MaxRowTokens,
+    /// [`BudgetSettings::max_partial_prefills`].
+    MaxPartialPrefills,
+    /// [`TimeSettings::margin_quantile`]: `time_margin`.
+    TimeMargin,
+}
+
+impl SettingKey {
+    /// The setting's key: `max_batch_tokens`, `no_chunking`, ...
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::MaxBatchTokens => "max_batch_tokens",
+            Self::MaxStepMs => "max_step_ms",
+            Self::Cost => "cost",
+            Self::NoChunking => "no_chunking",
+            Self::OverrideMixed => "override_mixed",
+            Self::CombinedWalkOf => "combined_walk_of",
+            Self::MinChunkTokens => "min_chunk_tokens",
+            Self::MaxRowTokens => "max_row_tokens",
+            Self::MaxPartialPrefills => "max_partial_prefills",
+            Self::TimeMargin => "time_margin",
+        }
+    }
+}
+
+impl fmt::Display for SettingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.key())
+    }
+}
+
+/// What a refusal is about: the setting, and for a per-node setting the node and walk whose
+/// value was refused (`walk: None`: the node-wide value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Subject<'a> {
+    /// The setting.
+    pub setting: SettingKey,
+    /// The node, for a per-node setting or a list of nodes.
+    pub node: Option<&'a Name>,
+    /// The walk, for a per-walk value.
+    pub walk: Option<&'a Name>,
+}
+
+/// The documented rule a refusal breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// `docs/budgets.md#refusals`, with the rule's number where it has one.
+    Budgets(Option<u8>),
+    /// `docs/cost-model.md#time-budgets`.
+    TimeBudgets,
+    /// `docs/cost-model.md#the-time-margin`.
+    TimeMargin,
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Budgets(Some(n)) => write!(f, "docs/budgets.md#refusals, rule {n}"),
+            Self::Budgets(None) => f.write_str("docs/budgets.md#refusals"),
+            Self::TimeBudgets => f.write_str("docs/cost-model.md#time-budgets"),
+            Self::TimeMargin => f.write_str("docs/cost-model.md#the-time-margin"),
+        }
+    }
+}
+
+impl BudgetError {
+    /// The setting the refusal is about, with its node and walk; `None` when it is about no
+    /// one setting (`set_budgets` before `set_policies`, a walk no combined walk takes).
+    pub fn subject(&self) -> Option<Subject<'_>> {
+        use SettingKey as K;
+        let at = |setting, node, walk| {
+            Some(Subject {
+                setting,
+                node: Some(node),
+                walk,
+            })
+        };
+        let whole = |setting| {
+            Some(Subject {
+                setting,
+                node: None,
+                walk: None,
+            })
+        };
+        match self {
+            Self::PoliciesNotSet | Self::WalkNeverChunked { .. } => None,
+            Self::UnknownNode { setting, node } | Self::NodeBudgetsNothing { setting, node } => {
+                at(*setting, node, None)
+            }
+            Self::WalkNotServed {
+                setting,
+                node,
+                walk,
+            } => at(*setting, node, Some(walk)),
+            Self::CombinedWalkNotServed { walk } | Self::WalkInTwoCombined { walk, .. } => {
+                Some(Subject {
+                    setting: K::CombinedWalkOf,
+                    node: None,
+                    walk: Some(walk),
+                })
+            }
+            Self::WalkNotBudgeted { node, walk }
+            | Self::MemberWalk { node, walk, .. }
+            | Self::BelowAlign { node, walk, .. } => at(K::MaxBatchTokens, node, Some(walk)),
+            Self::ZeroSetting { setting } => whole(*setting),
+            Self::RowCapBelowAlign { .. } => whole(K::MaxRowTokens),
+            Self::BadTimeBudget { node, walk, .. } => at(K::MaxStepMs, node, walk.as_ref()),
+            Self::TimeBudgetDoesNothing { node, walk }
+            | Self::TimeMemberWalk { node, walk, .. }
+            | Self::TimeBudgetBelowBase { node, walk, .. } => at(K::MaxStepMs, node, Some(walk)),
+            Self::NoLatencyModel { node } => at(K::MaxStepMs, node, None),
+            Self::ZeroLatencyModel { node } => at(K::Cost, node, None),
+            Self::BadTimeMargin { .. } | Self::TimeMarginWithoutBudget => whole(K::TimeMargin),
+        }
+    }
+
+    /// The documented rule the refusal breaks.
+    pub fn rule(&self) -> Rule {
+        use SettingKey as K;
+        let n = |n| Rule::Budgets(Some(n));
+        match self {
+            Self::UnknownNode {
+                setting: K::MaxBatchTokens,
+                ..
+            } => n(1),
+            Self::UnknownNode { .. } | Self::WalkInTwoCombined { .. } => n(7),
+            Self::WalkNotServed { .. } | Self::CombinedWalkNotServed { .. } => n(2),
+            Self::WalkNotBudgeted { .. } => n(3),
+            Self::NodeBudgetsNothing { .. } => n(4),
+            Self::MemberWalk { .. } => n(5),
+            Self::ZeroSetting {
+                setting: K::MinChunkTokens,
+            } => n(6),
+            Self::ZeroSetting { .. } => n(10),
+            Self::BelowAlign { .. } => n(8),
+            Self::RowCapBelowAlign { .. } => n(9),
+            Self::WalkNeverChunked { .. } => n(11),
+            Self::BadTimeBudget { .. }
+            | Self::TimeBudgetDoesNothing { .. }
+            | Self::TimeMemberWalk { .. }
+            | Self::NoLatencyModel { .. }
+            | Self::TimeBudgetBelowBase { .. }
+            | Self::ZeroLatencyModel { .. } => Rule::TimeBudgets,
+            Self::BadTimeMargin { .. } | Self::TimeMarginWithoutBudget => Rule::TimeMargin,
+            Self::PoliciesNotSet => Rule::Budgets(None),
+        }
+    }
+
+    /// The refused value, where the refusal carries it (a 0, a `max_row_tokens`); a per-node
+    /// value is quoted from where it was written by whoever reports the refusal.
+    pub fn value(&self) -> Option<String> {
+        match self {
+            Self::ZeroSetting { .. } => Some("0".into()),
+            Self::RowCapBelowAlign { max_row, .. } => Some(max_row.to_string()),
+            Self::BadTimeMargin { value } => Some(value.to_string()),
+            _ => None,
+        }
+    }
+}
+
 /// Every problem with a refused setting, in the order found.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{}", self.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
@@ -529,18 +776,21 @@ impl BudgetTable {
         settings: BudgetSettings,
     ) -> Result<Self, BudgetErrors> {
         let mut errors = Vec::new();
-        for (key, value) in [
-            ("min_chunk_tokens", Some(settings.min_chunk_tokens)),
-            ("max_row_tokens", settings.max_row_tokens),
-            ("max_partial_prefills", settings.max_partial_prefills),
+        for (setting, value) in [
+            (SettingKey::MinChunkTokens, Some(settings.min_chunk_tokens)),
+            (SettingKey::MaxRowTokens, settings.max_row_tokens),
+            (
+                SettingKey::MaxPartialPrefills,
+                settings.max_partial_prefills,
+            ),
         ] {
             if value == Some(0) {
-                errors.push(BudgetError::ZeroSetting { key });
+                errors.push(BudgetError::ZeroSetting { setting });
             }
         }
         for (setting, nodes) in [
-            ("override_mixed", &settings.override_mixed),
-            ("no_chunking", &settings.no_chunking),
+            (SettingKey::OverrideMixed, &settings.override_mixed),
+            (SettingKey::NoChunking, &settings.no_chunking),
         ] {
             for node in nodes.iter().filter(|n| !model.has_node(n)) {
                 errors.push(BudgetError::UnknownNode {
@@ -572,7 +822,7 @@ impl BudgetTable {
         }
         let overrides = expand(
             &model,
-            "max_batch_tokens",
+            SettingKey::MaxBatchTokens,
             &settings.overrides,
             |_, _, value: BudgetValue, _| Some(value.get()),
             |node, walk, _| Self::walk_refusal(&model, &settings, node, walk),
@@ -674,7 +924,7 @@ impl BudgetTable {
         let time = &settings.time;
         for node in time.cost.keys().filter(|n| !model.has_node(n)) {
             errors.push(BudgetError::UnknownNode {
-                setting: "cost",
+                setting: SettingKey::Cost,
                 node: node.clone(),
             });
         }
@@ -686,20 +936,26 @@ impl BudgetTable {
         let check =
             |node: &Name, walk: Option<&Name>, value, errors: &mut Vec<BudgetError>| match value {
                 TimeBudget::Off => Some(None),
-                TimeBudget::Ms(ms) if ms.is_finite() && ms > 0.0 => Some(Some(ms)),
-                TimeBudget::Ms(value) => {
-                    errors.push(BudgetError::BadTimeBudget {
-                        node: node.clone(),
-                        walk: walk.cloned(),
-                        value,
-                    });
-                    None
-                }
+                TimeBudget::Ms(value) => match check_max_step_ms(value) {
+                    Ok(ms) => Some(Some(ms)),
+                    Err(_) => {
+                        errors.push(BudgetError::BadTimeBudget {
+                            node: node.clone(),
+                            walk: walk.cloned(),
+                            value,
+                        });
+                        None
+                    }
+                },
             };
         let refusal = |node: &Name, walk: &Name, ms: Option<&Option<f64>>| {
             let (node, walk) = (node.clone(), walk.clone());
             if !settings.walks.contains(&walk) {
-                return Some(BudgetError::WalkNotServed { node, walk });
+                return Some(BudgetError::WalkNotServed {
+                    setting: SettingKey::MaxStepMs,
+                    node,
+                    walk,
+                });
             }
             if let Some(combined) = settings.combined_walk_of.get(&walk) {
                 let combined = combined.clone();
@@ -715,7 +971,7 @@ impl BudgetTable {
         };
         let accepted = expand(
             model,
-            "max_step_ms",
+            SettingKey::MaxStepMs,
             &time.max_step_ms,
             check,
             refusal,
@@ -770,7 +1026,11 @@ impl BudgetTable {
     ) -> Option<BudgetError> {
         let (node, walk) = (node.clone(), walk.clone());
         if !settings.walks.contains(&walk) {
-            return Some(BudgetError::WalkNotServed { node, walk });
+            return Some(BudgetError::WalkNotServed {
+                setting: SettingKey::MaxBatchTokens,
+                node,
+                walk,
+            });
         }
         if let Some(combined) = settings.combined_walk_of.get(&walk) {
             if !settings.override_mixed.contains(&node) {
@@ -885,7 +1145,7 @@ impl BudgetTable {
 /// the accepted value, if any.
 fn expand<V: Copy, T: Copy>(
     model: &ModelPolicies,
-    setting: &'static str,
+    setting: SettingKey,
     nodes: &BTreeMap<Name, NodeSetting<V>>,
     accept: impl Fn(&Name, Option<&Name>, V, &mut Vec<BudgetError>) -> Option<T>,
     refusal: impl Fn(&Name, &Name, Option<&T>) -> Option<BudgetError>,
@@ -904,7 +1164,10 @@ fn expand<V: Copy, T: Copy>(
             NodeSetting::All(value) => {
                 let walks: Vec<Name> = model.budgeted_walks(node).cloned().collect();
                 if walks.is_empty() {
-                    errors.push(BudgetError::NodeBudgetsNothing { node: node.clone() });
+                    errors.push(BudgetError::NodeBudgetsNothing {
+                        setting,
+                        node: node.clone(),
+                    });
                 }
                 if let Some(v) = accept(node, None, *value, errors) {
                     for walk in walks {
@@ -1317,7 +1580,7 @@ mod tests {
         );
         assert!(
             has(
-                &|e| matches!(e, BudgetError::UnknownNode { setting: "max_step_ms", node } if &**node == "ghost")
+                &|e| matches!(e, BudgetError::UnknownNode { setting: SettingKey::MaxStepMs, node } if &**node == "ghost")
             ),
             "{errs:?}"
         );
@@ -1496,10 +1759,10 @@ mod tests {
             refused(s),
             vec![
                 BudgetError::ZeroSetting {
-                    key: "max_row_tokens"
+                    setting: SettingKey::MaxRowTokens
                 },
                 BudgetError::ZeroSetting {
-                    key: "max_partial_prefills"
+                    setting: SettingKey::MaxPartialPrefills
                 },
             ]
         );

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use crate::budget::BudgetErrors;
+use crate::policy::Name;
 use crate::policy::PolicyError;
-use crate::Name;
 
 /// A refused request to the chunking component. Nothing changed when one is returned (the one
 /// exception, [`ChunkingError::MissingPreparedInput`], says what it dropped).
@@ -15,6 +15,10 @@ use crate::Name;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChunkingError {
+    /// The component is draining or drained (`ChunkingManagement::begin_drain`, `drain`): it
+    /// admits no request and assembles no step.
+    #[error("the chunking component is shutting down (drain): it admits no request and assembles no step")]
+    Draining,
     /// `admit` got a prepared input of no tokens.
     #[error("rid {rid} on `{node}`: an empty prepared input cannot be prefilled")]
     EmptyInput {
@@ -241,9 +245,10 @@ impl ChunkingError {
             Self::MissingPreparedInput { .. }
             | Self::ActorPanicked { .. }
             | Self::Timeout { .. } => ErrorKind::Transient,
-            Self::ActorStopped { .. } | Self::NoActixSystem | Self::ThreadStart { .. } => {
-                ErrorKind::Fatal
-            }
+            Self::ActorStopped { .. }
+            | Self::NoActixSystem
+            | Self::ThreadStart { .. }
+            | Self::Draining => ErrorKind::Fatal,
         }
     }
 

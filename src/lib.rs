@@ -15,8 +15,9 @@
 //!   validation and the budget answers;
 //! - [`snapshot`]: the immutable budget snapshot with every `(node, walk)`'s step parameters;
 //! - [`planner`]: the step planner, a pure function from queues and parameters to a step plan;
-//! - [`latency`], [`latency_fit`], [`latency_presets`]: the step latency model, the time limit
-//!   of a chunk's end, the online fit of the model and public model/GPU presets;
+//! - [`latency`]: the step latency model and the time limit of a chunk's end, its online fit
+//!   ([`latency::fit`]), public model/GPU presets ([`latency::presets`]) and, with `replay`,
+//!   the offline `fit` of a file (`latency::fit_file`);
 //! - [`queues`]: one node's row queues and their progress;
 //! - [`scheduler`]: all nodes' queues, the step in flight, assembly and completion;
 //! - [`prepared`]: whole prepared inputs and the zero-copy chunk views cut from them;
@@ -24,11 +25,13 @@
 //! - [`metrics`]: every exported metric, labelled per facade instance;
 //! - [`error`]: [`ChunkingError`] and its [`ErrorKind`].
 //!
-//! The edges, behind cargo features: `config` (`manifest`, the model's file; `config`, the
-//! layered serving config; `reload`, hot reload), `replay` (`replay`, which drives the
-//! actors through a request trace on a simulated clock, and `latency_fit_file`), `sweep`
-//! (`sweep`, replays over a grid of budgets and rates), `prometheus` (`metrics_server`, the
-//! metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and the binary).
+//! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
+//! file read; `manifest`, the model's file; `config`, the layered serving config; `reload`,
+//! hot reload), `replay` (`replay`, which drives the actors through a request trace on a
+//! simulated clock, and `latency::fit_file`), `sweep` (`sweep`, replays over a grid of budgets
+//! and rates; with `replay`, `text`, how numbers read in reports), `prometheus`
+//! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and
+//! the binary).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!
@@ -50,11 +53,11 @@
 //! A step costs the engine one message to assemble (the Scheduler plans, then has
 //! PreparedInputs cut the chunk inputs; the batch is held until the step completes, so a
 //! repeated `assemble` answers it again) and one to complete; budgets reach the scheduler as an
-//! `Arc` snapshot, never per row. See `docs/actors.md`.
+//! `Arc` snapshot, never per row. Each step is a `tracing` span from assembly to completion,
+//! and an engine shuts the component down with `begin_drain` / `drain`, which report what they
+//! dropped. See `docs/actors.md`.
 
 #![deny(missing_docs)]
-
-use std::sync::Arc;
 
 pub mod actors;
 pub mod budget;
@@ -63,11 +66,9 @@ pub mod cli;
 #[cfg(feature = "config")]
 pub mod config;
 pub mod error;
+#[cfg(feature = "config")]
+mod input;
 pub mod latency;
-pub mod latency_fit;
-#[cfg(feature = "replay")]
-pub mod latency_fit_file;
-pub mod latency_presets;
 #[cfg(feature = "cli")]
 pub mod logging;
 #[cfg(feature = "config")]
@@ -89,20 +90,18 @@ pub mod scheduler;
 pub mod snapshot;
 #[cfg(feature = "sweep")]
 pub mod sweep;
-pub mod time_margin;
+#[cfg(any(feature = "replay", feature = "sweep"))]
+pub(crate) mod text;
 
-/// A node or walk name. Cloning is a reference-count increment.
-pub type Name = Arc<str>;
-
-pub use actors::{ActorThread, ChunkingManagement, QueueStats};
+pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{
     BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
 };
 pub use error::{ChunkingError, ErrorKind};
-pub use latency::{LatencyModel, ModelSource, TimeOverrunReason};
-pub use latency_presets::preset_model;
-pub use overrun::{Overrun, OverrunReason};
-pub use planner::Work;
+pub use latency::presets::preset_model;
+pub use latency::{LatencyModel, ModelSource};
+pub use overrun::{Overrun, OverrunReason, TimeOverrunReason};
+pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;

@@ -1,4 +1,4 @@
-//! The `mstar-chunking` binary: `replay`, `sweep`, `fit`, `check` and `budgets` (see `cli.rs`).
+//! The `mstar-chunking` binary: `replay`, `sweep`, `fit`, `check` and `budgets` (see `cli/`).
 
 use std::process::ExitCode;
 

@@ -13,8 +13,8 @@ use std::fmt;
 use indexmap::IndexMap;
 use serde::Deserialize;
 
+use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, SubmoduleCaps};
-use crate::Name;
 
 /// A model manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

@@ -15,11 +15,12 @@ use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 
-use crate::latency::{LatencyModel, ModelSource, TimeOverrunReason, COEFFICIENT_KEYS};
+use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
 use crate::overrun::OverrunReason;
+use crate::overrun::TimeOverrunReason;
+use crate::policy::Name;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
-use crate::Name;
 
 // === names ===
 
@@ -386,6 +387,11 @@ pub(crate) struct Instance {
 impl Instance {
     pub(crate) fn new(model: Name) -> Self {
         Self { model }
+    }
+
+    /// The model this instance is labelled with.
+    pub(crate) fn model_name(&self) -> &Name {
+        &self.model
     }
 
     fn model_label(&self) -> String {

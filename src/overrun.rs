@@ -1,11 +1,12 @@
-//! Overrun accounting (docs/scheduling.md#overruns): whether a completed step ran over the budget it was scheduled
-//! under, why, and the 1st/2nd/4th/8th… warning cadence per `(node, walk)`.
+//! Overrun accounting (docs/scheduling.md#overruns): whether a completed step ran over the
+//! budget it was scheduled under, why, and the 1st/2nd/4th/8th… warning cadence per
+//! `(node, walk)`; and beside token overruns, time overruns (`docs/cost-model.md#time-overruns`):
+//! whether a step took longer than its time budget, and why.
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::planner::Work;
-use crate::Name;
+use crate::policy::Name;
 
 /// Why a step ran over its budget. Bounded: used as a metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -56,7 +57,7 @@ pub struct StepTokens {
 
 impl StepTokens {
     /// A step as planned, before any row's actual tokens are counted.
-    pub fn planned(budget: Option<u32>, scheduled: u64, uncut_over_budget: bool) -> Self {
+    pub(crate) fn planned(budget: Option<u32>, scheduled: u64, uncut_over_budget: bool) -> Self {
         Self {
             budget,
             scheduled,
@@ -65,15 +66,87 @@ impl StepTokens {
         }
     }
 
-    /// Counts one row: `work` as planned, `ran` the tokens it actually ran.
-    pub fn add_row(&mut self, work: &Work, ran: u32) {
+    /// A step as planned, and as it ran: each row's estimate when it is a continuing row, with
+    /// the tokens it ran. The one place a step's tokens are counted, by the scheduler as it
+    /// completes a step and by the facade's `check_budget` for a step run outside it.
+    pub(crate) fn of_step(
+        budget: Option<u32>,
+        scheduled: u64,
+        uncut_over_budget: bool,
+        rows: impl IntoIterator<Item = (Option<u32>, u32)>,
+    ) -> Self {
+        let mut tokens = Self::planned(budget, scheduled, uncut_over_budget);
+        for (continue_estimate, ran) in rows {
+            tokens.add_row(continue_estimate, ran);
+        }
+        tokens
+    }
+
+    /// Counts one row: `ran` the tokens it actually ran, `continue_estimate` its estimate when
+    /// it is a continuing row.
+    pub(crate) fn add_row(&mut self, continue_estimate: Option<u32>, ran: u32) {
         self.ran += u64::from(ran);
-        if let Work::Continue { estimate } = work {
-            self.continue_estimate += u64::from(*estimate);
+        if let Some(estimate) = continue_estimate {
+            self.continue_estimate += u64::from(estimate);
             self.continue_ran += u64::from(ran);
         }
     }
 }
+
+// === time overruns ===
+
+/// Why a completed step ran over its time budget (`docs/cost-model.md#time-overruns`).
+/// Bounded: used as a metric label and in the step log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TimeOverrunReason {
+    /// The first prefill row ran a chunk of the floor although it did not fit in time.
+    Floor,
+    /// A row that cannot be cut ran whole although it did not fit in time.
+    UncutRow,
+    /// The continuing rows alone were predicted over the budget (they always run).
+    Continuing,
+    /// The plan was predicted to fit; the step took longer than predicted.
+    Misprediction,
+}
+
+impl TimeOverrunReason {
+    /// Every reason, in label order.
+    pub const ALL: [TimeOverrunReason; 4] = [
+        Self::Floor,
+        Self::UncutRow,
+        Self::Continuing,
+        Self::Misprediction,
+    ];
+
+    /// The metric label and step-log value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Floor => "floor",
+            Self::UncutRow => "uncut_row",
+            Self::Continuing => "continuing",
+            Self::Misprediction => "misprediction",
+        }
+    }
+}
+
+/// Whether a completed step is a time overrun, and why: `None` when it took at most
+/// `max_step_ms`; else the reason the plan knowingly went over (`planned_over`, set by the
+/// planner for its liveness cases), or [`TimeOverrunReason::Misprediction`] when the plan was
+/// predicted to fit. `max_step_ms` is the budget the step was scheduled under.
+pub fn classify_time_overrun(
+    measured_ms: f64,
+    max_step_ms: f64,
+    planned_over: Option<TimeOverrunReason>,
+) -> Option<TimeOverrunReason> {
+    // A NaN measurement is no evidence of an overrun (the fit refuses it separately).
+    if measured_ms.is_nan() || measured_ms <= max_step_ms {
+        return None;
+    }
+    Some(planned_over.unwrap_or(TimeOverrunReason::Misprediction))
+}
+
+// === token overruns ===
 
 /// A step that ran over its budget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -144,6 +217,50 @@ impl OverrunCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_is_counted_as_planned_and_as_its_rows_ran() {
+        // Two continuing rows (estimates 2 and 1, ran 5 and 1) and a chunk that ran 60.
+        let rows = [(Some(2), 5), (None, 60), (Some(1), 1)];
+        assert_eq!(
+            StepTokens::of_step(Some(100), 90, true, rows),
+            StepTokens {
+                budget: Some(100),
+                scheduled: 90,
+                ran: 66,
+                continue_estimate: 3,
+                continue_ran: 6,
+                uncut_over_budget: true,
+            }
+        );
+        assert_eq!(
+            StepTokens::of_step(None, 7, false, []),
+            StepTokens::planned(None, 7, false)
+        );
+    }
+
+    #[test]
+    fn time_overruns_by_reason() {
+        use TimeOverrunReason::*;
+        assert_eq!(classify_time_overrun(45.0, 45.0, None), None);
+        assert_eq!(classify_time_overrun(30.0, 45.0, Some(Floor)), None);
+        assert_eq!(classify_time_overrun(f64::NAN, 45.0, None), None);
+        assert_eq!(classify_time_overrun(45.1, 45.0, None), Some(Misprediction));
+        assert_eq!(classify_time_overrun(90.0, 45.0, Some(Floor)), Some(Floor));
+        assert_eq!(
+            classify_time_overrun(90.0, 45.0, Some(Continuing)),
+            Some(Continuing)
+        );
+        assert_eq!(
+            classify_time_overrun(f64::INFINITY, 45.0, Some(UncutRow)),
+            Some(UncutRow)
+        );
+        let labels: Vec<_> = TimeOverrunReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["floor", "uncut_row", "continuing", "misprediction"]
+        );
+    }
 
     fn tokens(budget: u32, ran: u64) -> StepTokens {
         StepTokens {

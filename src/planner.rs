@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
-use crate::latency::{ChunkBounds, LatencyModel, StepFeatures, TimeOverrunReason};
+use crate::latency::{ChunkBounds, LatencyModel, StepFeatures};
+use crate::overrun::TimeOverrunReason;
+use crate::policy::Name;
 use crate::range::ChunkRange;
-use crate::Name;
 
 /// Everything one step of `(node, walk)` is planned under, precomputed from a budget snapshot so
 /// a step's assembly does no map lookups per row.
@@ -116,7 +117,7 @@ pub struct PrefillRow {
 
 /// What one planned row runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Work {
+pub enum RowWork {
     /// A continuing row, at its estimate.
     Continue {
         /// Tokens it is expected to run.
@@ -131,12 +132,20 @@ pub enum Work {
     },
 }
 
-impl Work {
+impl RowWork {
     /// The tokens this work is scheduled to run.
     pub fn tokens(&self) -> u32 {
         match self {
-            Work::Continue { estimate } => *estimate,
-            Work::Chunk { range, .. } => range.tokens(),
+            RowWork::Continue { estimate } => *estimate,
+            RowWork::Chunk { range, .. } => range.tokens(),
+        }
+    }
+
+    /// A continuing row's estimate; `None` for a chunk.
+    pub(crate) fn continue_estimate(&self) -> Option<u32> {
+        match self {
+            RowWork::Continue { estimate } => Some(*estimate),
+            RowWork::Chunk { .. } => None,
         }
     }
 }
@@ -152,7 +161,7 @@ pub struct PlannedRow {
     /// The row's walk, as an index into the step's [`StepParams::eligible`].
     pub walk: usize,
     /// What it runs.
-    pub work: Work,
+    pub work: RowWork,
     /// A continuing row's context ([`ContRow::context`]); 0 for a chunk.
     pub context: u64,
 }
@@ -208,15 +217,15 @@ impl StepPlan {
         }
     }
 
-    fn push(&mut self, seq: u64, rid: u64, walk: usize, work: Work, context: u64) {
+    fn push(&mut self, seq: u64, rid: u64, walk: usize, work: RowWork, context: u64) {
         let tokens = u64::from(work.tokens());
         self.scheduled_tokens += tokens;
         match work {
-            Work::Continue { estimate } => {
+            RowWork::Continue { estimate } => {
                 self.continue_estimate += tokens;
                 self.features.add_continuing(estimate, context);
             }
-            Work::Chunk { range, .. } => self.features.add_chunk(range.start, range.end),
+            RowWork::Chunk { range, .. } => self.features.add_chunk(range.start, range.end),
         }
         self.rows.push(PlannedRow {
             seq,
@@ -228,7 +237,7 @@ impl StepPlan {
     }
 
     fn push_continuing(&mut self, r: &ContRow, walk: usize) {
-        let work = Work::Continue {
+        let work = RowWork::Continue {
             estimate: r.estimate,
         };
         self.push(r.seq, r.rid, walk, work, r.context);
@@ -237,7 +246,7 @@ impl StepPlan {
     fn push_chunk(&mut self, r: &PrefillRow, walk: usize, end: u32) {
         let range = ChunkRange::new(!r.started, r.progress, end, r.total);
         let cached = if r.started { 0 } else { r.cached };
-        self.push(r.seq, r.rid, walk, Work::Chunk { range, cached }, 0);
+        self.push(r.seq, r.rid, walk, RowWork::Chunk { range, cached }, 0);
     }
 
     /// Whether the step as planned so far is predicted over its time budget.
@@ -774,8 +783,8 @@ mod tests {
         p.rows
             .iter()
             .map(|r| match r.work {
-                Work::Continue { estimate } => (r.rid, estimate, false),
-                Work::Chunk { range, .. } => (r.rid, range.tokens(), range.is_final()),
+                RowWork::Continue { estimate } => (r.rid, estimate, false),
+                RowWork::Chunk { range, .. } => (r.rid, range.tokens(), range.is_final()),
             })
             .collect()
     }
@@ -856,13 +865,13 @@ mod tests {
             &[decode(1, 1), decode(2, 1), decode(3, 1)],
             &[prompt(4, 5000)],
         );
-        let Work::Chunk { range, .. } = out.rows[3].work else {
+        let RowWork::Chunk { range, .. } = out.rows[3].work else {
             panic!("a chunk")
         };
         assert_eq!((range.start, range.end, range.stride), (0, 992, 992));
         // A later chunk is aligned on its end, not its length.
         let out = run(&p, &[], &[mid(4, 5000, 990)]);
-        let Work::Chunk { range, .. } = out.rows[0].work else {
+        let RowWork::Chunk { range, .. } = out.rows[0].work else {
             panic!("a chunk")
         };
         assert_eq!((range.start, range.end, range.stride), (990, 1984, 994));
@@ -1028,7 +1037,7 @@ mod tests {
         r.cached = 512;
         r.progress = 512;
         let out = run(&p, &[], &[r]);
-        let Work::Chunk { range, cached } = out.rows[0].work else {
+        let RowWork::Chunk { range, cached } = out.rows[0].work else {
             panic!("a chunk")
         };
         assert_eq!(

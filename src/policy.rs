@@ -4,7 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::Name;
+/// A node or walk name, as the model names them. Cloning is a reference-count increment.
+pub type Name = Arc<str>;
 
 /// What the model declares for one `(node, walk)`: its token budget, or none ([`NO_CHUNKING`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::Name;
+use crate::policy::Name;
 
 /// Per-token extras of a node's input (positions, multimodal features…): `width` values per token.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Extras {
+pub struct TokenExtras {
     /// Values per token.
     pub width: usize,
     /// `width` values per token, token after token.
@@ -24,7 +24,7 @@ pub struct PreparedInput {
     /// The token ids.
     pub token_ids: Arc<[u32]>,
     /// Per-token extras, if the node has them.
-    pub extras: Option<Extras>,
+    pub extras: Option<TokenExtras>,
 }
 
 impl PreparedInput {
@@ -211,6 +211,17 @@ impl PreparedStore {
         nodes
     }
 
+    /// Drops every input on every node; answers the rows and tokens dropped.
+    pub(crate) fn clear(&mut self) -> (usize, u64) {
+        let dropped = (self.rows, self.tokens);
+        for inputs in self.by_node.values_mut() {
+            *inputs = NodeInputs::default();
+        }
+        self.rows = 0;
+        self.tokens = 0;
+        dropped
+    }
+
     /// The inputs held on `node`, to cut a step's chunks from with one lookup of the node.
     pub fn node(&self, node: &str) -> Option<&NodeInputs> {
         self.by_node.get(node)
@@ -242,7 +253,7 @@ mod tests {
         let node = Name::from("llm");
         let whole = PreparedInput {
             token_ids: (0..10).collect::<Vec<u32>>().into(),
-            extras: Some(Extras {
+            extras: Some(TokenExtras {
                 width: 2,
                 values: (0..20).map(|v| v as f32).collect::<Vec<_>>().into(),
             }),
@@ -253,6 +264,26 @@ mod tests {
         assert_eq!(chunk.extras().unwrap(), &[8.0, 9.0, 10.0, 11.0, 12.0, 13.0]);
         assert!(chunk.shares(s.get(7, "llm").unwrap()));
         assert_eq!((s.rows(), s.tokens()), (1, 10));
+    }
+
+    #[test]
+    fn clear_drops_every_input_on_every_node() {
+        let mut s = PreparedStore::default();
+        let (a, b) = (Name::from("thinker"), Name::from("talker"));
+        s.insert(1, &a, PreparedInput::tokens(vec![1, 2])).unwrap();
+        s.insert(1, &b, PreparedInput::tokens(vec![1])).unwrap();
+        s.insert(2, &a, PreparedInput::tokens(vec![3])).unwrap();
+        assert_eq!(s.clear(), (3, 4));
+        assert_eq!((s.rows(), s.tokens()), (0, 0));
+        assert_eq!(
+            (s.node_totals("thinker"), s.node_totals("talker")),
+            ((0, 0), (0, 0))
+        );
+        assert!(s.get(1, "talker").is_none());
+        assert_eq!(s.clear(), (0, 0));
+        // Inputs are held again as before.
+        assert_eq!(s.insert(1, &a, PreparedInput::tokens(vec![5])).unwrap(), 1);
+        assert_eq!((s.rows(), s.tokens()), (1, 1));
     }
 
     #[test]
@@ -284,7 +315,7 @@ mod tests {
         ));
         let bad = PreparedInput {
             token_ids: vec![1, 2, 3].into(),
-            extras: Some(Extras {
+            extras: Some(TokenExtras {
                 width: 2,
                 values: vec![0.0; 4].into(),
             }),

@@ -4,9 +4,9 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::planner::{ContRow, PlannedRow, PrefillRow, Work};
+use crate::planner::{ContRow, PlannedRow, PrefillRow, RowWork};
+use crate::policy::Name;
 use crate::range::clamp_cached;
-use crate::Name;
 
 /// The rows of one node waiting for, or in the middle of, their work.
 #[derive(Debug, Default)]
@@ -219,7 +219,7 @@ impl NodeQueues {
     pub fn grow_contexts(&mut self, rows: &[PlannedRow], ran: &[u32]) {
         let mut j = 0;
         for (row, &r) in rows.iter().zip(ran) {
-            if !matches!(row.work, Work::Continue { .. }) {
+            if !matches!(row.work, RowWork::Continue { .. }) {
                 continue;
             }
             while j < self.cont.len() && self.cont[j].seq < row.seq {
@@ -238,7 +238,7 @@ impl NodeQueues {
     /// Applies a completed chunk of a planned step: its row moves to the chunk's end, and
     /// leaves the queue on the final chunk. Continuing rows: see [`NodeQueues::grow_contexts`].
     pub fn advance(&mut self, row: &PlannedRow) -> Advance {
-        let Work::Chunk { range, .. } = row.work else {
+        let RowWork::Chunk { range, .. } = row.work else {
             return Advance::Progressed;
         };
         let Ok(i) = self.prefill.binary_search_by_key(&row.seq, |r| r.seq) else {

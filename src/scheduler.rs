@@ -9,17 +9,15 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
-use crate::latency::{
-    classify_time_overrun, select_model, LatencyModel, ModelSource, StepFeatures, TimeOverrunReason,
-};
-use crate::latency_fit::{OnlineFit, OnlineFitConfig};
-use crate::overrun::{classify, Overrun, StepTokens};
-use crate::planner::{plan_timed, StepParams, StepPlan, TimeLimit, Work};
+use crate::latency::fit::{OnlineFit, OnlineFitConfig};
+use crate::latency::margin::TimeMargin;
+use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
+use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
+use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
+use crate::policy::Name;
 use crate::prepared::{ChunkInput, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
-use crate::time_margin::TimeMargin;
-use crate::Name;
 
 /// One row of an assembled step.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +29,7 @@ pub struct BatchRow {
     /// count, and no name is interned for the life of the process.
     pub walk: usize,
     /// What the row runs: a continuing row's estimate, or a chunk's range.
-    pub work: Work,
+    pub work: RowWork,
     /// A continuing row's context, in tokens (the latency model's `K`); 0 for a chunk.
     pub context: u64,
     /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
@@ -80,6 +78,20 @@ impl Batch {
     /// The walk of `row`, a row of this batch.
     pub fn walk_of(&self, row: &BatchRow) -> &Name {
         &self.walks[row.walk]
+    }
+
+    /// The step's tokens as the overrun check counts them: as the scheduler planned them, with
+    /// what each row ran (`ran`: one entry per row, checked by the caller).
+    pub(crate) fn step_tokens(&self, ran: &[u32]) -> StepTokens {
+        StepTokens::of_step(
+            self.budget,
+            self.scheduled_tokens,
+            self.uncut_over_budget,
+            self.rows
+                .iter()
+                .map(|row| row.work.continue_estimate())
+                .zip(ran.iter().copied()),
+        )
     }
 }
 
@@ -277,7 +289,7 @@ pub struct StepOutcome {
 
 /// What [`SchedulerState::assemble`] found for the node.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Assembled {
+pub(crate) enum Assembled {
     /// A batch planned now, or a step in flight whose batch was not yet held: chunk rows carry
     /// no input yet; cut them, then [`SchedulerState::hold`] the batch.
     Planned(Batch),
@@ -287,7 +299,7 @@ pub enum Assembled {
 
 impl Assembled {
     /// The batch, cloned out of its `Arc` when the step was already in flight.
-    pub fn into_batch(self) -> Batch {
+    pub(crate) fn into_batch(self) -> Batch {
         match self {
             Self::Planned(b) => b,
             Self::InFlight(b) => Arc::unwrap_or_clone(b),
@@ -341,6 +353,17 @@ impl InFlight {
     }
 }
 
+/// What [`SchedulerState::drain`] dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Drained {
+    /// Steps in flight (with rows), abandoned.
+    pub(crate) steps: usize,
+    /// Requests with a row queued on some node.
+    pub(crate) requests: usize,
+    /// Rows queued, prefill and continuing, over all nodes.
+    pub(crate) rows: usize,
+}
+
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
 #[derive(Debug, Default)]
 pub struct SchedulerState {
@@ -362,8 +385,16 @@ pub struct SchedulerState {
 }
 
 impl SchedulerState {
+    /// A state that plans every step under `table` (as its first snapshot): the plain state an
+    /// engine-free test or benchmark drives directly.
+    pub fn with_table(table: crate::budget::BudgetTable) -> Self {
+        let mut state = Self::default();
+        state.set_snapshot(Arc::new(BudgetSnapshot::new(table, 1)));
+        state
+    }
+
     /// Uses `snapshot` from the next assembled step on. Steps in flight keep their budgets.
-    pub fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
+    pub(crate) fn set_snapshot(&mut self, snapshot: Arc<BudgetSnapshot>) {
         self.snapshot = Some(snapshot);
     }
 
@@ -467,8 +498,17 @@ impl SchedulerState {
     }
 
     /// Drops the rows of `rid` on `node` only (its prepared input was released by hand).
-    pub fn forget_at(&mut self, rid: u64, node: &str) -> bool {
+    pub(crate) fn forget_at(&mut self, rid: u64, node: &str) -> bool {
         self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
+    }
+
+    /// The batch of the next step of `node`/`walk` (`assemble`'s, as a plain
+    /// batch): chunk rows carry no input, since cutting inputs is the actor shell's part.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub fn assemble_batch(&mut self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
+        self.assemble(node, walk).map(Assembled::into_batch)
     }
 
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
@@ -477,7 +517,7 @@ impl SchedulerState {
     /// # Errors
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
-    pub fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
+    pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -540,11 +580,33 @@ impl SchedulerState {
 
     /// Keeps the batch of a step in flight as handed to the engine (its inputs cut), so that a
     /// repeated `assemble` returns it again. Ignored when the step is no longer in flight.
-    pub fn hold(&mut self, batch: Arc<Batch>) {
+    pub(crate) fn hold(&mut self, batch: Arc<Batch>) {
         if let Some(f) = self.in_flight.get_mut(&*batch.node) {
             if f.step == batch.step && f.batch.is_none() {
                 f.batch = Some(batch);
             }
+        }
+    }
+
+    /// Drops everything for a shutdown: abandons every step in flight (and forgets each node's
+    /// last empty one) and drops every row on every node; answers what was dropped. The
+    /// snapshot, the fits and the step numbering are kept.
+    pub(crate) fn drain(&mut self) -> Drained {
+        let steps = self.in_flight.len();
+        self.in_flight.clear();
+        self.empty.clear();
+        let mut rids = rustc_hash::FxHashSet::default();
+        let mut rows = 0;
+        for queues in self.nodes.values_mut() {
+            rows += queues.cont().len() + queues.prefill().len();
+            rids.extend(queues.cont().iter().map(|r| r.rid));
+            rids.extend(queues.prefill().iter().map(|r| r.rid));
+            *queues = NodeQueues::new(queues.name().clone());
+        }
+        Drained {
+            steps,
+            requests: rids.len(),
+            rows,
         }
     }
 
@@ -626,23 +688,27 @@ impl SchedulerState {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);
-        let mut tokens = StepTokens::planned(
+        let tokens = StepTokens::of_step(
             f.params.budget,
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
+            f.plan
+                .rows
+                .iter()
+                .map(|row| row.work.continue_estimate())
+                .zip(ran.iter().copied()),
         );
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in f.plan.rows.iter().zip(ran) {
-            tokens.add_row(&row.work, r);
             match row.work {
-                Work::Continue { .. } => continue,
-                Work::Chunk { .. } if r == 0 => {
+                RowWork::Continue { .. } => continue,
+                RowWork::Chunk { .. } if r == 0 => {
                     unrun_chunks += 1;
                     continue;
                 }
-                Work::Chunk { range, .. } => {
+                RowWork::Chunk { range, .. } => {
                     chunks += 1;
                     final_chunks += u32::from(range.is_final());
                 }
@@ -766,9 +832,9 @@ fn ran_features(plan: &StepPlan, ran: &[u32]) -> StepFeatures {
     let mut features = StepFeatures::EMPTY;
     for (row, &r) in plan.rows.iter().zip(ran) {
         match row.work {
-            Work::Continue { .. } => features.add_continuing(r, row.context),
-            Work::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
-            Work::Chunk { .. } => {}
+            RowWork::Continue { .. } => features.add_continuing(r, row.context),
+            RowWork::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
+            RowWork::Chunk { .. } => {}
         }
     }
     features
@@ -785,7 +851,7 @@ fn check_ran(step: u64, plan: &StepPlan, ran: &[u32]) -> Result<(), ChunkingErro
         });
     }
     let partial = plan.rows.iter().zip(ran).find(
-        |(row, &r)| matches!(row.work, Work::Chunk { range, .. } if r != 0 && r != range.tokens()),
+        |(row, &r)| matches!(row.work, RowWork::Chunk { range, .. } if r != 0 && r != range.tokens()),
     );
     match partial {
         Some((row, &r)) => Err(ChunkingError::PartialChunk {
@@ -840,6 +906,58 @@ mod tests {
         s
     }
 
+    #[test]
+    fn a_batch_counts_its_tokens_as_the_completion_does() {
+        let mut s = learning_state();
+        s.admit(1, "llm", "prefill", 60, 0).unwrap();
+        s.admit(3, "llm", "prefill", 20, 0).unwrap();
+        let b = s.assemble_batch("llm", "prefill").unwrap();
+        // The first chunk ran, the second did not run at all (0).
+        let ran: Vec<u32> = vec![b.rows[0].tokens(), 0];
+        assert_eq!(b.rows.len(), 2);
+        let counted = b.step_tokens(&ran);
+        assert_eq!(counted.ran, ran.iter().map(|&r| u64::from(r)).sum::<u64>());
+        assert_eq!(counted.scheduled, b.scheduled_tokens);
+        assert_eq!(s.complete(b.step, &ran, None).unwrap().tokens, counted);
+    }
+
+    #[test]
+    fn drain_abandons_the_steps_and_drops_every_row() {
+        let mut s = learning_state();
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        s.admit(2, "llm", "prefill", 30, 0).unwrap();
+        s.continue_row(3, "llm", "decode", 1, None).unwrap();
+        let b = s.assemble_batch("llm", "prefill").unwrap();
+        let empty = s.assemble_batch("llm", "decode");
+        assert!(
+            matches!(empty, Err(ChunkingError::StepInFlight { .. })),
+            "{empty:?}"
+        );
+        assert_eq!(s.steps_in_flight(), 1);
+        assert_eq!(
+            s.drain(),
+            Drained {
+                steps: 1,
+                requests: 3,
+                rows: 3
+            }
+        );
+        assert_eq!((s.steps_in_flight(), s.prefill_rows()), (0, 0));
+        assert_eq!(s.node("llm").unwrap().counts(), Default::default());
+        assert!(matches!(
+            s.complete(b.step, &[100], None),
+            Err(ChunkingError::UnknownStep { .. })
+        ));
+        // A node's last empty step is forgotten too; step numbers go on after a drain.
+        let empty = s.assemble_batch("llm", "prefill").unwrap();
+        assert!(empty.rows.is_empty() && empty.step > b.step);
+        assert_eq!(s.drain(), Drained::default());
+        assert!(matches!(
+            s.complete(empty.step, &[], None),
+            Err(ChunkingError::UnknownStep { .. })
+        ));
+    }
+
     fn contexts(s: &SchedulerState) -> Vec<(u64, u64)> {
         s.node("llm")
             .unwrap()
@@ -883,7 +1001,7 @@ mod tests {
         assert_eq!(s.steps_in_flight(), 0);
         assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
         let b = s.assemble("llm", "prefill").unwrap().into_batch();
-        let Work::Chunk { range, .. } = b.rows[0].work else {
+        let RowWork::Chunk { range, .. } = b.rows[0].work else {
             panic!("a chunk")
         };
         assert_eq!(
@@ -927,7 +1045,7 @@ mod tests {
     }
 
     fn chunk(row: &BatchRow) -> (u32, u32) {
-        let Work::Chunk { range, .. } = row.work else {
+        let RowWork::Chunk { range, .. } = row.work else {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)
@@ -1122,7 +1240,7 @@ mod tests {
 
     #[test]
     fn a_time_margin_plans_against_the_budget_over_the_recent_ratio_and_checks_the_budget() {
-        use crate::time_margin::MIN_STEPS;
+        use crate::latency::margin::MIN_STEPS;
         // 1 ms a token, no base: a time budget of 60 ms plans 60-token chunks.
         let model = LatencyModel::try_new(0.0, 1.0, 0.0, 0.0).unwrap();
         let floor = std::num::NonZeroU32::new(8).unwrap();

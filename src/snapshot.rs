@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 
 use crate::budget::BudgetTable;
 use crate::planner::StepParams;
-use crate::Name;
+use crate::policy::Name;
 
 /// Budgets as of one accepted setting. Shared read-only as `Arc<BudgetSnapshot>`.
 #[derive(Debug)]
@@ -23,7 +23,7 @@ pub struct BudgetSnapshot {
 
 impl BudgetSnapshot {
     /// Precomputes the step parameters of every `(node, walk)` of `table`.
-    pub fn new(table: BudgetTable, generation: u64) -> Self {
+    pub(crate) fn new(table: BudgetTable, generation: u64) -> Self {
         let mut walks = table.model().walks();
         walks.extend(table.settings().walks.iter().cloned());
         let mut params: FxHashMap<Name, FxHashMap<Name, Arc<StepParams>>> = FxHashMap::default();

@@ -14,7 +14,7 @@ use std::num::NonZeroU32;
 use mstar_chunking::budget::BudgetError;
 use mstar_chunking::{
     BudgetSettings, BudgetValue, ChunkingError, ChunkingManagement, ChunkingPolicy, LatencyModel,
-    PreparedInput, SubmoduleCaps, Work,
+    PreparedInput, RowWork, SubmoduleCaps,
 };
 
 fn tokens(n: u32) -> NonZeroU32 {
@@ -172,7 +172,7 @@ fn two_models_in_one_tokio_process_chunk_as_configured() {
         // 5 ms + 0.01 ms a token within 9 ms: 400 tokens, aligned to 16.
         for (cm, want) in [(&a, 1024), (&b, 400)] {
             let batch = cm.assemble("llm", "mixed").await.unwrap();
-            let Work::Chunk { range, .. } = batch.rows[0].work else {
+            let RowWork::Chunk { range, .. } = batch.rows[0].work else {
                 panic!("a chunk row");
             };
             assert_eq!(range.tokens(), want, "{}", cm.model());

@@ -12,7 +12,7 @@ use std::task::{Context, Waker};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use mstar_chunking::{
     Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, PreparedInput, SubmoduleCaps, Work,
+    ErrorKind, PreparedInput, RowWork, SubmoduleCaps,
 };
 
 /// The process-wide recorder of this test binary, installed once: the actors record from
@@ -57,8 +57,8 @@ fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
     b.rows
         .iter()
         .filter_map(|r| match r.work {
-            Work::Chunk { range, .. } => Some((r.rid, range)),
-            Work::Continue { .. } => None,
+            RowWork::Chunk { range, .. } => Some((r.rid, range)),
+            RowWork::Continue { .. } => None,
         })
         .collect()
 }
@@ -450,7 +450,7 @@ async fn a_step_measured_over_its_time_budget_is_a_time_overrun_by_reason() {
         .unwrap();
     assert_eq!(
         out.time_overrun,
-        Some(mstar_chunking::latency::TimeOverrunReason::Misprediction)
+        Some(mstar_chunking::overrun::TimeOverrunReason::Misprediction)
     );
     let b = cm.assemble("llm", "prefill").await.unwrap();
     let out = cm

@@ -11,7 +11,7 @@ use std::task::{Context, Waker};
 
 use mstar_chunking::{
     Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, NextStep, PreparedInput, SubmoduleCaps, Work,
+    ErrorKind, NextStep, PreparedInput, RowWork, SubmoduleCaps,
 };
 
 /// A facade with one node `llm`: `prefill` and `decode` under `mixed`, a budget of 256,
@@ -41,8 +41,8 @@ fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
     b.rows
         .iter()
         .filter_map(|r| match r.work {
-            Work::Chunk { range, .. } => Some((r.rid, range)),
-            Work::Continue { .. } => None,
+            RowWork::Chunk { range, .. } => Some((r.rid, range)),
+            RowWork::Continue { .. } => None,
         })
         .collect()
 }
@@ -51,7 +51,7 @@ fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
 fn continuing(b: &Batch) -> Vec<u64> {
     b.rows
         .iter()
-        .filter(|r| matches!(r.work, Work::Continue { .. }))
+        .filter(|r| matches!(r.work, RowWork::Continue { .. }))
         .map(|r| r.rid)
         .collect()
 }

@@ -11,7 +11,7 @@ use mstar_chunking::config::{
 };
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::trace::{ReadOptions, Trace};
-use mstar_chunking::{ChunkingManagement, PreparedInput, Work};
+use mstar_chunking::{ChunkingManagement, PreparedInput, RowWork};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -83,7 +83,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
             let out = cm.complete(b.step, ran).await.unwrap();
             for row in &b.rows {
-                if let Work::Continue { .. } = row.work {
+                if let RowWork::Continue { .. } = row.work {
                     if let Some(left) = decoding.get_mut(&row.rid) {
                         *left -= 1;
                         if *left == 0 {

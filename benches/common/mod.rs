@@ -17,11 +17,11 @@ use std::sync::Arc;
 use mstar_chunking::budget::BudgetTable;
 use mstar_chunking::planner::{plan, plan_timed, StepParams, StepPlan, TimeLimit};
 use mstar_chunking::policy::ModelPolicies;
+use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::SchedulerState;
-use mstar_chunking::snapshot::BudgetSnapshot;
 use mstar_chunking::{
-    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, Name, NextStep, PreparedInput,
-    SubmoduleCaps, Work,
+    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, RowWork,
+    SubmoduleCaps,
 };
 
 pub const NODE: &str = "llm";
@@ -101,13 +101,12 @@ pub fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
         .expect("the bench model is valid")
         .shared();
     let table = BudgetTable::build(model.clone(), settings(&model)).expect("valid settings");
-    let snapshot = Arc::new(BudgetSnapshot::new(table, 1));
-    let params = snapshot
-        .step_params(NODE, STEP_WALK)
+    let mut state = SchedulerState::with_table(table);
+    let params = state
+        .snapshot()
+        .and_then(|s| s.step_params(NODE, STEP_WALK))
         .expect("llm/mixed is in the snapshot")
         .clone();
-    let mut state = SchedulerState::default();
-    state.set_snapshot(snapshot);
     for rid in 1..=w.decode_rows {
         state
             .continue_row(rid, NODE, "decode", 1, None)
@@ -122,10 +121,7 @@ pub fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
     }
     let mut ran = Vec::new();
     for _ in 0..WARM_STEPS {
-        let batch = state
-            .assemble(NODE, STEP_WALK)
-            .expect("assemble")
-            .into_batch();
+        let batch = state.assemble_batch(NODE, STEP_WALK).expect("assemble");
         ran.clear();
         ran.extend(batch.rows.iter().map(|r| r.tokens()));
         let outcome = state.complete(batch.step, &ran, None).expect("complete");
@@ -148,7 +144,7 @@ pub fn plan_once(state: &SchedulerState, params: &StepParams, out: &mut StepPlan
 /// The time limit of the timed planner: the A100 preset, and half the time a full token
 /// budget of prefill takes under it, so that the time limit, not the token budget, ends chunks.
 pub fn time_limit(w: Workload) -> TimeLimit {
-    let model = mstar_chunking::latency_presets::preset_model("llama2-7b-a100").expect("preset");
+    let model = mstar_chunking::latency::presets::preset_model("llama2-7b-a100").expect("preset");
     let full = model.base_ms() + model.per_token_ms() * f64::from(w.budget);
     TimeLimit {
         model,
@@ -268,7 +264,7 @@ impl Engine {
         // completion (as the two-trip step admits it after `complete`).
         let mut next = self.next.clone();
         for r in &batch.rows {
-            if matches!(r.work, Work::Chunk { range, .. } if range.is_final()) {
+            if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
                 next = next.admit(self.next_rid, "prefill", self.prompt.clone(), 0);
                 self.next_rid += 1;
             }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use mstar_chunking::latency::LatencyModel;
 use mstar_chunking::{
     ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingManagement, ChunkingPolicy,
-    PreparedInput, StepOutcome, SubmoduleCaps, Work,
+    PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -609,12 +609,12 @@ impl Engine {
                 return Err(format!("row of unknown request {}", row.rid));
             };
             match (&row.work, &row.input) {
-                (Work::Chunk { range, .. }, Some(input)) => {
+                (RowWork::Chunk { range, .. }, Some(input)) => {
                     tokens.push(input.token_ids().to_vec());
                     wants.push(range.is_final());
                     ran.push(range.tokens());
                 }
-                (Work::Continue { .. }, _) => {
+                (RowWork::Continue { .. }, _) => {
                     let t = state
                         .pending
                         .ok_or_else(|| format!("decode row {} has no token", row.rid))?;
@@ -622,7 +622,7 @@ impl Engine {
                     wants.push(true);
                     ran.push(1);
                 }
-                (Work::Chunk { .. }, None) => {
+                (RowWork::Chunk { .. }, None) => {
                     return Err(format!("chunk row {} without input", row.rid));
                 }
             }
@@ -694,7 +694,7 @@ impl Engine {
             match done {
                 Some(f) => self.finish(*rid, f).await,
                 None => {
-                    if matches!(row.work, Work::Chunk { .. }) {
+                    if matches!(row.work, RowWork::Chunk { .. }) {
                         let ctx = s.cache.len() as u64;
                         self.cm
                             .continue_row_with_context(*rid, NODE, DECODE, 1, ctx)
@@ -780,11 +780,11 @@ pub fn step_log_line(
         .rows
         .iter()
         .map(|r| match r.work {
-            Work::Continue { estimate } => json!({
+            RowWork::Continue { estimate } => json!({
                 "rid": r.rid, "walk": batch.walk_of(r), "kind": "continue",
                 "tokens": estimate, "context": r.context,
             }),
-            Work::Chunk { range, cached } => {
+            RowWork::Chunk { range, cached } => {
                 let first = range.stride == range.end;
                 let mut v = json!({
                     "rid": r.rid, "walk": batch.walk_of(r), "kind": "chunk",

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 
 use candle_core::Device;
 use mstar_chunking::{
-    BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps, Work,
+    BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, RowWork, SubmoduleCaps,
 };
 use mstar_engine::model::{relative_diff, Config, KvCache, Model, StepRow};
 
@@ -96,7 +96,7 @@ async fn chunked_prefill(
         let batch = cm.assemble("llm", "prefill").await.unwrap();
         assert_eq!(batch.rows.len(), 1, "one prompt in flight");
         let row = &batch.rows[0];
-        let Work::Chunk { range, .. } = row.work else {
+        let RowWork::Chunk { range, .. } = row.work else {
             panic!("a prefill row is a chunk")
         };
         let input = row.input.as_ref().expect("a chunk carries its input");

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use mstar_chunking::budget::{BudgetValue, NodeBudget};
 use mstar_chunking::{
     ActorThread, Batch, BudgetSettings, ChunkInput, ChunkingError, ChunkingManagement,
-    ChunkingPolicy, ErrorKind, Overrun, OverrunReason, PreparedInput, StepOutcome, SubmoduleCaps,
-    Work,
+    ChunkingPolicy, ErrorKind, Overrun, OverrunReason, PreparedInput, RowWork, StepOutcome,
+    SubmoduleCaps,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -767,8 +767,8 @@ impl Row {
     #[getter]
     fn kind(&self) -> &'static str {
         match self.row().work {
-            Work::Chunk { .. } => "chunk",
-            Work::Continue { .. } => "continue",
+            RowWork::Chunk { .. } => "chunk",
+            RowWork::Continue { .. } => "continue",
         }
     }
     /// Tokens the row is scheduled to run.
@@ -780,28 +780,28 @@ impl Row {
     #[getter]
     fn estimate(&self) -> Option<u32> {
         match self.row().work {
-            Work::Continue { estimate } => Some(estimate),
-            Work::Chunk { .. } => None,
+            RowWork::Continue { estimate } => Some(estimate),
+            RowWork::Chunk { .. } => None,
         }
     }
     /// A chunk's `ChunkRange`; `None` for a continuing row.
     #[getter]
     fn range<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self.row().work {
-            Work::Chunk { range, .. } => {
+            RowWork::Chunk { range, .. } => {
                 Ok(Some(cached_class(py, &CHUNK_RANGE, "ChunkRange")?.call1(
                     (range.start, range.end, range.total, range.stride),
                 )?))
             }
-            Work::Continue { .. } => Ok(None),
+            RowWork::Continue { .. } => Ok(None),
         }
     }
     /// The cached prefix on a first chunk, else 0.
     #[getter]
     fn cached(&self) -> u32 {
         match self.row().work {
-            Work::Chunk { cached, .. } => cached,
-            Work::Continue { .. } => 0,
+            RowWork::Chunk { cached, .. } => cached,
+            RowWork::Continue { .. } => 0,
         }
     }
     /// A continuing row's context in tokens; 0 for a chunk.
@@ -828,7 +828,7 @@ impl Row {
     fn __repr__(&self) -> String {
         let r = self.row();
         match r.work {
-            Work::Chunk { range, cached } => format!(
+            RowWork::Chunk { range, cached } => format!(
                 "Row(rid={}, walk={:?}, chunk=[{}, {}) of {}, stride={}, cached={})",
                 r.rid,
                 &**self.batch.walk_of(r),
@@ -838,7 +838,7 @@ impl Row {
                 range.stride,
                 cached
             ),
-            Work::Continue { estimate } => format!(
+            RowWork::Continue { estimate } => format!(
                 "Row(rid={}, walk={:?}, continue estimate={})",
                 r.rid,
                 &**self.batch.walk_of(r),

@@ -13,8 +13,8 @@ use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
 use super::scheduler::{
-    Abandon, AdmitPrepared, Assemble, Complete, CompleteAndAssemble, ContinueRow, ForgetRequest,
-    ForgetRow, QueueStats, Scheduler, SchedulerStats,
+    Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
+    Drain, DrainReport, ForgetRequest, ForgetRow, QueueStats, Scheduler, SchedulerStats,
 };
 use super::Guarded;
 #[cfg(any(test, feature = "test-hooks"))]
@@ -22,12 +22,12 @@ use super::{ActorKind, InjectPanic};
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
-use crate::overrun::{Overrun, OverrunReason, StepTokens};
+use crate::overrun::{Overrun, OverrunReason};
+use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
-use crate::Name;
 
 /// How long the facade waits for an actor's answer before returning
 /// [`ChunkingError::Timeout`].
@@ -665,7 +665,7 @@ impl ChunkingManagement {
     /// and is [`Completed::next`]'s error (no step is assembled).
     ///
     /// ```
-    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, Work};
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, RowWork};
     /// # actix::System::new().block_on(async {
     /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))])?;
     /// # cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256))]).await?;
@@ -679,7 +679,7 @@ impl ChunkingManagement {
     /// let done = cm.complete_and_assemble_with(batch.step, vec![100], None, next).await?;
     /// assert_eq!(done.outcome.finished, vec![1]);
     /// let next = done.next?;
-    /// assert_eq!(next.rows[0].work, Work::Continue { estimate: 1 });
+    /// assert_eq!(next.rows[0].work, RowWork::Continue { estimate: 1 });
     /// assert_eq!(next.rows[1].rid, 2);
     /// # Ok::<_, mstar_chunking::ChunkingError>(())
     /// # })?;
@@ -752,18 +752,10 @@ impl ChunkingManagement {
                 got: ran.len(),
             });
         }
-        let mut tokens = StepTokens::planned(
-            batch.budget,
-            batch.scheduled_tokens,
-            batch.uncut_over_budget,
-        );
-        for (row, &r) in batch.rows.iter().zip(ran) {
-            tokens.add_row(&row.work, r);
-        }
         let msg = CheckStep {
             node: batch.node.clone(),
             walk: batch.walk.clone(),
-            tokens,
+            tokens: batch.step_tokens(ran),
         };
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
@@ -856,6 +848,54 @@ impl ChunkingManagement {
     /// The actor did not answer.
     pub async fn queue_stats(&self) -> Result<QueueStats, ChunkingError> {
         ask(&self.scheduler, "Scheduler", &self.timeout, SchedulerStats).await
+    }
+
+    /// Starts the shutdown (`docs/actors.md#shutdown`): from now on, for every handle of this
+    /// instance, `admit`, `continue_row`, `assemble` and the row changes of a completion
+    /// answer [`ChunkingError::Draining`], and no new step is assembled; the step in flight
+    /// can still be completed (its next step is refused) or abandoned, and requests forgotten.
+    /// Answers the steps in flight. Then call [`drain`](Self::drain).
+    ///
+    /// # Errors
+    /// The actor did not answer.
+    pub async fn begin_drain(&self) -> Result<usize, ChunkingError> {
+        ask(&self.scheduler, "Scheduler", &self.timeout, BeginDrain).await
+    }
+
+    /// Ends the shutdown (`docs/actors.md#shutdown`), starting it first if
+    /// [`begin_drain`](Self::begin_drain) was not called: abandons the steps still in flight,
+    /// drops every queued row and releases every prepared input, and reports what it dropped
+    /// (all zero when the engine completed its step and forgot its requests first). The actors
+    /// then hold nothing and refuse all work with [`ChunkingError::Draining`]; they end with
+    /// their actix System ([`ActorThread::stop`] for [`start_on_own_thread`]), since a
+    /// supervised actor is restarted while any handle can still reach it.
+    ///
+    /// ```
+    /// # use mstar_chunking::{BudgetSettings, ChunkingError, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"])).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![7; 1000]), 0).await?;
+    /// let step = cm.assemble("llm", "prefill").await?;
+    /// assert_eq!(cm.begin_drain().await?, 1);
+    /// let refused = cm.admit(2, "llm", "prefill", PreparedInput::tokens(vec![7; 10]), 0).await;
+    /// assert_eq!(refused, Err(ChunkingError::Draining));
+    /// cm.complete(step.step, vec![256]).await?;
+    /// let report = cm.drain().await?;
+    /// assert_eq!((report.steps_abandoned, report.requests, report.prepared_inputs), (0, 1, 1));
+    /// assert_eq!(cm.prepared_totals().await?, (0, 0));
+    /// # Ok::<_, ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// [`start_on_own_thread`]: Self::start_on_own_thread
+    ///
+    /// # Errors
+    /// An actor did not answer.
+    pub async fn drain(&self) -> Result<DrainReport, ChunkingError> {
+        ask(&self.scheduler, "Scheduler", &self.timeout, Drain).await
     }
 
     /// Makes one actor panic inside a handler, to exercise supervision: the call returns

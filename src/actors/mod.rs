@@ -126,6 +126,7 @@ mod overrun_accounting;
 mod policy_registry;
 mod prepared_inputs;
 mod scheduler;
+mod spans;
 
 pub use facade::{ActorThread, ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
-pub use scheduler::QueueStats;
+pub use scheduler::{DrainReport, QueueStats};

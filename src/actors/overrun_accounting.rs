@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use crate::error::ChunkingError;
 use crate::metrics::{Instance, OverrunMetrics};
 use crate::overrun::{classify, Overrun, OverrunCounter, OverrunReason, StepTokens};
-use crate::Name;
+use crate::policy::Name;
 
 /// Owns the overrun counts.
 pub(crate) struct OverrunAccounting {
@@ -66,15 +66,17 @@ super::supervised!(
     [CheckStep, OverrunCount]
 );
 
-/// Counts an overrun the Scheduler found on completing a step.
+/// Counts an overrun the Scheduler found on completing a step; its warning is recorded in the
+/// step's span.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct RecordOverrun(pub(crate) Overrun);
+pub(crate) struct RecordOverrun(pub(crate) Overrun, pub(crate) tracing::Span);
 
 impl Handler<RecordOverrun> for OverrunAccounting {
     type Result = ();
 
     fn handle(&mut self, msg: RecordOverrun, _: &mut Self::Context) {
+        let _step = msg.1.enter();
         self.record(&msg.0);
     }
 }

@@ -7,10 +7,10 @@ use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::prepared::{PreparedInput, PreparedStore};
 use crate::scheduler::Batch;
-use crate::Name;
 
 /// Owns every whole prepared input; keeps the prepared-input gauges current.
 pub(crate) struct PreparedInputs {
@@ -61,7 +61,8 @@ super::supervised!(
         InsertAndCut,
         ForgetInputs,
         GetPrepared,
-        PreparedTotals
+        PreparedTotals,
+        ReleaseAll
     ]
 );
 
@@ -105,7 +106,7 @@ impl Handler<Cut> for PreparedInputs {
         let inputs = self.store.node(&batch.node);
         let mut missing = Vec::new();
         for row in &mut batch.rows {
-            let Work::Chunk { range, .. } = row.work else {
+            let RowWork::Chunk { range, .. } = row.work else {
                 continue;
             };
             match inputs.and_then(|m| m.get(row.rid)) {
@@ -221,5 +222,23 @@ impl Handler<PreparedTotals> for PreparedInputs {
 
     fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> Self::Result {
         Ok((self.store.rows(), self.store.tokens()))
+    }
+}
+
+/// Drops every input held (a drain); answers the rows and tokens dropped.
+#[derive(Message)]
+#[rtype(result = "Result<(usize, u64), ChunkingError>")]
+pub(crate) struct ReleaseAll;
+
+impl Handler<ReleaseAll> for PreparedInputs {
+    type Result = Result<(usize, u64), ChunkingError>;
+
+    fn handle(&mut self, _: ReleaseAll, _: &mut Self::Context) -> Self::Result {
+        let dropped = self.store.clear();
+        let nodes: Vec<Name> = self.gauges.keys().cloned().collect();
+        for node in &nodes {
+            self.publish(node);
+        }
+        Ok(dropped)
     }
 }

@@ -12,17 +12,19 @@ use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
 use super::prepared_inputs::{
     Cut, CutBatch, ForgetInputs, Insert, InsertAndCut, InsertedAndCut, PreparedInputs, Release,
+    ReleaseAll,
 };
+use super::spans::Spans;
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::{
     Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
 };
-use crate::Name;
 
 /// Wraps [`SchedulerState`].
 pub(crate) struct Scheduler {
@@ -38,6 +40,10 @@ pub(crate) struct Scheduler {
     model_gauges: FxHashMap<Name, ModelGauges>,
     /// Per node, the last step completed by [`CompleteAndAssemble`], to answer a repeat of it.
     completed: FxHashMap<Name, LastCompleted>,
+    /// The tracing spans of the steps in flight and of the requests admitted.
+    spans: Spans,
+    /// Set by [`BeginDrain`] or [`Drain`], for good: no admission, no new step.
+    draining: bool,
 }
 
 /// A step completed by [`CompleteAndAssemble`], as reported and as it came out.
@@ -60,11 +66,13 @@ impl Scheduler {
             state: SchedulerState::default(),
             prepared,
             overruns,
-            instance,
             metrics: FxHashMap::default(),
             queue_gauges: FxHashMap::default(),
             model_gauges: FxHashMap::default(),
             completed: FxHashMap::default(),
+            spans: Spans::new(instance.model_name().clone()),
+            instance,
+            draining: false,
         }
     }
 
@@ -119,7 +127,8 @@ super::supervised!(
         ForgetRow,
         Abandon,
         Complete,
-        SchedulerStats
+        SchedulerStats,
+        BeginDrain
     ]
 );
 
@@ -167,6 +176,16 @@ impl Handler<Guarded<CompleteAndAssemble>> for Scheduler {
     }
 }
 
+impl Handler<Guarded<Drain>> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
+
+    fn handle(&mut self, msg: Guarded<Drain>, ctx: &mut Self::Context) -> Self::Result {
+        guard_later(self, ctx, |act, ctx| {
+            <Self as Handler<Drain>>::handle(act, msg.0, ctx)
+        })
+    }
+}
+
 impl Handler<Guarded<AdmitPrepared>> for Scheduler {
     type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
 
@@ -210,6 +229,9 @@ impl Handler<AdmitPrepared> for Scheduler {
     type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+        }
         let queued = m
             .input
             .measure(m.rid, &m.node)
@@ -217,6 +239,7 @@ impl Handler<AdmitPrepared> for Scheduler {
         if let Err(e) = queued {
             return Box::pin(fut::ready(Err(e)));
         }
+        self.spans.admitted(m.rid, &m.node, &m.walk);
         self.publish_queue(&m.node);
         let (rid, node) = (m.rid, m.node);
         let insert = self.prepared.send(Guarded(Insert {
@@ -233,6 +256,7 @@ impl Handler<AdmitPrepared> for Scheduler {
                 },
             };
             act.state.forget_at(rid, &node);
+            act.spans.forgotten(rid);
             act.publish_queue(&node);
             Err(refused)
         }))
@@ -255,8 +279,12 @@ impl Handler<ContinueRow> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Err(ChunkingError::Draining);
+        }
         self.state
             .continue_row(m.rid, &m.node, &m.walk, m.estimate, m.context)?;
+        self.spans.admitted(m.rid, &m.node, &m.walk);
         self.publish_queue(&m.node);
         Ok(())
     }
@@ -272,6 +300,7 @@ impl Handler<ForgetRequest> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) -> Self::Result {
+        self.spans.forgotten(m.0);
         self.state.forget(m.0);
         self.prepared.do_send(ForgetInputs(m.0));
         self.publish_all_queues();
@@ -330,6 +359,9 @@ impl Scheduler {
         node: &str,
         walk: &str,
     ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
+        if self.draining {
+            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+        }
         let started = Instant::now();
         let batch = match self.state.assemble(node, walk) {
             Ok(Assembled::InFlight(batch)) => return Box::pin(fut::ready(Ok(batch))),
@@ -339,10 +371,11 @@ impl Scheduler {
         let took = started.elapsed();
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, took);
+        self.open_step_span(&batch);
         if !batch
             .rows
             .iter()
-            .any(|r| matches!(r.work, Work::Chunk { .. }))
+            .any(|r| matches!(r.work, RowWork::Chunk { .. }))
         {
             let batch = Arc::new(batch);
             self.state.hold(batch.clone());
@@ -360,10 +393,12 @@ impl Scheduler {
                 Ok(Ok(CutBatch { missing, .. })) => {
                     act.state.abandon(step, &missing)?;
                     act.publish_queue(&node);
-                    return Err(ChunkingError::MissingPreparedInput {
+                    let e = ChunkingError::MissingPreparedInput {
                         rid: missing[0],
                         node,
-                    });
+                    };
+                    act.abandoned_by(step, &e);
+                    return Err(e);
                 }
                 Ok(Err(e)) => e,
                 Err(_) => ChunkingError::ActorStopped {
@@ -373,6 +408,7 @@ impl Scheduler {
             // Without the batch the engine cannot complete the step: do not leave it blocking
             // the node.
             act.state.abandon(step, &[])?;
+            act.abandoned_by(step, &error);
             Err(error)
         }))
     }
@@ -386,7 +422,7 @@ impl Scheduler {
         walk: &str,
         inserts: Vec<Insert>,
     ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
-        if inserts.is_empty() {
+        if inserts.is_empty() || self.draining {
             return self.assemble(node, walk);
         }
         let started = Instant::now();
@@ -403,6 +439,7 @@ impl Scheduler {
         };
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, started.elapsed());
+        self.open_step_span(&batch);
         let (step, node) = (batch.step, batch.node.clone());
         let cut = self.prepared.send(Guarded(InsertAndCut { inserts, batch }));
         Box::pin(cut.into_actor(self).map(move |answer, act, _| {
@@ -410,13 +447,16 @@ impl Scheduler {
                 Ok(Ok(InsertedAndCut { cut, refused })) => (cut, refused),
                 Ok(Err(e)) => {
                     act.state.abandon(step, &[])?;
+                    act.abandoned_by(step, &e);
                     return Err(e);
                 }
                 Err(_) => {
                     act.state.abandon(step, &[])?;
-                    return Err(ChunkingError::ActorStopped {
+                    let e = ChunkingError::ActorStopped {
                         actor: "PreparedInputs",
-                    });
+                    };
+                    act.abandoned_by(step, &e);
+                    return Err(e);
                 }
             };
             if missing.is_empty() && refused.is_empty() {
@@ -428,13 +468,15 @@ impl Scheduler {
             drop.extend(refused.iter().map(|(rid, _)| *rid));
             act.state.abandon(step, &drop)?;
             act.publish_queue(&node);
-            Err(match refused.into_iter().next() {
+            let e = match refused.into_iter().next() {
                 Some((_, e)) => e,
                 None => ChunkingError::MissingPreparedInput {
                     rid: missing[0],
                     node,
                 },
-            })
+            };
+            act.abandoned_by(step, &e);
+            Err(e)
         }))
     }
 }
@@ -450,7 +492,19 @@ impl Handler<Abandon> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: Abandon, _: &mut Self::Context) -> Self::Result {
-        self.state.abandon(m.step, &[])
+        let span = self.spans.step(m.step);
+        let _step = span.enter();
+        match self.state.abandon(m.step, &[]) {
+            Ok(()) => {
+                tracing::debug!("step abandoned");
+                self.spans.ended(m.step);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "abandon refused");
+                Err(e)
+            }
+        }
     }
 }
 
@@ -467,18 +521,55 @@ impl Handler<Complete> for Scheduler {
     type Result = Result<StepOutcome, ChunkingError>;
 
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
-        let outcome = self.state.complete(m.step, &m.ran, m.measured_ms)?;
-        self.completed_step(&outcome);
+        let span = self.spans.step(m.step);
+        let _step = span.enter();
+        let outcome = self
+            .state
+            .complete(m.step, &m.ran, m.measured_ms)
+            .inspect_err(completion_refused)?;
+        self.completed_step(&outcome, &span);
         Ok(outcome)
     }
 }
 
+/// Records a refused completion in the step's span (entered by the caller).
+fn completion_refused(e: &ChunkingError) {
+    tracing::debug!(error = %e, "step completion refused");
+}
+
 impl Scheduler {
-    /// What follows a completed step: overruns recorded, finished inputs released, metrics.
-    fn completed_step(&mut self, outcome: &StepOutcome) {
-        if let Some(o) = &outcome.overrun {
-            self.overruns.do_send(RecordOverrun(o.clone()));
+    /// Opens the span of a step just planned.
+    fn open_step_span(&mut self, batch: &Batch) {
+        let state = &self.state;
+        self.spans
+            .assembled(batch, |step| state.node_of_step(step).is_some());
+    }
+
+    /// Records in its span why step `step` was abandoned while its inputs were cut, and closes
+    /// the span.
+    fn abandoned_by(&mut self, step: u64, e: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %e, "step abandoned"));
+        self.spans.ended(step);
+    }
+
+    /// What follows a completed step: overruns recorded (in the step's `span`), finished
+    /// inputs released, metrics.
+    fn completed_step(&mut self, outcome: &StepOutcome, span: &tracing::Span) {
+        tracing::debug!(
+            ran_tokens = outcome.tokens.ran,
+            finished = outcome.finished.len(),
+            "step completed"
+        );
+        if let Some(reason) = outcome.time_overrun {
+            tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
         }
+        if let Some(o) = &outcome.overrun {
+            self.overruns
+                .do_send(RecordOverrun(o.clone(), span.clone()));
+        }
+        self.spans.ended(outcome.step);
         if !outcome.finished.is_empty() {
             self.prepared.do_send(Release {
                 node: outcome.node.clone(),
@@ -501,8 +592,13 @@ impl Scheduler {
         let mut result = Ok(());
         let any = !changes.is_empty();
         for change in changes {
+            if self.draining && !matches!(change, RowChange::Forget(_)) {
+                result = Err(ChunkingError::Draining);
+                break;
+            }
             result = match change {
                 RowChange::Forget(rid) => {
+                    self.spans.forgotten(rid);
                     self.state.forget(rid);
                     self.prepared.do_send(ForgetInputs(rid));
                     forgot = true;
@@ -512,7 +608,10 @@ impl Scheduler {
                     rid,
                     walk,
                     estimate,
-                } => self.state.continue_row(rid, &node, &walk, estimate, None),
+                } => self
+                    .state
+                    .continue_row(rid, &node, &walk, estimate, None)
+                    .inspect(|()| self.spans.admitted(rid, &node, &walk)),
                 RowChange::Admit {
                     rid,
                     walk,
@@ -522,6 +621,7 @@ impl Scheduler {
                     .measure(rid, &node)
                     .and_then(|total| self.state.admit(rid, &node, &walk, total, cached))
                     .map(|()| {
+                        self.spans.admitted(rid, &node, &walk);
                         inserts.push(Insert {
                             rid,
                             node: node.clone(),
@@ -590,13 +690,21 @@ impl Handler<CompleteAndAssemble> for Scheduler {
                         return ready(Err(ChunkingError::UnknownWalk { node, walk }));
                     }
                 }
+                let span = self.spans.step(step);
+                let _step = span.enter();
                 let outcome = match self.state.complete(step, &ran, measured_ms) {
                     Ok(o) => o,
-                    Err(e) => return ready(Err(e)),
+                    Err(e) => {
+                        completion_refused(&e);
+                        return ready(Err(e));
+                    }
                 };
-                self.completed_step(&outcome);
+                self.completed_step(&outcome, &span);
                 let (inserts, changed) = self.apply_changes(next);
                 let refused = changed.err();
+                if let Some(e) = &refused {
+                    tracing::debug!(error = %e, "row change refused after the step");
+                }
                 let last = LastCompleted {
                     step,
                     ran,
@@ -622,6 +730,76 @@ impl Handler<CompleteAndAssemble> for Scheduler {
             self.assemble_admitting(&node, &walk, inserts)
                 .map(move |next, _, _| Ok(Completed { outcome, next })),
         )
+    }
+}
+
+/// Starts a drain (`ChunkingManagement::begin_drain`): from now on no request is admitted
+/// and no step assembled; completions, abandons and forgets are still handled. Answers the
+/// steps in flight.
+#[derive(Message)]
+#[rtype(result = "Result<usize, ChunkingError>")]
+pub(crate) struct BeginDrain;
+
+impl Handler<BeginDrain> for Scheduler {
+    type Result = Result<usize, ChunkingError>;
+
+    fn handle(&mut self, _: BeginDrain, _: &mut Self::Context) -> Self::Result {
+        self.draining = true;
+        tracing::info!(
+            steps_in_flight = self.state.steps_in_flight(),
+            "draining: no more admissions or steps"
+        );
+        Ok(self.state.steps_in_flight())
+    }
+}
+
+/// Ends a drain (`ChunkingManagement::drain`): abandons the steps still in flight, drops every
+/// row and has PreparedInputs drop every input; answers what was dropped.
+#[derive(Message)]
+#[rtype(result = "Result<DrainReport, ChunkingError>")]
+pub(crate) struct Drain;
+
+/// What a drain dropped (`ChunkingManagement::drain`); all zero when the engine completed or
+/// forgot everything first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainReport {
+    /// Steps still in flight, abandoned (their rows did not advance).
+    pub steps_abandoned: usize,
+    /// Requests that still had a row queued, dropped.
+    pub requests: usize,
+    /// Rows still queued, prefill and continuing, over all nodes, dropped.
+    pub rows: usize,
+    /// Whole prepared inputs still held, released.
+    pub prepared_inputs: usize,
+    /// Their tokens.
+    pub prepared_tokens: u64,
+}
+
+impl Handler<Drain> for Scheduler {
+    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
+
+    fn handle(&mut self, _: Drain, _: &mut Self::Context) -> Self::Result {
+        self.draining = true;
+        let drained = self.state.drain();
+        self.spans = Spans::new(self.instance.model_name().clone());
+        self.completed.clear();
+        self.publish_all_queues();
+        let release = self.prepared.send(Guarded(ReleaseAll));
+        Box::pin(release.into_actor(self).map(move |answer, _, _| {
+            let (prepared_inputs, prepared_tokens) =
+                answer.map_err(|_| ChunkingError::ActorStopped {
+                    actor: "PreparedInputs",
+                })??;
+            let report = DrainReport {
+                steps_abandoned: drained.steps,
+                requests: drained.requests,
+                rows: drained.rows,
+                prepared_inputs,
+                prepared_tokens,
+            };
+            tracing::info!(?report, "drained");
+            Ok(report)
+        }))
     }
 }
 

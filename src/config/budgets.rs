@@ -1,18 +1,18 @@
 //! `[chunking]` against the model: the `set_budgets` arguments it gives, the effective budget
-//! table `check` prints, and each budget refusal mapped to the `[chunking]` key that caused it.
+//! table `check` prints, and each budget refusal reported at the `[chunking]` key it names.
 
 use std::collections::BTreeMap;
 
-use super::budget_spelling::NodeBudgetSetting;
-use super::layers::Origins;
+use super::layers::KeyOrigins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
-use super::time_spelling::NodeTimeSetting;
+use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
 use crate::budget::{
-    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, TimeSettings,
+    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, SettingKey, Subject,
+    TimeSettings,
 };
 use crate::manifest::Manifest;
-use crate::Name;
+use crate::policy::Name;
 
 /// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
 /// config wing (the config wing reads manifests; the reverse would be an import circle).
@@ -148,140 +148,49 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
     rows
 }
 
-/// The `[chunking]` key a budget refusal is about, and the node and walk whose value to quote;
-/// `None` for a refusal of the model itself. Budget rules: `docs/budgets.md#refusals`.
-type Quoted<'a> = Option<(&'a str, Option<&'a str>)>;
-
-fn budget_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quoted<'a>)> {
-    let key = match walk {
-        Some(w) => format!("chunking.max_batch_tokens.{node}.{w}"),
-        None => format!("chunking.max_batch_tokens.{node}"),
-    };
-    Some((key, Some((&**node, walk.map(|w| &**w)))))
-}
-
-/// The numbered rule of `docs/budgets.md#refusals` a refusal breaks.
-fn rule(e: &BudgetError) -> Option<u8> {
-    Some(match e {
-        BudgetError::UnknownNode { setting, .. } if *setting == "max_batch_tokens" => 1,
-        BudgetError::UnknownNode { .. } => 7,
-        BudgetError::WalkNotServed { .. } | BudgetError::CombinedWalkNotServed { .. } => 2,
-        BudgetError::WalkNotBudgeted { .. } => 3,
-        BudgetError::NodeBudgetsNothing { .. } => 4,
-        BudgetError::MemberWalk { .. } => 5,
-        BudgetError::ZeroSetting { key } if *key == "min_chunk_tokens" => 6,
-        BudgetError::ZeroSetting { .. } => 10,
-        BudgetError::WalkInTwoCombined { .. } => 7,
-        BudgetError::BelowAlign { .. } => 8,
-        BudgetError::RowCapBelowAlign { .. } => 9,
-        BudgetError::WalkNeverChunked { .. } => 11,
-        _ => return None,
-    })
-}
-
-/// The `chunking.max_step_ms` key of a time budget refusal.
-fn time_key<'a>(node: &'a Name, walk: Option<&'a Name>) -> Option<(String, Quoted<'a>)> {
-    let key = match walk {
-        Some(w) => format!("chunking.max_step_ms.{node}.{w}"),
-        None => format!("chunking.max_step_ms.{node}"),
-    };
-    Some((key, Some((&**node, walk.map(|w| &**w)))))
-}
-
-/// Whether a refusal is about `chunking.max_step_ms` (its value is quoted from there).
-fn is_time(e: &BudgetError) -> bool {
-    matches!(
-        e,
-        BudgetError::BadTimeBudget { .. }
-            | BudgetError::TimeBudgetDoesNothing { .. }
-            | BudgetError::TimeMemberWalk { .. }
-            | BudgetError::NoLatencyModel { .. }
-            | BudgetError::TimeBudgetBelowBase { .. }
-    ) || matches!(e, BudgetError::UnknownNode { setting, .. } if *setting == "max_step_ms")
-}
-
-fn chunking_key(e: &BudgetError) -> Option<(String, Quoted<'_>)> {
-    let budget = budget_key;
-    match e {
-        BudgetError::UnknownNode { setting, node } if *setting == "max_step_ms" => {
-            time_key(node, None)
-        }
-        BudgetError::UnknownNode { setting, node } if *setting == "cost" => {
-            Some((format!("chunking.cost.{node}"), None))
-        }
-        BudgetError::BadTimeBudget { node, walk, .. } => time_key(node, walk.as_ref()),
-        BudgetError::TimeBudgetDoesNothing { node, walk }
-        | BudgetError::TimeMemberWalk { node, walk, .. } => time_key(node, Some(walk)),
-        BudgetError::NoLatencyModel { node } => time_key(node, None),
-        BudgetError::TimeBudgetBelowBase { node, walk, .. } => time_key(node, Some(walk)),
-        BudgetError::ZeroLatencyModel { node } => Some((format!("chunking.cost.{node}"), None)),
-        BudgetError::UnknownNode { setting, node } if *setting == "no_chunking" => {
-            Some(("chunking.no_chunking".into(), Some((&**node, None))))
-        }
-        BudgetError::UnknownNode { setting, node } if *setting == "max_batch_tokens" => {
-            budget(node, None)
-        }
-        BudgetError::NodeBudgetsNothing { node } => budget(node, None),
-        BudgetError::WalkNotServed { node, walk }
-        | BudgetError::WalkNotBudgeted { node, walk }
-        | BudgetError::MemberWalk { node, walk, .. }
-        | BudgetError::BelowAlign { node, walk, .. } => budget(node, Some(walk)),
-        BudgetError::ZeroSetting { key } => Some((format!("chunking.{key}"), None)),
-        BudgetError::RowCapBelowAlign { .. } => Some(("chunking.max_row_tokens".into(), None)),
-        BudgetError::BadTimeMargin { .. } | BudgetError::TimeMarginWithoutBudget => {
-            Some(("chunking.time_margin".into(), None))
-        }
-        _ => None,
-    }
-}
-
 /// A budget refusal as a problem naming its key, value and layer; a refusal of the model
 /// itself names the manifest.
 pub(super) fn budget_problem(
     e: &BudgetError,
     chunking: &ChunkingSection,
     model_origin: &str,
-    origins: &Origins,
+    origins: &KeyOrigins,
 ) -> ConfigProblem {
-    let reason = match rule(e) {
-        Some(n) => format!("{e} (docs/budgets.md#refusals, rule {n})"),
-        None if matches!(
-            e,
-            BudgetError::BadTimeMargin { .. } | BudgetError::TimeMarginWithoutBudget
-        ) =>
-        {
-            format!("{e} (docs/cost-model.md#the-time-margin)")
-        }
-        None if is_time(e) || matches!(e, BudgetError::ZeroLatencyModel { .. }) => {
-            format!("{e} (docs/cost-model.md#time-budgets)")
-        }
-        None => format!("{e} (docs/budgets.md#refusals)"),
+    let reason = format!("{e} ({})", e.rule());
+    let from_model = |s: &Subject| {
+        matches!(
+            s.setting,
+            SettingKey::OverrideMixed | SettingKey::CombinedWalkOf
+        )
     };
-    match chunking_key(e) {
-        Some((key, quoted)) => {
-            let value = match (quoted, e) {
-                (Some((node, _)), BudgetError::UnknownNode { setting, .. })
-                    if *setting == "no_chunking" =>
-                {
-                    Some(super::problem::quote(node))
-                }
-                (Some((node, walk)), e) if is_time(e) => {
-                    chunking.max_step_ms.get(node).and_then(|b| b.shown(walk))
-                }
-                (Some((node, walk)), _) => chunking
-                    .max_batch_tokens
-                    .get(node)
-                    .and_then(|b| b.shown(walk)),
-                (None, BudgetError::ZeroSetting { .. }) => Some("0".into()),
-                (None, BudgetError::RowCapBelowAlign { max_row, .. }) => Some(max_row.to_string()),
-                (None, BudgetError::BadTimeMargin { value }) => Some(value.to_string()),
-                (None, _) => None,
-            };
-            origins.problem(&key, value, reason)
-        }
-        None => ConfigProblem::Manifest {
+    let Some(subject) = e.subject().filter(|s| !from_model(s)) else {
+        return ConfigProblem::Manifest {
             path: model_origin.to_string(),
             reason: e.to_string(),
-        },
-    }
+        };
+    };
+    let (node, walk) = (subject.node.map(|n| &**n), subject.walk.map(|w| &**w));
+    let setting = subject.setting;
+    // Per-node settings are keyed by node and walk, and quote the value as written.
+    let per_node = |n: &str| match walk {
+        Some(w) => format!("chunking.{setting}.{n}.{w}"),
+        None => format!("chunking.{setting}.{n}"),
+    };
+    let (key, value) = match (setting, node) {
+        (SettingKey::MaxBatchTokens, Some(n)) => (
+            per_node(n),
+            chunking.max_batch_tokens.get(n).and_then(|b| b.shown(walk)),
+        ),
+        (SettingKey::MaxStepMs, Some(n)) => (
+            per_node(n),
+            chunking.max_step_ms.get(n).and_then(|b| b.shown(walk)),
+        ),
+        (SettingKey::Cost, Some(n)) => (per_node(n), None),
+        (SettingKey::NoChunking, Some(n)) => (
+            format!("chunking.{setting}"),
+            Some(super::problem::quote(n)),
+        ),
+        _ => (format!("chunking.{setting}"), e.value()),
+    };
+    origins.problem(&key, value, reason)
 }

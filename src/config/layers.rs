@@ -10,9 +10,9 @@ use config::{Config, Environment, File, FileFormat, Source};
 use super::decode::{
     first_yaml_alias, flatten, json_duplicate_key, line_of, non_decimal_integers, one_line,
 };
-use super::input::{read_text, MAX_CONFIG_BYTES};
 use super::problem::{ConfigErrors, ConfigProblem};
 use super::DEFAULT_CONFIG_TOML;
+use crate::input::{read_text, MAX_CONFIG_BYTES};
 
 /// Environment variables `MSTAR__SECTION__KEY` override the config files.
 pub const ENV_PREFIX: &str = "MSTAR__";
@@ -121,9 +121,9 @@ struct Layer {
 
 /// Which layer set each key, for naming it in a problem found after the load.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Origins(Vec<BTreeMap<String, String>>);
+pub struct KeyOrigins(Vec<BTreeMap<String, String>>);
 
-impl Origins {
+impl KeyOrigins {
     /// Who set `key` (or a key inside it, or the table holding it): the last layer that did.
     /// Logarithmic in the number of keys, so naming many problems stays linear.
     pub fn of(&self, key: &str) -> String {
@@ -214,8 +214,8 @@ impl Layers {
     }
 
     /// Which layer set each key.
-    pub(super) fn origins(&self) -> Origins {
-        Origins(self.0.iter().map(|l| l.keys.clone()).collect())
+    pub(super) fn origins(&self) -> KeyOrigins {
+        KeyOrigins(self.0.iter().map(|l| l.keys.clone()).collect())
     }
 
     /// The layers merged, or why they cannot be.
@@ -532,7 +532,7 @@ mod tests {
 
     #[test]
     fn origins_name_the_last_layer_for_a_key_its_children_or_its_table() {
-        let o = Origins(vec![
+        let o = KeyOrigins(vec![
             BTreeMap::from([("chunking.min_chunk_tokens".to_string(), "a".to_string())]),
             BTreeMap::from([
                 (

@@ -2,10 +2,10 @@
 //! together (`docs/config.md`). One concept per module:
 //!
 //! - [`sections`]: the typed sections of the serving config;
-//! - [`budget_spelling`]: budget spellings, parsed strictly into a typed budget;
+//! - [`spelling`]: token and time budget spellings, parsed strictly into typed values by one
+//!   deserializer; [`cost`]: latency models by coefficients or preset;
 //! - [`layers`]: the layers, and which layer set each key;
-//! - [`decode`]: strict decoding (no coercion, no other integer notations, no YAML aliases);
-//! - [`input`]: bounded reading of input files (regular files only, size limits);
+//! - `decode`: strict decoding (no coercion, no other integer notations, no YAML aliases);
 //! - [`problem`]: problems with their layer attached, escaped, cut and capped;
 //! - [`budgets`]: `[chunking]` against the model, and budget refusals mapped to their keys.
 //!
@@ -15,27 +15,26 @@
 //! `[replay]` section is checked by the replay itself (`replay::settings`); the config wing
 //! imports nothing from `replay/`.
 
-pub mod budget_spelling;
 pub mod budgets;
-pub mod decode;
-pub mod input;
+pub mod cost;
+pub(crate) mod decode;
 pub mod layers;
 pub mod problem;
 pub mod sections;
-pub mod time_spelling;
+pub mod spelling;
 
 use std::path::Path;
 
-pub use budget_spelling::{BudgetSetting, NodeBudgetSetting};
+pub use crate::input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use budgets::{budget_rows, BudgetRow};
-pub use input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
-pub use layers::{LoadOptions, Origins, ENV_PREFIX};
+pub use cost::CostSetting;
+pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
     ChunkingSection, CostSection, KvSection, Listen, LogFormat, LogSection, MetricsSection,
     PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
-pub use time_spelling::{CostSetting, NodeTimeSetting, TimeSetting};
+pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
 
 use crate::budget::BudgetTable;
 use crate::manifest::{Manifest, ManifestError, ManifestErrors};
@@ -52,7 +51,7 @@ pub const DEMO_MANIFEST_TOML: &str = include_str!("../../config/models/demo.toml
 /// they give. Every budget refusal has been reported by the time one exists; the `[replay]`
 /// section is checked by whoever replays (`replay::settings::check`).
 #[derive(Debug, Clone)]
-pub struct Loaded {
+pub struct LoadedConfig {
     /// The model.
     pub manifest: Manifest,
     /// The merged, typed settings.
@@ -64,13 +63,13 @@ pub struct Loaded {
     /// The config layers applied, in order.
     pub layers: Vec<String>,
     /// Which layer set each key, to name it in problems found after the load.
-    pub origins: Origins,
+    pub origins: KeyOrigins,
     /// Warnings about the load that refuse nothing: `MSTAR_…` environment variables not in the
     /// documented `MSTAR__SECTION__KEY` form ([`layers::env_warnings`]). The CLI logs them.
     pub warnings: Vec<String>,
 }
 
-impl Loaded {
+impl LoadedConfig {
     /// Every node × every walk of the manifest, nodes in file order, walks in `walks` order.
     pub fn rows(&self) -> Vec<BudgetRow> {
         budget_rows(&self.manifest, &self.table)
@@ -83,7 +82,7 @@ impl Loaded {
 /// Every problem found: unreadable, oversized or malformed files, unknown keys, values of the
 /// wrong type or spelling, manifest problems and every budget refusal, each naming its key and
 /// layer.
-pub fn load(opts: &LoadOptions) -> Result<Loaded, ConfigErrors> {
+pub fn load(opts: &LoadOptions) -> Result<LoadedConfig, ConfigErrors> {
     let mut problems = ConfigErrors::default();
     let (manifest, model_origin) = match read_manifest(opts) {
         Ok(m) => (Some(m.0), m.1),
@@ -103,7 +102,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, ConfigErrors> {
         .as_ref()
         .and_then(|m| check_against(m, &model_origin, &settings, &origins, &mut problems));
     match (manifest, table) {
-        (Some(manifest), Some(table)) if problems.is_empty() => Ok(Loaded {
+        (Some(manifest), Some(table)) if problems.is_empty() => Ok(LoadedConfig {
             manifest,
             settings,
             table,
@@ -146,7 +145,7 @@ pub fn load_settings(
 /// An unreadable, irregular or oversized file, or as [`Manifest::from_toml`].
 pub fn load_manifest(path: &Path) -> Result<Manifest, ManifestErrors> {
     let origin = path.display().to_string();
-    let text = input::read_text(path, MAX_MANIFEST_BYTES).map_err(|e| ManifestErrors {
+    let text = crate::input::read_text(path, MAX_MANIFEST_BYTES).map_err(|e| ManifestErrors {
         origin: origin.clone(),
         errors: vec![ManifestError::Read {
             reason: e.to_string(),
@@ -185,7 +184,7 @@ fn read_manifest(opts: &LoadOptions) -> Result<(Manifest, String), ManifestError
 /// the offending key is dropped and deserialization retried (at most
 /// [`problem::MAX_PROBLEMS`] times, so the work stays linear in the input), so one run names
 /// them all. An unknown key is named without its value, which may be a secret.
-fn deserialize(layers: &Layers, origins: &Origins, problems: &mut ConfigErrors) -> Settings {
+fn deserialize(layers: &Layers, origins: &KeyOrigins, problems: &mut ConfigErrors) -> Settings {
     let merged = match layers.merged() {
         Ok(m) => m,
         Err(reason) => {
@@ -223,7 +222,7 @@ fn deserialize(layers: &Layers, origins: &Origins, problems: &mut ConfigErrors) 
 }
 
 /// `[log]` values whose type is right but whose content is not.
-fn check_log(settings: &Settings, origins: &Origins, problems: &mut ConfigErrors) {
+fn check_log(settings: &Settings, origins: &KeyOrigins, problems: &mut ConfigErrors) {
     if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&settings.log.level) {
         problems.push(origins.problem(
             "log.level",
@@ -240,7 +239,7 @@ fn check_against(
     manifest: &Manifest,
     model_origin: &str,
     settings: &Settings,
-    origins: &Origins,
+    origins: &KeyOrigins,
     problems: &mut ConfigErrors,
 ) -> Option<BudgetTable> {
     let model = match ModelPolicies::new(manifest.submodules(), manifest.policies()) {

@@ -37,6 +37,15 @@ pub fn quote(s: &str) -> String {
     }
 }
 
+/// Each of `items` escaped ([`escape`]), joined with `sep`.
+pub fn escape_join(items: &[String], sep: &str) -> String {
+    items
+        .iter()
+        .map(|i| escape(i))
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
 /// One problem with the configuration, naming where it is and what was wrong. Its display is
 /// escaped and cut: it is safe to print whatever the input was.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use super::budget_spelling::NodeBudgetSetting;
-use super::time_spelling::{CostSetting, NodeTimeSetting};
+use super::cost::CostSetting;
+use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
 use crate::budget::DEFAULT_MIN_CHUNK_TOKENS;
 
 /// The whole serving config.

@@ -337,3 +337,23 @@ fn a_time_margin_is_read_and_its_refusals_name_the_key_and_layer() {
         ["environment variable MSTAR__CHUNKING__TIME_MARGIN: `chunking.time_margin`: a time margin does nothing without a time budget: set `max_step_ms` on a node (docs/cost-model.md#the-time-margin)"]
     );
 }
+
+#[test]
+fn a_time_budget_refusal_names_its_own_key_not_the_token_budget_key() {
+    // Refusals shared by both per-node settings (here a walk not served) carry the setting
+    // they are about, so they are reported at `max_step_ms`.
+    let o = opts(
+        "omni.toml",
+        &[
+            ("MSTAR__CHUNKING__COST__THINKER", "llama2-7b-a100"),
+            ("MSTAR__CHUNKING__MAX_STEP_MS__THINKER__SPEC_VERIFY", "40"),
+        ],
+    );
+    let p = problems(&o);
+    let want = "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#refusals, rule 2)";
+    assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
+    assert!(
+        p.iter().all(|l| !l.contains("chunking.max_batch_tokens")),
+        "{p:#?}"
+    );
+}

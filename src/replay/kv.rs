@@ -87,17 +87,13 @@ impl KvPool {
         self.requests_used + self.cache_used
     }
 
-    /// Blocks the requests hold.
-    pub fn requests_used(&self) -> u64 {
-        self.requests_used
-    }
-
     /// Blocks the prefix cache holds.
     pub fn cache_used(&self) -> u64 {
         self.cache_used
     }
 
     /// Blocks reserved for admitted prompts' first chunks.
+    #[cfg(test)]
     pub fn reserved(&self) -> u64 {
         self.reserved_total
     }
@@ -370,7 +366,7 @@ mod tests {
             assert!((p.budget.weights_gb - 12.5512).abs() < 1e-4);
             assert_eq!(
                 p.budget.kv_bytes_per_token,
-                crate::latency_presets::LLAMA2_7B.kv_bytes_per_token()
+                crate::latency::presets::LLAMA2_7B.kv_bytes_per_token()
             );
             assert_eq!(p.budget.blocks(16), 7609, "{name}");
             assert_eq!(p.budget.blocks(32), 3804, "{name}");

@@ -130,6 +130,7 @@ impl PrefixCache {
     }
 
     /// Whether no block is held.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }

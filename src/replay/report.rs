@@ -10,6 +10,7 @@ use serde::{Serialize, Serializer};
 
 use super::trace::TraceFormat;
 use crate::config::problem::escape;
+use crate::text::{coefficient, plural};
 
 /// The outcome of a replay. Serialised as is by `--report-json`; `Display` is the summary table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -206,8 +207,8 @@ pub struct TimeOverrunCounts {
 
 impl TimeOverrunCounts {
     /// Counts one time overrun.
-    pub fn count(&mut self, reason: crate::latency::TimeOverrunReason) {
-        use crate::latency::TimeOverrunReason as R;
+    pub fn count(&mut self, reason: crate::overrun::TimeOverrunReason) {
+        use crate::overrun::TimeOverrunReason as R;
         self.total += 1;
         match reason {
             R::Floor => self.floor += 1,
@@ -434,7 +435,7 @@ pub struct CostLabel {
 
 impl CostLabel {
     /// The cost of a replay's setup.
-    pub fn of(setup: &super::Setup) -> Self {
+    pub fn of(setup: &super::ReplaySetup) -> Self {
         let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] =
             setup.cost.coefficients();
         Self {
@@ -449,32 +450,9 @@ impl CostLabel {
     }
 }
 
-/// A coefficient to 4 significant digits, with no trailing zeros: `8`, `0.02`, `0.01235`,
-/// `6.104e-5`. The summary's cost and latency-model lines both print coefficients this way.
-pub fn coefficient(x: f64) -> String {
-    if x == 0.0 || !x.is_finite() {
-        return format!("{x}");
-    }
-    let magnitude = x.abs().log10().floor();
-    if (-3.0..6.0).contains(&magnitude) {
-        // Digits after the point for 4 significant ones; the cast is within 0..=6.
-        let decimals = (3.0 - magnitude).max(0.0) as usize;
-        let text = format!("{x:.decimals$}");
-        match text.contains('.') {
-            true => text.trim_end_matches('0').trim_end_matches('.').to_string(),
-            false => text,
-        }
-    } else {
-        let text = format!("{x:.3e}");
-        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
-        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
-        format!("{mantissa}e{exponent}")
-    }
-}
-
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
-    /// online learning when they apply; coefficients as [`coefficient`] prints them.
+    /// online learning when they apply; coefficients as `text::coefficient` prints them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -677,15 +655,6 @@ fn latency(l: &Option<Latency>) -> String {
             plural(l.samples as u64, "sample")
         ),
         None => "none".into(),
-    }
-}
-
-/// `n thing` or `n things`: "1 token", "2 tokens".
-pub fn plural(n: u64, thing: &str) -> String {
-    if n == 1 {
-        format!("1 {thing}")
-    } else {
-        format!("{n} {thing}s")
     }
 }
 
@@ -987,7 +956,7 @@ mod tests {
 
     #[test]
     fn the_cost_line_rounds_like_the_latency_model_line() {
-        let preset = crate::latency_presets::preset_model("llama2-7b-a100").unwrap();
+        let preset = crate::latency::presets::preset_model("llama2-7b-a100").unwrap();
         let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] = preset.coefficients();
         let label = CostLabel {
             preset: Some("llama2-7b-a100".into()),
@@ -1072,12 +1041,5 @@ mod tests {
             serde_json::to_value(StepDurations::default()).unwrap(),
             serde_json::Value::Null
         );
-    }
-
-    #[test]
-    fn plurals_are_english() {
-        assert_eq!(plural(1, "node"), "1 node");
-        assert_eq!(plural(0, "token"), "0 tokens");
-        assert_eq!(plural(2, "row-step"), "2 row-steps");
     }
 }

@@ -3,8 +3,8 @@
 //! that every simulated time stays finite.
 
 use crate::config::ReplaySection;
+use crate::latency::presets;
 use crate::latency::LatencyModel;
-use crate::latency_presets;
 use crate::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
@@ -24,7 +24,7 @@ pub const MAX_RATE_SCALE: f64 = 1e6;
 
 /// Where and how replay steps: the node, the step walks, and the simulation knobs, checked.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Setup {
+pub struct ReplaySetup {
     /// The node replay drives.
     pub node: String,
     /// One combined walk, or `prefill` and `decode` taken in turn.
@@ -120,14 +120,14 @@ fn names<'a>(it: impl Iterator<Item = &'a String>) -> String {
     }
 }
 
-/// Checks `[replay]` against the model and resolves it into a [`Setup`].
+/// Checks `[replay]` against the model and resolves it into a [`ReplaySetup`].
 ///
 /// # Errors
 /// Every problem: a node or walk the model does not have, a model without `prefill` and
 /// `decode`, a walk that is not a combined walk of both, a cost that is negative, not finite,
 /// above [`MAX_COST_MS`] or zero in total, an overshoot rate outside `[0, 1]`, more than
 /// [`MAX_SPEC_TOKENS`] speculative tokens, or a prefix cache block size other than the trace's.
-pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<SettingProblem>> {
+pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<SettingProblem>> {
     let mut problems = Vec::new();
     let mut refuse = |key, value: Option<String>, reason: String| {
         problems.push(SettingProblem { key, value, reason });
@@ -224,7 +224,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<Setup, Vec<Settin
     }
     let kv = check_kv(&r.kv, &mut refuse);
     match node {
-        Some(node) if problems.is_empty() => Ok(Setup {
+        Some(node) if problems.is_empty() => Ok(ReplaySetup {
             node,
             walks,
             cost: cost.expect("checked: no problem"),
@@ -272,16 +272,14 @@ fn check_cost(
             );
             return None;
         }
-        let model = latency_presets::preset_model(name);
+        let model = presets::preset_model(name);
         if model.is_none() {
             refuse(
                 "replay.cost.preset",
                 Some(crate::config::problem::quote(name)),
                 format!(
                     "is not a latency model preset (presets: {})",
-                    latency_presets::preset_names()
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    presets::preset_names().collect::<Vec<_>>().join(", ")
                 ),
             );
         }
@@ -533,6 +531,28 @@ pub fn check_rate_scale(x: f64) -> Result<f64, String> {
     }
 }
 
+impl ReplaySetup {
+    /// Resolves `[replay]` against the model ([`check`]).
+    ///
+    /// # Errors
+    /// The first problem [`check`] finds.
+    pub fn resolve(
+        manifest: &Manifest,
+        settings: &crate::config::Settings,
+    ) -> Result<Self, super::error::ReplayError> {
+        check(manifest, &settings.replay).map_err(|problems| {
+            let p = problems.into_iter().next();
+            super::error::ReplayError::Config {
+                key: p.as_ref().map_or("replay", |p| p.key),
+                problem: p.map_or_else(String::new, |p| match p.value {
+                    Some(v) => format!("= {v}: {}", p.reason),
+                    None => p.reason,
+                }),
+            }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -611,7 +631,7 @@ mod tests {
         let s = check(&model(), &r).unwrap();
         assert_eq!(
             Some(s.cost),
-            crate::latency_presets::preset_model("llama2-7b-h100")
+            crate::latency::presets::preset_model("llama2-7b-h100")
         );
         r.cost.base_ms = Some(1.0);
         assert_eq!(

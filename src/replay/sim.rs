@@ -21,16 +21,16 @@ use super::report::{
 };
 use super::step_log::StepLog;
 use super::trace::Trace;
-use super::{ReplayError, ReplayOptions, Setup, DECODE_WALK, PREFILL_WALK};
+use super::{ReplayError, ReplayOptions, ReplaySetup, DECODE_WALK, PREFILL_WALK};
 use crate::latency::StepFeatures;
 use crate::overrun::OverrunReason;
-use crate::planner::Work;
+use crate::planner::RowWork;
 use crate::prepared::PreparedInput;
 use crate::ChunkingManagement;
 
 mod memory;
 
-pub use memory::{component_rid, first_chunk_walk, KvState, RID_ATTEMPT_SHIFT, RID_MASK};
+pub use memory::first_chunk_walk;
 
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;
@@ -77,7 +77,7 @@ enum Phase {
 /// One replay in progress.
 pub struct Sim<'a> {
     cm: &'a ChunkingManagement,
-    setup: &'a Setup,
+    setup: &'a ReplaySetup,
     trace: &'a Trace,
     opts: &'a ReplayOptions,
     step_log: Option<StepLog>,
@@ -138,7 +138,7 @@ impl<'a> Sim<'a> {
     /// Prepares a replay of `trace` on `cm` (policies and budgets already set).
     pub fn new(
         cm: &'a ChunkingManagement,
-        setup: &'a Setup,
+        setup: &'a ReplaySetup,
         trace: &'a Trace,
         opts: &'a ReplayOptions,
         step_log: Option<StepLog>,
@@ -447,8 +447,8 @@ impl<'a> Sim<'a> {
         let mut features = StepFeatures::EMPTY;
         for ((row, &r), &context) in batch.rows.iter().zip(&self.ran).zip(&self.true_contexts) {
             match row.work {
-                Work::Continue { .. } => features.add_continuing(r, context),
-                Work::Chunk { range, .. } => features.add_chunk(range.start, range.end),
+                RowWork::Continue { .. } => features.add_continuing(r, context),
+                RowWork::Chunk { range, .. } => features.add_chunk(range.start, range.end),
             }
         }
         let ms = self.setup.cost.predict_ms(&features);
@@ -485,11 +485,11 @@ impl<'a> Sim<'a> {
             cuts = false;
             for row in &batch.rows {
                 let (r, context) = match row.work {
-                    Work::Continue { estimate } => {
+                    RowWork::Continue { estimate } => {
                         decode_rows += 1;
                         (self.continue_ran(estimate), self.true_context_of(row.rid))
                     }
-                    Work::Chunk { range, .. } => {
+                    RowWork::Chunk { range, .. } => {
                         cuts |= !range.is_final();
                         (range.tokens(), 0)
                     }
@@ -566,7 +566,7 @@ impl<'a> Sim<'a> {
                 continue;
             };
             match row.work {
-                Work::Continue { .. } => {
+                RowWork::Continue { .. } => {
                     self.report.tokens.decode += u64::from(r);
                     self.report.tokens.generated += 1;
                     let s = &mut self.state[i];
@@ -586,7 +586,7 @@ impl<'a> Sim<'a> {
                         self.release_kv(i);
                     }
                 }
-                Work::Chunk { range, .. } => {
+                RowWork::Chunk { range, .. } => {
                     self.report.tokens.prefill += u64::from(r);
                     self.report.chunks.total += 1;
                     self.state[i].chunks += 1;
@@ -695,8 +695,8 @@ impl<'a> Sim<'a> {
 }
 
 /// Why a time budget was not in force: the component had no latency model it trusted.
-fn inactive_reason(setup: &super::Setup) -> String {
-    use crate::latency_fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
+fn inactive_reason(setup: &super::ReplaySetup) -> String {
+    use crate::latency::fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
     let mut why = format!(
         "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/cost-model.md#fitting)",
         DEFAULT_MAX_RELATIVE_RMS * 100.0

@@ -25,9 +25,9 @@ use std::path::{Path, PathBuf};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-use crate::planner::Work;
+use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::scheduler::{Batch, BatchRow, StepOutcome};
-use crate::Name;
 
 /// A step log being written.
 pub struct StepLog {
@@ -123,22 +123,9 @@ impl StepLog {
     /// Writes one step: `batch` as assembled, started at `t_ms` of simulated time, which ran
     /// `ran_tokens` and overran (or not) as its completion said. `contexts` holds each row's
     /// context as the simulated engine knows it (by row; a chunk's entry is unused): what a
-    /// continuing row's `context` shows, and what its step was priced with.
-    ///
-    /// # Errors
-    /// The write failed.
-    pub fn write(
-        &mut self,
-        t_ms: f64,
-        batch: &Batch,
-        contexts: &[u64],
-        outcome: &StepOutcome,
-    ) -> io::Result<()> {
-        self.write_with(t_ms, batch, contexts, outcome, None)
-    }
-
-    /// [`write`](Self::write), with the KV memory of the step when the replay models it (a
-    /// `kv` object; no such key without a KV limit).
+    /// continuing row's `context` shows, and what its step was priced with. `kv` is the KV
+    /// memory of the step when the replay models it (a `kv` object; no such key without a KV
+    /// limit).
     ///
     /// # Errors
     /// The write failed.
@@ -292,7 +279,7 @@ impl Serialize for Row<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let (r, walk, context) = (self.0, self.1, self.2);
         match r.work {
-            Work::Continue { estimate } => {
+            RowWork::Continue { estimate } => {
                 let mut m = s.serialize_map(Some(5))?;
                 m.serialize_entry("rid", &r.rid)?;
                 m.serialize_entry("walk", walk)?;
@@ -301,7 +288,7 @@ impl Serialize for Row<'_> {
                 m.serialize_entry("context", &context)?;
                 m.end()
             }
-            Work::Chunk { range, cached } => {
+            RowWork::Chunk { range, cached } => {
                 // A first chunk moves the Loop by its `end`; a later one never starts at 0.
                 let first = range.stride == range.end;
                 let mut m = s.serialize_map(Some(if first { 10 } else { 9 }))?;

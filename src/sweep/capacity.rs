@@ -25,7 +25,7 @@ pub const MIN_PROBE: f64 = 0.001;
 
 /// A probe's rate: `r` rounded to 0.001.
 fn snap(r: f64) -> f64 {
-    super::output::round3(r)
+    crate::text::round3(r)
 }
 
 /// The most probes one search runs (the bracket needs at most 11 doublings and the bisection at
@@ -39,6 +39,18 @@ pub struct Slo {
     pub tbt_p99_ms: Option<f64>,
     /// The highest acceptable p90 time to first token.
     pub ttft_p90_ms: Option<f64>,
+}
+
+/// The SLO as a sentence: `TBT p99 <= 60 ms and TTFT p90 <= 5000 ms`.
+pub fn slo_text(slo: &Slo) -> String {
+    let mut parts = Vec::new();
+    if let Some(t) = slo.tbt_p99_ms {
+        parts.push(format!("TBT p99 <= {t} ms"));
+    }
+    if let Some(t) = slo.ttft_p90_ms {
+        parts.push(format!("TTFT p90 <= {t} ms"));
+    }
+    parts.join(" and ")
 }
 
 impl Slo {

@@ -1,11 +1,5 @@
 //! The sweep's grid: token budgets (`512,1024,2048,off`) × rate scales (`0.5,1,2,4`).
 
-use std::fmt;
-use std::num::NonZeroU32;
-use std::str::FromStr;
-
-use serde::{Serialize, Serializer};
-
 /// The largest token budget a sweep takes (2^24, the longest prompt a trace may have: a larger
 /// budget never cuts anything).
 pub const MAX_BUDGET_TOKENS: u32 = 1 << 24;
@@ -16,43 +10,9 @@ pub const MAX_RATE_SCALE: f64 = 1024.0;
 /// The most values one axis of the grid may have.
 pub const MAX_AXIS_VALUES: usize = 64;
 
-/// One budget of the grid: a token budget for the replayed node/walk, or chunking off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Budget {
-    /// `max_batch_tokens = N`.
-    Tokens(NonZeroU32),
-    /// No budget: prompts run whole (`"off"`).
-    Off,
-}
-
-impl Budget {
-    /// The token budget, or `None` for off.
-    pub fn tokens(self) -> Option<u32> {
-        match self {
-            Self::Tokens(n) => Some(n.get()),
-            Self::Off => None,
-        }
-    }
-}
-
-impl fmt::Display for Budget {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Tokens(n) => write!(f, "{n}"),
-            Self::Off => f.write_str("off"),
-        }
-    }
-}
-
-/// Serialised as its number, or the string `"off"`.
-impl Serialize for Budget {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Self::Tokens(n) => s.serialize_u32(n.get()),
-            Self::Off => s.serialize_str("off"),
-        }
-    }
-}
+/// One budget of the grid: the core's budget value (a token budget for the replayed node/walk,
+/// or chunking off), parsed by its own `FromStr`.
+pub use crate::budget::BudgetValue as Budget;
 
 /// Why a grid axis was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,27 +24,19 @@ pub struct GridError {
     pub problem: String,
 }
 
-impl FromStr for Budget {
-    type Err = GridError;
-
-    /// Parses `off` (any case) or a whole number of tokens in `[1, MAX_BUDGET_TOKENS]`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let s = s.trim();
-        if s.eq_ignore_ascii_case("off") {
-            return Ok(Self::Off);
-        }
-        s.parse::<u32>()
-            .ok()
-            .filter(|n| *n <= MAX_BUDGET_TOKENS)
-            .and_then(NonZeroU32::new)
-            .map(Self::Tokens)
-            .ok_or_else(|| GridError {
-                flag: "--budgets",
-                problem: format!(
-                    "takes whole numbers of tokens between 1 and {MAX_BUDGET_TOKENS}, or `off`; got {s:?}"
-                ),
-            })
-    }
+/// A grid budget: a budget value of at most [`MAX_BUDGET_TOKENS`] (a larger budget never cuts
+/// anything: no trace prompt is longer).
+fn grid_budget(s: &str) -> Result<Budget, GridError> {
+    s.parse::<Budget>()
+        .ok()
+        .filter(|b| b.get().is_none_or(|n| n <= MAX_BUDGET_TOKENS))
+        .ok_or_else(|| GridError {
+            flag: "--budgets",
+            problem: format!(
+                "takes whole numbers of tokens between 1 and {MAX_BUDGET_TOKENS}, or `off`; got {:?}",
+                s.trim()
+            ),
+        })
 }
 
 fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
@@ -115,7 +67,7 @@ fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridErro
 pub fn parse_budgets(list: &str) -> Result<Vec<Budget>, GridError> {
     let mut out: Vec<Budget> = Vec::new();
     for item in split("--budgets", list)? {
-        let b: Budget = item.parse()?;
+        let b = grid_budget(item)?;
         if out.contains(&b) {
             return Err(GridError {
                 flag: "--budgets",
@@ -150,12 +102,12 @@ pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
             })?;
         // Every output prints a rate to 0.001: a finer one would print as another, and the
         // printed figure would not replay the cell that was run.
-        if super::output::round3(r) != r {
+        if crate::text::round3(r) != r {
             return Err(GridError {
                 flag: "--rates",
                 problem: format!(
                     "takes rate scales in steps of 0.001, as every output prints them, got {item:?} (give {})",
-                    super::output::fmt_rate(r)
+                    crate::text::fmt_rate(r)
                 ),
             });
         }
@@ -182,8 +134,8 @@ mod tests {
             b.iter().map(ToString::to_string).collect::<Vec<_>>(),
             ["512", "1024", "off", "2048"]
         );
-        assert_eq!(b[0].tokens(), Some(512));
-        assert_eq!(b[2].tokens(), None);
+        assert_eq!(b[0].get(), Some(512));
+        assert_eq!(b[2].get(), None);
         assert_eq!(
             serde_json::to_string(&b).unwrap(),
             r#"[512,1024,"off",2048]"#

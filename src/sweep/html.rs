@@ -4,10 +4,12 @@
 
 use std::fmt::Write as _;
 
+use super::capacity::slo_text;
 use super::capacity::TOLERANCE;
-use super::output::{capacity_table, cell_table, fmt_rate, slo_text};
 use super::plots::{Plot, HEIGHT, WIDTH};
+use super::tables::{capacity_table, cell_table, notes};
 use super::Sweep;
+use crate::text::fmt_rate;
 
 const STYLE: &str = "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1040px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}\
 h1{font-size:1.6em}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}\
@@ -102,7 +104,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
         escape(sweep.version),
     );
 
-    for n in super::output::notes(sweep) {
+    for n in notes(sweep) {
         let _ = writeln!(
             out,
             "<p class=\"warn\"><strong>Warning:</strong> {}</p>",

@@ -11,9 +11,10 @@ use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
 use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
-use super::output::{fmt_rate, write_whole};
+use super::output::write_whole;
 use super::plots::{render_figure, series_color, text_style, Figure};
 use super::{Sweep, SweepError};
+use crate::text::fmt_rate;
 
 /// The most blocks `--kv-blocks` takes (as `replay.kv.blocks`).
 pub const MAX_KV_BLOCKS: u64 = 1 << 40;

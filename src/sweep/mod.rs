@@ -23,6 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
 pub mod capacity;
+pub(crate) mod cells;
 pub mod grid;
 pub mod html;
 pub mod kv_axis;
@@ -30,6 +31,7 @@ pub mod output;
 pub mod plots;
 mod raster;
 pub mod run;
+pub(crate) mod tables;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
 pub use grid::{parse_budgets, parse_rates, Budget, GridError};
@@ -265,8 +267,8 @@ impl Capacity {
     /// The capacity as text: `1.23x`, `>= 1024x` or `none`.
     pub fn label(&self) -> String {
         match (self.search.bound, self.search.rate_scale) {
-            (Bound::AtLeastMax, Some(r)) => format!(">= {}x", output::fmt_rate(r)),
-            (_, Some(r)) => format!("{}x", output::fmt_rate(r)),
+            (Bound::AtLeastMax, Some(r)) => format!(">= {}x", crate::text::fmt_rate(r)),
+            (_, Some(r)) => format!("{}x", crate::text::fmt_rate(r)),
             (_, None) => "none".into(),
         }
     }
@@ -343,7 +345,7 @@ impl SweepOptions {
         match self.step_time_rate {
             Some(r) if !self.rates.contains(&r) => Err(SweepError::Options(format!(
                 "the step-time rate {} is not one of the rate scales ({listed})",
-                output::fmt_rate(r)
+                crate::text::fmt_rate(r)
             ))),
             Some(r) => Ok(r),
             None if self.rates.contains(&1.0) => Ok(1.0),
@@ -495,7 +497,7 @@ pub(crate) mod tests {
     /// A fake replay: latency grows with rate, more for larger budgets' TBT and smaller
     /// budgets' TTFT, like the real trade-off.
     pub(crate) fn fake(budget: Budget, rate: f64) -> Result<RunSummary, String> {
-        let b = f64::from(budget.tokens().unwrap_or(8192));
+        let b = f64::from(budget.get().unwrap_or(8192));
         let tbt = 8.0 + b * 0.02 * rate;
         let ttft = 200.0 * rate * rate * 4096.0 / b.min(4096.0);
         let mut steps: Vec<f64> = (0..200)
@@ -505,7 +507,7 @@ pub(crate) mod tests {
             requests: 100,
             steps: 200,
             overruns: u64::from(budget == Budget::Off),
-            budget_utilisation: budget.tokens().map(|_| 0.75),
+            budget_utilisation: budget.get().map(|_| 0.75),
             tbt_p50_ms: Some(tbt / 2.0),
             tbt_p99_ms: Some(tbt),
             ttft_p50_ms: Some(ttft / 3.0),
@@ -593,7 +595,7 @@ pub(crate) mod tests {
         assert_eq!(s.cells[2].meets_slo, Some(true));
         assert_eq!(
             s.capacity[0].label(),
-            format!("{}x", output::fmt_rate(r512))
+            format!("{}x", crate::text::fmt_rate(r512))
         );
     }
 
@@ -647,10 +649,10 @@ pub(crate) mod tests {
         .unwrap();
         assert_eq!(s.interrupted.as_deref(), Some("SIGTERM"));
         assert_eq!(s.cells.len(), 3);
-        assert!(s.cells.iter().all(|c| c.budget.tokens() == Some(512)));
+        assert!(s.cells.iter().all(|c| c.budget.get() == Some(512)));
         assert_eq!(s.not_run.len(), 6);
         assert_eq!(
-            (s.not_run[0].budget.tokens(), s.not_run[0].rate_scale),
+            (s.not_run[0].budget.get(), s.not_run[0].rate_scale),
             (Some(2048), 0.5)
         );
         // No capacity search starts after the signal.

@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 use serde::ser::SerializeMap;
 use serde::Serializer;
 
-use super::{capacity, html, plots, Bound, Sweep, SweepError};
+use super::capacity::slo_text;
+use super::tables::{capacity_table, cell_table, notes};
+use super::{capacity, html, plots, Sweep, SweepError};
+use crate::text::{fmt_rate, round3};
 
 /// The cells' CSV file.
 pub const CSV_FILE: &str = "sweep.csv";
@@ -17,11 +20,6 @@ pub const CSV_FILE: &str = "sweep.csv";
 pub const JSON_FILE: &str = "sweep.json";
 /// The self-contained HTML report.
 pub const HTML_FILE: &str = "report.html";
-
-/// Rounds to 0.001, the precision a simulated ms (or a rate scale) means.
-pub fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
 
 /// Serialises a float rounded to 0.001 (a non-finite one as null).
 pub(crate) fn ser_round<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
@@ -52,139 +50,6 @@ pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S
         m.serialize_entry(k, val)?;
     }
     m.end()
-}
-
-/// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).
-pub fn fmt_rate(r: f64) -> String {
-    let s = format!("{:.3}", round3(r));
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    s.to_owned()
-}
-
-fn ms(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
-}
-
-/// The SLO as a sentence: `TBT p99 <= 60 ms and TTFT p90 <= 5000 ms`.
-pub fn slo_text(slo: &capacity::Slo) -> String {
-    let mut parts = Vec::new();
-    if let Some(t) = slo.tbt_p99_ms {
-        parts.push(format!("TBT p99 <= {t} ms"));
-    }
-    if let Some(t) = slo.ttft_p90_ms {
-        parts.push(format!("TTFT p90 <= {t} ms"));
-    }
-    parts.join(" and ")
-}
-
-/// What a reader must know before trusting the figures, one sentence each: that the sweep was
-/// interrupted (and which cells did not run), and each budget whose grid contradicts rising
-/// latency. Empty for a complete sweep of monotone budgets.
-pub fn notes(sweep: &Sweep) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Some(signal) = &sweep.interrupted {
-        let total = sweep.cells.len() + sweep.not_run.len();
-        let not_run: Vec<String> = sweep
-            .not_run
-            .iter()
-            .map(|c| format!("{} at {}x", c.budget, fmt_rate(c.rate_scale)))
-            .collect();
-        out.push(format!(
-            "interrupted by {signal}: {} of {total} grid replays finished{}{}",
-            sweep.cells.len(),
-            if not_run.is_empty() {
-                String::new()
-            } else {
-                format!("; not run: {}", not_run.join(", "))
-            },
-            if sweep.slo.is_some() {
-                "; capacity searches that did not finish are left out"
-            } else {
-                ""
-            }
-        ));
-    }
-    for c in &sweep.capacity {
-        if let Some(n) = c.search.non_monotone {
-            out.push(format!(
-                "budget {}: latency does not rise with load on this grid ({}x misses the SLO while {}x meets it); its capacity is the highest rate below the first miss",
-                c.budget,
-                fmt_rate(n.misses_at),
-                fmt_rate(n.meets_at)
-            ));
-        }
-    }
-    out
-}
-
-/// The cells as a table: its header and one row of text per cell.
-pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
-    let header = vec![
-        "budget",
-        "rate",
-        "requests",
-        "steps",
-        "TBT p50 ms",
-        "TBT p99 ms",
-        "TTFT p50 ms",
-        "TTFT p90 ms",
-        "TTFT p99 ms",
-        "step p50 ms",
-        "step p99 ms",
-        "overruns",
-        "utilisation",
-        "SLO",
-    ];
-    let rows = sweep
-        .cells
-        .iter()
-        .map(|c| {
-            let s = &c.summary;
-            vec![
-                c.budget.to_string(),
-                fmt_rate(c.rate_scale),
-                s.requests.to_string(),
-                s.steps.to_string(),
-                ms(s.tbt_p50_ms),
-                ms(s.tbt_p99_ms),
-                ms(s.ttft_p50_ms),
-                ms(s.ttft_p90_ms),
-                ms(s.ttft_p99_ms),
-                ms(s.step_ms.percentile(50)),
-                ms(s.step_ms.percentile(99)),
-                s.overruns.to_string(),
-                s.budget_utilisation
-                    .map_or_else(|| "-".into(), |u| format!("{:.1}%", u * 100.0)),
-                match c.meets_slo {
-                    None => "-".into(),
-                    Some(true) => "meets".into(),
-                    Some(false) => "misses".into(),
-                },
-            ]
-        })
-        .collect();
-    (header, rows)
-}
-
-/// The capacities as a table: its header and one row per budget (empty without an SLO).
-pub fn capacity_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
-    let header = vec!["budget", "capacity", "misses at", "replays searched"];
-    let rows = sweep
-        .capacity
-        .iter()
-        .map(|c| {
-            vec![
-                c.budget.to_string(),
-                c.label(),
-                match (c.search.bound, c.search.misses_at) {
-                    (Bound::AtLeastMax, _) | (_, None) => "-".into(),
-                    (_, Some(r)) => format!("{}x", fmt_rate(r)),
-                },
-                c.search.probes.len().to_string(),
-            ]
-        })
-        .collect();
-    (header, rows)
 }
 
 fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {

@@ -13,9 +13,10 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle, RGBAColor};
 
-use super::output::{fmt_rate, slo_text};
+use super::capacity::slo_text;
 use super::raster::PngBackend;
 use super::{Bound, Sweep, SweepError};
+use crate::text::fmt_rate;
 
 /// Width of every plot, in pixels.
 pub const WIDTH: u32 = 960;
@@ -191,19 +192,9 @@ fn fmt_log_ms(v: &f64) -> String {
     }
     let lead = (v / 10f64.powf(v.log10().floor())).round();
     if lead == 1.0 || lead == 2.0 || lead == 5.0 {
-        fmt_ms(v)
+        crate::text::fmt_ms(*v)
     } else {
         String::new()
-    }
-}
-
-/// An axis value in ms: whole numbers without decimals, small ones with what they need.
-fn fmt_ms(v: &f64) -> String {
-    if *v >= 10.0 {
-        format!("{v:.0}")
-    } else {
-        let s = format!("{v:.2}");
-        s.trim_end_matches('0').trim_end_matches('.').to_owned()
     }
 }
 

@@ -33,43 +33,9 @@ pub enum JobFailure<E> {
 }
 
 /// Runs `f` on every item on up to `jobs` threads (at least 1, at most [`MAX_JOBS`] and the
-/// number of items), ticking `progress` once per finished item, and returns the results in the
-/// items' order. After a failure no new item starts.
-///
-/// # Errors
-/// The failure of lowest index, or a panic in `f`.
-pub fn parallel_map<T, R, E>(
-    items: &[T],
-    jobs: usize,
-    progress: &ProgressBar,
-    f: impl Fn(&T) -> Result<R, E> + Sync,
-) -> Result<Vec<R>, JobFailure<E>>
-where
-    T: Sync,
-    R: Send,
-    E: Send,
-{
-    let slots = parallel_slots(items, jobs, progress, &|| false, f)?;
-    let mut out = Vec::with_capacity(items.len());
-    let mut missing = false;
-    for (index, slot) in slots.into_iter().enumerate() {
-        match slot {
-            Some(Ok(r)) => out.push(r),
-            Some(Err(error)) => return Err(JobFailure::Failed { index, error }),
-            None => missing = true,
-        }
-    }
-    // Items are skipped only after a failure, which returned above.
-    if missing {
-        return Err(JobFailure::Panicked {
-            message: "a job ended without a result".into(),
-        });
-    }
-    Ok(out)
-}
-
-/// [`parallel_map`] that keeps every result: one slot per item, in order, `None` for an item
-/// that never started because a job failed or `stop` said so (it is asked before each item).
+/// number of items), ticking `progress` once per finished item, and keeps every result: one
+/// slot per item, in order, `None` for an item that never started because a job failed or
+/// `stop` said so (it is asked before each item). After a failure no new item starts.
 ///
 /// # Errors
 /// A panic in `f`.
@@ -135,6 +101,41 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`parallel_slots`] as a map: the results in the items' order, or the failure of lowest
+    /// index (the behaviour the tests pin down).
+    ///
+    /// # Errors
+    /// The failure of lowest index, or a panic in `f`.
+    fn parallel_map<T, R, E>(
+        items: &[T],
+        jobs: usize,
+        progress: &ProgressBar,
+        f: impl Fn(&T) -> Result<R, E> + Sync,
+    ) -> Result<Vec<R>, JobFailure<E>>
+    where
+        T: Sync,
+        R: Send,
+        E: Send,
+    {
+        let slots = parallel_slots(items, jobs, progress, &|| false, f)?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut missing = false;
+        for (index, slot) in slots.into_iter().enumerate() {
+            match slot {
+                Some(Ok(r)) => out.push(r),
+                Some(Err(error)) => return Err(JobFailure::Failed { index, error }),
+                None => missing = true,
+            }
+        }
+        // Items are skipped only after a failure, which returned above.
+        if missing {
+            return Err(JobFailure::Panicked {
+                message: "a job ended without a result".into(),
+            });
+        }
+        Ok(out)
+    }
 
     #[test]
     fn results_come_back_in_order_and_progress_counts_them() {

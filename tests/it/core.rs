@@ -5,9 +5,10 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
+use mstar_chunking::policy::Name;
 use mstar_chunking::{
-    Batch, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy, Name, OverrunReason,
-    PreparedInput, SubmoduleCaps, Work,
+    Batch, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy, OverrunReason,
+    PreparedInput, RowWork, SubmoduleCaps,
 };
 
 fn n(s: &str) -> Name {
@@ -64,8 +65,8 @@ fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
     b.rows
         .iter()
         .filter_map(|r| match r.work {
-            Work::Chunk { range, .. } => Some((r.rid, range)),
-            Work::Continue { .. } => None,
+            RowWork::Chunk { range, .. } => Some((r.rid, range)),
+            RowWork::Continue { .. } => None,
         })
         .collect()
 }
@@ -95,7 +96,7 @@ async fn multi_step_prefill_with_a_cached_prefix() {
             break;
         }
         for row in &b.rows {
-            let Work::Chunk { range, cached } = row.work else {
+            let RowWork::Chunk { range, cached } = row.work else {
                 panic!("only prefill rows")
             };
             let input = row.input.as_ref().expect("chunk input cut");

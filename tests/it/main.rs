@@ -2,6 +2,7 @@
 
 mod config_cli;
 mod core;
+mod drain;
 mod endpoint;
 mod helpers;
 mod hostile;

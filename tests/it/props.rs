@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use mstar_chunking::budget::{BudgetSettings, BudgetTable, BudgetValue, NodeBudget};
 use mstar_chunking::policy::ModelPolicies;
+use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::SchedulerState;
-use mstar_chunking::snapshot::BudgetSnapshot;
-use mstar_chunking::{ChunkRange, ChunkingPolicy, Name, SubmoduleCaps, Work};
+use mstar_chunking::{ChunkRange, ChunkingPolicy, RowWork, SubmoduleCaps};
 use proptest::prelude::*;
 
 fn n(s: &str) -> Name {
@@ -85,9 +85,7 @@ fn state(c: &Case) -> SchedulerState {
         time: Default::default(),
     };
     let table = BudgetTable::build(model, settings).unwrap();
-    let mut s = SchedulerState::default();
-    s.set_snapshot(Arc::new(BudgetSnapshot::new(table, 1)));
-    s
+    SchedulerState::with_table(table)
 }
 
 proptest! {
@@ -114,18 +112,18 @@ proptest! {
                     s.admit(rid as u64, "llm", "prefill", *total, *cached).unwrap();
                 }
             }
-            let b = s.assemble("llm", "mixed").unwrap().into_batch();
+            let b = s.assemble_batch("llm", "mixed").unwrap();
             let budget = u64::from(c.budget);
             let floor = c.min_chunk.min(c.budget).min(c.max_row.unwrap_or(u32::MAX));
             prop_assert_eq!(b.floor, Some(floor));
-            let prefill_tokens: u64 = b.rows.iter().filter(|r| matches!(r.work, Work::Chunk { .. })).map(|r| u64::from(r.tokens())).sum();
+            let prefill_tokens: u64 = b.rows.iter().filter(|r| matches!(r.work, RowWork::Chunk { .. })).map(|r| u64::from(r.tokens())).sum();
             if let Some(cap) = c.prefill_cap {
                 prop_assert!(prefill_tokens <= u64::from(cap), "prefill cap {cap} exceeded: {prefill_tokens}");
             }
             let lone_over = b.rows.len() == 1 && b.scheduled_tokens > budget;
             prop_assert!(b.scheduled_tokens <= budget || lone_over, "{} > {budget}", b.scheduled_tokens);
             for (i, r) in b.rows.iter().enumerate() {
-                if let Work::Chunk { range, cached } = r.work {
+                if let RowWork::Chunk { range, cached } = r.work {
                     prop_assert!(range.start < range.end && range.end <= range.total);
                     if !range.is_final() {
                         // The floor does not hold back a row alone in its step (the first row).
@@ -222,7 +220,8 @@ proptest! {
     /// the token rules hold: budget, alignment, floor.
     #[test]
     fn no_step_is_planned_over_its_time_budget_but_the_liveness_cases(c in timed_case()) {
-        use mstar_chunking::latency::{LatencyModel, TimeOverrunReason};
+        use mstar_chunking::latency::LatencyModel;
+        use mstar_chunking::overrun::TimeOverrunReason;
         use mstar_chunking::planner::{plan_timed, ContRow, PrefillRow, StepParams, StepPlan, TimeLimit};
         let [b, t, k, a] = c.coefficients;
         let model = LatencyModel::try_new(b, t, k, a).unwrap();
@@ -257,14 +256,14 @@ proptest! {
             None => prop_assert!(predicted <= c.max_step_ms, "{predicted} > {} unannounced", c.max_step_ms),
             Some(TimeOverrunReason::Continuing) => {
                 let mut only_cont = out.clone();
-                only_cont.rows.retain(|r| matches!(r.work, Work::Continue { .. }));
+                only_cont.rows.retain(|r| matches!(r.work, RowWork::Continue { .. }));
                 let mut f = mstar_chunking::latency::StepFeatures::EMPTY;
                 for r in &only_cont.rows { f.add_continuing(r.work.tokens(), r.context); }
                 prop_assert!(model.predict_ms(&f) > c.max_step_ms, "continuing rows fit");
             }
             Some(TimeOverrunReason::Floor) => {
                 // Only the first prefill row in order may be run over time, at the floor.
-                let chunks: Vec<_> = out.rows.iter().filter(|r| matches!(r.work, Work::Chunk { .. })).collect();
+                let chunks: Vec<_> = out.rows.iter().filter(|r| matches!(r.work, RowWork::Chunk { .. })).collect();
                 prop_assert!(!chunks.is_empty());
                 prop_assert!(chunks[0].work.tokens() <= c.floor.max(1) + c.align, "floor chunk of {} tokens", chunks[0].work.tokens());
             }
@@ -273,7 +272,7 @@ proptest! {
         let lone_over = out.rows.len() == 1 && out.scheduled_tokens > u64::from(c.budget);
         prop_assert!(out.scheduled_tokens <= u64::from(c.budget) || lone_over);
         for (i, r) in out.rows.iter().enumerate() {
-            if let Work::Chunk { range, .. } = r.work {
+            if let RowWork::Chunk { range, .. } = r.work {
                 if !range.is_final() {
                     prop_assert_eq!(range.end % c.align, 0, "unaligned {:?}", range);
                     prop_assert!(i == 0 || range.tokens() >= c.floor, "{:?} below the floor {}", range, c.floor);

@@ -116,11 +116,14 @@ async fn the_watcher_reloads_on_a_file_change_and_on_sighup() {
         wait_for_budget(&cm, Some(768)).await,
         "reloaded on the file change"
     );
+    // Dropping the watcher aborts its task: a reload it had started read the file before the
+    // write below, so nothing can apply that write until a watcher reads it again.
     drop(watcher);
 
-    // Changed while nobody watched: only SIGHUP makes the watcher read it.
+    // Changed while nobody watched: only SIGHUP makes the new watcher read it. `watch` has
+    // registered its SIGHUP handler when it returns, so the signal is not sent too early, and
+    // the reload it causes is awaited with a bound.
     write_layer(dir.path(), "640");
-    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         cm.max_batch_tokens("llm", "mixed").await.unwrap(),
         Some(768),

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
+use mstar_chunking::policy::Name;
 use mstar_chunking::{
-    Batch, ChunkingError, ChunkingManagement, ChunkingPolicy, Name, PreparedInput, SubmoduleCaps,
-    Work,
+    Batch, ChunkingError, ChunkingManagement, ChunkingPolicy, PreparedInput, RowWork, SubmoduleCaps,
 };
 use proptest::prelude::*;
 
@@ -111,8 +111,8 @@ impl Model {
             prop_assert!(seen.insert(r.rid), "rid {} twice in step {}", r.rid, b.step);
             match r.work {
                 // Checked at assembly: a continuing row may finish while its step is in flight.
-                Work::Continue { .. } => {}
-                Work::Chunk { range, cached } => {
+                RowWork::Continue { .. } => {}
+                RowWork::Chunk { range, cached } => {
                     if self.stale.contains(&r.rid) {
                         continue;
                     }
@@ -183,9 +183,9 @@ async fn complete(
         .rows
         .iter()
         .map(|r| match r.work {
-            Work::Continue { estimate } => estimate + overshoot,
-            Work::Chunk { .. } if failed => 0,
-            Work::Chunk { range, .. } => range.tokens(),
+            RowWork::Continue { estimate } => estimate + overshoot,
+            RowWork::Chunk { .. } if failed => 0,
+            RowWork::Chunk { range, .. } => range.tokens(),
         })
         .collect();
     let out = cm.complete(b.step, ran).await.unwrap();
@@ -279,7 +279,7 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     );
                     m.unseen_in_flight = false;
                     for r in b.rows.iter().filter(|r| !m.stale.contains(&r.rid)) {
-                        if matches!(r.work, Work::Continue { .. }) {
+                        if matches!(r.work, RowWork::Continue { .. }) {
                             prop_assert!(
                                 m.continuing.contains(&r.rid),
                                 "rid {} is not continuing",

@@ -128,7 +128,7 @@ fn with_learning_and_noise_the_component_finds_the_preset_and_keeps_steps_near_t
     );
     let log = steps(&log_path);
     assert!(log.len() >= 2000, "{} steps", log.len());
-    let truth = mstar_chunking::latency_presets::preset_model("llama2-7b-a100").unwrap();
+    let truth = mstar_chunking::latency::presets::preset_model("llama2-7b-a100").unwrap();
     let learned = report.latency_model;
     assert_eq!(learned.source.as_str(), "online");
     // Every term carries real weight on this trace: long prefixes (attention), long decode

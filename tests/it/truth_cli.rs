@@ -88,7 +88,7 @@ fn an_all_zero_model_and_a_time_budget_below_base_ms_are_refused() {
     refused(&r, "chunking.cost.llm");
     assert!(r.stderr.contains("is all zero"), "{r:?}");
 
-    let base = mstar_chunking::latency_presets::preset_model("llama2-7b-a100")
+    let base = mstar_chunking::latency::presets::preset_model("llama2-7b-a100")
         .unwrap()
         .base_ms();
     let low = write(

@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 
 use super::{Phase, Sim};
-use crate::planner::Work;
+use crate::planner::RowWork;
 use crate::replay::kv::KvPool;
 use crate::replay::report::{KvReport, Latency};
 use crate::replay::step_log::{KvStepLine, Preemption};
@@ -199,10 +199,10 @@ impl Sim<'_> {
             };
             let s = &self.state[i];
             let tokens = match row.work {
-                Work::Chunk { range, .. } => u64::from(range.end),
+                RowWork::Chunk { range, .. } => u64::from(range.end),
                 // The KV cache holds the prompt and every generated token but the last, which
                 // this step runs with its speculative tokens.
-                Work::Continue { .. } => {
+                RowWork::Continue { .. } => {
                     u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated) - 1
                         + u64::from(ran)
                 }

@@ -3,17 +3,18 @@
 //! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
 //!
 //! Input is bounded (a regular file, [`MAX_FIT_FILE_BYTES`], [`MAX_FIT_LINE_BYTES`],
-//! [`MAX_FIT_SAMPLES`]) and every error names the file and the line.
+//! [`MAX_FIT_SAMPLES`]; read through the crate's one bounded input path, `src/input.rs`) and
+//! every error names the file and the line.
 
 use std::fmt::Write as _;
-use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::input::{self, InputError};
+use crate::latency::fit::{fit_samples, FitError, FitReport, Sample};
 use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
-use crate::latency_fit::{fit_samples, FitError, FitReport, Sample};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
 pub const MAX_FIT_FILE_BYTES: u64 = 512 << 20;
@@ -136,6 +137,16 @@ struct Limits {
     samples: usize,
 }
 
+impl Limits {
+    /// The bytes the input reader lets through.
+    fn input(self) -> input::Limits {
+        input::Limits {
+            file_bytes: self.file_bytes,
+            line_bytes: self.line_bytes,
+        }
+    }
+}
+
 const LIMITS: Limits = Limits {
     file_bytes: MAX_FIT_FILE_BYTES,
     line_bytes: MAX_FIT_LINE_BYTES,
@@ -162,25 +173,10 @@ pub fn read_samples(path: &Path) -> Result<(FitInput, Vec<Sample>), FitFileError
 type SamplesRead = (FitInput, Vec<Sample>, Vec<u64>);
 
 fn read_samples_with(path: &Path, limits: Limits) -> Result<SamplesRead, FitFileError> {
-    let io_err = |source| FitFileError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    // Checked before opening: opening a FIFO for reading would block until a writer came.
-    let meta = std::fs::metadata(path).map_err(io_err)?;
-    if !meta.is_file() {
-        return Err(FitFileError::NotAFile {
-            path: path.to_owned(),
-        });
-    }
-    if meta.len() > limits.file_bytes {
-        return Err(FitFileError::FileTooLarge {
-            path: path.to_owned(),
-            limit: limits.file_bytes,
-        });
-    }
-    let file = File::open(path).map_err(io_err)?;
-    let mut reader = BufReader::new(Capped::new(file, limits));
+    // A second buffer over the bounded reader: the first byte is peeked to tell the kind.
+    let mut reader = BufReader::new(
+        input::open_bounded(path, limits.input()).map_err(|e| input_error(path, e))?,
+    );
     let first = loop {
         let buf = reader.fill_buf().map_err(|e| limit_error(path, e))?;
         match buf.iter().position(|b| !b.is_ascii_whitespace()) {
@@ -205,24 +201,22 @@ fn read_samples_with(path: &Path, limits: Limits) -> Result<SamplesRead, FitFile
     }
 }
 
-/// Maps an I/O error of the capped reader to the limit it hit, or to a plain I/O error.
+/// Maps an I/O error of the bounded reader to the limit it hit, or to a plain I/O error.
 fn limit_error(path: &Path, e: io::Error) -> FitFileError {
-    match e
-        .get_ref()
-        .and_then(|inner| inner.downcast_ref::<LimitHit>())
-    {
-        Some(&LimitHit::File { limit }) => FitFileError::FileTooLarge {
-            path: path.to_owned(),
-            limit,
-        },
-        Some(&LimitHit::Line { line, limit }) => FitFileError::LineTooLong {
-            path: path.to_owned(),
-            line,
-            limit,
-        },
-        None => FitFileError::Io {
-            path: path.to_owned(),
-            source: e,
+    input_error(path, InputError::from_io(e))
+}
+
+/// The fit's error for what the bounded input path refused.
+fn input_error(path: &Path, e: InputError) -> FitFileError {
+    let path = path.to_owned();
+    match e {
+        InputError::Io(source) => FitFileError::Io { path, source },
+        InputError::NotRegular(_) => FitFileError::NotAFile { path },
+        InputError::TooLarge { limit } => FitFileError::FileTooLarge { path, limit },
+        InputError::LineTooLong { line, limit } => FitFileError::LineTooLong { path, line, limit },
+        other @ InputError::NotUtf8(_) => FitFileError::Io {
+            path,
+            source: io::Error::other(other.to_string()),
         },
     }
 }
@@ -405,91 +399,7 @@ fn read_csv<R: Read>(
     Ok((samples, lines))
 }
 
-/// Which limit a [`Capped`] read hit, carried inside an `io::Error`.
-#[derive(Debug)]
-enum LimitHit {
-    File { limit: u64 },
-    Line { line: u64, limit: u64 },
-}
-
-impl std::fmt::Display for LimitHit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::File { limit } => write!(f, "larger than {limit} bytes"),
-            Self::Line { line, limit } => write!(f, "line {line} longer than {limit} bytes"),
-        }
-    }
-}
-
-impl std::error::Error for LimitHit {}
-
-/// A reader that fails once the input passes a total size or a line passes a length: the file
-/// may grow after its size was checked, and a single line must not fill memory.
-struct Capped<R> {
-    inner: R,
-    limits: Limits,
-    total: u64,
-    line: u64,
-    line_len: u64,
-}
-
-impl<R> Capped<R> {
-    fn new(inner: R, limits: Limits) -> Self {
-        Self {
-            inner,
-            limits,
-            total: 0,
-            line: 1,
-            line_len: 0,
-        }
-    }
-}
-
-impl<R: Read> Read for Capped<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.total += n as u64;
-        if self.total > self.limits.file_bytes {
-            return Err(io::Error::other(LimitHit::File {
-                limit: self.limits.file_bytes,
-            }));
-        }
-        for &b in &buf[..n] {
-            if b == b'\n' {
-                self.line += 1;
-                self.line_len = 0;
-            } else {
-                self.line_len += 1;
-                if self.line_len > self.limits.line_bytes {
-                    return Err(io::Error::other(LimitHit::Line {
-                        line: self.line,
-                        limit: self.limits.line_bytes,
-                    }));
-                }
-            }
-        }
-        Ok(n)
-    }
-}
-
 // === rendering ===
-
-/// `x` in positional notation (never an exponent), to 6 significant digits, trailing zeros
-/// dropped: `3.4e-6` prints `0.0000034`, `56.4512` prints `56.4512`.
-pub fn plain_decimal(x: f64) -> String {
-    if x == 0.0 || !x.is_finite() {
-        return format!("{x}");
-    }
-    let magnitude = x.abs().log10().floor();
-    // Digits after the point for 6 significant ones; within 0..=340 for any finite f64.
-    let decimals = (5.0 - magnitude).clamp(0.0, 340.0) as usize;
-    let text = format!("{x:.decimals$}");
-    if text.contains('.') {
-        text.trim_end_matches('0').trim_end_matches('.').to_owned()
-    } else {
-        text
-    }
-}
 
 /// Renders a fit as a TOML snippet for the serving config: comment lines with its quality, then
 /// `[chunking.cost.<node>]` and the four coefficients (6 significant digits). `source` names

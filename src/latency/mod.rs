@@ -12,10 +12,16 @@
 //! without ever missing a better one.
 //!
 //! Everything here is plain data and pure functions: the planner, the online fit
-//! ([`crate::latency_fit`]) and the replay share them, so a prediction is computed the same
+//! ([`fit`]), the time margin ([`margin`]) and the replay share them, so a prediction is computed the same
 //! way (the same `f64` operations in the same order) wherever it is made.
 
 use serde::{Deserialize, Serialize};
+
+pub mod fit;
+#[cfg(feature = "replay")]
+pub mod fit_file;
+pub mod margin;
+pub mod presets;
 
 /// The configuration keys of the four coefficients, in the order of
 /// [`LatencyModel::coefficients`] (`chunking.cost.<node>` and the replay report use them).
@@ -58,14 +64,14 @@ pub fn check_max_step_ms(value: f64) -> Result<f64, LatencyError> {
     }
 }
 
-// === where a model comes from, and time overruns ===
+// === where a model comes from ===
 
 /// Where the latency model in use came from. Bounded: used as a metric label and in the
 /// replay report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelSource {
-    /// The online fit, trusted ([`crate::latency_fit::OnlineFit::trusted_model`]).
+    /// The online fit, trusted ([`crate::latency::fit::OnlineFit::trusted_model`]).
     Online,
     /// `chunking.cost.<node>` (or a preset named there).
     Config,
@@ -98,57 +104,6 @@ pub fn select_model(
         (None, Some(m)) => (Some(m), ModelSource::Config),
         (None, None) => (None, ModelSource::None),
     }
-}
-
-/// Why a completed step ran over its time budget (`docs/cost-model.md#time-overruns`).
-/// Bounded: used as a metric label and in the step log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TimeOverrunReason {
-    /// The first prefill row ran a chunk of the floor although it did not fit in time.
-    Floor,
-    /// A row that cannot be cut ran whole although it did not fit in time.
-    UncutRow,
-    /// The continuing rows alone were predicted over the budget (they always run).
-    Continuing,
-    /// The plan was predicted to fit; the step took longer than predicted.
-    Misprediction,
-}
-
-impl TimeOverrunReason {
-    /// Every reason, in label order.
-    pub const ALL: [TimeOverrunReason; 4] = [
-        Self::Floor,
-        Self::UncutRow,
-        Self::Continuing,
-        Self::Misprediction,
-    ];
-
-    /// The metric label and step-log value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Floor => "floor",
-            Self::UncutRow => "uncut_row",
-            Self::Continuing => "continuing",
-            Self::Misprediction => "misprediction",
-        }
-    }
-}
-
-/// Whether a completed step is a time overrun, and why: `None` when it took at most
-/// `max_step_ms`; else the reason the plan knowingly went over (`planned_over`, set by the
-/// planner for its liveness cases), or [`TimeOverrunReason::Misprediction`] when the plan was
-/// predicted to fit. `max_step_ms` is the budget the step was scheduled under.
-pub fn classify_time_overrun(
-    measured_ms: f64,
-    max_step_ms: f64,
-    planned_over: Option<TimeOverrunReason>,
-) -> Option<TimeOverrunReason> {
-    // A NaN measurement is no evidence of an overrun (the fit refuses it separately).
-    if measured_ms.is_nan() || measured_ms <= max_step_ms {
-        return None;
-    }
-    Some(planned_over.unwrap_or(TimeOverrunReason::Misprediction))
 }
 
 // === impl StepFeatures ===
@@ -671,29 +626,6 @@ mod tests {
         assert_eq!(select_model(None, None), (None, ModelSource::None));
         let labels: Vec<_> = ModelSource::ALL.iter().map(|s| s.as_str()).collect();
         assert_eq!(labels, ["online", "config", "none"]);
-    }
-
-    #[test]
-    fn time_overruns_by_reason() {
-        use TimeOverrunReason::*;
-        assert_eq!(classify_time_overrun(45.0, 45.0, None), None);
-        assert_eq!(classify_time_overrun(30.0, 45.0, Some(Floor)), None);
-        assert_eq!(classify_time_overrun(f64::NAN, 45.0, None), None);
-        assert_eq!(classify_time_overrun(45.1, 45.0, None), Some(Misprediction));
-        assert_eq!(classify_time_overrun(90.0, 45.0, Some(Floor)), Some(Floor));
-        assert_eq!(
-            classify_time_overrun(90.0, 45.0, Some(Continuing)),
-            Some(Continuing)
-        );
-        assert_eq!(
-            classify_time_overrun(f64::INFINITY, 45.0, Some(UncutRow)),
-            Some(UncutRow)
-        );
-        let labels: Vec<_> = TimeOverrunReason::ALL.iter().map(|r| r.as_str()).collect();
-        assert_eq!(
-            labels,
-            ["floor", "uncut_row", "continuing", "misprediction"]
-        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //!   non-negative, and the fit says when it can be trusted.
 //! - [`fit_samples`]: the offline fit, all steps weighted alike, with R² and error quantiles.
 //!   Reading step logs and CSVs for `mstar-chunking fit FILE` is in
-//!   `latency_fit_file` (`replay` feature).
+//!   `latency::fit_file` (`replay` feature).
 //!
 //! Both solve the same problem exactly: the least-squares coefficients under the constraint
 //! that every coefficient is `>= 0` (see `Normal::solve`). Plain `std` and `serde`: this is

@@ -1,8 +1,10 @@
 use std::io::Write as _;
 
 use super::*;
-use crate::latency::{LatencyModel, ModelSource, TimeOverrunReason};
-use crate::latency_fit::tests::{assert_close, model, samples, TestRng, TRUE};
+use crate::latency::fit::tests::{assert_close, model, samples, TestRng, TRUE};
+use crate::latency::{LatencyModel, ModelSource};
+use crate::overrun::TimeOverrunReason;
+use crate::text::plain_decimal;
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
     let p = dir.path().join(name);
@@ -260,7 +262,7 @@ fn inputs_are_bounded() {
         matches!(e, FitFileError::FileTooLarge { limit: 4096, .. }),
         "{e}"
     );
-    let mut capped = Capped::new(std::fs::File::open(&p).unwrap(), small);
+    let mut capped = input::Bounded::new(std::fs::File::open(&p).unwrap(), small.input());
     let e = io::copy(&mut capped, &mut io::sink()).unwrap_err();
     assert!(matches!(
         limit_error(&p, e),

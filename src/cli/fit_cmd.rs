@@ -1,0 +1,94 @@
+//! `fit FILE`: the offline fit of the latency model (`docs/cost-model.md#offline`).
+
+use std::process::ExitCode;
+
+use super::*;
+
+/// `fit FILE`: fits the latency model and prints it with its quality, then the TOML table for
+/// the serving config. Exit codes: 0 done, 2 a file that cannot be fitted, a refused config,
+/// or a `--node` the model does not have.
+pub fn fit(args: &FitArgs) -> ExitCode {
+    let loaded = match load_or_report(&args.config.load_options()) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let nodes = &loaded.manifest.nodes;
+    let node = match &args.node {
+        // The table must be one the config can take: `chunking.cost.<node>` of a model node.
+        Some(n) if !nodes.contains_key(n) => {
+            say(&format!(
+                "error: `--node` = {}: the model `{}` ({}) has no such node; its nodes: {}",
+                config::problem::quote(n),
+                config::problem::escape(&loaded.manifest.name),
+                config::problem::escape(&loaded.model_origin),
+                nodes
+                    .keys()
+                    .map(|k| config::problem::escape(k))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        Some(n) => n.clone(),
+        None => match nodes.keys().next() {
+            Some(n) => n.clone(),
+            None => {
+                say("error: the model has no node to name the cost table after; give `--node`");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+    };
+    let (input, fit) = match crate::latency::fit_file::fit_file(&args.file) {
+        Ok(r) => r,
+        Err(e) => {
+            say(&format!("error: cannot fit the latency model: {e}"));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let source = args.file.display().to_string();
+    let kind = match input {
+        crate::latency::fit_file::FitInput::StepLog => "a replay step log",
+        crate::latency::fit_file::FitInput::Csv => "a CSV of step features",
+    };
+    let mut out = format!(
+        "fit of {} ({kind}): {}\n",
+        config::problem::escape(&source),
+        crate::text::plural(fit.samples as u64, "step")
+    );
+    for (k, v) in crate::latency::COEFFICIENT_KEYS
+        .iter()
+        .zip(fit.model.coefficients())
+    {
+        out.push_str(&format!("  {k:<24} {}\n", crate::text::plain_decimal(v)));
+    }
+    let underdetermined = fit.underdetermined();
+    out.push_str(&format!(
+        "  {:<24} {}\n",
+        "R²",
+        match fit.r_squared {
+            _ if underdetermined => "n/a (the fit is underdetermined)".to_string(),
+            None => "n/a (every step took the same time)".to_string(),
+            Some(r) => format!("{r:.4}"),
+        }
+    ));
+    if underdetermined {
+        say(&format!(
+            "warning: the fit is underdetermined: {} for {} of the model's terms that vary, which the steps determine only {} of; several models fit these steps equally well, so the coefficients are one of them and R² means nothing. Fit on more steps, with varied token counts, contexts and chunk positions.",
+            crate::text::plural(fit.samples as u64, "step"),
+            fit.observed_terms,
+            fit.rank
+        ));
+    }
+    out.push_str(&format!(
+        "  {:<24} {:.1}%\n",
+        "relative RMS error",
+        fit.relative_rms * 100.0
+    ));
+    let e = &fit.abs_error_ms;
+    out.push_str(&format!(
+        "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n\n",
+        "|error| ms", e.p50, e.p90, e.p99, e.max
+    ));
+    out.push_str(&crate::latency::fit_file::render_toml(&fit, &node, &source));
+    print_stdout(&out)
+}

@@ -1,0 +1,465 @@
+//! The command line (`docs/config.md#the-command-line`): `replay`, `sweep`, `fit`, `check` and
+//! `budgets`, each taking `--model FILE` and repeatable `--config FILE` (`fit` only for
+//! `--node`'s default). `check` and `replay` check the
+//! `[replay]` section the same way (`replay::settings::check`), so they agree on every setting.
+//!
+//! This module parses the arguments and holds what every command shares (loading the config
+//! or reporting its problems, writing to stdout and stderr); each command is a file of its own:
+//! `replay_cmd`, `sweep_cmd`, `fit_cmd`, `config_cmd` (`check`, `budgets`).
+//!
+//! Nothing here panics on output: a closed stdout or stderr (`replay | head -1`, `/dev/full`)
+//! ends the command quietly with its usual exit status.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::budget::BudgetValue;
+use crate::config::{
+    self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, LoadedConfig,
+};
+use crate::replay::arrivals::Arrivals;
+use crate::replay::TraceFormat;
+
+mod config_cmd;
+mod fit_cmd;
+mod replay_cmd;
+mod sweep_cmd;
+
+pub use config_cmd::{budgets, check, render_table, rows_json};
+pub use fit_cmd::fit;
+pub use replay_cmd::{load_for_replay, replay};
+pub use sweep_cmd::sweep;
+
+/// The exit code of a refused configuration (and of clap's usage errors).
+pub const EXIT_CONFIG: u8 = 2;
+
+/// mstar-chunking: chunked prefill for an LLM serving engine.
+#[derive(Debug, Parser)]
+#[command(name = "mstar-chunking", version, about, propagate_version = true)]
+pub struct Cli {
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Replay a request trace through the chunking actors on a simulated clock.
+    Replay(ReplayArgs),
+    /// Load, layer and validate the config against a model; print the effective budget table.
+    /// Exits 2 and lists every problem when anything is wrong.
+    Check(ConfigArgs),
+    /// Print the effective budget table only (`--json`: one object per node and walk).
+    Budgets(BudgetsArgs),
+    /// Replay the trace over a grid of token budgets x rate scales, find each budget's capacity
+    /// under a latency objective, and write a table, CSV, JSON, SVG/PNG plots and report.html.
+    Sweep(SweepArgs),
+    /// Fit the step latency model from a replay step log (with `ms`) or a CSV of step features
+    /// (`tokens,kv_tokens,attention_pairs,ms`); print the coefficients, R², error quantiles and
+    /// a `[chunking.cost.<node>]` table.
+    Fit(FitArgs),
+}
+
+/// Where the model and the config layers come from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Args)]
+pub struct ConfigArgs {
+    /// Model manifest [default: config/models/demo.toml, else the built-in demo model]
+    #[arg(long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    /// A config layer on top of config/default.toml and config/$MSTAR_ENV.toml; repeatable,
+    /// applied in order, then MSTAR__SECTION__KEY environment variables
+    #[arg(long = "config", value_name = "FILE")]
+    pub configs: Vec<PathBuf>,
+}
+
+impl ConfigArgs {
+    /// Load options for these arguments, `./config`, `$MSTAR_ENV` and the process environment.
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions::from_process(self.model.clone(), self.configs.clone())
+    }
+}
+
+/// `budgets` arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct BudgetsArgs {
+    /// Where the model and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Print a JSON array instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `replay` arguments.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct ReplayArgs {
+    /// Where the model and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Request trace: Azure LLM inference CSV, Mooncake JSON Lines, generic CSV
+    /// (arrival_ms,prompt_tokens,output_tokens,hash_ids) or length-only CSV (with --arrivals)
+    /// [default: the bundled trace]
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests of the trace (N >= 1)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub requests: Option<u64>,
+    /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
+    pub rate_scale: f64,
+    /// Turn every budget off (a baseline without chunking)
+    #[arg(long)]
+    pub budget_off: bool,
+    /// The token budget of the replayed node's step walk: a number of tokens, or "off"
+    /// (shorthand for its `chunking.max_batch_tokens`)
+    #[arg(long, value_name = "N|off", value_parser = budget_value, conflicts_with = "budget_off")]
+    pub budget: Option<BudgetValue>,
+    /// The trace's format, instead of what its header or extension says: azure, mooncake,
+    /// generic or lengths
+    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
+    pub format: Option<TraceFormat>,
+    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV (seeded with
+    /// `replay.speculation.seed`)
+    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
+    pub arrivals: Option<Arrivals>,
+    /// Write one JSON object per step to FILE
+    #[arg(long, value_name = "FILE")]
+    pub step_log: Option<PathBuf>,
+    /// Write the summary as JSON to FILE
+    #[arg(long, value_name = "FILE")]
+    pub report_json: Option<PathBuf>,
+    /// Skip trace lines that cannot be parsed instead of stopping
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// Serve metrics at this address, or "off" [default: off, unless `--hold` is given or a
+    /// config layer sets `metrics.listen`]
+    #[arg(long, value_name = "ADDR|off")]
+    pub metrics_listen: Option<Listen>,
+    /// Serve metrics (at `metrics.listen`) and keep serving them after the replay ends, until
+    /// SIGINT (Ctrl-C) or SIGTERM
+    #[arg(long)]
+    pub hold: bool,
+    /// Reload the config files when they change (or on SIGHUP) while replaying
+    #[arg(long, conflicts_with_all = ["budget_off", "budget"])]
+    pub watch_config: bool,
+    /// No progress bar
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `sweep` arguments (`docs/replay.md#sweeps`).
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct SweepArgs {
+    /// Where the model and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Token budgets of the replayed node's step walk, comma-separated; "off" for none
+    #[arg(long, value_name = "LIST", default_value = "512,1024,2048,4096,off")]
+    pub budgets: String,
+    /// Rate scales (1 = the trace's own rate), comma-separated
+    #[arg(long, value_name = "LIST", default_value = "0.5,1,2")]
+    pub rates: String,
+    /// The objective's bound on p99 time between tokens, simulated ms
+    #[arg(long, value_name = "MS", value_parser = slo_ms)]
+    pub slo_tbt_p99: Option<f64>,
+    /// The objective's bound on p90 time to first token, simulated ms
+    #[arg(long, value_name = "MS", value_parser = slo_ms)]
+    pub slo_ttft_p90: Option<f64>,
+    /// The directory to write sweep.csv, sweep.json, the plots and report.html into
+    #[arg(long, value_name = "DIR", default_value = "sweep-out")]
+    pub out: PathBuf,
+    /// Replays run at once [default: the cores available]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub jobs: Option<u16>,
+    /// The rate scale whose step-time distributions are plotted (one of `--rates`)
+    /// [default: 1 if listed, else the middle one]
+    #[arg(long, value_name = "X", value_parser = rate_scale)]
+    pub step_time_rate: Option<f64>,
+    /// Request trace (any format of `replay --trace`) [default: the bundled trace]
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// The trace's format, instead of what its header or extension says
+    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
+    pub format: Option<TraceFormat>,
+    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV
+    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
+    pub arrivals: Option<Arrivals>,
+    /// Replay only the first N requests of the trace (N >= 1)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub requests: Option<u64>,
+    /// Skip trace lines that cannot be parsed instead of stopping
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// No progress bar
+    #[arg(long)]
+    pub no_progress: bool,
+    /// KV pool sizes in blocks (`replay.kv.blocks`), comma-separated, "unlimited" for none: the
+    /// grid runs once per size, each into OUT/kv-N/ (N the pool size), and OUT/kv.* compares them
+    #[arg(long, value_name = "LIST")]
+    pub kv_blocks: Option<String>,
+}
+
+/// `fit` arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct FitArgs {
+    /// A replay step log (JSON Lines with `ms`) or a CSV with `tokens,kv_tokens,attention_pairs,ms`
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// The node the `[chunking.cost.<node>]` table is for [default: the model's first node]
+    #[arg(long, value_name = "NODE")]
+    pub node: Option<String>,
+    /// Where the model (for `--node`'s default) and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// `--budget`: a budget value (its one `FromStr`) of at most the sweep grid's largest budget.
+fn budget_value(s: &str) -> Result<BudgetValue, String> {
+    s.parse::<BudgetValue>()
+        .ok()
+        .filter(|b| {
+            b.get()
+                .is_none_or(|n| n <= crate::sweep::grid::MAX_BUDGET_TOKENS)
+        })
+        .ok_or_else(|| {
+            format!(
+                "expected a whole number of tokens between 1 and {}, or `off`; got {}",
+                crate::sweep::grid::MAX_BUDGET_TOKENS,
+                config::problem::quote(s)
+            )
+        })
+}
+
+fn input_format(s: &str) -> Result<TraceFormat, String> {
+    s.parse::<TraceFormat>().map_err(|_| {
+        format!(
+            "expected one of `azure`, `mooncake`, `generic`, `lengths`; got {}",
+            config::problem::quote(s)
+        )
+    })
+}
+
+fn arrivals(s: &str) -> Result<Arrivals, String> {
+    s.parse::<Arrivals>().map_err(|e| e.to_string())
+}
+
+fn slo_ms(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 && x <= 1e9 => Ok(x),
+        _ => Err(format!(
+            "expected a number of milliseconds above 0 and at most 1e9, such as 60 or 5000; got {}",
+            config::problem::quote(s)
+        )),
+    }
+}
+
+fn rate_scale(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) => crate::replay::settings::check_rate_scale(x),
+        Err(_) => Err(format!(
+            "expected a number such as 1.0 or 2.5, got {}",
+            config::problem::quote(s)
+        )),
+    }
+}
+
+/// Writes one line to stderr; a closed or full stderr is ignored (`eprintln!` would panic).
+pub(crate) fn say(line: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}");
+}
+
+/// Loads, and on failure prints every problem to stderr and returns exit code 2.
+///
+/// # Errors
+/// The exit code to return when the configuration was refused.
+pub fn load_or_report(opts: &LoadOptions) -> Result<LoadedConfig, ExitCode> {
+    match config::load(opts) {
+        Ok(loaded) => {
+            init_logging(&loaded);
+            Ok(loaded)
+        }
+        Err(errors) => {
+            report(&errors);
+            Err(ExitCode::from(EXIT_CONFIG))
+        }
+    }
+}
+
+fn init_logging(loaded: &LoadedConfig) {
+    crate::logging::init(&loaded.settings.log);
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::debug!(
+        model = %config::problem::escape(&loaded.model_origin),
+        layers = %config::problem::escape_join(&loaded.layers, " -> "),
+        "configuration loaded"
+    );
+}
+
+/// Prints every problem, one per line (escaped, capped with a count of the rest), and how many
+/// there were. A closed stderr is ignored.
+pub(crate) fn report(errors: &ConfigErrors) {
+    let n = errors.total();
+    let mut text = format!(
+        "error: the configuration was refused ({n} problem{}):\n",
+        if n == 1 { "" } else { "s" }
+    );
+    for line in errors.lines() {
+        text.push_str("  ");
+        text.push_str(&line);
+        text.push('\n');
+    }
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
+}
+
+fn print_stdout(text: &str) -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`| head`) is the reader's choice, not a failure worth a message.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            say(&format!("error: cannot write to stdout: {e}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--model",
+            "m.toml",
+            "--config",
+            "a.toml",
+            "--config",
+            "b.toml",
+            "--trace",
+            "t.csv",
+            "--requests",
+            "10",
+            "--rate-scale",
+            "2.5",
+            "--budget-off",
+            "--step-log",
+            "s.jsonl",
+            "--report-json",
+            "r.json",
+            "--skip-bad-lines",
+            "--metrics-listen",
+            "off",
+            "--hold",
+            "--no-progress",
+        ])
+        .unwrap();
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
+        assert_eq!(
+            r.config.configs,
+            [PathBuf::from("a.toml"), PathBuf::from("b.toml")]
+        );
+        assert_eq!(r.requests, Some(10));
+        assert_eq!(r.rate_scale, 2.5);
+        assert_eq!(r.metrics_listen, Some(Listen::Off));
+        assert!(r.budget_off && r.skip_bad_lines && r.hold && !r.watch_config && r.no_progress);
+        // A reload would apply the config's budgets over --budget-off: refused together.
+        assert!(Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--budget-off",
+            "--watch-config"
+        ])
+        .is_err());
+        let cli = Cli::try_parse_from(["mstar-chunking", "replay", "--watch-config"]).unwrap();
+        assert!(matches!(cli.command, Command::Replay(r) if r.watch_config));
+        // `--requests 0` would replay nothing: a usage error (exit 2), for replay and sweep.
+        for cmd in ["replay", "sweep"] {
+            let err = Cli::try_parse_from(["mstar-chunking", cmd, "--requests", "0"])
+                .expect_err("refused");
+            assert_eq!(err.exit_code(), 2, "{err}");
+            assert!(err.to_string().contains("--requests"), "{err}");
+        }
+        // `--help` names all four trace formats.
+        let help = Cli::try_parse_from(["mstar-chunking", "replay", "--help"])
+            .expect_err("help")
+            .to_string();
+        for format in ["Azure", "Mooncake", "generic", "length-only"] {
+            assert!(help.contains(format), "{format} missing from:\n{help}");
+        }
+        let cli = Cli::try_parse_from(["mstar-chunking", "replay"]).unwrap();
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
+        assert_eq!(r.rate_scale, 1.0);
+        assert_eq!(r.metrics_listen, None);
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "replay",
+            "--budget",
+            "OFF",
+            "--format",
+            "Generic",
+            "--arrivals",
+            "gamma:4:2",
+        ])
+        .unwrap();
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
+        assert_eq!(r.budget, Some(BudgetValue::Off));
+        assert_eq!(r.format, Some(TraceFormat::GenericCsv));
+        assert_eq!(r.arrivals, Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 }));
+        let cli = Cli::try_parse_from([
+            "mstar-chunking",
+            "sweep",
+            "--jobs",
+            "3",
+            "--slo-tbt-p99",
+            "60",
+        ])
+        .unwrap();
+        let Command::Sweep(s) = cli.command else {
+            panic!("not sweep")
+        };
+        assert_eq!(
+            (s.jobs, s.slo_tbt_p99, s.slo_ttft_p90, s.out.as_path()),
+            (Some(3), Some(60.0), None, std::path::Path::new("sweep-out"))
+        );
+        assert_eq!(s.budgets, "512,1024,2048,4096,off");
+        for bad in [
+            &["replay", "--budget", "0"][..],
+            &["replay", "--budget", "16777217"],
+            &["replay", "--budget", "2048", "--budget-off"],
+            &["replay", "--format", "csv"],
+            &["replay", "--arrivals", "poisson:0"],
+            &["sweep", "--slo-tbt-p99", "NaN"],
+            &["sweep", "--slo-ttft-p90", "0"],
+            &["sweep", "--jobs", "65"],
+            &["fit"],
+            &["replay", "--rate-scale", "0"],
+            &["replay", "--rate-scale", "-1"],
+            &["replay", "--metrics-listen", "nowhere"],
+            &["budgets", "--jsn"],
+        ] {
+            let args = std::iter::once("mstar-chunking").chain(bad.iter().copied());
+            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! What a replay refuses before it runs: a trace past the simulated clock's precision, and
+//! outputs that would overwrite an input or each other.
+
+use std::path::{Path, PathBuf};
+
+use super::error::ReplayError;
+use super::trace::Trace;
+
+/// The latest simulated time, in ms, an arrival may fall at: `2^53` µs (about 285 years).
+/// Below it an `f64` holds a simulated time to the microsecond, the precision the outputs
+/// print; beyond it steps of a few ms would round away and latencies print as 0.
+pub const MAX_SIMULATED_MS: f64 = 9_007_199_254_740.992;
+
+/// Refuses a trace whose arrivals, at `rate_scale`, fall past [`MAX_SIMULATED_MS`] (naming
+/// the first such request), where the simulated clock would lose its precision.
+///
+/// # Errors
+/// [`ReplayError::RateScale`], naming the request, its arrival and the scaled time.
+pub fn check_clock(trace: &Trace, rate_scale: f64) -> Result<(), ReplayError> {
+    let late = trace.requests.iter().find(|r| {
+        let t = r.arrival_ms / rate_scale;
+        !(t.is_finite() && t <= MAX_SIMULATED_MS)
+    });
+    match late {
+        None => Ok(()),
+        Some(r) => Err(ReplayError::RateScale(format!(
+            "request rid {} arrives at {} ms, which at rate scale {rate_scale} is {:e} simulated ms: past the {MAX_SIMULATED_MS:e} ms (about 285 years) within which the simulated clock keeps microseconds; use a larger `--rate-scale` or re-base the trace's timestamps",
+            r.rid,
+            r.arrival_ms,
+            r.arrival_ms / rate_scale
+        ))),
+    }
+}
+
+/// Refuses outputs that would overwrite an input or each other, or that are not regular files:
+/// each output is compared with each input and with the other output as the same file (device
+/// and inode, through links) or the same path.
+///
+/// # Errors
+/// The first output refused, and why.
+pub(crate) fn check_outputs(
+    outputs: &[(&'static str, &Path)],
+    inputs: &[PathBuf],
+) -> Result<(), ReplayError> {
+    let same = |a: &Path, b: &Path| -> bool {
+        #[cfg(unix)]
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            use std::os::unix::fs::MetadataExt;
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        abs(a) == abs(b)
+    };
+    let refuse = |what, path: &Path, problem: String| ReplayError::Output {
+        what,
+        path: path.to_path_buf(),
+        problem,
+    };
+    for (i, (what, out)) in outputs.iter().enumerate() {
+        if let Ok(meta) = std::fs::metadata(out) {
+            if !meta.is_file() {
+                return Err(refuse(what, out, "is not a regular file".into()));
+            }
+        }
+        if let Some(input) = inputs.iter().find(|input| same(out, input)) {
+            return Err(refuse(
+                what,
+                out,
+                format!(
+                    "is the input `{}`; it would be overwritten",
+                    crate::config::problem::escape(&input.display().to_string())
+                ),
+            ));
+        }
+        if let Some((other, _)) = outputs[i + 1..].iter().find(|(_, o)| same(out, o)) {
+            return Err(refuse(what, out, format!("is also the {other}")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,197 @@
+//! How a sweep runs its cells: each one a replay (`crate::replay`) of the shared trace at one
+//! budget and rate; the grid's budgets checked as the config would refuse them, the settings
+//! every cell shares as labels, and the config of one point of the KV axis.
+
+use std::sync::atomic::AtomicI32;
+use std::sync::Arc;
+
+use super::kv_axis::KvBlocks;
+use super::{Budget, RunSummary};
+use crate::config::problem::{escape, escape_join};
+use crate::config::{KvSection, LoadedConfig, Settings};
+use crate::manifest::Manifest;
+use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
+
+/// Refuses, before any replay runs, a budget of the grid the config would refuse as the budget
+/// of the replayed walks (as `replay --budget` does).
+///
+/// # Errors
+/// The first refused budget, and why.
+pub fn check_budgets(
+    manifest: &Manifest,
+    settings: &Settings,
+    setup: &ReplaySetup,
+    budgets: &[Budget],
+) -> Result<(), String> {
+    for b in budgets {
+        let refused = match crate::replay::replay_budgets(manifest, settings, setup, false, Some(*b)) {
+            Ok(_) => continue,
+            Err(ReplayError::Budget { reason, .. }) => format!(
+                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
+            ),
+            Err(e) => format!("`--budgets` names {b}: {e}"),
+        };
+        return Err(format!("{refused} (no replay ran)"));
+    }
+    Ok(())
+}
+
+/// One replay of a sweep's grid: `base` at `rate` under `budget`, in its own actix system,
+/// stopped at a step by `stop` (a signal): half a replay is no cell, so an interrupted one is
+/// an error the sweep lists as not run.
+pub fn run_cell(
+    manifest: &Manifest,
+    settings: &Settings,
+    base: &ReplayOptions,
+    trace: &Trace,
+    budget: Budget,
+    rate: f64,
+    stop: &Arc<AtomicI32>,
+) -> Result<RunSummary, String> {
+    let mut o = base.clone();
+    o.rate_scale = rate;
+    o.budget = Some(budget);
+    o.stop = Some(StopFlag(stop.clone()));
+    actix::System::new().block_on(async {
+        let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
+            .map_err(|e| e.to_string())?;
+        let started = std::time::Instant::now();
+        let r = crate::replay::run_trace(&cm, manifest, settings, &o, trace, started)
+            .await
+            .map_err(|e| e.to_string())?;
+        match &r.interrupted {
+            Some(signal) => Err(format!("interrupted by {signal}")),
+            None => Ok(RunSummary::from(&r)),
+        }
+    })
+}
+
+/// `settings` with the replay's KV pool of `kv` blocks (the configured block size and
+/// watermark kept), and how the sweep's settings label it.
+pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+    let mut out = settings.clone();
+    let given = &settings.replay.kv;
+    out.replay.kv = KvSection {
+        blocks: match kv {
+            KvBlocks::Blocks(n) => Some(n),
+            KvBlocks::Unlimited => None,
+        },
+        block_tokens: given.block_tokens,
+        watermark: given.watermark,
+        ..Default::default()
+    };
+    let label = match kv {
+        KvBlocks::Blocks(n) => format!(
+            "{n} blocks of {} tokens (--kv-blocks)",
+            given
+                .block_tokens
+                .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
+        ),
+        KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
+    };
+    (out, label)
+}
+
+/// The settings every replay of a sweep shares, as label and value.
+pub fn labels(
+    loaded: &LoadedConfig,
+    setup: &ReplaySetup,
+    opts: &ReplayOptions,
+    trace: &Trace,
+) -> Vec<(String, String)> {
+    let mut v = vec![
+        (
+            "trace".to_string(),
+            format!("{} ({})", escape(&trace.file), trace.format.name()),
+        ),
+        ("requests".to_string(), trace.requests.len().to_string()),
+    ];
+    if let Some(a) = &opts.arrivals {
+        v.push(("arrivals".into(), a.to_string()));
+    }
+    v.extend([
+        (
+            "model".to_string(),
+            format!(
+                "{} ({})",
+                escape(&loaded.manifest.name),
+                escape(&loaded.model_origin)
+            ),
+        ),
+        (
+            "config layers".to_string(),
+            escape_join(&loaded.layers, " -> "),
+        ),
+        (
+            "node, step walk".to_string(),
+            format!(
+                "{} / {}",
+                escape(&setup.node),
+                escape_join(&setup.walks, ", ")
+            ),
+        ),
+        (
+            "cost model".to_string(),
+            crate::replay::report::CostLabel::of(setup).to_string(),
+        ),
+        (
+            "speculation".to_string(),
+            if setup.spec_tokens == 0 {
+                "off".to_string()
+            } else {
+                format!(
+                    "{}, overshoot rate {}",
+                    crate::text::plural(u64::from(setup.spec_tokens), "token"),
+                    setup.overshoot_rate
+                )
+            },
+        ),
+        (
+            "prefix cache".to_string(),
+            if setup.cache_blocks == 0 {
+                "off".to_string()
+            } else {
+                format!(
+                    "{} blocks of {} tokens",
+                    setup.cache_blocks, setup.cache_block_tokens
+                )
+            },
+        ),
+        ("seed".to_string(), setup.seed.to_string()),
+        (
+            "budget axis".to_string(),
+            format!(
+                "chunking.max_batch_tokens of {} / {} (as `replay --budget`)",
+                escape(&setup.node),
+                escape_join(&setup.walks, ", ")
+            ),
+        ),
+    ]);
+    if let Some(kv) = &setup.kv {
+        v.push((
+            "KV memory".to_string(),
+            format!(
+                "{} blocks of {} tokens ({}), watermark {}",
+                kv.blocks, kv.block_tokens, kv.source, kv.watermark
+            ),
+        ));
+    }
+    // Time budgets are the config's, the same in every cell.
+    let times: Vec<String> = setup
+        .walks
+        .iter()
+        .filter_map(|w| {
+            let ms = loaded.table.max_step_ms(&setup.node, w)?;
+            Some(format!("{} {ms} ms", escape(w)))
+        })
+        .collect();
+    v.push((
+        "time budgets".to_string(),
+        if times.is_empty() {
+            "none".to_string()
+        } else {
+            times.join(", ")
+        },
+    ));
+    v
+}

@@ -1,0 +1,86 @@
+//! How numbers and counts read in the crate's messages, tables and plots, in one place so
+//! that every report says `2.5` and `1 token` the same way.
+
+/// `n thing` or `n things`: "1 token", "2 tokens".
+pub fn plural(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
+/// Rounds to 0.001, the precision a simulated ms (or a rate scale) means.
+pub fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).
+pub fn fmt_rate(r: f64) -> String {
+    let s = format!("{:.3}", round3(r));
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_owned()
+}
+
+/// `x` in positional notation (never an exponent), to 6 significant digits, trailing zeros
+/// dropped: `3.4e-6` prints `0.0000034`, `56.4512` prints `56.4512`.
+pub fn plain_decimal(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor();
+    // Digits after the point for 6 significant ones; within 0..=340 for any finite f64.
+    let decimals = (5.0 - magnitude).clamp(0.0, 340.0) as usize;
+    let text = format!("{x:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
+    }
+}
+
+/// A coefficient to 4 significant digits, with no trailing zeros: `8`, `0.02`, `0.01235`,
+/// `6.104e-5`. The summary's cost and latency-model lines both print coefficients this way.
+pub fn coefficient(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor();
+    if (-3.0..6.0).contains(&magnitude) {
+        // Digits after the point for 4 significant ones; the cast is within 0..=6.
+        let decimals = (3.0 - magnitude).max(0.0) as usize;
+        let text = format!("{x:.decimals$}");
+        match text.contains('.') {
+            true => text.trim_end_matches('0').trim_end_matches('.').to_owned(),
+            false => text,
+        }
+    } else {
+        let text = format!("{x:.3e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+        format!("{mantissa}e{exponent}")
+    }
+}
+
+/// A value in ms on a plot's axis: whole numbers without decimals, small ones with what they
+/// need (`120`, `2.5`, `0.05`).
+pub fn fmt_ms(v: f64) -> String {
+    if v >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.2}");
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plurals_are_english() {
+        assert_eq!(plural(1, "node"), "1 node");
+        assert_eq!(plural(0, "token"), "0 tokens");
+        assert_eq!(plural(2, "row-step"), "2 row-steps");
+    }
+}
