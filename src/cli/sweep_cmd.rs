@@ -29,37 +29,15 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let budgets = match sweep::parse_budgets(&args.budgets) {
-        Ok(b) => b,
+    let Grid {
+        budgets,
+        rates,
+        kv_axis,
+        slo,
+    } = match parse_grid(args) {
+        Ok(g) => g,
         Err(e) => return usage(&e),
     };
-    let rates = match sweep::parse_rates(&args.rates) {
-        Ok(r) => r,
-        Err(e) => return usage(&e),
-    };
-    let kv_axis = match args
-        .kv_blocks
-        .as_deref()
-        .map(sweep::kv_axis::parse_kv_blocks)
-    {
-        None => None,
-        Some(Ok(k)) => Some(k),
-        Some(Err(e)) => return usage(&e),
-    };
-    let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
-        match sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90) {
-            Ok(s) => Some(s),
-            Err(e) => return usage(&e),
-        }
-    } else {
-        None
-    };
-    if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
-        return usage(&format!(
-            "`--step-time-rate`: the step-time rate {} is not one of the rate scales of `--rates`",
-            crate::text::fmt_rate(r)
-        ));
-    }
     let inputs: Vec<PathBuf> = load
         .config_files()
         .into_iter()
@@ -188,6 +166,45 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The grid `sweep`'s flags ask for, checked.
+struct Grid {
+    budgets: Vec<crate::sweep::Budget>,
+    rates: Vec<f64>,
+    kv_axis: Option<Vec<crate::sweep::kv_axis::KvBlocks>>,
+    slo: Option<crate::sweep::Slo>,
+}
+
+/// `--budgets`, `--rates`, `--kv-blocks`, the SLO flags and `--step-time-rate`, or the first
+/// refused one.
+fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
+    use crate::sweep;
+    let budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
+    let rates = sweep::parse_rates(&args.rates).map_err(|e| e.to_string())?;
+    let kv_axis = args
+        .kv_blocks
+        .as_deref()
+        .map(sweep::kv_axis::parse_kv_blocks)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
+        Some(sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    if let Some(r) = args.step_time_rate.filter(|r| !rates.contains(r)) {
+        return Err(format!(
+            "`--step-time-rate`: the step-time rate {} is not one of the rate scales of `--rates`",
+            crate::text::fmt_rate(r)
+        ));
+    }
+    Ok(Grid {
+        budgets,
+        rates,
+        kv_axis,
+        slo,
+    })
 }
 
 /// Stops a sweep on SIGINT or SIGTERM: the first sets `stop` to its number (the workers start

@@ -1,0 +1,672 @@
+//! `set_budgets` validation and the budget answers, rule by rule.
+
+use std::num::NonZeroU32;
+
+use super::*;
+use crate::policy::SubmoduleCaps;
+
+fn n(s: &str) -> Name {
+    Name::from(s)
+}
+
+/// The omni-demo model of `config/models/omni.toml`.
+fn omni() -> Arc<ModelPolicies> {
+    let subs = BTreeMap::from([
+        (n("thinker"), SubmoduleCaps::new(["prefill", "mixed"], true)),
+        (n("vision"), SubmoduleCaps::new::<_, &str>([], false)),
+        (n("talker"), SubmoduleCaps::new(["prefill"], false)),
+        (n("llm"), SubmoduleCaps::new(["prefill", "mixed"], false)),
+    ]);
+    let pols = BTreeMap::from([
+        (
+            (n("thinker"), n("prefill")),
+            ChunkingPolicy::budget(4096).aligned(16),
+        ),
+        (
+            (n("thinker"), n("mixed")),
+            ChunkingPolicy::budget(8192).aligned(16),
+        ),
+        ((n("thinker"), n("decode")), ChunkingPolicy::budget(256)),
+        ((n("vision"), n("prefill")), ChunkingPolicy::budget(8192)),
+        ((n("talker"), n("prefill")), ChunkingPolicy::budget(2048)),
+        ((n("llm"), n("prefill")), ChunkingPolicy::budget(2048)),
+        ((n("llm"), n("mixed")), ChunkingPolicy::budget(4096)),
+    ]);
+    ModelPolicies::new(subs, pols).unwrap().shared()
+}
+
+fn settings() -> BudgetSettings {
+    BudgetSettings {
+        overrides: BTreeMap::new(),
+        walks: [n("prefill"), n("decode"), n("mixed")].into(),
+        combined_walk_of: BTreeMap::from([(n("prefill"), n("mixed")), (n("decode"), n("mixed"))]),
+        override_mixed: [n("thinker")].into(),
+        no_chunking: BTreeSet::new(),
+        min_chunk_tokens: 64,
+        max_row_tokens: None,
+        max_partial_prefills: None,
+        time: TimeSettings::default(),
+    }
+}
+
+fn tok(n: u32) -> BudgetValue {
+    BudgetValue::tokens(n).unwrap()
+}
+
+fn per_walk(node: &str, walks: &[(&str, BudgetValue)]) -> BTreeMap<Name, NodeBudget> {
+    BTreeMap::from([(
+        n(node),
+        NodeBudget::PerWalk(walks.iter().map(|(w, v)| (n(w), *v)).collect()),
+    )])
+}
+
+fn refused(s: BudgetSettings) -> Vec<BudgetError> {
+    BudgetTable::from_policies(omni())
+        .with_settings(s)
+        .unwrap_err()
+        .0
+}
+
+/// One node `llm` that cuts `prefill` and `mixed`, with a policy on `mixed` only (the
+/// README's model), and a node `enc` that cuts `prefill` with no policy at all.
+fn mixed_only() -> Arc<ModelPolicies> {
+    let subs = BTreeMap::from([
+        (n("llm"), SubmoduleCaps::new(["prefill", "mixed"], false)),
+        (n("enc"), SubmoduleCaps::new(["prefill"], false)),
+    ]);
+    let pols = BTreeMap::from([((n("llm"), n("mixed")), ChunkingPolicy::budget(2048))]);
+    ModelPolicies::new(subs, pols).unwrap().shared()
+}
+
+#[test]
+fn a_chunkable_walk_no_combined_walk_takes_is_refused_where_another_walk_runs_alone() {
+    let walks = BudgetSettings::new(["prefill", "decode", "mixed"]);
+    let errors = BudgetTable::build(mixed_only(), walks.clone())
+        .unwrap_err()
+        .0;
+    // `enc` has no budget at all: its rows run uncut by the model's decision.
+    assert_eq!(
+        errors,
+        vec![BudgetError::WalkNeverChunked {
+            node: n("llm"),
+            walk: n("prefill"),
+            combined: n("mixed"),
+        }]
+    );
+    assert_eq!(
+        errors[0].to_string(),
+        "walk `prefill` on `llm` runs inside no combined walk: `mixed` steps would never run \
+         its rows, and `prefill` steps would run them uncut (the model gives `prefill` no \
+         budget on `llm`); combine it (`combined_walk_of`: `prefill` -> `mixed`) or name \
+         `llm` in `no_chunking`"
+    );
+    // Combined as a member, not served, on a no_chunking node, or with the budgeted walk
+    // not served: accepted.
+    let combined = walks.clone().combined("mixed", ["prefill", "decode"]);
+    assert!(BudgetTable::build(mixed_only(), combined).is_ok());
+    let unserved = BudgetSettings::new(["decode", "mixed"]);
+    assert!(BudgetTable::build(mixed_only(), unserved).is_ok());
+    let llm_off = walks.clone().no_chunking("llm");
+    assert!(BudgetTable::build(mixed_only(), llm_off).is_ok());
+    let no_mixed = BudgetSettings::new(["prefill", "decode"]);
+    assert!(BudgetTable::build(mixed_only(), no_mixed).is_ok());
+    // A walk that is itself combined runs its members in its own steps: no stall.
+    let prefill_combines = walks.clone().combined("prefill", ["decode"]);
+    assert!(BudgetTable::build(mixed_only(), prefill_combines).is_ok());
+    // The budgeted walk as a member of another combined walk takes no rows of its own.
+    let mixed_member = walks.combined("decode", ["mixed"]);
+    assert!(BudgetTable::build(mixed_only(), mixed_member).is_ok());
+}
+
+#[test]
+fn policy_budgets_apply_without_overrides() {
+    let t = BudgetTable::build(omni(), settings()).unwrap();
+    assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(8192));
+    assert_eq!(t.max_batch_tokens("thinker", "spec_verify"), None);
+    assert!(t.chunkable("thinker", "prefill"));
+    assert!(
+        !t.chunkable("vision", "prefill"),
+        "the submodule cuts nothing"
+    );
+    assert!(
+        !t.chunkable("thinker", "decode"),
+        "not a chunkable walk of the submodule"
+    );
+}
+
+#[test]
+fn per_walk_override_and_off() {
+    let mut s = settings();
+    s.overrides = per_walk(
+        "thinker",
+        &[("mixed", tok(6144)), ("prefill", BudgetValue::Off)],
+    );
+    let t = BudgetTable::build(omni(), s).unwrap();
+    assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(6144));
+    assert_eq!(t.max_batch_tokens("thinker", "prefill"), None);
+    assert!(!t.chunkable("thinker", "prefill"), "off turns chunking off");
+    assert_eq!(
+        t.walk_caps("thinker", "mixed"),
+        Some(BTreeMap::from([(n("decode"), 256)]))
+    );
+}
+
+#[test]
+fn node_wide_budget_covers_every_budgeted_walk() {
+    let mut s = settings();
+    s.overrides = BTreeMap::from([(n("llm"), NodeBudget::All(tok(1000)))]);
+    let t = BudgetTable::build(omni(), s).unwrap();
+    assert_eq!(t.max_batch_tokens("llm", "prefill"), Some(1000));
+    assert_eq!(t.max_batch_tokens("llm", "mixed"), Some(1000));
+    assert_eq!(
+        t.max_batch_tokens("llm", "decode"),
+        None,
+        "not budgeted by the model"
+    );
+}
+
+#[test]
+fn no_chunking_node_has_no_budget_but_its_budget_is_still_validated() {
+    let mut s = settings();
+    s.no_chunking = [n("talker")].into();
+    s.overrides = BTreeMap::from([(n("talker"), NodeBudget::All(tok(512)))]);
+    let t = BudgetTable::build(omni(), s.clone()).unwrap();
+    assert_eq!(t.max_batch_tokens("talker", "prefill"), None);
+    assert!(!t.chunkable("talker", "prefill"));
+    s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(512)))]);
+    assert!(matches!(refused(s)[..], [BudgetError::UnknownNode { .. }]));
+}
+
+#[test]
+fn min_chunk_tokens_is_capped_by_the_budget() {
+    let t = BudgetTable::build(omni(), settings()).unwrap();
+    assert_eq!(t.min_chunk_tokens(4096), 64);
+    assert_eq!(t.min_chunk_tokens(16), 16);
+}
+
+#[test]
+fn walk_caps_only_under_a_combined_walk_on_an_override_node() {
+    let t = BudgetTable::build(omni(), settings()).unwrap();
+    let caps = t.walk_caps("thinker", "mixed").unwrap();
+    assert_eq!(
+        caps,
+        BTreeMap::from([(n("decode"), 256), (n("prefill"), 4096)])
+    );
+    assert_eq!(
+        t.walk_caps("thinker", "prefill"),
+        None,
+        "not a combined walk"
+    );
+    assert_eq!(
+        t.walk_caps("llm", "mixed"),
+        None,
+        "llm cannot cap member walks"
+    );
+    let mut s = settings();
+    s.no_chunking = [n("thinker")].into();
+    let t = BudgetTable::build(omni(), s).unwrap();
+    assert_eq!(t.walk_caps("thinker", "mixed"), None, "no_chunking node");
+}
+
+#[test]
+fn rule_1_unknown_node() {
+    let mut s = settings();
+    s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(5)))]);
+    let e = refused(s);
+    assert_eq!(
+        e[0].to_string(),
+        "`max_batch_tokens` names node `ghost`, which the model does not have"
+    );
+}
+
+#[test]
+fn rule_2_walk_not_served() {
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
+    assert!(
+        matches!(&refused(s)[..], [BudgetError::WalkNotServed { walk, .. }] if &**walk == "spec_verify")
+    );
+}
+
+#[test]
+fn rule_3_walk_not_budgeted_by_the_model() {
+    let mut s = settings();
+    s.walks.insert(n("spec_verify"));
+    s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
+    assert!(matches!(
+        &refused(s)[..],
+        [BudgetError::WalkNotBudgeted { .. }]
+    ));
+}
+
+#[test]
+fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
+    let subs = BTreeMap::from([(n("enc"), SubmoduleCaps::default())]);
+    let model = ModelPolicies::new(subs, BTreeMap::new()).unwrap().shared();
+    let mut s = BudgetSettings::defaults_for(&model);
+    s.overrides = BTreeMap::from([(n("enc"), NodeBudget::All(tok(5)))]);
+    let e = BudgetTable::build(model, s).unwrap_err().0;
+    assert!(matches!(&e[..], [BudgetError::NodeBudgetsNothing { .. }]));
+}
+
+#[test]
+fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
+    let mut s = settings();
+    s.overrides = per_walk("llm", &[("prefill", tok(512))]);
+    let e = refused(s);
+    assert_eq!(
+        e[0].to_string(),
+        "budget for `llm`/`prefill` would do nothing: `prefill` runs inside `mixed` and `llm` cannot cap member walks; set `mixed` instead"
+    );
+    // The same override on the override_mixed node is a cap, and accepted.
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("prefill", tok(512))]);
+    assert!(BudgetTable::build(omni(), s).is_ok());
+}
+
+#[test]
+fn rule_6_bad_values() {
+    assert_eq!(BudgetValue::tokens(0), None, "0 is not a budget");
+    let mut s = settings();
+    s.min_chunk_tokens = 0;
+    assert_eq!(
+        refused(s)[0].to_string(),
+        "`min_chunk_tokens` must be at least 1, got 0"
+    );
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("mixed", tok(u32::MAX))]);
+    assert!(
+        BudgetTable::build(omni(), s).is_ok(),
+        "u32::MAX is a valid budget"
+    );
+}
+
+#[test]
+fn a_budget_below_the_align_is_refused() {
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("mixed", tok(8))]);
+    assert_eq!(
+        refused(s)[0].to_string(),
+        "budget for `thinker`/`mixed` is 8, below the policy's `align` of 16 tokens: no aligned chunk would fit"
+    );
+}
+
+#[test]
+fn a_row_cap_below_an_align_is_refused() {
+    let mut s = settings();
+    s.max_row_tokens = Some(8);
+    assert!(matches!(
+        &refused(s)[..],
+        [BudgetError::RowCapBelowAlign { align: 16, .. }]
+    ));
+}
+
+#[test]
+fn rule_7_unknown_nodes_in_lists_and_walk_in_two_combined_walks() {
+    let mut s = settings();
+    s.override_mixed.insert(n("ghost"));
+    s.no_chunking.insert(n("phantom"));
+    s.walks.insert(n("super"));
+    s.combined_walk_of.insert(n("mixed"), n("super"));
+    let e = refused(s);
+    assert_eq!(e.len(), 4, "{e:?}");
+    assert!(e
+        .iter()
+        .any(|e| matches!(e, BudgetError::WalkInTwoCombined { .. })));
+}
+
+#[test]
+fn every_problem_is_reported_and_the_previous_table_stays() {
+    let first = BudgetTable::build(omni(), settings()).unwrap();
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("mixed", tok(100)), ("ghost_walk", tok(1))]);
+    s.min_chunk_tokens = 0;
+    let e = first.with_settings(s).unwrap_err();
+    assert_eq!(e.0.len(), 2);
+    assert_eq!(first.max_batch_tokens("thinker", "mixed"), Some(8192));
+}
+
+#[test]
+fn time_budgets_are_refused_where_they_would_do_nothing_and_applied_otherwise() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let time_walks = |walks: &[(&str, TimeBudget)]| {
+        NodeSetting::PerWalk(walks.iter().map(|(w, v)| (n(w), *v)).collect())
+    };
+    let mut s = settings().cost("llm", model).cost("thinker", model);
+    s.time.max_step_ms = BTreeMap::from([
+        (n("llm"), time_walks(&[("mixed", TimeBudget::Ms(40.0))])),
+        (n("thinker"), NodeSetting::All(TimeBudget::Ms(60.0))),
+    ]);
+    let t = BudgetTable::build(omni(), s.clone()).unwrap();
+    assert_eq!(t.max_step_ms("llm", "mixed"), Some(40.0));
+    assert_eq!(t.max_step_ms("llm", "prefill"), None);
+    assert_eq!(t.max_step_ms("thinker", "decode"), Some(60.0));
+
+    // A member walk, a walk without a token budget, an unknown node, a bad value and a node
+    // without a model: every one refused, each naming its node.
+    let mut bad = settings();
+    bad.overrides = BTreeMap::from([(
+        n("llm"),
+        NodeSetting::PerWalk(BTreeMap::from([(n("mixed"), BudgetValue::Off)])),
+    )]);
+    bad.time.max_step_ms = BTreeMap::from([
+        (
+            n("llm"),
+            time_walks(&[
+                ("decode", TimeBudget::Ms(40.0)),
+                ("mixed", TimeBudget::Ms(40.0)),
+            ]),
+        ),
+        (
+            n("thinker"),
+            time_walks(&[("mixed", TimeBudget::Ms(f64::NAN))]),
+        ),
+        (n("ghost"), NodeSetting::All(TimeBudget::Ms(10.0))),
+        (n("talker"), NodeSetting::All(TimeBudget::Ms(10.0))),
+    ]);
+    bad = bad.cost("llm", model);
+    let errs = BudgetTable::build(omni(), bad).unwrap_err().0;
+    let has = |f: &dyn Fn(&BudgetError) -> bool| errs.iter().any(f);
+    assert!(
+        has(&|e| matches!(e, BudgetError::TimeMemberWalk { walk, .. } if &**walk == "decode")),
+        "{errs:?}"
+    );
+    assert!(
+        has(
+            &|e| matches!(e, BudgetError::TimeBudgetDoesNothing { walk, .. } if &**walk == "mixed")
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        has(
+            &|e| matches!(e, BudgetError::BadTimeBudget { node, walk: Some(w), .. } if &**node == "thinker" && &**w == "mixed")
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        has(
+            &|e| matches!(e, BudgetError::UnknownNode { setting: SettingKey::MaxStepMs, node } if &**node == "ghost")
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        has(&|e| matches!(e, BudgetError::NoLatencyModel { node } if &**node == "talker")),
+        "{errs:?}"
+    );
+    assert_eq!(errs.len(), 5, "{errs:?}");
+    // With learning on, a node without a model is accepted.
+    let learn = s.max_step_ms("talker", 10.0).learn_cost(true);
+    assert!(BudgetTable::build(omni(), learn).is_ok());
+}
+
+#[test]
+fn an_all_zero_model_and_a_time_budget_below_base_ms_are_refused_with_the_numbers() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let s = settings()
+        .cost("llm", model)
+        .cost("thinker", LatencyModel::ZERO)
+        .max_step_ms("llm", 4.5);
+    let errs = BudgetTable::build(omni(), s).unwrap_err().0;
+    let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, BudgetError::ZeroLatencyModel { node } if &**node == "thinker")),
+        "{text:?}"
+    );
+    assert!(
+        text.iter()
+            .any(|t| t.contains("4.5 ms is below the latency model's `base_ms` of 5 ms")),
+        "{text:?}"
+    );
+    assert!(
+        errs.iter().all(|e| matches!(
+            e,
+            BudgetError::ZeroLatencyModel { .. } | BudgetError::TimeBudgetBelowBase { .. }
+        )),
+        "{text:?}"
+    );
+    // At `base_ms` exactly, a step of nothing else fits: accepted.
+    let at_base = settings().cost("llm", model).max_step_ms("llm", 5.0);
+    assert!(BudgetTable::build(omni(), at_base).is_ok());
+}
+
+#[test]
+fn budget_values_and_time_budgets_print_as_a_config_writes_them() {
+    assert_eq!(tok(2048).to_string(), "2048");
+    assert_eq!(BudgetValue::Off.to_string(), "off");
+    assert_eq!(TimeBudget::Ms(42.5).to_string(), "42.5");
+    assert_eq!(TimeBudget::Off.to_string(), "off");
+    assert_eq!(tok(3).get(), Some(3));
+    assert_eq!(BudgetValue::Off.get(), None);
+    assert_eq!(BudgetValue::from(NonZeroU32::new(3).unwrap()), tok(3));
+    assert_eq!(TimeBudget::from(7.5), TimeBudget::Ms(7.5));
+}
+
+#[test]
+fn the_builder_sets_each_field() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let one = NonZeroU32::MIN;
+    let s = BudgetSettings::new(["prefill"])
+        .combined("mixed", ["decode"])
+        .budget("llm", tok(7))
+        // A per-walk budget replaces a node-wide one; a second one keeps the first.
+        .walk_budget("llm", "mixed", tok(100))
+        .walk_budget("thinker", "mixed", tok(100))
+        .walk_budget("thinker", "prefill", BudgetValue::Off)
+        .min_chunk_tokens(NonZeroU32::new(32).unwrap())
+        .max_row_tokens(NonZeroU32::new(512).unwrap())
+        .max_partial_prefills(one)
+        .override_mixed("thinker")
+        .no_chunking("vision")
+        .max_step_ms("llm", 50.0)
+        .cost("llm", model)
+        .learn_cost(true);
+    assert_eq!(
+        s.walks,
+        BTreeSet::from([n("decode"), n("mixed"), n("prefill")])
+    );
+    assert_eq!(
+        s.combined_walk_of,
+        BTreeMap::from([(n("decode"), n("mixed"))])
+    );
+    assert_eq!(
+        s.overrides["llm"],
+        NodeBudget::PerWalk(BTreeMap::from([(n("mixed"), tok(100))]))
+    );
+    assert_eq!(
+        s.overrides["thinker"],
+        NodeBudget::PerWalk(BTreeMap::from([
+            (n("mixed"), tok(100)),
+            (n("prefill"), BudgetValue::Off)
+        ]))
+    );
+    assert_eq!(s.min_chunk_tokens, 32);
+    assert_eq!(s.max_row_tokens, Some(512));
+    assert_eq!(s.max_partial_prefills, Some(1));
+    assert_eq!(s.override_mixed, BTreeSet::from([n("thinker")]));
+    assert_eq!(s.no_chunking, BTreeSet::from([n("vision")]));
+    assert_eq!(
+        s.time.max_step_ms["llm"],
+        NodeTimeBudget::All(TimeBudget::Ms(50.0))
+    );
+    assert_eq!(s.time.cost["llm"], model);
+    assert!(s.time.learn);
+    let defaults = BudgetSettings::defaults_for(&omni());
+    assert_eq!(
+        defaults,
+        BudgetSettings::new(["decode", "mixed", "prefill"])
+    );
+}
+
+#[test]
+fn the_table_answers_what_it_was_built_from() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let s = settings().cost("llm", model);
+    let t = BudgetTable::build(omni(), s.clone()).unwrap();
+    assert_eq!(t.model(), &omni());
+    assert_eq!(t.settings(), &s);
+    assert_eq!(
+        t.policy("thinker", "mixed"),
+        ChunkingPolicy::budget(8192).aligned(16)
+    );
+    assert_eq!(
+        t.policy("thinker", "spec_verify"),
+        crate::policy::NO_CHUNKING
+    );
+    assert_eq!(t.cost("llm"), Some(model));
+    assert_eq!(t.cost("thinker"), None);
+    assert_eq!(t.members("mixed"), [n("decode"), n("prefill")]);
+    assert!(t.members("prefill").is_empty());
+    assert_eq!(t.combined_walk_of("prefill"), Some(&n("mixed")));
+    assert_eq!(t.combined_walk_of("mixed"), None);
+    // Before any setting, the table is the model's.
+    let bare = BudgetTable::from_policies(omni());
+    assert_eq!(bare.settings(), &BudgetSettings::defaults_for(&omni()));
+    assert_eq!(bare.max_batch_tokens("llm", "prefill"), Some(2048));
+}
+
+#[test]
+fn a_budget_equal_to_the_align_is_accepted() {
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("mixed", tok(16))]);
+    let t = BudgetTable::build(omni(), s).unwrap();
+    assert_eq!(t.max_batch_tokens("thinker", "mixed"), Some(16));
+    let mut s = settings();
+    s.overrides = per_walk("thinker", &[("mixed", tok(15))]);
+    assert!(matches!(
+        &refused(s)[..],
+        [BudgetError::BelowAlign {
+            budget: 15,
+            align: 16,
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn a_row_cap_equal_to_the_widest_align_is_accepted_and_zero_is_refused_once() {
+    let mut s = settings();
+    s.max_row_tokens = Some(16);
+    assert!(BudgetTable::build(omni(), s).is_ok());
+    let mut s = settings();
+    s.max_row_tokens = Some(15);
+    assert_eq!(
+        refused(s)[0].to_string(),
+        "`max_row_tokens` 15 is below the `align` of 16 tokens of `thinker`/`prefill`: rows \
+         there could never be cut"
+    );
+    // 0 is refused as 0, not also as below every align.
+    let mut s = settings();
+    s.max_row_tokens = Some(0);
+    s.max_partial_prefills = Some(0);
+    assert_eq!(
+        refused(s),
+        vec![
+            BudgetError::ZeroSetting {
+                setting: SettingKey::MaxRowTokens
+            },
+            BudgetError::ZeroSetting {
+                setting: SettingKey::MaxPartialPrefills
+            },
+        ]
+    );
+}
+
+#[test]
+fn a_time_margin_is_a_quantile_in_zero_one_and_needs_a_time_budget() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let timed = || settings().cost("llm", model).max_step_ms("llm", 50.0);
+    for bad in [
+        0.0,
+        -0.0,
+        -0.5,
+        1.0 + f64::EPSILON,
+        2.0,
+        f64::INFINITY,
+        f64::NAN,
+    ] {
+        let errs = refused(timed().time_margin(bad));
+        assert!(
+            matches!(errs[..], [BudgetError::BadTimeMargin { value }] if value.to_bits() == bad.to_bits()),
+            "{bad}: {errs:?}"
+        );
+        assert!(
+            errs[0]
+                .to_string()
+                .starts_with("time margin quantile must be a number in (0, 1], got "),
+            "{}",
+            errs[0]
+        );
+    }
+    for good in [f64::MIN_POSITIVE, 0.5, 0.95, 1.0] {
+        let table = BudgetTable::from_policies(omni())
+            .with_settings(timed().time_margin(good))
+            .unwrap();
+        assert_eq!(table.settings().time.margin_quantile, Some(good));
+    }
+    // Without a time budget on any node (none, or every one off), a margin does nothing.
+    assert_eq!(
+        refused(settings().time_margin(0.9)),
+        vec![BudgetError::TimeMarginWithoutBudget]
+    );
+    let off = settings()
+        .cost("llm", model)
+        .max_step_ms("llm", TimeBudget::Off)
+        .time_margin(0.9);
+    assert_eq!(refused(off), vec![BudgetError::TimeMarginWithoutBudget]);
+    // A bad quantile is refused as bad, not also as doing nothing.
+    assert_eq!(
+        refused(settings().time_margin(2.0)),
+        vec![BudgetError::BadTimeMargin { value: 2.0 }]
+    );
+}
+
+#[test]
+fn a_time_budget_must_be_finite_and_above_zero() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    for bad in [0.0, -0.0, -1.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN] {
+        let s = settings().cost("llm", model).max_step_ms("llm", bad);
+        let errs = refused(s);
+        assert!(
+            matches!(&errs[..], [BudgetError::BadTimeBudget { node, walk: None, .. }] if &**node == "llm"),
+            "{bad}: {errs:?}"
+        );
+        assert!(
+            errs[0].to_string().starts_with(
+                "time budget for `llm` must be a finite number of milliseconds above 0, got "
+            ),
+            "{}",
+            errs[0]
+        );
+    }
+    // The smallest positive time is a time budget (with a learned model, no `base_ms` is
+    // known to be over it).
+    let tiny = settings()
+        .learn_cost(true)
+        .max_step_ms("llm", f64::MIN_POSITIVE);
+    let t = BudgetTable::build(omni(), tiny).unwrap();
+    assert_eq!(t.max_step_ms("llm", "mixed"), Some(f64::MIN_POSITIVE));
+    // Off needs no model.
+    let off = settings().max_step_ms("llm", TimeBudget::Off);
+    let t = BudgetTable::build(omni(), off).unwrap();
+    assert_eq!(t.max_step_ms("llm", "mixed"), None);
+}
+
+#[test]
+fn a_walk_is_refused_only_where_a_served_standalone_walk_could_take_it() {
+    // `mixed` has the budget on `llm` but is not served: nothing waits on it.
+    assert!(BudgetTable::build(mixed_only(), BudgetSettings::new(["prefill"])).is_ok());
+    // `mixed` is served but a member of another combined walk: its steps are not assembled.
+    let member = BudgetSettings::new(["prefill", "decode"]).combined("decode", ["mixed"]);
+    assert!(BudgetTable::build(mixed_only(), member).is_ok());
+    // Served and standalone: refused, naming it.
+    let standalone = BudgetSettings::new(["prefill", "mixed"]);
+    assert_eq!(
+        BudgetTable::build(mixed_only(), standalone).unwrap_err().0,
+        vec![BudgetError::WalkNeverChunked {
+            node: n("llm"),
+            walk: n("prefill"),
+            combined: n("mixed"),
+        }]
+    );
+}
