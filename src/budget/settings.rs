@@ -202,15 +202,8 @@ impl BudgetSettings {
     /// No overrides, the default floor; serves every walk the model names and combines none.
     pub fn defaults_for(model: &ModelPolicies) -> Self {
         Self {
-            overrides: BTreeMap::new(),
             walks: model.walks(),
-            combined_walk_of: BTreeMap::new(),
-            override_mixed: BTreeSet::new(),
-            no_chunking: BTreeSet::new(),
-            min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
-            max_row_tokens: None,
-            max_partial_prefills: None,
-            time: TimeSettings::default(),
+            ..Self::new::<[&str; 0], &str>([])
         }
     }
 }
