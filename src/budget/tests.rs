@@ -670,3 +670,110 @@ fn a_walk_is_refused_only_where_a_served_standalone_walk_could_take_it() {
         }]
     );
 }
+
+#[test]
+fn a_budget_is_written_off_or_as_decimal_digits_and_refusals_quote_the_text() {
+    let tokens = |n: u32| BudgetValue::tokens(n).unwrap();
+    for (text, want) in [
+        ("off", BudgetValue::Off),
+        ("OFF", BudgetValue::Off),
+        (" Off ", BudgetValue::Off),
+        ("1", tokens(1)),
+        ("+7", tokens(7)),
+        (" 42 ", tokens(42)),
+        ("4294967295", tokens(u32::MAX)),
+        // 30 digits is the longest text read as a number.
+        ("000000000000000000000000000001", tokens(1)),
+    ] {
+        assert_eq!(text.parse::<BudgetValue>(), Ok(want), "{text:?}");
+    }
+    let refused = |text: &str| text.parse::<BudgetValue>().unwrap_err().written;
+    // Whole numbers out of range are quoted as numbers.
+    assert_eq!(refused("0"), "0");
+    assert_eq!(refused("-5"), "-5");
+    assert_eq!(refused("4294967296"), "4294967296");
+    // Anything else is quoted as text, and only a text longer than 200 characters is cut.
+    for text in [
+        "", "-", "+", "1.5", "1e3", "0x10", "none", "false", "1 2", "-off",
+    ] {
+        assert_eq!(refused(text), format!("{text:?}"), "{text:?}");
+    }
+    let thirty_one = format!("{}1", "0".repeat(30));
+    assert_eq!(refused(&thirty_one), format!("{thirty_one:?}"));
+    let long = "x".repeat(250);
+    assert_eq!(refused(&long), format!("{:?}…", "x".repeat(200)));
+    let exactly = "y".repeat(200);
+    assert_eq!(refused(&exactly), format!("{exactly:?}"));
+    assert_eq!(
+        "1.5".parse::<BudgetValue>().unwrap_err().to_string(),
+        "expected a positive whole number of tokens (at most 4294967295) or \"off\", got \"1.5\""
+    );
+}
+
+#[test]
+fn a_refusal_names_its_setting_node_walk_rule_and_value() {
+    let (llm, mixed) = (n("llm"), n("mixed"));
+    fn subject<'a>(
+        setting: SettingKey,
+        node: Option<&'a Name>,
+        walk: Option<&'a Name>,
+    ) -> Option<Subject<'a>> {
+        Some(Subject {
+            setting,
+            node,
+            walk,
+        })
+    }
+    let zero = BudgetError::ZeroSetting {
+        setting: SettingKey::MinChunkTokens,
+    };
+    assert_eq!(
+        zero.subject(),
+        subject(SettingKey::MinChunkTokens, None, None)
+    );
+    assert_eq!(zero.value().as_deref(), Some("0"));
+    assert_eq!(zero.rule().to_string(), "docs/budgets.md#refusals, rule 6");
+    let row_cap = BudgetError::RowCapBelowAlign {
+        max_row: 100,
+        node: llm.clone(),
+        walk: mixed.clone(),
+        align: 128,
+    };
+    assert_eq!(
+        row_cap.subject(),
+        subject(SettingKey::MaxRowTokens, None, None)
+    );
+    assert_eq!(row_cap.value().as_deref(), Some("100"));
+    assert_eq!(
+        row_cap.rule().to_string(),
+        "docs/budgets.md#refusals, rule 9"
+    );
+    let time = BudgetError::BadTimeBudget {
+        node: llm.clone(),
+        walk: Some(mixed.clone()),
+        value: -1.0,
+    };
+    assert_eq!(
+        time.subject(),
+        subject(SettingKey::MaxStepMs, Some(&llm), Some(&mixed))
+    );
+    // A per-node value is quoted from where it was written, not by the refusal.
+    assert_eq!(time.value(), None);
+    assert_eq!(time.rule().to_string(), "docs/cost-model.md#time-budgets");
+    let margin = BudgetError::BadTimeMargin { value: 1.5 };
+    assert_eq!(
+        margin.subject(),
+        subject(SettingKey::TimeMargin, None, None)
+    );
+    assert_eq!(margin.value().as_deref(), Some("1.5"));
+    assert_eq!(
+        margin.rule().to_string(),
+        "docs/cost-model.md#the-time-margin"
+    );
+    assert_eq!(BudgetError::PoliciesNotSet.subject(), None);
+    assert_eq!(BudgetError::PoliciesNotSet.value(), None);
+    assert_eq!(
+        BudgetError::PoliciesNotSet.rule().to_string(),
+        "docs/budgets.md#refusals"
+    );
+}
