@@ -715,6 +715,23 @@ mod tests {
         Name::from(s)
     }
 
+    #[test]
+    fn a_continuing_row_has_an_estimate_and_a_chunk_none() {
+        assert_eq!(
+            RowWork::Continue { estimate: 3 }.continue_estimate(),
+            Some(3)
+        );
+        assert_eq!(
+            RowWork::Continue { estimate: 0 }.continue_estimate(),
+            Some(0)
+        );
+        let chunk = RowWork::Chunk {
+            range: ChunkRange::new(true, 0, 4, 10),
+            cached: 0,
+        };
+        assert_eq!((chunk.continue_estimate(), chunk.tokens()), (None, 4));
+    }
+
     /// A `mixed` step over `prefill` and `decode` rows, chunkable, align 1.
     fn params(budget: Option<u32>, floor: u32) -> StepParams {
         StepParams {

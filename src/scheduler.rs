@@ -1052,6 +1052,21 @@ mod tests {
     }
 
     #[test]
+    fn a_state_with_a_table_plans_under_it_as_its_first_snapshot() {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(100),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let mut s = SchedulerState::with_table(BudgetTable::from_policies(model));
+        assert_eq!(s.snapshot().unwrap().generation(), 1);
+        s.admit(1, "llm", "prefill", 150, 0).unwrap();
+        let b = s.assemble_batch("llm", "prefill").unwrap();
+        assert_eq!((b.budget, chunk(&b.rows[0])), (Some(100), (0, 100)));
+    }
+
+    #[test]
     fn a_step_in_flight_is_answered_again_and_its_held_batch_returned() {
         let mut s = state_with(|s| s);
         s.admit(1, "llm", "prefill", 150, 0).unwrap();
