@@ -65,9 +65,11 @@ pub const STEP_BUDGET_SECONDS: &str = "mstar_chunking_step_budget_seconds";
 pub const LATENCY_MODEL_COEFFICIENT: &str = "mstar_chunking_latency_model_coefficient";
 /// Where the latency model in use came from: 1 for its `source`, 0 for the others (gauge).
 pub const LATENCY_MODEL_SOURCE: &str = "mstar_chunking_latency_model_source";
+/// The time margin a node's timed steps are planned with (gauge; 1 without one).
+pub const TIME_MARGIN: &str = "mstar_chunking_time_margin";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 21] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -88,6 +90,7 @@ pub const ALL: [&str; 20] = [
     STEP_BUDGET_SECONDS,
     LATENCY_MODEL_COEFFICIENT,
     LATENCY_MODEL_SOURCE,
+    TIME_MARGIN,
 ];
 
 // === labels ===
@@ -247,6 +250,11 @@ pub fn describe_all() {
         LATENCY_MODEL_SOURCE,
         Unit::Count,
         "Where a node's latency model comes from: 1 for its source (online, config, none), 0 for the others."
+    );
+    describe_gauge!(
+        TIME_MARGIN,
+        Unit::Count,
+        "The time margin a node's last timed step was planned with: its time budget divided by this (chunking.time_margin; 1 without a margin)."
     );
     describe_gauge!(
         ROWS_WAITING,
@@ -432,6 +440,11 @@ impl Instance {
             coefficients: COEFFICIENT_KEYS.map(|c| metrics::gauge!(LATENCY_MODEL_COEFFICIENT, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_COEFFICIENT => c)),
             sources: ModelSource::ALL.map(|s| metrics::gauge!(LATENCY_MODEL_SOURCE, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_SOURCE => s.as_str())),
             shown: None,
+            margin: {
+                let g = metrics::gauge!(TIME_MARGIN, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string());
+                g.set(1.0);
+                g
+            },
         }
     }
 
@@ -564,6 +577,7 @@ pub(crate) struct ModelGauges {
     coefficients: [Gauge; 4],
     sources: [Gauge; 3],
     shown: Option<(Option<LatencyModel>, ModelSource)>,
+    margin: Gauge,
 }
 
 impl ModelGauges {
@@ -580,6 +594,11 @@ impl ModelGauges {
         for (gauge, s) in self.sources.iter().zip(ModelSource::ALL) {
             gauge.set(if s == source { 1.0 } else { 0.0 });
         }
+    }
+
+    /// Sets the time margin the node's last timed step was planned with.
+    pub(crate) fn set_margin(&self, margin: f64) {
+        self.margin.set(margin);
     }
 }
 
@@ -768,6 +787,25 @@ mod tests {
     }
 
     #[test]
+    fn the_time_margin_gauge_starts_at_one_and_shows_the_last_margin() {
+        let node = [(LABEL_MODEL, "m"), (LABEL_NODE, "llm")];
+        let seen = recorded(|| {
+            inst().model(&n("llm"));
+        });
+        assert_eq!(
+            value(&seen, TIME_MARGIN, &node),
+            &DebugValue::Gauge(1.0.into())
+        );
+        let seen = recorded(|| {
+            inst().model(&n("llm")).set_margin(1.25);
+        });
+        assert_eq!(
+            value(&seen, TIME_MARGIN, &node),
+            &DebugValue::Gauge(1.25.into())
+        );
+    }
+
+    #[test]
     fn every_metric_is_described_with_its_kind_and_unit() {
         let seen = recorded(|| {
             describe_all();
@@ -809,6 +847,7 @@ mod tests {
                 STEP_BUDGET_SECONDS,
                 LATENCY_MODEL_COEFFICIENT,
                 LATENCY_MODEL_SOURCE,
+                TIME_MARGIN,
             ]
             .contains(&name)
             {

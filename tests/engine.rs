@@ -500,3 +500,41 @@ async fn the_online_fit_takes_over_from_no_model_once_trusted() {
     let predicted = b.predicted_ms.expect("a model");
     assert!(predicted <= 30.0 + 1e-9, "{predicted}");
 }
+
+#[actix::test]
+async fn a_time_margin_plans_against_the_budget_over_the_recent_ratio_and_shows_it() {
+    use mstar_chunking::latency::margin::MIN_STEPS;
+    use mstar_chunking::metrics::TIME_MARGIN;
+    snapshotter();
+    // 1 ms a token: 60-token chunks fill a 60 ms budget; every step runs 1.5 times slower.
+    let model = mstar_chunking::latency::LatencyModel::try_new(0.0, 1.0, 0.0, 0.0).unwrap();
+    let settings = BudgetSettings::new(["prefill"])
+        .max_step_ms("llm", 60.0)
+        .cost("llm", model)
+        .min_chunk_tokens(std::num::NonZeroU32::new(8).unwrap())
+        .time_margin(0.5);
+    let cm = timed_engine("margin", settings).await.unwrap();
+    cm.admit(1, "llm", "prefill", prompt(100_000), 0)
+        .await
+        .unwrap();
+    for _ in 0..MIN_STEPS {
+        let b = cm.assemble("llm", "prefill").await.unwrap();
+        assert_eq!(planned(&b), vec![60]);
+        let out = cm.complete_measured(b.step, vec![60], 90.0).await.unwrap();
+        assert_eq!((out.max_step_ms, out.time_margin), (Some(60.0), Some(1.0)));
+    }
+    // 60 / 1.5 = 40 ms: 40 tokens, and the batch still names the budget.
+    let b = cm.assemble("llm", "prefill").await.unwrap();
+    assert_eq!(planned(&b), vec![40]);
+    assert_eq!((b.max_step_ms, b.predicted_ms), (Some(60.0), Some(40.0)));
+    let out = cm.complete_measured(b.step, vec![40], 60.0).await.unwrap();
+    assert_eq!((out.time_margin, out.time_overrun), (Some(1.5), None));
+    assert_eq!(
+        value(
+            &series(),
+            TIME_MARGIN,
+            &[("model", "margin"), ("node", "llm")]
+        ),
+        Some(1.5)
+    );
+}

@@ -579,6 +579,11 @@ impl Scheduler {
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(outcome);
         self.publish_model(&outcome.node, outcome.model);
+        if let (Some(margin), Some(gauges)) =
+            (outcome.time_margin, self.model_gauges.get(&outcome.node))
+        {
+            gauges.set_margin(margin);
+        }
         self.publish_queue(&outcome.node);
     }
 
