@@ -138,13 +138,14 @@ mod tests {
     fn the_window_forgets_the_oldest_steps() {
         let mut m = observed(&[1.8; WINDOW], 0.5);
         assert_eq!((m.steps(), m.margin()), (WINDOW, 1.8));
-        // Half the window replaced by 1.2: the median is now between.
+        // Half the window replaced by 1.2: the nearest-rank median (rank 128 of 256) is the
+        // larger of the 1.2s.
         for _ in 0..WINDOW / 2 {
             m.observe(12.0, 10.0, 0.5);
         }
         assert_eq!(m.steps(), WINDOW);
         assert!((m.margin() - 1.2).abs() < 1e-12, "{}", m.margin());
-        // One more 1.2 overwrites a 1.8: the median is 1.2 with more room.
+        // The other half replaced too: every 1.8 is gone, so even the 0.99-quantile is 1.2.
         for _ in 0..WINDOW / 2 {
             m.observe(12.0, 10.0, 0.99);
         }
