@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use mstar_chunking::latency::LatencyModel;
 use mstar_chunking::{
     ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingManagement, ChunkingPolicy,
-    PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
+    DrainReport, PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -203,8 +203,8 @@ pub enum Command {
     Drain {
         /// The grace period.
         grace: Duration,
-        /// Answered when the engine has stopped.
-        done: oneshot::Sender<()>,
+        /// Answered when the engine has stopped, with what the component's drain dropped.
+        done: oneshot::Sender<Option<DrainReport>>,
     },
     /// Report [`EngineStats`].
     Stats(oneshot::Sender<EngineStats>),
@@ -243,13 +243,14 @@ impl EngineHandle {
         rx.await.ok()
     }
 
-    /// Stops admitting, lets running requests finish for `grace`, aborts the rest; returns when
-    /// the engine has stopped.
-    pub async fn drain(&self, grace: Duration) {
+    /// Stops admitting, lets running requests finish for `grace`, aborts the rest, then drains
+    /// the component (`ChunkingManagement::drain`); returns when the engine has stopped, with
+    /// the component's report (all zeros: every request was finished or forgotten first).
+    /// `None` when the engine had already stopped or the component's drain failed.
+    pub async fn drain(&self, grace: Duration) -> Option<DrainReport> {
         let (done, rx) = oneshot::channel();
-        if self.tx.send(Command::Drain { grace, done }).is_ok() {
-            let _ = rx.await;
-        }
+        self.tx.send(Command::Drain { grace, done }).ok()?;
+        rx.await.ok().flatten()
     }
 }
 
@@ -396,7 +397,7 @@ struct Engine {
     next_rid: AtomicU64,
     kv_reserved: u64,
     /// Set by a drain: the deadline and who to tell.
-    draining: Option<(Instant, Vec<oneshot::Sender<()>>)>,
+    draining: Option<(Instant, Vec<oneshot::Sender<Option<DrainReport>>>)>,
     steps: u64,
     log: Option<BufWriter<File>>,
     started: Instant,
@@ -441,8 +442,24 @@ impl Engine {
             }
         }
         if let Some((_, tellers)) = self.draining.take() {
+            // Shut the component down too: every request was finished or aborted (and forgotten)
+            // above, so its report is all zeros unless something was left behind.
+            let report = match self.cm.drain().await {
+                Ok(report) if report == DrainReport::default() => {
+                    tracing::info!("component drained; it held nothing");
+                    Some(report)
+                }
+                Ok(report) => {
+                    tracing::warn!(?report, "component drained what was left");
+                    Some(report)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "component drain failed");
+                    None
+                }
+            };
             for t in tellers {
-                let _ = t.send(());
+                let _ = t.send(report);
             }
         }
     }

@@ -463,7 +463,9 @@ impl Server {
     /// are aborted and their streams end), then stop the HTTP server.
     pub async fn shutdown(self, grace: Duration) -> std::io::Result<()> {
         self.state.draining.store(true, Ordering::Relaxed);
-        self.state.engine.drain(grace).await;
+        if let Some(report) = self.state.engine.drain(grace).await {
+            tracing::debug!(?report, "the component's drain");
+        }
         self.handle.stop(true).await;
         self.task.await.map_err(std::io::Error::other)?
     }

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use futures_util::StreamExt;
+use mstar_chunking::DrainReport;
 use mstar_engine::engine::{self, EngineSettings, EngineStats};
 use mstar_engine::model::{Config, Model};
 use mstar_engine::server::Server;
@@ -396,6 +397,31 @@ async fn shutdown_aborts_after_the_grace_period() {
     let n = last["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(n > 0 && n < 4000, "{n}");
     stop.await.unwrap().unwrap();
+    thread.join().unwrap();
+}
+
+/// Draining the engine drains the component after it: every request was finished or aborted and
+/// forgotten first, so the component's report is all zeros.
+#[tokio::test]
+async fn draining_the_engine_drains_the_component_leaving_nothing_held() {
+    let (srv, thread) = start(EngineSettings::default());
+    let c = reqwest::Client::new();
+    let resp = c
+        .post(url(&srv, "/v1/completions"))
+        .json(&json!({"prompt": "long", "max_tokens": 4000, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    let reader = tokio::spawn(read_sse(resp));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let engine = srv.state.engine.clone();
+    let report = engine.drain(Duration::from_millis(100)).await;
+    assert_eq!(report, Some(DrainReport::default()));
+    let (_, done) = reader.await.unwrap();
+    assert!(done, "the aborted stream ends with [DONE]");
+    // The engine has stopped: a second drain has nothing to answer.
+    assert_eq!(engine.drain(Duration::ZERO).await, None);
+    srv.shutdown(Duration::ZERO).await.unwrap();
     thread.join().unwrap();
 }
 
