@@ -363,20 +363,30 @@ async fn sixty_four_streaming_clients_some_disconnecting() {
     thread.join().unwrap();
 }
 
-/// Shutdown: admission stops (503), a running request gets the grace period and is then
-/// aborted, its stream ending with `finish_reason: "abort"` and `[DONE]`.
-#[actix_web::test]
-async fn shutdown_aborts_after_the_grace_period() {
-    let (srv, thread) = start(EngineSettings::default());
-    let c = reqwest::Client::new();
+/// Starts a streaming request of 4,000 tokens and gives it 100 ms to start running; answers
+/// the task reading its stream whole.
+async fn long_stream(
+    c: &reqwest::Client,
+    srv: &Server,
+) -> tokio::task::JoinHandle<(Vec<Value>, bool)> {
     let resp = c
-        .post(url(&srv, "/v1/completions"))
+        .post(url(srv, "/v1/completions"))
         .json(&json!({"prompt": "long", "max_tokens": 4000, "stream": true, "ignore_eos": true}))
         .send()
         .await
         .unwrap();
     let reader = tokio::spawn(read_sse(resp));
     tokio::time::sleep(Duration::from_millis(100)).await;
+    reader
+}
+
+/// Shutdown: admission stops (503), a running request gets the grace period and is then
+/// aborted, its stream ending with `finish_reason: "abort"` and `[DONE]`.
+#[actix_web::test]
+async fn shutdown_aborts_after_the_grace_period() {
+    let (srv, thread) = start(EngineSettings::default());
+    let c = reqwest::Client::new();
+    let reader = long_stream(&c, &srv).await;
     let state = srv.state.clone();
     let addr = srv.addr;
     let stop = tokio::spawn(srv.shutdown(Duration::from_millis(300)));
@@ -405,15 +415,7 @@ async fn shutdown_aborts_after_the_grace_period() {
 #[tokio::test]
 async fn draining_the_engine_drains_the_component_leaving_nothing_held() {
     let (srv, thread) = start(EngineSettings::default());
-    let c = reqwest::Client::new();
-    let resp = c
-        .post(url(&srv, "/v1/completions"))
-        .json(&json!({"prompt": "long", "max_tokens": 4000, "stream": true, "ignore_eos": true}))
-        .send()
-        .await
-        .unwrap();
-    let reader = tokio::spawn(read_sse(resp));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reader = long_stream(&reqwest::Client::new(), &srv).await;
     let engine = srv.state.engine.clone();
     let report = engine.drain(Duration::from_millis(100)).await;
     assert_eq!(report, Some(DrainReport::default()));
