@@ -315,6 +315,8 @@ struct InFlight {
     plan: StepPlan,
     /// The model the step was predicted with, if any.
     model: Option<LatencyModel>,
+    /// The time margin its time limit was divided by (1 without one).
+    margin: f64,
     /// The batch as handed to the engine, once its inputs are cut: a repeated `assemble` of the
     /// node returns it again, so a dropped `assemble` future loses nothing.
     batch: Option<Arc<Batch>>,
@@ -565,6 +567,7 @@ impl SchedulerState {
             params,
             plan: step_plan,
             model,
+            margin,
             batch: None,
         };
         let batch = f.planned_batch();
@@ -740,25 +743,25 @@ impl SchedulerState {
         let time_overrun = measured_ms
             .zip(max_step_ms)
             .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
-        if let Some(ms) = measured_ms.filter(|_| f.params.learn_cost) {
-            self.observe(&node, &ran_features(&f.plan, ran), ms);
+        let learns = f.params.learn_cost;
+        let margin = f.params.margin_quantile.zip(f.plan.time);
+        if let Some(ms) = measured_ms.filter(|_| learns || margin.is_some()) {
+            // What the step ran (a chunk reported at 0 did not run): the online fit learns from
+            // it, and the time margin compares it with its prediction.
+            let features = ran_features(&f.plan, ran);
+            if learns {
+                self.observe(&node, &features, ms);
+            }
+            if let Some((q, time)) = margin {
+                let predicted = time.model.predict_ms(&features);
+                self.margins
+                    .entry(node.clone())
+                    .or_default()
+                    .observe(ms, predicted, q);
+            }
         }
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
-        let time_margin = f
-            .params
-            .margin_quantile
-            .and(f.plan.time.zip(max_step_ms))
-            .map(|(t, max)| max / t.max_step_ms);
-        if let (Some(q), Some(ms), Some(time)) =
-            (f.params.margin_quantile, measured_ms, f.plan.time)
-        {
-            // Against what the step ran: a chunk reported at 0 did not run.
-            let predicted = time.model.predict_ms(&ran_features(&f.plan, ran));
-            self.margins
-                .entry(node.clone())
-                .or_default()
-                .observe(ms, predicted, q);
-        }
+        let time_margin = margin.map(|_| f.margin);
         self.spare = f.plan;
         Ok(StepOutcome {
             step,
