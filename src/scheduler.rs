@@ -15,7 +15,7 @@ use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
-use crate::prepared::{ChunkInput, PreparedInput};
+use crate::prepared::{ChunkInput, NodeInputs, PreparedInput};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
 
@@ -32,7 +32,7 @@ pub struct BatchRow {
     pub work: RowWork,
     /// A continuing row's context, in tokens (the latency model's `K`); 0 for a chunk.
     pub context: u64,
-    /// The chunk's input, cut from the prepared input (chunks only; filled by PreparedInputs).
+    /// The chunk's input, cut from the prepared input (chunks only; filled by the Scheduler).
     pub input: Option<ChunkInput>,
 }
 
@@ -40,6 +40,26 @@ impl BatchRow {
     /// Tokens the row is scheduled to run.
     pub fn tokens(&self) -> u32 {
         self.work.tokens()
+    }
+}
+
+impl Batch {
+    /// Cuts the input of every chunk row from `inputs`, the handles held on the batch's node;
+    /// answers the rids of chunk rows with none held (their rows get no input).
+    pub(crate) fn cut_inputs(&mut self, inputs: Option<&NodeInputs>) -> Vec<u64> {
+        let mut missing = Vec::new();
+        for row in &mut self.rows {
+            let RowWork::Chunk { range, .. } = row.work else {
+                continue;
+            };
+            match inputs.and_then(|m| m.get(row.rid)) {
+                Some(whole) => {
+                    row.input = Some(whole.cut(range.start as usize..range.end as usize));
+                }
+                None => missing.push(row.rid),
+            }
+        }
+        missing
     }
 }
 

@@ -1,5 +1,8 @@
-//! PreparedInputs: `(rid, node) -> whole prepared input`; cuts each step's chunk inputs as views,
-//! releases a row's input after its final chunk, and forgets aborted requests.
+//! PreparedInputs: `(rid, node) -> whole prepared input`, the inputs' owner of record: holds
+//! each admitted prompt's input, releases it after its final chunk, forgets aborted requests,
+//! answers `prepared` and the totals, and keeps the prepared-input gauges. Every change comes
+//! from the Scheduler, which cuts the steps' chunk views from handles on the same inputs
+//! (`docs/actors.md#prepared-inputs`).
 
 use ::metrics::Gauge;
 use actix::prelude::*;
@@ -7,10 +10,8 @@ use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
-use crate::planner::RowWork;
 use crate::policy::Name;
 use crate::prepared::{PreparedInput, PreparedStore};
-use crate::scheduler::Batch;
 
 /// Owns every whole prepared input; keeps the prepared-input gauges current.
 pub(crate) struct PreparedInputs {
@@ -57,8 +58,6 @@ super::supervised!(
     "PreparedInputs",
     [
         Insert,
-        Cut,
-        InsertAndCut,
         ForgetInputs,
         GetPrepared,
         PreparedTotals,
@@ -66,7 +65,9 @@ super::supervised!(
     ]
 );
 
-/// Holds a row's whole input; answers its measured length.
+/// Holds a row's whole input; answers its measured length. The Scheduler sends it without
+/// waiting, having queued the row and measured the input: a refusal here (an input already
+/// held for `(rid, node)`, which the Scheduler's own check rules out) is logged.
 #[derive(Message)]
 #[rtype(result = "Result<u32, ChunkingError>")]
 pub(crate) struct Insert {
@@ -79,84 +80,12 @@ impl Handler<Insert> for PreparedInputs {
     type Result = Result<u32, ChunkingError>;
 
     fn handle(&mut self, msg: Insert, _: &mut Self::Context) -> Self::Result {
-        let total = self.store.insert(msg.rid, &msg.node, msg.input)?;
+        let total = self
+            .store
+            .insert(msg.rid, &msg.node, msg.input)
+            .inspect_err(|e| tracing::error!(error = %e, "prepared input refused"))?;
         self.publish(&msg.node);
         Ok(total)
-    }
-}
-
-/// Cuts the input of every chunk row of a batch; answers the batch and the rids of chunk rows
-/// that had no input (forgotten meanwhile).
-#[derive(Message)]
-#[rtype(result = "Result<CutBatch, ChunkingError>")]
-pub(crate) struct Cut(pub(crate) Batch);
-
-/// A batch with its chunk inputs cut, and the rids whose input was missing.
-#[derive(Debug)]
-pub(crate) struct CutBatch {
-    pub(crate) batch: Batch,
-    pub(crate) missing: Vec<u64>,
-}
-
-impl Handler<Cut> for PreparedInputs {
-    type Result = Result<CutBatch, ChunkingError>;
-
-    fn handle(&mut self, msg: Cut, _: &mut Self::Context) -> Self::Result {
-        let mut batch = msg.0;
-        let inputs = self.store.node(&batch.node);
-        let mut missing = Vec::new();
-        for row in &mut batch.rows {
-            let RowWork::Chunk { range, .. } = row.work else {
-                continue;
-            };
-            match inputs.and_then(|m| m.get(row.rid)) {
-                Some(whole) => {
-                    row.input = Some(whole.cut(range.start as usize..range.end as usize))
-                }
-                None => missing.push(row.rid),
-            }
-        }
-        Ok(CutBatch { batch, missing })
-    }
-}
-
-/// Holds the inputs of prompts admitted with a step's completion, then cuts the next step's
-/// batch (`CompleteAndAssemble`): one message, so the inputs are held before the cut. Answers
-/// the cut batch and the admissions refused, each with its error (their rows are dropped by
-/// the Scheduler, as for [`Insert`]).
-#[derive(Message)]
-#[rtype(result = "Result<InsertedAndCut, ChunkingError>")]
-pub(crate) struct InsertAndCut {
-    pub(crate) inserts: Vec<Insert>,
-    pub(crate) batch: Batch,
-}
-
-/// The answer to [`InsertAndCut`].
-#[derive(Debug)]
-pub(crate) struct InsertedAndCut {
-    pub(crate) cut: CutBatch,
-    pub(crate) refused: Vec<(u64, ChunkingError)>,
-}
-
-impl Handler<InsertAndCut> for PreparedInputs {
-    type Result = Result<InsertedAndCut, ChunkingError>;
-
-    fn handle(&mut self, msg: InsertAndCut, ctx: &mut Self::Context) -> Self::Result {
-        let mut refused = Vec::new();
-        let mut nodes: Vec<Name> = Vec::new();
-        for i in msg.inserts {
-            if let Err(e) = self.store.insert(i.rid, &i.node, i.input) {
-                refused.push((i.rid, e));
-            }
-            if !nodes.contains(&i.node) {
-                nodes.push(i.node);
-            }
-        }
-        for node in &nodes {
-            self.publish(node);
-        }
-        let cut = <Self as Handler<Cut>>::handle(self, Cut(msg.batch), ctx)?;
-        Ok(InsertedAndCut { cut, refused })
     }
 }
 

@@ -1,6 +1,7 @@
-//! Scheduler: the row queues per node. Assembles each step's batch from the budget snapshot;
-//! on completion sends overruns to OverrunAccounting and releases finished rows' inputs to
-//! PreparedInputs.
+//! Scheduler: the row queues per node. Assembles each step's batch from the budget snapshot,
+//! cutting its chunks' inputs from the handles it keeps on queued prompts' inputs; on
+//! completion sends overruns to OverrunAccounting and releases finished rows' inputs to
+//! PreparedInputs (`docs/actors.md#prepared-inputs`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,18 +11,13 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{
-    Cut, CutBatch, ForgetInputs, Insert, InsertAndCut, InsertedAndCut, PreparedInputs, Release,
-    ReleaseAll,
-};
+use super::prepared_inputs::{ForgetInputs, Insert, PreparedInputs, Release, ReleaseAll};
 use super::spans::Spans;
-use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
-use crate::planner::RowWork;
 use crate::policy::Name;
-use crate::prepared::PreparedInput;
+use crate::prepared::{PreparedInput, PreparedStore};
 use crate::scheduler::{
     Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
 };
@@ -29,6 +25,10 @@ use crate::scheduler::{
 /// Wraps [`SchedulerState`].
 pub(crate) struct Scheduler {
     state: SchedulerState,
+    /// A handle (two `Arc`s) on the whole input of every queued prompt row, to cut a step's
+    /// chunks from without a message: it changes exactly as PreparedInputs' store does, which
+    /// it is sent every change to (`docs/actors.md#prepared-inputs`).
+    inputs: PreparedStore,
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     instance: Instance,
@@ -64,6 +64,7 @@ impl Scheduler {
     ) -> Self {
         Self {
             state: SchedulerState::default(),
+            inputs: PreparedStore::default(),
             prepared,
             overruns,
             metrics: FxHashMap::default(),
@@ -122,79 +123,19 @@ super::supervised!(
     Scheduler,
     "Scheduler",
     [
+        AdmitPrepared,
         ContinueRow,
         ForgetRequest,
         ForgetRow,
+        Assemble,
         Abandon,
         Complete,
+        CompleteAndAssemble,
         SchedulerStats,
-        BeginDrain
+        BeginDrain,
+        Drain
     ]
 );
-
-/// The supervised form of a handler that answers later (it waits for PreparedInputs): a panic
-/// while handling is an error to the caller and restarts the actor, as for the other messages.
-fn guard_later<T: 'static>(
-    act: &mut Scheduler,
-    ctx: &mut Context<Scheduler>,
-    handle: impl FnOnce(
-        &mut Scheduler,
-        &mut Context<Scheduler>,
-    ) -> ResponseActFuture<Scheduler, Result<T, ChunkingError>>,
-) -> ResponseActFuture<Scheduler, Result<T, ChunkingError>> {
-    match super::guard(act, ctx, "Scheduler", handle) {
-        Ok(later) => later,
-        Err(e) => Box::pin(fut::ready(Err(e))),
-    }
-}
-
-impl Handler<Guarded<Assemble>> for Scheduler {
-    /// Not atomic: other messages are handled while PreparedInputs cuts the inputs. A repeated
-    /// `assemble` meanwhile finds the step in flight without its batch held yet, plans the same
-    /// batch from the step's plan and has it cut again (the same views); the batch held is the
-    /// first to be cut, and a cut answered after the step completed is not held.
-    type Result = ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>>;
-
-    fn handle(&mut self, msg: Guarded<Assemble>, ctx: &mut Self::Context) -> Self::Result {
-        guard_later(self, ctx, |act, ctx| {
-            <Self as Handler<Assemble>>::handle(act, msg.0, ctx)
-        })
-    }
-}
-
-impl Handler<Guarded<CompleteAndAssemble>> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Completed, ChunkingError>>;
-
-    fn handle(
-        &mut self,
-        msg: Guarded<CompleteAndAssemble>,
-        ctx: &mut Self::Context,
-    ) -> Self::Result {
-        guard_later(self, ctx, |act, ctx| {
-            <Self as Handler<CompleteAndAssemble>>::handle(act, msg.0, ctx)
-        })
-    }
-}
-
-impl Handler<Guarded<Drain>> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
-
-    fn handle(&mut self, msg: Guarded<Drain>, ctx: &mut Self::Context) -> Self::Result {
-        guard_later(self, ctx, |act, ctx| {
-            <Self as Handler<Drain>>::handle(act, msg.0, ctx)
-        })
-    }
-}
-
-impl Handler<Guarded<AdmitPrepared>> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
-
-    fn handle(&mut self, msg: Guarded<AdmitPrepared>, ctx: &mut Self::Context) -> Self::Result {
-        guard_later(self, ctx, |act, ctx| {
-            <Self as Handler<AdmitPrepared>>::handle(act, msg.0, ctx)
-        })
-    }
-}
 
 impl Handler<UseSnapshot> for Scheduler {
     type Result = ();
@@ -211,10 +152,9 @@ impl Handler<UseSnapshot> for Scheduler {
     }
 }
 
-/// Admits a prompt whole: queues its row, then has PreparedInputs hold its input (the engine
-/// waits for one answer). If PreparedInputs refuses the input, the row is dropped again, so no
-/// row is ever queued without its input. PreparedInputs gets the input before any later `Cut`
-/// of this Scheduler, as an actor's mailbox is first in, first out.
+/// Admits a prompt whole: queues its row, keeps a handle on its input and sends the input to
+/// PreparedInputs, which holds it. A refused input queues nothing. PreparedInputs gets the input
+/// before anything the caller asks it after this answer, as a mailbox is first in, first out.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct AdmitPrepared {
@@ -226,40 +166,61 @@ pub(crate) struct AdmitPrepared {
 }
 
 impl Handler<AdmitPrepared> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<(), ChunkingError>>;
+    type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
         if self.draining {
-            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+            return Err(ChunkingError::Draining);
         }
-        let queued = m
-            .input
-            .measure(m.rid, &m.node)
-            .and_then(|total| self.state.admit(m.rid, &m.node, &m.walk, total, m.cached));
-        if let Err(e) = queued {
-            return Box::pin(fut::ready(Err(e)));
-        }
-        self.spans.admitted(m.rid, &m.node, &m.walk);
+        self.admit_input(m.rid, &m.node, &m.walk, m.input, m.cached)?;
         self.publish_queue(&m.node);
-        let (rid, node) = (m.rid, m.node);
-        let insert = self.prepared.send(Guarded(Insert {
+        Ok(())
+    }
+}
+
+impl Scheduler {
+    /// Queues the prompt row of `rid` at `node`, keeps a handle on its input and has
+    /// PreparedInputs hold it. On error nothing is queued or held.
+    fn admit_input(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        cached: u32,
+    ) -> Result<(), ChunkingError> {
+        let total = input.measure(rid, node)?;
+        self.state.admit(rid, node, walk, total, cached)?;
+        // The state refuses a second row of `(rid, node)`, and a row's handle is dropped with
+        // its row: a handle is never held here already.
+        if let Err(e) = self.inputs.insert(rid, node, input.clone()) {
+            self.state.forget_at(rid, node);
+            return Err(e);
+        }
+        self.prepared.do_send(Insert {
             rid,
             node: node.clone(),
-            input: m.input,
-        }));
-        Box::pin(insert.into_actor(self).map(move |answer, act, _| {
-            let refused = match answer {
-                Ok(Ok(_)) => return Ok(()),
-                Ok(Err(e)) => e,
-                Err(_) => ChunkingError::ActorStopped {
-                    actor: "PreparedInputs",
-                },
-            };
-            act.state.forget_at(rid, &node);
-            act.spans.forgotten(rid);
-            act.publish_queue(&node);
-            Err(refused)
-        }))
+            input,
+        });
+        self.spans.admitted(rid, node, walk);
+        Ok(())
+    }
+
+    /// Drops the handles of `rids` at `node` and has PreparedInputs release their inputs.
+    fn release_inputs(&mut self, node: &Name, rids: Vec<u64>) {
+        for &rid in &rids {
+            self.inputs.release(rid, node);
+        }
+        self.prepared.do_send(Release {
+            node: node.clone(),
+            rids,
+        });
+    }
+
+    /// Drops every node's handle of `rid` and has PreparedInputs drop its inputs.
+    fn forget_inputs(&mut self, rid: u64) {
+        self.inputs.forget(rid);
+        self.prepared.do_send(ForgetInputs(rid));
     }
 }
 
@@ -290,8 +251,8 @@ impl Handler<ContinueRow> for Scheduler {
     }
 }
 
-/// Ends a request: drops its rows on every node here, and its prepared inputs (PreparedInputs
-/// gets the message before any later `Cut` of this Scheduler).
+/// Ends a request: drops its rows and input handles on every node here, and has PreparedInputs
+/// drop its prepared inputs.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct ForgetRequest(pub(crate) u64);
@@ -302,7 +263,7 @@ impl Handler<ForgetRequest> for Scheduler {
     fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) -> Self::Result {
         self.spans.forgotten(m.0);
         self.state.forget(m.0);
-        self.prepared.do_send(ForgetInputs(m.0));
+        self.forget_inputs(m.0);
         self.publish_all_queues();
         Ok(())
     }
@@ -321,21 +282,18 @@ impl Handler<ForgetRow> for Scheduler {
 
     fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> Self::Result {
         let had_prefill = self.state.forget_at(m.rid, &m.node);
-        self.prepared.do_send(Release {
-            node: m.node.clone(),
-            rids: vec![m.rid],
-        });
+        self.release_inputs(&m.node, vec![m.rid]);
         self.publish_queue(&m.node);
         Ok(had_prefill)
     }
 }
 
-/// Assembles the next step of `node`/`walk`, with every chunk's input cut by PreparedInputs,
-/// or answers the node's step in flight again.
+/// Assembles the next step of `node`/`walk`, with every chunk's input cut from the handle the
+/// Scheduler keeps on its row's input, or answers the node's step in flight again.
 ///
-/// The Scheduler asks PreparedInputs itself, so the engine waits for one answer per step: a
-/// message between actors of one arbiter costs less than waking the engine's task twice. A
-/// chunk whose input went missing (forgotten meanwhile) abandons the step and drops that row.
+/// The Scheduler cuts the views itself, so a step costs the engine one message and no other
+/// actor is waited on. A chunk row without a handle (never the case unless the two stores
+/// disagree) abandons the step and drops that row.
 #[derive(Message)]
 #[rtype(result = "Result<Arc<Batch>, ChunkingError>")]
 pub(crate) struct Assemble {
@@ -344,7 +302,7 @@ pub(crate) struct Assemble {
 }
 
 impl Handler<Assemble> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>>;
+    type Result = Result<Arc<Batch>, ChunkingError>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         self.assemble(&m.node, &m.walk)
@@ -352,132 +310,34 @@ impl Handler<Assemble> for Scheduler {
 }
 
 impl Scheduler {
-    /// [`Assemble`]: plans the next step of `node`/`walk` (or finds it in flight) and has its
-    /// chunks cut; shared with [`CompleteAndAssemble`].
-    fn assemble(
-        &mut self,
-        node: &str,
-        walk: &str,
-    ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
+    /// [`Assemble`]: plans the next step of `node`/`walk` (or finds it in flight) and cuts its
+    /// chunks' inputs; shared with [`CompleteAndAssemble`].
+    fn assemble(&mut self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
         if self.draining {
-            return Box::pin(fut::ready(Err(ChunkingError::Draining)));
+            return Err(ChunkingError::Draining);
         }
         let started = Instant::now();
-        let batch = match self.state.assemble(node, walk) {
-            Ok(Assembled::InFlight(batch)) => return Box::pin(fut::ready(Ok(batch))),
-            Ok(Assembled::Planned(batch)) => batch,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
+        let mut batch = match self.state.assemble(node, walk)? {
+            Assembled::InFlight(batch) => return Ok(batch),
+            Assembled::Planned(batch) => batch,
         };
         let took = started.elapsed();
         self.step_metrics(&batch.node, &batch.walk)
             .assembled(&batch, took);
         self.open_step_span(&batch);
-        if !batch
-            .rows
-            .iter()
-            .any(|r| matches!(r.work, RowWork::Chunk { .. }))
-        {
-            let batch = Arc::new(batch);
-            self.state.hold(batch.clone());
-            return Box::pin(fut::ready(Ok(batch)));
+        let missing = batch.cut_inputs(self.inputs.node(&batch.node));
+        if let Some(&rid) = missing.first() {
+            let (step, node) = (batch.step, batch.node.clone());
+            self.state.abandon(step, &missing)?;
+            self.release_inputs(&node, missing);
+            self.publish_queue(&node);
+            let e = ChunkingError::MissingPreparedInput { rid, node };
+            self.abandoned_by(step, &e);
+            return Err(e);
         }
-        let (step, node) = (batch.step, batch.node.clone());
-        let cut = self.prepared.send(Guarded(Cut(batch)));
-        Box::pin(cut.into_actor(self).map(move |answer, act, _| {
-            let error = match answer {
-                Ok(Ok(CutBatch { batch, missing })) if missing.is_empty() => {
-                    let batch = Arc::new(batch);
-                    act.state.hold(batch.clone());
-                    return Ok(batch);
-                }
-                Ok(Ok(CutBatch { missing, .. })) => {
-                    act.state.abandon(step, &missing)?;
-                    act.publish_queue(&node);
-                    let e = ChunkingError::MissingPreparedInput {
-                        rid: missing[0],
-                        node,
-                    };
-                    act.abandoned_by(step, &e);
-                    return Err(e);
-                }
-                Ok(Err(e)) => e,
-                Err(_) => ChunkingError::ActorStopped {
-                    actor: "PreparedInputs",
-                },
-            };
-            // Without the batch the engine cannot complete the step: do not leave it blocking
-            // the node.
-            act.state.abandon(step, &[])?;
-            act.abandoned_by(step, &error);
-            Err(error)
-        }))
-    }
-
-    /// [`Scheduler::assemble`] after queueing the rows of `inserts` (admitted with a
-    /// completion): PreparedInputs holds their inputs and cuts the batch in one message. An
-    /// admission it refuses drops its row and abandons the step (its error is the answer).
-    fn assemble_admitting(
-        &mut self,
-        node: &str,
-        walk: &str,
-        inserts: Vec<Insert>,
-    ) -> ResponseActFuture<Self, Result<Arc<Batch>, ChunkingError>> {
-        if inserts.is_empty() || self.draining {
-            return self.assemble(node, walk);
-        }
-        let started = Instant::now();
-        let batch = match self.state.assemble(node, walk) {
-            Ok(Assembled::Planned(batch)) => batch,
-            // Not after a completion of the node's step (the walk was checked before), but the
-            // rows queued must still get their inputs.
-            other => {
-                for insert in inserts {
-                    self.prepared.do_send(insert);
-                }
-                return Box::pin(fut::ready(other.map(Assembled::into_batch).map(Arc::new)));
-            }
-        };
-        self.step_metrics(&batch.node, &batch.walk)
-            .assembled(&batch, started.elapsed());
-        self.open_step_span(&batch);
-        let (step, node) = (batch.step, batch.node.clone());
-        let cut = self.prepared.send(Guarded(InsertAndCut { inserts, batch }));
-        Box::pin(cut.into_actor(self).map(move |answer, act, _| {
-            let (CutBatch { batch, missing }, refused) = match answer {
-                Ok(Ok(InsertedAndCut { cut, refused })) => (cut, refused),
-                Ok(Err(e)) => {
-                    act.state.abandon(step, &[])?;
-                    act.abandoned_by(step, &e);
-                    return Err(e);
-                }
-                Err(_) => {
-                    act.state.abandon(step, &[])?;
-                    let e = ChunkingError::ActorStopped {
-                        actor: "PreparedInputs",
-                    };
-                    act.abandoned_by(step, &e);
-                    return Err(e);
-                }
-            };
-            if missing.is_empty() && refused.is_empty() {
-                let batch = Arc::new(batch);
-                act.state.hold(batch.clone());
-                return Ok(batch);
-            }
-            let mut drop = missing.clone();
-            drop.extend(refused.iter().map(|(rid, _)| *rid));
-            act.state.abandon(step, &drop)?;
-            act.publish_queue(&node);
-            let e = match refused.into_iter().next() {
-                Some((_, e)) => e,
-                None => ChunkingError::MissingPreparedInput {
-                    rid: missing[0],
-                    node,
-                },
-            };
-            act.abandoned_by(step, &e);
-            Err(e)
-        }))
+        let batch = Arc::new(batch);
+        self.state.hold(batch.clone());
+        Ok(batch)
     }
 }
 
@@ -571,10 +431,7 @@ impl Scheduler {
         }
         self.spans.ended(outcome.step);
         if !outcome.finished.is_empty() {
-            self.prepared.do_send(Release {
-                node: outcome.node.clone(),
-                rids: outcome.finished.clone(),
-            });
+            self.release_inputs(&outcome.node, outcome.finished.clone());
         }
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(outcome);
@@ -587,13 +444,11 @@ impl Scheduler {
         self.publish_queue(&outcome.node);
     }
 
-    /// Applies `next`'s row changes in order and stops at the first refused one; answers the
-    /// inputs of the prompts admitted (their rows are queued; PreparedInputs is to hold them
-    /// before the next cut) and the refusal, if any.
-    fn apply_changes(&mut self, next: NextStep) -> (Vec<Insert>, Result<(), ChunkingError>) {
+    /// Applies `next`'s row changes in order and stops at the first refused one, which it
+    /// answers.
+    fn apply_changes(&mut self, next: NextStep) -> Result<(), ChunkingError> {
         let NextStep { node, changes, .. } = next;
         let mut forgot = false;
-        let mut inserts = Vec::new();
         let mut result = Ok(());
         let any = !changes.is_empty();
         for change in changes {
@@ -605,7 +460,7 @@ impl Scheduler {
                 RowChange::Forget(rid) => {
                     self.spans.forgotten(rid);
                     self.state.forget(rid);
-                    self.prepared.do_send(ForgetInputs(rid));
+                    self.forget_inputs(rid);
                     forgot = true;
                     Ok(())
                 }
@@ -622,17 +477,7 @@ impl Scheduler {
                     walk,
                     input,
                     cached,
-                } => input
-                    .measure(rid, &node)
-                    .and_then(|total| self.state.admit(rid, &node, &walk, total, cached))
-                    .map(|()| {
-                        self.spans.admitted(rid, &node, &walk);
-                        inserts.push(Insert {
-                            rid,
-                            node: node.clone(),
-                            input,
-                        })
-                    }),
+                } => self.admit_input(rid, &node, &walk, input, cached),
             };
             if result.is_err() {
                 break;
@@ -643,7 +488,7 @@ impl Scheduler {
         } else if any {
             self.publish_queue(&node);
         }
-        (inserts, result)
+        result
     }
 }
 
@@ -665,10 +510,9 @@ pub(crate) struct CompleteAndAssemble {
 }
 
 impl Handler<CompleteAndAssemble> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<Completed, ChunkingError>>;
+    type Result = Result<Completed, ChunkingError>;
 
     fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
-        let ready = |r| -> Self::Result { Box::pin(fut::ready(r)) };
         let CompleteAndAssemble {
             step,
             ran,
@@ -676,37 +520,33 @@ impl Handler<CompleteAndAssemble> for Scheduler {
             next,
         } = m;
         let (node, walk) = (next.node.clone(), next.walk.clone());
-        let (outcome, inserts, refused) = match self.completed.get(&*node) {
+        let (outcome, refused) = match self.completed.get(&*node) {
             Some(last) if last.step == step => {
                 let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
                 if last.ran != ran || !same_ms {
-                    return ready(Err(ChunkingError::CompletedDifferently { step }));
+                    return Err(ChunkingError::CompletedDifferently { step });
                 }
-                (last.outcome.clone(), Vec::new(), last.refused.clone())
+                (last.outcome.clone(), last.refused.clone())
             }
             _ => {
                 // The step must be of the node named for the next one, and the next step's walk
                 // one the node serves: checked before anything changes.
                 if self.state.node_of_step(step) != Some(&node) {
-                    return ready(Err(ChunkingError::UnknownStep { step }));
+                    return Err(ChunkingError::UnknownStep { step });
                 }
                 if let Some(snap) = self.state.snapshot() {
                     if snap.step_params(&node, &walk).is_none() {
-                        return ready(Err(ChunkingError::UnknownWalk { node, walk }));
+                        return Err(ChunkingError::UnknownWalk { node, walk });
                     }
                 }
                 let span = self.spans.step(step);
                 let _step = span.enter();
-                let outcome = match self.state.complete(step, &ran, measured_ms) {
-                    Ok(o) => o,
-                    Err(e) => {
-                        completion_refused(&e);
-                        return ready(Err(e));
-                    }
-                };
+                let outcome = self
+                    .state
+                    .complete(step, &ran, measured_ms)
+                    .inspect_err(completion_refused)?;
                 self.completed_step(&outcome, &span);
-                let (inserts, changed) = self.apply_changes(next);
-                let refused = changed.err();
+                let refused = self.apply_changes(next).err();
                 if let Some(e) = &refused {
                     tracing::debug!(error = %e, "row change refused after the step");
                 }
@@ -718,23 +558,14 @@ impl Handler<CompleteAndAssemble> for Scheduler {
                     refused: refused.clone(),
                 };
                 self.completed.insert(outcome.node.clone(), last);
-                (outcome, inserts, refused)
+                (outcome, refused)
             }
         };
-        if let Some(e) = refused {
-            // The rows admitted before the refused change are queued: their inputs are held.
-            for insert in inserts {
-                self.prepared.do_send(insert);
-            }
-            return ready(Ok(Completed {
-                outcome,
-                next: Err(e),
-            }));
-        }
-        Box::pin(
-            self.assemble_admitting(&node, &walk, inserts)
-                .map(move |next, _, _| Ok(Completed { outcome, next })),
-        )
+        let next = match refused {
+            Some(e) => Err(e),
+            None => self.assemble(&node, &walk),
+        };
+        Ok(Completed { outcome, next })
     }
 }
 
@@ -759,7 +590,7 @@ impl Handler<BeginDrain> for Scheduler {
 }
 
 /// Ends a drain (`ChunkingManagement::drain`): abandons the steps still in flight, drops every
-/// row and has PreparedInputs drop every input; answers what was dropped.
+/// row and every handle, and has PreparedInputs drop every input; answers what was dropped.
 #[derive(Message)]
 #[rtype(result = "Result<DrainReport, ChunkingError>")]
 pub(crate) struct Drain;
@@ -781,7 +612,7 @@ pub struct DrainReport {
 }
 
 impl Handler<Drain> for Scheduler {
-    type Result = ResponseActFuture<Self, Result<DrainReport, ChunkingError>>;
+    type Result = Result<DrainReport, ChunkingError>;
 
     fn handle(&mut self, _: Drain, _: &mut Self::Context) -> Self::Result {
         self.draining = true;
@@ -789,22 +620,18 @@ impl Handler<Drain> for Scheduler {
         self.spans = Spans::new(self.instance.model_name().clone());
         self.completed.clear();
         self.publish_all_queues();
-        let release = self.prepared.send(Guarded(ReleaseAll));
-        Box::pin(release.into_actor(self).map(move |answer, _, _| {
-            let (prepared_inputs, prepared_tokens) =
-                answer.map_err(|_| ChunkingError::ActorStopped {
-                    actor: "PreparedInputs",
-                })??;
-            let report = DrainReport {
-                steps_abandoned: drained.steps,
-                requests: drained.requests,
-                rows: drained.rows,
-                prepared_inputs,
-                prepared_tokens,
-            };
-            tracing::info!(?report, "drained");
-            Ok(report)
-        }))
+        // The handles mirror PreparedInputs' store: what they held is what it drops.
+        let (prepared_inputs, prepared_tokens) = self.inputs.clear();
+        self.prepared.do_send(ReleaseAll);
+        let report = DrainReport {
+            steps_abandoned: drained.steps,
+            requests: drained.requests,
+            rows: drained.rows,
+            prepared_inputs,
+            prepared_tokens,
+        };
+        tracing::info!(?report, "drained");
+        Ok(report)
     }
 }
 
@@ -850,6 +677,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::actors::prepared_inputs::PreparedTotals;
+    use crate::actors::Guarded;
     use crate::budget::BudgetTable;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::prepared::PreparedInput;
@@ -885,6 +714,30 @@ mod tests {
         })
     }
 
+    /// Drops the Scheduler's handle on the input of `(rid, llm)` behind its back: the two stores
+    /// disagree, which nothing but this test does.
+    struct LoseHandle(u64);
+
+    impl Message for LoseHandle {
+        type Result = ();
+    }
+
+    impl Handler<LoseHandle> for Scheduler {
+        type Result = ();
+
+        fn handle(&mut self, m: LoseHandle, _: &mut Self::Context) {
+            assert!(self.inputs.release(m.0, "llm"));
+        }
+    }
+
+    async fn totals(prepared: &Addr<PreparedInputs>) -> (usize, u64) {
+        prepared
+            .send(Guarded(PreparedTotals))
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
     #[actix::test]
     async fn a_chunk_without_input_abandons_its_step_and_the_next_one_runs() {
         let (scheduler, prepared) = start().await;
@@ -892,12 +745,8 @@ mod tests {
             let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
             scheduler.send(admit(rid, input)).await.unwrap().unwrap();
         }
-        // rid 1's input goes missing behind the Scheduler's back.
-        prepared
-            .send(Guarded(ForgetInputs(1)))
-            .await
-            .unwrap()
-            .unwrap();
+        assert_eq!(totals(&prepared).await, (2, 20));
+        scheduler.send(LoseHandle(1)).await.unwrap();
         let assemble = || {
             Guarded(Assemble {
                 node: "llm".into(),
@@ -910,25 +759,32 @@ mod tests {
             matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
             "{err}"
         );
+        // The row is dropped, and PreparedInputs releases its input.
+        assert_eq!(totals(&prepared).await, (1, 10));
         let batch = scheduler.send(assemble()).await.unwrap().unwrap();
         assert_eq!(batch.rows.len(), 1);
         assert_eq!(batch.rows[0].rid, 2);
         let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
         assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((stats.prefill_rows, stats.steps_in_flight), (1, 1));
     }
 
     #[actix::test]
-    async fn an_input_prepared_inputs_refuses_leaves_no_row_queued() {
+    async fn a_refused_admission_queues_and_holds_nothing() {
         let (scheduler, prepared) = start().await;
         let input = PreparedInput::tokens(vec![1, 2, 3]);
-        let insert = Insert {
-            rid: 3,
-            node: "llm".into(),
-            input: input.clone(),
-        };
-        prepared.send(Guarded(insert)).await.unwrap().unwrap();
-        let err = scheduler
+        scheduler
             .send(admit(3, input.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        let err = scheduler
+            .send(admit(3, PreparedInput::tokens(vec![9; 5])))
             .await
             .unwrap()
             .unwrap_err();
@@ -936,18 +792,31 @@ mod tests {
             matches!(err, ChunkingError::AlreadyQueued { rid: 3, .. }),
             "{err}"
         );
-        let stats = scheduler
-            .send(Guarded(SchedulerStats))
+        let err = scheduler
+            .send(admit(4, PreparedInput::tokens(Vec::new())))
             .await
             .unwrap()
-            .unwrap();
-        assert_eq!(stats.prefill_rows, 0);
-        scheduler.send(admit(4, input)).await.unwrap().unwrap();
+            .unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::EmptyInput { rid: 4, .. }),
+            "{err}"
+        );
         let stats = scheduler
             .send(Guarded(SchedulerStats))
             .await
             .unwrap()
             .unwrap();
         assert_eq!(stats.prefill_rows, 1);
+        assert_eq!(totals(&prepared).await, (1, 3), "only the first input is held");
+        // The first input is the one cut.
+        let batch = scheduler
+            .send(Guarded(Assemble {
+                node: "llm".into(),
+                walk: "prefill".into(),
+            }))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(batch.rows[0].input.as_ref().unwrap().token_ids(), &[1, 2, 3]);
     }
 }
