@@ -807,7 +807,11 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(stats.prefill_rows, 1);
-        assert_eq!(totals(&prepared).await, (1, 3), "only the first input is held");
+        assert_eq!(
+            totals(&prepared).await,
+            (1, 3),
+            "only the first input is held"
+        );
         // The first input is the one cut.
         let batch = scheduler
             .send(Guarded(Assemble {
@@ -817,6 +821,9 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(batch.rows[0].input.as_ref().unwrap().token_ids(), &[1, 2, 3]);
+        assert_eq!(
+            batch.rows[0].input.as_ref().unwrap().token_ids(),
+            &[1, 2, 3]
+        );
     }
 }
