@@ -85,11 +85,18 @@ impl StepTokens {
     /// Counts one row: `ran` the tokens it actually ran, `continue_estimate` its estimate when
     /// it is a continuing row.
     pub(crate) fn add_row(&mut self, continue_estimate: Option<u32>, ran: u32) {
-        self.ran += u64::from(ran);
-        if let Some(estimate) = continue_estimate {
-            self.continue_estimate += u64::from(estimate);
-            self.continue_ran += u64::from(ran);
+        match continue_estimate {
+            Some(estimate) => self.add_continuing(u64::from(estimate), u64::from(ran)),
+            None => self.ran += u64::from(ran),
         }
+    }
+
+    /// Counts continuing rows whose estimates add up to `estimate` and which ran `ran` tokens
+    /// in all: as many [`StepTokens::add_row`]s of theirs.
+    pub(crate) fn add_continuing(&mut self, estimate: u64, ran: u64) {
+        self.ran += ran;
+        self.continue_estimate += estimate;
+        self.continue_ran += ran;
     }
 }
 

@@ -171,6 +171,8 @@ pub struct PlannedRow {
 pub struct StepPlan {
     /// The rows, continuing rows first.
     pub rows: Vec<PlannedRow>,
+    /// How many of `rows` are continuing rows: they come first, the chunks after them.
+    pub continuing: usize,
     /// Sum of the rows' tokens.
     pub scheduled_tokens: u64,
     /// Sum of the continuing rows' estimates.
@@ -198,6 +200,7 @@ impl StepPlan {
     /// Empties the plan, keeping its capacity.
     pub fn clear(&mut self) {
         self.rows.clear();
+        self.continuing = 0;
         self.scheduled_tokens = 0;
         self.continue_estimate = 0;
         self.waiting = 0;
@@ -222,6 +225,9 @@ impl StepPlan {
         self.scheduled_tokens += tokens;
         match work {
             RowWork::Continue { estimate } => {
+                // Every planner pushes the continuing rows before any chunk.
+                debug_assert_eq!(self.continuing, self.rows.len(), "a continuing row after a chunk");
+                self.continuing += 1;
                 self.continue_estimate += tokens;
                 self.features.add_continuing(estimate, context);
             }
@@ -325,6 +331,30 @@ fn plan_timed_with(
     plan_prefill(params, prefill, &mut room, out, shortcut);
 }
 
+/// [`StepParams::walk_index`] that keeps its last answer: a queue's consecutive rows mostly
+/// share one interned walk, so a run of them is looked up once.
+struct WalkIndex<'a> {
+    params: &'a StepParams,
+    last: Option<(&'a Name, Option<usize>)>,
+}
+
+impl<'a> WalkIndex<'a> {
+    fn new(params: &'a StepParams) -> Self {
+        Self { params, last: None }
+    }
+
+    fn of(&mut self, walk: &'a Name) -> Option<usize> {
+        match self.last {
+            Some((last, index)) if Arc::ptr_eq(last, walk) => index,
+            _ => {
+                let index = self.params.walk_index(walk);
+                self.last = Some((walk, index));
+                index
+            }
+        }
+    }
+}
+
 /// What is left of a step's budget and of each member walk's cap.
 struct Room<'a> {
     params: &'a StepParams,
@@ -334,6 +364,8 @@ struct Room<'a> {
     /// combined walk has, so a step allocates nothing (`Vec::new` does not allocate).
     cap_used_inline: [u64; 8],
     cap_used_heap: Vec<u64>,
+    /// Whether the step has caps at all (most have none): read once, not per row.
+    capped: bool,
 }
 
 impl<'a> Room<'a> {
@@ -345,6 +377,7 @@ impl<'a> Room<'a> {
             used: 0,
             cap_used_inline: [0; 8],
             cap_used_heap: if caps > 8 { vec![0; caps] } else { Vec::new() },
+            capped: caps > 0,
         }
     }
 
@@ -368,7 +401,7 @@ impl<'a> Room<'a> {
 
     /// The cap index of an eligible walk (by its index in `params.eligible`).
     fn cap_of(&self, walk: usize) -> Option<usize> {
-        if self.params.caps.is_empty() {
+        if !self.capped {
             return None;
         }
         self.params.cap_index(&self.params.eligible[walk])
@@ -406,9 +439,8 @@ fn plan_continuing(
     room: &mut Room<'_>,
     out: &mut StepPlan,
 ) -> Continuing {
-    let mut eligible = cont
-        .iter()
-        .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
+    let mut walks = WalkIndex::new(params);
+    let mut eligible = cont.iter().filter_map(|r| Some((r, walks.of(&r.walk)?)));
     for (r, walk) in eligible.by_ref() {
         let est = u64::from(r.estimate);
         if est <= room.left(walk) {
@@ -449,11 +481,12 @@ fn plan_prefill(
         shortcut,
         ..TimeFull::default()
     };
+    let mut walks = WalkIndex::new(params);
     for mid in [true, false] {
         let group = prefill
             .iter()
             .filter(|p| p.started == mid)
-            .filter_map(|r| Some((r, params.walk_index(&r.walk)?)));
+            .filter_map(|r| Some((r, walks.of(&r.walk)?)));
         for (r, walk) in group {
             if time_full.full {
                 // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
@@ -672,15 +705,16 @@ fn plan_unbudgeted(
     prefill: &[PrefillRow],
     out: &mut StepPlan,
 ) {
+    let mut walks = WalkIndex::new(params);
     for r in cont {
-        let Some(walk) = params.walk_index(&r.walk) else {
+        let Some(walk) = walks.of(&r.walk) else {
             continue;
         };
         out.push_continuing(r, walk);
     }
     for mid in [true, false] {
         for r in prefill.iter().filter(|p| p.started == mid) {
-            let Some(walk) = params.walk_index(&r.walk) else {
+            let Some(walk) = walks.of(&r.walk) else {
                 continue;
             };
             out.push_chunk(r, walk, r.total);

@@ -711,20 +711,24 @@ impl SchedulerState {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);
-        let tokens = StepTokens::of_step(
+        // The continuing rows come first (`StepPlan::continuing`): they are counted in one sum
+        // and only the chunks are visited one by one.
+        let (cont_rows, chunk_rows) = f.plan.rows.split_at(f.plan.continuing);
+        let (cont_ran, chunk_ran) = ran.split_at(f.plan.continuing);
+        let mut tokens = StepTokens::planned(
             f.params.budget,
             f.plan.scheduled_tokens,
             f.plan.uncut_over_budget,
-            f.plan
-                .rows
-                .iter()
-                .map(|row| row.work.continue_estimate())
-                .zip(ran.iter().copied()),
+        );
+        tokens.add_continuing(
+            f.plan.continue_estimate,
+            cont_ran.iter().map(|&r| u64::from(r)).sum(),
         );
         let mut finished = Vec::new();
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
-        for (row, &r) in f.plan.rows.iter().zip(ran) {
+        for (row, &r) in chunk_rows.iter().zip(chunk_ran) {
+            tokens.add_row(None, r);
             match row.work {
                 RowWork::Continue { .. } => continue,
                 RowWork::Chunk { .. } if r == 0 => {
@@ -749,7 +753,7 @@ impl SchedulerState {
         let reads_contexts =
             f.params.learn_cost || f.params.cost.is_some_and(|m| m.per_kv_token_ms() > 0.0);
         if let Some(q) = queues.filter(|_| reads_contexts) {
-            q.grow_contexts(&f.plan.rows, ran);
+            q.grow_contexts(cont_rows, cont_ran);
         }
         let overrun = classify(&tokens).map(|(budget, reason)| Overrun {
             node: f.params.node.clone(),
@@ -873,7 +877,9 @@ fn check_ran(step: u64, plan: &StepPlan, ran: &[u32]) -> Result<(), ChunkingErro
             got: ran.len(),
         });
     }
-    let partial = plan.rows.iter().zip(ran).find(
+    // Only chunks are checked: a continuing row may run any count (overrun accounting).
+    let chunks = plan.rows[plan.continuing..].iter();
+    let partial = chunks.zip(&ran[plan.continuing..]).find(
         |(row, &r)| matches!(row.work, RowWork::Chunk { range, .. } if r != 0 && r != range.tokens()),
     );
     match partial {
