@@ -226,7 +226,11 @@ impl StepPlan {
         match work {
             RowWork::Continue { estimate } => {
                 // Every planner pushes the continuing rows before any chunk.
-                debug_assert_eq!(self.continuing, self.rows.len(), "a continuing row after a chunk");
+                debug_assert_eq!(
+                    self.continuing,
+                    self.rows.len(),
+                    "a continuing row after a chunk"
+                );
                 self.continuing += 1;
                 self.continue_estimate += tokens;
                 self.features.add_continuing(estimate, context);

@@ -147,7 +147,11 @@ pub(crate) enum RowChange {
 
 impl NextStep {
     /// The next step is of `node`/`walk`, with no row changes.
-    pub fn new(node: &str, walk: &str) -> Self {
+    ///
+    /// Every name here is taken as a [`Name`] or anything that converts into one (`&str`
+    /// allocates a new one per call; an engine that keeps its names as `Name`s passes clones,
+    /// which allocate nothing).
+    pub fn new(node: impl Into<Name>, walk: impl Into<Name>) -> Self {
         Self {
             node: node.into(),
             walk: walk.into(),
@@ -175,7 +179,7 @@ impl NextStep {
     /// Queues a continuing row of `rid` on the next step's node before it is planned, as
     /// `continue_row(rid, node, walk, estimate)` does.
     #[must_use]
-    pub fn continue_row(mut self, rid: u64, walk: &str, estimate: u32) -> Self {
+    pub fn continue_row(mut self, rid: u64, walk: impl Into<Name>, estimate: u32) -> Self {
         self.changes.push(RowChange::Continue {
             rid,
             walk: walk.into(),
@@ -188,7 +192,13 @@ impl NextStep {
     /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
     /// is cut.
     #[must_use]
-    pub fn admit(mut self, rid: u64, walk: &str, input: PreparedInput, cached: u32) -> Self {
+    pub fn admit(
+        mut self,
+        rid: u64,
+        walk: impl Into<Name>,
+        input: PreparedInput,
+        cached: u32,
+    ) -> Self {
         self.changes.push(RowChange::Admit {
             rid,
             walk: walk.into(),
@@ -724,7 +734,11 @@ impl SchedulerState {
             f.plan.continue_estimate,
             cont_ran.iter().map(|&r| u64::from(r)).sum(),
         );
-        let mut finished = Vec::new();
+        let finals = chunk_rows
+            .iter()
+            .filter(|row| matches!(row.work, RowWork::Chunk { range, .. } if range.is_final()))
+            .count();
+        let mut finished = Vec::with_capacity(finals);
         let (mut chunks, mut final_chunks, mut unrun_chunks) = (0, 0, 0);
         let mut queues = self.nodes.get_mut(&node);
         for (row, &r) in chunk_rows.iter().zip(chunk_ran) {

@@ -176,6 +176,8 @@ pub struct Engine {
     pending: Option<Arc<Batch>>,
     /// The next step's node and walk, built once.
     next: NextStep,
+    /// The prompts' walk, kept as a `Name` as an engine keeps its names.
+    prefill: Name,
 }
 
 impl Engine {
@@ -207,6 +209,7 @@ impl Engine {
             finished: 0,
             pending: None,
             next: NextStep::new(NODE, STEP_WALK),
+            prefill: n("prefill"),
         };
         for _ in 0..w.prompts {
             engine.admit().await;
@@ -265,7 +268,7 @@ impl Engine {
         let mut next = self.next.clone();
         for r in &batch.rows {
             if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
-                next = next.admit(self.next_rid, "prefill", self.prompt.clone(), 0);
+                next = next.admit(self.next_rid, self.prefill.clone(), self.prompt.clone(), 0);
                 self.next_rid += 1;
             }
         }

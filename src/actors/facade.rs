@@ -701,7 +701,10 @@ impl ChunkingManagement {
             measured_ms,
             next,
         };
-        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
+        // Boxed through the actor's answer: a `Completed` is a few hundred bytes.
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg)
+            .await
+            .map(|done| *done)
     }
 
     /// Abandons the step in flight `step`: it ran nothing. Step ids are unique within the

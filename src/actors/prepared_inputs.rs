@@ -20,6 +20,8 @@ pub(crate) struct PreparedInputs {
     /// The prepared-input gauges per node, resolved on the node's first change, so that holding
     /// and releasing inputs (every step) builds no metric labels.
     gauges: FxHashMap<Name, (Gauge, Gauge)>,
+    /// The nodes an [`Apply`] changed, kept to reuse its allocation.
+    touched: Vec<Name>,
 }
 
 impl PreparedInputs {
@@ -29,6 +31,7 @@ impl PreparedInputs {
             store: PreparedStore::default(),
             instance,
             gauges: FxHashMap::default(),
+            touched: Vec::new(),
         };
         for node in nodes {
             this.publish(node);
@@ -56,72 +59,67 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [
-        Insert,
-        ForgetInputs,
-        GetPrepared,
-        PreparedTotals,
-        ReleaseAll
-    ]
+    [GetPrepared, PreparedTotals, ReleaseAll]
 );
 
-/// Holds a row's whole input; answers its measured length. The Scheduler sends it without
-/// waiting, having queued the row and measured the input: a refusal here (an input already
-/// held for `(rid, node)`, which the Scheduler's own check rules out) is logged.
-#[derive(Message)]
-#[rtype(result = "Result<u32, ChunkingError>")]
-pub(crate) struct Insert {
-    pub(crate) rid: u64,
-    pub(crate) node: Name,
-    pub(crate) input: PreparedInput,
+/// One change to the inputs held, as the Scheduler made it to its own handles.
+#[derive(Debug)]
+pub(crate) enum InputChange {
+    /// Hold a prompt's whole input (admitted, its row queued, the input measured).
+    Hold {
+        rid: u64,
+        node: Name,
+        input: PreparedInput,
+    },
+    /// Drop the input of `(rid, node)`: its final chunk completed, or its row was dropped.
+    Release { rid: u64, node: Name },
+    /// Drop every node's input of a request (it ended).
+    Forget(u64),
 }
 
-impl Handler<Insert> for PreparedInputs {
-    type Result = Result<u32, ChunkingError>;
-
-    fn handle(&mut self, msg: Insert, _: &mut Self::Context) -> Self::Result {
-        let total = self
-            .store
-            .insert(msg.rid, &msg.node, msg.input)
-            .inspect_err(|e| tracing::error!(error = %e, "prepared input refused"))?;
-        self.publish(&msg.node);
-        Ok(total)
-    }
-}
-
-/// Drops the inputs of rows whose final chunk completed (sent by the Scheduler).
+/// The changes one Scheduler message made to its handles, in order: sent once per message
+/// without waiting, so PreparedInputs changes exactly as the handles did, and before it handles
+/// anything the caller asks after the Scheduler's answer (mailboxes are first in, first out).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct Release {
-    pub(crate) node: Name,
-    pub(crate) rids: Vec<u64>,
-}
+pub(crate) struct Apply(pub(crate) Vec<InputChange>);
 
-impl Handler<Release> for PreparedInputs {
+impl Handler<Apply> for PreparedInputs {
     type Result = ();
 
-    fn handle(&mut self, msg: Release, _: &mut Self::Context) {
-        for rid in msg.rids {
-            self.store.release(rid, &msg.node);
+    fn handle(&mut self, msg: Apply, _: &mut Self::Context) {
+        let mut touched = std::mem::take(&mut self.touched);
+        let mut touch = |node: &Name| {
+            if !touched.contains(node) {
+                touched.push(node.clone());
+            }
+        };
+        for change in msg.0 {
+            match change {
+                InputChange::Hold { rid, node, input } => {
+                    // The Scheduler holds no second row of `(rid, node)`: a refusal here means
+                    // the two stores disagree.
+                    if let Err(e) = self.store.insert(rid, &node, input) {
+                        tracing::error!(error = %e, "prepared input refused");
+                    }
+                    touch(&node);
+                }
+                InputChange::Release { rid, node } => {
+                    self.store.release(rid, &node);
+                    touch(&node);
+                }
+                InputChange::Forget(rid) => {
+                    for node in self.store.forget(rid) {
+                        touch(&node);
+                    }
+                }
+            }
         }
-        self.publish(&msg.node);
-    }
-}
-
-/// Drops every node's input of a request; answers how many were held.
-#[derive(Message)]
-#[rtype(result = "Result<usize, ChunkingError>")]
-pub(crate) struct ForgetInputs(pub(crate) u64);
-
-impl Handler<ForgetInputs> for PreparedInputs {
-    type Result = Result<usize, ChunkingError>;
-
-    fn handle(&mut self, msg: ForgetInputs, _: &mut Self::Context) -> Self::Result {
-        let nodes = self.store.forget(msg.0);
-        for n in &nodes {
-            self.publish(n);
+        for node in &touched {
+            self.publish(node);
         }
-        Ok(nodes.len())
+        touched.clear();
+        self.touched = touched;
     }
 }
 

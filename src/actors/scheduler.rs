@@ -11,7 +11,7 @@ use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{ForgetInputs, Insert, PreparedInputs, Release, ReleaseAll};
+use super::prepared_inputs::{Apply, InputChange, PreparedInputs, ReleaseAll};
 use super::spans::Spans;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
@@ -29,6 +29,9 @@ pub(crate) struct Scheduler {
     /// chunks from without a message: it changes exactly as PreparedInputs' store does, which
     /// it is sent every change to (`docs/actors.md#prepared-inputs`).
     inputs: PreparedStore,
+    /// The changes made to `inputs` while handling the current message, sent to PreparedInputs
+    /// as one [`Apply`] when it is handled ([`Scheduler::send_input_changes`]).
+    input_changes: Vec<InputChange>,
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     instance: Instance,
@@ -65,6 +68,7 @@ impl Scheduler {
         Self {
             state: SchedulerState::default(),
             inputs: PreparedStore::default(),
+            input_changes: Vec::new(),
             prepared,
             overruns,
             metrics: FxHashMap::default(),
@@ -172,7 +176,9 @@ impl Handler<AdmitPrepared> for Scheduler {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
-        self.admit_input(m.rid, &m.node, &m.walk, m.input, m.cached)?;
+        let admitted = self.admit_input(m.rid, &m.node, &m.walk, m.input, m.cached);
+        self.send_input_changes();
+        admitted?;
         self.publish_queue(&m.node);
         Ok(())
     }
@@ -197,7 +203,7 @@ impl Scheduler {
             self.state.forget_at(rid, node);
             return Err(e);
         }
-        self.prepared.do_send(Insert {
+        self.input_changes.push(InputChange::Hold {
             rid,
             node: node.clone(),
             input,
@@ -207,20 +213,32 @@ impl Scheduler {
     }
 
     /// Drops the handles of `rids` at `node` and has PreparedInputs release their inputs.
-    fn release_inputs(&mut self, node: &Name, rids: Vec<u64>) {
-        for &rid in &rids {
+    fn release_inputs(&mut self, node: &Name, rids: &[u64]) {
+        for &rid in rids {
             self.inputs.release(rid, node);
+            self.input_changes.push(InputChange::Release {
+                rid,
+                node: node.clone(),
+            });
         }
-        self.prepared.do_send(Release {
-            node: node.clone(),
-            rids,
-        });
     }
 
     /// Drops every node's handle of `rid` and has PreparedInputs drop its inputs.
     fn forget_inputs(&mut self, rid: u64) {
         self.inputs.forget(rid);
-        self.prepared.do_send(ForgetInputs(rid));
+        self.input_changes.push(InputChange::Forget(rid));
+    }
+
+    /// Sends PreparedInputs the changes the message being handled made to the handles, if any:
+    /// the last thing every handler that changes them does, so PreparedInputs has them before
+    /// the caller can ask it anything after the answer.
+    fn send_input_changes(&mut self) {
+        if !self.input_changes.is_empty() {
+            // The next message's changes start with room for as many.
+            let room = Vec::with_capacity(self.input_changes.len());
+            let changes = std::mem::replace(&mut self.input_changes, room);
+            self.prepared.do_send(Apply(changes));
+        }
     }
 }
 
@@ -264,6 +282,7 @@ impl Handler<ForgetRequest> for Scheduler {
         self.spans.forgotten(m.0);
         self.state.forget(m.0);
         self.forget_inputs(m.0);
+        self.send_input_changes();
         self.publish_all_queues();
         Ok(())
     }
@@ -282,7 +301,8 @@ impl Handler<ForgetRow> for Scheduler {
 
     fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> Self::Result {
         let had_prefill = self.state.forget_at(m.rid, &m.node);
-        self.release_inputs(&m.node, vec![m.rid]);
+        self.release_inputs(&m.node, &[m.rid]);
+        self.send_input_changes();
         self.publish_queue(&m.node);
         Ok(had_prefill)
     }
@@ -305,7 +325,9 @@ impl Handler<Assemble> for Scheduler {
     type Result = Result<Arc<Batch>, ChunkingError>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
-        self.assemble(&m.node, &m.walk)
+        let batch = self.assemble(&m.node, &m.walk);
+        self.send_input_changes();
+        batch
     }
 }
 
@@ -329,7 +351,7 @@ impl Scheduler {
         if let Some(&rid) = missing.first() {
             let (step, node) = (batch.step, batch.node.clone());
             self.state.abandon(step, &missing)?;
-            self.release_inputs(&node, missing);
+            self.release_inputs(&node, &missing);
             self.publish_queue(&node);
             let e = ChunkingError::MissingPreparedInput { rid, node };
             self.abandoned_by(step, &e);
@@ -388,6 +410,8 @@ impl Handler<Complete> for Scheduler {
             .complete(m.step, &m.ran, m.measured_ms)
             .inspect_err(completion_refused)?;
         self.completed_step(&outcome, &span);
+        self.send_input_changes();
+        self.publish_queue(&outcome.node);
         Ok(outcome)
     }
 }
@@ -415,7 +439,7 @@ impl Scheduler {
     }
 
     /// What follows a completed step: overruns recorded (in the step's `span`), finished
-    /// inputs released, metrics.
+    /// inputs released, metrics (the caller sets the queue gauges).
     fn completed_step(&mut self, outcome: &StepOutcome, span: &tracing::Span) {
         tracing::debug!(
             ran_tokens = outcome.tokens.ran,
@@ -431,7 +455,7 @@ impl Scheduler {
         }
         self.spans.ended(outcome.step);
         if !outcome.finished.is_empty() {
-            self.release_inputs(&outcome.node, outcome.finished.clone());
+            self.release_inputs(&outcome.node, &outcome.finished);
         }
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(outcome);
@@ -441,16 +465,14 @@ impl Scheduler {
         {
             gauges.set_margin(margin);
         }
-        self.publish_queue(&outcome.node);
     }
 
     /// Applies `next`'s row changes in order and stops at the first refused one, which it
-    /// answers.
+    /// answers; then sets the queue gauges (once for the step completed before, too).
     fn apply_changes(&mut self, next: NextStep) -> Result<(), ChunkingError> {
         let NextStep { node, changes, .. } = next;
         let mut forgot = false;
         let mut result = Ok(());
-        let any = !changes.is_empty();
         for change in changes {
             if self.draining && !matches!(change, RowChange::Forget(_)) {
                 result = Err(ChunkingError::Draining);
@@ -485,7 +507,7 @@ impl Scheduler {
         }
         if forgot {
             self.publish_all_queues();
-        } else if any {
+        } else {
             self.publish_queue(&node);
         }
         result
@@ -501,7 +523,7 @@ impl Scheduler {
 /// step as `assemble` answers it then (the same batch while that step is in flight). A repeat
 /// with other `ran` counts or another measured time is refused.
 #[derive(Message)]
-#[rtype(result = "Result<Completed, ChunkingError>")]
+#[rtype(result = "Result<Box<Completed>, ChunkingError>")]
 pub(crate) struct CompleteAndAssemble {
     pub(crate) step: u64,
     pub(crate) ran: Vec<u32>,
@@ -510,9 +532,21 @@ pub(crate) struct CompleteAndAssemble {
 }
 
 impl Handler<CompleteAndAssemble> for Scheduler {
-    type Result = Result<Completed, ChunkingError>;
+    type Result = Result<Box<Completed>, ChunkingError>;
 
     fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
+        let done = self.complete_and_assemble(m);
+        self.send_input_changes();
+        done.map(Box::new)
+    }
+}
+
+impl Scheduler {
+    /// [`CompleteAndAssemble`].
+    fn complete_and_assemble(
+        &mut self,
+        m: CompleteAndAssemble,
+    ) -> Result<Completed, ChunkingError> {
         let CompleteAndAssemble {
             step,
             ran,
@@ -622,6 +656,7 @@ impl Handler<Drain> for Scheduler {
         self.publish_all_queues();
         // The handles mirror PreparedInputs' store: what they held is what it drops.
         let (prepared_inputs, prepared_tokens) = self.inputs.clear();
+        self.input_changes.clear();
         self.prepared.do_send(ReleaseAll);
         let report = DrainReport {
             steps_abandoned: drained.steps,
