@@ -575,7 +575,7 @@ impl Scheduler {
                 }
                 let span = self.spans.step(step);
                 let _step = span.enter();
-                let outcome = self
+                let mut outcome = self
                     .state
                     .complete(step, &ran, measured_ms)
                     .inspect_err(completion_refused)?;
@@ -584,14 +584,33 @@ impl Scheduler {
                 if let Some(e) = &refused {
                     tracing::debug!(error = %e, "row change refused after the step");
                 }
-                let last = LastCompleted {
-                    step,
-                    ran,
-                    measured_ms,
-                    outcome: outcome.clone(),
-                    refused: refused.clone(),
-                };
-                self.completed.insert(outcome.node.clone(), last);
+                match self.completed.get_mut(&outcome.node) {
+                    // Updated in place: the node's entry, and its vectors' room, are reused.
+                    Some(last) => {
+                        last.step = step;
+                        last.ran = ran;
+                        last.measured_ms = measured_ms;
+                        // The outcome is cloned without its `finished`, copied into the
+                        // room of the last one's.
+                        let finished = std::mem::take(&mut outcome.finished);
+                        let mut room = std::mem::take(&mut last.outcome.finished);
+                        room.clone_from(&finished);
+                        last.outcome = outcome.clone();
+                        last.outcome.finished = room;
+                        outcome.finished = finished;
+                        last.refused.clone_from(&refused);
+                    }
+                    None => {
+                        let last = LastCompleted {
+                            step,
+                            ran,
+                            measured_ms,
+                            outcome: outcome.clone(),
+                            refused: refused.clone(),
+                        };
+                        self.completed.insert(outcome.node.clone(), last);
+                    }
+                }
                 (outcome, refused)
             }
         };
