@@ -336,7 +336,8 @@ fn plan_timed_with(
 }
 
 /// [`StepParams::walk_index`] that keeps its last answer: a queue's consecutive rows mostly
-/// share one interned walk, so a run of them is looked up once.
+/// share one interned walk, so a run of them is looked up once. Only the cost changes (without
+/// the cache every plan is the same; the instruction-count benchmarks watch the cost).
 struct WalkIndex<'a> {
     params: &'a StepParams,
     last: Option<(&'a Name, Option<usize>)>,
@@ -768,6 +769,41 @@ mod tests {
             cached: 0,
         };
         assert_eq!((chunk.continue_estimate(), chunk.tokens()), (None, 4));
+    }
+
+    #[test]
+    fn each_row_gets_its_own_walks_index_whatever_the_row_before_had() {
+        let p = params(Some(100), 1);
+        let row = |seq, walk: &str| ContRow {
+            walk: n(walk),
+            ..decode(seq, 1)
+        };
+        // Fresh names (not the snapshot's `Arc`s), so every lookup compares by name.
+        let cont = [
+            row(1, "decode"),
+            row(2, "mixed"),
+            row(3, "decode"),
+            row(4, "other"),
+            row(5, "decode"),
+            row(6, "prefill"),
+        ];
+        let mut out = StepPlan::default();
+        plan(&p, &cont, &[], &mut out);
+        let rows: Vec<(u64, usize)> = out.rows.iter().map(|r| (r.rid, r.walk)).collect();
+        assert_eq!(rows, [(1, 2), (2, 0), (3, 2), (5, 2), (6, 1)]);
+        assert_eq!((out.continuing, out.waiting), (5, 0));
+        // Rows sharing one `Arc` (as queued rows do) are looked up once, to the same index.
+        let shared = n("decode");
+        let cont: Vec<ContRow> = (1..=3)
+            .map(|seq| ContRow {
+                walk: shared.clone(),
+                ..decode(seq, 1)
+            })
+            .chain([row(4, "mixed")])
+            .collect();
+        plan(&p, &cont, &[], &mut out);
+        let walks: Vec<usize> = out.rows.iter().map(|r| r.walk).collect();
+        assert_eq!(walks, [2, 2, 2, 0]);
     }
 
     /// A `mixed` step over `prefill` and `decode` rows, chunkable, align 1.

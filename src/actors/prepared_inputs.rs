@@ -88,13 +88,20 @@ impl Handler<Apply> for PreparedInputs {
     type Result = ();
 
     fn handle(&mut self, msg: Apply, _: &mut Self::Context) {
+        self.apply(msg.0);
+    }
+}
+
+impl PreparedInputs {
+    /// [`Apply`]: makes the changes in order, then sets the gauges of every node they touched.
+    fn apply(&mut self, changes: Vec<InputChange>) {
         let mut touched = std::mem::take(&mut self.touched);
         let mut touch = |node: &Name| {
             if !touched.contains(node) {
                 touched.push(node.clone());
             }
         };
-        for change in msg.0 {
+        for change in changes {
             match change {
                 InputChange::Hold { rid, node, input } => {
                     // The Scheduler holds no second row of `(rid, node)`: a refusal here means
@@ -167,5 +174,87 @@ impl Handler<ReleaseAll> for PreparedInputs {
             self.publish(node);
         }
         Ok(dropped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+    use super::*;
+
+    /// The prepared-input gauges set since the last snapshot, per node: (rows, tokens). (A
+    /// snapshot of the debugging recorder resets every gauge to 0.)
+    fn gauges(snapshotter: &Snapshotter) -> Vec<(String, (f64, f64))> {
+        let mut found: Vec<(String, (f64, f64))> = Vec::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let Some(node) = key.key().labels().find(|l| l.key() == "node") else {
+                continue;
+            };
+            let DebugValue::Gauge(v) = value else {
+                continue;
+            };
+            let i = match found.iter().position(|(n, _)| n == node.value()) {
+                Some(i) => i,
+                None => {
+                    found.push((node.value().to_string(), (0.0, 0.0)));
+                    found.len() - 1
+                }
+            };
+            match key.key().name() {
+                n if n == crate::metrics::PREPARED_INPUTS => found[i].1 .0 = v.into_inner(),
+                n if n == crate::metrics::PREPARED_INPUT_TOKENS => found[i].1 .1 = v.into_inner(),
+                _ => {}
+            }
+        }
+        found.sort_by(|a, b| a.0.cmp(&b.0));
+        found
+    }
+
+    #[test]
+    fn apply_makes_the_changes_in_order_and_sets_every_touched_nodes_gauges() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let (a, b) = (Name::from("thinker"), Name::from("talker"));
+        let mut p = metrics::with_local_recorder(&recorder, || {
+            PreparedInputs::new(Instance::new("m".into()), &[a.clone(), b.clone()])
+        });
+        let hold = |rid, node: &Name, n| InputChange::Hold {
+            rid,
+            node: node.clone(),
+            input: PreparedInput::tokens(vec![7; n]),
+        };
+        let g = |pairs: &[(&str, (f64, f64))]| -> Vec<(String, (f64, f64))> {
+            pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect()
+        };
+        p.apply(vec![hold(1, &a, 4), hold(2, &a, 3), hold(1, &b, 5)]);
+        let want = g(&[("talker", (1.0, 5.0)), ("thinker", (2.0, 7.0))]);
+        assert_eq!(gauges(&snapshotter), want);
+        // In order: released, then held again with another input.
+        p.apply(vec![
+            InputChange::Release {
+                rid: 2,
+                node: a.clone(),
+            },
+            hold(2, &a, 9),
+        ]);
+        // Only the node touched is set again (the snapshot reset the other to 0).
+        let want = g(&[("talker", (0.0, 0.0)), ("thinker", (2.0, 13.0))]);
+        assert_eq!(gauges(&snapshotter), want);
+        p.apply(vec![hold(3, &b, 2)]);
+        let want = g(&[("talker", (2.0, 7.0)), ("thinker", (0.0, 0.0))]);
+        assert_eq!(gauges(&snapshotter), want);
+        assert_eq!(p.store.get(2, "thinker").map(PreparedInput::len), Some(9));
+        // A forget touches every node that held the request.
+        p.apply(vec![InputChange::Forget(1)]);
+        let want = g(&[("talker", (1.0, 2.0)), ("thinker", (1.0, 9.0))]);
+        assert_eq!(gauges(&snapshotter), want);
+        assert_eq!((p.store.rows(), p.store.tokens()), (2, 11));
+        // A second hold of `(rid, node)` is refused and changes nothing.
+        p.apply(vec![hold(2, &a, 1)]);
+        let want = g(&[("talker", (0.0, 0.0)), ("thinker", (1.0, 9.0))]);
+        assert_eq!(gauges(&snapshotter), want);
+        assert_eq!(p.store.get(2, "thinker").map(PreparedInput::len), Some(9));
+        assert!(p.touched.is_empty(), "kept empty between messages");
     }
 }

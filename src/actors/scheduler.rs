@@ -880,4 +880,134 @@ mod tests {
             &[1, 2, 3]
         );
     }
+
+    fn assemble_llm() -> Guarded<Assemble> {
+        Guarded(Assemble {
+            node: "llm".into(),
+            walk: "prefill".into(),
+        })
+    }
+
+    fn one_trip(
+        step: u64,
+        ran: Vec<u32>,
+        ms: Option<f64>,
+        next: NextStep,
+    ) -> Guarded<CompleteAndAssemble> {
+        Guarded(CompleteAndAssemble {
+            step,
+            ran,
+            measured_ms: ms,
+            next,
+        })
+    }
+
+    #[actix::test]
+    async fn forgetting_a_request_or_a_row_drops_its_handle_and_its_held_input() {
+        let (scheduler, prepared) = start().await;
+        for rid in [1, 2, 3] {
+            let input = PreparedInput::tokens(vec![rid as u32; 10]);
+            scheduler.send(admit(rid, input)).await.unwrap().unwrap();
+        }
+        scheduler
+            .send(Guarded(ForgetRequest(1)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(totals(&prepared).await, (2, 20));
+        let forget_row = |rid| {
+            Guarded(ForgetRow {
+                rid,
+                node: "llm".into(),
+            })
+        };
+        assert!(scheduler.send(forget_row(2)).await.unwrap().unwrap());
+        assert!(!scheduler.send(forget_row(2)).await.unwrap().unwrap());
+        assert_eq!(totals(&prepared).await, (1, 10));
+        let batch = scheduler.send(assemble_llm()).await.unwrap().unwrap();
+        let rids: Vec<u64> = batch.rows.iter().map(|r| r.rid).collect();
+        assert_eq!(rids, [3]);
+        assert_eq!(batch.rows[0].input.as_ref().unwrap().token_ids(), &[3; 8]);
+    }
+
+    #[actix::test]
+    async fn a_one_trip_step_releases_what_finished_and_cuts_what_it_admitted() {
+        let (scheduler, prepared) = start().await;
+        let input = PreparedInput::tokens(vec![1; 8]);
+        scheduler.send(admit(1, input)).await.unwrap().unwrap();
+        let step = scheduler.send(assemble_llm()).await.unwrap().unwrap().step;
+        let next = NextStep::new("llm", "prefill").admit(
+            2,
+            "prefill",
+            PreparedInput::tokens(vec![2; 5]),
+            0,
+        );
+        let done = scheduler
+            .send(one_trip(step, vec![8], Some(3.0), next.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(done.outcome.finished, [1]);
+        let batch = done.next.clone().unwrap();
+        assert_eq!(batch.rows.len(), 1);
+        assert_eq!(batch.rows[0].rid, 2);
+        assert_eq!(batch.rows[0].input.as_ref().unwrap().token_ids(), &[2; 5]);
+        assert_eq!(totals(&prepared).await, (1, 5), "1 released, 2 held");
+
+        // A repeat (the answer was lost) is answered again, changing nothing.
+        let again = scheduler
+            .send(one_trip(step, vec![8], Some(3.0), next.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.outcome, done.outcome);
+        assert_eq!(again.next.unwrap().step, batch.step);
+        assert_eq!(totals(&prepared).await, (1, 5));
+        // A repeat with other counts, or another time, is refused.
+        for (ran, ms) in [(vec![0], Some(3.0)), (vec![8], Some(4.0)), (vec![8], None)] {
+            let err = scheduler
+                .send(one_trip(step, ran, ms, next.clone()))
+                .await
+                .unwrap()
+                .unwrap_err();
+            assert!(
+                matches!(err, ChunkingError::CompletedDifferently { .. }),
+                "{err}"
+            );
+        }
+        // A step that is not in flight is unknown.
+        let err = scheduler
+            .send(one_trip(
+                batch.step + 5,
+                vec![5],
+                None,
+                NextStep::new("llm", "prefill"),
+            ))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
+    }
+
+    #[actix::test]
+    async fn a_drain_reports_and_drops_the_handles_and_the_held_inputs() {
+        let (scheduler, prepared) = start().await;
+        for rid in [1, 2] {
+            let input = PreparedInput::tokens(vec![0; 10]);
+            scheduler.send(admit(rid, input)).await.unwrap().unwrap();
+        }
+        scheduler.send(assemble_llm()).await.unwrap().unwrap();
+        let report = scheduler.send(Guarded(Drain)).await.unwrap().unwrap();
+        let want = DrainReport {
+            steps_abandoned: 1,
+            requests: 2,
+            rows: 2,
+            prepared_inputs: 2,
+            prepared_tokens: 20,
+        };
+        assert_eq!(report, want);
+        assert_eq!(totals(&prepared).await, (0, 0));
+        let again = scheduler.send(Guarded(Drain)).await.unwrap().unwrap();
+        assert_eq!(again, DrainReport::default());
+    }
 }
