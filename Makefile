@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-check-selftest soak fuzz check-core test-python test-engine serve engine-bench
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ bench-check: ## Instruction counts under Callgrind against benches/baseline/inst
 bench-baseline: ## Record benches/baseline/instructions.json from this build (commit it)
 	python3 scripts/bench_check.py baseline
 	python3 scripts/bench_check.py table
+
+bench-before: ## One round trip per step now against two on the build before it (instructions and wall time, side by side; not in CI)
+	python3 scripts/bench_before.py
 
 bench-check-selftest: ## bench-check must fail on a deliberately slowed planner (feature bench-slow-planner)
 	@if BENCH_CHECK_STRICT=1 python3 scripts/bench_check.py check --features bench-slow-planner; then \

@@ -155,9 +155,11 @@ pub enum ChunkingError {
         /// The time reported.
         ms: f64,
     },
-    /// A chunk's prepared input was gone when the step was cut (the request was forgotten
-    /// meanwhile): the step was abandoned and that row dropped; assemble again.
-    #[error("rid {rid} on `{node}` has no prepared input (forgotten while its step was assembled); the step was abandoned, assemble again")]
+    /// A chunk's prepared input was gone when the step was cut. The Scheduler drops a row's
+    /// input only with its row, so this is a guard against its stores disagreeing
+    /// (`docs/actors.md#prepared-inputs`): the step was abandoned and that row dropped;
+    /// assemble again.
+    #[error("rid {rid} on `{node}` has no prepared input to cut its chunk from; the step was abandoned and the row dropped, assemble again")]
     MissingPreparedInput {
         /// The request whose input was gone.
         rid: u64,

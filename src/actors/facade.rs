@@ -542,8 +542,8 @@ impl ChunkingManagement {
     ///
     /// # Errors
     /// Unknown node or walk, no policies bound, a step of `node` in flight under another walk,
-    /// or a prepared input forgotten meanwhile (that row is dropped and the step abandoned;
-    /// assemble again).
+    /// or (a guard that should never fire) a chunk row without its prepared input, which is
+    /// dropped with the step abandoned (`MissingPreparedInput`; assemble again).
     pub async fn assemble(&self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
         let msg = Assemble {
             node: self.node_name(node),
