@@ -772,6 +772,27 @@ mod tests {
     }
 
     #[test]
+    fn a_continuing_row_alone_over_the_budget_leaves_only_eligible_prompts_waiting() {
+        let p = params(Some(4), 1);
+        let other = PrefillRow {
+            walk: n("other"),
+            ..prompt(3, 10)
+        };
+        let mut out = StepPlan::default();
+        plan(
+            &p,
+            &[decode(1, 6)],
+            &[prompt(2, 10), other, prompt(4, 3)],
+            &mut out,
+        );
+        let rids: Vec<u64> = out.rows.iter().map(|r| r.rid).collect();
+        assert_eq!(rids, [1]);
+        assert!(out.uncut_over_budget);
+        // Rows 2 and 4 wait; row 3's walk is not one this step takes.
+        assert_eq!(out.waiting, 2);
+    }
+
+    #[test]
     fn each_row_gets_its_own_walks_index_whatever_the_row_before_had() {
         let p = params(Some(100), 1);
         let row = |seq, walk: &str| ContRow {
