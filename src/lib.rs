@@ -41,19 +41,20 @@
 //!               ├─────────────────►│ PolicyRegistry ├─────────────►│ BudgetConfig ├──────────────┐
 //!               │ SetBudgets       └────────────────┘              └──────────────┘              ▼
 //!               ├──────────────────────────────────────────────────────►            ┌───────────┐
-//!               │ Admit / Continue / Assemble / Complete / Abandon / Forget         │ Scheduler │
+//!               │ Admit / Continue / Assemble / Complete(AndAssemble) / Forget      │ Scheduler │
 //!               ├──────────────────────────────────────────────────────────────────►└─┬───────┬─┘
-//!               │ Get / Totals        ┌────────────────┐  Insert / Cut / Release /   │       │ Record
-//!               └────────────────────►│ PreparedInputs │◄─ Forget ───────────────────┘       ▼ (overruns)
+//!               │ Get / Totals        ┌────────────────┐  Apply (one-way: hold,      │       │ Record
+//!               └────────────────────►│ PreparedInputs │◄─ release, forget) ─────────┘       ▼ (overruns)
 //!                                     └────────────────┘                       ┌───────────────────┐
 //!                                                                              │ OverrunAccounting │
 //!                                                                              └───────────────────┘
 //! ```
 //!
-//! A step costs the engine one message to assemble (the Scheduler plans, then has
-//! PreparedInputs cut the chunk inputs; the batch is held until the step completes, so a
-//! repeated `assemble` answers it again) and one to complete; budgets reach the scheduler as an
-//! `Arc` snapshot, never per row. Each step is a `tracing` span from assembly to completion,
+//! A step costs the engine one message: `complete_and_assemble` completes step N and answers
+//! step N+1's batch (or `complete`, then `assemble`). The Scheduler plans the step and cuts the
+//! chunk inputs from handles it keeps on the queued prompts' inputs, which PreparedInputs owns
+//! and accounts for; the batch is held until the step completes, so a repeated `assemble`
+//! answers it again. Budgets reach the scheduler as an `Arc` snapshot, never per row. Each step is a `tracing` span from assembly to completion,
 //! and an engine shuts the component down with `begin_drain` / `drain`, which report what they
 //! dropped. See `docs/actors.md`.
 
