@@ -26,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The locked `gungraun` version, read as `make bench-check` reads it.
+from bench_check import gungraun_version
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "target" / "bench-before"
 # The last commit before `complete_and_assemble` (one round trip per step) was added.
@@ -52,14 +55,6 @@ def run(cmd: list[str], cwd: Path) -> str:
         sys.stderr.write(proc.stderr[-4000:])
         fail(f"`{' '.join(cmd)}` failed (exit {proc.returncode})")
     return proc.stdout
-
-
-def gungraun_version() -> str:
-    lock = (ROOT / "Cargo.lock").read_text(encoding="utf-8")
-    m = re.search(r'name = "gungraun"\nversion = "([^"]+)"', lock)
-    if not m:
-        fail("no `gungraun` package in Cargo.lock")
-    return m.group(1)
 
 
 def prepare(rev: str) -> Path:
