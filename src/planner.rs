@@ -1242,6 +1242,23 @@ mod tests {
     }
 
     #[test]
+    fn continuing_rows_predicted_exactly_at_the_time_budget_are_not_over_it() {
+        // 5 ms base + 0.5 ms a token (no KV or attention term): 4 decode rows are 7 ms exactly.
+        let p = StepParams {
+            max_step_ms: Some(7.0),
+            cost: Some(LatencyModel::try_new(5.0, 0.5, 0.0, 0.0).unwrap()),
+            ..params(Some(4096), 1)
+        };
+        let cont: Vec<ContRow> = (1..=4).map(|i| decode(i, 1)).collect();
+        let out = run(&p, &cont, &[]);
+        assert_eq!(predicted(&p, &out), 7.0);
+        assert_eq!(out.time_over, None);
+        let cont: Vec<ContRow> = (1..=5).map(|i| decode(i, 1)).collect();
+        let out = run(&p, &cont, &[]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Continuing));
+    }
+
+    #[test]
     fn continuing_rows_always_run_and_are_counted_when_they_alone_exceed_the_time_budget() {
         let p = timed(4096, 64, 5.5);
         let cont: Vec<ContRow> = (1..=10).map(|i| decode(i, 1)).collect();
