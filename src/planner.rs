@@ -775,6 +775,38 @@ mod tests {
     }
 
     #[test]
+    fn every_member_walk_keeps_its_own_cap_with_eight_caps_or_more() {
+        // Up to 8 caps are counted inline, more on the heap: both hold each walk to its cap.
+        for walks in [7, 8, 9, 12] {
+            let names: Vec<Name> = (0..walks).map(|i| n(&format!("w{i}"))).collect();
+            let p = StepParams {
+                caps: names
+                    .iter()
+                    .map(|w| (w.clone(), 2 + (w.len() as u32 % 2)))
+                    .collect(),
+                eligible: std::iter::once(n("mixed"))
+                    .chain(names.iter().cloned())
+                    .collect(),
+                ..params(Some(1000), 1)
+            };
+            // Two prompts of 5 tokens on each walk: the first takes its walk's cap, the second
+            // waits.
+            let prompts: Vec<PrefillRow> = (0..2 * walks as u64)
+                .map(|seq| PrefillRow {
+                    walk: names[(seq % walks as u64) as usize].clone(),
+                    ..prompt(seq, 5)
+                })
+                .collect();
+            let out = run(&p, &[], &prompts);
+            let want: Vec<(u64, u32, bool)> = (0..walks as u64)
+                .map(|seq| (seq, p.caps[seq as usize].1, false))
+                .collect();
+            assert_eq!(shape(&out), want, "{walks} walks");
+            assert_eq!(out.waiting, walks as u32, "{walks} walks");
+        }
+    }
+
+    #[test]
     fn a_continuing_row_alone_over_the_budget_leaves_only_eligible_prompts_waiting() {
         let p = params(Some(4), 1);
         let other = PrefillRow {
