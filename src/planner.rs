@@ -1428,11 +1428,52 @@ mod tests {
         assert_eq!(out.waiting, 2);
     }
 
+    /// The boundary again with the least chunk at its smallest (1 token, 1 attention pair):
+    /// after A, exactly that much time is left, so C (1 token) runs. A bound that counted more
+    /// pairs for the least chunk (`m + (m + 1) / 2` is 2 for `m` = 1) would make C wait.
+    #[test]
+    fn the_time_full_shortcut_leaves_a_one_token_row_that_fits_exactly() {
+        let model = LatencyModel::try_new(5.0, 0.5, 0.0, 0.25).unwrap();
+        // A: 23.75 ms; C: 1 token, 1 pair -> +0.75 ms = 24.5 ms.
+        let p = StepParams {
+            max_step_ms: Some(24.5),
+            cost: Some(model),
+            ..params(Some(4096), 8)
+        };
+        let rows = [prompt(1, 10), prompt(2, 100), prompt(3, 1)];
+        let out = run(&p, &[], &rows);
+        assert_eq!(shape(&out), vec![(1, 10, true), (3, 1, true)]);
+        assert_eq!(predicted(&p, &out), 24.5);
+    }
+
+    /// A row behind the first is refused at once only when even its least chunk (its
+    /// remainder, when below the floor) does not fit: a mid-prefill row with 2 tokens left
+    /// runs them in exactly the time left, although its floor (8) would not fit.
+    #[test]
+    fn a_later_row_whose_remainder_fits_exactly_is_not_refused_for_its_floor() {
+        let model = LatencyModel::try_new(5.0, 0.5, 0.0, 0.25).unwrap();
+        let a_and_c = StepFeatures::EMPTY.with_chunk(10, 20).with_chunk(10, 12);
+        let p = StepParams {
+            max_step_ms: Some(model.predict_ms(&a_and_c)),
+            cost: Some(model),
+            ..params(Some(4096), 8)
+        };
+        // All mid-prefill, planned in order: A runs its 10 tokens, B (floor 8 at 100) does not
+        // fit, C runs its last 2.
+        let rows = [mid(1, 20, 10), mid(2, 200, 100), mid(3, 12, 10)];
+        let out = run(&p, &[], &rows);
+        assert_eq!(shape(&out), vec![(1, 10, true), (3, 2, true)]);
+        assert_eq!(out.waiting, 1);
+        assert_eq!(Some(predicted(&p, &out)), p.max_step_ms);
+    }
+
     // The shortcut's other mutants are equivalent: turning it off (`shortcut: false`, `check`
-    // doing nothing, the early return always taken, a smaller least chunk, the cache of the last
-    // "not full" dropped) only plans each later row one by one, to the same plan, as
-    // `the_time_full_shortcut_changes_no_plan` checks; `slow_pass` exists only under the
-    // `bench-slow-planner` feature.
+    // doing nothing, its early return always taken or never), a smaller least chunk (any other
+    // arithmetic of `m(m + 1)/2` except `m + (m + 1)/2`, killed above), the cache of the last
+    // "not full" dropped or also set when full, or `check` called more often (after a row that
+    // fits, or for the first row: the bound holds whenever it is computed) only plan later rows
+    // one by one, to the same plan, as `the_time_full_shortcut_changes_no_plan` checks;
+    // `slow_pass` exists only under the `bench-slow-planner` feature.
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3000))]
         #[test]
