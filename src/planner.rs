@@ -683,6 +683,8 @@ fn chunk_end(params: &StepParams, r: &PrefillRow, left: u64, alone: bool) -> Opt
     } else {
         u64::from(params.floor).min(params.cap(&r.walk))
     };
+    // The floor is at least 1 (budgets and caps are), so `end - progress >= floor` alone would
+    // decide; `end > progress` keeps the subtraction from wrapping.
     (end > progress && end - progress >= floor).then_some(end)
 }
 
@@ -1465,6 +1467,72 @@ mod tests {
         assert_eq!(shape(&out), vec![(1, 10, true), (3, 2, true)]);
         assert_eq!(out.waiting, 1);
         assert_eq!(Some(predicted(&p, &out)), p.max_step_ms);
+    }
+
+    /// A new row whose whole rest fits runs whole even when no more rows may be left
+    /// mid-prefill: `max_partial_prefills` holds back cuts only.
+    #[test]
+    fn a_whole_row_fits_in_time_when_partial_prefills_are_full() {
+        let p = StepParams {
+            max_row_tokens: Some(32),
+            max_partial_prefills: Some(1),
+            ..timed(1000, 1, 1000.0)
+        };
+        // A stays mid-prefill (32 of its 900 tokens left); B runs whole; C would be a cut.
+        let out = run(&p, &[], &[mid(1, 1000, 100), prompt(2, 4), prompt(3, 100)]);
+        assert_eq!(shape(&out), vec![(1, 32, false), (2, 4, true)]);
+        assert_eq!(out.waiting, 1);
+    }
+
+    /// Only the first prefill row in order is given the floor when nothing aligned fits in
+    /// time; a later one whose least chunk fits but whose first aligned end does not waits.
+    #[test]
+    fn a_later_row_with_no_aligned_end_in_time_waits_instead_of_running_the_floor() {
+        let model = LatencyModel::try_new(5.0, 0.5, 0.0, 0.25).unwrap();
+        // A: 23.75 ms. B from 0: 8 tokens (its floor) would be +13 ms, fitting 40 ms; its
+        // first aligned end, 16, would be +42 ms.
+        let p = StepParams {
+            max_step_ms: Some(40.0),
+            cost: Some(model),
+            align: 16,
+            ..params(Some(4096), 8)
+        };
+        let out = run(&p, &[], &[prompt(1, 10), prompt(2, 100)]);
+        assert_eq!(shape(&out), vec![(1, 10, true)]);
+        assert_eq!((out.waiting, out.time_over), (1, None));
+    }
+
+    /// A row that cannot be cut is measured from where it stands (after its cached prefix);
+    /// runs whole over the budget only when larger than the budget and first; and is over the
+    /// budget only when it needs more than is left.
+    #[test]
+    fn an_uncut_row_is_measured_from_its_progress_and_flagged_only_when_over() {
+        let p = StepParams {
+            chunkable: false,
+            ..params(Some(10), 1)
+        };
+        // 14 tokens, 6 of them cached: 8 to run, within the budget.
+        let cached = PrefillRow {
+            cached: 6,
+            progress: 6,
+            ..prompt(1, 14)
+        };
+        let out = run(&p, &[], &[cached]);
+        assert_eq!(shape(&out), vec![(1, 8, true)]);
+        assert!(!out.uncut_over_budget);
+        // Exactly the budget, alone: it fits, and is not over.
+        let out = run(&p, &[], &[prompt(1, 10)]);
+        assert_eq!(shape(&out), vec![(1, 10, true)]);
+        assert!(!out.uncut_over_budget);
+        // Exactly the budget behind a decode row: it is not larger than the budget, so it
+        // waits for a step with room.
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 10)]);
+        assert_eq!(shape(&out), vec![(1, 1, false)]);
+        assert_eq!((out.waiting, out.uncut_over_budget), (1, false));
+        // One more than the budget behind it: it runs whole, over the budget.
+        let out = run(&p, &[decode(1, 1)], &[prompt(2, 11)]);
+        assert_eq!(shape(&out), vec![(1, 1, false), (2, 11, true)]);
+        assert!(out.uncut_over_budget);
     }
 
     // The shortcut's other mutants are equivalent: turning it off (`shortcut: false`, `check`

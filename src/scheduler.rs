@@ -916,6 +916,36 @@ mod tests {
     use crate::latency::ModelSource;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 
+    #[test]
+    fn a_next_step_reads_back_its_node_walk_and_changes_in_order() {
+        let input = PreparedInput::tokens(vec![1, 2, 3]);
+        let next = NextStep::new("llm", "mixed")
+            .forget_request(7)
+            .continue_row(8, "decode", 2)
+            .admit(9, Name::from("prefill"), input.clone(), 1);
+        assert_eq!((&**next.node(), &**next.walk()), ("llm", "mixed"));
+        assert_eq!(next.changes(), 3);
+        let changes: Vec<RowChangeRef<'_>> = next.row_changes().collect();
+        assert_eq!(
+            changes,
+            [
+                RowChangeRef::Forget(7),
+                RowChangeRef::Continue {
+                    rid: 8,
+                    walk: "decode",
+                    estimate: 2
+                },
+                RowChangeRef::Admit {
+                    rid: 9,
+                    walk: "prefill",
+                    input: &input,
+                    cached: 1
+                },
+            ]
+        );
+        assert_eq!(NextStep::new("llm", "mixed").changes(), 0);
+    }
+
     fn state() -> SchedulerState {
         let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
         let pols = BTreeMap::from([(
