@@ -990,6 +990,53 @@ mod tests {
     }
 
     #[actix::test]
+    async fn a_begun_drain_refuses_admissions_and_steps_but_applies_forgets() {
+        let (scheduler, prepared) = start().await;
+        for rid in [1, 2] {
+            let input = PreparedInput::tokens(vec![0; 10]);
+            scheduler.send(admit(rid, input)).await.unwrap().unwrap();
+        }
+        let step = scheduler.send(assemble_llm()).await.unwrap().unwrap().step;
+        let in_flight = scheduler.send(Guarded(BeginDrain)).await.unwrap().unwrap();
+        assert_eq!(in_flight, 1);
+        let err = scheduler
+            .send(admit(3, PreparedInput::tokens(vec![0; 4])))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::Draining), "{err}");
+        // The step in flight completes; the forget is applied, the admission after it refused,
+        // and no next step is planned.
+        let next = NextStep::new("llm", "prefill").forget_request(2).admit(
+            4,
+            "prefill",
+            PreparedInput::tokens(vec![0; 4]),
+            0,
+        );
+        let done = scheduler
+            .send(one_trip(step, vec![8], None, next))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(done.next, Err(ChunkingError::Draining)),
+            "{:?}",
+            done.next
+        );
+        assert_eq!(
+            totals(&prepared).await,
+            (1, 10),
+            "rid 2 forgotten, rid 4 not held"
+        );
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((stats.prefill_rows, stats.steps_in_flight), (1, 0));
+    }
+
+    #[actix::test]
     async fn a_drain_reports_and_drops_the_handles_and_the_held_inputs() {
         let (scheduler, prepared) = start().await;
         for rid in [1, 2] {
