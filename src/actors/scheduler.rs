@@ -416,7 +416,9 @@ impl Handler<Complete> for Scheduler {
     }
 }
 
-/// Records a refused completion in the step's span (entered by the caller).
+/// Records a refused completion in the step's span (entered by the caller). Tracing only, like
+/// the step's span itself: `tests/spans.rs` asserts both, in a process of its own (a tracing
+/// subscriber's level is process-wide).
 fn completion_refused(e: &ChunkingError) {
     tracing::debug!(error = %e, "step completion refused");
 }
@@ -430,7 +432,7 @@ impl Scheduler {
     }
 
     /// Records in its span why step `step` was abandoned while its inputs were cut, and closes
-    /// the span.
+    /// the span (tracing only).
     fn abandoned_by(&mut self, step: u64, e: &ChunkingError) {
         self.spans
             .step(step)
@@ -731,9 +733,10 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::actors::prepared_inputs::PreparedTotals;
+    use crate::actors::prepared_inputs::{GetPrepared, PreparedTotals};
     use crate::actors::Guarded;
     use crate::budget::BudgetTable;
+    use crate::planner::RowWork;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::prepared::PreparedInput;
     use crate::snapshot::BudgetSnapshot;
@@ -1034,6 +1037,102 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((stats.prefill_rows, stats.steps_in_flight), (1, 0));
+    }
+
+    /// The gauges of a debugging recorder's snapshot (which resets them to 0): `(name, node,
+    /// source label, value)`.
+    fn gauges(
+        snapshotter: &metrics_util::debugging::Snapshotter,
+    ) -> Vec<(String, String, String, f64)> {
+        let label = |key: &metrics::Key, name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map_or(String::new(), |l| l.value().to_string())
+        };
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(key, _, _, value)| match value {
+                metrics_util::debugging::DebugValue::Gauge(v) => Some((
+                    key.key().name().to_string(),
+                    label(key.key(), "node"),
+                    label(key.key(), "source"),
+                    v.into_inner(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn gauge(seen: &[(String, String, String, f64)], name: &str, source: &str) -> Option<f64> {
+        seen.iter()
+            .find(|(n, node, s, _)| n == name && node == "llm" && s == source)
+            .map(|g| g.3)
+    }
+
+    #[actix::test]
+    async fn the_queue_and_model_gauges_follow_admissions_and_forgets() {
+        use crate::metrics::{LATENCY_MODEL_SOURCE, ROWS_WAITING};
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // The actors run on this thread: their gauges register with this recorder.
+        let _recorder = metrics::set_default_local_recorder(&recorder);
+        let (scheduler, _prepared) = start().await;
+        for rid in [1, 2] {
+            let input = PreparedInput::tokens(vec![0; 10]);
+            scheduler.send(admit(rid, input)).await.unwrap().unwrap();
+        }
+        let seen = gauges(&snapshotter);
+        assert_eq!(gauge(&seen, ROWS_WAITING, ""), Some(2.0));
+        // No latency model: its source gauge says so.
+        assert_eq!(gauge(&seen, LATENCY_MODEL_SOURCE, "none"), Some(1.0));
+        scheduler
+            .send(Guarded(ForgetRequest(1)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(gauge(&gauges(&snapshotter), ROWS_WAITING, ""), Some(1.0));
+    }
+
+    #[actix::test]
+    async fn a_continuing_row_runs_and_an_abandoned_step_is_planned_again_afresh() {
+        let (scheduler, prepared) = start().await;
+        let continue_row = Guarded(ContinueRow {
+            rid: 5,
+            node: "llm".into(),
+            walk: "prefill".into(),
+            estimate: 2,
+            context: None,
+        });
+        scheduler.send(continue_row).await.unwrap().unwrap();
+        let batch = scheduler.send(assemble_llm()).await.unwrap().unwrap();
+        let rows: Vec<(u64, RowWork)> = batch.rows.iter().map(|r| (r.rid, r.work)).collect();
+        assert_eq!(rows, [(5, RowWork::Continue { estimate: 2 })]);
+        let abandon = Guarded(Abandon { step: batch.step });
+        scheduler.send(abandon).await.unwrap().unwrap();
+        let again = scheduler.send(assemble_llm()).await.unwrap().unwrap();
+        assert_ne!(
+            again.step, batch.step,
+            "planned afresh, not the abandoned step"
+        );
+        assert_eq!(again.rows.len(), 1);
+        // PreparedInputs answers a held input, and nothing for a row it does not hold.
+        let input = PreparedInput::tokens(vec![4, 5, 6]);
+        scheduler
+            .send(admit(9, input.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        let get = |rid| {
+            Guarded(GetPrepared {
+                rid,
+                node: "llm".into(),
+            })
+        };
+        let held = prepared.send(get(9)).await.unwrap().unwrap();
+        assert_eq!(held, Some(input));
+        assert_eq!(prepared.send(get(10)).await.unwrap().unwrap(), None);
     }
 
     #[actix::test]
