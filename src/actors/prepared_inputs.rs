@@ -59,7 +59,7 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [GetPrepared, PreparedTotals, ReleaseAll]
+    [Apply, GetPrepared, PreparedTotals, ReleaseAll]
 );
 
 /// One change to the inputs held, as the Scheduler made it to its own handles.
@@ -80,15 +80,19 @@ pub(crate) enum InputChange {
 /// The changes one Scheduler message made to its handles, in order: sent once per message
 /// without waiting, so PreparedInputs changes exactly as the handles did, and before it handles
 /// anything the caller asks after the Scheduler's answer (mailboxes are first in, first out).
+///
+/// Sent guarded, as every message the facade sends is: a panic while applying is contained
+/// (logged, the actor restarted in place) instead of unwinding through the arbiter.
 #[derive(Message)]
-#[rtype(result = "()")]
+#[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct Apply(pub(crate) Vec<InputChange>);
 
 impl Handler<Apply> for PreparedInputs {
-    type Result = ();
+    type Result = Result<(), ChunkingError>;
 
-    fn handle(&mut self, msg: Apply, _: &mut Self::Context) {
+    fn handle(&mut self, msg: Apply, _: &mut Self::Context) -> Self::Result {
         self.apply(msg.0);
+        Ok(())
     }
 }
 

@@ -13,6 +13,7 @@ use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
 use super::prepared_inputs::{Apply, InputChange, PreparedInputs, ReleaseAll};
 use super::spans::Spans;
+use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
@@ -237,7 +238,7 @@ impl Scheduler {
             // The next message's changes start with room for as many.
             let room = Vec::with_capacity(self.input_changes.len());
             let changes = std::mem::replace(&mut self.input_changes, room);
-            self.prepared.do_send(Apply(changes));
+            self.prepared.do_send(Guarded(Apply(changes)));
         }
     }
 }
@@ -678,7 +679,7 @@ impl Handler<Drain> for Scheduler {
         // The handles mirror PreparedInputs' store: what they held is what it drops.
         let (prepared_inputs, prepared_tokens) = self.inputs.clear();
         self.input_changes.clear();
-        self.prepared.do_send(ReleaseAll);
+        self.prepared.do_send(Guarded(ReleaseAll));
         let report = DrainReport {
             steps_abandoned: drained.steps,
             requests: drained.requests,
@@ -734,7 +735,6 @@ mod tests {
 
     use super::*;
     use crate::actors::prepared_inputs::{GetPrepared, PreparedTotals};
-    use crate::actors::Guarded;
     use crate::budget::BudgetTable;
     use crate::planner::RowWork;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
