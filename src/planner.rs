@@ -1533,6 +1533,24 @@ mod tests {
         let out = run(&p, &[decode(1, 1)], &[prompt(2, 11)]);
         assert_eq!(shape(&out), vec![(1, 1, false), (2, 11, true)]);
         assert!(out.uncut_over_budget);
+        // 14 tokens with 4 cached behind it: the 10 it runs are not more than the budget, so
+        // it waits (its total is, but the cached prefix does not run).
+        let cached = PrefillRow {
+            cached: 4,
+            progress: 4,
+            ..prompt(2, 14)
+        };
+        let out = run(&p, &[decode(1, 1)], &[cached]);
+        assert_eq!(shape(&out), vec![(1, 1, false)]);
+        assert_eq!(out.waiting, 1);
+        // Over `max_row_tokens` but exactly what is left: it runs whole, not over the budget.
+        let capped = StepParams {
+            max_row_tokens: Some(5),
+            ..p
+        };
+        let out = run(&capped, &[], &[prompt(1, 10)]);
+        assert_eq!(shape(&out), vec![(1, 10, true)]);
+        assert!(!out.uncut_over_budget);
     }
 
     // The shortcut's other mutants are equivalent: turning it off (`shortcut: false`, `check`
