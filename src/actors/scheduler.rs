@@ -1136,6 +1136,41 @@ mod tests {
     }
 
     #[actix::test]
+    async fn the_stats_count_prefill_mid_prefill_and_continuing_rows() {
+        let (scheduler, _prepared) = start().await;
+        let input = PreparedInput::tokens(vec![0; 10]);
+        scheduler.send(admit(1, input)).await.unwrap().unwrap();
+        // Its first chunk (8 of 10 tokens) leaves it mid-prefill.
+        let batch = scheduler.send(assemble_llm()).await.unwrap().unwrap();
+        let complete = Guarded(Complete {
+            step: batch.step,
+            ran: vec![8],
+            measured_ms: None,
+        });
+        scheduler.send(complete).await.unwrap().unwrap();
+        let continue_row = Guarded(ContinueRow {
+            rid: 5,
+            node: "llm".into(),
+            walk: "prefill".into(),
+            estimate: 1,
+            context: None,
+        });
+        scheduler.send(continue_row).await.unwrap().unwrap();
+        let stats = scheduler
+            .send(Guarded(SchedulerStats))
+            .await
+            .unwrap()
+            .unwrap();
+        let want = QueueStats {
+            prefill_rows: 1,
+            mid_prefill_rows: 1,
+            continuing_rows: 1,
+            steps_in_flight: 0,
+        };
+        assert_eq!(stats, want);
+    }
+
+    #[actix::test]
     async fn a_drain_reports_and_drops_the_handles_and_the_held_inputs() {
         let (scheduler, prepared) = start().await;
         for rid in [1, 2] {
