@@ -64,7 +64,14 @@ def prepare(rev: str) -> Path:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
         shutil.rmtree(tree, ignore_errors=True)
     WORK.mkdir(parents=True, exist_ok=True)
-    run(["git", "worktree", "add", "--detach", str(tree), rev], ROOT)
+    # Resolved to a commit first, so that a `--rev` such as `--orphan` is never read as an option.
+    proc = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        fail(f"--rev {rev!r} is not a commit of this repository (a clone with its history)")
+    run(["git", "worktree", "add", "--detach", str(tree), proc.stdout.strip()], ROOT)
     shutil.copy(ROOT / "benches" / "before" / "instructions.rs", tree / "benches" / "instructions.rs")
     manifest = tree / "Cargo.toml"
     text = manifest.read_text(encoding="utf-8")
