@@ -94,12 +94,9 @@ pub struct BudgetsArgs {
     pub json: bool,
 }
 
-/// `replay` arguments.
+/// The trace a `replay` or `sweep` reads, and how.
 #[derive(Debug, Clone, PartialEq, Args)]
-pub struct ReplayArgs {
-    /// Where the model and config layers come from.
-    #[command(flatten)]
-    pub config: ConfigArgs,
+pub struct TraceArgs {
     /// Request trace: Azure LLM inference CSV, Mooncake JSON Lines, generic CSV
     /// (arrival_ms,prompt_tokens,output_tokens,hash_ids) or length-only CSV (with --arrivals)
     /// [default: the bundled trace]
@@ -108,6 +105,44 @@ pub struct ReplayArgs {
     /// Replay only the first N requests of the trace (N >= 1)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub requests: Option<u64>,
+    /// The trace's format, instead of what its header or extension says: azure, mooncake,
+    /// generic or lengths
+    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
+    pub format: Option<TraceFormat>,
+    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV (seeded with
+    /// `replay.speculation.seed`)
+    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
+    pub arrivals: Option<Arrivals>,
+    /// Skip trace lines that cannot be parsed instead of stopping
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+}
+
+impl TraceArgs {
+    /// Replay options that read this trace so; everything else is the default.
+    pub(crate) fn options(&self) -> crate::replay::ReplayOptions {
+        crate::replay::ReplayOptions {
+            trace: self.trace.clone(),
+            requests: self
+                .requests
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            format: self.format,
+            arrivals: self.arrivals,
+            skip_bad_lines: self.skip_bad_lines,
+            ..Default::default()
+        }
+    }
+}
+
+/// `replay` arguments.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct ReplayArgs {
+    /// Where the model and config layers come from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// The trace to replay.
+    #[command(flatten)]
+    pub source: TraceArgs,
     /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
     pub rate_scale: f64,
@@ -118,23 +153,12 @@ pub struct ReplayArgs {
     /// (shorthand for its `chunking.max_batch_tokens`)
     #[arg(long, value_name = "N|off", value_parser = budget_value, conflicts_with = "budget_off")]
     pub budget: Option<BudgetValue>,
-    /// The trace's format, instead of what its header or extension says: azure, mooncake,
-    /// generic or lengths
-    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
-    pub format: Option<TraceFormat>,
-    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV (seeded with
-    /// `replay.speculation.seed`)
-    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
-    pub arrivals: Option<Arrivals>,
     /// Write one JSON object per step to FILE
     #[arg(long, value_name = "FILE")]
     pub step_log: Option<PathBuf>,
     /// Write the summary as JSON to FILE
     #[arg(long, value_name = "FILE")]
     pub report_json: Option<PathBuf>,
-    /// Skip trace lines that cannot be parsed instead of stopping
-    #[arg(long)]
-    pub skip_bad_lines: bool,
     /// Serve metrics at this address, or "off" [default: off, unless `--hold` is given or a
     /// config layer sets `metrics.listen`]
     #[arg(long, value_name = "ADDR|off")]
@@ -179,21 +203,9 @@ pub struct SweepArgs {
     /// [default: 1 if listed, else the middle one]
     #[arg(long, value_name = "X", value_parser = rate_scale)]
     pub step_time_rate: Option<f64>,
-    /// Request trace (any format of `replay --trace`) [default: the bundled trace]
-    #[arg(long, value_name = "FILE")]
-    pub trace: Option<PathBuf>,
-    /// The trace's format, instead of what its header or extension says
-    #[arg(long, value_name = "FORMAT", value_parser = input_format)]
-    pub format: Option<TraceFormat>,
-    /// Generated arrivals for a length-only trace: poisson:QPS or gamma:QPS:CV
-    #[arg(long, value_name = "SPEC", value_parser = arrivals)]
-    pub arrivals: Option<Arrivals>,
-    /// Replay only the first N requests of the trace (N >= 1)
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
-    pub requests: Option<u64>,
-    /// Skip trace lines that cannot be parsed instead of stopping
-    #[arg(long)]
-    pub skip_bad_lines: bool,
+    /// The trace every cell replays.
+    #[command(flatten)]
+    pub source: TraceArgs,
     /// No progress bar
     #[arg(long)]
     pub no_progress: bool,
@@ -375,10 +387,12 @@ mod tests {
             r.config.configs,
             [PathBuf::from("a.toml"), PathBuf::from("b.toml")]
         );
-        assert_eq!(r.requests, Some(10));
+        assert_eq!(r.source.requests, Some(10));
         assert_eq!(r.rate_scale, 2.5);
         assert_eq!(r.metrics_listen, Some(Listen::Off));
-        assert!(r.budget_off && r.skip_bad_lines && r.hold && !r.watch_config && r.no_progress);
+        assert!(
+            r.budget_off && r.source.skip_bad_lines && r.hold && !r.watch_config && r.no_progress
+        );
         // A reload would apply the config's budgets over --budget-off: refused together.
         assert!(Cli::try_parse_from([
             "mstar-chunking",
@@ -424,8 +438,11 @@ mod tests {
             panic!("not replay")
         };
         assert_eq!(r.budget, Some(BudgetValue::Off));
-        assert_eq!(r.format, Some(TraceFormat::GenericCsv));
-        assert_eq!(r.arrivals, Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 }));
+        assert_eq!(r.source.format, Some(TraceFormat::GenericCsv));
+        assert_eq!(
+            r.source.arrivals,
+            Some(Arrivals::Gamma { qps: 4.0, cv: 2.0 })
+        );
         let cli = Cli::try_parse_from([
             "mstar-chunking",
             "sweep",

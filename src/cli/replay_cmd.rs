@@ -84,18 +84,11 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         }
     }
     let opts = crate::replay::ReplayOptions {
-        trace: args.trace.clone(),
-        requests: args
-            .requests
-            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         rate_scale: args.rate_scale,
         budget_off: args.budget_off,
         budget: args.budget,
-        format: args.format,
-        arrivals: args.arrivals,
         step_log: args.step_log.clone(),
         report_json: args.report_json.clone(),
-        skip_bad_lines: args.skip_bad_lines,
         progress: !args.no_progress,
         inputs: load
             .config_files()
@@ -106,6 +99,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         handle_signals: true,
         on_step: None,
         stop: None,
+        ..args.source.options()
     };
     actix::System::new().block_on(async {
         let cm = match crate::ChunkingManagement::start(

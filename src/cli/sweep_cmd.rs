@@ -43,7 +43,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         .into_iter()
         .chain(load.configs.iter().cloned())
         .chain(load.model_path())
-        .chain(args.trace.clone())
+        .chain(args.source.trace.clone())
         .collect();
     // Refused before hours of replays, not after: the outputs, and every budget of the grid
     // as the config would refuse it (as `replay --budget` does).
@@ -56,16 +56,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         return usage(&refused);
     }
     let base = crate::replay::ReplayOptions {
-        trace: args.trace.clone(),
-        requests: args
-            .requests
-            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        format: args.format,
-        arrivals: args.arrivals,
-        skip_bad_lines: args.skip_bad_lines,
         progress: false,
         inputs: inputs.clone(),
-        ..Default::default()
+        ..args.source.options()
     };
     let trace = match crate::replay::load_trace(&base, setup.seed) {
         Ok(t) => t,
