@@ -134,8 +134,14 @@ pub struct NextStep {
 pub(crate) enum RowChange {
     /// `forget_request(rid)`: the request's rows and inputs on every node.
     Forget(u64),
-    /// `continue_row(rid, node, walk, estimate)`.
-    Continue { rid: u64, walk: Name, estimate: u32 },
+    /// `continue_row(rid, node, walk, estimate)`, or `continue_row_with_context` with
+    /// `Some(context)`.
+    Continue {
+        rid: u64,
+        walk: Name,
+        estimate: u32,
+        context: Option<u64>,
+    },
     /// `admit(rid, node, walk, input, cached)`.
     Admit {
         rid: u64,
@@ -184,6 +190,28 @@ impl NextStep {
             rid,
             walk: walk.into(),
             estimate,
+            context: None,
+        });
+        self
+    }
+
+    /// As [`continue_row`](Self::continue_row), with the row's context in tokens (its prompt
+    /// and what it generated so far), as
+    /// `continue_row_with_context(rid, node, walk, estimate, context)` does: the time-budget
+    /// planner predicts the row's KV and attention terms from it.
+    #[must_use]
+    pub fn continue_row_with_context(
+        mut self,
+        rid: u64,
+        walk: impl Into<Name>,
+        estimate: u32,
+        context: u64,
+    ) -> Self {
+        self.changes.push(RowChange::Continue {
+            rid,
+            walk: walk.into(),
+            estimate,
+            context: Some(context),
         });
         self
     }
@@ -221,10 +249,12 @@ impl NextStep {
                 rid,
                 walk,
                 estimate,
+                context,
             } => RowChangeRef::Continue {
                 rid: *rid,
                 walk,
                 estimate: *estimate,
+                context: *context,
             },
             RowChange::Admit {
                 rid,
@@ -254,6 +284,8 @@ pub enum RowChangeRef<'a> {
         walk: &'a str,
         /// Tokens it runs a step.
         estimate: u32,
+        /// Its context in tokens, when the engine gave one (`continue_row_with_context`).
+        context: Option<u64>,
     },
     /// A prompt is admitted on the node (`admit`).
     Admit {
@@ -922,9 +954,10 @@ mod tests {
         let next = NextStep::new("llm", "mixed")
             .forget_request(7)
             .continue_row(8, "decode", 2)
+            .continue_row_with_context(10, "decode", 3, 4_000)
             .admit(9, Name::from("prefill"), input.clone(), 1);
         assert_eq!((&**next.node(), &**next.walk()), ("llm", "mixed"));
-        assert_eq!(next.changes(), 3);
+        assert_eq!(next.changes(), 4);
         let changes: Vec<RowChangeRef<'_>> = next.row_changes().collect();
         assert_eq!(
             changes,
@@ -933,7 +966,14 @@ mod tests {
                 RowChangeRef::Continue {
                     rid: 8,
                     walk: "decode",
-                    estimate: 2
+                    estimate: 2,
+                    context: None,
+                },
+                RowChangeRef::Continue {
+                    rid: 10,
+                    walk: "decode",
+                    estimate: 3,
+                    context: Some(4_000),
                 },
                 RowChangeRef::Admit {
                     rid: 9,

@@ -493,9 +493,10 @@ impl Scheduler {
                     rid,
                     walk,
                     estimate,
+                    context,
                 } => self
                     .state
-                    .continue_row(rid, &node, &walk, estimate, None)
+                    .continue_row(rid, &node, &walk, estimate, context)
                     .inspect(|()| self.spans.admitted(rid, &node, &walk)),
                 RowChange::Admit {
                     rid,
