@@ -112,3 +112,8 @@ pub use scheduler::{Batch, BatchRow, Completed, NextStep, StepOutcome};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 mod readme {}
+
+/// The embedding guide's Rust examples run as doc-tests too.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/embedding.md")]
+mod embedding_guide {}
