@@ -148,7 +148,7 @@ pub fn classify_time_overrun(
 ) -> Option<TimeOverrunReason> {
     // Only a comparison: the completion checks the measured time first
     // (`crate::latency::measured_ms`); a NaN compares false, no evidence of an overrun.
-    if !(measured_ms > max_step_ms) {
+    if measured_ms.partial_cmp(&max_step_ms) != Some(std::cmp::Ordering::Greater) {
         return None;
     }
     Some(planned_over.unwrap_or(TimeOverrunReason::Misprediction))

@@ -616,7 +616,7 @@ mod tests {
             "{err}"
         );
         assert_eq!(h.0.len(), 3, "{:?}", h.0);
-        assert!(h.0[2].starts_with(&format!("abandoned 1: ")), "{:?}", h.0);
+        assert!(h.0[2].starts_with("abandoned 1: "), "{:?}", h.0);
         assert_eq!(
             s.take_input_changes().unwrap(),
             [InputChange::Release { rid: 1, node }]
