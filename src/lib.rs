@@ -106,7 +106,9 @@ pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;
-pub use scheduler::{Batch, BatchRow, Completed, LatencyModelReport, NextStep, StepOutcome};
+pub use scheduler::{
+    Batch, BatchRow, Completed, LatencyModelReport, NextStep, RowKind, StepOutcome,
+};
 
 /// The README's Rust examples run as doc-tests, so the embedding example stays true.
 #[cfg(doctest)]

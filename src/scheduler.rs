@@ -19,6 +19,7 @@ use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
 use crate::queues::{Advance, NodeQueues};
+use crate::range::ChunkRange;
 use crate::snapshot::BudgetSnapshot;
 
 pub(crate) mod serving;
@@ -41,10 +42,70 @@ pub struct BatchRow {
     pub input: Option<ChunkInput>,
 }
 
+/// What kind of work a [`BatchRow`] is ([`BatchRow::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    /// A chunk of a prompt ([`RowWork::Chunk`]).
+    Chunk,
+    /// A continuing row: decode, or a speculative verification ([`RowWork::Continue`]).
+    Continue,
+}
+
+impl RowKind {
+    /// `"chunk"` or `"continue"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chunk => "chunk",
+            Self::Continue => "continue",
+        }
+    }
+}
+
 impl BatchRow {
     /// Tokens the row is scheduled to run.
     pub fn tokens(&self) -> u32 {
         self.work.tokens()
+    }
+
+    /// Whether the row is a chunk of a prompt or a continuing row.
+    pub fn kind(&self) -> RowKind {
+        match self.work {
+            RowWork::Chunk { .. } => RowKind::Chunk,
+            RowWork::Continue { .. } => RowKind::Continue,
+        }
+    }
+
+    /// Whether the row is a chunk of a prompt.
+    pub fn is_chunk(&self) -> bool {
+        self.kind() == RowKind::Chunk
+    }
+
+    /// A chunk's range of its prompt; `None` for a continuing row.
+    pub fn range(&self) -> Option<ChunkRange> {
+        match self.work {
+            RowWork::Chunk { range, .. } => Some(range),
+            RowWork::Continue { .. } => None,
+        }
+    }
+
+    /// Whether the row is its prompt's final chunk (the request starts generating after it);
+    /// `false` for a continuing row.
+    pub fn is_final(&self) -> bool {
+        self.range().is_some_and(|r| r.is_final())
+    }
+
+    /// A first chunk's cached prefix in tokens (the engine reuses it, it is not run); 0 for a
+    /// later chunk or a continuing row.
+    pub fn cached(&self) -> u32 {
+        match self.work {
+            RowWork::Chunk { cached, .. } => cached,
+            RowWork::Continue { .. } => 0,
+        }
+    }
+
+    /// A continuing row's estimate in tokens; `None` for a chunk.
+    pub fn estimate(&self) -> Option<u32> {
+        self.work.continue_estimate()
     }
 }
 
@@ -478,6 +539,9 @@ pub struct SchedulerState {
     completed: FxHashMap<Name, serving::LastCompleted>,
     /// Set by a drain, for good: no admission, no new step.
     draining: bool,
+    /// Every `(node, waiting walk, assembled walk)` said once as stranded
+    /// (`serving::StepHooks::stranded`).
+    stranded_said: rustc_hash::FxHashSet<(Name, Name, Name)>,
 }
 
 impl SchedulerState {
@@ -660,6 +724,13 @@ impl SchedulerState {
             return Ok(match &f.batch {
                 Some(batch) => Assembled::InFlight(batch.clone()),
                 None => Assembled::Planned(f.planned_batch()),
+            });
+        }
+        if let Some(combined) = snap.table().combined_walk_of(walk) {
+            return Err(ChunkingError::MemberWalk {
+                node: params.node.clone(),
+                walk: params.walk.clone(),
+                combined: combined.clone(),
             });
         }
         let params = params.clone();
@@ -1216,6 +1287,44 @@ mod tests {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)
+    }
+
+    #[test]
+    fn a_rows_helpers_read_its_work() {
+        let row = |work| BatchRow {
+            rid: 1,
+            walk: 0,
+            work,
+            context: 0,
+            input: None,
+        };
+        let first = row(RowWork::Chunk {
+            range: ChunkRange::new(true, 0, 64, 100),
+            cached: 16,
+        });
+        let last = row(RowWork::Chunk {
+            range: ChunkRange::new(false, 64, 100, 100),
+            cached: 0,
+        });
+        let decode = row(RowWork::Continue { estimate: 3 });
+        assert_eq!(
+            (first.kind(), first.kind().as_str()),
+            (RowKind::Chunk, "chunk")
+        );
+        assert_eq!(
+            (decode.kind(), decode.kind().as_str()),
+            (RowKind::Continue, "continue")
+        );
+        assert!(first.is_chunk() && last.is_chunk() && !decode.is_chunk());
+        assert_eq!(first.range(), Some(ChunkRange::new(true, 0, 64, 100)));
+        assert_eq!(decode.range(), None);
+        assert!(!first.is_final() && last.is_final() && !decode.is_final());
+        assert_eq!((first.cached(), last.cached(), decode.cached()), (16, 0, 0));
+        assert_eq!((first.estimate(), decode.estimate()), (None, Some(3)));
+        assert_eq!(
+            (first.tokens(), last.tokens(), decode.tokens()),
+            (64, 36, 3)
+        );
     }
 
     #[test]

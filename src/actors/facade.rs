@@ -91,6 +91,9 @@ struct RequestTimeout {
     /// requests are timed there, so the caller's runtime needs no timer. `None` on the
     /// caller's arbiter ([`ChunkingManagement::start`]), whose actix runtime has one.
     host: Option<actix::ArbiterHandle>,
+    /// The actors' own thread, kept running while any handle or the guard lives
+    /// ([`ActorThread`]); `None` on the caller's arbiter.
+    keeper: Option<Arc<ThreadKeeper>>,
 }
 
 /// Sends `msg` to `actor` and waits at most `timeout` for the answer. A panic while handling it
@@ -131,30 +134,49 @@ where
     })?
 }
 
-/// The thread [`ChunkingManagement::start_on_own_thread`] hosts the actors on. Dropping it
-/// stops their actix System and joins the thread; handles then answer
-/// [`ChunkingError::ActorStopped`].
+/// The guard of the thread [`ChunkingManagement::start_on_own_thread`] hosts the actors on.
+///
+/// The thread runs while the guard or any handle to its actors lives: dropping the guard (even
+/// at once, as `let (cm, _) = ..` does) stops nothing while handles remain, and the thread
+/// stops when the last of them is dropped. [`ActorThread::stop`] stops the actors at once;
+/// handles then answer [`ChunkingError::ActorStopped`].
+#[must_use = "the guard stops the actors explicitly with `stop`; keep it (e.g. `let (cm, _actors) = ..`)"]
 pub struct ActorThread {
-    system: actix::System,
-    thread: Option<std::thread::JoinHandle<()>>,
+    keeper: Arc<ThreadKeeper>,
 }
 
 impl ActorThread {
-    /// Stops the actors and waits for their thread to end.
-    pub fn stop(mut self) {
-        self.shutdown();
+    /// Stops the actors and waits for their thread to end (unless called on that thread).
+    pub fn stop(self) {
+        self.keeper.shutdown();
     }
+}
 
-    fn shutdown(&mut self) {
+/// The actors' thread and its actix System, shared by the guard and every handle: the last
+/// one dropped stops the System and joins the thread.
+struct ThreadKeeper {
+    system: actix::System,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl ThreadKeeper {
+    fn shutdown(&self) {
         self.system.stop();
-        if let Some(t) = self.thread.take() {
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        // Never joined from the actors' own thread (a handle dropped inside one of its tasks):
+        // the System stops once that task returns.
+        if let Some(t) = thread.filter(|t| t.thread().id() != std::thread::current().id()) {
             // The thread only runs the System; a panic there has been logged by the actors.
             let _ = t.join();
         }
     }
 }
 
-impl Drop for ActorThread {
+impl Drop for ThreadKeeper {
     fn drop(&mut self) {
         self.shutdown();
     }
@@ -223,6 +245,7 @@ impl ChunkingManagement {
             timeout: RequestTimeout {
                 after: Some(DEFAULT_REQUEST_TIMEOUT),
                 host: None,
+                keeper: None,
             },
             model,
             metrics: instance_handle,
@@ -231,7 +254,9 @@ impl ChunkingManagement {
 
     /// Starts the actors on a thread of their own, in an actix System of their own, for an
     /// engine that runs on tokio (or any runtime) without one. Returns the handle (`Send`,
-    /// usable from any thread) and the thread's guard: keep it as long as the handle is used.
+    /// usable from any thread) and the thread's guard. The thread runs while the guard or any
+    /// clone of the handle lives, so dropping the guard early stops nothing; call
+    /// [`ActorThread::stop`] (after [`drain`](Self::drain)) to stop the actors at shutdown.
     ///
     /// ```
     /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
@@ -284,16 +309,15 @@ impl ChunkingManagement {
             .map_err(|e| ChunkingError::ThreadStart {
                 reason: e.to_string(),
             })?;
-        let (cm, system) = rx.recv().map_err(|_| ChunkingError::ThreadStart {
+        let (mut cm, system) = rx.recv().map_err(|_| ChunkingError::ThreadStart {
             reason: "the actor thread ended before starting the actors".into(),
         })??;
-        Ok((
-            cm,
-            ActorThread {
-                system,
-                thread: Some(thread),
-            },
-        ))
+        let keeper = Arc::new(ThreadKeeper {
+            system,
+            thread: std::sync::Mutex::new(Some(thread)),
+        });
+        cm.timeout.keeper = Some(keeper.clone());
+        Ok((cm, ActorThread { keeper }))
     }
 
     /// The value of this instance's `model` label.

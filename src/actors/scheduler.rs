@@ -179,6 +179,15 @@ impl StepHooks for Shell {
             .in_scope(|| tracing::debug!(error = %why, "row change refused after the step"));
     }
 
+    fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+        tracing::warn!(
+            node = %node,
+            waiting = %waiting,
+            assembled = %assembled,
+            "prompt rows of `{node}` wait on walk `{waiting}`, which no step of `{node}`/`{assembled}` takes: run `{waiting}` inside `{assembled}` (`BudgetSettings::combined`, or the model manifest's combined walks) or assemble `{node}`/`{waiting}` too"
+        );
+    }
+
     fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
         match node {
             Some(node) => self.publish_queue(state, node),
