@@ -49,7 +49,7 @@ bench-baseline: ## Record benches/baseline/instructions.json from this build (co
 	python3 scripts/bench_check.py baseline
 	python3 scripts/bench_check.py table
 
-bench-before: ## One round trip per step now against two on the build before it (instructions and wall time, side by side; not in CI)
+bench-before: ## One round trip per step now against two at the last commit before complete_and_assemble (instructions and wall time, side by side; not in CI)
 	python3 scripts/bench_before.py
 
 bench-check-selftest: ## bench-check must fail on a deliberately slowed planner (feature bench-slow-planner) because its counts rose
@@ -94,5 +94,5 @@ SERVE_LISTEN ?= 127.0.0.1:8000
 serve: ## Serve the reference engine (small model) on SERVE_LISTEN; prints the address
 	$(CARGO) run --release -p mstar-engine -- serve --model small --listen $(SERVE_LISTEN)
 
-engine-bench: ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~20 min)
+engine-bench: ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~5 min of runs after a release build)
 	engine/scripts/bench.sh

@@ -114,3 +114,8 @@ pub use scheduler::{
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 mod readme {}
+
+/// The embedding guide's Rust examples run as doc-tests too.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/embedding.md")]
+mod embedding_guide {}

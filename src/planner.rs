@@ -1140,7 +1140,7 @@ mod tests {
 
     #[test]
     fn max_row_tokens_lets_long_prompts_progress_side_by_side() {
-        // The scenario of issue 4: budget 1024, max_row_tokens 400, floor 1, three 800-token prompts.
+        // Long prompts side by side: budget 1024, max_row_tokens 400, floor 1, three 800-token prompts.
         let mut p = params(Some(1024), 1);
         p.max_row_tokens = Some(400);
         let out = run(&p, &[], &[prompt(1, 800), prompt(2, 800), prompt(3, 800)]);

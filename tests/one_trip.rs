@@ -250,7 +250,7 @@ async fn the_next_step_can_be_abandoned() {
         .unwrap()
         .next
         .unwrap();
-    // Uses of `abandon` (its signature changes with issue 18).
+    // Uses of `abandon`.
     cm.abandon(next.step).await.unwrap();
     assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 0);
     let again = cm.assemble("llm", "mixed").await.unwrap();

@@ -1,4 +1,4 @@
-//! ChunkingManagement: the one handle an embedding engine holds, with the original class's
+//! ChunkingManagement: the one handle an embedding engine holds, with the Python class's
 //! methods plus the scheduler's admit / continue / assemble / complete.
 
 use std::collections::BTreeMap;
@@ -620,7 +620,7 @@ impl ChunkingManagement {
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
 
-    /// Drops the row of `rid` at `node` and its whole input there (the original class's
+    /// Drops the row of `rid` at `node` and its whole input there (the Python class's
     /// `release`: the request leaves this node; other nodes keep theirs). Answers whether an
     /// input was held; unknown rows are a no-op. To end a request, use
     /// [`forget_request`](Self::forget_request).

@@ -165,8 +165,8 @@ impl BudgetTable {
     /// one itself, is refused when the node has another served walk with a budget that is no
     /// member either: an engine assembling that walk (the `mixed` of `prefill` + `decode`) would
     /// wait forever while the row queues, and the row would run only uncut. A node the model
-    /// budgets nothing on runs such rows uncut by the model's decision, as the original contract
-    /// says; `no_chunking` nodes chunk nothing by the deployment's.
+    /// budgets nothing on runs such rows uncut by the model's decision, as the Python class
+    /// documents; `no_chunking` nodes chunk nothing by the deployment's.
     fn check_walks_chunked(
         model: &ModelPolicies,
         settings: &BudgetSettings,

@@ -2,6 +2,7 @@
 
 mod config_cli;
 mod core;
+mod doc_commands;
 mod drain;
 mod endpoint;
 mod helpers;
@@ -18,3 +19,4 @@ mod sweep_cli;
 mod time_budget;
 mod trusted_sweep;
 mod truth_cli;
+mod vocabulary;
