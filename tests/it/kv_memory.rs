@@ -228,23 +228,25 @@ fn a_small_pool_preempts_and_every_request_still_completes() {
 /// preemption names the row it took by that row's own rid.
 #[test]
 fn preempted_prompts_are_counted_cut_once_and_preemptions_name_their_row() {
-    let n = 120;
-    let trace = mooncake();
-    let reqs = lengths(&trace, n);
-    let longest = reqs.iter().map(|(p, o)| p + o).max().unwrap();
-    let blocks = u64::from(longest.div_ceil(16)) + 64;
+    let n = 100;
+    // Long outputs: decode rows grow into a pool of 400 blocks and are preempted.
+    let trace =
+        crate::helpers::repo_root().join("data/traces/AzureLLMInferenceTrace_conv.head500.csv");
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("steps.jsonl");
     let json = dir.path().join("report.json");
-    // A budget no prompt of the trace reaches (every chunk final) and one that cuts some.
-    for budget in [65_536, 2048] {
-        let s = settings(budget, &format!("[replay.kv]\nblocks = {blocks}\n"));
+    // No budget (every chunk final: a prompt runs whole) and one that cuts some.
+    for budget in ["\"off\"", "512"] {
+        let s: Settings = toml::from_str(&format!(
+            "[chunking]\nmax_batch_tokens = {{ llm = {{ mixed = {budget} }} }}\n[replay.kv]\nblocks = 400\n"
+        ))
+        .unwrap();
         let r = replay(
             &s,
             &ReplayOptions {
                 trace: Some(trace.clone()),
                 requests: Some(n),
-                rate_scale: 4.0,
+                rate_scale: 8.0,
                 step_log: Some(log.clone()),
                 report_json: Some(json.clone()),
                 ..ReplayOptions::default()
@@ -281,7 +283,7 @@ fn preempted_prompts_are_counted_cut_once_and_preemptions_name_their_row() {
         assert!(r.chunks.prompts_cut <= n as u64, "{r}");
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         assert_eq!(doc["chunks"]["prompts_cut"], cut.len() as u64);
-        if budget == 65_536 {
+        if budget == "\"off\"" {
             assert_eq!(r.chunks.prompts_cut, 0, "every chunk was final\n{r}");
         }
     }
