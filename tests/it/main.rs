@@ -13,6 +13,7 @@ mod props;
 mod readme;
 mod reload;
 mod replay;
+mod setting_flags;
 mod sim_truth;
 mod state_machine;
 mod sweep_cli;
