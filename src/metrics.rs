@@ -276,7 +276,9 @@ pub fn describe_all() {
 // === the Prometheus exporter ===
 
 #[cfg(feature = "prometheus")]
-pub use exporter::{install_prometheus, install_prometheus_recorder, serve_prometheus, MetricsError};
+pub use exporter::{
+    install_prometheus, install_prometheus_recorder, serve_prometheus, MetricsError,
+};
 /// The handle that renders the Prometheus recorder's text ([`install_prometheus_recorder`]).
 #[cfg(feature = "prometheus")]
 pub use metrics_exporter_prometheus::PrometheusHandle;
@@ -508,6 +510,8 @@ impl Instance {
         if budget.is_some() {
             // Resolving the handles registers the series: counters at 0, an empty histogram.
             let _ = self.overruns(node, walk);
+            // The step series too, so that a scrape before the first step shows every series.
+            self.step(node, walk).register();
         }
     }
 
@@ -579,6 +583,16 @@ pub(crate) struct StepMetrics {
 }
 
 impl StepMetrics {
+    /// Creates the counters at 0 (the histograms exist once resolved).
+    fn register(&self) {
+        for c in [&self.steps, &self.chunks_final, &self.chunks_partial, &self.deferred]
+            .into_iter()
+            .chain(&self.time_overruns)
+        {
+            c.increment(0);
+        }
+    }
+
     /// Records an assembled step: the time planning took, and the rows it left waiting.
     pub(crate) fn assembled(&self, batch: &Batch, took: Duration) {
         self.assembly_seconds.record(took.as_secs_f64());
