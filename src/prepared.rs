@@ -339,6 +339,34 @@ impl PreparedAccounts {
 
 #[cfg(test)]
 mod tests {
+    use super::PreparedAccounts;
+
+    #[test]
+    fn accounts_count_rows_and_tokens_per_node_and_refuse_a_second_hold() {
+        let mut a = PreparedAccounts::default();
+        let (x, y) = (Name::from("thinker"), Name::from("talker"));
+        assert!(a.hold(1, &x, 4));
+        assert!(a.hold(2, &x, 3));
+        assert!(a.hold(1, &y, 5));
+        assert!(!a.hold(1, &x, 9), "counted already");
+        assert_eq!(a.tokens_of(1, "thinker"), Some(4));
+        assert_eq!((a.totals(), a.node_totals("thinker")), ((3, 12), (2, 7)));
+        assert_eq!(a.node_totals("ghost"), (0, 0));
+        assert!(a.release(2, "thinker"));
+        assert!(!a.release(2, "thinker") && !a.release(2, "ghost"));
+        assert_eq!((a.totals(), a.node_totals("thinker")), ((2, 9), (1, 4)));
+        let mut nodes = a.forget(1);
+        nodes.sort();
+        assert_eq!(nodes, [y.clone(), x.clone()]);
+        assert_eq!(a.totals(), (0, 0));
+        assert!(a.forget(1).is_empty());
+        assert!(a.hold(3, &y, 2));
+        a.clear();
+        assert_eq!((a.totals(), a.node_totals("talker")), ((0, 0), (0, 0)));
+        assert_eq!(a.tokens_of(3, "talker"), None);
+        assert!(a.hold(3, &y, 2), "held again after a clear");
+    }
+
     use super::*;
 
     #[test]

@@ -803,7 +803,7 @@ impl SchedulerState {
             &self.empty[&node].plan
         };
         check_ran(step, plan, ran)?;
-        if let Some(ms) = measured_ms.filter(|ms| !ms.is_finite() || *ms < 0.0) {
+        if let Some(ms) = measured_ms.filter(|&ms| crate::latency::measured_ms(ms).is_none()) {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);

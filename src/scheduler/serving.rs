@@ -457,3 +457,403 @@ impl SchedulerState {
         stats
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::snapshot::BudgetSnapshot;
+
+    /// One node `llm` serving `prefill` with a budget of 8.
+    fn state() -> SchedulerState {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(8),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let mut s = SchedulerState::default();
+        s.set_snapshot(Arc::new(BudgetSnapshot::new(
+            BudgetTable::from_policies(model),
+            1,
+        )));
+        s
+    }
+
+    /// Every hook call, in order, as text.
+    #[derive(Default)]
+    struct Recorded(Vec<String>);
+
+    impl StepHooks for Recorded {
+        fn admitted(&mut self, rid: u64, node: &Name, walk: &Name) {
+            self.0.push(format!("admitted {rid} {node}/{walk}"));
+        }
+        fn forgotten(&mut self, rid: u64) {
+            self.0.push(format!("forgotten {rid}"));
+        }
+        fn assembled(&mut self, batch: &Batch, _: Duration, in_flight: &dyn Fn(u64) -> bool) {
+            let older = in_flight(batch.step.saturating_sub(1));
+            self.0
+                .push(format!("assembled {} older {older}", batch.step));
+        }
+        fn abandoned(&mut self, step: u64, why: &ChunkingError) {
+            self.0.push(format!("abandoned {step}: {why}"));
+        }
+        fn completed(&mut self, outcome: &StepOutcome) {
+            self.0
+                .push(format!("completed {} {:?}", outcome.step, outcome.finished));
+        }
+        fn completion_refused(&mut self, step: u64, _: &ChunkingError) {
+            self.0.push(format!("completion refused {step}"));
+        }
+        fn change_refused(&mut self, step: u64, _: &ChunkingError) {
+            self.0.push(format!("change refused {step}"));
+        }
+        fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
+            let rows = state.prefill_rows();
+            self.0.push(format!("queues {node:?} {rows}"));
+        }
+    }
+
+    fn tokens(n: usize, v: u32) -> PreparedInput {
+        PreparedInput::tokens(vec![v; n])
+    }
+
+    fn llm() -> (Name, Name) {
+        (Name::from("llm"), Name::from("prefill"))
+    }
+
+    #[test]
+    fn a_refused_admission_queues_and_holds_nothing_and_changes_nothing() {
+        let mut s = state();
+        let (node, walk) = llm();
+        let mut h = Recorded::default();
+        s.admit_prepared(3, &node, &walk, tokens(3, 1), 0, &mut h)
+            .unwrap();
+        let again = s.admit_prepared(3, &node, &walk, tokens(5, 9), 0, &mut h);
+        assert!(matches!(
+            again,
+            Err(ChunkingError::AlreadyQueued { rid: 3, .. })
+        ));
+        let empty = s.admit_prepared(4, &node, &walk, tokens(0, 0), 0, &mut h);
+        assert!(matches!(
+            empty,
+            Err(ChunkingError::EmptyInput { rid: 4, .. })
+        ));
+        let ghost = s.admit_prepared(5, &node, &Name::from("ghost"), tokens(2, 0), 0, &mut h);
+        assert!(ghost.is_err());
+        assert!(
+            s.prepared(5, "llm").is_none(),
+            "a refused walk holds nothing"
+        );
+        assert_eq!(h.0, ["admitted 3 llm/prefill", "queues Some(\"llm\") 1"]);
+        assert_eq!(s.prepared(3, "llm"), Some(tokens(3, 1)));
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 3));
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Hold {
+                rid: 3,
+                node: node.clone(),
+                tokens: 3
+            }]
+        );
+        assert_eq!(s.take_input_changes(), None, "taken once");
+        assert_eq!(s.stats().prefill_rows, 1);
+    }
+
+    #[test]
+    fn forgets_and_releases_are_recorded_in_order_and_drop_the_inputs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2, 3] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        s.take_input_changes();
+        let mut h = Recorded::default();
+        s.forget_request(1, &mut h);
+        assert!(s.forget_row(2, &node, &mut h));
+        assert!(!s.forget_row(2, &node, &mut h));
+        assert_eq!(
+            h.0,
+            [
+                "forgotten 1",
+                "queues None 2",
+                "queues Some(\"llm\") 1",
+                "queues Some(\"llm\") 1"
+            ]
+        );
+        let release = InputChange::Release {
+            rid: 2,
+            node: node.clone(),
+        };
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Forget(1), release.clone(), release]
+        );
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 10));
+        assert!(s.prepared(1, "llm").is_none() && s.prepared(2, "llm").is_none());
+    }
+
+    #[test]
+    fn a_chunk_without_input_abandons_its_step_drops_the_row_and_the_next_one_runs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
+            s.admit_prepared(rid, &node, &walk, input, 0, &mut ())
+                .unwrap();
+        }
+        s.take_input_changes();
+        assert!(s.inputs.release(1, "llm"));
+        let mut h = Recorded::default();
+        let err = s.assemble_step("llm", "prefill", &mut h).unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
+            "{err}"
+        );
+        assert_eq!(h.0.len(), 3, "{:?}", h.0);
+        assert!(h.0[2].starts_with("abandoned 1: "), "{:?}", h.0);
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Release { rid: 1, node }]
+        );
+        let batch = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        assert_eq!(batch.rows.len(), 1);
+        assert_eq!(batch.rows[0].rid, 2);
+        let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
+        assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+        let again = s.assemble_step("llm", "prefill", &mut h).unwrap();
+        assert!(Arc::ptr_eq(&batch, &again), "the step in flight, again");
+        assert_eq!((s.stats().prefill_rows, s.stats().steps_in_flight), (1, 1));
+    }
+
+    #[test]
+    fn a_completion_releases_what_finished_and_a_refused_one_changes_nothing() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.take_input_changes();
+        let mut h = Recorded::default();
+        assert!(s.complete_step(step, &[8, 8], None, &mut h).is_err());
+        assert_eq!(h.0, [format!("completion refused {step}")]);
+        assert_eq!(s.take_input_changes(), None);
+        let out = s.complete_step(step, &[8], Some(1.0), &mut h).unwrap();
+        assert_eq!(out.finished, [1]);
+        assert_eq!(
+            h.0[1..],
+            [
+                format!("completed {step} [1]"),
+                "queues Some(\"llm\") 0".into()
+            ]
+        );
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Release { rid: 1, node }]
+        );
+        assert!(s.prepared(1, "llm").is_none());
+    }
+
+    #[test]
+    fn a_one_trip_step_is_answered_again_on_a_repeat_and_refused_when_it_differs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        let next = NextStep::new("llm", "prefill")
+            .admit(2, "prefill", tokens(5, 2), 0)
+            .continue_row_with_context(9, "prefill", 1, 40);
+        let mut h = Recorded::default();
+        let done = s
+            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(done.outcome.finished, [1]);
+        let batch = done.next.clone().unwrap();
+        let rows: Vec<u64> = batch.rows.iter().map(|r| r.rid).collect();
+        assert_eq!(rows, [9, 2], "continuing rows first");
+        assert_eq!(batch.rows[1].input.as_ref().unwrap().token_ids(), &[2; 5]);
+        assert_eq!(batch.rows[0].context, 40);
+        assert_eq!(
+            (s.inputs.rows(), s.inputs.tokens()),
+            (1, 5),
+            "1 released, 2 held"
+        );
+        let calls = h.0.len();
+
+        // A repeat (the answer was lost) is answered again, changing nothing.
+        let again = s
+            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(again.outcome, done.outcome);
+        assert!(Arc::ptr_eq(&again.next.unwrap(), &batch));
+        assert_eq!(h.0.len(), calls, "no hook runs for a repeat");
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 5));
+        for (ran, ms) in [(vec![0], Some(3.0)), (vec![8], Some(4.0)), (vec![8], None)] {
+            let err = s
+                .complete_and_assemble(step, ran, ms, next.clone(), &mut h)
+                .unwrap_err();
+            assert!(
+                matches!(err, ChunkingError::CompletedDifferently { .. }),
+                "{err}"
+            );
+        }
+        // A step that is not in flight on the node is unknown; a walk the node does not serve
+        // is refused before anything changes.
+        let plain = NextStep::new("llm", "prefill");
+        let err = s
+            .complete_and_assemble(batch.step + 5, vec![1, 5], None, plain, &mut h)
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
+        let ghost = NextStep::new("llm", "ghost");
+        let err = s
+            .complete_and_assemble(batch.step, vec![1, 5], None, ghost, &mut h)
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
+        assert_eq!(s.stats().steps_in_flight, 1, "still in flight");
+        // The second step's completion is remembered in place of the first.
+        let next = NextStep::new("llm", "prefill").forget_request(9);
+        let done = s
+            .complete_and_assemble(batch.step, vec![1, 5], None, next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(done.outcome.finished, [2]);
+        assert_eq!(
+            s.complete_and_assemble(batch.step, vec![1, 5], None, next, &mut h)
+                .unwrap()
+                .outcome,
+            done.outcome
+        );
+        let stale = s.complete_and_assemble(
+            step,
+            vec![8],
+            Some(3.0),
+            NextStep::new("llm", "prefill"),
+            &mut h,
+        );
+        assert!(
+            matches!(stale, Err(ChunkingError::UnknownStep { .. })),
+            "{stale:?}"
+        );
+    }
+
+    #[test]
+    fn a_refused_row_change_keeps_the_ones_before_it_and_is_the_next_steps_answer() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        let next = NextStep::new("llm", "prefill")
+            .admit(2, "prefill", tokens(4, 2), 0)
+            .admit(3, "prefill", tokens(0, 0), 0)
+            .admit(4, "prefill", tokens(4, 4), 0);
+        let mut h = Recorded::default();
+        let done = s
+            .complete_and_assemble(step, vec![8], None, next.clone(), &mut h)
+            .unwrap();
+        assert!(
+            matches!(done.next, Err(ChunkingError::EmptyInput { rid: 3, .. })),
+            "{:?}",
+            done.next
+        );
+        assert!(h.0.contains(&format!("change refused {step}")), "{:?}", h.0);
+        assert!(s.prepared(2, "llm").is_some() && s.prepared(4, "llm").is_none());
+        // Its repeat gets the same refusal, and changes nothing.
+        let again = s
+            .complete_and_assemble(step, vec![8], None, next, &mut h)
+            .unwrap();
+        assert_eq!(again.next, done.next);
+        assert_eq!(s.stats().prefill_rows, 1);
+    }
+
+    #[test]
+    fn a_begun_drain_refuses_admissions_and_steps_but_applies_forgets_and_completions() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        assert_eq!(s.begin_drain(), 1);
+        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+        let refused = s.continue_with(5, &node, &walk, 1, None, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+        assert!(matches!(
+            s.assemble_step("llm", "prefill", &mut ()),
+            Err(ChunkingError::Draining)
+        ));
+        let next =
+            NextStep::new("llm", "prefill")
+                .forget_request(2)
+                .admit(4, "prefill", tokens(4, 0), 0);
+        let done = s
+            .complete_and_assemble(step, vec![8], None, next, &mut ())
+            .unwrap();
+        assert!(
+            matches!(done.next, Err(ChunkingError::Draining)),
+            "{:?}",
+            done.next
+        );
+        assert!(s.prepared(2, "llm").is_none() && s.prepared(4, "llm").is_none());
+        assert_eq!((s.stats().prefill_rows, s.stats().steps_in_flight), (1, 0));
+    }
+
+    #[test]
+    fn a_drain_reports_and_drops_every_row_and_input() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        s.continue_with(7, &node, &walk, 1, None, &mut ()).unwrap();
+        s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let mut h = Recorded::default();
+        let report = s.drain_all(&mut h);
+        let want = DrainReport {
+            steps_abandoned: 1,
+            requests: 3,
+            rows: 3,
+            prepared_inputs: 2,
+            prepared_tokens: 20,
+        };
+        assert_eq!(report, want);
+        assert_eq!(h.0, ["queues None 0"]);
+        assert_eq!(
+            s.take_input_changes(),
+            None,
+            "the accounting is cleared whole"
+        );
+        assert_eq!(s.stats(), QueueStats::default());
+        assert_eq!(s.drain_all(&mut ()), DrainReport::default());
+        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+    }
+
+    #[test]
+    fn the_stats_count_prefill_mid_prefill_and_continuing_rows() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.complete_step(step, &[8], None, &mut ()).unwrap();
+        s.continue_with(5, &node, &walk, 1, None, &mut ()).unwrap();
+        s.admit_prepared(2, &node, &walk, tokens(3, 0), 0, &mut ())
+            .unwrap();
+        let want = QueueStats {
+            prefill_rows: 2,
+            mid_prefill_rows: 1,
+            continuing_rows: 1,
+            steps_in_flight: 0,
+        };
+        assert_eq!(s.stats(), want);
+    }
+}
