@@ -144,18 +144,19 @@ def run(cm: ChunkingManagement, requests: Sequence[Request], sim: LatencyModel) 
         tokens = kv = pairs = 0
         for row in batch.rows:
             tokens += row.tokens
-            if row.kind == "continue":
+            chunk = row.range  # None for a continuing row
+            if chunk is None:
                 kv += context[row.rid]
             else:
-                pairs += LatencyModel.attention_pairs(row.range.start, row.range.end)
+                pairs += LatencyModel.attention_pairs(chunk.start, chunk.end)
         step_ms = sim.predict_ms(tokens, kv, pairs)
         t_ms += step_ms
         steps += 1
         scheduled += batch.scheduled_tokens
         next_step = NextStep(NODE, MIXED)
         for row, r in zip(batch.rows, ran):
-            rid = row.rid
-            if row.kind == "continue":
+            rid, chunk = row.rid, row.range
+            if chunk is None:
                 decode_tokens += r
                 context[rid] += 1
                 remaining[rid] -= 1
@@ -168,7 +169,7 @@ def run(cm: ChunkingManagement, requests: Sequence[Request], sim: LatencyModel) 
                 if not row.is_final:
                     continue
                 prefilling -= 1
-                context[rid] = row.range.total + 1
+                context[rid] = chunk.total + 1
                 remaining[rid] = max(requests[rid][2], 1) - 1
                 if remaining[rid] > 0:
                     next_step.continue_row(rid, DECODE, 1)

@@ -229,6 +229,17 @@ pymethods_with_getters! {
         self.batch.rows.iter().map(BatchRow::tokens).collect()
     }
 
+    /// The rids whose final chunk this step runs: their prefill ends with it (what an engine
+    /// turns into decode rows), read without making a `Row` per row.
+    fn final_rids(&self) -> Vec<u64> {
+        self.batch
+            .rows
+            .iter()
+            .filter(|r| matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()))
+            .map(|r| r.rid)
+            .collect()
+    }
+
     fn __len__(&self) -> usize {
         self.batch.rows.len()
     }
