@@ -78,14 +78,15 @@ PY_VENV ?= target/py-venv
 # The replay binary is the debug build `make test` already made (same features), which the engine
 # loop test runs against the Python example. The wheel is a debug build: the tests check
 # behaviour, and it builds in a fraction of a release's time (python/bench.py wants a release).
-test-python: ## The Python package: a venv under target/, maturin + pytest from PyPI, the wheel built, installed and tested
+test-python: ## The Python package: a venv under target/, maturin + pytest + mypy from PyPI, the wheel built, installed and tested, mypy --strict on the example and the bench
 	python3 -m venv $(PY_VENV)
-	$(PY_VENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7"
+	$(PY_VENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "mypy>=1.8"
 	rm -rf target/py-wheels
 	$(PY_VENV)/bin/maturin build -m python/Cargo.toml -i $(PY_VENV)/bin/python --out target/py-wheels
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/py-wheels/mstar_chunking-*.whl
 	$(CARGO) build --all-features --bin mstar-chunking
 	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
+	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py
 
 test-engine: ## The reference engine's tests (tiny model): exactness, serving, load generator
 	$(CARGO) test -p mstar-engine

@@ -68,6 +68,8 @@ pub mod cli;
 pub mod config;
 pub mod error;
 #[cfg(feature = "config")]
+// The bounded line reader serves the replay's traces and fit files only.
+#[cfg_attr(not(feature = "replay"), allow(dead_code))]
 mod input;
 pub mod latency;
 #[cfg(feature = "cli")]

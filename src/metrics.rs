@@ -276,13 +276,18 @@ pub fn describe_all() {
 // === the Prometheus exporter ===
 
 #[cfg(feature = "prometheus")]
-pub use exporter::{install_prometheus, MetricsError};
+pub use exporter::{
+    install_prometheus, install_prometheus_recorder, serve_prometheus, MetricsError,
+};
+/// The handle that renders the Prometheus recorder's text ([`install_prometheus_recorder`]).
+#[cfg(feature = "prometheus")]
+pub use metrics_exporter_prometheus::PrometheusHandle;
 
 #[cfg(feature = "prometheus")]
 mod exporter {
     use std::net::SocketAddr;
 
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
     use super::*;
 
@@ -339,6 +344,47 @@ mod exporter {
     /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
     /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
     pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+        // Bound first, so that a bad address fails here, at startup, before a recorder is set.
+        let (runtime, listener, listen) = bind(listen)?;
+        let handle = install_prometheus_recorder()?;
+        spawn_server(runtime, listener, listen, handle)
+    }
+
+    /// Installs the Prometheus recorder (the exporter's settings, as [`install_prometheus`]) as
+    /// the global recorder without serving it, and describes every metric. Answers the handle
+    /// that renders the process's series: an embedder with its own `/metrics` appends
+    /// `handle.render()`, or serves it with [`serve_prometheus`]. Install it before any facade
+    /// starts: series registered at start under no recorder are never exported.
+    ///
+    /// # Errors
+    /// [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
+    pub fn install_prometheus_recorder() -> Result<PrometheusHandle, MetricsError> {
+        let recorder = prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        describe_all();
+        Ok(handle)
+    }
+
+    /// Serves `handle`'s text on `listen` (`GET /metrics`) from a thread of its own, with the
+    /// bounds of [`crate::metrics_server`]; answers the address bound (port 0 picks a free one).
+    ///
+    /// # Errors
+    /// [`MetricsError::Bind`] when `listen` cannot be bound, [`MetricsError::Exporter`] when
+    /// the server's thread or runtime cannot start.
+    pub fn serve_prometheus(
+        listen: SocketAddr,
+        handle: PrometheusHandle,
+    ) -> Result<SocketAddr, MetricsError> {
+        let (runtime, listener, listen) = bind(listen)?;
+        spawn_server(runtime, listener, listen, handle)?;
+        Ok(listen)
+    }
+
+    /// The endpoint's runtime and its bound listener, with the address bound.
+    fn bind(
+        listen: SocketAddr,
+    ) -> Result<(tokio::runtime::Runtime, tokio::net::TcpListener, SocketAddr), MetricsError> {
         let exporter_error = |reason: String| MetricsError::Exporter {
             addr: listen,
             reason,
@@ -347,8 +393,8 @@ mod exporter {
             .enable_all()
             .build()
             .map_err(|e| exporter_error(e.to_string()))?;
-        // Bound at once, so that a bad address fails here, at startup. The listen queue is long
-        // enough for clients waiting while `metrics_server::MAX_CONNECTIONS` are served.
+        // The listen queue is long enough for clients waiting while
+        // `metrics_server::MAX_CONNECTIONS` are served.
         let listener = {
             let _entered = runtime.enter();
             let socket = if listen.is_ipv4() {
@@ -367,17 +413,25 @@ mod exporter {
                     reason: e.to_string(),
                 })?
         };
-        let listen = listener
+        let bound = listener
             .local_addr()
             .map_err(|e| exporter_error(e.to_string()))?;
-        let recorder = prometheus_builder().build_recorder();
-        let handle = recorder.handle();
-        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        Ok((runtime, listener, bound))
+    }
+
+    fn spawn_server(
+        runtime: tokio::runtime::Runtime,
+        listener: tokio::net::TcpListener,
+        listen: SocketAddr,
+        handle: PrometheusHandle,
+    ) -> Result<(), MetricsError> {
         std::thread::Builder::new()
             .name("mstar-metrics".into())
             .spawn(move || runtime.block_on(crate::metrics_server::serve(listener, handle)))
-            .map_err(|e| exporter_error(e.to_string()))?;
-        describe_all();
+            .map_err(|e| MetricsError::Exporter {
+                addr: listen,
+                reason: e.to_string(),
+            })?;
         tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
         Ok(())
     }
@@ -456,6 +510,8 @@ impl Instance {
         if budget.is_some() {
             // Resolving the handles registers the series: counters at 0, an empty histogram.
             let _ = self.overruns(node, walk);
+            // The step series too, so that a scrape before the first step shows every series.
+            self.step(node, walk).register();
         }
     }
 
@@ -527,6 +583,16 @@ pub(crate) struct StepMetrics {
 }
 
 impl StepMetrics {
+    /// Creates the counters at 0 (the histograms exist once resolved).
+    fn register(&self) {
+        for c in [&self.steps, &self.chunks_final, &self.chunks_partial, &self.deferred]
+            .into_iter()
+            .chain(&self.time_overruns)
+        {
+            c.increment(0);
+        }
+    }
+
     /// Records an assembled step: the time planning took, and the rows it left waiting.
     pub(crate) fn assembled(&self, batch: &Batch, took: Duration) {
         self.assembly_seconds.record(took.as_secs_f64());
