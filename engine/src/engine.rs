@@ -25,7 +25,7 @@ use mstar_chunking::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::model::{KvCache, Model, Sampler, StepRow, EOS};
+use crate::model::{KvCache, Model, Sampler, StepRow};
 
 /// The node the engine's model is registered as.
 pub const NODE: &str = "llm";
@@ -701,7 +701,7 @@ impl Engine {
             }
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token(tok));
-            let done = if tok == EOS && !s.req.ignore_eos {
+            let done = if tok == self.model.tokenizer().eos() && !s.req.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)
