@@ -216,6 +216,8 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     /// The component's handle, for its metrics and state.
     pub chunking: ChunkingManagement,
+    /// The served model's tokenizer.
+    pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
 }
 
 impl EngineHandle {
@@ -336,6 +338,7 @@ pub fn start(
         )),
         None => None,
     };
+    let tokenizer = model.tokenizer().clone();
     let (tx, rx) = mpsc::unbounded_channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
@@ -384,7 +387,14 @@ pub fn start(
     let chunking = ready_rx
         .recv()
         .map_err(|_| "the engine thread ended before starting".to_owned())??;
-    Ok((EngineHandle { tx, chunking }, thread))
+    Ok((
+        EngineHandle {
+            tx,
+            chunking,
+            tokenizer,
+        },
+        thread,
+    ))
 }
 
 struct Engine {
