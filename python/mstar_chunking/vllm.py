@@ -386,13 +386,28 @@ class _Chunking:
 
 class Scheduler(_Chunking, _VllmScheduler):
     """The dotted path for `--scheduler-cls`. Over vLLM's `Scheduler` when async scheduling is
-    off; with it on, constructing `Scheduler` makes an `AsyncScheduler` (its subclass)."""
+    off; with it on, constructing `Scheduler` makes an `AsyncScheduler` (its subclass), and a
+    subclass of `Scheduler` gets its own variant over vLLM's `AsyncScheduler` the same way."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is Scheduler and _vllm_config_of(args, kwargs).scheduler_config.async_scheduling:
-            cls = AsyncScheduler
+        if _vllm_config_of(args, kwargs).scheduler_config.async_scheduling and not issubclass(
+            cls, _VllmAsyncScheduler
+        ):
+            cls = _async_variant(cls)
         return object.__new__(cls)
 
 
 class AsyncScheduler(Scheduler, _VllmAsyncScheduler):
     """Over vLLM's `AsyncScheduler`: step N+1 is scheduled before step N's output arrives."""
+
+
+_async_variants: dict[type, type] = {Scheduler: AsyncScheduler}
+
+
+def _async_variant(cls: type) -> type:
+    """A subclass of `Scheduler` over vLLM's `AsyncScheduler` (made once per class)."""
+    variant = _async_variants.get(cls)
+    if variant is None:
+        variant = type(cls.__name__ + "Async", (cls, AsyncScheduler), {"__module__": cls.__module__})
+        _async_variants[cls] = variant
+    return variant
