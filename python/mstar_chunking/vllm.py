@@ -49,6 +49,11 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from . import ChunkingManagement, ChunkingPolicy, SubmoduleCaps  # noqa: E402
 
+try:  # the one-call step; without it, each change is a call of its own
+    from . import NextStep as _NextStep  # type: ignore[attr-defined]  # noqa: E402
+except ImportError:
+    _NextStep = None
+
 log = logging.getLogger("mstar_chunking.vllm")
 
 NODE, PREFILL, DECODE, MIXED = "llm", "prefill", "decode", "mixed"
@@ -66,10 +71,11 @@ class _Step:
     """One vLLM step as the component planned it, until vLLM reports its output."""
 
     step: int
-    rows: list[tuple[str, bool, int]]  # (vLLM request id, is a chunk, planned tokens)
+    rows: list[tuple[str, int, bool, int, bool]]  # (vLLM request id, rid, chunk?, planned, final?)
     ran: list[int]
     returned_at: float
     completed: bool = False
+    measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
 
 
 @dataclass
@@ -82,6 +88,7 @@ class ChunkingStats:
     refused_requests: int = 0
     unmeasured_steps: int = 0  # async: completed before their time was known
     measured_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))  # the component's StepOutcomes
 
 
 def _vllm_config_of(args: tuple, kwargs: dict) -> Any:
@@ -149,9 +156,11 @@ class _Chunking:
         self._plan: Optional[dict[str, tuple[int, Optional[int]]]] = None
         self._observed: dict[str, int] = {}
         self._uncompleted: Optional[_Step] = None
+        self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self.chunking = self._start_component(cfg)
+        self._one_call = _NextStep is not None and hasattr(self.chunking, "complete_and_assemble")
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -241,11 +250,12 @@ class _Chunking:
             )
 
     def _forget(self, req_id: str) -> None:
+        """Ends the request in the component, with the next step's row changes."""
         rid = self._rid_of.pop(req_id, None)
         self._start_hint.pop(req_id, None)
         if rid is not None:
             del self._req_of[rid]
-            self.chunking.forget_request(rid)
+            self._changes.append((rid, None, 0))
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         self._forget(request.request_id)
@@ -257,7 +267,9 @@ class _Chunking:
         self._forget(request.request_id)
 
     def _admit_waiting(self) -> None:
-        """Admits waiting requests, in vLLM's order, while vLLM has slots to start them in."""
+        """Admits waiting requests, in vLLM's order, while vLLM has slots to start them in, each
+        with its prefix-cache hit as `cached` (vLLM looks it up again when it reaches the request,
+        and a different answer makes the request be admitted again from there)."""
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         pending = 0
         for request in self.waiting:  # type: ignore[attr-defined]
@@ -278,7 +290,7 @@ class _Chunking:
                     start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
             rid = self._next_rid
             self._next_rid += 1
-            self.chunking.admit(rid, NODE, PREFILL, request.all_token_ids, cached=start)
+            self._changes.append((rid, request.all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
             pending += 1
@@ -301,21 +313,72 @@ class _Chunking:
             return 0
         return tokens if n >= tokens else 0
 
+    def _continues(self, prev: Optional[_Step]) -> list[int]:
+        """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
+        out = []
+        if prev is None:
+            return out
+        for (req_id, rid, _, tokens, final), ran in zip(prev.rows, prev.ran):
+            if final and ran == tokens and self._rid_of.get(req_id) == rid:
+                request = self.requests.get(req_id)  # type: ignore[attr-defined]
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    out.append(rid)
+        return out
+
+    def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
+        """Completes `prev` (the step before), applies the row changes since (decode rows of the
+        prompts it finished, requests ended, prompts admitted), and assembles the next step: one
+        round trip where the package has `complete_and_assemble` with a `NextStep`."""
+        changes, self._changes = self._changes, []
+        continues = self._continues(prev)
+        ms = None
+        if prev is not None:
+            prev.completed = True
+            ms = prev.measured_ms
+            if ms is None:
+                self.mstar_stats.unmeasured_steps += 1
+        cm = self.chunking
+        if prev is not None and assemble and self._one_call:
+            nxt = _NextStep(NODE, MIXED)
+            for rid in continues:
+                nxt.continue_row(rid, DECODE, 1)
+            for rid, tokens, cached in changes:
+                if tokens is None:
+                    nxt.forget_request(rid)
+                else:
+                    nxt.admit(rid, PREFILL, tokens, cached)
+            done = cm.complete_and_assemble(prev.step, prev.ran, ms, next=nxt)
+            self.mstar_stats.outcomes.append(done.outcome)
+            return done.next
+        if prev is not None:
+            self.mstar_stats.outcomes.append(cm.complete(prev.step, prev.ran, ms))
+        for rid in continues:
+            cm.continue_row(rid, NODE, DECODE, 1)
+        for rid, tokens, cached in changes:
+            if tokens is None:
+                cm.forget_request(rid)
+            else:
+                cm.admit(rid, NODE, PREFILL, tokens, cached=cached)
+        return cm.assemble(NODE, MIXED) if assemble else None
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self._uncompleted is not None:
-            # Async scheduling: the previous step is still running. It is completed with what it
-            # was scheduled to run, so this step is planned from there; its time comes later.
-            self._complete(self._uncompleted, None)
+        # The step before is completed here with what it was scheduled to run: under async
+        # scheduling it is still running (its time comes later), otherwise its output came.
+        prev, self._uncompleted = self._uncompleted, None
         self._admit_waiting()
-        batch = self.chunking.assemble(NODE, MIXED)
-        rows: list[tuple[str, bool, int]] = []
+        batch = self._advance(prev)
+        rows: list[tuple[str, int, bool, int, bool]] = []
         plan: dict[str, tuple[int, Optional[int]]] = {}
         for row in batch.rows:
-            req_id = self._req_of[row.rid]
-            chunk = row.kind == "chunk"
-            tokens = row.tokens
-            rows.append((req_id, chunk, tokens))
-            plan[req_id] = (tokens, row.range.start if chunk else None)
+            rid = row.rid
+            req_id = self._req_of[rid]
+            if row.kind == "chunk":
+                r = row.range
+                rows.append((req_id, rid, True, row.tokens, r.is_final))
+                plan[req_id] = (row.tokens, r.start)
+            else:
+                rows.append((req_id, rid, False, row.tokens, False))
+                plan[req_id] = (row.tokens, None)
         self._plan, self._observed = plan, {}
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -326,40 +389,26 @@ class _Chunking:
         self._plan = None
         scheduled = out.num_scheduled_tokens
         ran = []
-        for req_id, chunk, tokens in rows:
+        for req_id, _, chunk, tokens, _ in rows:
             n = scheduled.get(req_id, 0)
             if chunk and n not in (0, tokens):
                 raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
             if n == 0:
                 self.mstar_stats.handed_back += 1
             ran.append(n)
-        extra = set(scheduled) - plan.keys()
-        if extra:
-            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {sorted(extra)}")
+        if len(scheduled) > len(plan) or not plan.keys() >= scheduled.keys():
+            extra = sorted(set(scheduled) - plan.keys())
+            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
             self._start_hint[req_id] = start
         self.mstar_stats.steps += 1
-        rec = None
-        if len(batch) > 0:
-            rec = _Step(batch.step, rows, ran, time.perf_counter())
-            self._uncompleted = rec
+        rec = _Step(batch.step, rows, ran, time.perf_counter())
+        self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
-
-    def _complete(self, rec: _Step, measured_ms: Optional[float]) -> None:
-        self._uncompleted = None
-        rec.completed = True
-        if measured_ms is None:
-            self.mstar_stats.unmeasured_steps += 1
-        outcome = self.chunking.complete(rec.step, rec.ran, measured_ms)
-        for rid in outcome.finished:
-            req_id = self._req_of.get(rid)
-            request = self.requests.get(req_id) if req_id is not None else None  # type: ignore[attr-defined]
-            if request is not None and request.status == RequestStatus.RUNNING:
-                self.chunking.continue_row(rid, NODE, DECODE, 1)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = time.perf_counter()
@@ -367,21 +416,31 @@ class _Chunking:
             raise RuntimeError("update_from_output for a step this scheduler did not schedule last")
         _, rec = self._in_flight.popleft()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        if rec is not None:
-            # The step ran from when its schedule() returned, or from when the step before it
-            # finished if that was later (async: it was queued behind that step), until now.
-            ms = (now - max(rec.returned_at, self._last_update)) * 1e3
-            self.mstar_stats.measured_ms.append(ms)
-            if not rec.completed:
-                self._complete(rec, ms)
+        # The step ran from when its schedule() returned, or from when the step before it
+        # finished if that was later (async: it was queued behind that step), until now.
+        ms = (now - max(rec.returned_at, self._last_update)) * 1e3
         self._last_update = now
+        self.mstar_stats.measured_ms.append(ms)
+        if not rec.completed:
+            rec.measured_ms = ms
+        if not self._in_flight and not self.has_requests():  # type: ignore[attr-defined]
+            self._settle()
         return result
+
+    def _settle(self) -> None:
+        """Idle: completes the last step and applies the changes now, so nothing stays held."""
+        prev, self._uncompleted = self._uncompleted, None
+        self._advance(prev, assemble=False)
 
     def shutdown(self) -> None:
         try:
             super().shutdown()  # type: ignore[misc]
         finally:
-            self.chunking.close()
+            try:
+                if not self._in_flight:
+                    self._settle()
+            finally:
+                self.chunking.close()
 
 
 class Scheduler(_Chunking, _VllmScheduler):
