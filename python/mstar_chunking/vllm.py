@@ -134,6 +134,8 @@ class _Chunking:
 
     chunking: ChunkingManagement
     mstar_stats: ChunkingStats
+    #: The clock steps are measured with (seconds); a test replaces it with a simulated one.
+    clock: Any = staticmethod(time.perf_counter)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = _vllm_config_of(args, kwargs)
@@ -405,13 +407,13 @@ class _Chunking:
             self._forget(req_id)
             self._start_hint[req_id] = start
         self.mstar_stats.steps += 1
-        rec = _Step(batch.step, rows, ran, time.perf_counter())
+        rec = _Step(batch.step, rows, ran, self.clock())
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        now = time.perf_counter()
+        now = self.clock()
         if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
             raise RuntimeError("update_from_output for a step this scheduler did not schedule last")
         _, rec = self._in_flight.popleft()

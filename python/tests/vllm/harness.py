@@ -139,6 +139,7 @@ class Run:
     outputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     finished: dict[str, str] = field(default_factory=dict)
     sched_s: list[float] = field(default_factory=list)  # schedule() + update_from_output() per step
+    sched_cpu_s: list[float] = field(default_factory=list)  # the same in the process's CPU time
 
     def step_tokens(self) -> list[int]:
         return [sum(c.tokens for c in s) for s in self.steps]
@@ -164,9 +165,9 @@ class Driver:
         self.run.finished[req_id] = "abort"
 
     def step(self) -> list[Chunk]:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = self.s.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         chunks, sample = [], []
         for req_id, n in out.num_scheduled_tokens.items():
             r = self.s.requests[req_id]
@@ -175,13 +176,15 @@ class Driver:
             sample.append(not r.is_prefill_chunk)
         self.run.steps.append(chunks)
         self.queue.append((out, sample))
-        spent = t1 - t0
+        spent, cpu = t1 - t0, c1 - c0
         if len(self.queue) >= self.depth:
-            spent += self._update()
+            s, c = self._update()
+            spent, cpu = spent + s, cpu + c
         self.run.sched_s.append(spent)
+        self.run.sched_cpu_s.append(cpu)
         return chunks
 
-    def _update(self) -> float:
+    def _update(self) -> tuple[float, float]:
         out, sample = self.queue.popleft()
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
@@ -191,15 +194,15 @@ class Driver:
         )
         if self.step_ms is not None:
             self.step_ms(out)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         result = self.s.update_from_output(out, mro)
-        spent = time.perf_counter() - t0
+        spent, cpu = time.perf_counter() - t0, time.process_time() - c0
         for eco in result.values():
             for o in eco.outputs:
                 self.run.outputs[o.request_id] += len(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.run.finished[o.request_id] = str(o.finish_reason)
-        return spent
+        return spent, cpu
 
     def drain(self, limit: int = 20_000) -> Run:
         """Steps until nothing is left to run (bounded)."""
