@@ -81,12 +81,12 @@ def test_cost_side_by_side():
         pa, pb = (statistics.median(x for x, _ in v) * 1e6 for v in (a, b))
         ca, cb = (statistics.median(c for _, c in v) * 1e6 for v in (a, b))
         report[name] = {
-            "plugin_us": round(pa, 1),
-            "vllm_us": round(pb, 1),
-            "ratio": round(pa / pb, 3),
-            "plugin_cpu_us": round(ca, 1),
-            "vllm_cpu_us": round(cb, 1),
-            "cpu_ratio": round(ca / cb, 3),
+            "plugin_us": float(f"{pa:.1f}"),
+            "vllm_us": float(f"{pb:.1f}"),
+            "ratio": float(f"{pa / pb:.3f}"),
+            "plugin_cpu_us": float(f"{ca:.1f}"),
+            "vllm_cpu_us": float(f"{cb:.1f}"),
+            "cpu_ratio": float(f"{ca / cb:.3f}"),
             "load_average": os.getloadavg()[0],
             "plugin_tokens": toks_a,
             "vllm_tokens": toks_b,
