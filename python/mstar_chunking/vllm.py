@@ -175,9 +175,7 @@ class _Chunking:
         if metrics:
             serve = getattr(__import__("mstar_chunking"), "serve_metrics", None)
             if serve is None:
-                raise UnsupportedVllmFeature(
-                    f"{METRICS_ENV} is set, but this mstar_chunking has no serve_metrics()"
-                )
+                raise UnsupportedVllmFeature(f"{METRICS_ENV} is set, but this mstar_chunking has no serve_metrics()")
             serve(metrics)
         paths = [p for p in os.environ.get(CONFIG_ENV, "").split(os.pathsep) if p]
         if paths or _mstar_env():
@@ -451,9 +449,7 @@ class Scheduler(_Chunking, _VllmScheduler):
     subclass of `Scheduler` gets its own variant over vLLM's `AsyncScheduler` the same way."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if _vllm_config_of(args, kwargs).scheduler_config.async_scheduling and not issubclass(
-            cls, _VllmAsyncScheduler
-        ):
+        if _vllm_config_of(args, kwargs).scheduler_config.async_scheduling and not issubclass(cls, _VllmAsyncScheduler):
             cls = _async_variant(cls)
         return object.__new__(cls)
 

@@ -21,8 +21,7 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402, F401 (the baseline)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -84,15 +83,11 @@ def make_scheduler(
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
-    mc = ModelConfig(
-        model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len
-    )
+    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len)
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], attn)]
-    )
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], attn)])
     cc.num_gpu_blocks = num_blocks
     return cls(
         vllm_config=vc,

@@ -92,8 +92,10 @@ def test_cost_side_by_side():
             "vllm_tokens": toks_b,
             "steps": STEPS,
         }
-        print(f"{name}: plugin {pa:.0f} us/step, vLLM {pb:.0f} us/step, ratio {pa / pb:.2f}; CPU "
-              f"{ca:.0f} vs {cb:.0f} us, ratio {ca / cb:.2f} (tokens {toks_a} vs {toks_b} over {STEPS} steps)")
+        print(
+            f"{name}: plugin {pa:.0f} us/step, vLLM {pb:.0f} us/step, ratio {pa / pb:.2f}; CPU "
+            f"{ca:.0f} vs {cb:.0f} us, ratio {ca / cb:.2f} (tokens {toks_a} vs {toks_b} over {STEPS} steps)"
+        )
         # Both did the workload's work: every step ran tokens, about as many as vLLM's.
         assert toks_a > 0.9 * toks_b
         ours.s.shutdown()

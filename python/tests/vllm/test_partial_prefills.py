@@ -28,9 +28,7 @@ def mid_prefill_counts(cls, prompts):
         if not s.has_requests():
             break
         d.step()
-        counts.append(
-            sum(1 for r in s.requests.values() if 0 < r.num_computed_tokens < r.num_prompt_tokens)
-        )
+        counts.append(sum(1 for r in s.requests.values() if 0 < r.num_computed_tokens < r.num_prompt_tokens))
     run = d.drain()
     assert all(run.outputs[f"p{i}"] == 4 for i in range(len(prompts)))
     assert kv_all_free(s, BLOCKS)

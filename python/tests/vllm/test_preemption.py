@@ -70,7 +70,10 @@ def test_nothing_lost_nothing_held(async_scheduling):
             assert run.finished[r] == "length", r
     assert kv_all_free(s, BLOCKS)
     assert s.chunking.queue_stats() == {
-        "prefill_rows": 0, "mid_prefill_rows": 0, "continuing_rows": 0, "steps_in_flight": 0,
+        "prefill_rows": 0,
+        "mid_prefill_rows": 0,
+        "continuing_rows": 0,
+        "steps_in_flight": 0,
     }
     assert len(s.chunking.prepared) == 0
     assert not s._rid_of and not s._req_of and not s.requests

@@ -75,7 +75,9 @@ def test_structured_output_is_refused_per_request():
     s = make_scheduler(Scheduler)
     d = Driver(s)
     req = make_request("json", [5] * 40, 8)
-    req.sampling_params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    req.sampling_params = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"})
+    )
     from vllm.v1.structured_output.request import StructuredOutputRequest
 
     req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)

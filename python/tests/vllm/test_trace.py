@@ -62,7 +62,10 @@ def test_trace_completes_exactly_within_budget_floor_and_alignment(async_schedul
         assert run.finished[r] == "length", r
     assert kv_all_free(s, BLOCKS)
     assert s.chunking.queue_stats() == {
-        "prefill_rows": 0, "mid_prefill_rows": 0, "continuing_rows": 0, "steps_in_flight": 0,
+        "prefill_rows": 0,
+        "mid_prefill_rows": 0,
+        "continuing_rows": 0,
+        "steps_in_flight": 0,
     }
     assert len(s.chunking.prepared) == 0
     assert not s._rid_of and not s._req_of
