@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-engine serve engine-bench
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-vllm test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -78,6 +78,16 @@ PY_VENV ?= target/py-venv
 # The replay binary is the debug build `make test` already made (same features), which the engine
 # loop test runs against the Python example. The wheel is a debug build: the tests check
 # behaviour, and it builds in a fraction of a release's time (python/bench.py wants a release).
+# vLLM (about 11 GB with torch) lives in a venv outside the clone, reused once complete
+# (python/scripts/install-vllm.sh; MSTAR_VLLM_VENV moves it). The wheel is a debug build, as for
+# test-python; the tests run vLLM's scheduler on the CPU with fabricated model outputs.
+test-vllm: ## The vLLM scheduler (mstar_chunking.vllm): vLLM 0.33 in a cached venv, the wheel installed there, its pytest
+	venv="$$(python/scripts/install-vllm.sh | tail -n 1)" && \
+	rm -rf target/vllm-wheels && \
+	"$$venv/bin/maturin" build -m python/Cargo.toml -i "$$venv/bin/python" --out target/vllm-wheels && \
+	"$$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/vllm-wheels/mstar_chunking-*.whl && \
+	"$$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/vllm
+
 test-python: ## The Python package: a venv under target/, maturin + pytest + mypy from PyPI, the wheel built, installed and tested, mypy --strict on the example and the bench
 	python3 -m venv $(PY_VENV)
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "mypy>=1.8"
