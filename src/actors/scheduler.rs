@@ -16,6 +16,7 @@ use super::spans::Spans;
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
+use crate::order::AdmitOptions;
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
 use crate::policy::Name;
 use crate::prepared::{PreparedInput, PreparedStore};
@@ -91,16 +92,16 @@ impl Scheduler {
 
     /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
     fn publish_queue(&mut self, node: &Name) {
-        let counts = self
-            .state
-            .node(node)
-            .map(|q| q.counts())
-            .unwrap_or_default();
+        let queues = self.state.node(node);
+        let counts = queues.map(|q| q.counts()).unwrap_or_default();
+        let head_wait = queues.and_then(|q| q.head_wait());
         let instance = &self.instance;
-        self.queue_gauges
+        let gauges = self
+            .queue_gauges
             .entry(node.clone())
-            .or_insert_with(|| instance.queue(node))
-            .set(counts);
+            .or_insert_with(|| instance.queue(node));
+        gauges.set(counts);
+        gauges.set_head_wait(head_wait);
     }
 
     /// Sets the latency-model gauges of `node`: its coefficients and their source.
@@ -167,7 +168,7 @@ pub(crate) struct AdmitPrepared {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) input: PreparedInput,
-    pub(crate) cached: u32,
+    pub(crate) options: AdmitOptions,
 }
 
 impl Handler<AdmitPrepared> for Scheduler {
@@ -177,7 +178,7 @@ impl Handler<AdmitPrepared> for Scheduler {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
-        let admitted = self.admit_input(m.rid, &m.node, &m.walk, m.input, m.cached);
+        let admitted = self.admit_input(m.rid, &m.node, &m.walk, m.input, m.options);
         self.send_input_changes();
         admitted?;
         self.publish_queue(&m.node);
@@ -194,10 +195,10 @@ impl Scheduler {
         node: &Name,
         walk: &Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     ) -> Result<(), ChunkingError> {
         let total = input.measure(rid, node)?;
-        self.state.admit(rid, node, walk, total, cached)?;
+        self.state.admit_with(rid, node, walk, total, options)?;
         // The state refuses a second row of `(rid, node)`, and a row's handle is dropped with
         // its row: a handle is never held here already.
         if let Err(e) = self.inputs.insert(rid, node, input.clone()) {
@@ -320,13 +321,15 @@ impl Handler<ForgetRow> for Scheduler {
 pub(crate) struct Assemble {
     pub(crate) node: Name,
     pub(crate) walk: Name,
+    /// The step's time on the engine's clock, if given (`assemble_at`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 impl Handler<Assemble> for Scheduler {
     type Result = Result<Arc<Batch>, ChunkingError>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
-        let batch = self.assemble(&m.node, &m.walk);
+        let batch = self.assemble(&m.node, &m.walk, m.now_ms);
         self.send_input_changes();
         batch
     }
@@ -335,12 +338,17 @@ impl Handler<Assemble> for Scheduler {
 impl Scheduler {
     /// [`Assemble`]: plans the next step of `node`/`walk` (or finds it in flight) and cuts its
     /// chunks' inputs; shared with [`CompleteAndAssemble`].
-    fn assemble(&mut self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
+    fn assemble(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Arc<Batch>, ChunkingError> {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
         let started = Instant::now();
-        let mut batch = match self.state.assemble(node, walk)? {
+        let mut batch = match self.state.assemble_at(node, walk, now_ms)? {
             Assembled::InFlight(batch) => return Ok(batch),
             Assembled::Planned(batch) => batch,
         };
@@ -502,8 +510,8 @@ impl Scheduler {
                     rid,
                     walk,
                     input,
-                    cached,
-                } => self.admit_input(rid, &node, &walk, input, cached),
+                    options,
+                } => self.admit_input(rid, &node, &walk, input, options),
             };
             if result.is_err() {
                 break;
@@ -557,7 +565,7 @@ impl Scheduler {
             measured_ms,
             next,
         } = m;
-        let (node, walk) = (next.node.clone(), next.walk.clone());
+        let (node, walk, now_ms) = (next.node.clone(), next.walk.clone(), next.now_ms);
         let (outcome, refused) = match self.completed.get(&*node) {
             Some(last) if last.step == step => {
                 let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
@@ -620,7 +628,7 @@ impl Scheduler {
         };
         let next = match refused {
             Some(e) => Err(e),
-            None => self.assemble(&node, &walk),
+            None => self.assemble(&node, &walk, now_ms),
         };
         Ok(Completed { outcome, next })
     }
@@ -768,7 +776,7 @@ mod tests {
             node: "llm".into(),
             walk: "prefill".into(),
             input,
-            cached: 0,
+            options: AdmitOptions::default(),
         })
     }
 
@@ -809,6 +817,7 @@ mod tests {
             Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             })
         };
 
@@ -875,6 +884,7 @@ mod tests {
             .send(Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             }))
             .await
             .unwrap()
@@ -889,6 +899,7 @@ mod tests {
         Guarded(Assemble {
             node: "llm".into(),
             walk: "prefill".into(),
+            now_ms: None,
         })
     }
 
