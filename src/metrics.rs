@@ -16,10 +16,10 @@ use metrics::{
 };
 
 use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
+use crate::order::Wait;
 use crate::overrun::OverrunReason;
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
-use crate::order::Wait;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
 

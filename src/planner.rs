@@ -548,58 +548,58 @@ fn plan_prefill<'a>(
     };
     let mut walks = WalkIndex::new(params);
     let rows = in_order.filter_map(|r| Some((r, walks.of(&r.walk)?)));
-        for (r, walk) in rows {
-            let mid = r.started;
-            if time_full.full {
-                // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
-                // have found one by one.
-                out.waiting += 1;
-                continue;
-            }
-            let uncut_before = out.uncut_over_budget;
-            let left = room.left(walk);
-            let need = u64::from(r.total - r.progress);
-            let partial_full = !mid
-                && params
-                    .max_partial_prefills
-                    .is_some_and(|p| staying_partial >= p);
-            let token_end = if need <= left.min(row_cap(params)) {
-                Some(u64::from(r.total))
-            } else if params.chunkable {
-                let alone = out.rows.is_empty();
-                (!partial_full)
-                    .then(|| chunk_end(params, r, left, alone))
-                    .flatten()
-            } else {
-                uncut_end(params, r, left, prefill_in_step, out)
-            };
-            let end = match (token_end, out.time) {
-                (Some(end), Some(time)) => {
-                    let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
-                    if end.is_none() && !first_in_order {
-                        time_full.check(params, prefill, out);
-                    }
-                    end
-                }
-                (end, _) => end,
-            };
-            first_in_order = false;
-            let Some(end) = end else {
-                out.uncut_over_budget = uncut_before;
-                out.waiting += 1;
-                continue;
-            };
-            // `end <= total <= u32::MAX`, so this conversion cannot truncate.
-            let end = end as u32;
-            match (end == r.total, mid) {
-                (true, true) => staying_partial -= 1,
-                (false, false) => staying_partial += 1,
-                _ => {}
-            }
-            room.take(walk, u64::from(end - r.progress));
-            prefill_in_step = true;
-            out.push_chunk(r, walk, end);
+    for (r, walk) in rows {
+        let mid = r.started;
+        if time_full.full {
+            // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
+            // have found one by one.
+            out.waiting += 1;
+            continue;
         }
+        let uncut_before = out.uncut_over_budget;
+        let left = room.left(walk);
+        let need = u64::from(r.total - r.progress);
+        let partial_full = !mid
+            && params
+                .max_partial_prefills
+                .is_some_and(|p| staying_partial >= p);
+        let token_end = if need <= left.min(row_cap(params)) {
+            Some(u64::from(r.total))
+        } else if params.chunkable {
+            let alone = out.rows.is_empty();
+            (!partial_full)
+                .then(|| chunk_end(params, r, left, alone))
+                .flatten()
+        } else {
+            uncut_end(params, r, left, prefill_in_step, out)
+        };
+        let end = match (token_end, out.time) {
+            (Some(end), Some(time)) => {
+                let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
+                if end.is_none() && !first_in_order {
+                    time_full.check(params, prefill, out);
+                }
+                end
+            }
+            (end, _) => end,
+        };
+        first_in_order = false;
+        let Some(end) = end else {
+            out.uncut_over_budget = uncut_before;
+            out.waiting += 1;
+            continue;
+        };
+        // `end <= total <= u32::MAX`, so this conversion cannot truncate.
+        let end = end as u32;
+        match (end == r.total, mid) {
+            (true, true) => staying_partial -= 1,
+            (false, false) => staying_partial += 1,
+            _ => {}
+        }
+        room.take(walk, u64::from(end - r.progress));
+        prefill_in_step = true;
+        out.push_chunk(r, walk, end);
+    }
 }
 
 /// Whether a step is full in time for every row that is not first in order. `timed_end`

@@ -12,8 +12,8 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
-use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::order::AdmitOptions;
+use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, NodeInputs, PreparedInput};
@@ -238,13 +238,7 @@ impl NextStep {
     /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
     /// is cut.
     #[must_use]
-    pub fn admit(
-        self,
-        rid: u64,
-        walk: impl Into<Name>,
-        input: PreparedInput,
-        cached: u32,
-    ) -> Self {
+    pub fn admit(self, rid: u64, walk: impl Into<Name>, input: PreparedInput, cached: u32) -> Self {
         self.admit_with(rid, walk, input, AdmitOptions::cached(cached))
     }
 
@@ -656,7 +650,8 @@ impl SchedulerState {
         walk: &str,
         now_ms: Option<f64>,
     ) -> Result<Batch, ChunkingError> {
-        self.assemble_at(node, walk, now_ms).map(Assembled::into_batch)
+        self.assemble_at(node, walk, now_ms)
+            .map(Assembled::into_batch)
     }
 
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,

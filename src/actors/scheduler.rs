@@ -16,8 +16,8 @@ use super::spans::Spans;
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
-use crate::order::AdmitOptions;
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
+use crate::order::AdmitOptions;
 use crate::policy::Name;
 use crate::prepared::{PreparedInput, PreparedStore};
 use crate::scheduler::{

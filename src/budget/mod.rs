@@ -165,7 +165,11 @@ impl BudgetTable {
     /// The order settings (`docs/scheduling.md#the-order-of-waiting-prompts`): a per-node order
     /// of a node the model does not have, a `max_wait_ms` that is not finite and above 0, a
     /// `max_wait_steps` of 0.
-    fn check_order(model: &ModelPolicies, settings: &BudgetSettings, errors: &mut Vec<BudgetError>) {
+    fn check_order(
+        model: &ModelPolicies,
+        settings: &BudgetSettings,
+        errors: &mut Vec<BudgetError>,
+    ) {
         let order = &settings.order;
         for node in order.per_node.keys().filter(|n| !model.has_node(n)) {
             errors.push(BudgetError::UnknownNode {

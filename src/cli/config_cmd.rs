@@ -208,7 +208,11 @@ mod tests {
             lines[4],
             "llm      decode   8192    6144    yes        64     -                        -        learned         shortest_first"
         );
-        assert!(lines[5].ends_with("config+learned  shortest_first"), "{}", lines[5]);
+        assert!(
+            lines[5].ends_with("config+learned  shortest_first"),
+            "{}",
+            lines[5]
+        );
     }
 
     #[test]

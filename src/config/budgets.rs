@@ -11,8 +11,8 @@ use crate::budget::{
     BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, OrderSettings,
     SettingKey, Subject, TimeSettings,
 };
-use crate::order::{Order, WaitBound};
 use crate::manifest::Manifest;
+use crate::order::{Order, WaitBound};
 use crate::policy::Name;
 
 /// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
@@ -204,7 +204,9 @@ pub(super) fn budget_problem(
             chunking.max_step_ms.get(n).and_then(|b| b.shown(walk)),
         ),
         (SettingKey::Cost, Some(n)) => (per_node(n), None),
-        (SettingKey::Order, Some(n)) => (format!("chunking.{setting}.{n}"), chunking.order.shown(n)),
+        (SettingKey::Order, Some(n)) => {
+            (format!("chunking.{setting}.{n}"), chunking.order.shown(n))
+        }
         (SettingKey::NoChunking, Some(n)) => (
             format!("chunking.{setting}"),
             Some(super::problem::quote(n)),

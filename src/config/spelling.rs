@@ -16,8 +16,8 @@ use serde::de::{self, Deserializer, Expected, Visitor};
 use serde::Deserialize;
 
 use crate::budget::{BudgetValue, TimeBudget};
-use crate::order::Order;
 use crate::latency::check_max_step_ms;
+use crate::order::Order;
 
 /// What a value of one setting accepts, beyond `"off"` and null.
 pub trait Spelling: Sized + fmt::Display {
@@ -386,9 +386,14 @@ mod tests {
         let e = parse(json!("lpm")).unwrap_err();
         assert!(e.starts_with("unknown order \"lpm\""), "{e}");
         assert!(e.contains(ORDER_RULE), "{e}");
-        assert!(parse(json!({"llm": "sjf"})).unwrap_err().contains("unknown order \"sjf\""));
+        assert!(parse(json!({"llm": "sjf"}))
+            .unwrap_err()
+            .contains("unknown order \"sjf\""));
         assert!(parse(json!(3)).is_err());
-        assert_eq!(OrderSetting::default().shown("any").as_deref(), Some("fcfs"));
+        assert_eq!(
+            OrderSetting::default().shown("any").as_deref(),
+            Some("fcfs")
+        );
     }
 
     fn parse(v: serde_json::Value) -> Result<BudgetValue, String> {

@@ -69,7 +69,11 @@ fn a_wait_counts_steps_since_admission_and_ms_only_when_both_times_are_known() {
     r.arrival_ms = Some(100.0);
     assert_eq!(Wait::of(&r, at(3, None)).ms, None, "no step time");
     assert_eq!(Wait::of(&r, at(3, Some(250.5))).ms, Some(150.5));
-    assert_eq!(Wait::of(&r, at(3, Some(40.0))).ms, Some(0.0), "a step before the arrival");
+    assert_eq!(
+        Wait::of(&r, at(3, Some(40.0))).ms,
+        Some(0.0),
+        "a step before the arrival"
+    );
 }
 
 #[test]
@@ -82,7 +86,10 @@ fn a_prompt_is_starved_at_the_bound_exactly_and_not_a_step_or_ms_before() {
     assert!(ms.starved(wait(0, Some(500.0))));
     assert!(!ms.starved(wait(0, Some(499.999))));
     assert!(ms.starved(wait(0, Some(501.0))));
-    assert!(!ms.starved(wait(u64::MAX, None)), "no times: the ms bound cannot apply");
+    assert!(
+        !ms.starved(wait(u64::MAX, None)),
+        "no times: the ms bound cannot apply"
+    );
     let steps = WaitBound {
         max_wait_ms: None,
         max_wait_steps: Some(4),
@@ -120,7 +127,10 @@ fn mid_prefill_rows_come_first_in_admission_order_under_every_order() {
 fn each_order_ranks_the_waiting_prompts_by_its_key_ties_by_admission() {
     let mut rows: Vec<PrefillRow> = (1..=5).map(|s| prompt(s, 100)).collect();
     // priority: 3, 1, 2, 1, 0; remaining: 100, 40, 70, 40, 90; cached: 0, 60, 30, 60, 10.
-    for (r, (p, cached)) in rows.iter_mut().zip([(3, 0), (1, 60), (2, 30), (1, 60), (0, 10)]) {
+    for (r, (p, cached)) in rows
+        .iter_mut()
+        .zip([(3, 0), (1, 60), (2, 30), (1, 60), (0, 10)])
+    {
         r.priority = p;
         r.cached = cached;
         r.progress = cached;
@@ -128,8 +138,14 @@ fn each_order_ranks_the_waiting_prompts_by_its_key_ties_by_admission() {
     let clock = StepClock::default();
     assert_eq!(ranked(by(Order::Fcfs), clock, &rows), [1, 2, 3, 4, 5]);
     assert_eq!(ranked(by(Order::Priority), clock, &rows), [5, 2, 4, 3, 1]);
-    assert_eq!(ranked(by(Order::ShortestFirst), clock, &rows), [2, 4, 3, 5, 1]);
-    assert_eq!(ranked(by(Order::LongestPrefix), clock, &rows), [2, 4, 3, 5, 1]);
+    assert_eq!(
+        ranked(by(Order::ShortestFirst), clock, &rows),
+        [2, 4, 3, 5, 1]
+    );
+    assert_eq!(
+        ranked(by(Order::LongestPrefix), clock, &rows),
+        [2, 4, 3, 5, 1]
+    );
     // Negative priorities go before 0, and `i32`'s extremes order as numbers.
     rows[0].priority = i32::MIN;
     rows[2].priority = i32::MAX;
@@ -151,12 +167,17 @@ fn starved_prompts_go_first_oldest_first_from_the_bound_on() {
             max_wait_steps: Some(3),
         },
     };
-    let at = |step| StepClock {
-        step,
-        now_ms: None,
-    };
-    assert_eq!(ranked(steps, at(2), &rows), [3, 2, 1], "a step before the bound");
-    assert_eq!(ranked(steps, at(3), &rows), [1, 2, 3], "all starved: oldest first");
+    let at = |step| StepClock { step, now_ms: None };
+    assert_eq!(
+        ranked(steps, at(2), &rows),
+        [3, 2, 1],
+        "a step before the bound"
+    );
+    assert_eq!(
+        ranked(steps, at(3), &rows),
+        [1, 2, 3],
+        "all starved: oldest first"
+    );
     // By ms, only the prompts whose wait reached the bound are promoted.
     let mut rows = rows;
     rows[0].arrival_ms = Some(0.0);
@@ -174,8 +195,16 @@ fn starved_prompts_go_first_oldest_first_from_the_bound_on() {
         now_ms: Some(now_ms),
     };
     assert_eq!(ranked(ms, now(249.0), &rows), [3, 2, 1]);
-    assert_eq!(ranked(ms, now(250.0), &rows), [1, 3, 2], "1 waited 250 ms exactly");
-    assert_eq!(ranked(ms, now(350.0), &rows), [1, 2, 3], "1 and 2 starved, by admission");
+    assert_eq!(
+        ranked(ms, now(250.0), &rows),
+        [1, 3, 2],
+        "1 waited 250 ms exactly"
+    );
+    assert_eq!(
+        ranked(ms, now(350.0), &rows),
+        [1, 2, 3],
+        "1 and 2 starved, by admission"
+    );
 }
 
 #[test]

@@ -83,6 +83,7 @@ fn state(c: &Case) -> SchedulerState {
         max_row_tokens: c.max_row,
         max_partial_prefills: c.max_partial,
         time: Default::default(),
+        order: Default::default(),
     };
     let table = BudgetTable::build(model, settings).unwrap();
     SchedulerState::with_table(table)
