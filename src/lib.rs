@@ -110,7 +110,7 @@ pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;
-pub use scheduler::{Batch, BatchRow, Completed, NextStep, StepOutcome};
+pub use scheduler::{Batch, BatchRow, Completed, LatencyModelReport, NextStep, StepOutcome};
 
 /// The README's Rust examples run as doc-tests, so the embedding example stays true.
 #[cfg(doctest)]

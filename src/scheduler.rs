@@ -1,5 +1,7 @@
-//! The scheduler's state without a runtime: row queues per node, the budget snapshot, and the
-//! step in flight per node. Assembles each step's batch (docs/scheduling.md) and applies its completion.
+//! The scheduler's state without a runtime: row queues per node, the budget snapshot, the
+//! step in flight per node, every queued prompt's prepared input, the last one-trip completion
+//! and the drain. Assembles each step's batch (docs/scheduling.md) and applies its completion;
+//! [`serving`] holds the engine's calls on the whole state, which the Scheduler actor makes.
 //!
 //! One step per node is in flight at a time: a node runs its steps one after another, and the
 //! next step's plan depends on how far the previous one moved its rows.
@@ -16,9 +18,12 @@ use crate::order::AdmitOptions;
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
-use crate::prepared::{ChunkInput, NodeInputs, PreparedInput};
+use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
 use crate::queues::{Advance, NodeQueues};
 use crate::snapshot::BudgetSnapshot;
+
+pub(crate) mod serving;
+pub use serving::{DrainReport, QueueStats};
 
 /// One row of an assembled step.
 #[derive(Debug, Clone, PartialEq)]
@@ -459,6 +464,24 @@ pub(crate) struct Drained {
     pub(crate) rows: usize,
 }
 
+/// The latency model a node plans with ([`SchedulerState::latency_report`],
+/// `ChunkingManagement::latency_model`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencyModelReport {
+    /// The model in force: the trusted online fit, else the configured one; `None` when the
+    /// node has neither (its time budgets cannot apply).
+    pub model: Option<LatencyModel>,
+    /// Where `model` came from.
+    pub source: ModelSource,
+    /// The configured model (`chunking.cost.<node>`, a preset or coefficients), if any.
+    pub configured: Option<LatencyModel>,
+    /// Whether the node learns its model from measured step times (`chunking.learn_cost`).
+    pub learn_cost: bool,
+    /// The online fit's current estimate (coefficients, samples, error, whether trusted);
+    /// `None` before the first measured step or when the node does not learn.
+    pub fit: Option<crate::latency::fit::OnlineEstimate>,
+}
+
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
 #[derive(Debug, Default)]
 pub struct SchedulerState {
@@ -477,6 +500,15 @@ pub struct SchedulerState {
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
+    /// The whole prepared input of every queued prompt row: the one store of them, which each
+    /// step's chunk views are cut from (PreparedInputs only counts them).
+    pub(crate) inputs: PreparedStore,
+    /// The changes made to `inputs` since the actor last sent them to PreparedInputs.
+    input_changes: Vec<InputChange>,
+    /// Per node, the last step completed by `complete_and_assemble`, to answer a repeat of it.
+    completed: FxHashMap<Name, serving::LastCompleted>,
+    /// Set by a drain, for good: no admission, no new step.
+    draining: bool,
 }
 
 impl SchedulerState {
@@ -595,6 +627,28 @@ impl SchedulerState {
             Some(table) => self.select(node, table.settings().time.learn, table.cost(node)),
             None => (None, ModelSource::None),
         }
+    }
+
+    /// The latency model `node` plans with and where it came from, with its online fit's
+    /// state ([`LatencyModelReport`]).
+    ///
+    /// # Errors
+    /// `node` is not a node of the model (or no snapshot was published yet).
+    pub fn latency_report(&self, node: &str) -> Result<LatencyModelReport, ChunkingError> {
+        let table = match self.snapshot.as_ref() {
+            Some(s) if s.node_name(node).is_some() => s.table(),
+            _ => return Err(ChunkingError::UnknownNode { node: node.into() }),
+        };
+        let learn_cost = table.settings().time.learn;
+        let configured = table.cost(node);
+        let (model, source) = self.select(node, learn_cost, configured);
+        Ok(LatencyModelReport {
+            model,
+            source,
+            configured,
+            learn_cost,
+            fit: self.fits.get(node).and_then(OnlineFit::estimate),
+        })
     }
 
     /// [`SchedulerState::latency_model`] for a step planned under `params`: no lookup of the
@@ -851,7 +905,7 @@ impl SchedulerState {
             &self.empty[&node].plan
         };
         check_ran(step, plan, ran)?;
-        if let Some(ms) = measured_ms.filter(|ms| !ms.is_finite() || *ms < 0.0) {
+        if let Some(ms) = measured_ms.filter(|&ms| crate::latency::measured_ms(ms).is_none()) {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);
@@ -1542,6 +1596,20 @@ mod tests {
             s.latency_model("llm"),
             (Some(configured), ModelSource::Config)
         );
+        let before = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (before.model, before.source, before.configured),
+            (Some(configured), ModelSource::Config, Some(configured))
+        );
+        assert!(before.learn_cost && before.fit.is_none());
+        assert!(matches!(
+            SchedulerState::default().latency_report("llm"),
+            Err(ChunkingError::UnknownNode { .. })
+        ));
+        assert!(matches!(
+            s.latency_report("ghost"),
+            Err(ChunkingError::UnknownNode { .. })
+        ));
         // Steps of one chunk each, 10..=100 tokens, measured as `truth` predicts what ran;
         // every third is reported unrun (0 tokens), measured at the base alone.
         for i in 0..60u32 {
@@ -1563,6 +1631,12 @@ mod tests {
         }
         let (model, source) = s.latency_model("llm");
         assert_eq!(source, ModelSource::Online);
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!((report.model, report.source), (model, source));
+        assert_eq!(report.configured, Some(configured));
+        let fit = report.fit.unwrap();
+        assert!(fit.trusted);
+        assert_eq!((fit.samples, Some(fit.model)), (60, model));
         let got = model.unwrap().coefficients();
         for (g, w) in got.iter().zip(truth.coefficients()) {
             assert!(

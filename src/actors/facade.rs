@@ -11,10 +11,11 @@ use actix::prelude::*;
 use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
 use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
-use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
+use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
     Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
-    Drain, DrainReport, ForgetRequest, ForgetRow, QueueStats, Scheduler, SchedulerStats,
+    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, QueueStats,
+    Scheduler, SchedulerStats,
 };
 use super::Guarded;
 #[cfg(any(test, feature = "test-hooks"))]
@@ -27,7 +28,7 @@ use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
+use crate::scheduler::{Batch, Completed, LatencyModelReport, NextStep, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
 
 /// How long the facade waits for an actor's answer before returning
@@ -882,8 +883,8 @@ impl ChunkingManagement {
         node: &str,
     ) -> Result<Option<PreparedInput>, ChunkingError> {
         ask(
-            &self.prepared,
-            "PreparedInputs",
+            &self.scheduler,
+            "Scheduler",
             &self.timeout,
             GetPrepared {
                 rid,
@@ -1004,5 +1005,16 @@ impl ChunkingManagement {
             reason,
         };
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
+    }
+
+    /// The latency model `node` plans its time budgets with: the model in force, where it
+    /// came from (the trusted online fit, or the configured coefficients or preset), and the
+    /// online fit's estimate (coefficients, samples, whether trusted).
+    ///
+    /// # Errors
+    /// `node` is not a node of the model, or the actor did not answer.
+    pub async fn latency_model(&self, node: &str) -> Result<LatencyModelReport, ChunkingError> {
+        let msg = GetLatencyModel(self.node_name(node));
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 }
