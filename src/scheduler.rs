@@ -14,8 +14,9 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
+use crate::order::AdmitOptions;
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
-use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
+use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
 use crate::queues::{Advance, NodeQueues};
@@ -193,6 +194,8 @@ pub struct NextStep {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) changes: Vec<RowChange>,
+    /// The step's time on the engine's clock, for the starvation bound (`at_ms`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 /// One row change of a [`NextStep`].
@@ -208,12 +211,12 @@ pub(crate) enum RowChange {
         estimate: u32,
         context: Option<u64>,
     },
-    /// `admit(rid, node, walk, input, cached)`.
+    /// `admit(rid, node, walk, input, cached)`, or `admit_with` and its options.
     Admit {
         rid: u64,
         walk: Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     },
 }
 
@@ -228,7 +231,22 @@ impl NextStep {
             node: node.into(),
             walk: walk.into(),
             changes: Vec::new(),
+            now_ms: None,
         }
+    }
+
+    /// Plans the next step at `now_ms` on the engine's clock (the clock of
+    /// [`AdmitOptions::arrival_ms`]): the time `chunking.max_wait_ms` measures prompts' waits
+    /// to.
+    #[must_use]
+    pub fn at_ms(mut self, now_ms: f64) -> Self {
+        self.now_ms = Some(now_ms);
+        self
+    }
+
+    /// The step's time given with [`at_ms`](Self::at_ms), if any.
+    pub fn now_ms(&self) -> Option<f64> {
+        self.now_ms
     }
 
     /// The node of the next step.
@@ -286,18 +304,25 @@ impl NextStep {
     /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
     /// is cut.
     #[must_use]
-    pub fn admit(
+    pub fn admit(self, rid: u64, walk: impl Into<Name>, input: PreparedInput, cached: u32) -> Self {
+        self.admit_with(rid, walk, input, AdmitOptions::cached(cached))
+    }
+
+    /// As [`admit`](Self::admit), with the prompt's cached prefix, priority and arrival time,
+    /// as `admit_with(rid, node, walk, input, options)` does.
+    #[must_use]
+    pub fn admit_with(
         mut self,
         rid: u64,
         walk: impl Into<Name>,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     ) -> Self {
         self.changes.push(RowChange::Admit {
             rid,
             walk: walk.into(),
             input,
-            cached,
+            options,
         });
         self
     }
@@ -326,12 +351,14 @@ impl NextStep {
                 rid,
                 walk,
                 input,
-                cached,
+                options,
             } => RowChangeRef::Admit {
                 rid: *rid,
                 walk,
                 input,
-                cached: *cached,
+                cached: options.cached,
+                priority: options.priority,
+                arrival_ms: options.arrival_ms,
             },
         })
     }
@@ -363,6 +390,10 @@ pub enum RowChangeRef<'a> {
         input: &'a PreparedInput,
         /// Its cached prefix.
         cached: u32,
+        /// Its priority (`admit_with`; 0 otherwise).
+        priority: i32,
+        /// Its arrival time in ms (`admit_with`), if given.
+        arrival_ms: Option<f64>,
     },
 }
 
@@ -598,8 +629,41 @@ impl SchedulerState {
         total: u32,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, node, walk, total, AdmitOptions::cached(cached))
+    }
+
+    /// [`SchedulerState::admit`] with the prompt's priority and arrival time. A priority given
+    /// where the node's order is not `priority` is kept (a later setting may order by it) and
+    /// warned about once per node: it does not change this node's order.
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub fn admit_with(
+        &mut self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        total: u32,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         let (node, walk) = self.resolve(node, walk)?;
-        self.queues(&node).admit(rid, walk, total, cached)
+        let order = self
+            .snapshot
+            .as_ref()
+            .map(|s| s.table().order(&node).order)
+            .unwrap_or_default();
+        let queues = self.queues(&node);
+        queues.admit_with(rid, walk, total, options)?;
+        if queues.warn_priority(order, options.priority) {
+            tracing::warn!(
+                node = %node,
+                rid,
+                priority = options.priority,
+                order = %order,
+                "a priority was given to a node whose order is not `priority`: it does not change the order there (warned once per node)"
+            );
+        }
+        Ok(())
     }
 
     /// Keeps a continuing row of `rid` at `node` queued with an `estimate` of tokens a step.
@@ -693,6 +757,21 @@ impl SchedulerState {
         self.assemble(node, walk).map(Assembled::into_batch)
     }
 
+    /// [`SchedulerState::assemble_batch`] of a step planned at `now_ms` on the engine's clock
+    /// (the starvation bound's `max_wait_ms` measures waits to it).
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub fn assemble_batch_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Batch, ChunkingError> {
+        self.assemble_at(node, walk, now_ms)
+            .map(Assembled::into_batch)
+    }
+
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
     /// answers that step again (see `docs/scheduling.md#the-step-lifecycle`).
     ///
@@ -700,6 +779,20 @@ impl SchedulerState {
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
     pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
+        self.assemble_at(node, walk, None)
+    }
+
+    /// [`SchedulerState::assemble`] of a step planned at `now_ms` on the engine's clock, for
+    /// the starvation bound (`chunking.max_wait_ms`); a step in flight is answered as it was.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub(crate) fn assemble_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -744,8 +837,17 @@ impl SchedulerState {
                 max_step_ms: max_step_ms / margin,
             });
         let mut step_plan = std::mem::take(&mut self.spare);
-        match self.nodes.get(node) {
-            Some(q) => plan_timed(&params, time, q.cont(), q.prefill(), &mut step_plan),
+        match self.nodes.get_mut(node) {
+            Some(q) => {
+                let view = q.view(params.order, now_ms);
+                match view.rank {
+                    None => plan_timed(&params, time, view.cont, view.prefill, &mut step_plan),
+                    Some(rank) => {
+                        plan_ranked(&params, time, view.cont, view.prefill, rank, &mut step_plan);
+                    }
+                }
+                q.planned();
+            }
             None => step_plan.clear(),
         }
         self.next_step += 1;
@@ -1104,7 +1206,9 @@ mod tests {
                     rid: 9,
                     walk: "prefill",
                     input: &input,
-                    cached: 1
+                    cached: 1,
+                    priority: 0,
+                    arrival_ms: None,
                 },
             ]
         );

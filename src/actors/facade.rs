@@ -22,6 +22,7 @@ use super::{ActorKind, InjectPanic};
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
+use crate::order::AdmitOptions;
 use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
@@ -313,12 +314,47 @@ impl ChunkingManagement {
         input: PreparedInput,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, node, walk, input, AdmitOptions::cached(cached))
+            .await
+    }
+
+    /// As [`admit`](Self::admit), with what the engine knows about the prompt beyond its
+    /// input: its cached prefix, its priority (the `priority` order's, lower first) and its
+    /// arrival time (the start of its wait for `chunking.max_wait_ms`).
+    ///
+    /// ```
+    /// # use mstar_chunking::{AdmitOptions, BudgetSettings, ChunkingManagement, ChunkingPolicy, Order, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"]).order(Order::Priority)).await?;
+    /// let low = AdmitOptions { priority: 5, arrival_ms: Some(0.0), ..AdmitOptions::default() };
+    /// let high = AdmitOptions { priority: 0, arrival_ms: Some(1.0), ..AdmitOptions::default() };
+    /// cm.admit_with(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), low).await?;
+    /// cm.admit_with(2, "llm", "prefill", PreparedInput::tokens(vec![2; 300]), high).await?;
+    /// let batch = cm.assemble_at("llm", "prefill", 2.0).await?;
+    /// assert_eq!(batch.rows[0].rid, 2, "the lower priority value starts first");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub async fn admit_with(
+        &self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        input: PreparedInput,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         let admit = AdmitPrepared {
             rid,
             node: self.node_name(node),
             walk: walk.into(),
             input,
-            cached,
+            options,
         };
         ask(&self.scheduler, "Scheduler", &self.timeout, admit).await
     }
@@ -402,9 +438,34 @@ impl ChunkingManagement {
     /// or (a guard that should never fire) a chunk row without its prepared input, which is
     /// dropped with the step abandoned (`MissingPreparedInput`; assemble again).
     pub async fn assemble(&self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
+        self.assembled(node, walk, None).await
+    }
+
+    /// As [`assemble`](Self::assemble), for a step planned at `now_ms` on the engine's clock
+    /// (that of [`AdmitOptions::arrival_ms`]): `chunking.max_wait_ms` measures prompts' waits to
+    /// it.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub async fn assemble_at(
+        &self,
+        node: &str,
+        walk: &str,
+        now_ms: f64,
+    ) -> Result<Arc<Batch>, ChunkingError> {
+        self.assembled(node, walk, Some(now_ms)).await
+    }
+
+    async fn assembled(
+        &self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Arc<Batch>, ChunkingError> {
         let msg = Assemble {
             node: self.node_name(node),
             walk: walk.into(),
+            now_ms,
         };
         ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
@@ -511,6 +572,7 @@ impl ChunkingManagement {
             node: self.node_name(node),
             walk: walk.into(),
             changes: Vec::new(),
+            now_ms: None,
         };
         self.complete_and_assemble_with(step, ran, measured_ms, next)
             .await

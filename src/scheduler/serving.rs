@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::{Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome};
 use crate::error::ChunkingError;
+use crate::order::AdmitOptions;
 use crate::policy::Name;
 use crate::prepared::{InputChange, PreparedInput};
 
@@ -93,11 +94,8 @@ pub struct QueueStats {
 }
 
 impl SchedulerState {
-    /// Admits a prompt whole: measures its input, queues its row and holds the input. A refused
-    /// admission (draining, a bad input, a second row of `(rid, node)`) queues and holds nothing.
-    ///
-    /// # Errors
-    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit`].
+    /// [`SchedulerState::admit_prepared_with`] with a cached prefix only (the tests' form).
+    #[cfg(test)]
     pub(crate) fn admit_prepared(
         &mut self,
         rid: u64,
@@ -107,10 +105,29 @@ impl SchedulerState {
         cached: u32,
         hooks: &mut impl StepHooks,
     ) -> Result<(), ChunkingError> {
+        let options = AdmitOptions::cached(cached);
+        self.admit_prepared_with(rid, node, walk, input, options, hooks)
+    }
+
+    /// Admits a prompt whole: measures its input, queues its row (with its cached prefix,
+    /// priority and arrival time) and holds the input. A refused admission (draining, a bad
+    /// input, a second row of `(rid, node)`) queues and holds nothing.
+    ///
+    /// # Errors
+    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit_with`].
+    pub(crate) fn admit_prepared_with(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        options: AdmitOptions,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
-        self.admit_input(rid, node, walk, input, cached, hooks)?;
+        self.admit_input(rid, node, walk, input, options, hooks)?;
         hooks.queues_changed(self, Some(node));
         Ok(())
     }
@@ -123,11 +140,11 @@ impl SchedulerState {
         node: &Name,
         walk: &Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
         hooks: &mut impl StepHooks,
     ) -> Result<(), ChunkingError> {
         let total = input.measure(rid, node)?;
-        self.admit(rid, node, walk, total, cached)?;
+        self.admit_with(rid, node, walk, total, options)?;
         // The queue refuses a second row of `(rid, node)`, and a row's input is dropped with
         // its row: an input is never held here already.
         if let Err(e) = self.inputs.insert(rid, node, input) {
@@ -220,17 +237,33 @@ impl SchedulerState {
     ///
     /// # Errors
     /// Draining, as [`SchedulerState::assemble`], or `MissingPreparedInput`.
+    #[cfg(test)]
     pub(crate) fn assemble_step(
         &mut self,
         node: &str,
         walk: &str,
         hooks: &mut impl StepHooks,
     ) -> Result<Arc<Batch>, ChunkingError> {
+        self.assemble_step_at(node, walk, None, hooks)
+    }
+
+    /// [`SchedulerState::assemble_step`] of a step planned at `now_ms` on the engine's clock
+    /// (for the starvation bound, [`SchedulerState::assemble_at`]).
+    ///
+    /// # Errors
+    /// As `assemble_step`.
+    pub(crate) fn assemble_step_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Arc<Batch>, ChunkingError> {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
         let started = Instant::now();
-        let mut batch = match self.assemble(node, walk)? {
+        let mut batch = match self.assemble_at(node, walk, now_ms)? {
             Assembled::InFlight(batch) => return Ok(batch),
             Assembled::Planned(batch) => batch,
         };
@@ -322,7 +355,7 @@ impl SchedulerState {
         next: NextStep,
         hooks: &mut impl StepHooks,
     ) -> Result<Completed, ChunkingError> {
-        let (node, walk) = (next.node.clone(), next.walk.clone());
+        let (node, walk, now_ms) = (next.node.clone(), next.walk.clone(), next.now_ms);
         let (outcome, refused) = match self.completed.get(&*node) {
             Some(last) if last.step == step => {
                 let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
@@ -356,7 +389,7 @@ impl SchedulerState {
         };
         let next = match refused {
             Some(e) => Err(e),
-            None => self.assemble_step(&node, &walk, hooks),
+            None => self.assemble_step_at(&node, &walk, now_ms, hooks),
         };
         Ok(Completed { outcome, next })
     }
@@ -432,8 +465,8 @@ impl SchedulerState {
                     rid,
                     walk,
                     input,
-                    cached,
-                } => self.admit_input(rid, &node, &walk, input, cached, hooks),
+                    options,
+                } => self.admit_input(rid, &node, &walk, input, options, hooks),
             };
             if result.is_err() {
                 break;

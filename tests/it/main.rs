@@ -9,6 +9,7 @@ mod helpers;
 mod hostile;
 mod kv_memory;
 mod metrics_live;
+mod order;
 mod props;
 mod readme;
 mod reload;
