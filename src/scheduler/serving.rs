@@ -1014,6 +1014,8 @@ mod tests {
             .with_settings(settings)
             .unwrap();
         let mut s = SchedulerState::with_table(table);
+        let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
+        assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
         for node in ["llm", "vision"] {
             let node = Name::from(node);
             s.admit_prepared(1, &node, &walk, tokens(300, 0), 0, &mut ())
@@ -1022,8 +1024,6 @@ mod tests {
             assert_eq!(b.rows.len(), 1, "{node}");
             assert!(b.budget.is_some(), "{node}");
         }
-        let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
-        assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
     }
 
     #[test]
