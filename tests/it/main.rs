@@ -2,12 +2,14 @@
 
 mod config_cli;
 mod core;
+mod doc_commands;
 mod drain;
 mod endpoint;
 mod helpers;
 mod hostile;
 mod kv_memory;
 mod metrics_live;
+mod order;
 mod props;
 mod readme;
 mod reload;
@@ -19,3 +21,4 @@ mod sweep_cli;
 mod time_budget;
 mod trusted_sweep;
 mod truth_cli;
+mod vocabulary;
