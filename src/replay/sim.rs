@@ -160,8 +160,10 @@ enum Stepped {
 enum Change {
     /// `forget_request`: the request generated its last token.
     Forget(u64),
-    /// `continue_row` on `decode`: the prompt ran its final chunk and generates more.
-    Continue(u64),
+    /// `continue_row_with_context` on `decode`: the prompt ran its final chunk and generates
+    /// more; the context is the simulated engine's (its prompt and first token), so that the
+    /// planner predicts with what the step is priced with.
+    Continue { rid: u64, context: u64 },
     /// `admit` on `prefill`.
     Admit {
         rid: u64,
@@ -463,9 +465,12 @@ impl<'a> Sim<'a> {
         for c in changes {
             next = match c {
                 Change::Forget(rid) => next.forget_request(rid),
-                Change::Continue(rid) => {
-                    next.continue_row(rid, self.decode_walk.clone(), self.estimate)
-                }
+                Change::Continue { rid, context } => next.continue_row_with_context(
+                    rid,
+                    self.decode_walk.clone(),
+                    self.estimate,
+                    context,
+                ),
                 Change::Admit { rid, input, cached } => {
                     next.admit(rid, PREFILL_WALK, input, cached)
                 }
@@ -502,9 +507,9 @@ impl<'a> Sim<'a> {
         for c in changes {
             match c {
                 Change::Forget(rid) => self.cm.forget_request(rid).await,
-                Change::Continue(rid) => {
+                Change::Continue { rid, context } => {
                     self.cm
-                        .continue_row(rid, node, DECODE_WALK, self.estimate)
+                        .continue_row_with_context(rid, node, DECODE_WALK, self.estimate, context)
                         .await
                 }
                 Change::Admit { rid, input, cached } => {
@@ -835,7 +840,8 @@ impl<'a> Sim<'a> {
             return;
         }
         s.phase = Phase::Decoding;
-        self.changes.push(Change::Continue(rid));
+        let context = s.true_context;
+        self.changes.push(Change::Continue { rid, context });
         self.decoding += 1;
     }
 
