@@ -16,6 +16,7 @@ use metrics::{
 };
 
 use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
+use crate::order::Wait;
 use crate::overrun::OverrunReason;
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
@@ -52,6 +53,10 @@ pub const ROWS_WAITING: &str = "mstar_chunking_rows_waiting";
 pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
 /// Continuing rows queued (gauge).
 pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
+/// How long the head waiting prompt has waited, in s, where the engine gives times (gauge).
+pub const HEAD_WAIT_SECONDS: &str = "mstar_chunking_head_wait_seconds";
+/// How many planned steps the head waiting prompt has waited through (gauge).
+pub const HEAD_WAIT_STEPS: &str = "mstar_chunking_head_wait_steps";
 
 /// Measured step time (histogram), from `complete_measured`.
 pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
@@ -69,7 +74,7 @@ pub const LATENCY_MODEL_SOURCE: &str = "mstar_chunking_latency_model_source";
 pub const TIME_MARGIN: &str = "mstar_chunking_time_margin";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 21] = [
+pub const ALL: [&str; 23] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -84,6 +89,8 @@ pub const ALL: [&str; 21] = [
     ROWS_WAITING,
     ROWS_MID_PREFILL,
     ROWS_CONTINUING,
+    HEAD_WAIT_SECONDS,
+    HEAD_WAIT_STEPS,
     STEP_SECONDS,
     STEP_PREDICTION_ERROR_SECONDS,
     TIME_OVERRUNS_TOTAL,
@@ -270,6 +277,16 @@ pub fn describe_all() {
         ROWS_CONTINUING,
         Unit::Count,
         "Continuing rows (decode, speculative verify) queued, by node."
+    );
+    describe_gauge!(
+        HEAD_WAIT_SECONDS,
+        Unit::Seconds,
+        "How long the earliest admitted prompt that has not run a chunk has waited at the node's last planned step, from its arrival to that step's time (both given by the engine: admit_with, assemble_at); 0 when none waits or the engine gives no times, by node."
+    );
+    describe_gauge!(
+        HEAD_WAIT_STEPS,
+        Unit::Count,
+        "How many planned steps of its node the earliest admitted prompt that has not run a chunk has waited through (the clock of chunking.max_wait_steps); 0 when none waits, by node."
     );
 }
 
@@ -564,6 +581,8 @@ impl Instance {
             waiting: gauge(ROWS_WAITING),
             mid_prefill: gauge(ROWS_MID_PREFILL),
             continuing: gauge(ROWS_CONTINUING),
+            head_wait_seconds: gauge(HEAD_WAIT_SECONDS),
+            head_wait_steps: gauge(HEAD_WAIT_STEPS),
         }
     }
 }
@@ -679,6 +698,8 @@ pub(crate) struct QueueGauges {
     waiting: Gauge,
     mid_prefill: Gauge,
     continuing: Gauge,
+    head_wait_seconds: Gauge,
+    head_wait_steps: Gauge,
 }
 
 impl QueueGauges {
@@ -687,6 +708,14 @@ impl QueueGauges {
         self.waiting.set(counts.waiting as f64);
         self.mid_prefill.set(counts.mid_prefill as f64);
         self.continuing.set(counts.continuing as f64);
+    }
+
+    /// Sets the head wait gauges from the wait of the node's head prompt (`None`: none waits).
+    pub(crate) fn set_head_wait(&self, wait: Option<Wait>) {
+        let wait = wait.unwrap_or_default();
+        self.head_wait_seconds
+            .set(wait.ms.map_or(0.0, |ms| ms / 1000.0));
+        self.head_wait_steps.set(wait.steps as f64);
     }
 }
 
@@ -915,6 +944,8 @@ mod tests {
                 ROWS_WAITING,
                 ROWS_MID_PREFILL,
                 ROWS_CONTINUING,
+                HEAD_WAIT_SECONDS,
+                HEAD_WAIT_STEPS,
                 STEP_BUDGET_SECONDS,
                 LATENCY_MODEL_COEFFICIENT,
                 LATENCY_MODEL_SOURCE,
