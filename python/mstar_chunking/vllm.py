@@ -299,8 +299,9 @@ class _Chunking:
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM calls this for every request it considers, running and waiting, with the tokens it
-        # would give it; the plan's tokens are what it gets, or nothing.
-        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)  # type: ignore[misc]
+        # would give it; the plan's tokens are what it gets, or nothing. (vLLM's own method only
+        # acts with a multi-module MTP lookahead, refused at start.)
+        n = num_new_tokens
         plan = self._plan
         if plan is None:
             return n
@@ -369,16 +370,17 @@ class _Chunking:
         batch = self._advance(prev)
         rows: list[tuple[str, int, bool, int, bool]] = []
         plan: dict[str, tuple[int, Optional[int]]] = {}
-        for row in batch.rows:
+        req_of = self._req_of
+        for row, tokens in zip(batch.rows, batch.planned()):
             rid = row.rid
-            req_id = self._req_of[rid]
-            if row.kind == "chunk":
-                r = row.range
-                rows.append((req_id, rid, True, row.tokens, r.is_final))
-                plan[req_id] = (row.tokens, r.start)
+            req_id = req_of[rid]
+            r = row.range  # None for a continuing (decode) row
+            if r is None:
+                rows.append((req_id, rid, False, tokens, False))
+                plan[req_id] = (tokens, None)
             else:
-                rows.append((req_id, rid, False, row.tokens, False))
-                plan[req_id] = (row.tokens, None)
+                rows.append((req_id, rid, True, tokens, r.end == r.total))
+                plan[req_id] = (tokens, r.start)
         self._plan, self._observed = plan, {}
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
