@@ -14,11 +14,13 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
+use crate::order::AdmitOptions;
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
-use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
+use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
 use crate::queues::{Advance, NodeQueues};
+use crate::range::ChunkRange;
 use crate::snapshot::BudgetSnapshot;
 
 pub(crate) mod serving;
@@ -41,10 +43,70 @@ pub struct BatchRow {
     pub input: Option<ChunkInput>,
 }
 
+/// What kind of work a [`BatchRow`] is ([`BatchRow::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    /// A chunk of a prompt ([`RowWork::Chunk`]).
+    Chunk,
+    /// A continuing row: decode, or a speculative verification ([`RowWork::Continue`]).
+    Continue,
+}
+
+impl RowKind {
+    /// `"chunk"` or `"continue"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chunk => "chunk",
+            Self::Continue => "continue",
+        }
+    }
+}
+
 impl BatchRow {
     /// Tokens the row is scheduled to run.
     pub fn tokens(&self) -> u32 {
         self.work.tokens()
+    }
+
+    /// Whether the row is a chunk of a prompt or a continuing row.
+    pub fn kind(&self) -> RowKind {
+        match self.work {
+            RowWork::Chunk { .. } => RowKind::Chunk,
+            RowWork::Continue { .. } => RowKind::Continue,
+        }
+    }
+
+    /// Whether the row is a chunk of a prompt.
+    pub fn is_chunk(&self) -> bool {
+        self.kind() == RowKind::Chunk
+    }
+
+    /// A chunk's range of its prompt; `None` for a continuing row.
+    pub fn range(&self) -> Option<ChunkRange> {
+        match self.work {
+            RowWork::Chunk { range, .. } => Some(range),
+            RowWork::Continue { .. } => None,
+        }
+    }
+
+    /// Whether the row is its prompt's final chunk (the request starts generating after it);
+    /// `false` for a continuing row.
+    pub fn is_final(&self) -> bool {
+        self.range().is_some_and(|r| r.is_final())
+    }
+
+    /// A first chunk's cached prefix in tokens (the engine reuses it, it is not run); 0 for a
+    /// later chunk or a continuing row.
+    pub fn cached(&self) -> u32 {
+        match self.work {
+            RowWork::Chunk { cached, .. } => cached,
+            RowWork::Continue { .. } => 0,
+        }
+    }
+
+    /// A continuing row's estimate in tokens; `None` for a chunk.
+    pub fn estimate(&self) -> Option<u32> {
+        self.work.continue_estimate()
     }
 }
 
@@ -132,6 +194,8 @@ pub struct NextStep {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) changes: Vec<RowChange>,
+    /// The step's time on the engine's clock, for the starvation bound (`at_ms`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 /// One row change of a [`NextStep`].
@@ -147,12 +211,12 @@ pub(crate) enum RowChange {
         estimate: u32,
         context: Option<u64>,
     },
-    /// `admit(rid, node, walk, input, cached)`.
+    /// `admit(rid, node, walk, input, cached)`, or `admit_with` and its options.
     Admit {
         rid: u64,
         walk: Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     },
 }
 
@@ -167,7 +231,22 @@ impl NextStep {
             node: node.into(),
             walk: walk.into(),
             changes: Vec::new(),
+            now_ms: None,
         }
+    }
+
+    /// Plans the next step at `now_ms` on the engine's clock (the clock of
+    /// [`AdmitOptions::arrival_ms`]): the time `chunking.max_wait_ms` measures prompts' waits
+    /// to.
+    #[must_use]
+    pub fn at_ms(mut self, now_ms: f64) -> Self {
+        self.now_ms = Some(now_ms);
+        self
+    }
+
+    /// The step's time given with [`at_ms`](Self::at_ms), if any.
+    pub fn now_ms(&self) -> Option<f64> {
+        self.now_ms
     }
 
     /// The node of the next step.
@@ -225,18 +304,25 @@ impl NextStep {
     /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
     /// is cut.
     #[must_use]
-    pub fn admit(
+    pub fn admit(self, rid: u64, walk: impl Into<Name>, input: PreparedInput, cached: u32) -> Self {
+        self.admit_with(rid, walk, input, AdmitOptions::cached(cached))
+    }
+
+    /// As [`admit`](Self::admit), with the prompt's cached prefix, priority and arrival time,
+    /// as `admit_with(rid, node, walk, input, options)` does.
+    #[must_use]
+    pub fn admit_with(
         mut self,
         rid: u64,
         walk: impl Into<Name>,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     ) -> Self {
         self.changes.push(RowChange::Admit {
             rid,
             walk: walk.into(),
             input,
-            cached,
+            options,
         });
         self
     }
@@ -265,12 +351,14 @@ impl NextStep {
                 rid,
                 walk,
                 input,
-                cached,
+                options,
             } => RowChangeRef::Admit {
                 rid: *rid,
                 walk,
                 input,
-                cached: *cached,
+                cached: options.cached,
+                priority: options.priority,
+                arrival_ms: options.arrival_ms,
             },
         })
     }
@@ -302,6 +390,10 @@ pub enum RowChangeRef<'a> {
         input: &'a PreparedInput,
         /// Its cached prefix.
         cached: u32,
+        /// Its priority (`admit_with`; 0 otherwise).
+        priority: i32,
+        /// Its arrival time in ms (`admit_with`), if given.
+        arrival_ms: Option<f64>,
     },
 }
 
@@ -478,6 +570,9 @@ pub struct SchedulerState {
     completed: FxHashMap<Name, serving::LastCompleted>,
     /// Set by a drain, for good: no admission, no new step.
     draining: bool,
+    /// Every `(node, waiting walk, assembled walk)` said once as stranded
+    /// (`serving::StepHooks::stranded`).
+    stranded_said: rustc_hash::FxHashSet<(Name, Name, Name)>,
 }
 
 impl SchedulerState {
@@ -534,8 +629,41 @@ impl SchedulerState {
         total: u32,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, node, walk, total, AdmitOptions::cached(cached))
+    }
+
+    /// [`SchedulerState::admit`] with the prompt's priority and arrival time. A priority given
+    /// where the node's order is not `priority` is kept (a later setting may order by it) and
+    /// warned about once per node: it does not change this node's order.
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub fn admit_with(
+        &mut self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        total: u32,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         let (node, walk) = self.resolve(node, walk)?;
-        self.queues(&node).admit(rid, walk, total, cached)
+        let order = self
+            .snapshot
+            .as_ref()
+            .map(|s| s.table().order(&node).order)
+            .unwrap_or_default();
+        let queues = self.queues(&node);
+        queues.admit_with(rid, walk, total, options)?;
+        if queues.warn_priority(order, options.priority) {
+            tracing::warn!(
+                node = %node,
+                rid,
+                priority = options.priority,
+                order = %order,
+                "a priority was given to a node whose order is not `priority`: it does not change the order there (warned once per node)"
+            );
+        }
+        Ok(())
     }
 
     /// Keeps a continuing row of `rid` at `node` queued with an `estimate` of tokens a step.
@@ -629,6 +757,21 @@ impl SchedulerState {
         self.assemble(node, walk).map(Assembled::into_batch)
     }
 
+    /// [`SchedulerState::assemble_batch`] of a step planned at `now_ms` on the engine's clock
+    /// (the starvation bound's `max_wait_ms` measures waits to it).
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub fn assemble_batch_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Batch, ChunkingError> {
+        self.assemble_at(node, walk, now_ms)
+            .map(Assembled::into_batch)
+    }
+
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
     /// answers that step again (see `docs/scheduling.md#the-step-lifecycle`).
     ///
@@ -636,6 +779,20 @@ impl SchedulerState {
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
     pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
+        self.assemble_at(node, walk, None)
+    }
+
+    /// [`SchedulerState::assemble`] of a step planned at `now_ms` on the engine's clock, for
+    /// the starvation bound (`chunking.max_wait_ms`); a step in flight is answered as it was.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub(crate) fn assemble_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -662,6 +819,13 @@ impl SchedulerState {
                 None => Assembled::Planned(f.planned_batch()),
             });
         }
+        if let Some(combined) = snap.table().combined_walk_of(walk) {
+            return Err(ChunkingError::MemberWalk {
+                node: params.node.clone(),
+                walk: params.walk.clone(),
+                combined: combined.clone(),
+            });
+        }
         let params = params.clone();
         let (model, _) = self.model_for(&params);
         let margin = self.time_margin(&params);
@@ -673,8 +837,17 @@ impl SchedulerState {
                 max_step_ms: max_step_ms / margin,
             });
         let mut step_plan = std::mem::take(&mut self.spare);
-        match self.nodes.get(node) {
-            Some(q) => plan_timed(&params, time, q.cont(), q.prefill(), &mut step_plan),
+        match self.nodes.get_mut(node) {
+            Some(q) => {
+                let view = q.view(params.order, now_ms);
+                match view.rank {
+                    None => plan_timed(&params, time, view.cont, view.prefill, &mut step_plan),
+                    Some(rank) => {
+                        plan_ranked(&params, time, view.cont, view.prefill, rank, &mut step_plan);
+                    }
+                }
+                q.planned();
+            }
             None => step_plan.clear(),
         }
         self.next_step += 1;
@@ -1033,7 +1206,9 @@ mod tests {
                     rid: 9,
                     walk: "prefill",
                     input: &input,
-                    cached: 1
+                    cached: 1,
+                    priority: 0,
+                    arrival_ms: None,
                 },
             ]
         );
@@ -1216,6 +1391,44 @@ mod tests {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)
+    }
+
+    #[test]
+    fn a_rows_helpers_read_its_work() {
+        let row = |work| BatchRow {
+            rid: 1,
+            walk: 0,
+            work,
+            context: 0,
+            input: None,
+        };
+        let first = row(RowWork::Chunk {
+            range: ChunkRange::new(true, 0, 64, 100),
+            cached: 16,
+        });
+        let last = row(RowWork::Chunk {
+            range: ChunkRange::new(false, 64, 100, 100),
+            cached: 0,
+        });
+        let decode = row(RowWork::Continue { estimate: 3 });
+        assert_eq!(
+            (first.kind(), first.kind().as_str()),
+            (RowKind::Chunk, "chunk")
+        );
+        assert_eq!(
+            (decode.kind(), decode.kind().as_str()),
+            (RowKind::Continue, "continue")
+        );
+        assert!(first.is_chunk() && last.is_chunk() && !decode.is_chunk());
+        assert_eq!(first.range(), Some(ChunkRange::new(true, 0, 64, 100)));
+        assert_eq!(decode.range(), None);
+        assert!(!first.is_final() && last.is_final() && !decode.is_final());
+        assert_eq!((first.cached(), last.cached(), decode.cached()), (16, 0, 0));
+        assert_eq!((first.estimate(), decode.estimate()), (None, Some(3)));
+        assert_eq!(
+            (first.tokens(), last.tokens(), decode.tokens()),
+            (64, 36, 3)
+        );
     }
 
     #[test]

@@ -385,6 +385,45 @@ fn a_tokio_engine_drives_the_actors_on_their_own_thread() {
     assert_eq!(after.kind(), ErrorKind::Fatal);
 }
 
+#[test]
+fn dropping_the_guard_at_once_leaves_the_actors_running_for_the_handles() {
+    #[allow(clippy::let_underscore_must_use)]
+    let (cm, _) = ChunkingManagement::start_on_own_thread(
+        "guard-dropped",
+        [("llm", SubmoduleCaps::new(["prefill"], false))],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let engine = cm.clone();
+    let b = rt
+        .block_on(async move {
+            engine
+                .set_policies([(("llm", "prefill"), ChunkingPolicy::budget(64))])
+                .await?;
+            engine.admit(1, "llm", "prefill", prompt(100), 0).await?;
+            engine.assemble("llm", "prefill").await
+        })
+        .unwrap();
+    assert_eq!(chunks(&b)[0].1, ChunkRange::new(false, 0, 64, 100));
+    // The last handle's drop stops the thread (and joins it: this returns).
+    drop(cm);
+
+    let (cm, actors) = ChunkingManagement::start_on_own_thread(
+        "guard-stopped",
+        [("llm", SubmoduleCaps::new(["prefill"], false))],
+    )
+    .unwrap();
+    actors.stop();
+    let err = rt.block_on(cm.queue_stats()).unwrap_err();
+    assert_eq!(err, ChunkingError::ActorStopped { actor: "Scheduler" });
+    assert!(
+        err.to_string().contains("`ActorThread::stop` was called"),
+        "{err}"
+    );
+}
+
 /// A facade whose `llm` node has a 4,096-token budget on `prefill`, floor 64.
 async fn timed_engine(
     model: &str,

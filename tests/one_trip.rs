@@ -250,7 +250,7 @@ async fn the_next_step_can_be_abandoned() {
         .unwrap()
         .next
         .unwrap();
-    // Uses of `abandon` (its signature changes with issue 18).
+    // Uses of `abandon`.
     cm.abandon(next.step).await.unwrap();
     assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 0);
     let again = cm.assemble("llm", "mixed").await.unwrap();
@@ -367,4 +367,30 @@ async fn prompts_admitted_with_a_completion_run_in_the_next_step() {
         .unwrap_err();
     assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
     assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 1);
+}
+
+#[actix::test]
+async fn a_continuing_row_carries_its_context_on_the_one_trip_step() {
+    let cm = engine("one-trip-context").await;
+    cm.admit(1, "llm", "prefill", prompt(100), 0).await.unwrap();
+    let b = cm.assemble("llm", "mixed").await.unwrap();
+    // Prompt 1 ran whole; it decodes with its context (the prompt and the token it made),
+    // through the next step's row changes, and the helpers read each row's work.
+    let row = &b.rows[0];
+    assert!(row.is_chunk() && row.is_final());
+    assert_eq!(row.range(), Some(ChunkRange::new(true, 0, 100, 100)));
+    let next = NextStep::new("llm", "mixed").continue_row_with_context(1, "decode", 1, 101);
+    let done = cm
+        .complete_and_assemble_with(b.step, planned(&b), None, next)
+        .await
+        .unwrap();
+    let b2 = done.next.unwrap();
+    assert_eq!(continuing(&b2), vec![1]);
+    let row = &b2.rows[0];
+    assert_eq!(
+        (row.context, row.estimate(), row.range()),
+        (101, Some(1), None)
+    );
+    assert!(!row.is_chunk() && !row.is_final());
+    assert_eq!(row.kind().as_str(), "continue");
 }

@@ -25,7 +25,7 @@ use mstar_chunking::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::model::{KvCache, Model, Sampler, StepRow, EOS};
+use crate::model::{KvCache, Model, Sampler, StepRow};
 
 /// The node the engine's model is registered as.
 pub const NODE: &str = "llm";
@@ -216,6 +216,8 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     /// The component's handle, for its metrics and state.
     pub chunking: ChunkingManagement,
+    /// The served model's tokenizer.
+    pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
 }
 
 impl EngineHandle {
@@ -336,6 +338,7 @@ pub fn start(
         )),
         None => None,
     };
+    let tokenizer = model.tokenizer().clone();
     let (tx, rx) = mpsc::unbounded_channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
@@ -384,7 +387,14 @@ pub fn start(
     let chunking = ready_rx
         .recv()
         .map_err(|_| "the engine thread ended before starting".to_owned())??;
-    Ok((EngineHandle { tx, chunking }, thread))
+    Ok((
+        EngineHandle {
+            tx,
+            chunking,
+            tokenizer,
+        },
+        thread,
+    ))
 }
 
 struct Engine {
@@ -701,7 +711,7 @@ impl Engine {
             }
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token(tok));
-            let done = if tok == EOS && !s.req.ignore_eos {
+            let done = if tok == self.model.tokenizer().eos() && !s.req.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)

@@ -1,7 +1,8 @@
 //! # mstar-engine
 //!
 //! A reference serving engine built on `mstar-chunking`'s public API (default features off):
-//! a Llama-architecture decoder on candle ([`model`]), run one step per assembled batch by an
+//! a Llama-architecture decoder on candle ([`model`]: random weights, or a GGUF file such as
+//! SmolLM2-135M-Instruct with its [`tokenizer`]), run one step per assembled batch by an
 //! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`]) and
 //! driven by a trace-replaying load generator ([`bench`]).
 //! `engine/README.md` describes the design.
@@ -11,4 +12,6 @@
 pub mod bench;
 pub mod engine;
 pub mod model;
+pub mod sampling;
 pub mod server;
+pub mod tokenizer;

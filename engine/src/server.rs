@@ -7,7 +7,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix_web::http::StatusCode;
@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::engine::{EngineHandle, Event, GenRequest, SubmitError};
-use crate::model::{encode, BOS, VOCAB};
+use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
 /// The process's Prometheus recorder, installed once; the component's and the engine's metrics
 /// are recorded into it through the `metrics` facade.
@@ -131,14 +131,19 @@ pub struct CompletionBody {
     pub ignore_eos: bool,
 }
 
-/// The tokens of a `prompt` value.
+/// The tokens of a `prompt` value, text encoded with `tok`.
 ///
 /// # Errors
 /// A value that is neither a string nor an array of token ids below the vocabulary size.
-pub fn prompt_tokens(v: &Value) -> Result<Vec<u32>, ApiError> {
+pub fn prompt_tokens(v: &Value, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let vocab = tok.vocab_size();
     match v {
-        Value::String(s) => Ok(encode(s)),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => prompt_tokens(&items[0]),
+        Value::String(s) => tok
+            .encode(s)
+            .map_err(|e| ApiError::bad(Some("prompt"), e.to_string())),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            prompt_tokens(&items[0], tok)
+        }
         Value::Array(items) => {
             if items.is_empty() {
                 return Err(ApiError::bad(Some("prompt"), "`prompt` is an empty array"));
@@ -147,13 +152,10 @@ pub fn prompt_tokens(v: &Value) -> Result<Vec<u32>, ApiError> {
                 .iter()
                 .enumerate()
                 .map(|(i, t)| match t.as_u64() {
-                    Some(t) if (t as usize) < VOCAB => Ok(t as u32),
+                    Some(t) if t < vocab as u64 => Ok(t as u32),
                     _ => Err(ApiError::bad(
                         Some("prompt"),
-                        format!(
-                            "`prompt[{i}]` is {t}: token ids are whole numbers below {VOCAB} (bytes 0-255, BOS {BOS}, EOS {})",
-                            BOS + 1
-                        ),
+                        format!("`prompt[{i}]` is {t}: token ids are whole numbers below {vocab}"),
                     )),
                 })
                 .collect()
@@ -165,7 +167,11 @@ pub fn prompt_tokens(v: &Value) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-fn request_of(body: &CompletionBody, served: &str) -> Result<GenRequest, ApiError> {
+fn request_of(
+    body: &CompletionBody,
+    served: &str,
+    tok: &Tokenizer,
+) -> Result<GenRequest, ApiError> {
     if let Some(m) = &body.model {
         if m != served {
             return Err(ApiError {
@@ -176,7 +182,7 @@ fn request_of(body: &CompletionBody, served: &str) -> Result<GenRequest, ApiErro
             });
         }
     }
-    let prompt = prompt_tokens(&body.prompt)?;
+    let prompt = prompt_tokens(&body.prompt, tok)?;
     let max_tokens = body.max_tokens.unwrap_or(16);
     if max_tokens == 0 {
         return Err(ApiError::bad(
@@ -208,56 +214,37 @@ fn request_of(body: &CompletionBody, served: &str) -> Result<GenRequest, ApiErro
     })
 }
 
-/// Turns byte tokens into text as they arrive, holding back an incomplete UTF-8 sequence.
+/// Turns tokens into text as they arrive, holding back an incomplete UTF-8 sequence; control
+/// tokens (BOS, EOS, `<|im_end|>`) have no text. The default is for the byte vocabulary.
 #[derive(Default)]
 pub struct Utf8Stream {
-    pending: Vec<u8>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    text: Utf8Decoder,
 }
 
 impl Utf8Stream {
+    /// A stream decoding with `tokenizer`.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            tokenizer: Some(tokenizer),
+            text: Utf8Decoder::new(),
+        }
+    }
+
     /// Adds a token; returns the text it completes (maybe empty).
     pub fn push(&mut self, token: u32) -> String {
-        if token < 256 {
-            self.pending.push(token as u8);
-        }
-        self.take(false)
+        let bytes = self
+            .tokenizer
+            .as_deref()
+            .unwrap_or(&Tokenizer::Bytes)
+            .token_bytes(token)
+            .unwrap_or_default();
+        self.text.push(bytes)
     }
 
     /// The text left at the end (an incomplete sequence as U+FFFD).
     pub fn finish(&mut self) -> String {
-        self.take(true)
-    }
-
-    fn take(&mut self, end: bool) -> String {
-        let mut out = String::new();
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    out.push_str(s);
-                    self.pending.clear();
-                    return out;
-                }
-                Err(e) => {
-                    let good = e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[..good]).expect("valid prefix"));
-                    match e.error_len() {
-                        Some(bad) => {
-                            out.push('\u{FFFD}');
-                            self.pending.drain(..good + bad);
-                        }
-                        None if end => {
-                            out.push('\u{FFFD}');
-                            self.pending.clear();
-                            return out;
-                        }
-                        None => {
-                            self.pending.drain(..good);
-                            return out;
-                        }
-                    }
-                }
-            }
-        }
+        self.text.finish()
     }
 }
 
@@ -278,7 +265,7 @@ async fn completions(
     if state.draining.load(Ordering::Relaxed) {
         return Err(SubmitError::Draining.into());
     }
-    let req = request_of(&body, &state.model_name)?;
+    let req = request_of(&body, &state.model_name, &state.engine.tokenizer)?;
     let (rid, rx) = state.engine.submit(req).await?;
     let id = format!("cmpl-{rid}");
     let created = now_secs();
@@ -286,7 +273,7 @@ async fn completions(
     if body.stream {
         let st = SseState {
             rx,
-            text: Utf8Stream::default(),
+            text: Utf8Stream::new(state.engine.tokenizer.clone()),
             id,
             created,
             model,
@@ -325,7 +312,7 @@ async fn completions(
             .streaming(s));
     }
     let mut rx = rx;
-    let mut text = Utf8Stream::default();
+    let mut text = Utf8Stream::new(state.engine.tokenizer.clone());
     let mut out = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {

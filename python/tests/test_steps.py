@@ -12,6 +12,7 @@ from mstar_chunking import (
     InvalidRequestError,
     Overrun,
     SubmoduleCaps,
+    _native,
 )
 
 from conftest import run_all
@@ -45,7 +46,8 @@ def test_a_prompt_is_cut_into_budget_sized_chunks_with_zero_copy_inputs(cm):
     assert view.tolist() == list(range(1000, 1256))
     whole = cm.prepared[(1, "llm")]
     # The chunk's view points into the whole prepared input: the same memory, not a copy.
-    assert row.input_tokens.address == whole.obj._owner.address
+    assert _native._buffer_address(view) == _native._buffer_address(whole)
+    assert _native._buffer_address(whole.obj) == _native._buffer_address(row.input_tokens)
     assert row.input_tokens.span == (0, 256)
     with pytest.raises(TypeError):
         view[0] = 5

@@ -19,6 +19,7 @@ use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
 use crate::policy::Name;
+use crate::order::AdmitOptions;
 use crate::prepared::PreparedInput;
 use crate::scheduler::serving::StepHooks;
 use crate::scheduler::{
@@ -88,12 +89,15 @@ impl Shell {
 
     /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
     fn publish_queue(&mut self, state: &SchedulerState, node: &Name) {
-        let counts = state.node(node).map(|q| q.counts()).unwrap_or_default();
+        let queues = state.node(node);
+        let counts = queues.map(|q| q.counts()).unwrap_or_default();
         let instance = &self.instance;
-        self.queue_gauges
+        let gauges = self
+            .queue_gauges
             .entry(node.clone())
-            .or_insert_with(|| instance.queue(node))
-            .set(counts);
+            .or_insert_with(|| instance.queue(node));
+        gauges.set(counts);
+        gauges.set_head_wait(queues.and_then(|q| q.head_wait()));
     }
 
     /// Sets the latency-model gauges of `node`: its coefficients and their source.
@@ -179,6 +183,15 @@ impl StepHooks for Shell {
             .in_scope(|| tracing::debug!(error = %why, "row change refused after the step"));
     }
 
+    fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+        tracing::warn!(
+            node = %node,
+            waiting = %waiting,
+            assembled = %assembled,
+            "prompt rows of `{node}` wait on walk `{waiting}`, which no step of `{node}`/`{assembled}` takes: run `{waiting}` inside `{assembled}` (`BudgetSettings::combined`, or the model manifest's combined walks) or assemble `{node}`/`{waiting}` too"
+        );
+    }
+
     fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
         match node {
             Some(node) => self.publish_queue(state, node),
@@ -236,7 +249,7 @@ pub(crate) struct AdmitPrepared {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) input: PreparedInput,
-    pub(crate) cached: u32,
+    pub(crate) options: AdmitOptions,
 }
 
 impl Handler<AdmitPrepared> for Scheduler {
@@ -245,7 +258,7 @@ impl Handler<AdmitPrepared> for Scheduler {
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
         let admitted =
             self.state
-                .admit_prepared(m.rid, &m.node, &m.walk, m.input, m.cached, &mut self.shell);
+                .admit_prepared_with(m.rid, &m.node, &m.walk, m.input, m.options, &mut self.shell);
         self.send_input_changes();
         admitted
     }
@@ -319,13 +332,17 @@ impl Handler<ForgetRow> for Scheduler {
 pub(crate) struct Assemble {
     pub(crate) node: Name,
     pub(crate) walk: Name,
+    /// The step's time on the engine's clock, if given (`assemble_at`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 impl Handler<Assemble> for Scheduler {
     type Result = Result<Arc<Batch>, ChunkingError>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
-        let batch = self.state.assemble_step(&m.node, &m.walk, &mut self.shell);
+        let batch = self
+            .state
+            .assemble_step_at(&m.node, &m.walk, m.now_ms, &mut self.shell);
         self.send_input_changes();
         batch
     }
@@ -519,7 +536,7 @@ mod tests {
             node: "llm".into(),
             walk: "prefill".into(),
             input,
-            cached: 0,
+            options: AdmitOptions::default(),
         })
     }
 
@@ -560,6 +577,7 @@ mod tests {
             Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             })
         };
 
@@ -626,6 +644,7 @@ mod tests {
             .send(Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             }))
             .await
             .unwrap()
@@ -640,6 +659,7 @@ mod tests {
         Guarded(Assemble {
             node: "llm".into(),
             walk: "prefill".into(),
+            now_ms: None,
         })
     }
 

@@ -31,7 +31,7 @@ pub(crate) mod step_log;
 pub mod trace;
 
 pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, replay_budgets};
-pub use checks::{check_clock, MAX_SIMULATED_MS};
+pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
 pub use options::{ReplayOptions, StepHook, StopFlag};
 pub use report::ReplayReport;

@@ -36,6 +36,9 @@ pub struct ReplayOptions {
     pub skip_bad_lines: bool,
     /// Show a progress bar (only when stderr is a terminal).
     pub progress: bool,
+    /// The config layers the settings were read from, in order, as the report lists them
+    /// (empty: not listed).
+    pub config_layers: Vec<String>,
     /// Input files besides the trace (config layers, the model) that the outputs must not
     /// overwrite.
     pub inputs: Vec<PathBuf>,
@@ -106,6 +109,7 @@ impl Default for ReplayOptions {
             report_json: None,
             skip_bad_lines: false,
             progress: false,
+            config_layers: Vec::new(),
             inputs: Vec::new(),
             handle_signals: false,
             on_step: None,

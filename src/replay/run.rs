@@ -125,10 +125,11 @@ pub async fn run_trace(
         .await
         .map_err(ReplayError::chunking("setting the model's policies"))?;
     let budgets = replay_budgets(manifest, settings, &setup, opts.budget_off, opts.budget)?;
-    cm.set_budgets(budgets)
+    cm.set_budgets(budgets.clone())
         .await
         .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
-    let labels = run_settings(cm, manifest, &setup, opts, trace).await?;
+    let mut labels = run_settings(cm, manifest, &setup, opts, trace).await?;
+    labels.planner = report::PlannerLabel::of(&budgets, &setup.node);
 
     let step_log = match &opts.step_log {
         Some(p) => Some(
@@ -244,6 +245,8 @@ async fn run_settings(
         budgets,
         budget_flag,
         cost: report::CostLabel::of(setup),
+        planner: report::PlannerLabel::default(),
+        config_layers: opts.config_layers.clone(),
         speculation_tokens: setup.spec_tokens,
         overshoot_rate: setup.overshoot_rate,
         prefix_cache_blocks: setup.cache_blocks,

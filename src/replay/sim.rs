@@ -42,8 +42,11 @@ struct ReqState {
     remaining: u32,
     /// When its last token was generated (simulated ms).
     last_token_ms: f64,
-    /// Chunks its prompt ran in.
-    chunks: u32,
+    /// Whether its prompt ran a non-final chunk, in any admission (a recompute included).
+    cut: bool,
+    /// Whether it was counted in `prompts_cut`: a prompt is counted once, however often it
+    /// is recomputed.
+    cut_counted: bool,
     /// The KV context its next continuing row reads, as the simulated engine knows it: its
     /// prompt plus the tokens it has generated. Kept here, never read from the component,
     /// whose own contexts are estimates it may not even keep (see [`Sim::step_ms`]).
@@ -589,9 +592,9 @@ impl<'a> Sim<'a> {
                 RowWork::Chunk { range, .. } => {
                     self.report.tokens.prefill += u64::from(r);
                     self.report.chunks.total += 1;
-                    self.state[i].chunks += 1;
                     self.state[i].prefilled = range.end;
                     if !range.is_final() {
+                        self.state[i].cut = true;
                         continue;
                     }
                     self.first_token(i, row.rid, range.total, t_end).await?;
@@ -619,7 +622,11 @@ impl<'a> Sim<'a> {
         let req = &self.trace.requests[i];
         self.report.chunks.final_chunks += 1;
         self.report.tokens.generated += 1;
-        if self.state[i].chunks > 1 {
+        // Counted at its first final chunk after a cut, once: a recompute's final chunk is
+        // the same prompt's.
+        let s = &mut self.state[i];
+        if s.cut && !s.cut_counted {
+            s.cut_counted = true;
             self.report.chunks.prompts_cut += 1;
         }
         self.prefilling -= 1;

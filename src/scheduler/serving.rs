@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::{Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome};
 use crate::error::ChunkingError;
+use crate::order::AdmitOptions;
 use crate::policy::Name;
 use crate::prepared::{InputChange, PreparedInput};
 
@@ -43,6 +44,10 @@ pub(crate) trait StepHooks {
     fn change_refused(&mut self, _step: u64, _why: &ChunkingError) {}
     /// The queues of `node` changed (`None`: possibly of every node).
     fn queues_changed(&mut self, _state: &SchedulerState, _node: Option<&Name>) {}
+    /// A step of `node`/`assembled` came out empty while prompt rows of `node` wait on
+    /// `waiting`, a walk no step of `assembled` takes: said once per
+    /// `(node, waiting, assembled)`.
+    fn stranded(&mut self, _node: &Name, _waiting: &Name, _assembled: &Name) {}
 }
 
 impl StepHooks for () {}
@@ -89,11 +94,8 @@ pub struct QueueStats {
 }
 
 impl SchedulerState {
-    /// Admits a prompt whole: measures its input, queues its row and holds the input. A refused
-    /// admission (draining, a bad input, a second row of `(rid, node)`) queues and holds nothing.
-    ///
-    /// # Errors
-    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit`].
+    /// [`SchedulerState::admit_prepared_with`] with a cached prefix only (the tests' form).
+    #[cfg(test)]
     pub(crate) fn admit_prepared(
         &mut self,
         rid: u64,
@@ -103,10 +105,29 @@ impl SchedulerState {
         cached: u32,
         hooks: &mut impl StepHooks,
     ) -> Result<(), ChunkingError> {
+        let options = AdmitOptions::cached(cached);
+        self.admit_prepared_with(rid, node, walk, input, options, hooks)
+    }
+
+    /// Admits a prompt whole: measures its input, queues its row (with its cached prefix,
+    /// priority and arrival time) and holds the input. A refused admission (draining, a bad
+    /// input, a second row of `(rid, node)`) queues and holds nothing.
+    ///
+    /// # Errors
+    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit_with`].
+    pub(crate) fn admit_prepared_with(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        options: AdmitOptions,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
-        self.admit_input(rid, node, walk, input, cached, hooks)?;
+        self.admit_input(rid, node, walk, input, options, hooks)?;
         hooks.queues_changed(self, Some(node));
         Ok(())
     }
@@ -119,11 +140,11 @@ impl SchedulerState {
         node: &Name,
         walk: &Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
         hooks: &mut impl StepHooks,
     ) -> Result<(), ChunkingError> {
         let total = input.measure(rid, node)?;
-        self.admit(rid, node, walk, total, cached)?;
+        self.admit_with(rid, node, walk, total, options)?;
         // The queue refuses a second row of `(rid, node)`, and a row's input is dropped with
         // its row: an input is never held here already.
         if let Err(e) = self.inputs.insert(rid, node, input) {
@@ -216,22 +237,41 @@ impl SchedulerState {
     ///
     /// # Errors
     /// Draining, as [`SchedulerState::assemble`], or `MissingPreparedInput`.
+    #[cfg(test)]
     pub(crate) fn assemble_step(
         &mut self,
         node: &str,
         walk: &str,
         hooks: &mut impl StepHooks,
     ) -> Result<Arc<Batch>, ChunkingError> {
+        self.assemble_step_at(node, walk, None, hooks)
+    }
+
+    /// [`SchedulerState::assemble_step`] of a step planned at `now_ms` on the engine's clock
+    /// (for the starvation bound, [`SchedulerState::assemble_at`]).
+    ///
+    /// # Errors
+    /// As `assemble_step`.
+    pub(crate) fn assemble_step_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Arc<Batch>, ChunkingError> {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
         let started = Instant::now();
-        let mut batch = match self.assemble(node, walk)? {
+        let mut batch = match self.assemble_at(node, walk, now_ms)? {
             Assembled::InFlight(batch) => return Ok(batch),
             Assembled::Planned(batch) => batch,
         };
         let took = started.elapsed();
         hooks.assembled(&batch, took, &|step| self.node_of_step(step).is_some());
+        if batch.rows.is_empty() {
+            self.say_stranded(&batch, hooks);
+        }
         let missing = batch.cut_inputs(self.inputs.node(&batch.node));
         if let Some(&rid) = missing.first() {
             let (step, node) = (batch.step, batch.node.clone());
@@ -245,6 +285,26 @@ impl SchedulerState {
         let batch = Arc::new(batch);
         self.hold(batch.clone());
         Ok(batch)
+    }
+
+    /// On an empty step: the first prompt row of the node waiting on a walk the step does not
+    /// take is said once (an engine that alternates walks may see it once too; the message
+    /// names both fixes). Only empty steps look: the check costs nothing on a step that runs.
+    fn say_stranded(&mut self, batch: &Batch, hooks: &mut impl StepHooks) {
+        let Some(queues) = self.nodes.get(&batch.node) else {
+            return;
+        };
+        let waiting = queues
+            .prefill()
+            .iter()
+            .map(|r| &r.walk)
+            .find(|w| !batch.walks.contains(w));
+        if let Some(waiting) = waiting {
+            let key = (batch.node.clone(), waiting.clone(), batch.walk.clone());
+            if self.stranded_said.insert(key) {
+                hooks.stranded(&batch.node, waiting, &batch.walk);
+            }
+        }
     }
 
     /// Completes step `step` as [`SchedulerState::complete`] does, and releases the inputs of
@@ -295,7 +355,7 @@ impl SchedulerState {
         next: NextStep,
         hooks: &mut impl StepHooks,
     ) -> Result<Completed, ChunkingError> {
-        let (node, walk) = (next.node.clone(), next.walk.clone());
+        let (node, walk, now_ms) = (next.node.clone(), next.walk.clone(), next.now_ms);
         let (outcome, refused) = match self.completed.get(&*node) {
             Some(last) if last.step == step => {
                 let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
@@ -329,7 +389,7 @@ impl SchedulerState {
         };
         let next = match refused {
             Some(e) => Err(e),
-            None => self.assemble_step(&node, &walk, hooks),
+            None => self.assemble_step_at(&node, &walk, now_ms, hooks),
         };
         Ok(Completed { outcome, next })
     }
@@ -405,8 +465,8 @@ impl SchedulerState {
                     rid,
                     walk,
                     input,
-                    cached,
-                } => self.admit_input(rid, &node, &walk, input, cached, hooks),
+                    options,
+                } => self.admit_input(rid, &node, &walk, input, options, hooks),
             };
             if result.is_err() {
                 break;
@@ -515,6 +575,10 @@ mod tests {
         fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
             let rows = state.prefill_rows();
             self.0.push(format!("queues {node:?} {rows}"));
+        }
+        fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+            self.0
+                .push(format!("stranded {node} {waiting} {assembled}"));
         }
     }
 
@@ -835,6 +899,89 @@ mod tests {
         assert_eq!(s.drain_all(&mut ()), DrainReport::default());
         let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
         assert!(matches!(refused, Err(ChunkingError::Draining)));
+    }
+
+    #[test]
+    fn an_empty_step_says_once_that_prompts_wait_on_a_walk_it_does_not_take() {
+        // `prefill` and `decode` both budgeted, not combined: a prompt on `prefill` never runs
+        // in a `decode` step.
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([
+            (
+                (Name::from("llm"), Name::from("prefill")),
+                ChunkingPolicy::budget(8),
+            ),
+            (
+                (Name::from("llm"), Name::from("decode")),
+                ChunkingPolicy::budget(4),
+            ),
+        ]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let table = BudgetTable::from_policies(model)
+            .with_settings(crate::budget::BudgetSettings::new(["prefill", "decode"]))
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let (node, walk) = llm();
+        let mut h = Recorded::default();
+        let empty = s.assemble_step("llm", "decode", &mut h).unwrap();
+        assert!(empty.rows.is_empty());
+        assert_eq!(h.0.len(), 1, "nothing waits: nothing said: {:?}", h.0);
+        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
+            .unwrap();
+        h.0.clear();
+        for _ in 0..3 {
+            assert!(s
+                .assemble_step("llm", "decode", &mut h)
+                .unwrap()
+                .rows
+                .is_empty());
+        }
+        let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
+        assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
+        // A step that runs something says nothing (a decode row beside the waiting prompt).
+        s.continue_with(9, &node, &Name::from("decode"), 1, None, &mut ())
+            .unwrap();
+        h.0.clear();
+        let b = s.assemble_step("llm", "decode", &mut h).unwrap();
+        assert_eq!(b.rows.len(), 1);
+        assert!(!h.0.iter().any(|c| c.starts_with("stranded")), "{:?}", h.0);
+    }
+
+    #[test]
+    fn assembling_a_walk_that_runs_inside_a_combined_walk_is_refused_naming_it() {
+        let subs = BTreeMap::from([(
+            Name::from("llm"),
+            SubmoduleCaps::new(["prefill", "mixed"], false),
+        )]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("mixed")),
+            ChunkingPolicy::budget(64),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let settings = crate::budget::BudgetSettings::new(["prefill", "decode", "mixed"])
+            .combined("mixed", ["prefill", "decode"]);
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(3000, 0), 0, &mut ())
+            .unwrap();
+        for member in ["prefill", "decode"] {
+            let err = s.assemble_step("llm", member, &mut ()).unwrap_err();
+            assert_eq!(
+                err,
+                ChunkingError::MemberWalk {
+                    node: "llm".into(),
+                    walk: member.into(),
+                    combined: "mixed".into()
+                }
+            );
+            assert!(err.to_string().contains("assemble `llm`/`mixed`"), "{err}");
+            assert_eq!(err.kind(), crate::error::ErrorKind::InvalidRequest);
+        }
+        let b = s.assemble_step("llm", "mixed", &mut ()).unwrap();
+        assert_eq!((b.rows.len(), b.budget), (1, Some(64)));
     }
 
     #[test]

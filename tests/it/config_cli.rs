@@ -31,19 +31,19 @@ fn check_prints_the_effective_table_of_the_defaults() {
         .collect();
     assert_eq!(
         table[0],
-        "node  walk     policy  budget  chunkable  floor  caps  step ms  model"
+        "node  walk     policy  budget  chunkable  floor  caps  step ms  model  order"
     );
     assert_eq!(
         table[1],
-        "llm   prefill  2048    2048    yes        64     -     -        -"
+        "llm   prefill  2048    2048    yes        64     -     -        -      fcfs"
     );
     assert_eq!(
         table[2],
-        "llm   decode   -       -       no         -      -     -        -"
+        "llm   decode   -       -       no         -      -     -        -      fcfs"
     );
     assert_eq!(
         table[3],
-        "llm   mixed    2048    2048    yes        64     -     -        -"
+        "llm   mixed    2048    2048    yes        64     -     -        -      fcfs"
     );
     assert!(r.stderr.is_empty(), "{}", r.stderr);
 }

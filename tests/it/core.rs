@@ -54,6 +54,7 @@ fn settings(min_chunk_tokens: u32, overrides: BTreeMap<Name, NodeBudget>) -> Bud
         max_row_tokens: None,
         max_partial_prefills: None,
         time: Default::default(),
+        order: Default::default(),
     }
 }
 

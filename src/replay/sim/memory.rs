@@ -129,25 +129,10 @@ impl Sim<'_> {
         self.kv.as_ref().map_or(0, |k| k.waiting.len())
     }
 
-    /// Refuses a trace with a request that could never fit in the pool, even alone: its prompt,
-    /// outputs and speculative tokens.
+    /// Refuses a trace with a request that could never fit in the pool, even alone
+    /// ([`crate::replay::check_kv_fits`]).
     pub(super) fn check_kv_fits(&self) -> Result<(), ReplayError> {
-        let Some(kv) = &self.kv else { return Ok(()) };
-        let spec = 2 * u64::from(self.setup.spec_tokens);
-        for r in &self.trace.requests {
-            let tokens = u64::from(r.input_tokens) + u64::from(r.output_tokens.max(1)) + spec;
-            let need = kv.pool.blocks_for(tokens);
-            if need > kv.pool.limit() {
-                return Err(ReplayError::KvTooSmall {
-                    rid: r.rid,
-                    tokens,
-                    need,
-                    blocks: kv.pool.limit(),
-                    block_tokens: kv.pool.block_tokens(),
-                });
-            }
-        }
-        Ok(())
+        crate::replay::check_kv_fits(self.setup, self.trace)
     }
 
     /// Admits waiting requests, front first, while the head's first chunk fits with the
@@ -353,6 +338,7 @@ impl Sim<'_> {
             kv.recomputed_tokens += discarded;
             kv.events.push(Preemption {
                 rid,
+                row_rid: component_rid(rid, s.attempt),
                 readmit_rid: component_rid(rid, s.attempt + 1),
                 generated: s.generated,
                 during_prefill: s.phase == Phase::Prefilling,
