@@ -176,6 +176,13 @@ class _Chunking:
             serve = getattr(__import__("mstar_chunking"), "serve_metrics", None)
             if serve is None:
                 raise UnsupportedVllmFeature(f"{METRICS_ENV} is set, but this mstar_chunking has no serve_metrics()")
+            pc = cfg.parallel_config
+            rank = pc.data_parallel_index if pc.data_parallel_size > 1 else 0
+            if rank:  # one engine core per data-parallel rank, each on its own port
+                host, _, port = metrics.rpartition(":")
+                if not port.isdigit():
+                    raise UnsupportedVllmFeature(f"{METRICS_ENV}={metrics!r} is not host:port")
+                metrics = f"{host}:{int(port) + rank}"
             serve(metrics)
         paths = [p for p in os.environ.get(CONFIG_ENV, "").split(os.pathsep) if p]
         if paths or _mstar_env():
