@@ -102,7 +102,7 @@ def config_env(tmp_path, monkeypatch):
 
 
 def test_config_budget_above_vllms_is_refused(config_env):
-    config_env("[chunking.max_batch_tokens]\nllm = { mixed = 1024, prefill = 1024 }\n")
+    config_env("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n")
     if not hasattr(mstar_chunking.ChunkingManagement, "from_config"):
         with pytest.raises(UnsupportedVllmFeature, match="from_config"):
             make_scheduler(Scheduler, budget=512)
@@ -116,7 +116,7 @@ def test_config_budget_above_vllms_is_refused(config_env):
     reason="this mstar_chunking has no ChunkingManagement.from_config",
 )
 def test_config_budget_is_the_components(config_env, monkeypatch):
-    config_env("[chunking]\nmin_chunk_tokens = 32\n[chunking.max_batch_tokens]\nllm = { mixed = 256, prefill = 256 }\n")
+    config_env("[chunking]\nmin_chunk_tokens = 32\n[chunking.max_batch_tokens]\nllm = { mixed = 256 }\n")
     monkeypatch.setenv("MSTAR__CHUNKING__MAX_ROW_TOKENS", "128")
     s = make_scheduler(Scheduler, budget=512)
     d = Driver(s)
