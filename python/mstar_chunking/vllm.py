@@ -134,6 +134,8 @@ class _Chunking:
 
     chunking: ChunkingManagement
     mstar_stats: ChunkingStats
+    #: Where the component's metrics are served (`MSTAR_CHUNKING_METRICS`), once they are.
+    metrics_address: Optional[str] = None
     #: The clock steps are measured with (seconds); a test replaces it with a simulated one.
     clock: Any = staticmethod(time.perf_counter)
 
@@ -183,7 +185,7 @@ class _Chunking:
                 if not port.isdigit():
                     raise UnsupportedVllmFeature(f"{METRICS_ENV}={metrics!r} is not host:port")
                 metrics = f"{host}:{int(port) + rank}"
-            serve(metrics)
+            self.metrics_address = serve(metrics)
         paths = [p for p in os.environ.get(CONFIG_ENV, "").split(os.pathsep) if p]
         if paths or _mstar_env():
             from_config = getattr(ChunkingManagement, "from_config", None)

@@ -1,6 +1,7 @@
 """What the plugin refuses: another vLLM release at import, unsupported features at start (by
 name), structured output per request, and a chunking config vLLM's runner could not take."""
 
+import os
 import subprocess
 import sys
 
@@ -133,3 +134,28 @@ def test_threshold_beside_a_config_is_refused(config_env):
     config_env("[chunking]\nmin_chunk_tokens = 32\n")
     with pytest.raises(UnsupportedVllmFeature, match="long_prefill_token_threshold|from_config"):
         make_scheduler(Scheduler, threshold=128)
+
+
+@pytest.mark.skipif(not hasattr(mstar_chunking, "serve_metrics"), reason="this mstar_chunking has no serve_metrics")
+def test_metrics_on_the_components_endpoint():
+    """MSTAR_CHUNKING_METRICS serves the component's series, labelled with vLLM's model name (in a
+    process of its own: the endpoint is served once per process, before any manager starts)."""
+    code = """
+import os, sys, urllib.request
+sys.path.insert(0, sys.argv[1])
+os.environ["MSTAR_CHUNKING_METRICS"] = "127.0.0.1:0"
+from harness import Driver, make_scheduler
+from mstar_chunking.vllm import Scheduler
+s = make_scheduler(Scheduler)
+d = Driver(s)
+d.add("a", [9] * 300, 3)
+d.drain()
+print(urllib.request.urlopen(f"http://{s.metrics_address}/metrics", timeout=10).read().decode())
+s.shutdown()
+"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    steps = [line for line in p.stdout.splitlines() if line.startswith("mstar_chunking_steps_total{")]
+    assert steps and all('node="llm"' in line and "model=" in line for line in steps), p.stdout[-2000:]
+    assert any(float(line.rsplit(" ", 1)[1]) >= 3 for line in steps), steps
