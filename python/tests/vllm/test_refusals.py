@@ -9,7 +9,6 @@ import pytest
 from harness import Driver, make_request, make_scheduler
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-import mstar_chunking
 from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
 
 
@@ -104,18 +103,10 @@ def config_env(tmp_path, monkeypatch):
 
 def test_config_budget_above_vllms_is_refused(config_env):
     config_env("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n")
-    if not hasattr(mstar_chunking.ChunkingManagement, "from_config"):
-        with pytest.raises(UnsupportedVllmFeature, match="from_config"):
-            make_scheduler(Scheduler, budget=512)
-        return
     with pytest.raises(UnsupportedVllmFeature, match=r"max_batch_tokens\.llm\.mixed is 1024.*\(512\)"):
         make_scheduler(Scheduler, budget=512)
 
 
-@pytest.mark.skipif(
-    not hasattr(mstar_chunking.ChunkingManagement, "from_config"),
-    reason="this mstar_chunking has no ChunkingManagement.from_config",
-)
 def test_config_budget_is_the_components(config_env, monkeypatch):
     config_env("[chunking]\nmin_chunk_tokens = 32\n[chunking.max_batch_tokens]\nllm = { mixed = 256 }\n")
     monkeypatch.setenv("MSTAR__CHUNKING__MAX_ROW_TOKENS", "128")
@@ -132,11 +123,10 @@ def test_config_budget_is_the_components(config_env, monkeypatch):
 
 def test_threshold_beside_a_config_is_refused(config_env):
     config_env("[chunking]\nmin_chunk_tokens = 32\n")
-    with pytest.raises(UnsupportedVllmFeature, match="long_prefill_token_threshold|from_config"):
+    with pytest.raises(UnsupportedVllmFeature, match="long_prefill_token_threshold=128 with MSTAR_CHUNKING_CONFIG"):
         make_scheduler(Scheduler, threshold=128)
 
 
-@pytest.mark.skipif(not hasattr(mstar_chunking, "serve_metrics"), reason="this mstar_chunking has no serve_metrics")
 def test_metrics_on_the_components_endpoint():
     """MSTAR_CHUNKING_METRICS serves the component's series, labelled with vLLM's model name (in a
     process of its own: the endpoint is served once per process, before any manager starts)."""
