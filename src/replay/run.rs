@@ -23,6 +23,14 @@ use crate::ChunkingManagement;
 /// # Errors
 /// As [`Trace::load`]; `--format` (other than `azure`) or `--arrivals` without a trace.
 pub fn load_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError> {
+    let mut trace = read_trace(opts, seed)?;
+    if let Some(rule) = opts.priority_by {
+        rule.apply(&mut trace);
+    }
+    Ok(trace)
+}
+
+fn read_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError> {
     let read = trace::ReadOptions {
         limit: opts.requests,
         skip_bad_lines: opts.skip_bad_lines,

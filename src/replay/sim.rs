@@ -16,6 +16,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::prefix_cache::PrefixCache;
+use super::priority::ByClass;
 use super::report::{
     ChunkCounts, Latency, OverrunCounts, ReplayReport, StepDurations, TokenCounts,
 };
@@ -26,7 +27,7 @@ use crate::latency::StepFeatures;
 use crate::overrun::OverrunReason;
 use crate::planner::RowWork;
 use crate::prepared::PreparedInput;
-use crate::ChunkingManagement;
+use crate::{AdmitOptions, ChunkingManagement};
 
 mod memory;
 
@@ -121,6 +122,8 @@ pub struct Sim<'a> {
     /// Time between tokens: one sample per generated token, so kept in the bounded
     /// histogram step times use (its error is documented there), never in a `Vec`.
     tbt: StepDurations,
+    /// TTFT and TBT per priority class (reported with two classes or more).
+    by_class: ByClass,
     /// The KV memory model (`[replay.kv]`); `None`: unlimited memory, as without it.
     kv: Option<memory::KvState>,
     /// Set to a signal number when the replay is to stop at the next step boundary.
@@ -180,6 +183,7 @@ impl<'a> Sim<'a> {
             decode_row_waits: 0,
             ttft_ms: None,
             tbt_ms: None,
+            by_priority: Vec::new(),
             peak_prepared_rows: 0,
             peak_prepared_tokens: 0,
             prepared_left_rows: 0,
@@ -232,6 +236,7 @@ impl<'a> Sim<'a> {
             // the trace's declared sizes.
             ttft: Vec::new(),
             tbt: StepDurations::default(),
+            by_class: ByClass::of(trace),
             kv: setup
                 .kv
                 .as_ref()
@@ -404,13 +409,20 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
+        // The arrival on the simulated clock, which every step's time is given on too: the
+        // starvation bound's `max_wait_ms` measures waits in simulated ms.
+        let options = AdmitOptions {
+            cached,
+            priority: r.priority,
+            arrival_ms: Some(self.arrivals[i]),
+        };
         self.cm
-            .admit(
+            .admit_with(
                 rid,
                 &self.setup.node,
                 PREFILL_WALK,
                 PreparedInput::tokens(ids),
-                cached,
+                options,
             )
             .await
             .map_err(ReplayError::chunking("admitting a prompt"))?;
@@ -472,7 +484,7 @@ impl<'a> Sim<'a> {
         // planned again (`memory.rs`).
         let batch = loop {
             let batch = cm
-                .assemble(node, walk)
+                .assemble_at(node, walk, self.t_ms)
                 .await
                 .map_err(ReplayError::chunking("assembling a step"))?;
             if batch.rows.is_empty() {
@@ -574,6 +586,8 @@ impl<'a> Sim<'a> {
                     self.report.tokens.generated += 1;
                     let s = &mut self.state[i];
                     self.tbt.record(t_end - s.last_token_ms);
+                    let priority = self.trace.requests[i].priority;
+                    self.by_class.tbt(priority, t_end - s.last_token_ms);
                     s.last_token_ms = t_end;
                     s.true_context += 1;
                     s.generated += 1;
@@ -637,8 +651,11 @@ impl<'a> Sim<'a> {
             // A preempted request's prefill of its prompt and generated tokens yields its
             // next token: a time between tokens, not a first token.
             self.tbt.record(t_end - self.state[i].last_token_ms);
+            self.by_class
+                .tbt(req.priority, t_end - self.state[i].last_token_ms);
         } else {
             self.ttft.push(t_end - self.arrivals[i]);
+            self.by_class.ttft(req.priority, t_end - self.arrivals[i]);
         }
         if let Some(c) = &mut self.cache {
             c.insert(self.trace.hashes(req));
@@ -688,6 +705,7 @@ impl<'a> Sim<'a> {
             .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
         rep.ttft_ms = Latency::of(&mut self.ttft);
         rep.tbt_ms = self.tbt.latency();
+        rep.by_priority = self.by_class.finish();
         if let Some(t) = rep.time_budget.as_ref().filter(|t| t.inactive_steps > 0) {
             rep.warnings.push(format!(
                 "the time budget was inactive for {} of {} steps: {}",
