@@ -15,6 +15,7 @@ use super::trace::{self, Trace, TraceError, TraceFormat};
 use super::{sim, step_log};
 use crate::config::Settings;
 use crate::manifest::Manifest;
+use crate::order::Order;
 use crate::ChunkingManagement;
 
 /// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
@@ -158,7 +159,8 @@ pub async fn run_trace(
         .max_batch_tokens(&setup.node, sim::first_chunk_walk(&setup.walks));
     let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
         .time_budgets(&labels.budgets)
-        .first_chunk_cap(cap);
+        .first_chunk_cap(cap)
+        .priority_preemption(budgets.order.of(&setup.node).order == Order::Priority);
     let flag = opts.stop.as_ref().map(|f| f.0.clone());
     let _signals = if opts.handle_signals {
         let flag = flag.unwrap_or_default();

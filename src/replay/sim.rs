@@ -290,6 +290,16 @@ impl<'a> Sim<'a> {
         self
     }
 
+    /// With a KV memory limit and `on` (the node's order is `priority`): memory is ordered by
+    /// the requests' priorities (`docs/kv-memory.md#priority-preemption`).
+    #[must_use]
+    pub fn priority_preemption(mut self, on: bool) -> Self {
+        if let (true, Some(kv)) = (on, &mut self.kv) {
+            kv.by_priority(self.trace.requests.iter().map(|r| r.priority).collect());
+        }
+        self
+    }
+
     /// The trace index of a component rid (`rid + attempt << 32`).
     fn index_of(&self, rid: u64) -> Option<usize> {
         self.index_of_rid
