@@ -604,9 +604,14 @@ pub(crate) struct StepMetrics {
 impl StepMetrics {
     /// Creates the counters at 0 (the histograms exist once resolved).
     fn register(&self) {
-        for c in [&self.steps, &self.chunks_final, &self.chunks_partial, &self.deferred]
-            .into_iter()
-            .chain(&self.time_overruns)
+        for c in [
+            &self.steps,
+            &self.chunks_final,
+            &self.chunks_partial,
+            &self.deferred,
+        ]
+        .into_iter()
+        .chain(&self.time_overruns)
         {
             c.increment(0);
         }

@@ -145,7 +145,15 @@ mod tests {
         assert_eq!(rule.priority(1), 0);
         assert_eq!(rule.priority(2048), 0);
         assert_eq!(rule.priority(2049), 1);
-        for bad in ["prompt-length:0", "prompt-length:", "prompt-length:-1", "length:5", "prompt-length:1e3", "prompt-length:99999999999", ""] {
+        for bad in [
+            "prompt-length:0",
+            "prompt-length:",
+            "prompt-length:-1",
+            "length:5",
+            "prompt-length:1e3",
+            "prompt-length:99999999999",
+            "",
+        ] {
             let e = bad.parse::<PriorityBy>().unwrap_err();
             assert!(e.starts_with("expected prompt-length:N"), "{bad}: {e}");
         }
@@ -154,17 +162,25 @@ mod tests {
     #[test]
     fn classes_report_only_when_there_are_two_or_more() {
         let mut one = ByClass::default();
-        one.classes.insert(0, (3, vec![1.0], StepDurations::default()));
+        one.classes
+            .insert(0, (3, vec![1.0], StepDurations::default()));
         assert!(one.finish().is_empty());
         let mut two = ByClass::default();
-        two.classes.insert(1, (1, Vec::new(), StepDurations::default()));
-        two.classes.insert(0, (2, Vec::new(), StepDurations::default()));
+        two.classes
+            .insert(1, (1, Vec::new(), StepDurations::default()));
+        two.classes
+            .insert(0, (2, Vec::new(), StepDurations::default()));
         two.ttft(0, 10.0);
         two.ttft(0, 30.0);
         two.tbt(1, 5.0);
         two.ttft(7, 1.0); // no such class: ignored
         let got = two.finish();
-        assert_eq!(got.iter().map(|c| (c.priority, c.requests)).collect::<Vec<_>>(), [(0, 2), (1, 1)]);
+        assert_eq!(
+            got.iter()
+                .map(|c| (c.priority, c.requests))
+                .collect::<Vec<_>>(),
+            [(0, 2), (1, 1)]
+        );
         assert_eq!(got[0].ttft_ms.map(|l| l.samples), Some(2));
         assert_eq!(got[1].ttft_ms, None);
         assert!(got[1].tbt_ms.is_some());
