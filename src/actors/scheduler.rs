@@ -18,8 +18,8 @@ use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
-use crate::policy::Name;
 use crate::order::AdmitOptions;
+use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::serving::StepHooks;
 use crate::scheduler::{
@@ -256,9 +256,14 @@ impl Handler<AdmitPrepared> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
-        let admitted =
-            self.state
-                .admit_prepared_with(m.rid, &m.node, &m.walk, m.input, m.options, &mut self.shell);
+        let admitted = self.state.admit_prepared_with(
+            m.rid,
+            &m.node,
+            &m.walk,
+            m.input,
+            m.options,
+            &mut self.shell,
+        );
         self.send_input_changes();
         admitted
     }
