@@ -181,7 +181,7 @@ impl Engine {
         Ok(&self.cm)
     }
 
-    /// Completes `step` and counts its overrun, then logs it; `next` for the one-trip step.
+    /// Logs a completed step's token overrun, if it had one (`count`: its walk's overruns).
     fn finish_step(py: Python<'_>, outcome: &mstar_chunking::StepOutcome, count: u64) {
         if let Some(o) = &outcome.overrun {
             log_overrun(py, o, count);
