@@ -543,6 +543,28 @@ mod tests {
         s
     }
 
+    /// A state for these nodes and `(node, walk, budget)` policies under `settings`.
+    fn state_of(
+        subs: &[(&str, SubmoduleCaps)],
+        pols: &[(&str, &str, u32)],
+        settings: crate::budget::BudgetSettings,
+    ) -> SchedulerState {
+        let subs = subs
+            .iter()
+            .map(|(n, c)| (Name::from(*n), c.clone()))
+            .collect();
+        let pols = pols
+            .iter()
+            .map(|&(n, w, b)| ((Name::from(n), Name::from(w)), ChunkingPolicy::budget(b)))
+            .collect();
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        SchedulerState::with_table(
+            BudgetTable::from_policies(model)
+                .with_settings(settings)
+                .unwrap(),
+        )
+    }
+
     /// Every hook call, in order, as text.
     #[derive(Default)]
     struct Recorded(Vec<String>);
@@ -905,22 +927,11 @@ mod tests {
     fn an_empty_step_says_once_that_prompts_wait_on_a_walk_it_does_not_take() {
         // `prefill` and `decode` both budgeted, not combined: a prompt on `prefill` never runs
         // in a `decode` step.
-        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
-        let pols = BTreeMap::from([
-            (
-                (Name::from("llm"), Name::from("prefill")),
-                ChunkingPolicy::budget(8),
-            ),
-            (
-                (Name::from("llm"), Name::from("decode")),
-                ChunkingPolicy::budget(4),
-            ),
-        ]);
-        let model = ModelPolicies::new(subs, pols).unwrap().shared();
-        let table = BudgetTable::from_policies(model)
-            .with_settings(crate::budget::BudgetSettings::new(["prefill", "decode"]))
-            .unwrap();
-        let mut s = SchedulerState::with_table(table);
+        let mut s = state_of(
+            &[("llm", SubmoduleCaps::new(["prefill"], false))],
+            &[("llm", "prefill", 8), ("llm", "decode", 4)],
+            crate::budget::BudgetSettings::new(["prefill", "decode"]),
+        );
         let (node, walk) = llm();
         let mut h = Recorded::default();
         let empty = s.assemble_step("llm", "decode", &mut h).unwrap();
@@ -949,21 +960,13 @@ mod tests {
 
     #[test]
     fn assembling_a_walk_that_runs_inside_a_combined_walk_is_refused_naming_it() {
-        let subs = BTreeMap::from([(
-            Name::from("llm"),
-            SubmoduleCaps::new(["prefill", "mixed"], false),
-        )]);
-        let pols = BTreeMap::from([(
-            (Name::from("llm"), Name::from("mixed")),
-            ChunkingPolicy::budget(64),
-        )]);
-        let model = ModelPolicies::new(subs, pols).unwrap().shared();
         let settings = crate::budget::BudgetSettings::new(["prefill", "decode", "mixed"])
             .combined("mixed", ["prefill", "decode"]);
-        let table = BudgetTable::from_policies(model)
-            .with_settings(settings.clone())
-            .unwrap();
-        let mut s = SchedulerState::with_table(table);
+        let mut s = state_of(
+            &[("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
+            &[("llm", "mixed", 64)],
+            settings.clone(),
+        );
         let (node, walk) = llm();
         s.admit_prepared(1, &node, &walk, tokens(3000, 0), 0, &mut ())
             .unwrap();
@@ -985,35 +988,18 @@ mod tests {
 
         // A member walk with a budget of its own plans its own steps; so does one on a node
         // whose combined walk has no budget (an encoder that steps on `prefill` alone).
-        let subs = BTreeMap::from([
-            (
-                Name::from("llm"),
-                SubmoduleCaps::new(["prefill", "mixed"], false),
-            ),
-            (
-                Name::from("vision"),
-                SubmoduleCaps::new::<_, &str>([], false),
-            ),
-        ]);
-        let pols = BTreeMap::from([
-            (
-                (Name::from("llm"), Name::from("mixed")),
-                ChunkingPolicy::budget(64),
-            ),
-            (
-                (Name::from("llm"), Name::from("prefill")),
-                ChunkingPolicy::budget(32),
-            ),
-            (
-                (Name::from("vision"), Name::from("prefill")),
-                ChunkingPolicy::budget(100),
-            ),
-        ]);
-        let model = ModelPolicies::new(subs, pols).unwrap().shared();
-        let table = BudgetTable::from_policies(model)
-            .with_settings(settings)
-            .unwrap();
-        let mut s = SchedulerState::with_table(table);
+        let mut s = state_of(
+            &[
+                ("llm", SubmoduleCaps::new(["prefill", "mixed"], false)),
+                ("vision", SubmoduleCaps::new::<_, &str>([], false)),
+            ],
+            &[
+                ("llm", "mixed", 64),
+                ("llm", "prefill", 32),
+                ("vision", "prefill", 100),
+            ],
+            settings,
+        );
         let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
         assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
         for node in ["llm", "vision"] {
