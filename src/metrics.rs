@@ -454,8 +454,10 @@ impl Instance {
         metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
             .set(f64::from(budget.unwrap_or(0)));
         if budget.is_some() {
-            // Resolving the handles registers the series: counters at 0, an empty histogram.
+            // Resolving the handles registers the series: counters at 0, an empty histogram;
+            // the step series too, so a scrape before the first step lists them.
             let _ = self.overruns(node, walk);
+            let _ = self.step(node, walk);
         }
     }
 
@@ -1117,6 +1119,16 @@ mod tests {
         assert!(
             text.contains(&format!(
                 "{OVERRUN_TOKENS}_count{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0"
+            )),
+            "{text}"
+        );
+        for name in [STEPS_TOTAL, DEFERRED_ROWS_TOTAL] {
+            let series = format!("{name}{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0");
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "{STEP_SECONDS}_count{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0"
             )),
             "{text}"
         );
