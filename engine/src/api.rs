@@ -85,7 +85,16 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status).json(json!({
+        let mut r = HttpResponse::build(self.status);
+        // A body refused before it was read whole (too slow, too large): the connection ends
+        // with the answer, so its slot is free at once.
+        if matches!(
+            self.status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::PAYLOAD_TOO_LARGE
+        ) {
+            r.force_close();
+        }
+        r.json(json!({
             "error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}
         }))
     }

@@ -346,8 +346,34 @@ pub async fn start_chunking(
         .map_err(|e| format!("setting the policies: {e}"))?;
     cm.set_budgets(budget_settings(settings))
         .await
-        .map_err(|e| format!("setting the budgets: {e}"))?;
+        .map_err(|e| budget_refusal(&e))?;
     Ok((cm, thread))
+}
+
+/// The component's refusal of the budgets, each problem prefixed with the flag that set the
+/// refused setting (the component validates flags as it validates its config).
+fn budget_refusal(e: &ChunkingError) -> String {
+    use mstar_chunking::budget::SettingKey as K;
+    let Some(errors) = e.budget_errors() else {
+        return format!("setting the budgets: {e}");
+    };
+    let flag = |k: K| match k {
+        K::MaxStepMs => "--max-step-ms",
+        K::Cost => "--cost",
+        K::TimeMargin => "--time-margin",
+        K::MinChunkTokens => "--min-chunk-tokens",
+        K::MaxBatchTokens => "--budget",
+        _ => "the budgets",
+    };
+    errors
+        .0
+        .iter()
+        .map(|b| match b.subject() {
+            Some(s) => format!("{}: {b}", flag(s.setting)),
+            None => format!("the budgets: {b}"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 struct Running {

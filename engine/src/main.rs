@@ -199,7 +199,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let s = settings(&a.engine, &a.served_name)?;
-    let (handle, thread) = engine::start(model, s).map_err(|e| flag_error(&e))?;
+    let (handle, thread) = engine::start(model, s)?;
     let grace = a.grace_secs;
     let limits = server::ServerLimits {
         max_connections: a.max_connections as usize,
@@ -239,21 +239,6 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         .join()
         .map_err(|_| "the engine thread panicked".to_owned())??;
     Ok(())
-}
-
-/// A refusal of the component's, with the flag that set the refused setting named.
-fn flag_error(e: &str) -> String {
-    let flags = [
-        ("`chunking.cost", "--cost"),
-        ("`cost`", "--cost"),
-        ("max_step_ms", "--max-step-ms"),
-        ("time_margin", "--time-margin"),
-        ("min_chunk_tokens", "--min-chunk-tokens"),
-    ];
-    match flags.iter().find(|(key, _)| e.contains(key)) {
-        Some((_, flag)) => format!("{flag}: {e}"),
-        None => e.to_owned(),
-    }
 }
 
 /// Logs to stderr, as the component's binary does: `RUST_LOG` when set (a bad filter is said,

@@ -216,13 +216,17 @@ pub fn publish(g: Gauges) {
     metrics::gauge!(KV_TOKENS_CAPACITY).set(g.kv_capacity as f64);
 }
 
-/// Sets every counter to its first value (0), so each series is on `/metrics` from the first
-/// scrape, as gauges are once published.
-fn register_counters() {
+/// Registers every series (counters at 0, empty histograms, gauges at 0), so each is on
+/// `/metrics` from the first scrape.
+fn register_all() {
     for o in Outcome::ALL {
         request_ended(o, 0);
     }
     metrics::counter!(STEP_TOKENS_TOTAL).increment(0);
+    for h in [TTFT_SECONDS, TBT_SECONDS, E2E_SECONDS, STEP_SECONDS] {
+        let _ = metrics::histogram!(h);
+    }
+    publish(Gauges::default());
 }
 
 // === the recorder ===
@@ -268,7 +272,7 @@ pub fn install() -> PrometheusHandle {
             }
             core::describe_all();
             describe_all();
-            register_counters();
+            register_all();
             handle
         })
         .clone()
