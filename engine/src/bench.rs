@@ -46,7 +46,7 @@ pub struct BenchArgs {
     pub seed: u64,
     /// Give up on the run after this many seconds (above 0, at most a week); every request
     /// must arrive within it.
-    #[arg(long, default_value_t = 600.0, value_parser = parse_timeout)]
+    #[arg(long, default_value_t = 600.0, value_parser = parse_timeout, allow_negative_numbers = true)]
     pub timeout_secs: f64,
     /// Write the report as JSON here.
     #[arg(long)]

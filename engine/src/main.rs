@@ -59,7 +59,7 @@ struct ServeArgs {
     engine: EngineArgs,
     /// Seconds running requests get to finish after SIGTERM or SIGINT before they are aborted
     /// (0 to 86400); a second signal stops at once.
-    #[arg(long, default_value = "10", value_parser = parse_grace)]
+    #[arg(long, default_value = "10", value_parser = parse_grace, allow_negative_numbers = true)]
     grace_secs: Duration,
     /// Connections served at once; further clients wait in the listen queue.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
