@@ -794,7 +794,10 @@ fn a_latency_model_coefficient_above_the_bound_is_refused() {
         "{errs:?}"
     );
     let text = errs[0].to_string();
-    assert!(text.contains("`per_token_ms` is 1e308 ms, above the 1e6 ms"), "{text}");
+    assert!(
+        text.contains("`per_token_ms` is 1e308 ms, above the 1e6 ms"),
+        "{text}"
+    );
     let sub = errs[0].subject().unwrap();
     assert_eq!(sub.setting, SettingKey::Cost);
     // At the bound: accepted.
