@@ -122,9 +122,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Fields<'a> {
                 let mut fields: Vec<(Cow<'a, str>, &'a RawValue)> = Vec::new();
                 while let Some(key) = map.next_key::<Cow<'a, str>>()? {
                     if fields.len() == MAX_FIELDS {
-                        return Err(de::Error::custom(format!(
-                            "more than {MAX_FIELDS} fields"
-                        )));
+                        return Err(de::Error::custom(format!("more than {MAX_FIELDS} fields")));
                     }
                     if fields.iter().any(|(k, _)| *k == key) {
                         return Err(de::Error::custom(format!(
@@ -144,7 +142,11 @@ impl<'de: 'a, 'a> Deserialize<'de> for Fields<'a> {
 
 /// A field name as a message shows it: escaped, at most 64 characters.
 fn shown(key: &str) -> String {
-    let mut s: String = key.chars().take(64).flat_map(char::escape_default).collect();
+    let mut s: String = key
+        .chars()
+        .take(64)
+        .flat_map(char::escape_default)
+        .collect();
     if key.chars().count() > 64 {
         s.push('…');
     }
@@ -169,7 +171,11 @@ impl<'a> Fields<'a> {
     ///
     /// # Errors
     /// The value is not a `T`: a 400 naming the field and what it must be.
-    pub fn take<T: DeserializeOwned>(&mut self, key: &str, must: &str) -> Result<Option<T>, ApiError> {
+    pub fn take<T: DeserializeOwned>(
+        &mut self,
+        key: &str,
+        must: &str,
+    ) -> Result<Option<T>, ApiError> {
         let Some(i) = self.fields.iter().position(|(k, _)| k == key) else {
             return Ok(None);
         };
@@ -177,9 +183,12 @@ impl<'a> Fields<'a> {
         if raw.get() == "null" {
             return Ok(None);
         }
-        serde_json::from_str(raw.get())
-            .map(Some)
-            .map_err(|_| ApiError::bad(Some(key), format!("`{key}` must be {must}, not {}", excerpt(raw))))
+        serde_json::from_str(raw.get()).map(Some).map_err(|_| {
+            ApiError::bad(
+                Some(key),
+                format!("`{key}` must be {must}, not {}", excerpt(raw)),
+            )
+        })
     }
 
     /// Takes field `key` with a parser of its own (a `null` is as if absent).
@@ -270,8 +279,10 @@ pub fn refuse_unsupported(key: &str, raw: &RawValue) -> Result<(), ApiError> {
     let ok = match neutral {
         Neutral::Number(n) => serde_json::from_str::<f64>(v).is_ok_and(|x| x == *n),
         Neutral::Bool(b) => serde_json::from_str::<bool>(v).is_ok_and(|x| x == *b),
-        Neutral::EmptyObject => serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v)
-            .is_ok_and(|m| m.is_empty()),
+        Neutral::EmptyObject => {
+            serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v)
+                .is_ok_and(|m| m.is_empty())
+        }
         Neutral::AnyString => serde_json::from_str::<String>(v).is_ok(),
     };
     if ok {
@@ -314,8 +325,11 @@ impl Prompt {
     pub fn parse(raw: &RawValue, vocab: u32, max_tokens: usize) -> Result<Self, ApiError> {
         let mut de = serde_json::Deserializer::from_str(raw.get());
         let seed = PromptSeed { vocab, max_tokens };
-        let parsed = de::DeserializeSeed::deserialize(seed, &mut de)
-            .map_err(|e| bad_prompt(format!("`prompt` must be a string or an array of token ids: {e}")))?;
+        let parsed = de::DeserializeSeed::deserialize(seed, &mut de).map_err(|e| {
+            bad_prompt(format!(
+                "`prompt` must be a string or an array of token ids: {e}"
+            ))
+        })?;
         match parsed {
             Parsed::Ok(p) => Ok(p),
             Parsed::Refused(m) => Err(bad_prompt(m)),

@@ -418,7 +418,7 @@ pub async fn run_async(a: &BenchArgs) -> Result<serde_json::Value, String> {
     if let Some((i, r)) = trace
         .iter()
         .enumerate()
-        .find(|(_, r)| !(r.arrival_ms / 1000.0 <= a.timeout_secs))
+        .find(|(_, r)| r.arrival_ms.is_nan() || r.arrival_ms / 1000.0 > a.timeout_secs)
     {
         return Err(format!(
             "{}: request {} arrives at {} ms (at rate scale {}), after the run's --timeout-secs of {} s",

@@ -109,7 +109,10 @@ impl EngineSettings {
     /// request that has to wait would be refused, even on an idle engine).
     pub fn check(&self) -> Result<(), String> {
         if self.kv_tokens == 0 {
-            return Err("--kv-tokens 0: the KV capacity must be at least 1 token (0 refuses every request)".into());
+            return Err(
+                "--kv-tokens 0: the KV capacity must be at least 1 token (0 refuses every request)"
+                    .into(),
+            );
         }
         if self.max_waiting == 0 {
             return Err("--max-waiting 0: at least 1 request must be able to wait for memory (0 refuses every request that has to wait)".into());

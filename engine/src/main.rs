@@ -89,7 +89,9 @@ fn seconds(s: &str, min: f64, max: f64) -> Result<Duration, String> {
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
     if !(v.is_finite() && (min..=max).contains(&v)) {
-        return Err(format!("`{s}`: must be a number of seconds from {min} to {max}"));
+        return Err(format!(
+            "`{s}`: must be a number of seconds from {min} to {max}"
+        ));
     }
     Ok(Duration::from_secs_f64(v))
 }
@@ -222,8 +224,14 @@ fn serve(a: ServeArgs) -> Result<(), String> {
             _ = term.recv() => "SIGTERM",
             _ = int.recv() => "SIGINT",
         };
-        tracing::info!(signal = first, grace_secs = grace.as_secs_f64(), "shutting down; a second signal stops at once");
-        eprintln!("mstar-engine: {first}: shutting down (grace {grace:?}; a second signal stops at once)");
+        tracing::info!(
+            signal = first,
+            grace_secs = grace.as_secs_f64(),
+            "shutting down; a second signal stops at once"
+        );
+        eprintln!(
+            "mstar-engine: {first}: shutting down (grace {grace:?}; a second signal stops at once)"
+        );
         // A second signal: stop now, with the status of a process killed by it.
         actix_web::rt::spawn(async move {
             let code = tokio::select! {

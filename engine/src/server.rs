@@ -211,7 +211,6 @@ impl Utf8Stream {
     }
 }
 
-
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

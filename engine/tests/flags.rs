@@ -85,7 +85,10 @@ fn the_step_log_follows_the_output_rules() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
     mkfifo(&fifo);
-    refused(&["--step-log", fifo.to_str().unwrap()], "not a regular file");
+    refused(
+        &["--step-log", fifo.to_str().unwrap()],
+        "not a regular file",
+    );
     refused(&["--step-log", "/dev/full"], "not a regular file");
     // Naming the weights: refused before anything is written.
     let weights = dir.path().join("w.safetensors");
@@ -96,7 +99,11 @@ fn the_step_log_follows_the_output_rules() {
     let before = std::fs::read(&weights).unwrap();
     let w = weights.to_str().unwrap();
     refused(&["--weights", w, "--step-log", w], "would be overwritten");
-    assert_eq!(std::fs::read(&weights).unwrap(), before, "the weights are intact");
+    assert_eq!(
+        std::fs::read(&weights).unwrap(),
+        before,
+        "the weights are intact"
+    );
 }
 
 #[test]
@@ -161,7 +168,8 @@ fn long_request(addr: &str) -> std::thread::JoinHandle<()> {
     .unwrap();
     // The first bytes: the request runs.
     let mut first = [0u8; 64];
-    conn.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     let _ = conn.read(&mut first).unwrap();
     std::thread::spawn(move || {
         let mut sink = Vec::new();
@@ -259,7 +267,10 @@ fn bench_refuses_what_it_cannot_run() {
     let check = |out: Output, says: &str| {
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         let code = out.status.code();
-        assert!(code.is_some_and(|c| c != 0 && c != 101), "exit {code:?}: {err}");
+        assert!(
+            code.is_some_and(|c| c != 0 && c != 101),
+            "exit {code:?}: {err}"
+        );
         assert!(err.contains(says), "stderr lacks {says:?}: {err}");
     };
     check(bench(&["--trace", "/dev/zero"]), "not a regular file");
@@ -267,10 +278,17 @@ fn bench_refuses_what_it_cannot_run() {
     std::fs::write(&trace, "arrival_ms,prompt_tokens,output_tokens\n0,10,2\n").unwrap();
     let t = trace.to_str().unwrap();
     for v in ["inf", "nan", "0", "-1"] {
-        check(bench(&["--trace", t, "--timeout-secs", v]), "--timeout-secs");
+        check(
+            bench(&["--trace", t, "--timeout-secs", v]),
+            "--timeout-secs",
+        );
     }
     let late = dir.path().join("late.csv");
-    std::fs::write(&late, "arrival_ms,prompt_tokens,output_tokens\n0,10,2\n1e308,10,2\n").unwrap();
+    std::fs::write(
+        &late,
+        "arrival_ms,prompt_tokens,output_tokens\n0,10,2\n1e308,10,2\n",
+    )
+    .unwrap();
     check(
         bench(&["--trace", late.to_str().unwrap()]),
         "request 2 arrives at 1",

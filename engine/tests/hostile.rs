@@ -50,7 +50,10 @@ impl Gate {
     }
 }
 
-fn start_with(settings: EngineSettings, limits: ServerLimits) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
+fn start_with(
+    settings: EngineSettings,
+    limits: ServerLimits,
+) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
     let model = Model::random(Config::tiny(), 5, &Device::Cpu).unwrap();
     let (handle, thread) = engine::start(model, settings).unwrap();
     let srv = Server::start_with(handle, "tiny", "127.0.0.1:0", limits).unwrap();
@@ -93,12 +96,17 @@ async fn a_plain_client_that_hangs_up_is_aborted_at_the_next_turn() {
     .unwrap();
     // Its first chunk is held mid-prefill (waited for off the runtime the server runs on).
     let entered = gate.entered.clone();
-    tokio::task::spawn_blocking(move || entered.lock().unwrap().recv_timeout(Duration::from_secs(30)))
-        .await
-        .unwrap()
-        .expect("the step reaches the gate");
+    tokio::task::spawn_blocking(move || {
+        entered
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(30))
+    })
+    .await
+    .unwrap()
+    .expect("the step reaches the gate");
     drop(conn); // the client hangs up
-    // Let up to 100 steps run: far fewer than the request's 4 prefill chunks and 4,000 tokens.
+                // Let up to 100 steps run: far fewer than the request's 4 prefill chunks and 4,000 tokens.
     gate.permit(100);
     let t0 = Instant::now();
     let s = loop {
@@ -142,7 +150,12 @@ async fn metrics_answer_during_a_long_step() {
     );
     tokio::task::spawn_blocking({
         let entered = gate.entered.clone();
-        move || entered.lock().unwrap().recv_timeout(Duration::from_secs(30))
+        move || {
+            entered
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30))
+        }
     })
     .await
     .unwrap()
@@ -162,7 +175,8 @@ async fn metrics_answer_during_a_long_step() {
 
 /// Reads an HTTP response's status line from a raw connection, within 10 s.
 fn status_of(conn: &mut TcpStream) -> String {
-    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let mut buf = [0u8; 512];
     let n = conn.read(&mut buf).unwrap_or(0);
     String::from_utf8_lossy(&buf[..n])
@@ -296,14 +310,19 @@ async fn max_waiting_counts_only_requests_blocked_on_memory() {
     let (_, first) = e.submit(tiny_request(0)).await.unwrap();
     tokio::task::spawn_blocking({
         let entered = gate.entered.clone();
-        move || entered.lock().unwrap().recv_timeout(Duration::from_secs(30))
+        move || {
+            entered
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30))
+        }
     })
     .await
     .unwrap()
     .expect("the first step reaches the gate");
     let burst = futures_util::future::join_all((1..=16).map(|i| {
         let e = e.clone();
-        async move { e.submit(tiny_request(i)).await.map(|(rid, rx)| (rid, rx)) }
+        async move { e.submit(tiny_request(i)).await }
     }));
     tokio::pin!(burst);
     // Polled once: every submission is in the engine's mailbox before the step ends.
@@ -317,7 +336,10 @@ async fn max_waiting_counts_only_requests_blocked_on_memory() {
     drop((first, answers));
     let t0 = Instant::now();
     while stats(&srv).await.is_none_or(|s| s.running > 0) {
-        assert!(t0.elapsed() < Duration::from_secs(30), "the burst never ended");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the burst never ended"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
@@ -401,7 +423,10 @@ async fn unsupported_fields_are_refused_by_name_and_neutral_ones_accepted() {
         assert_eq!(status, 400, "{field}: {value}: {v}");
         assert_eq!(v["error"]["param"], field, "{v}");
         assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(field),
+            "{v}"
+        );
     }
     let neutral = json!({"prompt": "x", "max_tokens": 1, "n": 1, "best_of": 1,
         "presence_penalty": 0, "frequency_penalty": 0.0, "user": "someone", "echo": false,

@@ -47,7 +47,10 @@ async fn every_described_series_is_on_the_first_scrape() {
             missing.push(*name);
         }
     }
-    assert!(missing.is_empty(), "missing from /metrics: {missing:?}\n{text}");
+    assert!(
+        missing.is_empty(),
+        "missing from /metrics: {missing:?}\n{text}"
+    );
     for name in [
         "mstar_chunking_prepared_inputs",
         "mstar_chunking_rows_waiting",
@@ -64,14 +67,14 @@ async fn every_described_series_is_on_the_first_scrape() {
 /// name) names exactly [`mstar_engine::metrics::ALL`].
 #[test]
 fn the_readme_metric_table_and_the_code_agree() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let table: BTreeSet<&str> = readme
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let table: BTreeSet<String> = readme
         .lines()
         .filter_map(|l| l.strip_prefix("| `engine_"))
         .filter_map(|rest| rest.split('`').next())
-        .map(|n| &n[..])
+        .map(|n| format!("engine_{n}"))
         .collect();
-    let table: BTreeSet<String> = table.iter().map(|n| format!("engine_{n}")).collect();
     let code: BTreeSet<String> = mstar_engine::metrics::ALL
         .iter()
         .map(|s| s.to_string())
