@@ -1,4 +1,4 @@
-//! The cost of one step (issue 7), two measurements per workload in the same run:
+//! The cost of one step, two measurements per workload in the same run:
 //! - `planner/<W>`: the pure planner ([`plan`]) on the node's queues and the `StepParams` of a
 //!   `BudgetSnapshot`, no actors, no state change (the queues are a steady state reached first);
 //! - `planner_timed/<W>`: the same planner under a time budget that binds (the Llama-2-7B/A100

@@ -1,13 +1,18 @@
-"""Per-step cost of the step API from Python against the Rust facade, in the same run.
+"""Per-step cost of the step API from Python against the Rust facade, per workload, in one run.
 
-Both sides run the same loop on their own actors (`start_on_own_thread`): `decode_rows`
-continuing rows plus one prompt of `prompt_tokens` cut into `budget`-token chunks, re-admitted
-as it finishes; each step is one `assemble` and one `complete` (plus a `forget_request` and an
-`admit` when a prompt finishes). The Rust side is `_native._bench_facade`, the loop written
-against the facade directly, awaited on a current-thread runtime; the Python side goes through
-`ChunkingManagement`. Prints the median of `--repeats` runs per side and the ratio.
+The workloads are the benchmarks' W1–W3 (`benches/common/mod.rs`): node `llm` cutting `prefill`
+rows inside `mixed` under the budget (align 16), persistent `decode` rows (estimate 1) and
+prompts, each replaced by a new one when its final chunk runs, 200 warm-up steps first. Both
+sides drive one message per step (`complete_and_assemble`, carrying the replacement
+admissions) on actors of their own (`start_on_own_thread`), awaited from the calling thread: the
+Rust side is `_native._bench_facade`, the loop written against the facade directly; the
+Python side goes through `ChunkingManagement` as an engine would (`planned()`, `final_rids()`,
+a `NextStep` when a prompt finishes). Prints the medians of `--repeats` interleaved runs per
+side and the ratios Python / Rust per workload, of the process's CPU time per step (both
+threads: what a step costs the machine) and of wall-clock time (which on a loaded machine is
+mostly the wait for the other thread to be scheduled). Build the wheel with `--release` first.
 
-    python python/bench.py [--steps 20000] [--decode-rows 32] [--repeats 5]
+    python python/bench.py [--steps 5000] [--repeats 5] [--workloads W1,W2,W3]
 """
 
 from __future__ import annotations
@@ -18,78 +23,117 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 # This script's directory holds the package's sources without the native module: import the
 # installed wheel instead (after `maturin develop` the sources hold it too, and either works).
 _here = Path(__file__).resolve().parent
-if not list((_here / "mstar_chunking").glob("_native*")):
+if not [p for p in (_here / "mstar_chunking").glob("_native*") if p.suffix in (".so", ".pyd")]:
     sys.path = [p for p in sys.path if Path(p or ".").resolve() != _here]
 
-from mstar_chunking import ChunkingManagement, ChunkingPolicy, SubmoduleCaps, _native  # noqa: E402
+from mstar_chunking import ChunkingManagement, ChunkingPolicy, NextStep, SubmoduleCaps, _native  # noqa: E402
+
+WARM_STEPS = 200
+# The ratio the Python step may cost on W3 (few rows: the fixed cost per call shows most).
+W3_LIMIT = 1.5
 
 
-def python_loop(steps: int, prompt_tokens: int, budget: int, decode_rows: int) -> float:
+class Workload(NamedTuple):
+    name: str
+    decode_rows: int
+    prompts: int
+    prompt_tokens: int
+    budget: int
+
+
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("W1", 256, 64, 2048, 2048),
+        Workload("W2", 1024, 64, 8192, 8192),
+        Workload("W3", 32, 16, 512, 512),
+    ]
+}
+
+
+def python_loop(w: Workload, steps: int) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (the process's, the actors' thread included) of `steps`
+    steps after the warm-up, through the Python API."""
     cm = ChunkingManagement({"llm": SubmoduleCaps(["prefill", "mixed"])}, model="bench-python")
     try:
-        p = ChunkingPolicy(budget)
-        cm.set_policies({("llm", "prefill"): p, ("llm", "mixed"): p})
+        cm.set_policies({("llm", "mixed"): ChunkingPolicy(w.budget, align=16)})
         cm.set_budgets(
             {}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"}
         )
-        base = 1 << 40
-        for d in range(decode_rows):
-            cm.continue_row(base + d, "llm", "decode", 1)
-        prompt = array.array("I", range(prompt_tokens))
-        rid = 0
-        cm.admit(rid, "llm", "prefill", prompt)
-        assemble, complete = cm.assemble, cm.complete
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            b = assemble("llm", "mixed")
-            out = complete(b.step, b.planned())
-            if rid in out.finished:
-                cm.forget_request(rid)
-                rid += 1
-                cm.admit(rid, "llm", "prefill", prompt)
-        return time.perf_counter() - t0
+        for rid in range(1, w.decode_rows + 1):
+            cm.continue_row(rid, "llm", "decode", 1)
+        prompt = array.array("I", range(w.prompt_tokens))
+        next_rid = 1 << 32
+        for _ in range(w.prompts):
+            cm.admit(next_rid, "llm", "prefill", prompt)
+            next_rid += 1
+        plain = ("llm", "mixed")
+        step = cm.complete_and_assemble
+        batch = cm.assemble("llm", "mixed")
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        for i in range(WARM_STEPS + steps):
+            if i == WARM_STEPS:
+                t0, cpu0 = time.perf_counter(), time.process_time()
+            finals = batch.final_rids()
+            nxt: NextStep | tuple[str, str] = plain
+            if finals:
+                nxt = NextStep("llm", "mixed")
+                for _ in finals:
+                    nxt.admit(next_rid, "prefill", prompt)
+                    next_rid += 1
+            batch = step(batch.step, batch.planned(), next=nxt).next
+        return time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         cm.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--decode-rows", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    a = ap.parse_args()
-    args = (a.steps, a.prompt_tokens, a.budget, a.decode_rows)
-    rust, py, rust_cpu, py_cpu = [], [], [], []
-    for _ in range(a.repeats):  # interleaved, so load on the machine hits both sides alike
-        c0 = time.process_time()
-        rust.append(_native._bench_facade(*args)[1])
-        c1 = time.process_time()
-        py.append(python_loop(*args))
-        c2 = time.process_time()
-        rust_cpu.append(c1 - c0)
-        py_cpu.append(c2 - c1)
-    r_us = statistics.median(rust) / a.steps * 1e6
-    p_us = statistics.median(py) / a.steps * 1e6
-    print(
-        f"steps per run: {a.steps}, decode rows: {a.decode_rows}, prompt {a.prompt_tokens} tokens, budget {a.budget}"
-    )
-    def runs(xs):
-        return ", ".join(f"{x / a.steps * 1e6:.2f}" for x in xs)
+def rust_loop(w: Workload, steps: int) -> tuple[float, float]:
+    return _native._bench_facade(steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS)
 
-    print(f"rust facade:  {r_us:8.2f} us/step (median of {a.repeats}; runs {runs(rust)})")
-    print(f"python API:   {p_us:8.2f} us/step (median of {a.repeats}; runs {runs(py)})")
-    print(f"ratio python/rust: {p_us / r_us:.2f} (wall time)")
-    # CPU time of the whole process (the caller's thread and the actors' thread), setup
-    # included on both sides: less sensitive than wall time to other load on the machine.
-    rc = statistics.median(rust_cpu) / a.steps * 1e6
-    pc = statistics.median(py_cpu) / a.steps * 1e6
-    print(f"cpu per step: rust facade {rc:.2f} us, python API {pc:.2f} us, ratio {pc / rc:.2f}")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5000, help="steps measured per run")
+    ap.add_argument("--repeats", type=int, default=5, help="runs per side and workload")
+    ap.add_argument("--workloads", default="W1,W2,W3", help="a comma-separated subset of W1,W2,W3")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when W3's ratio is above {W3_LIMIT}")
+    a = ap.parse_args()
+    if a.steps < 1 or a.repeats < 1:
+        ap.error("--steps and --repeats must be at least 1")
+    steps: int = a.steps
+    names = [n.strip() for n in a.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        ap.error(f"--workloads: unknown {unknown or names}; known: {', '.join(WORKLOADS)}")
+    print(f"steps per run: {a.steps} (after {WARM_STEPS} warm-up steps), runs per side: {a.repeats}")
+    print("us/step, medians; cpu: the process's CPU time (both threads), wall: wall-clock time")
+    print(f"{'workload':<9} {'rust cpu':>9} {'python cpu':>11} {'ratio':>6} {'rust wall':>10} {'python wall':>12} {'ratio':>6}")
+    ratios = {}
+    for name in names:
+        w = WORKLOADS[name]
+        rust, py = [], []
+        for _ in range(a.repeats):  # interleaved, so load on the machine hits both sides alike
+            rust.append(rust_loop(w, a.steps))
+            py.append(python_loop(w, a.steps))
+
+        def us(runs: list[tuple[float, float]], i: int) -> float:
+            return float(statistics.median(r[i] for r in runs)) / steps * 1e6
+
+        r_wall, p_wall, r_cpu, p_cpu = us(rust, 0), us(py, 0), us(rust, 1), us(py, 1)
+        ratios[name] = p_cpu / r_cpu
+        print(
+            f"{name:<9} {r_cpu:9.2f} {p_cpu:11.2f} {p_cpu / r_cpu:6.2f} {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
+        )
+    if "W3" in ratios:
+        verdict = "within" if ratios["W3"] <= W3_LIMIT else "OVER"
+        print(f"W3: python/rust {ratios['W3']:.2f} (cpu), {verdict} the limit of {W3_LIMIT}")
+        if a.check and ratios["W3"] > W3_LIMIT:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The cost of a step against the build before `complete_and_assemble` (`make bench-before`).
 
-Issue #22 asks for the facade's cost per step with one round trip to be at most a share of the
-build *before the change*, measured side by side in one run. This script:
+The one-trip step's targets bound the facade's cost per step with one round trip as a share of
+the build *before the change*, measured side by side in one run. This script:
 
 1. checks out that build (`--rev`, default the commit before `complete_and_assemble`) into a
    worktree under `target/bench-before/`, adds `benches/before/instructions.rs` (its two-trip

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 WORKLOADS = ["W1", "W2", "W3"]
-# Targets of issue 7, medians in µs.
+# Targets for a whole step through the facade, medians in µs.
 ACTORS_TARGET_US = {"W1": 15.0, "W2": 75.0, "W3": 5.0}
-# Target of issue 22: timed ÷ token planner. Its one-trip targets compare this build's one-trip
+# Target for the time budget's cost: timed ÷ token planner. Its one-trip targets compare this build's one-trip
 # step with the two-trip step of the build before it, not with this build's (which shares every
 # gain): `make bench-before` measures them.
 TIMED_TARGET = 1.15

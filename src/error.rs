@@ -95,6 +95,17 @@ pub enum ChunkingError {
         /// The name given.
         walk: Name,
     },
+    /// `assemble` of a walk that runs inside a combined walk: its rows run in the combined
+    /// walk's steps, under that walk's budget (docs/scheduling.md#combined-walks).
+    #[error("walk `{walk}` of node `{node}` runs inside the combined walk `{combined}`: assemble `{node}`/`{combined}`, whose steps take its rows under the combined budget")]
+    MemberWalk {
+        /// The node.
+        node: Name,
+        /// The walk given.
+        walk: Name,
+        /// The combined walk it runs inside.
+        combined: Name,
+    },
     /// A call that needs the model's policies before `set_policies`.
     #[error("no model policies are bound yet: call `set_policies` first")]
     PoliciesNotSet,
@@ -189,7 +200,7 @@ pub enum ChunkingError {
         after: Duration,
     },
     /// The actor's mailbox is closed: its actix System or arbiter stopped.
-    #[error("the {actor} actor is stopped (its actix System or arbiter ended)")]
+    #[error("the {actor} actor is stopped: its actix System or arbiter ended (`ActorThread::stop` was called, or the System that `ChunkingManagement::start` ran in stopped)")]
     ActorStopped {
         /// The actor.
         actor: &'static str,
@@ -234,6 +245,7 @@ impl ChunkingError {
             | Self::ZeroEstimate { .. }
             | Self::UnknownNode { .. }
             | Self::UnknownWalk { .. }
+            | Self::MemberWalk { .. }
             | Self::UnknownStep { .. }
             | Self::RanLengthMismatch { .. }
             | Self::BadMeasurement { .. }

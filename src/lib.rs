@@ -18,6 +18,8 @@
 //! - [`latency`]: the step latency model and the time limit of a chunk's end, its online fit
 //!   ([`latency::fit`]), public model/GPU presets ([`latency::presets`]) and, with `replay`,
 //!   the offline `fit` of a file (`latency::fit_file`);
+//! - [`order`]: which waiting prompt a node starts first (`fcfs`, `priority`, `shortest_first`,
+//!   `longest_prefix`) and the starvation bound;
 //! - [`queues`]: one node's row queues and their progress;
 //! - [`scheduler`]: all nodes' queues, the step in flight, assembly and completion;
 //! - [`prepared`]: whole prepared inputs and the zero-copy chunk views cut from them;
@@ -68,6 +70,8 @@ pub mod cli;
 pub mod config;
 pub mod error;
 #[cfg(feature = "config")]
+// The bounded line reader serves the replay's traces and fit files only.
+#[cfg_attr(not(feature = "replay"), allow(dead_code))]
 mod input;
 pub mod latency;
 #[cfg(feature = "cli")]
@@ -77,6 +81,7 @@ pub mod manifest;
 pub mod metrics;
 #[cfg(feature = "prometheus")]
 pub mod metrics_server;
+pub mod order;
 pub mod overrun;
 pub mod planner;
 pub mod policy;
@@ -101,14 +106,22 @@ pub use budget::{
 pub use error::{ChunkingError, ErrorKind};
 pub use latency::presets::preset_model;
 pub use latency::{LatencyModel, ModelSource};
+pub use order::{AdmitOptions, Order};
 pub use overrun::{Overrun, OverrunReason, TimeOverrunReason};
 pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;
-pub use scheduler::{Batch, BatchRow, Completed, NextStep, StepOutcome};
+pub use scheduler::{
+    Batch, BatchRow, Completed, LatencyModelReport, NextStep, RowKind, StepOutcome,
+};
 
 /// The README's Rust examples run as doc-tests, so the embedding example stays true.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 mod readme {}
+
+/// The embedding guide's Rust examples run as doc-tests too.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/embedding.md")]
+mod embedding_guide {}

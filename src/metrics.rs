@@ -16,6 +16,7 @@ use metrics::{
 };
 
 use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
+use crate::order::Wait;
 use crate::overrun::OverrunReason;
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
@@ -52,6 +53,10 @@ pub const ROWS_WAITING: &str = "mstar_chunking_rows_waiting";
 pub const ROWS_MID_PREFILL: &str = "mstar_chunking_rows_mid_prefill";
 /// Continuing rows queued (gauge).
 pub const ROWS_CONTINUING: &str = "mstar_chunking_rows_continuing";
+/// How long the head waiting prompt has waited, in s, where the engine gives times (gauge).
+pub const HEAD_WAIT_SECONDS: &str = "mstar_chunking_head_wait_seconds";
+/// How many planned steps the head waiting prompt has waited through (gauge).
+pub const HEAD_WAIT_STEPS: &str = "mstar_chunking_head_wait_steps";
 
 /// Measured step time (histogram), from `complete_measured`.
 pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
@@ -69,7 +74,7 @@ pub const LATENCY_MODEL_SOURCE: &str = "mstar_chunking_latency_model_source";
 pub const TIME_MARGIN: &str = "mstar_chunking_time_margin";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 21] = [
+pub const ALL: [&str; 23] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -84,6 +89,8 @@ pub const ALL: [&str; 21] = [
     ROWS_WAITING,
     ROWS_MID_PREFILL,
     ROWS_CONTINUING,
+    HEAD_WAIT_SECONDS,
+    HEAD_WAIT_STEPS,
     STEP_SECONDS,
     STEP_PREDICTION_ERROR_SECONDS,
     TIME_OVERRUNS_TOTAL,
@@ -271,18 +278,33 @@ pub fn describe_all() {
         Unit::Count,
         "Continuing rows (decode, speculative verify) queued, by node."
     );
+    describe_gauge!(
+        HEAD_WAIT_SECONDS,
+        Unit::Seconds,
+        "How long the earliest admitted prompt that has not run a chunk has waited at the node's last planned step, from its arrival to that step's time (both given by the engine: admit_with, assemble_at); 0 when none waits or the engine gives no times, by node."
+    );
+    describe_gauge!(
+        HEAD_WAIT_STEPS,
+        Unit::Count,
+        "How many planned steps of its node the earliest admitted prompt that has not run a chunk has waited through (the clock of chunking.max_wait_steps); 0 when none waits, by node."
+    );
 }
 
 // === the Prometheus exporter ===
 
 #[cfg(feature = "prometheus")]
-pub use exporter::{install_prometheus, MetricsError};
+pub use exporter::{
+    install_prometheus, install_prometheus_recorder, serve_prometheus, MetricsError,
+};
+/// The handle that renders the Prometheus recorder's text ([`install_prometheus_recorder`]).
+#[cfg(feature = "prometheus")]
+pub use metrics_exporter_prometheus::PrometheusHandle;
 
 #[cfg(feature = "prometheus")]
 mod exporter {
     use std::net::SocketAddr;
 
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
     use super::*;
 
@@ -339,6 +361,47 @@ mod exporter {
     /// [`MetricsError::Bind`] when `listen` cannot be bound (in use, not a local address, no
     /// permission), [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
     pub fn install_prometheus(listen: SocketAddr) -> Result<(), MetricsError> {
+        // Bound first, so that a bad address fails here, at startup, before a recorder is set.
+        let (runtime, listener, listen) = bind(listen)?;
+        let handle = install_prometheus_recorder()?;
+        spawn_server(runtime, listener, listen, handle)
+    }
+
+    /// Installs the Prometheus recorder (the exporter's settings, as [`install_prometheus`]) as
+    /// the global recorder without serving it, and describes every metric. Answers the handle
+    /// that renders the process's series: an embedder with its own `/metrics` appends
+    /// `handle.render()`, or serves it with [`serve_prometheus`]. Install it before any facade
+    /// starts: series registered at start under no recorder are never exported.
+    ///
+    /// # Errors
+    /// [`MetricsError::AlreadyInstalled`] when a recorder is already installed.
+    pub fn install_prometheus_recorder() -> Result<PrometheusHandle, MetricsError> {
+        let recorder = prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        describe_all();
+        Ok(handle)
+    }
+
+    /// Serves `handle`'s text on `listen` (`GET /metrics`) from a thread of its own, with the
+    /// bounds of [`crate::metrics_server`]; answers the address bound (port 0 picks a free one).
+    ///
+    /// # Errors
+    /// [`MetricsError::Bind`] when `listen` cannot be bound, [`MetricsError::Exporter`] when
+    /// the server's thread or runtime cannot start.
+    pub fn serve_prometheus(
+        listen: SocketAddr,
+        handle: PrometheusHandle,
+    ) -> Result<SocketAddr, MetricsError> {
+        let (runtime, listener, listen) = bind(listen)?;
+        spawn_server(runtime, listener, listen, handle)?;
+        Ok(listen)
+    }
+
+    /// The endpoint's runtime and its bound listener, with the address bound.
+    fn bind(
+        listen: SocketAddr,
+    ) -> Result<(tokio::runtime::Runtime, tokio::net::TcpListener, SocketAddr), MetricsError> {
         let exporter_error = |reason: String| MetricsError::Exporter {
             addr: listen,
             reason,
@@ -347,8 +410,8 @@ mod exporter {
             .enable_all()
             .build()
             .map_err(|e| exporter_error(e.to_string()))?;
-        // Bound at once, so that a bad address fails here, at startup. The listen queue is long
-        // enough for clients waiting while `metrics_server::MAX_CONNECTIONS` are served.
+        // The listen queue is long enough for clients waiting while
+        // `metrics_server::MAX_CONNECTIONS` are served.
         let listener = {
             let _entered = runtime.enter();
             let socket = if listen.is_ipv4() {
@@ -367,17 +430,25 @@ mod exporter {
                     reason: e.to_string(),
                 })?
         };
-        let listen = listener
+        let bound = listener
             .local_addr()
             .map_err(|e| exporter_error(e.to_string()))?;
-        let recorder = prometheus_builder().build_recorder();
-        let handle = recorder.handle();
-        metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
+        Ok((runtime, listener, bound))
+    }
+
+    fn spawn_server(
+        runtime: tokio::runtime::Runtime,
+        listener: tokio::net::TcpListener,
+        listen: SocketAddr,
+        handle: PrometheusHandle,
+    ) -> Result<(), MetricsError> {
         std::thread::Builder::new()
             .name("mstar-metrics".into())
             .spawn(move || runtime.block_on(crate::metrics_server::serve(listener, handle)))
-            .map_err(|e| exporter_error(e.to_string()))?;
-        describe_all();
+            .map_err(|e| MetricsError::Exporter {
+                addr: listen,
+                reason: e.to_string(),
+            })?;
         tracing::info!(addr = %listen, "serving metrics at http://{listen}/metrics");
         Ok(())
     }
@@ -454,10 +525,10 @@ impl Instance {
         metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
             .set(f64::from(budget.unwrap_or(0)));
         if budget.is_some() {
-            // Resolving the handles registers the series: counters at 0, an empty histogram;
-            // the step series too, so a scrape before the first step lists them.
+            // Resolving the handles registers the series: counters at 0, an empty histogram.
             let _ = self.overruns(node, walk);
-            let _ = self.step(node, walk);
+            // The step series too, so that a scrape before the first step shows every series.
+            self.step(node, walk).register();
         }
     }
 
@@ -510,6 +581,8 @@ impl Instance {
             waiting: gauge(ROWS_WAITING),
             mid_prefill: gauge(ROWS_MID_PREFILL),
             continuing: gauge(ROWS_CONTINUING),
+            head_wait_seconds: gauge(HEAD_WAIT_SECONDS),
+            head_wait_steps: gauge(HEAD_WAIT_STEPS),
         }
     }
 }
@@ -529,6 +602,21 @@ pub(crate) struct StepMetrics {
 }
 
 impl StepMetrics {
+    /// Creates the counters at 0 (the histograms exist once resolved).
+    fn register(&self) {
+        for c in [
+            &self.steps,
+            &self.chunks_final,
+            &self.chunks_partial,
+            &self.deferred,
+        ]
+        .into_iter()
+        .chain(&self.time_overruns)
+        {
+            c.increment(0);
+        }
+    }
+
     /// Records an assembled step: the time planning took, and the rows it left waiting.
     pub(crate) fn assembled(&self, batch: &Batch, took: Duration) {
         self.assembly_seconds.record(took.as_secs_f64());
@@ -610,6 +698,8 @@ pub(crate) struct QueueGauges {
     waiting: Gauge,
     mid_prefill: Gauge,
     continuing: Gauge,
+    head_wait_seconds: Gauge,
+    head_wait_steps: Gauge,
 }
 
 impl QueueGauges {
@@ -618,6 +708,14 @@ impl QueueGauges {
         self.waiting.set(counts.waiting as f64);
         self.mid_prefill.set(counts.mid_prefill as f64);
         self.continuing.set(counts.continuing as f64);
+    }
+
+    /// Sets the head wait gauges from the wait of the node's head prompt (`None`: none waits).
+    pub(crate) fn set_head_wait(&self, wait: Option<Wait>) {
+        let wait = wait.unwrap_or_default();
+        self.head_wait_seconds
+            .set(wait.ms.map_or(0.0, |ms| ms / 1000.0));
+        self.head_wait_steps.set(wait.steps as f64);
     }
 }
 
@@ -846,6 +944,8 @@ mod tests {
                 ROWS_WAITING,
                 ROWS_MID_PREFILL,
                 ROWS_CONTINUING,
+                HEAD_WAIT_SECONDS,
+                HEAD_WAIT_STEPS,
                 STEP_BUDGET_SECONDS,
                 LATENCY_MODEL_COEFFICIENT,
                 LATENCY_MODEL_SOURCE,

@@ -146,8 +146,9 @@ pub fn classify_time_overrun(
     max_step_ms: f64,
     planned_over: Option<TimeOverrunReason>,
 ) -> Option<TimeOverrunReason> {
-    // A NaN measurement is no evidence of an overrun (the fit refuses it separately).
-    if measured_ms.is_nan() || measured_ms <= max_step_ms {
+    // Only a comparison: the completion checks the measured time first
+    // (`crate::latency::measured_ms`); a NaN compares false, no evidence of an overrun.
+    if measured_ms.partial_cmp(&max_step_ms) != Some(std::cmp::Ordering::Greater) {
         return None;
     }
     Some(planned_over.unwrap_or(TimeOverrunReason::Misprediction))

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::latency::{ChunkBounds, LatencyModel, StepFeatures};
+use crate::order::NodeOrder;
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
 use crate::range::ChunkRange;
@@ -41,6 +42,9 @@ pub struct StepParams {
     /// The time margin's quantile, if steps are planned with one
     /// (`docs/cost-model.md#the-time-margin`).
     pub margin_quantile: Option<f64>,
+    /// The node's order of waiting prompts and its starvation bound (`chunking.order`,
+    /// `chunking.max_wait_*`): [`plan_ranked`]'s walk when it is not `fcfs`.
+    pub order: NodeOrder,
 }
 
 /// A step's time limit: the latency model it is planned with and its time budget.
@@ -97,7 +101,7 @@ pub struct ContRow {
 }
 
 /// A prompt being prefilled.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillRow {
     /// Admission order within the node.
     pub seq: u64,
@@ -113,6 +117,12 @@ pub struct PrefillRow {
     pub progress: u32,
     /// Whether a chunk of this row has completed (the row is mid-prefill).
     pub started: bool,
+    /// Its priority under the `priority` order (lower first; [`crate::order`]).
+    pub priority: i32,
+    /// When its request arrived, in ms on the engine's clock, if the engine said.
+    pub arrival_ms: Option<f64>,
+    /// How many steps its node had planned when it was admitted: the start of its wait in steps.
+    pub admitted_step: u64,
 }
 
 /// What one planned row runs.
@@ -305,6 +315,23 @@ pub fn plan_timed(
     plan_timed_with(params, time, cont, prefill, out, true);
 }
 
+/// [`plan_timed`] with the prefill rows walked in `rank` order (indices into `prefill`, each
+/// once, mid-prefill rows first: [`crate::order::rank`]'s answer) instead of admission order,
+/// for a node whose order is not `fcfs`. The rules are the same; "first in order" is the first
+/// ranked row.
+pub fn plan_ranked(
+    params: &StepParams,
+    time: Option<TimeLimit>,
+    cont: &[ContRow],
+    prefill: &[PrefillRow],
+    rank: &[u32],
+    out: &mut StepPlan,
+) {
+    debug_assert_eq!(rank.len(), prefill.len());
+    let ranked = rank.iter().filter_map(|&i| prefill.get(i as usize));
+    plan_walk(params, time, cont, prefill, ranked, out, true);
+}
+
 /// [`plan_timed`], with the `TimeFull` shortcut on or (for the test that it changes no plan)
 /// off.
 fn plan_timed_with(
@@ -315,11 +342,39 @@ fn plan_timed_with(
     out: &mut StepPlan,
     shortcut: bool,
 ) {
+    plan_walk(
+        params,
+        time,
+        cont,
+        prefill,
+        admission_walk(prefill),
+        out,
+        shortcut,
+    );
+}
+
+/// The prefill rows in admission order, mid-prefill ones first: the `fcfs` walk.
+fn admission_walk(prefill: &[PrefillRow]) -> impl Iterator<Item = &PrefillRow> {
+    let mid = prefill.iter().filter(|p| p.started);
+    mid.chain(prefill.iter().filter(|p| !p.started))
+}
+
+/// Plans one step with the prefill rows walked in `in_order` order (every row of `prefill` once,
+/// mid-prefill ones first); `prefill` itself is read only for order-free counts.
+fn plan_walk<'a>(
+    params: &StepParams,
+    time: Option<TimeLimit>,
+    cont: &[ContRow],
+    prefill: &'a [PrefillRow],
+    in_order: impl Iterator<Item = &'a PrefillRow>,
+    out: &mut StepPlan,
+    shortcut: bool,
+) {
     out.clear();
     #[cfg(feature = "bench-slow-planner")]
     slow_pass(cont, prefill);
     let Some(budget) = params.budget else {
-        plan_unbudgeted(params, cont, prefill, out);
+        plan_unbudgeted(params, cont, in_order, out);
         return;
     };
     out.time = time;
@@ -332,7 +387,7 @@ fn plan_timed_with(
         out.waiting += count_u32(prefill.iter().filter(|p| params.takes(&p.walk)));
         return;
     }
-    plan_prefill(params, prefill, &mut room, out, shortcut);
+    plan_prefill(params, prefill, in_order, &mut room, out, shortcut);
 }
 
 /// [`StepParams::walk_index`] that keeps its last answer: a queue's consecutive rows mostly
@@ -471,10 +526,12 @@ fn plan_continuing(
     Continuing::Fitted
 }
 
-/// Rule 3: prefill rows, mid-prefill first, then new ones, each group FCFS.
-fn plan_prefill(
+/// Rule 3: prefill rows in `in_order` order: mid-prefill first, then new ones (each group FCFS
+/// under `fcfs`; new ones ranked by the node's order otherwise, `docs/scheduling.md`).
+fn plan_prefill<'a>(
     params: &StepParams,
-    prefill: &[PrefillRow],
+    prefill: &'a [PrefillRow],
+    in_order: impl Iterator<Item = &'a PrefillRow>,
     room: &mut Room<'_>,
     out: &mut StepPlan,
     shortcut: bool,
@@ -490,62 +547,58 @@ fn plan_prefill(
         ..TimeFull::default()
     };
     let mut walks = WalkIndex::new(params);
-    for mid in [true, false] {
-        let group = prefill
-            .iter()
-            .filter(|p| p.started == mid)
-            .filter_map(|r| Some((r, walks.of(&r.walk)?)));
-        for (r, walk) in group {
-            if time_full.full {
-                // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
-                // have found one by one.
-                out.waiting += 1;
-                continue;
-            }
-            let uncut_before = out.uncut_over_budget;
-            let left = room.left(walk);
-            let need = u64::from(r.total - r.progress);
-            let partial_full = !mid
-                && params
-                    .max_partial_prefills
-                    .is_some_and(|p| staying_partial >= p);
-            let token_end = if need <= left.min(row_cap(params)) {
-                Some(u64::from(r.total))
-            } else if params.chunkable {
-                let alone = out.rows.is_empty();
-                (!partial_full)
-                    .then(|| chunk_end(params, r, left, alone))
-                    .flatten()
-            } else {
-                uncut_end(params, r, left, prefill_in_step, out)
-            };
-            let end = match (token_end, out.time) {
-                (Some(end), Some(time)) => {
-                    let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
-                    if end.is_none() && !first_in_order {
-                        time_full.check(params, prefill, out);
-                    }
-                    end
-                }
-                (end, _) => end,
-            };
-            first_in_order = false;
-            let Some(end) = end else {
-                out.uncut_over_budget = uncut_before;
-                out.waiting += 1;
-                continue;
-            };
-            // `end <= total <= u32::MAX`, so this conversion cannot truncate.
-            let end = end as u32;
-            match (end == r.total, mid) {
-                (true, true) => staying_partial -= 1,
-                (false, false) => staying_partial += 1,
-                _ => {}
-            }
-            room.take(walk, u64::from(end - r.progress));
-            prefill_in_step = true;
-            out.push_chunk(r, walk, end);
+    let rows = in_order.filter_map(|r| Some((r, walks.of(&r.walk)?)));
+    for (r, walk) in rows {
+        let mid = r.started;
+        if time_full.full {
+            // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
+            // have found one by one.
+            out.waiting += 1;
+            continue;
         }
+        let uncut_before = out.uncut_over_budget;
+        let left = room.left(walk);
+        let need = u64::from(r.total - r.progress);
+        let partial_full = !mid
+            && params
+                .max_partial_prefills
+                .is_some_and(|p| staying_partial >= p);
+        let token_end = if need <= left.min(row_cap(params)) {
+            Some(u64::from(r.total))
+        } else if params.chunkable {
+            let alone = out.rows.is_empty();
+            (!partial_full)
+                .then(|| chunk_end(params, r, left, alone))
+                .flatten()
+        } else {
+            uncut_end(params, r, left, prefill_in_step, out)
+        };
+        let end = match (token_end, out.time) {
+            (Some(end), Some(time)) => {
+                let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
+                if end.is_none() && !first_in_order {
+                    time_full.check(params, prefill, out);
+                }
+                end
+            }
+            (end, _) => end,
+        };
+        first_in_order = false;
+        let Some(end) = end else {
+            out.uncut_over_budget = uncut_before;
+            out.waiting += 1;
+            continue;
+        };
+        // `end <= total <= u32::MAX`, so this conversion cannot truncate.
+        let end = end as u32;
+        match (end == r.total, mid) {
+            (true, true) => staying_partial -= 1,
+            (false, false) => staying_partial += 1,
+            _ => {}
+        }
+        room.take(walk, u64::from(end - r.progress));
+        prefill_in_step = true;
+        out.push_chunk(r, walk, end);
     }
 }
 
@@ -708,11 +761,12 @@ fn uncut_end(
     None
 }
 
-/// Rule 1: a step without a budget runs every eligible row whole.
-fn plan_unbudgeted(
+/// Rule 1: a step without a budget runs every eligible row whole, prefill rows in `prefill`
+/// order.
+fn plan_unbudgeted<'a>(
     params: &StepParams,
     cont: &[ContRow],
-    prefill: &[PrefillRow],
+    prefill: impl Iterator<Item = &'a PrefillRow>,
     out: &mut StepPlan,
 ) {
     let mut walks = WalkIndex::new(params);
@@ -722,13 +776,11 @@ fn plan_unbudgeted(
         };
         out.push_continuing(r, walk);
     }
-    for mid in [true, false] {
-        for r in prefill.iter().filter(|p| p.started == mid) {
-            let Some(walk) = walks.of(&r.walk) else {
-                continue;
-            };
-            out.push_chunk(r, walk, r.total);
-        }
+    for r in prefill {
+        let Some(walk) = walks.of(&r.walk) else {
+            continue;
+        };
+        out.push_chunk(r, walk, r.total);
     }
 }
 
@@ -898,6 +950,7 @@ mod tests {
             cost: None,
             learn_cost: false,
             margin_quantile: None,
+            order: NodeOrder::default(),
         }
     }
 
@@ -920,6 +973,9 @@ mod tests {
             cached: 0,
             progress: 0,
             started: false,
+            priority: 0,
+            arrival_ms: None,
+            admitted_step: 0,
         }
     }
 
@@ -1140,7 +1196,7 @@ mod tests {
 
     #[test]
     fn max_row_tokens_lets_long_prompts_progress_side_by_side() {
-        // The scenario of issue 4: budget 1024, max_row_tokens 400, floor 1, three 800-token prompts.
+        // Long prompts side by side: budget 1024, max_row_tokens 400, floor 1, three 800-token prompts.
         let mut p = params(Some(1024), 1);
         p.max_row_tokens = Some(400);
         let out = run(&p, &[], &[prompt(1, 800), prompt(2, 800), prompt(3, 800)]);

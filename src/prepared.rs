@@ -243,8 +243,130 @@ impl PreparedStore {
     }
 }
 
+/// One change to the inputs SchedulerState holds, as PreparedInputs' accounting reads it: the
+/// changes a Scheduler message made, in order, sent as one `Apply`
+/// (`docs/actors.md#prepared-inputs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum InputChange {
+    /// A prompt's whole input of `tokens` tokens is held (admitted, its row queued).
+    Hold { rid: u64, node: Name, tokens: u32 },
+    /// The input of `(rid, node)` is dropped: its final chunk completed, or its row was dropped.
+    Release { rid: u64, node: Name },
+    /// Every node's input of a request is dropped (it ended).
+    Forget(u64),
+}
+
+/// What the held inputs weigh, `node -> rid -> tokens`, with running totals: PreparedInputs'
+/// accounting (its gauges, `prepared_totals`), kept apart from the inputs themselves, which
+/// only [`PreparedStore`] (in SchedulerState) holds.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedAccounts {
+    by_node: FxHashMap<Name, (FxHashMap<u64, u32>, u64)>,
+    rows: usize,
+    tokens: u64,
+}
+
+impl PreparedAccounts {
+    /// Counts `tokens` for `(rid, node)`; `false` (and nothing counted) when it is counted
+    /// already.
+    pub(crate) fn hold(&mut self, rid: u64, node: &Name, tokens: u32) -> bool {
+        let (rows, node_tokens) = self.by_node.entry(node.clone()).or_default();
+        if rows.contains_key(&rid) {
+            return false;
+        }
+        rows.insert(rid, tokens);
+        *node_tokens += u64::from(tokens);
+        self.rows += 1;
+        self.tokens += u64::from(tokens);
+        true
+    }
+
+    /// Stops counting `(rid, node)`; returns whether it was counted.
+    pub(crate) fn release(&mut self, rid: u64, node: &str) -> bool {
+        let Some((rows, node_tokens)) = self.by_node.get_mut(node) else {
+            return false;
+        };
+        let Some(tokens) = rows.remove(&rid) else {
+            return false;
+        };
+        *node_tokens -= u64::from(tokens);
+        self.rows -= 1;
+        self.tokens -= u64::from(tokens);
+        true
+    }
+
+    /// Stops counting every node's row of `rid`; returns the nodes that counted one.
+    pub(crate) fn forget(&mut self, rid: u64) -> Vec<Name> {
+        let nodes: Vec<Name> = self
+            .by_node
+            .iter()
+            .filter(|(_, (rows, _))| rows.contains_key(&rid))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in &nodes {
+            self.release(rid, n);
+        }
+        nodes
+    }
+
+    /// Stops counting everything.
+    pub(crate) fn clear(&mut self) {
+        for entry in self.by_node.values_mut() {
+            *entry = Default::default();
+        }
+        self.rows = 0;
+        self.tokens = 0;
+    }
+
+    /// The tokens counted for `(rid, node)`.
+    #[cfg(test)]
+    pub(crate) fn tokens_of(&self, rid: u64, node: &str) -> Option<u32> {
+        self.by_node.get(node)?.0.get(&rid).copied()
+    }
+
+    /// Rows and tokens over all nodes.
+    pub(crate) fn totals(&self) -> (usize, u64) {
+        (self.rows, self.tokens)
+    }
+
+    /// Rows and tokens on `node`.
+    pub(crate) fn node_totals(&self, node: &str) -> (usize, u64) {
+        self.by_node
+            .get(node)
+            .map_or((0, 0), |(rows, tokens)| (rows.len(), *tokens))
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::PreparedAccounts;
+
+    #[test]
+    fn accounts_count_rows_and_tokens_per_node_and_refuse_a_second_hold() {
+        let mut a = PreparedAccounts::default();
+        let (x, y) = (Name::from("thinker"), Name::from("talker"));
+        assert!(a.hold(1, &x, 4));
+        assert!(a.hold(2, &x, 3));
+        assert!(a.hold(1, &y, 5));
+        assert!(!a.hold(1, &x, 9), "counted already");
+        assert_eq!(a.tokens_of(1, "thinker"), Some(4));
+        assert_eq!((a.totals(), a.node_totals("thinker")), ((3, 12), (2, 7)));
+        assert_eq!(a.node_totals("ghost"), (0, 0));
+        assert!(a.release(2, "thinker"));
+        assert!(!a.release(2, "thinker") && !a.release(2, "ghost"));
+        assert_eq!((a.totals(), a.node_totals("thinker")), ((2, 9), (1, 4)));
+        let mut nodes = a.forget(1);
+        nodes.sort();
+        assert_eq!(nodes, [y.clone(), x.clone()]);
+        assert_eq!(a.totals(), (0, 0));
+        assert!(a.forget(1).is_empty());
+        assert!(a.hold(3, &y, 2));
+        a.clear();
+        assert_eq!((a.totals(), a.node_totals("talker")), ((0, 0), (0, 0)));
+        assert_eq!(a.tokens_of(3, "talker"), None);
+        assert!(a.hold(3, &y, 2), "held again after a clear");
+    }
+
     use super::*;
 
     #[test]

@@ -1,9 +1,11 @@
 //! One node's row queues: continuing rows and prefill rows in admission order, with their
-//! progress. Pure state; the Scheduler actor holds one per node.
+//! progress, and the walk of its prefill rows under the node's order ([`crate::order`]). Pure
+//! state; the Scheduler actor holds one per node.
 
 use rustc_hash::FxHashMap;
 
 use crate::error::ChunkingError;
+use crate::order::{self, AdmitOptions, NodeOrder, StepClock, Wait};
 use crate::planner::{ContRow, PlannedRow, PrefillRow, RowWork};
 use crate::policy::Name;
 use crate::range::clamp_cached;
@@ -28,6 +30,28 @@ pub struct NodeQueues {
     /// `rid -> prompt tokens` of prompts whose final chunk ran and whose continuing row has not
     /// been registered yet: that row's starting context. Dropped by `continue_row` or `forget`.
     prompt_totals: FxHashMap<u64, u32>,
+    /// Steps planned on this node: the clock of `chunking.max_wait_steps`.
+    steps: u64,
+    /// The engine's time of the last planned step, if it gave one (the head wait gauges).
+    last_now_ms: Option<f64>,
+    /// The prefill rows' walk under an order other than `fcfs`, rebuilt per step (kept to
+    /// reuse its allocation).
+    rank: Vec<u32>,
+    /// Whether a priority given under another order was warned about (once per node).
+    priority_warned: bool,
+}
+
+/// A node's rows as one step is planned from them: the continuing rows, the prefill rows in
+/// admission order, and under an order other than `fcfs` the prefill rows' walk
+/// ([`order::rank`]).
+#[derive(Debug, Clone, Copy)]
+pub struct QueueView<'a> {
+    /// The continuing rows, in admission order.
+    pub cont: &'a [ContRow],
+    /// The prefill rows, in admission order.
+    pub prefill: &'a [PrefillRow],
+    /// Indices into `prefill` in the order the planner walks them; `None`: admission order.
+    pub rank: Option<&'a [u32]>,
 }
 
 /// How many rows a node's queues hold, by state (the queue-depth gauges).
@@ -111,6 +135,21 @@ impl NodeQueues {
         total: u32,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, walk, total, AdmitOptions::cached(cached))
+    }
+
+    /// [`NodeQueues::admit`] with the prompt's priority and arrival time, for the node's
+    /// order and starvation bound.
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub fn admit_with(
+        &mut self,
+        rid: u64,
+        walk: Name,
+        total: u32,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         if total == 0 {
             return Err(ChunkingError::EmptyInput {
                 rid,
@@ -124,7 +163,7 @@ impl NodeQueues {
             });
         }
         let seq = self.seq(rid);
-        let cached = clamp_cached(cached, total);
+        let cached = clamp_cached(options.cached, total);
         let row = PrefillRow {
             seq,
             rid,
@@ -133,6 +172,9 @@ impl NodeQueues {
             cached,
             progress: cached,
             started: false,
+            priority: options.priority,
+            arrival_ms: options.arrival_ms,
+            admitted_step: self.steps,
         };
         let at = self.prefill.partition_point(|r| r.seq < seq);
         self.prefill.insert(at, row);
@@ -263,6 +305,55 @@ impl NodeQueues {
         }
         r.progress = range.end;
         Advance::Progressed
+    }
+
+    /// The rows one step is planned from under `order`, at the engine's time `now_ms` if it
+    /// gave one; the prefill rows' walk is ranked only when the order is not `fcfs`. Call
+    /// [`NodeQueues::planned`] once the step is planned.
+    pub fn view(&mut self, order: NodeOrder, now_ms: Option<f64>) -> QueueView<'_> {
+        self.last_now_ms = now_ms;
+        let rank = if order.order.is_fcfs() {
+            None
+        } else {
+            let clock = self.clock(now_ms);
+            order::rank(order, clock, &self.prefill, &mut self.rank);
+            Some(self.rank.as_slice())
+        };
+        QueueView {
+            cont: &self.cont,
+            prefill: &self.prefill,
+            rank,
+        }
+    }
+
+    /// Counts a planned step: prompts still waiting have waited one step more.
+    pub fn planned(&mut self) {
+        self.steps += 1;
+    }
+
+    /// The node's clock at a step planned now: its planned steps so far and `now_ms`.
+    pub fn clock(&self, now_ms: Option<f64>) -> StepClock {
+        StepClock {
+            step: self.steps,
+            now_ms,
+        }
+    }
+
+    /// How long the earliest admitted prompt that has not started has waited, as of the last
+    /// planned step (its ms only when the engine gave that step's time and the prompt's
+    /// arrival); `None` when no prompt waits.
+    pub fn head_wait(&self) -> Option<Wait> {
+        order::head_wait(&self.prefill, self.clock(self.last_now_ms))
+    }
+
+    /// Whether a priority given at admission under `order` should be warned about now: a
+    /// priority other than 0 where the order is not `priority`, the first time on this node.
+    pub fn warn_priority(&mut self, order: order::Order, priority: i32) -> bool {
+        if priority == 0 || order == order::Order::Priority || self.priority_warned {
+            return false;
+        }
+        self.priority_warned = true;
+        true
     }
 
     /// Prefill rows held, mid-prefill or waiting to start.

@@ -1,5 +1,7 @@
-//! The scheduler's state without a runtime: row queues per node, the budget snapshot, and the
-//! step in flight per node. Assembles each step's batch (docs/scheduling.md) and applies its completion.
+//! The scheduler's state without a runtime: row queues per node, the budget snapshot, the
+//! step in flight per node, every queued prompt's prepared input, the last one-trip completion
+//! and the drain. Assembles each step's batch (docs/scheduling.md) and applies its completion;
+//! [`serving`] holds the engine's calls on the whole state, which the Scheduler actor makes.
 //!
 //! One step per node is in flight at a time: a node runs its steps one after another, and the
 //! next step's plan depends on how far the previous one moved its rows.
@@ -12,12 +14,17 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
+use crate::order::AdmitOptions;
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
-use crate::planner::{plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
+use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
-use crate::prepared::{ChunkInput, NodeInputs, PreparedInput};
+use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
 use crate::queues::{Advance, NodeQueues};
+use crate::range::ChunkRange;
 use crate::snapshot::BudgetSnapshot;
+
+pub(crate) mod serving;
+pub use serving::{DrainReport, QueueStats};
 
 /// One row of an assembled step.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,10 +43,70 @@ pub struct BatchRow {
     pub input: Option<ChunkInput>,
 }
 
+/// What kind of work a [`BatchRow`] is ([`BatchRow::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    /// A chunk of a prompt ([`RowWork::Chunk`]).
+    Chunk,
+    /// A continuing row: decode, or a speculative verification ([`RowWork::Continue`]).
+    Continue,
+}
+
+impl RowKind {
+    /// `"chunk"` or `"continue"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chunk => "chunk",
+            Self::Continue => "continue",
+        }
+    }
+}
+
 impl BatchRow {
     /// Tokens the row is scheduled to run.
     pub fn tokens(&self) -> u32 {
         self.work.tokens()
+    }
+
+    /// Whether the row is a chunk of a prompt or a continuing row.
+    pub fn kind(&self) -> RowKind {
+        match self.work {
+            RowWork::Chunk { .. } => RowKind::Chunk,
+            RowWork::Continue { .. } => RowKind::Continue,
+        }
+    }
+
+    /// Whether the row is a chunk of a prompt.
+    pub fn is_chunk(&self) -> bool {
+        self.kind() == RowKind::Chunk
+    }
+
+    /// A chunk's range of its prompt; `None` for a continuing row.
+    pub fn range(&self) -> Option<ChunkRange> {
+        match self.work {
+            RowWork::Chunk { range, .. } => Some(range),
+            RowWork::Continue { .. } => None,
+        }
+    }
+
+    /// Whether the row is its prompt's final chunk (the request starts generating after it);
+    /// `false` for a continuing row.
+    pub fn is_final(&self) -> bool {
+        self.range().is_some_and(|r| r.is_final())
+    }
+
+    /// A first chunk's cached prefix in tokens (the engine reuses it, it is not run); 0 for a
+    /// later chunk or a continuing row.
+    pub fn cached(&self) -> u32 {
+        match self.work {
+            RowWork::Chunk { cached, .. } => cached,
+            RowWork::Continue { .. } => 0,
+        }
+    }
+
+    /// A continuing row's estimate in tokens; `None` for a chunk.
+    pub fn estimate(&self) -> Option<u32> {
+        self.work.continue_estimate()
     }
 }
 
@@ -127,6 +194,8 @@ pub struct NextStep {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) changes: Vec<RowChange>,
+    /// The step's time on the engine's clock, for the starvation bound (`at_ms`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 /// One row change of a [`NextStep`].
@@ -142,12 +211,12 @@ pub(crate) enum RowChange {
         estimate: u32,
         context: Option<u64>,
     },
-    /// `admit(rid, node, walk, input, cached)`.
+    /// `admit(rid, node, walk, input, cached)`, or `admit_with` and its options.
     Admit {
         rid: u64,
         walk: Name,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     },
 }
 
@@ -162,7 +231,22 @@ impl NextStep {
             node: node.into(),
             walk: walk.into(),
             changes: Vec::new(),
+            now_ms: None,
         }
+    }
+
+    /// Plans the next step at `now_ms` on the engine's clock (the clock of
+    /// [`AdmitOptions::arrival_ms`]): the time `chunking.max_wait_ms` measures prompts' waits
+    /// to.
+    #[must_use]
+    pub fn at_ms(mut self, now_ms: f64) -> Self {
+        self.now_ms = Some(now_ms);
+        self
+    }
+
+    /// The step's time given with [`at_ms`](Self::at_ms), if any.
+    pub fn now_ms(&self) -> Option<f64> {
+        self.now_ms
     }
 
     /// The node of the next step.
@@ -220,18 +304,25 @@ impl NextStep {
     /// `admit(rid, node, walk, input, cached)` does: its input is held before the next batch
     /// is cut.
     #[must_use]
-    pub fn admit(
+    pub fn admit(self, rid: u64, walk: impl Into<Name>, input: PreparedInput, cached: u32) -> Self {
+        self.admit_with(rid, walk, input, AdmitOptions::cached(cached))
+    }
+
+    /// As [`admit`](Self::admit), with the prompt's cached prefix, priority and arrival time,
+    /// as `admit_with(rid, node, walk, input, options)` does.
+    #[must_use]
+    pub fn admit_with(
         mut self,
         rid: u64,
         walk: impl Into<Name>,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     ) -> Self {
         self.changes.push(RowChange::Admit {
             rid,
             walk: walk.into(),
             input,
-            cached,
+            options,
         });
         self
     }
@@ -260,12 +351,14 @@ impl NextStep {
                 rid,
                 walk,
                 input,
-                cached,
+                options,
             } => RowChangeRef::Admit {
                 rid: *rid,
                 walk,
                 input,
-                cached: *cached,
+                cached: options.cached,
+                priority: options.priority,
+                arrival_ms: options.arrival_ms,
             },
         })
     }
@@ -297,6 +390,10 @@ pub enum RowChangeRef<'a> {
         input: &'a PreparedInput,
         /// Its cached prefix.
         cached: u32,
+        /// Its priority (`admit_with`; 0 otherwise).
+        priority: i32,
+        /// Its arrival time in ms (`admit_with`), if given.
+        arrival_ms: Option<f64>,
     },
 }
 
@@ -428,6 +525,24 @@ pub(crate) struct Drained {
     pub(crate) rows: usize,
 }
 
+/// The latency model a node plans with ([`SchedulerState::latency_report`],
+/// `ChunkingManagement::latency_model`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencyModelReport {
+    /// The model in force: the trusted online fit, else the configured one; `None` when the
+    /// node has neither (its time budgets cannot apply).
+    pub model: Option<LatencyModel>,
+    /// Where `model` came from.
+    pub source: ModelSource,
+    /// The configured model (`chunking.cost.<node>`, a preset or coefficients), if any.
+    pub configured: Option<LatencyModel>,
+    /// Whether the node learns its model from measured step times (`chunking.learn_cost`).
+    pub learn_cost: bool,
+    /// The online fit's current estimate (coefficients, samples, error, whether trusted);
+    /// `None` before the first measured step or when the node does not learn.
+    pub fit: Option<crate::latency::fit::OnlineEstimate>,
+}
+
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
 #[derive(Debug, Default)]
 pub struct SchedulerState {
@@ -446,6 +561,18 @@ pub struct SchedulerState {
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
+    /// The whole prepared input of every queued prompt row: the one store of them, which each
+    /// step's chunk views are cut from (PreparedInputs only counts them).
+    pub(crate) inputs: PreparedStore,
+    /// The changes made to `inputs` since the actor last sent them to PreparedInputs.
+    input_changes: Vec<InputChange>,
+    /// Per node, the last step completed by `complete_and_assemble`, to answer a repeat of it.
+    completed: FxHashMap<Name, serving::LastCompleted>,
+    /// Set by a drain, for good: no admission, no new step.
+    draining: bool,
+    /// Every `(node, waiting walk, assembled walk)` said once as stranded
+    /// (`serving::StepHooks::stranded`).
+    stranded_said: rustc_hash::FxHashSet<(Name, Name, Name)>,
 }
 
 impl SchedulerState {
@@ -502,8 +629,41 @@ impl SchedulerState {
         total: u32,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, node, walk, total, AdmitOptions::cached(cached))
+    }
+
+    /// [`SchedulerState::admit`] with the prompt's priority and arrival time. A priority given
+    /// where the node's order is not `priority` is kept (a later setting may order by it) and
+    /// warned about once per node: it does not change this node's order.
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub fn admit_with(
+        &mut self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        total: u32,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         let (node, walk) = self.resolve(node, walk)?;
-        self.queues(&node).admit(rid, walk, total, cached)
+        let order = self
+            .snapshot
+            .as_ref()
+            .map(|s| s.table().order(&node).order)
+            .unwrap_or_default();
+        let queues = self.queues(&node);
+        queues.admit_with(rid, walk, total, options)?;
+        if queues.warn_priority(order, options.priority) {
+            tracing::warn!(
+                node = %node,
+                rid,
+                priority = options.priority,
+                order = %order,
+                "a priority was given to a node whose order is not `priority`: it does not change the order there (warned once per node)"
+            );
+        }
+        Ok(())
     }
 
     /// Keeps a continuing row of `rid` at `node` queued with an `estimate` of tokens a step.
@@ -531,6 +691,28 @@ impl SchedulerState {
             Some(table) => self.select(node, table.settings().time.learn, table.cost(node)),
             None => (None, ModelSource::None),
         }
+    }
+
+    /// The latency model `node` plans with and where it came from, with its online fit's
+    /// state ([`LatencyModelReport`]).
+    ///
+    /// # Errors
+    /// `node` is not a node of the model (or no snapshot was published yet).
+    pub fn latency_report(&self, node: &str) -> Result<LatencyModelReport, ChunkingError> {
+        let table = match self.snapshot.as_ref() {
+            Some(s) if s.node_name(node).is_some() => s.table(),
+            _ => return Err(ChunkingError::UnknownNode { node: node.into() }),
+        };
+        let learn_cost = table.settings().time.learn;
+        let configured = table.cost(node);
+        let (model, source) = self.select(node, learn_cost, configured);
+        Ok(LatencyModelReport {
+            model,
+            source,
+            configured,
+            learn_cost,
+            fit: self.fits.get(node).and_then(OnlineFit::estimate),
+        })
     }
 
     /// [`SchedulerState::latency_model`] for a step planned under `params`: no lookup of the
@@ -575,6 +757,21 @@ impl SchedulerState {
         self.assemble(node, walk).map(Assembled::into_batch)
     }
 
+    /// [`SchedulerState::assemble_batch`] of a step planned at `now_ms` on the engine's clock
+    /// (the starvation bound's `max_wait_ms` measures waits to it).
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub fn assemble_batch_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Batch, ChunkingError> {
+        self.assemble_at(node, walk, now_ms)
+            .map(Assembled::into_batch)
+    }
+
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
     /// answers that step again (see `docs/scheduling.md#the-step-lifecycle`).
     ///
@@ -582,6 +779,20 @@ impl SchedulerState {
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
     pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
+        self.assemble_at(node, walk, None)
+    }
+
+    /// [`SchedulerState::assemble`] of a step planned at `now_ms` on the engine's clock, for
+    /// the starvation bound (`chunking.max_wait_ms`); a step in flight is answered as it was.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub(crate) fn assemble_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Assembled, ChunkingError> {
         let snap = self
             .snapshot
             .as_ref()
@@ -608,6 +819,24 @@ impl SchedulerState {
                 None => Assembled::Planned(f.planned_batch()),
             });
         }
+        // A member walk with no budget of its own on a node that budgets its combined walk:
+        // planned alone its rows would run uncut, with no budget, outside the combined steps
+        // that take them (docs/scheduling.md#combined-walks). A member walk with its own
+        // budget, or on a node the combined walk budgets nothing on, plans its own steps.
+        let table = snap.table();
+        let member_of = params
+            .budget
+            .is_none()
+            .then(|| table.combined_walk_of(walk))
+            .flatten()
+            .filter(|combined| table.max_batch_tokens(node, combined).is_some());
+        if let Some(combined) = member_of {
+            return Err(ChunkingError::MemberWalk {
+                node: params.node.clone(),
+                walk: params.walk.clone(),
+                combined: combined.clone(),
+            });
+        }
         let params = params.clone();
         let (model, _) = self.model_for(&params);
         let margin = self.time_margin(&params);
@@ -619,8 +848,17 @@ impl SchedulerState {
                 max_step_ms: max_step_ms / margin,
             });
         let mut step_plan = std::mem::take(&mut self.spare);
-        match self.nodes.get(node) {
-            Some(q) => plan_timed(&params, time, q.cont(), q.prefill(), &mut step_plan),
+        match self.nodes.get_mut(node) {
+            Some(q) => {
+                let view = q.view(params.order, now_ms);
+                match view.rank {
+                    None => plan_timed(&params, time, view.cont, view.prefill, &mut step_plan),
+                    Some(rank) => {
+                        plan_ranked(&params, time, view.cont, view.prefill, rank, &mut step_plan);
+                    }
+                }
+                q.planned();
+            }
             None => step_plan.clear(),
         }
         self.next_step += 1;
@@ -749,7 +987,7 @@ impl SchedulerState {
             &self.empty[&node].plan
         };
         check_ran(step, plan, ran)?;
-        if let Some(ms) = measured_ms.filter(|ms| !ms.is_finite() || *ms < 0.0) {
+        if let Some(ms) = measured_ms.filter(|&ms| crate::latency::measured_ms(ms).is_none()) {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
         let f = self.take_step(&node, in_flight);
@@ -979,7 +1217,9 @@ mod tests {
                     rid: 9,
                     walk: "prefill",
                     input: &input,
-                    cached: 1
+                    cached: 1,
+                    priority: 0,
+                    arrival_ms: None,
                 },
             ]
         );
@@ -1162,6 +1402,44 @@ mod tests {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)
+    }
+
+    #[test]
+    fn a_rows_helpers_read_its_work() {
+        let row = |work| BatchRow {
+            rid: 1,
+            walk: 0,
+            work,
+            context: 0,
+            input: None,
+        };
+        let first = row(RowWork::Chunk {
+            range: ChunkRange::new(true, 0, 64, 100),
+            cached: 16,
+        });
+        let last = row(RowWork::Chunk {
+            range: ChunkRange::new(false, 64, 100, 100),
+            cached: 0,
+        });
+        let decode = row(RowWork::Continue { estimate: 3 });
+        assert_eq!(
+            (first.kind(), first.kind().as_str()),
+            (RowKind::Chunk, "chunk")
+        );
+        assert_eq!(
+            (decode.kind(), decode.kind().as_str()),
+            (RowKind::Continue, "continue")
+        );
+        assert!(first.is_chunk() && last.is_chunk() && !decode.is_chunk());
+        assert_eq!(first.range(), Some(ChunkRange::new(true, 0, 64, 100)));
+        assert_eq!(decode.range(), None);
+        assert!(!first.is_final() && last.is_final() && !decode.is_final());
+        assert_eq!((first.cached(), last.cached(), decode.cached()), (16, 0, 0));
+        assert_eq!((first.estimate(), decode.estimate()), (None, Some(3)));
+        assert_eq!(
+            (first.tokens(), last.tokens(), decode.tokens()),
+            (64, 36, 3)
+        );
     }
 
     #[test]
@@ -1438,6 +1716,20 @@ mod tests {
             s.latency_model("llm"),
             (Some(configured), ModelSource::Config)
         );
+        let before = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (before.model, before.source, before.configured),
+            (Some(configured), ModelSource::Config, Some(configured))
+        );
+        assert!(before.learn_cost && before.fit.is_none());
+        assert!(matches!(
+            SchedulerState::default().latency_report("llm"),
+            Err(ChunkingError::UnknownNode { .. })
+        ));
+        assert!(matches!(
+            s.latency_report("ghost"),
+            Err(ChunkingError::UnknownNode { .. })
+        ));
         // Steps of one chunk each, 10..=100 tokens, measured as `truth` predicts what ran;
         // every third is reported unrun (0 tokens), measured at the base alone.
         for i in 0..60u32 {
@@ -1459,6 +1751,12 @@ mod tests {
         }
         let (model, source) = s.latency_model("llm");
         assert_eq!(source, ModelSource::Online);
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!((report.model, report.source), (model, source));
+        assert_eq!(report.configured, Some(configured));
+        let fit = report.fit.unwrap();
+        assert!(fit.trusted);
+        assert_eq!((fit.samples, Some(fit.model)), (60, model));
         let got = model.unwrap().coefficients();
         for (g, w) in got.iter().zip(truth.coefficients()) {
             assert!(

@@ -110,5 +110,6 @@ fn step_params(
         cost: table.cost(node),
         learn_cost: settings.time.learn,
         margin_quantile: settings.time.margin_quantile,
+        order: table.order(node),
     }
 }

@@ -9,10 +9,13 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Waker};
 
+mod common;
+
+use common::{chunks, planned, prompt};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use mstar_chunking::{
     Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, PreparedInput, RowWork, SubmoduleCaps,
+    ErrorKind, SubmoduleCaps,
 };
 
 /// The process-wide recorder of this test binary, installed once: the actors record from
@@ -33,38 +36,7 @@ fn snapshotter() -> &'static Snapshotter {
 /// budget of 256, align 16, floor 32.
 async fn engine(model: &str) -> ChunkingManagement {
     snapshotter();
-    let cm = ChunkingManagement::start(
-        model,
-        [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
-    )
-    .unwrap();
-    cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256).aligned(16))])
-        .await
-        .unwrap();
-    let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
-        .combined("mixed", ["prefill", "decode"])
-        .min_chunk_tokens(NonZeroU32::new(32).unwrap());
-    cm.set_budgets(settings).await.unwrap();
-    cm
-}
-
-fn prompt(len: u32) -> PreparedInput {
-    PreparedInput::tokens((0..len).collect::<Vec<u32>>())
-}
-
-/// `(rid, range)` of every chunk of a batch.
-fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
-    b.rows
-        .iter()
-        .filter_map(|r| match r.work {
-            RowWork::Chunk { range, .. } => Some((r.rid, range)),
-            RowWork::Continue { .. } => None,
-        })
-        .collect()
-}
-
-fn planned(b: &Batch) -> Vec<u32> {
-    b.rows.iter().map(|r| r.tokens()).collect()
+    common::mixed_engine(model).await
 }
 
 #[actix::test]
@@ -383,6 +355,45 @@ fn a_tokio_engine_drives_the_actors_on_their_own_thread() {
     let after = rt.block_on(cm.queue_stats()).unwrap_err();
     assert_eq!(after, ChunkingError::ActorStopped { actor: "Scheduler" });
     assert_eq!(after.kind(), ErrorKind::Fatal);
+}
+
+#[test]
+fn dropping_the_guard_at_once_leaves_the_actors_running_for_the_handles() {
+    #[allow(clippy::let_underscore_must_use)]
+    let (cm, _) = ChunkingManagement::start_on_own_thread(
+        "guard-dropped",
+        [("llm", SubmoduleCaps::new(["prefill"], false))],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let engine = cm.clone();
+    let b = rt
+        .block_on(async move {
+            engine
+                .set_policies([(("llm", "prefill"), ChunkingPolicy::budget(64))])
+                .await?;
+            engine.admit(1, "llm", "prefill", prompt(100), 0).await?;
+            engine.assemble("llm", "prefill").await
+        })
+        .unwrap();
+    assert_eq!(chunks(&b)[0].1, ChunkRange::new(false, 0, 64, 100));
+    // The last handle's drop stops the thread (and joins it: this returns).
+    drop(cm);
+
+    let (cm, actors) = ChunkingManagement::start_on_own_thread(
+        "guard-stopped",
+        [("llm", SubmoduleCaps::new(["prefill"], false))],
+    )
+    .unwrap();
+    actors.stop();
+    let err = rt.block_on(cm.queue_stats()).unwrap_err();
+    assert_eq!(err, ChunkingError::ActorStopped { actor: "Scheduler" });
+    assert!(
+        err.to_string().contains("`ActorThread::stop` was called"),
+        "{err}"
+    );
 }
 
 /// A facade whose `llm` node has a 4,096-token budget on `prefill`, floor 64.

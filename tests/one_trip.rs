@@ -6,59 +6,12 @@
 //! step can be abandoned, and row changes land before the next step is planned.
 
 use std::future::Future;
-use std::num::NonZeroU32;
 use std::task::{Context, Waker};
 
-use mstar_chunking::{
-    Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, NextStep, PreparedInput, RowWork, SubmoduleCaps,
-};
+mod common;
 
-/// A facade with one node `llm`: `prefill` and `decode` under `mixed`, a budget of 256,
-/// align 16, floor 32.
-async fn engine(model: &str) -> ChunkingManagement {
-    let cm = ChunkingManagement::start(
-        model,
-        [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
-    )
-    .unwrap();
-    cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256).aligned(16))])
-        .await
-        .unwrap();
-    let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
-        .combined("mixed", ["prefill", "decode"])
-        .min_chunk_tokens(NonZeroU32::new(32).unwrap());
-    cm.set_budgets(settings).await.unwrap();
-    cm
-}
-
-fn prompt(len: u32) -> PreparedInput {
-    PreparedInput::tokens((0..len).collect::<Vec<u32>>())
-}
-
-/// `(rid, range)` of every chunk of a batch.
-fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
-    b.rows
-        .iter()
-        .filter_map(|r| match r.work {
-            RowWork::Chunk { range, .. } => Some((r.rid, range)),
-            RowWork::Continue { .. } => None,
-        })
-        .collect()
-}
-
-/// `rid` of every continuing row of a batch.
-fn continuing(b: &Batch) -> Vec<u64> {
-    b.rows
-        .iter()
-        .filter(|r| matches!(r.work, RowWork::Continue { .. }))
-        .map(|r| r.rid)
-        .collect()
-}
-
-fn planned(b: &Batch) -> Vec<u32> {
-    b.rows.iter().map(|r| r.tokens()).collect()
-}
+use common::{chunks, continuing, mixed_engine as engine, planned, prompt};
+use mstar_chunking::{ChunkRange, ChunkingError, ErrorKind, NextStep};
 
 #[actix::test]
 async fn one_trip_per_step_cuts_a_prompt_as_two_trips_do() {
@@ -250,7 +203,7 @@ async fn the_next_step_can_be_abandoned() {
         .unwrap()
         .next
         .unwrap();
-    // Uses of `abandon` (its signature changes with issue 18).
+    // Uses of `abandon`.
     cm.abandon(next.step).await.unwrap();
     assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 0);
     let again = cm.assemble("llm", "mixed").await.unwrap();
@@ -367,4 +320,30 @@ async fn prompts_admitted_with_a_completion_run_in_the_next_step() {
         .unwrap_err();
     assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
     assert_eq!(cm.queue_stats().await.unwrap().steps_in_flight, 1);
+}
+
+#[actix::test]
+async fn a_continuing_row_carries_its_context_on_the_one_trip_step() {
+    let cm = engine("one-trip-context").await;
+    cm.admit(1, "llm", "prefill", prompt(100), 0).await.unwrap();
+    let b = cm.assemble("llm", "mixed").await.unwrap();
+    // Prompt 1 ran whole; it decodes with its context (the prompt and the token it made),
+    // through the next step's row changes, and the helpers read each row's work.
+    let row = &b.rows[0];
+    assert!(row.is_chunk() && row.is_final());
+    assert_eq!(row.range(), Some(ChunkRange::new(true, 0, 100, 100)));
+    let next = NextStep::new("llm", "mixed").continue_row_with_context(1, "decode", 1, 101);
+    let done = cm
+        .complete_and_assemble_with(b.step, planned(&b), None, next)
+        .await
+        .unwrap();
+    let b2 = done.next.unwrap();
+    assert_eq!(continuing(&b2), vec![1]);
+    let row = &b2.rows[0];
+    assert_eq!(
+        (row.context, row.estimate(), row.range()),
+        (101, Some(1), None)
+    );
+    assert!(!row.is_chunk() && !row.is_final());
+    assert_eq!(row.kind().as_str(), "continue");
 }

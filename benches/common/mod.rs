@@ -30,7 +30,7 @@ const ALIGN: u32 = 16;
 /// Steps run before measuring, so the prompts are spread over their progress.
 pub const WARM_STEPS: u64 = 200;
 
-/// One steady-state workload of the issue.
+/// One steady-state workload of the step benchmarks.
 #[derive(Clone, Copy, Debug)]
 pub struct Workload {
     pub name: &'static str,

@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::api::ModelLimits;
 use crate::metrics::{self as em, Outcome};
-use crate::model::{KvCache, Model, Sampler, StepRow, EOS, VOCAB};
+use crate::model::{KvCache, Model, Sampler, StepRow};
 
 /// The longest grace a drain may be given (`--grace-secs`): one day.
 pub const MAX_GRACE: Duration = Duration::from_secs(86_400);
@@ -267,6 +267,8 @@ pub struct EngineHandle {
     pub chunking: ChunkingManagement,
     /// What the model bounds a request by.
     pub limits: ModelLimits,
+    /// The served model's tokenizer.
+    pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
 }
 
 impl EngineHandle {
@@ -418,8 +420,9 @@ pub fn start(
         Some(p) => Some(StepLog::create(p)?),
         None => None,
     };
+    let tokenizer = model.tokenizer().clone();
     let limits = ModelLimits {
-        vocab: VOCAB as u32,
+        vocab: tokenizer.vocab_size() as u32,
         max_positions: model.config.max_positions,
     };
     let (tx, rx) = mpsc::unbounded_channel();
@@ -479,6 +482,7 @@ pub fn start(
             tx,
             chunking,
             limits,
+            tokenizer,
         },
         thread,
     ))
@@ -961,7 +965,7 @@ impl Engine {
             em::token(s.last_token.is_none(), since.as_secs_f64());
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token(tok));
-            let done = if tok == EOS && !s.req.ignore_eos {
+            let done = if tok == self.model.tokenizer().eos() && !s.req.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)

@@ -1,7 +1,8 @@
 //! # mstar-engine
 //!
 //! A reference serving engine built on `mstar-chunking`'s public API (default features off):
-//! a Llama-architecture decoder on candle ([`model`]), run one step per assembled batch by an
+//! a Llama-architecture decoder on candle ([`model`]: random weights, or a GGUF file such as
+//! SmolLM2-135M-Instruct with its [`tokenizer`]), run one step per assembled batch by an
 //! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`], its
 //! request bodies in [`api`]) with its metrics in [`metrics`], and driven by a trace-replaying
 //! load generator ([`bench`]); [`files`] holds the rules for the files it reads and writes.
@@ -15,4 +16,6 @@ pub mod engine;
 pub mod files;
 pub mod metrics;
 pub mod model;
+pub mod sampling;
 pub mod server;
+pub mod tokenizer;

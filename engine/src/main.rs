@@ -43,15 +43,22 @@ struct ServeArgs {
     /// Address to listen on (port 0: any free port).
     #[arg(long, default_value = "127.0.0.1:8000")]
     listen: String,
-    /// Model size: tiny or small.
-    #[arg(long, default_value = "small")]
+    /// The model: `smollm2` (SmolLM2-135M-Instruct from the cache `make model` fills), or the
+    /// random-weight `tiny` or `small` over a byte vocabulary.
+    #[arg(long, default_value = "smollm2")]
     model: String,
-    /// Seed of the random weights.
+    /// Serve this llama-architecture GGUF file (weights and tokenizer) instead of `--model`.
+    #[arg(long, conflicts_with_all = ["weights", "seed"])]
+    gguf: Option<PathBuf>,
+    /// Seed of the random weights (`tiny`, `small`).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// A safetensors file with Llama tensor names (instead of random weights).
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// The device: `cpu`, or `cuda` / `cuda:N` (needs the `cuda` build feature; untested here).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// The model name the API serves.
     #[arg(long, default_value = "mstar-engine")]
     served_name: String,
@@ -121,8 +128,9 @@ struct EngineArgs {
     /// measured / predicted step times.
     #[arg(long)]
     time_margin: Option<f64>,
-    /// KV cache capacity in tokens over all requests.
-    #[arg(long, default_value_t = 65_536)]
+    /// KV cache capacity in tokens over all requests. The default holds two full 8,192-token
+    /// contexts of SmolLM2 (~46 KB of f32 keys and values a token: ~720 MiB).
+    #[arg(long, default_value_t = 16_384)]
     kv_tokens: u64,
     /// Requests that may wait for KV memory before new ones get 503 (at least 1; a request
     /// that fits at once never counts).
@@ -180,26 +188,63 @@ fn settings(a: &EngineArgs, name: &str) -> Result<EngineSettings, String> {
 /// header (names, shapes and offsets of a few hundred tensors), with room to spare.
 const WEIGHTS_HEADER_ALLOWANCE: u64 = 16 << 20;
 
-fn serve(a: ServeArgs) -> Result<(), String> {
-    let config = Config::by_name(&a.model).map_err(|e| e.to_string())?;
-    let device = candle_core::Device::Cpu;
-    let mut inputs: Vec<(&str, &std::path::Path)> = Vec::new();
+/// `cpu`, `cuda` or `cuda:N`.
+fn device(s: &str) -> Result<candle_core::Device, String> {
+    let ordinal = match s {
+        "cpu" => return Ok(candle_core::Device::Cpu),
+        "cuda" => 0,
+        s => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| format!("--device `{s}`: `cpu`, `cuda` or `cuda:N`"))?,
+    };
+    candle_core::Device::new_cuda(ordinal).map_err(|e| format!("--device `{s}`: {e}"))
+}
+
+fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, String), String> {
+    use mstar_engine::model::gguf;
+    let from_gguf = |p: &std::path::Path| {
+        gguf::load(p, device, gguf::DEFAULT_FORMAT).map_err(|e| e.to_string())
+    };
+    if let Some(p) = &a.gguf {
+        return Ok((from_gguf(p)?, p.display().to_string()));
+    }
+    if a.model == "smollm2" {
+        if a.weights.is_some() {
+            return Err("--weights goes with `--model tiny` or `small`".into());
+        }
+        let p = gguf::smollm2_path()?;
+        return Ok((from_gguf(&p)?, "SmolLM2-135M-Instruct".into()));
+    }
+    let config = Config::by_name(&a.model)
+        .map_err(|_| format!("--model `{}`: smollm2, tiny or small", a.model))?;
     if let Some(p) = &a.weights {
         // f32 tensors at most (a narrower dtype is smaller), plus the header.
         let max = (config.parameters() as u64)
             .saturating_mul(4)
             .saturating_add(WEIGHTS_HEADER_ALLOWANCE);
         files::check_input(p, "--weights", max)?;
-        inputs.push(("--weights", p));
-    }
-    if let Some(p) = &a.engine.step_log {
-        files::check_output(p, "--step-log", &inputs)?;
     }
     let model = match &a.weights {
-        Some(p) => Model::load(config, p, &device),
-        None => Model::random(config, a.seed, &device),
+        Some(p) => Model::load(config, p, device),
+        None => Model::random(config, a.seed, device),
     }
     .map_err(|e| e.to_string())?;
+    Ok((model, a.model.clone()))
+}
+
+fn serve(a: ServeArgs) -> Result<(), String> {
+    if let Some(p) = &a.engine.step_log {
+        let inputs: Vec<(&str, &std::path::Path)> =
+            [("--weights", &a.weights), ("--gguf", &a.gguf)]
+                .into_iter()
+                .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
+                .collect();
+        files::check_output(p, "--step-log", &inputs)?;
+    }
+    let device = device(&a.device)?;
+    let (model, shown) = load_model(&a, &device)?;
+    let config = model.config;
     let s = settings(&a.engine, &a.served_name)?;
     let (handle, thread) = engine::start(model, s)?;
     let grace = a.grace_secs;
@@ -212,10 +257,8 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         let srv = server::Server::start_with(handle, &a.served_name, &a.listen, limits)
             .map_err(|e| format!("listening on {}: {e}", a.listen))?;
         println!(
-            "mstar-engine listening on http://{} (model {}, {} parameters)",
-            srv.addr,
-            a.model,
-            config.parameters()
+            "mstar-engine listening on http://{} (model {shown}, {} layers, d = {}, vocabulary {})",
+            srv.addr, config.layers, config.hidden, config.vocab
         );
         let _ = std::io::stdout().flush();
         let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;

@@ -14,6 +14,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix_web::http::StatusCode;
@@ -26,7 +27,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{body_limit, ApiError, CompletionBody, ModelLimits, Prompt};
 use crate::engine::{EngineHandle, Event, GenRequest, SubmitError};
-use crate::model::encode;
+use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
 /// How the server bounds its clients.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -81,15 +82,24 @@ impl From<SubmitError> for ApiError {
     }
 }
 
-/// The tokens of a parsed prompt: a string is encoded (BOS and its UTF-8 bytes).
-pub fn prompt_tokens(p: Prompt) -> Vec<u32> {
+/// The tokens of a parsed prompt: a string is encoded with `tok`.
+///
+/// # Errors
+/// The text cannot be encoded (named as `prompt`).
+pub fn prompt_tokens(p: Prompt, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
     match p {
-        Prompt::Text(s) => encode(&s),
-        Prompt::Tokens(t) => t,
+        Prompt::Text(s) => tok
+            .encode(&s)
+            .map_err(|e| ApiError::bad(Some("prompt"), e.to_string())),
+        Prompt::Tokens(t) => Ok(t),
     }
 }
 
-fn request_of(body: CompletionBody, served: &str) -> Result<(GenRequest, bool), ApiError> {
+fn request_of(
+    body: CompletionBody,
+    served: &str,
+    tok: &Tokenizer,
+) -> Result<(GenRequest, bool), ApiError> {
     if let Some(m) = &body.model {
         if m != served {
             let mut e = ApiError::with_status(
@@ -102,7 +112,7 @@ fn request_of(body: CompletionBody, served: &str) -> Result<(GenRequest, bool), 
         }
     }
     let req = GenRequest {
-        prompt: prompt_tokens(body.prompt),
+        prompt: prompt_tokens(body.prompt, tok)?,
         max_tokens: body.max_tokens.unwrap_or(16),
         temperature: body.temperature.unwrap_or(1.0),
         top_p: body.top_p.unwrap_or(1.0),
@@ -158,56 +168,37 @@ pub async fn read_body(
 fn model_limits(state: &AppState) -> ModelLimits {
     state.engine.limits
 }
-/// Turns byte tokens into text as they arrive, holding back an incomplete UTF-8 sequence.
+/// Turns tokens into text as they arrive, holding back an incomplete UTF-8 sequence; control
+/// tokens (BOS, EOS, `<|im_end|>`) have no text. The default is for the byte vocabulary.
 #[derive(Default)]
 pub struct Utf8Stream {
-    pending: Vec<u8>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    text: Utf8Decoder,
 }
 
 impl Utf8Stream {
+    /// A stream decoding with `tokenizer`.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            tokenizer: Some(tokenizer),
+            text: Utf8Decoder::new(),
+        }
+    }
+
     /// Adds a token; returns the text it completes (maybe empty).
     pub fn push(&mut self, token: u32) -> String {
-        if token < 256 {
-            self.pending.push(token as u8);
-        }
-        self.take(false)
+        let bytes = self
+            .tokenizer
+            .as_deref()
+            .unwrap_or(&Tokenizer::Bytes)
+            .token_bytes(token)
+            .unwrap_or_default();
+        self.text.push(bytes)
     }
 
     /// The text left at the end (an incomplete sequence as U+FFFD).
     pub fn finish(&mut self) -> String {
-        self.take(true)
-    }
-
-    fn take(&mut self, end: bool) -> String {
-        let mut out = String::new();
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    out.push_str(s);
-                    self.pending.clear();
-                    return out;
-                }
-                Err(e) => {
-                    let good = e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[..good]).expect("valid prefix"));
-                    match e.error_len() {
-                        Some(bad) => {
-                            out.push('\u{FFFD}');
-                            self.pending.drain(..good + bad);
-                        }
-                        None if end => {
-                            out.push('\u{FFFD}');
-                            self.pending.clear();
-                            return out;
-                        }
-                        None => {
-                            self.pending.drain(..good);
-                            return out;
-                        }
-                    }
-                }
-            }
-        }
+        self.text.finish()
     }
 }
 
@@ -237,7 +228,7 @@ async fn completions(
     .await?;
     let body = CompletionBody::parse(&raw, limits)?;
     drop(raw);
-    let (req, streamed) = request_of(body, &state.model_name)?;
+    let (req, streamed) = request_of(body, &state.model_name, &state.engine.tokenizer)?;
     let (rid, rx) = state.engine.submit(req).await?;
     let id = format!("cmpl-{rid}");
     let created = now_secs();
@@ -245,7 +236,7 @@ async fn completions(
     if streamed {
         let st = SseState {
             rx,
-            text: Utf8Stream::default(),
+            text: Utf8Stream::new(state.engine.tokenizer.clone()),
             id,
             created,
             model,
@@ -284,7 +275,7 @@ async fn completions(
             .streaming(s));
     }
     let mut rx = rx;
-    let mut text = Utf8Stream::default();
+    let mut text = Utf8Stream::new(state.engine.tokenizer.clone());
     let mut out = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {

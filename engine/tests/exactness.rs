@@ -1,4 +1,4 @@
-//! Done-when 1: chunked prefill is exact. Prompts are cut by the real component
+//! Chunked prefill is exact. Prompts are cut by the real component
 //! (`ChunkingManagement`, budgets 16/64/256 with an alignment, a floor and a prefix-cache start),
 //! and the last token's logits and 32 greedy tokens are compared with a whole-prompt prefill.
 
@@ -10,7 +10,7 @@ use mstar_chunking::{
 };
 use mstar_engine::model::{relative_diff, Config, KvCache, Model, StepRow};
 
-/// The bound of Done-when 1: 1e-4 of the largest |logit|.
+/// The exactness bound: 1e-4 of the largest |logit|.
 const TOLERANCE: f32 = 1e-4;
 
 /// Prompt lengths from 1 to 2,000 tokens, around the budgets' and alignments' edges.

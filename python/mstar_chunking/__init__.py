@@ -8,13 +8,16 @@ cut from. And the count of steps that ran over their budget, for the warning.
 Every method blocks until the actors (on a thread of their own) answer, with the GIL released;
 one ``ChunkingManagement`` may be used from several threads at once. From ``asyncio``, run the
 calls in an executor: ``await loop.run_in_executor(None, cm.assemble, "llm", "mixed")``.
+
+Importing the package installs the process's metrics recorder (before any manager starts, so
+every series is exported from its start): ``serve_metrics(addr)`` serves it, ``render_metrics()``
+renders it for an engine's own ``/metrics``.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Mapping as _Mapping
+import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
@@ -22,12 +25,23 @@ from ._errors import (
     ActorsStoppedError,
     ChunkingError,
     ChunkingTimeoutError,
+    ConfigError,
     ConflictError,
     InvalidRequestError,
     RefusedSettingsError,
+    TimeSettingsError,
     TransientError,
 )
-from ._types import NO_CHUNKING, ChunkingPolicy, ChunkRange, Overrun, SubmoduleCaps, _view
+from ._types import (
+    NO_CHUNKING,
+    ChunkingPolicy,
+    ChunkRange,
+    LatencyModel,
+    LatencyModelState,
+    OnlineFit,
+    Overrun,
+    SubmoduleCaps,
+)
 
 __all__ = [
     "ChunkRange",
@@ -40,11 +54,23 @@ __all__ = [
     "Overrun",
     "Batch",
     "Row",
+    "Tokens",
     "StepOutcome",
+    "NextStep",
+    "Completed",
     "PreparedInputs",
+    "LatencyModel",
+    "LatencyModelState",
+    "OnlineFit",
+    "serve_metrics",
+    "render_metrics",
+    "preset_cost",
+    "preset_names",
     "ChunkingError",
     "InvalidRequestError",
     "RefusedSettingsError",
+    "TimeSettingsError",
+    "ConfigError",
     "ConflictError",
     "TransientError",
     "ChunkingTimeoutError",
@@ -59,7 +85,21 @@ DEFAULT_REQUEST_TIMEOUT: float = _native.DEFAULT_REQUEST_TIMEOUT_S
 
 Batch = _native.Batch
 Row = _native.Row
+Tokens = _native.Tokens
 StepOutcome = _native.StepOutcome
+NextStep = _native.NextStep
+Completed = _native.Completed
+serve_metrics = _native.serve_metrics
+render_metrics = _native.render_metrics
+preset_names = _native.preset_names
+
+
+def preset_cost(name: str) -> LatencyModel:
+    """The latency model preset ``name`` (one of ``preset_names()``), as ``cost=name`` uses it."""
+    m = _native.preset_cost(name)
+    assert isinstance(m, LatencyModel)
+    return m
+
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -68,6 +108,14 @@ _U64_MAX = 2**64 - 1
 def _refuse(key: str, what: str) -> RefusedSettingsError:
     e = RefusedSettingsError(f"refused budgets: {key} {what}")
     e.problems = [f"{key} {what}"]
+    return e
+
+
+def _refuse_time(argument: str, node: Optional[str], walk: Optional[str], key: str, what: str) -> TimeSettingsError:
+    e = TimeSettingsError(f"refused budgets: {key} {what}")
+    e.problems = [f"{key} {what}"]
+    e.argument, e.node, e.walk = argument, node, walk
+    e.refusals = [(argument, node, walk)]
     return e
 
 
@@ -88,6 +136,40 @@ def _budget(value: Any, key: str) -> Optional[int]:
     return _count(value, key, allow_zero=False)
 
 
+def _number(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a real number (not a bool), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf")
+
+
+def _ms(value: Any, node: str, walk: Optional[str], key: str) -> Optional[float]:
+    """A time budget: ``None`` (off) or a number of ms, which the core checks (finite, > 0)."""
+    if value is None:
+        return None
+    ms = _number(value)
+    if ms is None:
+        raise _refuse_time("max_step_ms", node, walk, key, f"must be a number of milliseconds or None, got {value!r}")
+    return ms
+
+
+_COST_SPELLING = "a preset's name (see preset_names()) or (base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms)"
+
+
+def _cost(value: Any, node: str, key: str) -> Union[str, Tuple[float, float, float, float]]:
+    """A latency model: a preset's name, or four coefficients (checked by the core)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 4:
+        c = [_number(x) for x in value]
+        if all(x is not None for x in c):
+            return (c[0], c[1], c[2], c[3])  # type: ignore[return-value]
+    raise _refuse_time("cost", node, None, key, f"must be {_COST_SPELLING}, got {value!r}")
+
+
 def _names(value: Any, key: str) -> list:
     if isinstance(value, str):
         raise TypeError(f"{key} is a collection of names, not one string: {value!r}")
@@ -96,24 +178,6 @@ def _names(value: Any, key: str) -> list:
         if not isinstance(v, str):
             raise TypeError(f"{key} holds names (str), got {v!r}")
     return out
-
-
-_NATIVE_U32 = {"I", "@I", "=I", "<I" if sys.byteorder == "little" else ">I"}
-
-
-def _token_bytes(rid: int, node: str, tokens: Any) -> bytes:
-    """Token ids as native-endian uint32 bytes: a buffer of uint32 as it is, anything else (a
-    list, a range, a buffer of other ints) converted."""
-    try:
-        mv = memoryview(tokens)
-    except TypeError:
-        mv = None
-    if mv is not None and mv.itemsize == 4 and mv.format in _NATIVE_U32:
-        return mv.tobytes()
-    try:
-        return array("I", mv.tolist() if mv is not None else tokens).tobytes()
-    except OverflowError as e:
-        raise InvalidRequestError(f"rid {rid} on `{node}`: token ids must be between 0 and {_U32_MAX} ({e})") from None
 
 
 class PreparedInputs(_Mapping):
@@ -135,7 +199,7 @@ class PreparedInputs(_Mapping):
         tokens = self._engine.prepared(rid, node)
         if tokens is None:
             raise KeyError(key)
-        return _view(tokens)
+        return memoryview(tokens)
 
     def __iter__(self) -> Iterator[Tuple[int, str]]:
         return iter(self._engine.prepared_keys())
@@ -151,12 +215,31 @@ class PreparedInputs(_Mapping):
         return f"PreparedInputs({dict.fromkeys(self, '...')!r})"
 
 
+_NATIVE_STEP_API = (
+    "assemble",
+    "complete",
+    "complete_and_assemble",
+    "abandon",
+    "admit",
+    "continue_row",
+    "forget_request",
+    "release",
+    "queue_stats",
+    "overrun_count",
+)
+
+
 class ChunkingManagement:
     """One model's chunking state on the engine (its actors run on a thread of their own).
 
     ``submodules`` maps node names to ``SubmoduleCaps`` or any object with
     ``chunkable_walks`` and ``can_override_mixed_max_tokens``. ``model`` labels the metric
     series; ``timeout`` is how many seconds a call waits for the actors (``None``: no limit).
+    ``ChunkingManagement.from_config(...)`` starts one from the component's config files.
+
+    In a process forked from the one that started it, every call raises
+    ``ActorsStoppedError`` at once (the actors' thread is not in the child) and ``close()`` or
+    dropping it does nothing: make a new one in the child.
     """
 
     def __init__(
@@ -179,16 +262,66 @@ class ChunkingManagement:
                 ) from None
             flag = getattr(sub, "can_override_mixed_max_tokens", False)
             caps.append((node, _names(walks, f"submodules[{node!r}].chunkable_walks"), bool(flag)))
-        self._engine = _native.Engine(model, caps, timeout)
-        self._prepared = PreparedInputs(self._engine)
-        e = self._engine
-        # The step API goes straight to the native methods (no Python frame per call).
-        self.assemble = e.assemble
-        self.complete = e.complete
-        self.abandon = e.abandon
-        self.continue_row = e.continue_row
-        self.queue_stats = e.queue_stats
-        self.overrun_count = e.overrun_count
+        if not isinstance(model, str):
+            raise TypeError(f"model is the metric series' label (str), got {model!r}")
+        self._attach(_native.Engine(model, caps, timeout), [c[0] for c in caps], {})
+
+    @classmethod
+    def from_config(
+        cls,
+        paths: Iterable[Union[str, os.PathLike[str]]] = (),
+        *,
+        model: Optional[str] = None,
+        manifest: Optional[Union[str, os.PathLike[str]]] = None,
+        timeout: Optional[float] = DEFAULT_REQUEST_TIMEOUT,
+    ) -> "ChunkingManagement":
+        """Starts a manager configured as the ``mstar-chunking`` binary is: the model manifest
+        ``manifest`` (as ``--model FILE``; default ``config/models/demo.toml``, else the built-in
+        demo), the layered serving config (``config/default.toml``, ``config/$MSTAR_ENV.toml``,
+        each of ``paths`` as ``--config FILE``, then ``MSTAR__SECTION__KEY`` variables), the
+        model's policies and the config's ``[chunking]`` applied. ``model`` labels the metric
+        series (default: the manifest's name). ``cm.config`` tells what was loaded.
+
+        Raises ``ConfigError`` naming each problem's key and layer.
+        """
+        if isinstance(paths, (str, bytes)):
+            raise TypeError(f"paths is a collection of config files, not one path: {paths!r}")
+        files = [os.fspath(p) for p in paths]
+        where = None if manifest is None else os.fspath(manifest)
+        engine, info = _native.Engine.from_config(files, model, where, timeout)
+        self = cls.__new__(cls)
+        self._attach(engine, list(info["nodes"]), info)
+        if info["warnings"]:
+            import logging
+
+            for w in info["warnings"]:
+                logging.getLogger("mstar_chunking").warning("%s", w)
+        return self
+
+    def _attach(self, engine: Any, nodes: list, config: dict) -> None:
+        self._engine = engine
+        self._nodes = nodes
+        self._config = config
+        self._prepared = PreparedInputs(engine)
+        # The step API goes straight to the native methods (no Python frame per call); the
+        # methods of the class below document them and call the same. A subclass that
+        # overrides one keeps its override.
+        for name in _NATIVE_STEP_API:
+            if getattr(type(self), name) is getattr(ChunkingManagement, name):
+                setattr(self, name, getattr(engine, name))
+
+    @property
+    def config(self) -> dict:
+        """What ``from_config`` loaded: ``model``, ``manifest``, ``layers`` (in order),
+        ``warnings``, ``walks``, ``combined_walk`` and ``metrics_listen`` (the config's
+        ``metrics.listen``, for ``serve_metrics``; ``None`` when ``"off"``). Empty for a
+        manager made by the constructor."""
+        return dict(self._config)
+
+    @property
+    def model(self) -> str:
+        """The ``model`` label of this manager's metric series."""
+        return self._engine.model
 
     # The documented API.
 
@@ -227,14 +360,32 @@ class ChunkingManagement:
         *,
         max_row_tokens: Optional[int] = None,
         max_partial_prefills: Optional[int] = None,
+        max_step_ms: Union[float, None, Mapping[str, Union[float, None, Mapping[str, Optional[float]]]]] = None,
+        cost: Union[str, Sequence[float], None, Mapping[str, Union[str, Sequence[float]]]] = None,
+        learn_cost: bool = False,
+        time_margin: Optional[float] = None,
     ) -> None:
         """Apply a serving config's ``max_batch_tokens`` and ``min_chunk_tokens`` to this
         engine's nodes, over the budgets ``set_policies`` declared (so it runs after it).
 
         Per node, one budget for every walk the model budgets, or a mapping walk -> budget;
-        ``None`` turns chunking off. Settings are checked whole: on ``RefusedSettingsError``
-        nothing changed. ``max_row_tokens`` and ``max_partial_prefills`` are this package's
-        additions (the Rust crate's planner limits).
+        ``None`` turns chunking off. ``override_mixed`` names the nodes whose submodule caps
+        member walks inside a combined walk (their ``can_override_mixed_max_tokens``): there a
+        member walk's own budget (``{"llm": {"prefill": 512}}``) caps that walk's rows in a
+        ``mixed`` step. Settings are checked whole: on ``RefusedSettingsError`` nothing
+        changed. ``max_row_tokens`` and ``max_partial_prefills`` are this package's additions
+        (the Rust crate's planner limits).
+
+        Time budgets (``docs/cost-model.md``), keywords only: ``max_step_ms`` is one time
+        budget in ms for every node, or per node one value or a mapping walk -> ms (``None``:
+        off); each step's predicted time stays within it. A node with a time budget needs a
+        latency model: ``cost`` (a preset's name, ``(base_ms, per_token_ms, per_kv_token_ms,
+        per_attention_pair_ms)``, one for every node or a mapping node -> model), or
+        ``learn_cost=True`` (fitted from the ``measured_ms`` steps report). ``time_margin``, a
+        quantile in (0, 1], plans against the budget divided by that quantile of recent
+        measured / predicted ratios. Refusals (a budget not finite or below the model's
+        ``base_ms``, an all-zero model, a margin without a time budget, ...) raise
+        ``TimeSettingsError`` naming the argument, node and walk.
         """
         node_wide, per_walk = [], []
         for node, value in overrides.items():
@@ -247,18 +398,60 @@ class ChunkingManagement:
                 )
             else:
                 node_wide.append((node, _budget(value, f"overrides[{node!r}]")))
+        time_wide, time_per_walk = [], []
+        if isinstance(max_step_ms, _Mapping):
+            for node, value in max_step_ms.items():
+                if isinstance(value, _Mapping):
+                    time_per_walk.append(
+                        (
+                            node,
+                            [
+                                (walk, _ms(v, node, walk, f"max_step_ms[{node!r}][{walk!r}]"))
+                                for walk, v in value.items()
+                            ],
+                        )
+                    )
+                else:
+                    time_wide.append((node, _ms(value, node, None, f"max_step_ms[{node!r}]")))
+        elif max_step_ms is not None:
+            for node in self._all_nodes():
+                time_wide.append((node, _ms(max_step_ms, node, None, "max_step_ms")))
+        costs = []
+        if isinstance(cost, _Mapping):
+            costs = [(node, _cost(c, node, f"cost[{node!r}]")) for node, c in cost.items()]
+        elif cost is not None:
+            costs = [(node, _cost(cost, node, "cost")) for node in self._all_nodes()]
+        if not isinstance(learn_cost, bool):
+            raise _refuse_time("learn_cost", None, None, "learn_cost", f"must be True or False, got {learn_cost!r}")
+        margin = None
+        if time_margin is not None:
+            margin = _number(time_margin)
+            if margin is None:
+                raise _refuse_time(
+                    "time_margin", None, None, "time_margin", f"must be a number in (0, 1] or None, got {time_margin!r}"
+                )
         combined = list((combined_walk_of or {}).items())
         self._engine.set_budgets(
-            node_wide,
-            per_walk,
-            _names(walks, "walks"),
-            combined,
-            _names(override_mixed, "override_mixed"),
-            _names(no_chunking, "no_chunking"),
-            _count(min_chunk_tokens, "min_chunk_tokens"),
-            None if max_row_tokens is None else _count(max_row_tokens, "max_row_tokens"),
-            None if max_partial_prefills is None else _count(max_partial_prefills, "max_partial_prefills"),
+            walks=_names(walks, "walks"),
+            node_wide=node_wide,
+            per_walk=per_walk,
+            combined_walk_of=combined,
+            override_mixed=_names(override_mixed, "override_mixed"),
+            no_chunking=_names(no_chunking, "no_chunking"),
+            min_chunk_tokens=_count(min_chunk_tokens, "min_chunk_tokens"),
+            max_row_tokens=None if max_row_tokens is None else _count(max_row_tokens, "max_row_tokens"),
+            max_partial_prefills=(
+                None if max_partial_prefills is None else _count(max_partial_prefills, "max_partial_prefills")
+            ),
+            max_step_ms=time_wide,
+            max_step_ms_per_walk=time_per_walk,
+            cost=costs,
+            learn_cost=learn_cost,
+            time_margin=margin,
         )
+
+    def _all_nodes(self) -> list:
+        return list(self._nodes)
 
     def policy(self, node_name: str, graph_walk: str) -> ChunkingPolicy:
         """The model's, or ``NO_CHUNKING`` where it declares none."""
@@ -292,17 +485,23 @@ class ChunkingManagement:
         own. ``None`` otherwise."""
         return self._engine.walk_caps(node_name, graph_walk)
 
+    def latency_model(self, node_name: str) -> LatencyModelState:
+        """The latency model ``node_name`` plans its time budgets with: the model in force, where
+        it came from (``online``, ``config`` or ``none``), the configured one, whether the node
+        learns, and the online fit's estimate (coefficients, samples, error, trusted)."""
+        return self._engine.latency_model(node_name)
+
     @property
     def prepared(self) -> PreparedInputs:
         """Every whole prepared input held, ``(rid, node) -> memoryview`` (read-only)."""
         return self._prepared
 
-    def release(self, rid: int, node_name: str) -> bool:
+    def release(self, rid: int, node_name: str) -> bool:  # type: ignore[no-redef]
         """Drop a row's whole input (and its row) at ``node_name`` once its last chunk lands.
         Answers whether an input was held; unknown rows are a no-op."""
         return self._engine.release(rid, node_name)
 
-    def forget_request(self, rid: int) -> None:
+    def forget_request(self, rid: int) -> None:  # type: ignore[no-redef]
         """End a request, finished or aborted: its rows and inputs on every node are dropped."""
         self._engine.forget_request(rid)
 
@@ -317,17 +516,89 @@ class ChunkingManagement:
         ran = [x if isinstance(x, int) else len(x) for x in node_inputs]
         return self._engine.check_budget(batch, ran)
 
-    # The step API.
+    # The step API (each instance calls the native methods directly; these document them).
 
-    def admit(self, rid: int, node_name: str, graph_walk: str, tokens: Any, cached: int = 0) -> None:
-        """Hold a prompt's whole prepared input (token ids: a buffer of uint32, a list, ...) and
-        queue its row at ``node_name`` for ``graph_walk``; ``cached`` tokens of it are a cached
-        prefix (clamped to leave the last token to run). The ids are copied once, here."""
-        self._engine.admit(rid, node_name, graph_walk, _token_bytes(rid, node_name, tokens), cached)
+    def admit(  # type: ignore[no-redef]
+        self, rid: int, node_name: str, graph_walk: str, tokens: Any, cached: int = 0
+    ) -> None:
+        """Hold a prompt's whole prepared input and queue its row at ``node_name`` for
+        ``graph_walk``; ``cached`` tokens of it are a cached prefix (clamped to leave the last
+        token to run). ``tokens`` are token ids: a buffer of ``uint32`` (``array('I')``, a numpy
+        ``uint32`` array, either byte order), a list, a range, another integer buffer; text is
+        refused (tokenize it first). The ids are copied once, here."""
+        self._engine.admit(rid, node_name, graph_walk, tokens, cached)
 
-    def close(self) -> None:
-        """Stop the actors; later calls raise ``ActorsStoppedError``."""
-        self._engine.close()
+    def continue_row(  # type: ignore[no-redef]
+        self, rid: int, node_name: str, graph_walk: str, estimate: int = 1, context: Optional[int] = None
+    ) -> None:
+        """Queue a continuing row (decode, speculative verify) that runs ``estimate`` tokens in
+        every step until ``forget_request`` or ``release``; ``context`` (its prompt and the
+        tokens generated so far) lets a time budget predict its KV and attention terms."""
+        self._engine.continue_row(rid, node_name, graph_walk, estimate, context)
+
+    def assemble(self, node_name: str, graph_walk: str) -> Batch:  # type: ignore[no-redef]
+        """Plan the node's next step; while it is in flight, the same batch is answered again."""
+        return self._engine.assemble(node_name, graph_walk)
+
+    def complete(  # type: ignore[no-redef]
+        self, step: int, ran: Sequence[int], measured_ms: Optional[float] = None
+    ) -> StepOutcome:
+        """Complete a step: ``ran[i]`` is the tokens row ``i`` ran (a chunk: 0 or its planned
+        tokens), ``measured_ms`` its measured time (checked against the time budget, fed to the
+        online fit and the margin). A token overrun is logged; a failure of that logging call
+        is reported through ``sys.unraisablehook``, never raised: the outcome is answered."""
+        return self._engine.complete(step, ran, measured_ms)
+
+    def complete_and_assemble(  # type: ignore[no-redef]
+        self,
+        step: int,
+        ran: Sequence[int],
+        measured_ms: Optional[float] = None,
+        *,
+        next: Union[NextStep, Tuple[str, str]],
+    ) -> Completed:
+        """Complete step ``step`` (as ``complete``), apply ``next``'s row changes (a
+        ``NextStep``: requests ended, decode rows continued, prompts admitted), and assemble
+        the node's next step, in one round trip. Answers a ``Completed``: ``outcome`` and
+        ``next`` (the next ``Batch``; reading it raises what its assembly failed with). A
+        repeat of a call whose answer was lost gets the same outcome and the batch in flight:
+        the completion and the changes are applied once."""
+        return self._engine.complete_and_assemble(step, ran, measured_ms, next=next)
+
+    def abandon(self, step: int) -> None:  # type: ignore[no-redef]
+        """The step ran nothing: no row advances, and the node can assemble again."""
+        self._engine.abandon(step)
+
+    def queue_stats(self) -> dict:  # type: ignore[no-redef]
+        """``{prefill_rows, mid_prefill_rows, continuing_rows, steps_in_flight}``."""
+        return self._engine.queue_stats()
+
+    def overrun_count(  # type: ignore[no-redef]
+        self, node_name: str, graph_walk: str, reason: Optional[str] = None
+    ) -> int:
+        """Overruns counted for ``(node_name, graph_walk)``, for one reason (``uncut_row``,
+        ``speculation_estimate``, ``other``) or all."""
+        return self._engine.overrun_count(node_name, graph_walk, reason)
+
+    # Shutdown.
+
+    def begin_drain(self) -> int:
+        """Start the shutdown: from now on admissions, continuing rows and new steps are refused
+        (``ChunkingError``, draining); the step in flight may still be completed or abandoned,
+        requests forgotten. Answers the steps in flight. Then call ``drain()``."""
+        return self._engine.begin_drain()
+
+    def drain(self) -> dict:
+        """End the shutdown (starting it if needed): abandon steps still in flight, drop every
+        queued row and prepared input, and answer what was dropped: ``{steps_abandoned,
+        requests, rows, prepared_inputs, prepared_tokens}`` (all 0 when the engine completed its
+        steps and forgot its requests first)."""
+        return self._engine.drain()
+
+    def close(self) -> Optional[dict]:
+        """Drain (``drain()``) and stop the actors; answers the drain report (``None`` when
+        already closed). Later calls raise ``ActorsStoppedError``. In a forked child, a no-op."""
+        return self._engine.close()
 
     def __enter__(self) -> "ChunkingManagement":
         return self

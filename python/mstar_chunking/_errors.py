@@ -16,6 +16,8 @@ __all__ = [
     "TransientError",
     "ChunkingTimeoutError",
     "ActorsStoppedError",
+    "TimeSettingsError",
+    "ConfigError",
 ]
 
 
@@ -36,9 +38,27 @@ class InvalidRequestError(ChunkingError, ValueError):
 
 class RefusedSettingsError(ChunkingError, ValueError):
     """``set_budgets`` or ``set_policies`` refused the settings whole; the previous ones stay.
-    ``problems`` lists each, naming its node, walk and rule."""
+    ``problems`` lists each, naming its node, walk and rule. For ``set_budgets``,
+    ``refusals`` holds each problem's ``(argument, node, walk)`` (``None`` where it names
+    none), and ``argument``, ``node`` and ``walk`` are the first one's."""
 
     kind = "refused_settings"
+    argument: str | None = None
+    node: str | None = None
+    walk: str | None = None
+    refusals: list[tuple[str | None, str | None, str | None]] = []
+
+
+class TimeSettingsError(RefusedSettingsError):
+    """A refused time budget (``max_step_ms``), latency model (``cost``) or time margin
+    (``time_margin``): not a finite number, a budget below the model's ``base_ms``, an all-zero
+    model, an unknown preset, a margin outside (0, 1] or without a time budget, a time budget
+    without a latency model. ``argument``, ``node`` and ``walk`` name it."""
+
+
+class ConfigError(RefusedSettingsError):
+    """``ChunkingManagement.from_config``: the layered config or the model manifest did not load
+    or validate; ``problems`` lists each, naming its key and the layer that set it."""
 
 
 class ConflictError(ChunkingError, RuntimeError):

@@ -4,9 +4,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional
+import sys
+from array import array
+from typing import Any, Iterable, NamedTuple, Optional
 
-__all__ = ["ChunkRange", "ChunkingPolicy", "NO_CHUNKING", "SubmoduleCaps", "Overrun"]
+__all__ = [
+    "ChunkRange",
+    "ChunkingPolicy",
+    "NO_CHUNKING",
+    "SubmoduleCaps",
+    "Overrun",
+    "LatencyModel",
+    "LatencyModelState",
+    "OnlineFit",
+]
 
 
 class ChunkRange(NamedTuple):
@@ -58,7 +69,15 @@ NO_CHUNKING = ChunkingPolicy(None, 1)
 @dataclass(frozen=True, init=False)
 class SubmoduleCaps:
     """What a node's submodule can do with chunks. ``ChunkingManagement`` also accepts any
-    object with these two attributes (the original's ``SubmoduleManagement``)."""
+    object with these two attributes (the original's ``SubmoduleManagement``).
+
+    ``chunkable_walks``: the walks whose rows the submodule can run a part of (a chunk) and
+    continue later; rows of other walks always run whole. ``can_override_mixed_max_tokens``:
+    inside a combined walk (``mixed``), the submodule can cap each member walk's tokens
+    separately (``walk_caps``), so a per-walk budget of a member walk (``prefill``) means
+    something there; it takes effect for the nodes also named in ``set_budgets(...,
+    override_mixed=[...])``.
+    """
 
     chunkable_walks: frozenset
     can_override_mixed_max_tokens: bool
@@ -81,22 +100,105 @@ class Overrun(NamedTuple):
     reason: str
 
 
-def _view(tokens) -> memoryview:
-    """A read-only ``memoryview`` (format ``I``) over token ids the actors hold, without a copy.
+class LatencyModel(NamedTuple):
+    """A node's latency model: a step's predicted milliseconds are ``base_ms + per_token_ms *
+    tokens + per_kv_token_ms * kv_tokens + per_attention_pair_ms * attention_pairs``
+    (``docs/cost-model.md`` of the repository). Each coefficient is a finite number >= 0."""
 
-    ``tokens`` is a native ``Tokens`` object (its ``address`` and length); the ctypes array the
-    view is made from keeps it, and so the Rust allocation, alive as long as the view lives.
-    """
-    n = len(tokens)
-    if n == 0:
-        return memoryview(_array("I")).toreadonly()
-    arr = (_ctypes.c_uint32 * n).from_address(tokens.address)
-    arr._owner = tokens  # type: ignore[attr-defined]
-    return memoryview(arr).cast("B").cast("I").toreadonly()
+    base_ms: float
+    per_token_ms: float
+    per_kv_token_ms: float
+    per_attention_pair_ms: float
+
+    def predict_ms(self, tokens: int = 0, kv_tokens: int = 0, attention_pairs: int = 0) -> float:
+        """The predicted milliseconds of a step running ``tokens`` tokens, its continuing rows
+        reading ``kv_tokens`` context tokens, its chunks ``attention_pairs`` causal pairs (in
+        the crate's order of operations, so the same features give the same float)."""
+        return (
+            self.base_ms
+            + self.per_token_ms * float(tokens)
+            + self.per_kv_token_ms * float(kv_tokens)
+            + self.per_attention_pair_ms * float(attention_pairs)
+        )
+
+    @staticmethod
+    def attention_pairs(start: int, end: int) -> int:
+        """The causal attention pairs of a chunk ``[start, end)``: each of its tokens attends
+        to itself and every token before it (0 when ``end <= start``)."""
+        if end <= start:
+            return 0
+        return (end - start) * (end + start + 1) // 2
 
 
-import ctypes as _ctypes  # noqa: E402
-from array import array as _array  # noqa: E402
+class OnlineFit(NamedTuple):
+    """The online fit's current estimate of a node's latency model."""
 
-if _ctypes.sizeof(_ctypes.c_uint32) != 4 or _array("I").itemsize != 4:  # pragma: no cover
+    model: LatencyModel
+    samples: int
+    """Steps observed."""
+    relative_rms: float
+    """The weighted relative RMS error of the fit over the steps it remembers."""
+    trusted: bool
+    """Whether the planner uses it (enough samples, a small enough error)."""
+
+
+class LatencyModelState(NamedTuple):
+    """``cm.latency_model(node)``: the model a node plans its time budgets with."""
+
+    model: Optional[LatencyModel]
+    """The model in force: the trusted online fit, else the configured one (``None``: neither,
+    so the node's time budgets cannot apply)."""
+    source: str
+    """Where ``model`` came from: ``"online"`` (the trusted fit), ``"config"`` (``cost=``, a
+    preset or coefficients) or ``"none"``."""
+    configured: Optional[LatencyModel]
+    """The configured model, if any."""
+    learn_cost: bool
+    """Whether the node fits its model from measured step times."""
+    fit: Optional[OnlineFit]
+    """The online fit's estimate; ``None`` before the first measured step or without
+    ``learn_cost``."""
+
+
+_NON_NATIVE_U32 = {">I", "!I"} if sys.byteorder == "little" else {"<I"}
+
+
+def _token_array(rid: int, node: str, tokens: Any) -> "array[int]":
+    """Token ids as an ``array('I')`` for the native module, which reads a buffer of native
+    ``uint32`` itself: ``uint32`` of the other byte order is swapped, other integer buffers and
+    sequences are converted, anything else is refused naming what is accepted."""
+    from ._errors import InvalidRequestError
+
+    where = f"rid {rid} on `{node}`"
+    accepted = (
+        "token ids are a sequence of ints (a list, a range) or a one-dimensional buffer of integers "
+        "(array('I'), a numpy uint32 array; uint32 of either byte order)"
+    )
+    try:
+        mv: Optional[memoryview] = memoryview(tokens)
+    except TypeError:
+        mv = None
+    if mv is not None:
+        if mv.ndim != 1:
+            raise InvalidRequestError(f"{where}: a buffer of {mv.ndim} dimensions: {accepted}")
+        if mv.format in _NON_NATIVE_U32:
+            out = array("I")
+            out.frombytes(mv.tobytes())
+            out.byteswap()
+            return out
+        try:
+            values: Any = mv.tolist()
+        except NotImplementedError:
+            raise InvalidRequestError(f"{where}: a buffer of format {mv.format!r}: {accepted}") from None
+    else:
+        values = tokens
+    try:
+        return array("I", values)
+    except OverflowError as e:
+        raise InvalidRequestError(f"{where}: token ids must be between 0 and {2**32 - 1} ({e})") from None
+    except TypeError as e:
+        raise InvalidRequestError(f"{where}: {accepted} ({e})") from None
+
+
+if array("I").itemsize != 4:  # pragma: no cover
     raise ImportError("mstar_chunking needs a platform whose C unsigned int is 32 bits")

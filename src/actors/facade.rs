@@ -1,32 +1,33 @@
-//! ChunkingManagement: the one handle an embedding engine holds, with the original class's
+//! ChunkingManagement: the one handle an embedding engine holds, with the Python class's
 //! methods plus the scheduler's admit / continue / assemble / complete.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::dev::ToEnvelope;
 use actix::prelude::*;
 
 use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
 use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
+use super::own_thread::{ask, RequestTimeout};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
-use super::prepared_inputs::{GetPrepared, PreparedInputs, PreparedTotals};
+use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
     Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
-    Drain, DrainReport, ForgetRequest, ForgetRow, QueueStats, Scheduler, SchedulerStats,
+    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, QueueStats,
+    Scheduler, SchedulerStats,
 };
-use super::Guarded;
 #[cfg(any(test, feature = "test-hooks"))]
 use super::{ActorKind, InjectPanic};
 use crate::budget::BudgetSettings;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
+use crate::order::AdmitOptions;
 use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, Completed, NextStep, StepOutcome};
+use crate::scheduler::{Batch, Completed, LatencyModelReport, NextStep, StepOutcome};
 use crate::snapshot::BudgetSnapshot;
 
 /// How long the facade waits for an actor's answer before returning
@@ -77,86 +78,9 @@ pub struct ChunkingManagement {
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     scheduler: Addr<Scheduler>,
-    timeout: RequestTimeout,
+    pub(super) timeout: RequestTimeout,
     model: Name,
     metrics: Instance,
-}
-
-/// How long the facade waits for an answer, and where that wait is timed.
-#[derive(Clone)]
-struct RequestTimeout {
-    after: Option<Duration>,
-    /// The arbiter of the actors' own thread ([`ChunkingManagement::start_on_own_thread`]):
-    /// requests are timed there, so the caller's runtime needs no timer. `None` on the
-    /// caller's arbiter ([`ChunkingManagement::start`]), whose actix runtime has one.
-    host: Option<actix::ArbiterHandle>,
-}
-
-/// Sends `msg` to `actor` and waits at most `timeout` for the answer. A panic while handling it
-/// (the actor restarts), a stopped actor or a timeout are errors, never a hang.
-async fn ask<A, M, T>(
-    addr: &Addr<A>,
-    actor: &'static str,
-    timeout: &RequestTimeout,
-    msg: M,
-) -> Result<T, ChunkingError>
-where
-    A: Actor + Handler<Guarded<M>>,
-    A::Context: ToEnvelope<A, Guarded<M>>,
-    M: Message<Result = Result<T, ChunkingError>> + Send + 'static,
-    T: Send + 'static,
-{
-    let request = addr.send(Guarded(msg));
-    let answer = match (timeout.after, &timeout.host) {
-        (None, _) => request.await,
-        (Some(after), None) => request.timeout(after).await,
-        (Some(after), Some(host)) => {
-            // Timed on the actors' runtime: a caller's runtime without tokio's time driver
-            // would panic on a timer of its own ("timers are disabled").
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let spawned = host.spawn(async move {
-                // The caller may have dropped its future; then nobody waits for the answer.
-                let _ = tx.send(request.timeout(after).await);
-            });
-            match spawned {
-                true => rx.await.unwrap_or(Err(MailboxError::Closed)),
-                false => Err(MailboxError::Closed),
-            }
-        }
-    };
-    answer.map_err(|e| match (e, timeout.after) {
-        (MailboxError::Timeout, Some(after)) => ChunkingError::Timeout { actor, after },
-        _ => ChunkingError::ActorStopped { actor },
-    })?
-}
-
-/// The thread [`ChunkingManagement::start_on_own_thread`] hosts the actors on. Dropping it
-/// stops their actix System and joins the thread; handles then answer
-/// [`ChunkingError::ActorStopped`].
-pub struct ActorThread {
-    system: actix::System,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl ActorThread {
-    /// Stops the actors and waits for their thread to end.
-    pub fn stop(mut self) {
-        self.shutdown();
-    }
-
-    fn shutdown(&mut self) {
-        self.system.stop();
-        if let Some(t) = self.thread.take() {
-            // The thread only runs the System; a panic there has been logged by the actors.
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for ActorThread {
-    fn drop(&mut self) {
-        self.shutdown();
-    }
 }
 
 impl ChunkingManagement {
@@ -222,77 +146,11 @@ impl ChunkingManagement {
             timeout: RequestTimeout {
                 after: Some(DEFAULT_REQUEST_TIMEOUT),
                 host: None,
+                keeper: None,
             },
             model,
             metrics: instance_handle,
         })
-    }
-
-    /// Starts the actors on a thread of their own, in an actix System of their own, for an
-    /// engine that runs on tokio (or any runtime) without one. Returns the handle (`Send`,
-    /// usable from any thread) and the thread's guard: keep it as long as the handle is used.
-    ///
-    /// ```
-    /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
-    ///
-    /// let (cm, _actors) = ChunkingManagement::start_on_own_thread(
-    ///     "demo",
-    ///     [("llm", SubmoduleCaps::new(["prefill"], false))],
-    /// )?;
-    /// let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    /// rt.block_on(async {
-    ///     cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
-    ///     assert_eq!(cm.max_batch_tokens("llm", "prefill").await?, Some(256));
-    ///     Ok::<_, mstar_chunking::ChunkingError>(())
-    /// })?;
-    /// # Ok::<_, Box<dyn std::error::Error>>(())
-    /// ```
-    ///
-    /// # Errors
-    /// [`ChunkingError::ThreadStart`] when the thread or its System cannot start.
-    pub fn start_on_own_thread<I, S>(
-        model: &str,
-        submodules: I,
-    ) -> Result<(Self, ActorThread), ChunkingError>
-    where
-        I: IntoIterator<Item = (S, SubmoduleCaps)>,
-        S: AsRef<str>,
-    {
-        let submodules: Vec<(String, SubmoduleCaps)> = submodules
-            .into_iter()
-            .map(|(n, c)| (n.as_ref().to_owned(), c))
-            .collect();
-        let model = model.to_owned();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name(format!("mstar-chunking-{model}"))
-            .spawn(move || {
-                let system = actix::System::new();
-                system.block_on(async {
-                    let started = ChunkingManagement::start(&model, submodules).map(|mut cm| {
-                        cm.timeout.host = Some(actix::Arbiter::current());
-                        cm
-                    });
-                    // The receiver waits for this answer; if it went away there is no one to tell.
-                    let _ = tx.send(started.map(|cm| (cm, actix::System::current())));
-                });
-                if let Err(e) = system.run() {
-                    tracing::error!(error = %e, "the chunking actor System ended with an error");
-                }
-            })
-            .map_err(|e| ChunkingError::ThreadStart {
-                reason: e.to_string(),
-            })?;
-        let (cm, system) = rx.recv().map_err(|_| ChunkingError::ThreadStart {
-            reason: "the actor thread ended before starting the actors".into(),
-        })??;
-        Ok((
-            cm,
-            ActorThread {
-                system,
-                thread: Some(thread),
-            },
-        ))
     }
 
     /// The value of this instance's `model` label.
@@ -456,12 +314,47 @@ impl ChunkingManagement {
         input: PreparedInput,
         cached: u32,
     ) -> Result<(), ChunkingError> {
+        self.admit_with(rid, node, walk, input, AdmitOptions::cached(cached))
+            .await
+    }
+
+    /// As [`admit`](Self::admit), with what the engine knows about the prompt beyond its
+    /// input: its cached prefix, its priority (the `priority` order's, lower first) and its
+    /// arrival time (the start of its wait for `chunking.max_wait_ms`).
+    ///
+    /// ```
+    /// # use mstar_chunking::{AdmitOptions, BudgetSettings, ChunkingManagement, ChunkingPolicy, Order, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"]).order(Order::Priority)).await?;
+    /// let low = AdmitOptions { priority: 5, arrival_ms: Some(0.0), ..AdmitOptions::default() };
+    /// let high = AdmitOptions { priority: 0, arrival_ms: Some(1.0), ..AdmitOptions::default() };
+    /// cm.admit_with(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), low).await?;
+    /// cm.admit_with(2, "llm", "prefill", PreparedInput::tokens(vec![2; 300]), high).await?;
+    /// let batch = cm.assemble_at("llm", "prefill", 2.0).await?;
+    /// assert_eq!(batch.rows[0].rid, 2, "the lower priority value starts first");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As `admit`.
+    pub async fn admit_with(
+        &self,
+        rid: u64,
+        node: &str,
+        walk: &str,
+        input: PreparedInput,
+        options: AdmitOptions,
+    ) -> Result<(), ChunkingError> {
         let admit = AdmitPrepared {
             rid,
             node: self.node_name(node),
             walk: walk.into(),
             input,
-            cached,
+            options,
         };
         ask(&self.scheduler, "Scheduler", &self.timeout, admit).await
     }
@@ -545,9 +438,34 @@ impl ChunkingManagement {
     /// or (a guard that should never fire) a chunk row without its prepared input, which is
     /// dropped with the step abandoned (`MissingPreparedInput`; assemble again).
     pub async fn assemble(&self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
+        self.assembled(node, walk, None).await
+    }
+
+    /// As [`assemble`](Self::assemble), for a step planned at `now_ms` on the engine's clock
+    /// (that of [`AdmitOptions::arrival_ms`]): `chunking.max_wait_ms` measures prompts' waits to
+    /// it.
+    ///
+    /// # Errors
+    /// As `assemble`.
+    pub async fn assemble_at(
+        &self,
+        node: &str,
+        walk: &str,
+        now_ms: f64,
+    ) -> Result<Arc<Batch>, ChunkingError> {
+        self.assembled(node, walk, Some(now_ms)).await
+    }
+
+    async fn assembled(
+        &self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+    ) -> Result<Arc<Batch>, ChunkingError> {
         let msg = Assemble {
             node: self.node_name(node),
             walk: walk.into(),
+            now_ms,
         };
         ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
@@ -654,6 +572,7 @@ impl ChunkingManagement {
             node: self.node_name(node),
             walk: walk.into(),
             changes: Vec::new(),
+            now_ms: None,
         };
         self.complete_and_assemble_with(step, ran, measured_ms, next)
             .await
@@ -763,7 +682,7 @@ impl ChunkingManagement {
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
     }
 
-    /// Drops the row of `rid` at `node` and its whole input there (the original class's
+    /// Drops the row of `rid` at `node` and its whole input there (the Python class's
     /// `release`: the request leaves this node; other nodes keep theirs). Answers whether an
     /// input was held; unknown rows are a no-op. To end a request, use
     /// [`forget_request`](Self::forget_request).
@@ -820,8 +739,8 @@ impl ChunkingManagement {
         node: &str,
     ) -> Result<Option<PreparedInput>, ChunkingError> {
         ask(
-            &self.prepared,
-            "PreparedInputs",
+            &self.scheduler,
+            "Scheduler",
             &self.timeout,
             GetPrepared {
                 rid,
@@ -942,5 +861,16 @@ impl ChunkingManagement {
             reason,
         };
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
+    }
+
+    /// The latency model `node` plans its time budgets with: the model in force, where it
+    /// came from (the trusted online fit, or the configured coefficients or preset), and the
+    /// online fit's estimate (coefficients, samples, whether trusted).
+    ///
+    /// # Errors
+    /// `node` is not a node of the model, or the actor did not answer.
+    pub async fn latency_model(&self, node: &str) -> Result<LatencyModelReport, ChunkingError> {
+        let msg = GetLatencyModel(self.node_name(node));
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 }

@@ -123,10 +123,12 @@ use supervised;
 mod budget_config;
 mod facade;
 mod overrun_accounting;
+mod own_thread;
 mod policy_registry;
 mod prepared_inputs;
 mod scheduler;
 mod spans;
 
-pub use facade::{ActorThread, ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
+pub use facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
+pub use own_thread::ActorThread;
 pub use scheduler::{DrainReport, QueueStats};

@@ -1,7 +1,6 @@
-//! PreparedInputs: `(rid, node) -> whole prepared input`, the inputs' owner of record: holds
-//! each admitted prompt's input, releases it after its final chunk, forgets aborted requests,
-//! answers `prepared` and the totals, and keeps the prepared-input gauges. Every change comes
-//! from the Scheduler, which cuts the steps' chunk views from handles on the same inputs
+//! PreparedInputs: the accounting of the prepared inputs held, `(rid, node) -> tokens`: answers
+//! the totals and keeps the prepared-input gauges. The inputs themselves have one owner,
+//! SchedulerState's store, which sends every change it makes here as one `Apply` per message
 //! (`docs/actors.md#prepared-inputs`).
 
 use ::metrics::Gauge;
@@ -11,11 +10,11 @@ use rustc_hash::FxHashMap;
 use crate::error::ChunkingError;
 use crate::metrics::Instance;
 use crate::policy::Name;
-use crate::prepared::{PreparedInput, PreparedStore};
+use crate::prepared::{InputChange, PreparedAccounts};
 
-/// Owns every whole prepared input; keeps the prepared-input gauges current.
+/// Counts every whole prepared input held; keeps the prepared-input gauges current.
 pub(crate) struct PreparedInputs {
-    store: PreparedStore,
+    accounts: PreparedAccounts,
     instance: Instance,
     /// The prepared-input gauges per node, resolved on the node's first change, so that holding
     /// and releasing inputs (every step) builds no metric labels.
@@ -28,7 +27,7 @@ impl PreparedInputs {
     /// Holds nothing yet; the gauges of every node in `nodes` exist from now on, at 0.
     pub(crate) fn new(instance: Instance, nodes: &[Name]) -> Self {
         let mut this = Self {
-            store: PreparedStore::default(),
+            accounts: PreparedAccounts::default(),
             instance,
             gauges: FxHashMap::default(),
             touched: Vec::new(),
@@ -40,7 +39,7 @@ impl PreparedInputs {
     }
 
     fn publish(&mut self, node: &Name) {
-        let (rows, tokens) = self.store.node_totals(node);
+        let (rows, tokens) = self.accounts.node_totals(node);
         if !self.gauges.contains_key(node) {
             self.gauges
                 .insert(node.clone(), self.instance.prepared(node));
@@ -59,27 +58,13 @@ impl Actor for PreparedInputs {
 super::supervised!(
     PreparedInputs,
     "PreparedInputs",
-    [Apply, GetPrepared, PreparedTotals, ReleaseAll]
+    [Apply, PreparedTotals, ReleaseAll]
 );
 
-/// One change to the inputs held, as the Scheduler made it to its own handles.
-#[derive(Debug)]
-pub(crate) enum InputChange {
-    /// Hold a prompt's whole input (admitted, its row queued, the input measured).
-    Hold {
-        rid: u64,
-        node: Name,
-        input: PreparedInput,
-    },
-    /// Drop the input of `(rid, node)`: its final chunk completed, or its row was dropped.
-    Release { rid: u64, node: Name },
-    /// Drop every node's input of a request (it ended).
-    Forget(u64),
-}
-
-/// The changes one Scheduler message made to its handles, in order: sent once per message
-/// without waiting, so PreparedInputs changes exactly as the handles did, and before it handles
-/// anything the caller asks after the Scheduler's answer (mailboxes are first in, first out).
+/// The changes one Scheduler message made to the inputs held, in order: sent once per message
+/// without waiting, so the accounting changes exactly as the store did, and before
+/// PreparedInputs handles anything the caller asks after the Scheduler's answer (mailboxes are
+/// first in, first out).
 ///
 /// Sent guarded, as every message the facade sends is: a panic while applying is contained
 /// (logged, the actor restarted in place) instead of unwinding through the arbiter.
@@ -107,20 +92,20 @@ impl PreparedInputs {
         };
         for change in changes {
             match change {
-                InputChange::Hold { rid, node, input } => {
-                    // The Scheduler holds no second row of `(rid, node)`: a refusal here means
-                    // the two stores disagree.
-                    if let Err(e) = self.store.insert(rid, &node, input) {
-                        tracing::error!(error = %e, "prepared input refused");
+                InputChange::Hold { rid, node, tokens } => {
+                    // The store holds no second input of `(rid, node)`: a second hold here
+                    // means the changes were not sent in order.
+                    if !self.accounts.hold(rid, &node, tokens) {
+                        tracing::error!(rid, node = %node, "prepared input counted twice");
                     }
                     touch(&node);
                 }
                 InputChange::Release { rid, node } => {
-                    self.store.release(rid, &node);
+                    self.accounts.release(rid, &node);
                     touch(&node);
                 }
                 InputChange::Forget(rid) => {
-                    for node in self.store.forget(rid) {
+                    for node in self.accounts.forget(rid) {
                         touch(&node);
                     }
                 }
@@ -134,22 +119,6 @@ impl PreparedInputs {
     }
 }
 
-/// A row's whole input (a cheap clone of its `Arc`s).
-#[derive(Message)]
-#[rtype(result = "Result<Option<PreparedInput>, ChunkingError>")]
-pub(crate) struct GetPrepared {
-    pub(crate) rid: u64,
-    pub(crate) node: Name,
-}
-
-impl Handler<GetPrepared> for PreparedInputs {
-    type Result = Result<Option<PreparedInput>, ChunkingError>;
-
-    fn handle(&mut self, msg: GetPrepared, _: &mut Self::Context) -> Self::Result {
-        Ok(self.store.get(msg.rid, &msg.node).cloned())
-    }
-}
-
 /// Rows and tokens held over all nodes.
 #[derive(Message)]
 #[rtype(result = "Result<(usize, u64), ChunkingError>")]
@@ -159,7 +128,7 @@ impl Handler<PreparedTotals> for PreparedInputs {
     type Result = Result<(usize, u64), ChunkingError>;
 
     fn handle(&mut self, _: PreparedTotals, _: &mut Self::Context) -> Self::Result {
-        Ok((self.store.rows(), self.store.tokens()))
+        Ok(self.accounts.totals())
     }
 }
 
@@ -172,7 +141,8 @@ impl Handler<ReleaseAll> for PreparedInputs {
     type Result = Result<(usize, u64), ChunkingError>;
 
     fn handle(&mut self, _: ReleaseAll, _: &mut Self::Context) -> Self::Result {
-        let dropped = self.store.clear();
+        let dropped = self.accounts.totals();
+        self.accounts.clear();
         let nodes: Vec<Name> = self.gauges.keys().cloned().collect();
         for node in &nodes {
             self.publish(node);
@@ -223,10 +193,10 @@ mod tests {
         let mut p = metrics::with_local_recorder(&recorder, || {
             PreparedInputs::new(Instance::new("m".into()), &[a.clone(), b.clone()])
         });
-        let hold = |rid, node: &Name, n| InputChange::Hold {
+        let hold = |rid, node: &Name, tokens| InputChange::Hold {
             rid,
             node: node.clone(),
-            input: PreparedInput::tokens(vec![7; n]),
+            tokens,
         };
         let g = |pairs: &[(&str, (f64, f64))]| -> Vec<(String, (f64, f64))> {
             pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect()
@@ -248,17 +218,17 @@ mod tests {
         p.apply(vec![hold(3, &b, 2)]);
         let want = g(&[("talker", (2.0, 7.0)), ("thinker", (0.0, 0.0))]);
         assert_eq!(gauges(&snapshotter), want);
-        assert_eq!(p.store.get(2, "thinker").map(PreparedInput::len), Some(9));
+        assert_eq!(p.accounts.tokens_of(2, "thinker"), Some(9));
         // A forget touches every node that held the request.
         p.apply(vec![InputChange::Forget(1)]);
         let want = g(&[("talker", (1.0, 2.0)), ("thinker", (1.0, 9.0))]);
         assert_eq!(gauges(&snapshotter), want);
-        assert_eq!((p.store.rows(), p.store.tokens()), (2, 11));
+        assert_eq!(p.accounts.totals(), (2, 11));
         // A second hold of `(rid, node)` is refused and changes nothing.
         p.apply(vec![hold(2, &a, 1)]);
         let want = g(&[("talker", (0.0, 0.0)), ("thinker", (1.0, 9.0))]);
         assert_eq!(gauges(&snapshotter), want);
-        assert_eq!(p.store.get(2, "thinker").map(PreparedInput::len), Some(9));
+        assert_eq!(p.accounts.tokens_of(2, "thinker"), Some(9));
         assert!(p.touched.is_empty(), "kept empty between messages");
     }
 }

@@ -1,38 +1,41 @@
-//! Scheduler: the row queues per node. Assembles each step's batch from the budget snapshot,
-//! cutting its chunks' inputs from the handles it keeps on queued prompts' inputs; on
-//! completion sends overruns to OverrunAccounting and releases finished rows' inputs to
-//! PreparedInputs (`docs/actors.md#prepared-inputs`).
+//! Scheduler: receives the engine's row and step messages and calls [`SchedulerState`], which
+//! holds the row queues, the prepared inputs, the steps in flight, the last one-trip
+//! completion and the drain. Around each call it keeps the tracing spans and metric handles,
+//! tells OverrunAccounting about overruns and sends PreparedInputs' accounting the changes to
+//! the inputs held (`docs/actors.md#prepared-inputs`).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use actix::prelude::*;
 use rustc_hash::FxHashMap;
 
 use super::budget_config::UseSnapshot;
 use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
-use super::prepared_inputs::{Apply, InputChange, PreparedInputs, ReleaseAll};
+use super::prepared_inputs::{Apply, PreparedInputs, ReleaseAll};
 use super::spans::Spans;
 use super::Guarded;
 use crate::error::ChunkingError;
 use crate::latency::{LatencyModel, ModelSource};
 use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
+use crate::order::AdmitOptions;
 use crate::policy::Name;
-use crate::prepared::{PreparedInput, PreparedStore};
+use crate::prepared::PreparedInput;
+use crate::scheduler::serving::StepHooks;
 use crate::scheduler::{
-    Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome,
+    Batch, Completed, LatencyModelReport, NextStep, SchedulerState, StepOutcome,
 };
+pub use crate::scheduler::{DrainReport, QueueStats};
 
 /// Wraps [`SchedulerState`].
 pub(crate) struct Scheduler {
     state: SchedulerState,
-    /// A handle (two `Arc`s) on the whole input of every queued prompt row, to cut a step's
-    /// chunks from without a message: it changes exactly as PreparedInputs' store does, which
-    /// it is sent every change to (`docs/actors.md#prepared-inputs`).
-    inputs: PreparedStore,
-    /// The changes made to `inputs` while handling the current message, sent to PreparedInputs
-    /// as one [`Apply`] when it is handled ([`Scheduler::send_input_changes`]).
-    input_changes: Vec<InputChange>,
+    shell: Shell,
+}
+
+/// What the Scheduler does around the state's calls ([`StepHooks`]): metric handles, spans and
+/// the other actors' addresses. It holds nothing the scheduling rules read.
+struct Shell {
     prepared: Addr<PreparedInputs>,
     overruns: Addr<OverrunAccounting>,
     instance: Instance,
@@ -42,22 +45,8 @@ pub(crate) struct Scheduler {
     queue_gauges: FxHashMap<Name, QueueGauges>,
     /// Latency-model gauges per node.
     model_gauges: FxHashMap<Name, ModelGauges>,
-    /// Per node, the last step completed by [`CompleteAndAssemble`], to answer a repeat of it.
-    completed: FxHashMap<Name, LastCompleted>,
     /// The tracing spans of the steps in flight and of the requests admitted.
     spans: Spans,
-    /// Set by [`BeginDrain`] or [`Drain`], for good: no admission, no new step.
-    draining: bool,
-}
-
-/// A step completed by [`CompleteAndAssemble`], as reported and as it came out.
-struct LastCompleted {
-    step: u64,
-    ran: Vec<u32>,
-    measured_ms: Option<f64>,
-    outcome: StepOutcome,
-    /// The row change refused after the completion, if one was.
-    refused: Option<ChunkingError>,
 }
 
 impl Scheduler {
@@ -68,20 +57,29 @@ impl Scheduler {
     ) -> Self {
         Self {
             state: SchedulerState::default(),
-            inputs: PreparedStore::default(),
-            input_changes: Vec::new(),
-            prepared,
-            overruns,
-            metrics: FxHashMap::default(),
-            queue_gauges: FxHashMap::default(),
-            model_gauges: FxHashMap::default(),
-            completed: FxHashMap::default(),
-            spans: Spans::new(instance.model_name().clone()),
-            instance,
-            draining: false,
+            shell: Shell {
+                prepared,
+                overruns,
+                metrics: FxHashMap::default(),
+                queue_gauges: FxHashMap::default(),
+                model_gauges: FxHashMap::default(),
+                spans: Spans::new(instance.model_name().clone()),
+                instance,
+            },
         }
     }
 
+    /// Sends PreparedInputs the changes the message being handled made to the inputs held, if
+    /// any: the last thing every handler that changes them does, so PreparedInputs has them
+    /// before the caller can ask it anything after the answer.
+    fn send_input_changes(&mut self) {
+        if let Some(changes) = self.state.take_input_changes() {
+            self.shell.prepared.do_send(Guarded(Apply(changes)));
+        }
+    }
+}
+
+impl Shell {
     fn step_metrics(&mut self, node: &Name, walk: &Name) -> &StepMetrics {
         let instance = &self.instance;
         self.metrics
@@ -90,17 +88,16 @@ impl Scheduler {
     }
 
     /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
-    fn publish_queue(&mut self, node: &Name) {
-        let counts = self
-            .state
-            .node(node)
-            .map(|q| q.counts())
-            .unwrap_or_default();
+    fn publish_queue(&mut self, state: &SchedulerState, node: &Name) {
+        let queues = state.node(node);
+        let counts = queues.map(|q| q.counts()).unwrap_or_default();
         let instance = &self.instance;
-        self.queue_gauges
+        let gauges = self
+            .queue_gauges
             .entry(node.clone())
-            .or_insert_with(|| instance.queue(node))
-            .set(counts);
+            .or_insert_with(|| instance.queue(node));
+        gauges.set(counts);
+        gauges.set_head_wait(queues.and_then(|q| q.head_wait()));
     }
 
     /// Sets the latency-model gauges of `node`: its coefficients and their source.
@@ -112,10 +109,93 @@ impl Scheduler {
             .set(model.0, model.1);
     }
 
-    fn publish_all_queues(&mut self) {
+    fn publish_all_queues(&mut self, state: &SchedulerState) {
         let nodes: Vec<Name> = self.queue_gauges.keys().cloned().collect();
         for n in nodes {
-            self.publish_queue(&n);
+            self.publish_queue(state, &n);
+        }
+    }
+}
+
+impl StepHooks for Shell {
+    fn admitted(&mut self, rid: u64, node: &Name, walk: &Name) {
+        self.spans.admitted(rid, node, walk);
+    }
+
+    fn forgotten(&mut self, rid: u64) {
+        self.spans.forgotten(rid);
+    }
+
+    fn assembled(&mut self, batch: &Batch, planned_in: Duration, in_flight: &dyn Fn(u64) -> bool) {
+        self.step_metrics(&batch.node, &batch.walk)
+            .assembled(batch, planned_in);
+        self.spans.assembled(batch, in_flight);
+    }
+
+    /// Records in its span why the step was abandoned, and closes the span (tracing only).
+    fn abandoned(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "step abandoned"));
+        self.spans.ended(step);
+    }
+
+    /// Overruns recorded (in the step's span), the span closed, metrics.
+    fn completed(&mut self, outcome: &StepOutcome) {
+        let span = self.spans.step(outcome.step);
+        span.in_scope(|| {
+            tracing::debug!(
+                ran_tokens = outcome.tokens.ran,
+                finished = outcome.finished.len(),
+                "step completed"
+            );
+            if let Some(reason) = outcome.time_overrun {
+                tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
+            }
+        });
+        if let Some(o) = &outcome.overrun {
+            self.overruns
+                .do_send(RecordOverrun(o.clone(), span.clone()));
+        }
+        self.spans.ended(outcome.step);
+        self.step_metrics(&outcome.node, &outcome.walk)
+            .completed(outcome);
+        self.publish_model(&outcome.node, outcome.model);
+        if let (Some(margin), Some(gauges)) =
+            (outcome.time_margin, self.model_gauges.get(&outcome.node))
+        {
+            gauges.set_margin(margin);
+        }
+    }
+
+    /// Records a refused completion in the step's span. Tracing only, like the step's span
+    /// itself: `tests/spans.rs` asserts both, in a process of its own (a tracing subscriber's
+    /// level is process-wide).
+    fn completion_refused(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "step completion refused"));
+    }
+
+    fn change_refused(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "row change refused after the step"));
+    }
+
+    fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+        tracing::warn!(
+            node = %node,
+            waiting = %waiting,
+            assembled = %assembled,
+            "prompt rows of `{node}` wait on walk `{waiting}`, which no step of `{node}`/`{assembled}` takes: run `{waiting}` inside `{assembled}` (`BudgetSettings::combined`, or the model manifest's combined walks) or assemble `{node}`/`{waiting}` too"
+        );
+    }
+
+    fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
+        match node {
+            Some(node) => self.publish_queue(state, node),
+            None => self.publish_all_queues(state),
         }
     }
 }
@@ -138,7 +218,9 @@ super::supervised!(
         CompleteAndAssemble,
         SchedulerStats,
         BeginDrain,
-        Drain
+        Drain,
+        GetLatencyModel,
+        GetPrepared
     ]
 );
 
@@ -150,16 +232,16 @@ impl Handler<UseSnapshot> for Scheduler {
         let nodes: Vec<Name> = msg.0.table().model().nodes().cloned().collect();
         self.state.set_snapshot(msg.0);
         for node in &nodes {
-            self.publish_queue(node);
+            self.shell.publish_queue(&self.state, node);
             let model = self.state.latency_model(node);
-            self.publish_model(node, model);
+            self.shell.publish_model(node, model);
         }
     }
 }
 
-/// Admits a prompt whole: queues its row, keeps a handle on its input and sends the input to
-/// PreparedInputs, which holds it. A refused input queues nothing. PreparedInputs gets the input
-/// before anything the caller asks it after this answer, as a mailbox is first in, first out.
+/// Admits a prompt whole (`SchedulerState::admit_prepared`). PreparedInputs' accounting gets
+/// the input's change before anything the caller asks it after this answer, as a mailbox is
+/// first in, first out.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct AdmitPrepared {
@@ -167,79 +249,23 @@ pub(crate) struct AdmitPrepared {
     pub(crate) node: Name,
     pub(crate) walk: Name,
     pub(crate) input: PreparedInput,
-    pub(crate) cached: u32,
+    pub(crate) options: AdmitOptions,
 }
 
 impl Handler<AdmitPrepared> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
-        if self.draining {
-            return Err(ChunkingError::Draining);
-        }
-        let admitted = self.admit_input(m.rid, &m.node, &m.walk, m.input, m.cached);
+        let admitted = self.state.admit_prepared_with(
+            m.rid,
+            &m.node,
+            &m.walk,
+            m.input,
+            m.options,
+            &mut self.shell,
+        );
         self.send_input_changes();
-        admitted?;
-        self.publish_queue(&m.node);
-        Ok(())
-    }
-}
-
-impl Scheduler {
-    /// Queues the prompt row of `rid` at `node`, keeps a handle on its input and has
-    /// PreparedInputs hold it. On error nothing is queued or held.
-    fn admit_input(
-        &mut self,
-        rid: u64,
-        node: &Name,
-        walk: &Name,
-        input: PreparedInput,
-        cached: u32,
-    ) -> Result<(), ChunkingError> {
-        let total = input.measure(rid, node)?;
-        self.state.admit(rid, node, walk, total, cached)?;
-        // The state refuses a second row of `(rid, node)`, and a row's handle is dropped with
-        // its row: a handle is never held here already.
-        if let Err(e) = self.inputs.insert(rid, node, input.clone()) {
-            self.state.forget_at(rid, node);
-            return Err(e);
-        }
-        self.input_changes.push(InputChange::Hold {
-            rid,
-            node: node.clone(),
-            input,
-        });
-        self.spans.admitted(rid, node, walk);
-        Ok(())
-    }
-
-    /// Drops the handles of `rids` at `node` and has PreparedInputs release their inputs.
-    fn release_inputs(&mut self, node: &Name, rids: &[u64]) {
-        for &rid in rids {
-            self.inputs.release(rid, node);
-            self.input_changes.push(InputChange::Release {
-                rid,
-                node: node.clone(),
-            });
-        }
-    }
-
-    /// Drops every node's handle of `rid` and has PreparedInputs drop its inputs.
-    fn forget_inputs(&mut self, rid: u64) {
-        self.inputs.forget(rid);
-        self.input_changes.push(InputChange::Forget(rid));
-    }
-
-    /// Sends PreparedInputs the changes the message being handled made to the handles, if any:
-    /// the last thing every handler that changes them does, so PreparedInputs has them before
-    /// the caller can ask it anything after the answer.
-    fn send_input_changes(&mut self) {
-        if !self.input_changes.is_empty() {
-            // The next message's changes start with room for as many.
-            let room = Vec::with_capacity(self.input_changes.len());
-            let changes = std::mem::replace(&mut self.input_changes, room);
-            self.prepared.do_send(Guarded(Apply(changes)));
-        }
+        admitted
     }
 }
 
@@ -259,19 +285,18 @@ impl Handler<ContinueRow> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
-        if self.draining {
-            return Err(ChunkingError::Draining);
-        }
-        self.state
-            .continue_row(m.rid, &m.node, &m.walk, m.estimate, m.context)?;
-        self.spans.admitted(m.rid, &m.node, &m.walk);
-        self.publish_queue(&m.node);
-        Ok(())
+        self.state.continue_with(
+            m.rid,
+            &m.node,
+            &m.walk,
+            m.estimate,
+            m.context,
+            &mut self.shell,
+        )
     }
 }
 
-/// Ends a request: drops its rows and input handles on every node here, and has PreparedInputs
-/// drop its prepared inputs.
+/// Ends a request: drops its rows and inputs on every node.
 #[derive(Message)]
 #[rtype(result = "Result<(), ChunkingError>")]
 pub(crate) struct ForgetRequest(pub(crate) u64);
@@ -280,11 +305,8 @@ impl Handler<ForgetRequest> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ForgetRequest, _: &mut Self::Context) -> Self::Result {
-        self.spans.forgotten(m.0);
-        self.state.forget(m.0);
-        self.forget_inputs(m.0);
+        self.state.forget_request(m.0, &mut self.shell);
         self.send_input_changes();
-        self.publish_all_queues();
         Ok(())
     }
 }
@@ -301,66 +323,33 @@ impl Handler<ForgetRow> for Scheduler {
     type Result = Result<bool, ChunkingError>;
 
     fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> Self::Result {
-        let had_prefill = self.state.forget_at(m.rid, &m.node);
-        self.release_inputs(&m.node, &[m.rid]);
+        let had_prefill = self.state.forget_row(m.rid, &m.node, &mut self.shell);
         self.send_input_changes();
-        self.publish_queue(&m.node);
         Ok(had_prefill)
     }
 }
 
-/// Assembles the next step of `node`/`walk`, with every chunk's input cut from the handle the
-/// Scheduler keeps on its row's input, or answers the node's step in flight again.
-///
-/// The Scheduler cuts the views itself, so a step costs the engine one message and no other
-/// actor is waited on. A chunk row without a handle (never the case unless the two stores
-/// disagree) abandons the step and drops that row.
+/// Assembles the next step of `node`/`walk` with its chunks' views cut, or answers the node's
+/// step in flight again (`SchedulerState::assemble_step`): one message, no other actor waited
+/// on.
 #[derive(Message)]
 #[rtype(result = "Result<Arc<Batch>, ChunkingError>")]
 pub(crate) struct Assemble {
     pub(crate) node: Name,
     pub(crate) walk: Name,
+    /// The step's time on the engine's clock, if given (`assemble_at`).
+    pub(crate) now_ms: Option<f64>,
 }
 
 impl Handler<Assemble> for Scheduler {
     type Result = Result<Arc<Batch>, ChunkingError>;
 
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
-        let batch = self.assemble(&m.node, &m.walk);
+        let batch = self
+            .state
+            .assemble_step_at(&m.node, &m.walk, m.now_ms, &mut self.shell);
         self.send_input_changes();
         batch
-    }
-}
-
-impl Scheduler {
-    /// [`Assemble`]: plans the next step of `node`/`walk` (or finds it in flight) and cuts its
-    /// chunks' inputs; shared with [`CompleteAndAssemble`].
-    fn assemble(&mut self, node: &str, walk: &str) -> Result<Arc<Batch>, ChunkingError> {
-        if self.draining {
-            return Err(ChunkingError::Draining);
-        }
-        let started = Instant::now();
-        let mut batch = match self.state.assemble(node, walk)? {
-            Assembled::InFlight(batch) => return Ok(batch),
-            Assembled::Planned(batch) => batch,
-        };
-        let took = started.elapsed();
-        self.step_metrics(&batch.node, &batch.walk)
-            .assembled(&batch, took);
-        self.open_step_span(&batch);
-        let missing = batch.cut_inputs(self.inputs.node(&batch.node));
-        if let Some(&rid) = missing.first() {
-            let (step, node) = (batch.step, batch.node.clone());
-            self.state.abandon(step, &missing)?;
-            self.release_inputs(&node, &missing);
-            self.publish_queue(&node);
-            let e = ChunkingError::MissingPreparedInput { rid, node };
-            self.abandoned_by(step, &e);
-            return Err(e);
-        }
-        let batch = Arc::new(batch);
-        self.state.hold(batch.clone());
-        Ok(batch)
     }
 }
 
@@ -375,12 +364,12 @@ impl Handler<Abandon> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: Abandon, _: &mut Self::Context) -> Self::Result {
-        let span = self.spans.step(m.step);
+        let span = self.shell.spans.step(m.step);
         let _step = span.enter();
         match self.state.abandon(m.step, &[]) {
             Ok(()) => {
                 tracing::debug!("step abandoned");
-                self.spans.ended(m.step);
+                self.shell.spans.ended(m.step);
                 Ok(())
             }
             Err(e) => {
@@ -404,128 +393,17 @@ impl Handler<Complete> for Scheduler {
     type Result = Result<StepOutcome, ChunkingError>;
 
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
-        let span = self.spans.step(m.step);
-        let _step = span.enter();
         let outcome = self
             .state
-            .complete(m.step, &m.ran, m.measured_ms)
-            .inspect_err(completion_refused)?;
-        self.completed_step(&outcome, &span);
+            .complete_step(m.step, &m.ran, m.measured_ms, &mut self.shell);
         self.send_input_changes();
-        self.publish_queue(&outcome.node);
-        Ok(outcome)
+        outcome
     }
 }
 
-/// Records a refused completion in the step's span (entered by the caller). Tracing only, like
-/// the step's span itself: `tests/spans.rs` asserts both, in a process of its own (a tracing
-/// subscriber's level is process-wide).
-fn completion_refused(e: &ChunkingError) {
-    tracing::debug!(error = %e, "step completion refused");
-}
-
-impl Scheduler {
-    /// Opens the span of a step just planned.
-    fn open_step_span(&mut self, batch: &Batch) {
-        let state = &self.state;
-        self.spans
-            .assembled(batch, |step| state.node_of_step(step).is_some());
-    }
-
-    /// Records in its span why step `step` was abandoned while its inputs were cut, and closes
-    /// the span (tracing only).
-    fn abandoned_by(&mut self, step: u64, e: &ChunkingError) {
-        self.spans
-            .step(step)
-            .in_scope(|| tracing::debug!(error = %e, "step abandoned"));
-        self.spans.ended(step);
-    }
-
-    /// What follows a completed step: overruns recorded (in the step's `span`), finished
-    /// inputs released, metrics (the caller sets the queue gauges).
-    fn completed_step(&mut self, outcome: &StepOutcome, span: &tracing::Span) {
-        tracing::debug!(
-            ran_tokens = outcome.tokens.ran,
-            finished = outcome.finished.len(),
-            "step completed"
-        );
-        if let Some(reason) = outcome.time_overrun {
-            tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
-        }
-        if let Some(o) = &outcome.overrun {
-            self.overruns
-                .do_send(RecordOverrun(o.clone(), span.clone()));
-        }
-        self.spans.ended(outcome.step);
-        if !outcome.finished.is_empty() {
-            self.release_inputs(&outcome.node, &outcome.finished);
-        }
-        self.step_metrics(&outcome.node, &outcome.walk)
-            .completed(outcome);
-        self.publish_model(&outcome.node, outcome.model);
-        if let (Some(margin), Some(gauges)) =
-            (outcome.time_margin, self.model_gauges.get(&outcome.node))
-        {
-            gauges.set_margin(margin);
-        }
-    }
-
-    /// Applies `next`'s row changes in order and stops at the first refused one, which it
-    /// answers; then sets the queue gauges (once for the step completed before, too).
-    fn apply_changes(&mut self, next: NextStep) -> Result<(), ChunkingError> {
-        let NextStep { node, changes, .. } = next;
-        let mut forgot = false;
-        let mut result = Ok(());
-        for change in changes {
-            if self.draining && !matches!(change, RowChange::Forget(_)) {
-                result = Err(ChunkingError::Draining);
-                break;
-            }
-            result = match change {
-                RowChange::Forget(rid) => {
-                    self.spans.forgotten(rid);
-                    self.state.forget(rid);
-                    self.forget_inputs(rid);
-                    forgot = true;
-                    Ok(())
-                }
-                RowChange::Continue {
-                    rid,
-                    walk,
-                    estimate,
-                    context,
-                } => self
-                    .state
-                    .continue_row(rid, &node, &walk, estimate, context)
-                    .inspect(|()| self.spans.admitted(rid, &node, &walk)),
-                RowChange::Admit {
-                    rid,
-                    walk,
-                    input,
-                    cached,
-                } => self.admit_input(rid, &node, &walk, input, cached),
-            };
-            if result.is_err() {
-                break;
-            }
-        }
-        if forgot {
-            self.publish_all_queues();
-        } else {
-            self.publish_queue(&node);
-        }
-        result
-    }
-}
-
-/// Completes step `step` of `next.node` (as [`Complete`]), applies `next`'s row changes, and
-/// assembles the next step of `next.node`/`next.walk` (as [`Assemble`]): one round trip per
-/// step for the engine.
-///
-/// A repeat of the message for the step it completed last on the node (its answer was lost: a
-/// dropped or timed-out future) is not applied again: it gets the same outcome, and the next
-/// step as `assemble` answers it then (the same batch while that step is in flight). A repeat
-/// with other `ran` counts or another measured time is refused.
+/// Completes step `step` of `next.node`, applies `next`'s row changes and assembles the next
+/// step (`SchedulerState::complete_and_assemble`): one round trip per step for the engine,
+/// with a lost answer's repeat answered again.
 #[derive(Message)]
 #[rtype(result = "Result<Box<Completed>, ChunkingError>")]
 pub(crate) struct CompleteAndAssemble {
@@ -539,90 +417,11 @@ impl Handler<CompleteAndAssemble> for Scheduler {
     type Result = Result<Box<Completed>, ChunkingError>;
 
     fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
-        let done = self.complete_and_assemble(m);
+        let done =
+            self.state
+                .complete_and_assemble(m.step, m.ran, m.measured_ms, m.next, &mut self.shell);
         self.send_input_changes();
         done.map(Box::new)
-    }
-}
-
-impl Scheduler {
-    /// [`CompleteAndAssemble`].
-    fn complete_and_assemble(
-        &mut self,
-        m: CompleteAndAssemble,
-    ) -> Result<Completed, ChunkingError> {
-        let CompleteAndAssemble {
-            step,
-            ran,
-            measured_ms,
-            next,
-        } = m;
-        let (node, walk) = (next.node.clone(), next.walk.clone());
-        let (outcome, refused) = match self.completed.get(&*node) {
-            Some(last) if last.step == step => {
-                let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
-                if last.ran != ran || !same_ms {
-                    return Err(ChunkingError::CompletedDifferently { step });
-                }
-                (last.outcome.clone(), last.refused.clone())
-            }
-            _ => {
-                // The step must be of the node named for the next one, and the next step's walk
-                // one the node serves: checked before anything changes.
-                if self.state.node_of_step(step) != Some(&node) {
-                    return Err(ChunkingError::UnknownStep { step });
-                }
-                if let Some(snap) = self.state.snapshot() {
-                    if snap.step_params(&node, &walk).is_none() {
-                        return Err(ChunkingError::UnknownWalk { node, walk });
-                    }
-                }
-                let span = self.spans.step(step);
-                let _step = span.enter();
-                let mut outcome = self
-                    .state
-                    .complete(step, &ran, measured_ms)
-                    .inspect_err(completion_refused)?;
-                self.completed_step(&outcome, &span);
-                let refused = self.apply_changes(next).err();
-                if let Some(e) = &refused {
-                    tracing::debug!(error = %e, "row change refused after the step");
-                }
-                match self.completed.get_mut(&outcome.node) {
-                    // Updated in place: the node's entry, and its vectors' room, are reused.
-                    Some(last) => {
-                        last.step = step;
-                        last.ran = ran;
-                        last.measured_ms = measured_ms;
-                        // The outcome is cloned without its `finished`, copied into the
-                        // room of the last one's.
-                        let finished = std::mem::take(&mut outcome.finished);
-                        let mut room = std::mem::take(&mut last.outcome.finished);
-                        room.clone_from(&finished);
-                        last.outcome = outcome.clone();
-                        last.outcome.finished = room;
-                        outcome.finished = finished;
-                        last.refused.clone_from(&refused);
-                    }
-                    None => {
-                        let last = LastCompleted {
-                            step,
-                            ran,
-                            measured_ms,
-                            outcome: outcome.clone(),
-                            refused: refused.clone(),
-                        };
-                        self.completed.insert(outcome.node.clone(), last);
-                    }
-                }
-                (outcome, refused)
-            }
-        };
-        let next = match refused {
-            Some(e) => Err(e),
-            None => self.assemble(&node, &walk),
-        };
-        Ok(Completed { outcome, next })
     }
 }
 
@@ -637,57 +436,25 @@ impl Handler<BeginDrain> for Scheduler {
     type Result = Result<usize, ChunkingError>;
 
     fn handle(&mut self, _: BeginDrain, _: &mut Self::Context) -> Self::Result {
-        self.draining = true;
-        tracing::info!(
-            steps_in_flight = self.state.steps_in_flight(),
-            "draining: no more admissions or steps"
-        );
-        Ok(self.state.steps_in_flight())
+        let steps_in_flight = self.state.begin_drain();
+        tracing::info!(steps_in_flight, "draining: no more admissions or steps");
+        Ok(steps_in_flight)
     }
 }
 
 /// Ends a drain (`ChunkingManagement::drain`): abandons the steps still in flight, drops every
-/// row and every handle, and has PreparedInputs drop every input; answers what was dropped.
+/// row and every input, and has PreparedInputs' accounting cleared; answers what was dropped.
 #[derive(Message)]
 #[rtype(result = "Result<DrainReport, ChunkingError>")]
 pub(crate) struct Drain;
-
-/// What a drain dropped (`ChunkingManagement::drain`); all zero when the engine completed or
-/// forgot everything first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DrainReport {
-    /// Steps still in flight, abandoned (their rows did not advance).
-    pub steps_abandoned: usize,
-    /// Requests that still had a row queued, dropped.
-    pub requests: usize,
-    /// Rows still queued, prefill and continuing, over all nodes, dropped.
-    pub rows: usize,
-    /// Whole prepared inputs still held, released.
-    pub prepared_inputs: usize,
-    /// Their tokens.
-    pub prepared_tokens: u64,
-}
 
 impl Handler<Drain> for Scheduler {
     type Result = Result<DrainReport, ChunkingError>;
 
     fn handle(&mut self, _: Drain, _: &mut Self::Context) -> Self::Result {
-        self.draining = true;
-        let drained = self.state.drain();
-        self.spans = Spans::new(self.instance.model_name().clone());
-        self.completed.clear();
-        self.publish_all_queues();
-        // The handles mirror PreparedInputs' store: what they held is what it drops.
-        let (prepared_inputs, prepared_tokens) = self.inputs.clear();
-        self.input_changes.clear();
-        self.prepared.do_send(Guarded(ReleaseAll));
-        let report = DrainReport {
-            steps_abandoned: drained.steps,
-            requests: drained.requests,
-            rows: drained.rows,
-            prepared_inputs,
-            prepared_tokens,
-        };
+        let report = self.state.drain_all(&mut self.shell);
+        self.shell.spans = Spans::new(self.shell.instance.model_name().clone());
+        self.shell.prepared.do_send(Guarded(ReleaseAll));
         tracing::info!(?report, "drained");
         Ok(report)
     }
@@ -698,34 +465,40 @@ impl Handler<Drain> for Scheduler {
 #[rtype(result = "Result<QueueStats, ChunkingError>")]
 pub(crate) struct SchedulerStats;
 
-/// Rows queued over all nodes, and steps in flight ([`crate::ChunkingManagement::queue_stats`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct QueueStats {
-    /// Prefill rows queued (each holds a prepared input), waiting or mid-prefill.
-    pub prefill_rows: usize,
-    /// Of those, rows with at least one completed chunk.
-    pub mid_prefill_rows: usize,
-    /// Continuing rows queued.
-    pub continuing_rows: usize,
-    /// Steps assembled and neither completed nor abandoned.
-    pub steps_in_flight: usize,
-}
-
 impl Handler<SchedulerStats> for Scheduler {
     type Result = Result<QueueStats, ChunkingError>;
 
     fn handle(&mut self, _: SchedulerStats, _: &mut Self::Context) -> Self::Result {
-        let mut stats = QueueStats {
-            steps_in_flight: self.state.steps_in_flight(),
-            ..QueueStats::default()
-        };
-        for n in self.state.node_names() {
-            let c = self.state.node(n).map(|q| q.counts()).unwrap_or_default();
-            stats.prefill_rows += c.waiting + c.mid_prefill;
-            stats.mid_prefill_rows += c.mid_prefill;
-            stats.continuing_rows += c.continuing;
-        }
-        Ok(stats)
+        Ok(self.state.stats())
+    }
+}
+
+/// The latency model a node plans with (`ChunkingManagement::latency_model`).
+#[derive(Message)]
+#[rtype(result = "Result<LatencyModelReport, ChunkingError>")]
+pub(crate) struct GetLatencyModel(pub(crate) Name);
+
+impl Handler<GetLatencyModel> for Scheduler {
+    type Result = Result<LatencyModelReport, ChunkingError>;
+
+    fn handle(&mut self, m: GetLatencyModel, _: &mut Self::Context) -> Self::Result {
+        self.state.latency_report(&m.0)
+    }
+}
+
+/// A row's whole input (a cheap clone of its `Arc`s), `ChunkingManagement::prepared`.
+#[derive(Message)]
+#[rtype(result = "Result<Option<PreparedInput>, ChunkingError>")]
+pub(crate) struct GetPrepared {
+    pub(crate) rid: u64,
+    pub(crate) node: Name,
+}
+
+impl Handler<GetPrepared> for Scheduler {
+    type Result = Result<Option<PreparedInput>, ChunkingError>;
+
+    fn handle(&mut self, m: GetPrepared, _: &mut Self::Context) -> Self::Result {
+        Ok(self.state.prepared(m.rid, &m.node))
     }
 }
 
@@ -735,7 +508,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::actors::prepared_inputs::{GetPrepared, PreparedTotals};
+    use crate::actors::prepared_inputs::PreparedTotals;
     use crate::budget::BudgetTable;
     use crate::planner::RowWork;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
@@ -768,12 +541,12 @@ mod tests {
             node: "llm".into(),
             walk: "prefill".into(),
             input,
-            cached: 0,
+            options: AdmitOptions::default(),
         })
     }
 
-    /// Drops the Scheduler's handle on the input of `(rid, llm)` behind its back: the two stores
-    /// disagree, which nothing but this test does.
+    /// Drops the input of `(rid, llm)` from the state's store behind the queue's back: the
+    /// store and the queues disagree, which nothing but this test does.
     struct LoseHandle(u64);
 
     impl Message for LoseHandle {
@@ -784,7 +557,7 @@ mod tests {
         type Result = ();
 
         fn handle(&mut self, m: LoseHandle, _: &mut Self::Context) {
-            assert!(self.inputs.release(m.0, "llm"));
+            assert!(self.state.inputs.release(m.0, "llm"));
         }
     }
 
@@ -809,6 +582,7 @@ mod tests {
             Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             })
         };
 
@@ -875,6 +649,7 @@ mod tests {
             .send(Guarded(Assemble {
                 node: "llm".into(),
                 walk: "prefill".into(),
+                now_ms: None,
             }))
             .await
             .unwrap()
@@ -889,6 +664,7 @@ mod tests {
         Guarded(Assemble {
             node: "llm".into(),
             walk: "prefill".into(),
+            now_ms: None,
         })
     }
 
@@ -1118,7 +894,7 @@ mod tests {
             "planned afresh, not the abandoned step"
         );
         assert_eq!(again.rows.len(), 1);
-        // PreparedInputs answers a held input, and nothing for a row it does not hold.
+        // The Scheduler answers a held input, and nothing for a row it does not hold.
         let input = PreparedInput::tokens(vec![4, 5, 6]);
         scheduler
             .send(admit(9, input.clone()))
@@ -1131,9 +907,10 @@ mod tests {
                 node: "llm".into(),
             })
         };
-        let held = prepared.send(get(9)).await.unwrap().unwrap();
+        let held = scheduler.send(get(9)).await.unwrap().unwrap();
         assert_eq!(held, Some(input));
-        assert_eq!(prepared.send(get(10)).await.unwrap().unwrap(), None);
+        assert_eq!(scheduler.send(get(10)).await.unwrap().unwrap(), None);
+        assert_eq!(totals(&prepared).await, (1, 3));
     }
 
     #[actix::test]

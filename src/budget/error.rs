@@ -182,6 +182,12 @@ pub enum BudgetError {
     /// A time margin with no time budget on any node: it would do nothing.
     #[error("a time margin does nothing without a time budget: set `max_step_ms` on a node")]
     TimeMarginWithoutBudget,
+    /// A starvation bound in ms that is not a finite number above 0.
+    #[error("`max_wait_ms` must be a finite number of milliseconds above 0, got {value}")]
+    BadMaxWait {
+        /// The refused value.
+        value: f64,
+    },
     /// A walk in two combined walks (rule 7).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
@@ -219,6 +225,12 @@ pub enum SettingKey {
     MaxPartialPrefills,
     /// [`TimeSettings::margin_quantile`](super::TimeSettings::margin_quantile): `time_margin`.
     TimeMargin,
+    /// [`OrderSettings`](super::OrderSettings): `order`, for every node or per node.
+    Order,
+    /// [`WaitBound::max_wait_ms`](crate::order::WaitBound::max_wait_ms).
+    MaxWaitMs,
+    /// [`WaitBound::max_wait_steps`](crate::order::WaitBound::max_wait_steps).
+    MaxWaitSteps,
 }
 
 impl SettingKey {
@@ -235,6 +247,9 @@ impl SettingKey {
             Self::MaxRowTokens => "max_row_tokens",
             Self::MaxPartialPrefills => "max_partial_prefills",
             Self::TimeMargin => "time_margin",
+            Self::Order => "order",
+            Self::MaxWaitMs => "max_wait_ms",
+            Self::MaxWaitSteps => "max_wait_steps",
         }
     }
 }
@@ -266,6 +281,8 @@ pub enum Rule {
     TimeBudgets,
     /// `docs/cost-model.md#the-time-margin`.
     TimeMargin,
+    /// `docs/scheduling.md#the-order-of-waiting-prompts`.
+    Order,
 }
 
 impl fmt::Display for Rule {
@@ -275,6 +292,7 @@ impl fmt::Display for Rule {
             Self::Budgets(None) => f.write_str("docs/budgets.md#refusals"),
             Self::TimeBudgets => f.write_str("docs/cost-model.md#time-budgets"),
             Self::TimeMargin => f.write_str("docs/cost-model.md#the-time-margin"),
+            Self::Order => f.write_str("docs/scheduling.md#the-order-of-waiting-prompts"),
         }
     }
 }
@@ -329,6 +347,7 @@ impl BudgetError {
                 at(K::Cost, node, None)
             }
             Self::BadTimeMargin { .. } | Self::TimeMarginWithoutBudget => whole(K::TimeMargin),
+            Self::BadMaxWait { .. } => whole(K::MaxWaitMs),
         }
     }
 
@@ -341,6 +360,13 @@ impl BudgetError {
                 setting: K::MaxBatchTokens,
                 ..
             } => n(1),
+            Self::UnknownNode {
+                setting: K::Order, ..
+            }
+            | Self::BadMaxWait { .. }
+            | Self::ZeroSetting {
+                setting: K::MaxWaitSteps,
+            } => Rule::Order,
             Self::UnknownNode { .. } | Self::WalkInTwoCombined { .. } => n(7),
             Self::WalkNotServed { .. } | Self::CombinedWalkNotServed { .. } => n(2),
             Self::WalkNotBudgeted { .. } => n(3),
@@ -371,7 +397,7 @@ impl BudgetError {
         match self {
             Self::ZeroSetting { .. } => Some("0".into()),
             Self::RowCapBelowAlign { max_row, .. } => Some(max_row.to_string()),
-            Self::BadTimeMargin { value } => Some(value.to_string()),
+            Self::BadTimeMargin { value } | Self::BadMaxWait { value } => Some(value.to_string()),
             Self::LatencyModelTooLarge { value, .. } => Some(value.to_string()),
             _ => None,
         }

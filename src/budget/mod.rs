@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::latency::{check_max_step_ms, LatencyModel};
+use crate::order::NodeOrder;
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies};
 
@@ -16,7 +17,7 @@ mod settings;
 mod value;
 
 pub use error::{BudgetError, BudgetErrors, Rule, SettingKey, Subject};
-pub use settings::{BudgetSettings, TimeSettings};
+pub use settings::{BudgetSettings, OrderSettings, TimeSettings};
 #[cfg(feature = "config")]
 pub(crate) use value::BUDGET_VALUE_EXPECTED;
 pub use value::{
@@ -80,6 +81,7 @@ impl BudgetTable {
                 errors.push(BudgetError::ZeroSetting { setting });
             }
         }
+        Self::check_order(&model, &settings, &mut errors);
         for (setting, nodes) in [
             (SettingKey::OverrideMixed, &settings.override_mixed),
             (SettingKey::NoChunking, &settings.no_chunking),
@@ -160,13 +162,40 @@ impl BudgetTable {
         })
     }
 
+    /// The order settings (`docs/scheduling.md#the-order-of-waiting-prompts`): a per-node order
+    /// of a node the model does not have, a `max_wait_ms` that is not finite and above 0, a
+    /// `max_wait_steps` of 0.
+    fn check_order(
+        model: &ModelPolicies,
+        settings: &BudgetSettings,
+        errors: &mut Vec<BudgetError>,
+    ) {
+        let order = &settings.order;
+        for node in order.per_node.keys().filter(|n| !model.has_node(n)) {
+            errors.push(BudgetError::UnknownNode {
+                setting: SettingKey::Order,
+                node: node.clone(),
+            });
+        }
+        if let Some(ms) = order.bound.max_wait_ms {
+            if !(ms.is_finite() && ms > 0.0) {
+                errors.push(BudgetError::BadMaxWait { value: ms });
+            }
+        }
+        if order.bound.max_wait_steps == Some(0) {
+            errors.push(BudgetError::ZeroSetting {
+                setting: SettingKey::MaxWaitSteps,
+            });
+        }
+    }
+
     /// Rule 11: a served walk a node's submodule can cut, with no budget there (overrides exist
     /// only where the model budgets, rule 3), that is neither a member of a combined walk nor
     /// one itself, is refused when the node has another served walk with a budget that is no
     /// member either: an engine assembling that walk (the `mixed` of `prefill` + `decode`) would
     /// wait forever while the row queues, and the row would run only uncut. A node the model
-    /// budgets nothing on runs such rows uncut by the model's decision, as the original contract
-    /// says; `no_chunking` nodes chunk nothing by the deployment's.
+    /// budgets nothing on runs such rows uncut by the model's decision, as the Python class
+    /// documents; `no_chunking` nodes chunk nothing by the deployment's.
     fn check_walks_chunked(
         model: &ModelPolicies,
         settings: &BudgetSettings,
@@ -387,6 +416,11 @@ impl BudgetTable {
             .get(&(Name::from(node), Name::from(walk)))
             .copied()
             .flatten()
+    }
+
+    /// The order of `node`'s waiting prompts and the starvation bound.
+    pub fn order(&self, node: &str) -> NodeOrder {
+        self.settings.order.of(node)
     }
 
     /// The latency model configured for `node` (`chunking.cost.<node>`), if any.

@@ -5,7 +5,30 @@ use std::num::NonZeroU32;
 
 use super::value::{BudgetValue, NodeBudget, NodeTimeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS};
 use crate::latency::LatencyModel;
+use crate::order::{NodeOrder, Order, WaitBound};
 use crate::policy::{ModelPolicies, Name};
+
+/// The order of each node's waiting prompts and their starvation bound
+/// (`docs/scheduling.md#the-order-of-waiting-prompts`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OrderSettings {
+    /// The order of every node not in `per_node` (`chunking.order = "…"`).
+    pub all: Order,
+    /// Per node, its own order (`chunking.order = { llm = "…" }`).
+    pub per_node: BTreeMap<Name, Order>,
+    /// The starvation bound, for every node (`chunking.max_wait_ms`, `chunking.max_wait_steps`).
+    pub bound: WaitBound,
+}
+
+impl OrderSettings {
+    /// The order and bound steps of `node` are planned under.
+    pub fn of(&self, node: &str) -> NodeOrder {
+        NodeOrder {
+            order: self.per_node.get(node).copied().unwrap_or(self.all),
+            bound: self.bound,
+        }
+    }
+}
 
 /// Cost-aware chunking's settings (`docs/cost-model.md`): time budgets and where the latency
 /// model comes from.
@@ -46,6 +69,8 @@ pub struct BudgetSettings {
     pub max_partial_prefills: Option<u32>,
     /// Time budgets and latency models.
     pub time: TimeSettings,
+    /// The order of waiting prompts per node, and the starvation bound.
+    pub order: OrderSettings,
 }
 
 /// A builder over the fields: every method takes and returns the settings. A budget is a
@@ -95,6 +120,7 @@ impl BudgetSettings {
             max_row_tokens: None,
             max_partial_prefills: None,
             time: TimeSettings::default(),
+            order: OrderSettings::default(),
         }
     }
 
@@ -190,6 +216,33 @@ impl BudgetSettings {
     /// `quantile` is in `(0, 1]` and some node has a time budget.
     pub fn time_margin(mut self, quantile: f64) -> Self {
         self.time.margin_quantile = Some(quantile);
+        self
+    }
+
+    /// `chunking.order`: the order of waiting prompts on every node (per node:
+    /// [`node_order`](Self::node_order)).
+    pub fn order(mut self, order: Order) -> Self {
+        self.order.all = order;
+        self
+    }
+
+    /// `chunking.order.<node>`: the order of waiting prompts on `node`.
+    pub fn node_order(mut self, node: &str, order: Order) -> Self {
+        self.order.per_node.insert(node.into(), order);
+        self
+    }
+
+    /// `chunking.max_wait_ms`: a prompt that has waited this many ms goes first. Refused by
+    /// `set_budgets` unless finite and above 0.
+    pub fn max_wait_ms(mut self, ms: f64) -> Self {
+        self.order.bound.max_wait_ms = Some(ms);
+        self
+    }
+
+    /// `chunking.max_wait_steps`: a prompt that has waited through this many planned steps of
+    /// its node goes first.
+    pub fn max_wait_steps(mut self, steps: NonZeroU32) -> Self {
+        self.order.bound.max_wait_steps = Some(u64::from(steps.get()));
         self
     }
 

@@ -46,6 +46,7 @@ fn settings() -> BudgetSettings {
         max_row_tokens: None,
         max_partial_prefills: None,
         time: TimeSettings::default(),
+        order: Default::default(),
     }
 }
 

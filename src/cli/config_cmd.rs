@@ -72,6 +72,7 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
         "caps",
         "step ms",
         "model",
+        "order",
     ]
     .map(String::from)];
     for r in rows {
@@ -113,9 +114,10 @@ pub fn render_table(rows: &[BudgetRow]) -> String {
                 (false, false) => "-",
             }
             .to_string(),
+            r.order.to_string(),
         ]);
     }
-    let mut widths = [0usize; 9];
+    let mut widths = [0usize; 10];
     for row in &cells {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
@@ -163,6 +165,7 @@ mod tests {
             max_step_ms: None,
             cost: None,
             learn_cost: false,
+            order: "fcfs",
         }
     }
 
@@ -178,6 +181,7 @@ mod tests {
         timed.cost = Some(BTreeMap::from([("base_ms", 8.0)]));
         let mut learned = row("llm", "decode");
         learned.learn_cost = true;
+        learned.order = "shortest_first";
         learned.walk_caps = None;
         let mut both = learned.clone();
         both.walk = "prefill".into();
@@ -186,25 +190,29 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[0],
-            "node     walk     policy  budget  chunkable  floor  caps                     step ms  model"
+            "node     walk     policy  budget  chunkable  floor  caps                     step ms  model           order"
         );
         assert_eq!(
             lines[1],
-            "thinker  mixed    8192    6144    yes        64     decode=192,prefill=4096  -        -"
+            "thinker  mixed    8192    6144    yes        64     decode=192,prefill=4096  -        -               fcfs"
         );
         assert_eq!(
             lines[2],
-            "talker   prefill  8192    off     no         -      -                        -        -"
+            "talker   prefill  8192    off     no         -      -                        -        -               fcfs"
         );
         assert_eq!(
             lines[3],
-            "llm      mixed    8192    6144    yes        64     decode=192,prefill=4096  50.5     config"
+            "llm      mixed    8192    6144    yes        64     decode=192,prefill=4096  50.5     config          fcfs"
         );
         assert_eq!(
             lines[4],
-            "llm      decode   8192    6144    yes        64     -                        -        learned"
+            "llm      decode   8192    6144    yes        64     -                        -        learned         shortest_first"
         );
-        assert!(lines[5].ends_with("config+learned"), "{}", lines[5]);
+        assert!(
+            lines[5].ends_with("config+learned  shortest_first"),
+            "{}",
+            lines[5]
+        );
     }
 
     #[test]
@@ -217,7 +225,7 @@ mod tests {
                 "node": "thinker", "walk": "mixed", "policy_budget": 8192,
                 "max_batch_tokens": 6144, "chunkable": true, "min_chunk_tokens": 64,
                 "walk_caps": {"decode": 192, "prefill": 4096},
-                "max_step_ms": null, "cost": null, "learn_cost": false
+                "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"
             }])
         );
     }

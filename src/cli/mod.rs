@@ -116,6 +116,14 @@ pub struct TraceArgs {
     /// Skip trace lines that cannot be parsed instead of stopping
     #[arg(long)]
     pub skip_bad_lines: bool,
+    /// Each request's priority by a rule, over the trace's `priority` column:
+    /// prompt-length:N (prompts up to N tokens get priority 0, longer ones 1)
+    #[arg(long, value_name = "RULE", value_parser = priority_by)]
+    pub priority_by: Option<crate::replay::PriorityBy>,
+}
+
+fn priority_by(s: &str) -> Result<crate::replay::PriorityBy, String> {
+    s.parse()
 }
 
 impl TraceArgs {
@@ -129,13 +137,92 @@ impl TraceArgs {
             format: self.format,
             arrivals: self.arrivals,
             skip_bad_lines: self.skip_bad_lines,
+            priority_by: self.priority_by,
             ..Default::default()
         }
     }
 }
 
+/// Settings as flags, for `replay` and `sweep` (`docs/config.md#flags`): each is the config key
+/// it names, set in a layer over every other (`config::flags`), refused as the key is.
+#[derive(Debug, Clone, Default, PartialEq, Args)]
+pub struct SettingArgs {
+    /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`
+    #[arg(
+        long,
+        value_name = "MS|off",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub max_step_ms: Option<String>,
+    /// The planner's latency model for the replayed node, a preset (llama2-7b-a100,
+    /// llama2-7b-h100) or base_ms,per_token_ms,per_kv_token_ms,per_attention_pair_ms:
+    /// `chunking.cost.<node>`
+    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = "Settings (each a config key)")]
+    pub cost: Option<String>,
+    /// Fit the planner's latency model online: `chunking.learn_cost = true`
+    #[arg(long, help_heading = "Settings (each a config key)")]
+    pub learn_cost: bool,
+    /// The simulated engine's step cost, a preset or base_ms,per_token_ms,per_kv_token_ms,
+    /// per_attention_pair_ms: `replay.cost` (its noise and learn kept)
+    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = "Settings (each a config key)")]
+    pub sim_cost: Option<String>,
+    /// Plan timed steps with this quantile in (0, 1] of measured / predicted step times:
+    /// `chunking.time_margin`
+    #[arg(long, value_name = "Q", help_heading = "Settings (each a config key)")]
+    pub time_margin: Option<String>,
+}
+
+impl SettingArgs {
+    /// The flags given, as config edits, in a fixed order.
+    pub fn flags(&self) -> Vec<config::FlagSetting> {
+        use config::FlagSetting as F;
+        let mut v = Vec::new();
+        v.extend(self.max_step_ms.as_deref().map(F::max_step_ms));
+        // Checked by clap's parser already (`cost_flag`): a list of four.
+        v.extend(self.cost.as_deref().and_then(|c| F::cost(c).ok()));
+        if self.learn_cost {
+            v.push(F::learn_cost());
+        }
+        v.extend(self.sim_cost.as_deref().and_then(|c| F::sim_cost(c).ok()));
+        v.extend(self.time_margin.as_deref().map(F::time_margin));
+        v
+    }
+}
+
+/// `replay`'s KV memory as flags: `replay.kv.blocks`, or `replay.kv.preset` / a memory budget.
+#[derive(Debug, Clone, Default, PartialEq, Args)]
+pub struct KvArgs {
+    /// The KV pool in blocks: `replay.kv.blocks` (instead of any other sizing of the pool)
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with = "kv_memory",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub kv_blocks: Option<String>,
+    /// The KV pool from memory, a preset (llama2-7b-a100, llama2-7b-h100) or
+    /// gpu_memory_gb,weights_gb,kv_bytes_per_token: `replay.kv.preset` or those keys
+    #[arg(long, value_name = "PRESET|GIB,GIB,BYTES", value_parser = kv_memory_flag, help_heading = "Settings (each a config key)")]
+    pub kv_memory: Option<String>,
+}
+
+impl KvArgs {
+    /// The flags given, as config edits.
+    pub fn flags(&self) -> Vec<config::FlagSetting> {
+        use config::FlagSetting as F;
+        let mut v = Vec::new();
+        v.extend(self.kv_blocks.as_deref().map(F::kv_blocks));
+        v.extend(self.kv_memory.as_deref().and_then(|m| F::kv_memory(m).ok()));
+        v
+    }
+}
+
+/// What `--help` of `replay` and `sweep` says of settings.
+const SETTINGS_HELP: &str = "Every setting is a config key: config/default.toml lists them all, with their defaults, and docs/config.md describes them. Layers, each over the one before: config/default.toml (a built-in copy outside the repository), config/$MSTAR_ENV.toml, each --config FILE, MSTAR__SECTION__KEY environment variables, then the flags above, each the key it names, refused as the key is.";
+
 /// `replay` arguments.
 #[derive(Debug, Clone, PartialEq, Args)]
+#[command(after_help = SETTINGS_HELP)]
 pub struct ReplayArgs {
     /// Where the model and config layers come from.
     #[command(flatten)]
@@ -143,6 +230,12 @@ pub struct ReplayArgs {
     /// The trace to replay.
     #[command(flatten)]
     pub source: TraceArgs,
+    /// Settings as flags.
+    #[command(flatten)]
+    pub settings: SettingArgs,
+    /// KV memory as flags.
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
     pub rate_scale: f64,
@@ -167,8 +260,9 @@ pub struct ReplayArgs {
     /// SIGINT (Ctrl-C) or SIGTERM
     #[arg(long)]
     pub hold: bool,
-    /// Reload the config files when they change (or on SIGHUP) while replaying
-    #[arg(long, conflicts_with_all = ["budget_off", "budget"])]
+    /// Reload the config files when they change (or on SIGHUP) while replaying (a reload
+    /// reads the layers again without the flags, so none may be given)
+    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
@@ -177,10 +271,14 @@ pub struct ReplayArgs {
 
 /// `sweep` arguments (`docs/replay.md#sweeps`).
 #[derive(Debug, Clone, PartialEq, Args)]
+#[command(after_help = SETTINGS_HELP)]
 pub struct SweepArgs {
     /// Where the model and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
+    /// Settings as flags, the same in every cell.
+    #[command(flatten)]
+    pub settings: SettingArgs,
     /// Token budgets of the replayed node's step walk, comma-separated; "off" for none
     #[arg(long, value_name = "LIST", default_value = "512,1024,2048,4096,off")]
     pub budgets: String,
@@ -244,6 +342,17 @@ fn budget_value(s: &str) -> Result<BudgetValue, String> {
                 config::problem::quote(s)
             )
         })
+}
+
+/// `--cost`, `--sim-cost`: a preset's name or four coefficients (the values themselves are
+/// the config's to check).
+fn cost_flag(s: &str) -> Result<String, String> {
+    config::FlagSetting::cost(s).map(|_| s.to_owned())
+}
+
+/// `--kv-memory`: a preset's name or a memory budget's three numbers.
+fn kv_memory_flag(s: &str) -> Result<String, String> {
+    config::FlagSetting::kv_memory(s).map(|_| s.to_owned())
 }
 
 fn input_format(s: &str) -> Result<TraceFormat, String> {

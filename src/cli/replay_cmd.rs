@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use super::*;
 
-/// The configuration checked for a replay: the load, and `[replay]` resolved against the model.
+/// The configuration checked for a replay: the load (with the setting flags over every layer),
+/// and `[replay]` resolved against the model.
 /// `check` runs the same check (see [`check`]), so that both agree on every setting.
 ///
 /// # Errors
@@ -13,8 +14,9 @@ use super::*;
 /// drive).
 pub fn load_for_replay(
     opts: &LoadOptions,
+    flags: &[config::FlagSetting],
 ) -> Result<(LoadedConfig, crate::replay::ReplaySetup), ConfigErrors> {
-    let loaded = config::load(opts)?;
+    let loaded = config::load_with_flags(opts, flags)?;
     match crate::replay::settings::check(&loaded.manifest, &loaded.settings.replay) {
         Ok(setup) => Ok((loaded, setup)),
         Err(problems) => {
@@ -51,6 +53,29 @@ pub(super) fn replay_problems(
     )
 }
 
+/// Says once, on stderr, when the built-in copies of `config/default.toml` or the demo model
+/// stand in for files that are not there (a run outside the repository).
+pub(super) fn note_built_in_copies(loaded: &LoadedConfig) {
+    let mut copies = Vec::new();
+    if loaded
+        .layers
+        .first()
+        .is_some_and(|l| l.starts_with("built-in "))
+    {
+        copies.push("config/default.toml");
+    }
+    if loaded.model_origin.starts_with("built-in ") {
+        copies.push("config/models/demo.toml");
+    }
+    if !copies.is_empty() {
+        say(&format!(
+            "note: {} not found in ./config (running outside the repository?): using the cop{} built into this binary",
+            copies.join(" and "),
+            if copies.len() == 1 { "y" } else { "ies" }
+        ));
+    }
+}
+
 /// Warns when the metrics endpoint listens beyond this machine.
 fn warn_if_exposed(addr: std::net::SocketAddr) {
     if !addr.ip().is_loopback() {
@@ -65,9 +90,12 @@ fn warn_if_exposed(addr: std::net::SocketAddr) {
 /// and prints the summary. Exit codes: 0 done, 2 refused config, 1 any other failure.
 pub fn replay(args: &ReplayArgs) -> ExitCode {
     let load = args.config.load_options();
-    let loaded = match load_for_replay(&load) {
+    let mut flags = args.settings.flags();
+    flags.extend(args.kv.flags());
+    let loaded = match load_for_replay(&load, &flags) {
         Ok((l, _)) => {
             init_logging(&l);
+            note_built_in_copies(&l);
             l
         }
         Err(errors) => {
@@ -90,6 +118,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         step_log: args.step_log.clone(),
         report_json: args.report_json.clone(),
         progress: !args.no_progress,
+        config_layers: loaded.layers.clone(),
         inputs: load
             .config_files()
             .into_iter()

@@ -19,9 +19,10 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         ExitCode::from(EXIT_CONFIG)
     };
     let load = args.config.load_options();
-    let (loaded, setup) = match load_for_replay(&load) {
+    let (loaded, setup) = match load_for_replay(&load, &args.settings.flags()) {
         Ok((l, s)) => {
             init_logging(&l);
+            super::replay_cmd::note_built_in_copies(&l);
             (l, s)
         }
         Err(errors) => {
@@ -73,6 +74,13 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     };
     for w in crate::replay::trace_warnings(&setup, &trace) {
         say(&format!("warning: {w}"));
+    }
+    // Every pool of the KV axis is checked as the replay checks its own, before anything is
+    // created or run: a refusal is usage (exit 2) and leaves `--out` as it was.
+    if let Some(axis) = &kv_axis {
+        if let Err(e) = check_kv_axis(&loaded, &trace, axis) {
+            return usage(&e);
+        }
     }
     // Created only now that every input was accepted, and removed again if the sweep writes
     // nothing into it.
@@ -256,6 +264,22 @@ fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<(
         let _ = stop;
         None
     }
+}
+
+/// Refuses a pool of the KV axis that the replay would refuse: its `[replay]` settings, or a
+/// request of the trace that could never fit in it.
+fn check_kv_axis(
+    loaded: &LoadedConfig,
+    trace: &crate::replay::Trace,
+    axis: &[crate::sweep::kv_axis::KvBlocks],
+) -> Result<(), String> {
+    for kv in axis {
+        let (settings, _) = crate::sweep::cells::with_kv(&loaded.settings, *kv);
+        crate::replay::ReplaySetup::resolve(&loaded.manifest, &settings)
+            .and_then(|setup| crate::replay::check_kv_fits(&setup, trace))
+            .map_err(|e| format!("`--kv-blocks` names {kv}: {e} (no replay ran)"))?;
+    }
+    Ok(())
 }
 
 /// `sweep --kv-blocks` (`docs/kv-memory.md#in-a-sweep`): the grid once per KV pool size, each

@@ -6,12 +6,13 @@ use std::collections::BTreeMap;
 use super::layers::KeyOrigins;
 use super::problem::ConfigProblem;
 use super::sections::ChunkingSection;
-use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
+use super::spelling::{NodeBudgetSetting, NodeTimeSetting, OrderSetting};
 use crate::budget::{
-    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, SettingKey, Subject,
-    TimeSettings,
+    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, OrderSettings,
+    SettingKey, Subject, TimeSettings,
 };
 use crate::manifest::Manifest;
+use crate::order::{Order, WaitBound};
 use crate::policy::Name;
 
 /// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
@@ -74,6 +75,20 @@ impl Manifest {
                 learn: chunking.learn_cost,
                 margin_quantile: chunking.time_margin,
             },
+            order: OrderSettings {
+                all: match &chunking.order {
+                    OrderSetting::All(o) => *o,
+                    OrderSetting::PerNode(_) => Order::Fcfs,
+                },
+                per_node: match &chunking.order {
+                    OrderSetting::All(_) => BTreeMap::new(),
+                    OrderSetting::PerNode(m) => m.iter().map(|(n, o)| (name(n), *o)).collect(),
+                },
+                bound: WaitBound {
+                    max_wait_ms: chunking.max_wait_ms,
+                    max_wait_steps: chunking.max_wait_steps.map(u64::from),
+                },
+            },
         }
     }
 }
@@ -115,6 +130,8 @@ pub struct BudgetRow {
     pub cost: Option<BTreeMap<&'static str, f64>>,
     /// Whether the node's model is fitted online from measured steps (`chunking.learn_cost`).
     pub learn_cost: bool,
+    /// The order of the node's waiting prompts (`chunking.order`).
+    pub order: &'static str,
 }
 
 /// The effective table of `table` over every node × walk of `manifest`, nodes in file order,
@@ -142,6 +159,7 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
                         .collect()
                 }),
                 learn_cost: table.settings().time.learn,
+                order: table.order(node).order.as_str(),
             });
         }
     }
@@ -186,6 +204,9 @@ pub(super) fn budget_problem(
             chunking.max_step_ms.get(n).and_then(|b| b.shown(walk)),
         ),
         (SettingKey::Cost, Some(n)) => (per_node(n), None),
+        (SettingKey::Order, Some(n)) => {
+            (format!("chunking.{setting}.{n}"), chunking.order.shown(n))
+        }
         (SettingKey::NoChunking, Some(n)) => (
             format!("chunking.{setting}"),
             Some(super::problem::quote(n)),

@@ -153,6 +153,11 @@ impl KeyOrigins {
         "built-in default".to_string()
     }
 
+    /// Adds a layer over the others: `dotted key -> who set it`.
+    pub(super) fn push_layer(&mut self, keys: BTreeMap<String, String>) {
+        self.0.push(keys);
+    }
+
     /// A problem with the setting at `key`, naming the layer that set it.
     pub fn problem(&self, key: &str, value: Option<String>, reason: String) -> ConfigProblem {
         ConfigProblem::Setting {
@@ -208,9 +213,13 @@ impl Layers {
         Self(layers)
     }
 
-    /// The layers' labels, in order.
-    pub(super) fn labels(&self) -> Vec<String> {
-        self.0.iter().map(|l| l.label.clone()).collect()
+    /// The layers' labels, in order; with `flags`, the command-line flags' layer last.
+    pub(super) fn labels(&self, flags: bool) -> Vec<String> {
+        let mut labels: Vec<String> = self.0.iter().map(|l| l.label.clone()).collect();
+        if flags {
+            labels.push(super::flags::FLAGS_LAYER.to_owned());
+        }
+        labels
     }
 
     /// Which layer set each key.

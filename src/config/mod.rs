@@ -18,6 +18,7 @@
 pub mod budgets;
 pub mod cost;
 pub(crate) mod decode;
+pub mod flags;
 pub mod layers;
 pub mod problem;
 pub mod sections;
@@ -28,6 +29,7 @@ use std::path::Path;
 pub use crate::input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use budgets::{budget_rows, BudgetRow};
 pub use cost::CostSetting;
+pub use flags::FlagSetting;
 pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
@@ -83,6 +85,18 @@ impl LoadedConfig {
 /// wrong type or spelling, manifest problems and every budget refusal, each naming its key and
 /// layer.
 pub fn load(opts: &LoadOptions) -> Result<LoadedConfig, ConfigErrors> {
+    load_with_flags(opts, &[])
+}
+
+/// [`load`] with command-line flags as a layer over every other ([`flags`]): each sets its
+/// key as a config layer would, and is refused as that key is, naming the flag.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with_flags(
+    opts: &LoadOptions,
+    flags: &[FlagSetting],
+) -> Result<LoadedConfig, ConfigErrors> {
     let mut problems = ConfigErrors::default();
     let (manifest, model_origin) = match read_manifest(opts) {
         Ok(m) => (Some(m.0), m.1),
@@ -96,8 +110,8 @@ pub fn load(opts: &LoadOptions) -> Result<LoadedConfig, ConfigErrors> {
         }
     };
     let layers = Layers::read(opts, &mut problems);
-    let origins = layers.origins();
-    let settings = deserialize(&layers, &origins, &mut problems);
+    let first_node = manifest.as_ref().and_then(Manifest::first_node);
+    let (settings, origins) = deserialize(&layers, flags, first_node, &mut problems);
     let table = manifest
         .as_ref()
         .and_then(|m| check_against(m, &model_origin, &settings, &origins, &mut problems));
@@ -107,7 +121,7 @@ pub fn load(opts: &LoadOptions) -> Result<LoadedConfig, ConfigErrors> {
             settings,
             table,
             model_origin,
-            layers: layers.labels(),
+            layers: layers.labels(!flags.is_empty()),
             origins,
             warnings: layers::env_warnings(opts),
         }),
@@ -126,8 +140,7 @@ pub fn load_settings(
 ) -> Result<(Settings, BudgetTable), ConfigErrors> {
     let mut problems = ConfigErrors::default();
     let layers = Layers::read(opts, &mut problems);
-    let origins = layers.origins();
-    let settings = deserialize(&layers, &origins, &mut problems);
+    let (settings, origins) = deserialize(&layers, &[], None, &mut problems);
     let origin = opts
         .model_path()
         .map_or_else(builtin_demo_label, |p| p.display().to_string());
@@ -180,11 +193,19 @@ fn read_manifest(opts: &LoadOptions) -> Result<(Manifest, String), ManifestError
     }
 }
 
-/// Merges the layers and deserializes the result, collecting every problem: after each error
-/// the offending key is dropped and deserialization retried (at most
+/// Merges the layers, applies the command-line flags over them (`flags`; `first_node` is the
+/// replayed node's default) and deserializes the result, collecting every problem: after each
+/// error the offending key is dropped and deserialization retried (at most
 /// [`problem::MAX_PROBLEMS`] times, so the work stays linear in the input), so one run names
-/// them all. An unknown key is named without its value, which may be a secret.
-fn deserialize(layers: &Layers, origins: &KeyOrigins, problems: &mut ConfigErrors) -> Settings {
+/// them all. An unknown key is named without its value, which may be a secret. Answers the
+/// settings and who set each key.
+fn deserialize(
+    layers: &Layers,
+    flags: &[FlagSetting],
+    first_node: Option<&str>,
+    problems: &mut ConfigErrors,
+) -> (Settings, KeyOrigins) {
+    let mut origins = layers.origins();
     let merged = match layers.merged() {
         Ok(m) => m,
         Err(reason) => {
@@ -192,11 +213,23 @@ fn deserialize(layers: &Layers, origins: &KeyOrigins, problems: &mut ConfigError
                 path: "merged config".into(),
                 reason,
             });
-            return Settings::default();
+            return (Settings::default(), origins);
         }
     };
     let mut tree =
         serde_json::Value::Object(merged.into_iter().map(|(k, v)| (k, to_json(v))).collect());
+    if !flags.is_empty() {
+        origins.push_layer(flags::apply(flags, &mut tree, first_node));
+    }
+    let settings = deserialize_tree(tree, &origins, problems);
+    (settings, origins)
+}
+
+fn deserialize_tree(
+    mut tree: serde_json::Value,
+    origins: &KeyOrigins,
+    problems: &mut ConfigErrors,
+) -> Settings {
     for _ in 0..problem::MAX_PROBLEMS {
         let err = match serde_path_to_error::deserialize::<_, Settings>(&tree) {
             Ok(settings) => {

@@ -10,7 +10,7 @@ use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
 use super::cost::CostSetting;
-use super::spelling::{NodeBudgetSetting, NodeTimeSetting};
+use super::spelling::{NodeBudgetSetting, NodeTimeSetting, OrderSetting};
 use crate::budget::DEFAULT_MIN_CHUNK_TOKENS;
 
 /// The whole serving config.
@@ -50,6 +50,13 @@ pub struct ChunkingSection {
     /// Plan timed steps with a margin at this quantile of the recent measured ÷ predicted
     /// step times (`docs/cost-model.md#the-time-margin`); unset: no margin.
     pub time_margin: Option<f64>,
+    /// The order of waiting prompts, for every node or per node
+    /// (`docs/scheduling.md#the-order-of-waiting-prompts`); default `fcfs`.
+    pub order: OrderSetting,
+    /// The starvation bound in ms: a prompt that waited this long goes first; unset: none.
+    pub max_wait_ms: Option<f64>,
+    /// The starvation bound in planned steps of the prompt's node; unset: none.
+    pub max_wait_steps: Option<u32>,
 }
 
 impl Default for ChunkingSection {
@@ -64,6 +71,9 @@ impl Default for ChunkingSection {
             cost: BTreeMap::new(),
             learn_cost: false,
             time_margin: None,
+            order: OrderSetting::default(),
+            max_wait_ms: None,
+            max_wait_steps: None,
         }
     }
 }

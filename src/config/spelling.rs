@@ -17,6 +17,7 @@ use serde::Deserialize;
 
 use crate::budget::{BudgetValue, TimeBudget};
 use crate::latency::check_max_step_ms;
+use crate::order::Order;
 
 /// What a value of one setting accepts, beyond `"off"` and null.
 pub trait Spelling: Sized + fmt::Display {
@@ -292,10 +293,108 @@ impl<'de> Deserialize<'de> for TimeSetting {
     }
 }
 
+// === orders ===
+
+/// The rule a refused order breaks.
+const ORDER_RULE: &str = "docs/scheduling.md#the-order-of-waiting-prompts";
+
+/// `chunking.order` as written: one order for every node (`"shortest_first"`), or a table
+/// `node -> order` (`{ llm = "priority" }`); nodes not in the table keep `fcfs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OrderSetting {
+    /// One order for every node.
+    All(Order),
+    /// `node -> order`.
+    PerNode(BTreeMap<String, Order>),
+}
+
+impl Default for OrderSetting {
+    fn default() -> Self {
+        Self::All(Order::Fcfs)
+    }
+}
+
+impl OrderSetting {
+    /// The order written for `node`, for messages.
+    pub fn shown(&self, node: &str) -> Option<String> {
+        match self {
+            Self::All(o) => Some(o.to_string()),
+            Self::PerNode(m) => m.get(node).map(ToString::to_string),
+        }
+    }
+}
+
+/// One order's name.
+struct OrderName(Order);
+
+impl<'de> Deserialize<'de> for OrderName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(d)?;
+        raw.parse::<Order>()
+            .map(OrderName)
+            .map_err(|e| de::Error::custom(format!("{e} ({ORDER_RULE})")))
+    }
+}
+
+impl<'de> Deserialize<'de> for OrderSetting {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct OrderVisitor;
+        impl<'de> Visitor<'de> for OrderVisitor {
+            type Value = OrderSetting;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an order (fcfs, priority, shortest_first, longest_prefix), or a table node -> order")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                v.parse::<Order>()
+                    .map(OrderSetting::All)
+                    .map_err(|e| E::custom(format!("{e} ({ORDER_RULE})")))
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut nodes = BTreeMap::new();
+                while let Some((node, OrderName(order))) = map.next_entry::<String, OrderName>()? {
+                    nodes.insert(node, order);
+                }
+                Ok(OrderSetting::PerNode(nodes))
+            }
+        }
+        d.deserialize_any(OrderVisitor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_order_is_one_name_for_every_node_or_a_table_per_node() {
+        let parse = |v| serde_json::from_value::<OrderSetting>(v).map_err(|e| e.to_string());
+        assert_eq!(
+            parse(json!("shortest_first")),
+            Ok(OrderSetting::All(Order::ShortestFirst))
+        );
+        assert_eq!(
+            parse(json!({"llm": "priority"})),
+            Ok(OrderSetting::PerNode(BTreeMap::from([(
+                "llm".to_string(),
+                Order::Priority
+            )])))
+        );
+        let e = parse(json!("lpm")).unwrap_err();
+        assert!(e.starts_with("unknown order \"lpm\""), "{e}");
+        assert!(e.contains(ORDER_RULE), "{e}");
+        assert!(parse(json!({"llm": "sjf"}))
+            .unwrap_err()
+            .contains("unknown order \"sjf\""));
+        assert!(parse(json!(3)).is_err());
+        assert_eq!(
+            OrderSetting::default().shown("any").as_deref(),
+            Some("fcfs")
+        );
+    }
 
     fn parse(v: serde_json::Value) -> Result<BudgetValue, String> {
         serde_json::from_value::<BudgetSetting>(v)

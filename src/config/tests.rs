@@ -357,3 +357,74 @@ fn a_time_budget_refusal_names_its_own_key_not_the_token_budget_key() {
         "{p:#?}"
     );
 }
+
+#[test]
+fn an_order_is_read_for_every_node_or_per_node_with_its_starvation_bound() {
+    use crate::order::{Order, WaitBound};
+    let l = load(&opts(
+        "omni.toml",
+        &[
+            ("MSTAR__CHUNKING__ORDER", "shortest_first"),
+            ("MSTAR__CHUNKING__MAX_WAIT_MS", "2000"),
+            ("MSTAR__CHUNKING__MAX_WAIT_STEPS", "64"),
+        ],
+    ))
+    .unwrap();
+    for node in ["thinker", "vision", "talker"] {
+        assert_eq!(l.table.order(node).order, Order::ShortestFirst, "{node}");
+    }
+    assert_eq!(
+        l.table.order("thinker").bound,
+        WaitBound {
+            max_wait_ms: Some(2000.0),
+            max_wait_steps: Some(64)
+        }
+    );
+    let l = load(&opts(
+        "omni.toml",
+        &[("MSTAR__CHUNKING__ORDER__THINKER", "priority")],
+    ))
+    .unwrap();
+    assert_eq!(l.table.order("thinker").order, Order::Priority);
+    assert_eq!(
+        l.table.order("talker").order,
+        Order::Fcfs,
+        "not named: fcfs"
+    );
+    assert!(l
+        .rows()
+        .iter()
+        .any(|r| r.node == "thinker" && r.order == "priority"));
+    assert!(load(&opts("omni.toml", &[]))
+        .unwrap()
+        .rows()
+        .iter()
+        .all(|r| r.order == "fcfs"));
+}
+
+#[test]
+fn order_refusals_name_the_key_the_value_and_the_layer() {
+    let one = |k: &str, v: &str| problems(&opts("omni.toml", &[(k, v)]));
+    let p = one("MSTAR__CHUNKING__ORDER", "lpm");
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert!(p[0].contains("`chunking.order`"), "{p:?}");
+    assert!(p[0].contains("unknown order \"lpm\""), "{p:?}");
+    let p = one("MSTAR__CHUNKING__ORDER__CODEC", "priority");
+    assert_eq!(
+        p,
+        ["environment variable MSTAR__CHUNKING__ORDER__CODEC: `chunking.order.codec` = priority: `order` names node `codec`, which the model does not have (docs/scheduling.md#the-order-of-waiting-prompts)"]
+    );
+    for bad in ["0", "-5", "nan", "inf"] {
+        let p = one("MSTAR__CHUNKING__MAX_WAIT_MS", bad);
+        assert_eq!(p.len(), 1, "{bad}: {p:?}");
+        assert!(p[0].contains("`chunking.max_wait_ms`"), "{bad}: {p:?}");
+    }
+    assert_eq!(
+        one("MSTAR__CHUNKING__MAX_WAIT_MS", "0"),
+        ["environment variable MSTAR__CHUNKING__MAX_WAIT_MS: `chunking.max_wait_ms` = 0: `max_wait_ms` must be a finite number of milliseconds above 0, got 0 (docs/scheduling.md#the-order-of-waiting-prompts)"]
+    );
+    assert_eq!(
+        one("MSTAR__CHUNKING__MAX_WAIT_STEPS", "0"),
+        ["environment variable MSTAR__CHUNKING__MAX_WAIT_STEPS: `chunking.max_wait_steps` = 0: `max_wait_steps` must be at least 1, got 0 (docs/scheduling.md#the-order-of-waiting-prompts)"]
+    );
+}

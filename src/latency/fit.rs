@@ -68,11 +68,7 @@ pub enum FitError {
 }
 
 fn check_measurement(ms: f64) -> Result<f64, FitError> {
-    if ms.is_finite() && ms >= 0.0 {
-        Ok(ms)
-    } else {
-        Err(FitError::BadMeasurement { value: ms })
-    }
+    super::measured_ms(ms).ok_or(FitError::BadMeasurement { value: ms })
 }
 
 // === impl Sample ===

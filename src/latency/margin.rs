@@ -47,8 +47,7 @@ impl TimeMargin {
     pub fn observe(&mut self, measured_ms: f64, predicted_ms: f64, quantile: f64) {
         let usable = predicted_ms.is_finite()
             && predicted_ms > 0.0
-            && measured_ms.is_finite()
-            && measured_ms >= 0.0;
+            && super::measured_ms(measured_ms).is_some();
         if !usable {
             return;
         }

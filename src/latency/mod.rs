@@ -70,6 +70,13 @@ pub fn check_max_step_ms(value: f64) -> Result<f64, LatencyError> {
     }
 }
 
+/// A step time the engine measured, in milliseconds, if it is one: finite and `>= 0`. The one
+/// check of a measured time: the completion refuses the others (`BadMeasurement`), and the
+/// online fit, the time margin and the time-overrun check read only times that passed it.
+pub fn measured_ms(ms: f64) -> Option<f64> {
+    (ms.is_finite() && ms >= 0.0).then_some(ms)
+}
+
 // === where a model comes from ===
 
 /// Where the latency model in use came from. Bounded: used as a metric label and in the
@@ -187,17 +194,15 @@ fn u128_to_f64(x: u128) -> f64 {
 /// every token before it, `(end·(end+1) − start·(start+1)) / 2`. Zero when `end <= start`.
 ///
 /// Exact: `(e−s)·(e+s+1)` is a product of one even and one odd factor (their sum `2e+1` is
-/// odd), so halving it loses nothing, and it fits a `u128` for any `u32` ends.
+/// odd), so halving it loses nothing. It fits a `u64` for any `u32` ends: it is at most
+/// `e·(e+1) ≤ (2^32−1)·2^32 < 2^64`. A step's sum over its chunks can pass `2^64`, which is why
+/// the features keep it as a `u128`.
 pub fn chunk_attention_pairs(start: u32, end: u32) -> u128 {
     if end <= start {
         return 0;
     }
-    // In `u64` when the product fits (every chunk of a prompt below ~2^31 tokens), else `u128`.
     let (s, e) = (u64::from(start), u64::from(end));
-    match (e - s).checked_mul(e + s + 1) {
-        Some(twice) => u128::from(twice / 2),
-        None => (u128::from(e - s) * u128::from(e + s + 1)) / 2,
-    }
+    u128::from((e - s) * (e + s + 1) / 2)
 }
 
 // === impl LatencyModel ===
@@ -552,6 +557,40 @@ mod tests {
             chunk_attention_pairs(u32::MAX - 1, u32::MAX),
             u128::from(u32::MAX)
         );
+    }
+
+    #[test]
+    fn a_steps_pairs_past_2_to_the_64_convert_to_the_nearest_f64() {
+        // Five chunks of a 2^32-token prompt: each ~2^63 pairs, ~2.5 * 2^64 in all, through
+        // the `u128` conversion; one chunk stays on the `u64` path.
+        let one = chunk_attention_pairs(0, u32::MAX);
+        let mut f = StepFeatures::EMPTY;
+        for _ in 0..5 {
+            f.add_chunk(0, u32::MAX);
+        }
+        assert_eq!(f.attention_pairs, 5 * one);
+        assert!(f.attention_pairs > u128::from(u64::MAX));
+        let pairs = f.to_f64()[2];
+        assert_eq!(pairs, (5 * one) as f64);
+        // Within half an ulp of the exact sum.
+        assert!((pairs - 5.0 * one as f64).abs() <= pairs * f64::EPSILON);
+        assert!(pairs > 4.6e19 && pairs < 4.62e19, "{pairs}");
+        assert_eq!(
+            u128_to_f64(u128::from(u64::MAX) + 1),
+            18_446_744_073_709_551_616.0
+        );
+        let small = StepFeatures::EMPTY.with_chunk(0, u32::MAX);
+        assert_eq!(small.to_f64()[2], one as f64);
+    }
+
+    #[test]
+    fn only_finite_non_negative_times_are_measurements() {
+        for ok in [0.0, 1e-9, 12.5, f64::MAX] {
+            assert_eq!(measured_ms(ok), Some(ok));
+        }
+        for bad in [-0.001, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert_eq!(measured_ms(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -47,20 +47,20 @@ pub enum Arrivals {
 /// Why an arrivals spec was refused, or times could not be generated.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ArrivalsError {
-    /// The spec does not have the `kind:value[:value]` shape, or names an unknown kind.
+    /// The arrivals value does not have the `kind:value[:value]` shape, or names an unknown kind.
     #[error("`--arrivals` {spec:?}: {problem}; expected `poisson:QPS` or `gamma:QPS:CV`, e.g. `poisson:4` or `gamma:4:2`")]
     Syntax {
-        /// The spec as given.
+        /// The arrivals value as given.
         spec: String,
         /// What was wrong with its shape.
         problem: String,
     },
-    /// A number in the spec is not a number, not finite, or out of range.
+    /// A number in the arrivals value is not a number, not finite, or out of range.
     #[error(
         "`--arrivals` {spec:?}: {what} must be a finite number in [{min}, {max}], got {value:?}"
     )]
     Value {
-        /// The spec as given.
+        /// The arrivals value as given.
         spec: String,
         /// `QPS` or `CV`.
         what: &'static str,
@@ -74,7 +74,7 @@ pub enum ArrivalsError {
     /// The generated times would pass [`MAX_ARRIVAL_MS`].
     #[error("{spec}: request {index} would arrive after {MAX_ARRIVAL_MS} ms; use a higher rate or fewer requests")]
     TooLate {
-        /// The spec, as displayed.
+        /// The arrivals value, as displayed.
         spec: String,
         /// The 0-based request whose arrival is too late.
         index: usize,

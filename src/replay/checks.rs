@@ -1,9 +1,11 @@
-//! What a replay refuses before it runs: a trace past the simulated clock's precision, and
-//! outputs that would overwrite an input or each other.
+//! What a replay refuses before it runs: a trace past the simulated clock's precision, a
+//! request that could never fit in the KV pool, and outputs that would overwrite an input or
+//! each other.
 
 use std::path::{Path, PathBuf};
 
 use super::error::ReplayError;
+use super::settings::ReplaySetup;
 use super::trace::Trace;
 
 /// The latest simulated time, in ms, an arrival may fall at: `2^53` µs (about 285 years).
@@ -30,6 +32,31 @@ pub fn check_clock(trace: &Trace, rate_scale: f64) -> Result<(), ReplayError> {
             r.arrival_ms / rate_scale
         ))),
     }
+}
+
+/// Refuses a trace with a request that could never fit in `setup`'s KV pool, even alone: its
+/// prompt, outputs and twice its speculative tokens (nothing to refuse with unlimited memory).
+/// A sweep checks each pool of its KV axis with it before any replay runs.
+///
+/// # Errors
+/// [`ReplayError::KvTooSmall`], naming the first such request.
+pub fn check_kv_fits(setup: &ReplaySetup, trace: &Trace) -> Result<(), ReplayError> {
+    let Some(kv) = &setup.kv else { return Ok(()) };
+    let spec = 2 * u64::from(setup.spec_tokens);
+    for r in &trace.requests {
+        let tokens = u64::from(r.input_tokens) + u64::from(r.output_tokens.max(1)) + spec;
+        let need = tokens.div_ceil(u64::from(kv.block_tokens));
+        if need > kv.blocks {
+            return Err(ReplayError::KvTooSmall {
+                rid: r.rid,
+                tokens,
+                need,
+                blocks: kv.blocks,
+                block_tokens: kv.block_tokens,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Refuses outputs that would overwrite an input or each other, or that are not regular files:

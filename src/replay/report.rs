@@ -72,6 +72,10 @@ pub struct ReplayReport {
     /// Time between tokens, in simulated ms: one sample per token a continuing row generated,
     /// kept in a [`StepDurations`] histogram (bounded memory; within 0.1%).
     pub tbt_ms: Option<Latency>,
+    /// TTFT and TBT per priority class, by priority; only with two classes or more
+    /// (`docs/replay.md#priorities`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_priority: Vec<super::priority::ClassLatency>,
     /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
     /// their percentiles, like a latency; null without steps).
     pub step_ms: StepDurations,
@@ -377,6 +381,11 @@ pub struct RunSettings {
     pub budget_flag: Option<String>,
     /// The step cost model (`[replay] cost`).
     pub cost: CostLabel,
+    /// What the planner ran under besides the budgets (`[chunking]`): the floor, the row
+    /// caps, its latency model, online learning and the time margin.
+    pub planner: PlannerLabel,
+    /// The config layers read, in order (as `check` lists them), the command-line flags last.
+    pub config_layers: Vec<String>,
     /// Speculative tokens per decode row (0: off) and the overshoot probability.
     pub speculation_tokens: u32,
     /// The probability a speculating row runs more than its estimate.
@@ -484,6 +493,74 @@ impl fmt::Display for CostLabel {
             f.write_str(", learned online")?;
         }
         Ok(())
+    }
+}
+
+/// The planner's settings besides the budgets, for the replayed node (`[chunking]`): each
+/// changes what the steps hold, so each is in a run's label.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PlannerLabel {
+    /// `chunking.min_chunk_tokens`: the floor a prompt is cut to.
+    pub min_chunk_tokens: u32,
+    /// `chunking.max_row_tokens` (`None`: no cap).
+    pub max_row_tokens: Option<u32>,
+    /// `chunking.max_partial_prefills` (`None`: no limit).
+    pub max_partial_prefills: Option<u32>,
+    /// `chunking.cost.<node>`: the latency model given to the planner (`None`: none given).
+    pub cost: Option<[f64; 4]>,
+    /// `chunking.learn_cost`: the planner fits its latency model online.
+    pub learn_cost: bool,
+    /// `chunking.time_margin`: the quantile of measured ÷ predicted step times timed steps are
+    /// planned with (`None`: no margin).
+    pub time_margin: Option<f64>,
+}
+
+impl PlannerLabel {
+    /// The label of the settings `set_budgets` was given, for `node`.
+    pub fn of(budgets: &crate::budget::BudgetSettings, node: &str) -> Self {
+        Self {
+            min_chunk_tokens: budgets.min_chunk_tokens,
+            max_row_tokens: budgets.max_row_tokens,
+            max_partial_prefills: budgets.max_partial_prefills,
+            cost: budgets.time.cost.get(node).map(|m| m.coefficients()),
+            learn_cost: budgets.time.learn,
+            time_margin: budgets.time.margin_quantile,
+        }
+    }
+}
+
+impl fmt::Display for PlannerLabel {
+    /// `floor 64, row cap none, partial prefills no limit; latency model none; time margin
+    /// none`, with the coefficients as `text::coefficient` prints them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "floor {}, row cap ", self.min_chunk_tokens)?;
+        match self.max_row_tokens {
+            Some(n) => write!(f, "{n}")?,
+            None => f.write_str("none")?,
+        }
+        f.write_str(", partial prefills ")?;
+        match self.max_partial_prefills {
+            Some(n) => write!(f, "at most {n}")?,
+            None => f.write_str("no limit")?,
+        }
+        f.write_str("; latency model ")?;
+        match (self.cost, self.learn_cost) {
+            (Some(c), learn) => write!(
+                f,
+                "{} ms + {} ms per token + {} ms per context token + {} ms per attention pair{}",
+                coefficient(c[0]),
+                coefficient(c[1]),
+                coefficient(c[2]),
+                coefficient(c[3]),
+                if learn { ", then learned online" } else { "" }
+            )?,
+            (None, true) => f.write_str("learned online")?,
+            (None, false) => f.write_str("none")?,
+        }
+        match self.time_margin {
+            Some(q) => write!(f, "; time margin q{q}"),
+            None => f.write_str("; time margin none"),
+        }
     }
 }
 
@@ -697,7 +774,15 @@ impl fmt::Display for ReplayReport {
                     st.seed
                 ),
             )?;
+            if !st.config_layers.is_empty() {
+                row(
+                    f,
+                    "config layers",
+                    crate::config::problem::escape_join(&st.config_layers, " -> "),
+                )?;
+            }
             row(f, "budgets", st.budget_text())?;
+            row(f, "planner", st.planner.to_string())?;
             row(f, "cost model", st.cost.to_string())?;
             row(
                 f,
@@ -877,6 +962,18 @@ impl fmt::Display for ReplayReport {
         }
         row(f, "TTFT p50/p90/p99", latency(&self.ttft_ms))?;
         row(f, "TBT p50/p90/p99", latency(&self.tbt_ms))?;
+        for c in &self.by_priority {
+            row(
+                f,
+                &format!("priority {} TTFT/TBT p50/p90/p99", c.priority),
+                format!(
+                    "{}; {} ({})",
+                    latency(&c.ttft_ms),
+                    latency(&c.tbt_ms),
+                    plural(c.requests as u64, "request")
+                ),
+            )?;
+        }
         row(
             f,
             "peak prepared inputs",

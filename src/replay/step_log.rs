@@ -10,8 +10,8 @@
 //!  "ms" (the step's simulated duration), "predicted_ms" (null without a latency model),
 //!  "max_step_ms" (null without a time budget), "time_overrun" (null or {"reason"}),
 //!  with a KV limit only: "kv": {"blocks", "cache_blocks", "limit", "waiting",
-//!  "preempted": [{"rid", "readmit_rid", "generated", "during_prefill", "discarded_tokens",
-//!  "blocks"}]}}
+//!  "preempted": [{"rid", "row_rid", "readmit_rid", "generated", "during_prefill",
+//!  "discarded_tokens", "blocks"}]}}
 //! ```
 //!
 //! Lines are serialised straight from the batch (no intermediate values) through a `BufWriter`
@@ -194,6 +194,9 @@ pub struct KvStepLine {
 pub struct Preemption {
     /// The request's position in the trace.
     pub rid: u64,
+    /// The rid of the preempted row itself (the admission it ran under: `rid` at first,
+    /// `readmit_rid` of the previous preemption after one), as the step log's rows show it.
+    pub row_rid: u64,
     /// The rid its recompute is admitted under (`rid + attempts << 32`).
     pub readmit_rid: u64,
     /// Tokens it had generated: its recompute prefills its prompt and these.

@@ -135,6 +135,15 @@ pub fn labels(
             crate::replay::report::CostLabel::of(setup).to_string(),
         ),
         (
+            "planner".to_string(),
+            // The budget axis changes token budgets only: the rest is every cell's.
+            crate::replay::replay_budgets(&loaded.manifest, &loaded.settings, setup, false, None)
+                .map_or_else(
+                    |e| e.to_string(),
+                    |b| crate::replay::report::PlannerLabel::of(&b, &setup.node).to_string(),
+                ),
+        ),
+        (
             "speculation".to_string(),
             if setup.spec_tokens == 0 {
                 "off".to_string()

@@ -1,4 +1,4 @@
-//! The metrics endpoint and signals against the binary (issue 16): `replay --hold` stops on
+//! The metrics endpoint and signals against the binary: `replay --hold` stops on
 //! SIGTERM, `/metrics` answers only GET (and HEAD) on `/metrics` and `/`, and idle clients can
 //! neither exhaust the replay's file descriptors nor flood its log.
 

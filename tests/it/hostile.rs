@@ -1,4 +1,4 @@
-//! Hostile and unlucky inputs against the binary, one test per class of issue 11: unbounded and
+//! Hostile and unlucky inputs against the binary, one test per class of input: unbounded and
 //! irregular inputs, outputs that alias inputs, signals mid-replay, non-finite numbers,
 //! timestamps out of range, exposure of values and control characters, and closed outputs.
 //! Each must be refused with a clear message (or handled), never hang, panic or lose a file.

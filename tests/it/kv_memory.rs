@@ -15,23 +15,11 @@ use serde_json::Value;
 
 use crate::helpers::{check_step_log, run, shared};
 
-/// The demo model of `replay.rs`: one node stepping on `mixed`, aligned to 16 tokens.
-const MODEL: &str = r#"
-name = "kv-demo"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-can_override_mixed_max_tokens = true
-policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
-"#;
-
 /// The trace rid of a component rid (`rid + attempt << 32`).
 const RID_MASK: u64 = (1 << 32) - 1;
 
 fn model() -> Manifest {
-    toml::from_str(MODEL).unwrap()
+    crate::helpers::model_fixture("mixed_override")
 }
 
 fn settings(budget: u32, replay: &str) -> Settings {
@@ -221,6 +209,72 @@ fn a_small_pool_preempts_and_every_request_still_completes() {
     assert_eq!(doc["kv"]["blocks"], blocks);
     assert_eq!(doc["kv"]["preemptions"], kv.preemptions);
     assert!(r.to_string().contains("preemptions"), "{r}");
+}
+
+/// Under preemption, `prompts_cut` counts each prompt that ran a non-final chunk once, however
+/// often it is recomputed (a recompute's final chunk is the same prompt's), and each
+/// preemption names the row it took by that row's own rid.
+#[test]
+fn preempted_prompts_are_counted_cut_once_and_preemptions_name_their_row() {
+    let n = 100;
+    // Long outputs: decode rows grow into a pool of 400 blocks and are preempted.
+    let trace =
+        crate::helpers::repo_root().join("data/traces/AzureLLMInferenceTrace_conv.head500.csv");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("steps.jsonl");
+    let json = dir.path().join("report.json");
+    // No budget (every chunk final: a prompt runs whole) and one that cuts some.
+    for budget in ["\"off\"", "512"] {
+        let s: Settings = toml::from_str(&format!(
+            "[chunking]\nmax_batch_tokens = {{ llm = {{ mixed = {budget} }} }}\n[replay.kv]\nblocks = 400\n"
+        ))
+        .unwrap();
+        let r = replay(
+            &s,
+            &ReplayOptions {
+                trace: Some(trace.clone()),
+                requests: Some(n),
+                rate_scale: 8.0,
+                step_log: Some(log.clone()),
+                report_json: Some(json.clone()),
+                ..ReplayOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(r.kv.as_ref().unwrap().preemptions > 0, "no preemption\n{r}");
+        let steps = read_log(&log);
+        let mut cut = std::collections::BTreeSet::new();
+        let mut seen_rids = std::collections::HashSet::new();
+        for line in &steps {
+            for p in line["kv"]["preempted"].as_array().unwrap() {
+                let row = p["row_rid"].as_u64().unwrap();
+                let readmit = p["readmit_rid"].as_u64().unwrap();
+                assert_eq!(row + (1 << 32), readmit, "{p}");
+                assert_eq!(row & RID_MASK, p["rid"].as_u64().unwrap(), "{p}");
+                if p["during_prefill"] == false {
+                    assert!(seen_rids.contains(&row), "a decode row never seen: {p}");
+                }
+            }
+            for row in line["rows"].as_array().unwrap() {
+                let rid = row["rid"].as_u64().unwrap();
+                seen_rids.insert(rid);
+                if row["kind"] == "chunk" && row["final"] == false {
+                    cut.insert(rid & RID_MASK);
+                }
+            }
+        }
+        assert_eq!(
+            r.chunks.prompts_cut,
+            cut.len() as u64,
+            "budget {budget}\n{r}"
+        );
+        assert!(r.chunks.prompts_cut <= n as u64, "{r}");
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(doc["chunks"]["prompts_cut"], cut.len() as u64);
+        if budget == "\"off\"" {
+            assert_eq!(r.chunks.prompts_cut, 0, "every chunk was final\n{r}");
+        }
+    }
 }
 
 /// The figures that do not depend on wall time.
@@ -531,6 +585,43 @@ fn a_sweep_over_kv_blocks_writes_one_run_per_pool_and_their_comparison() {
     );
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("`--kv-blocks`"), "{}", r.stderr);
+}
+
+/// A pool of the KV axis that a request could never fit in is refused as the replay refuses
+/// it (exit 2), before any replay runs, and nothing is left in `--out`.
+#[test]
+fn a_sweep_pool_too_small_for_a_request_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let out_arg = out.to_str().unwrap();
+    let kv = dir.path().join("kv.toml");
+    std::fs::write(&kv, "[replay.kv]\nblocks = 1\n").unwrap();
+    let common = ["--requests", "20", "--no-progress"];
+    let mut replay = vec!["replay", "--config", kv.to_str().unwrap()];
+    replay.extend(common);
+    let r = run(&replay, &[]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("could never run"), "{}", r.stderr);
+    for (blocks, existing) in [("1", false), ("unlimited,1", false), ("1", true)] {
+        if existing {
+            std::fs::create_dir_all(&out).unwrap();
+        }
+        let mut sweep = vec!["sweep", "--kv-blocks", blocks, "--out", out_arg];
+        sweep.extend(common);
+        let r = run(&sweep, &[]);
+        assert_eq!(r.code, 2, "{blocks}: {r:?}");
+        assert!(
+            r.stderr.contains("`--kv-blocks` names 1") && r.stderr.contains("could never run"),
+            "{}",
+            r.stderr
+        );
+        assert!(r.stderr.contains("no replay ran"), "{}", r.stderr);
+        // Nothing created, or an existing directory left empty.
+        match std::fs::read_dir(&out) {
+            Ok(entries) => assert_eq!(entries.count(), 0, "{blocks}: left in --out"),
+            Err(_) => assert!(!existing),
+        }
+    }
 }
 
 #[test]

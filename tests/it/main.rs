@@ -1,20 +1,27 @@
 //! The integration tests, as one test binary.
 
+#[path = "../common/mod.rs"]
+mod common;
 mod config_cli;
 mod core;
+mod doc_commands;
 mod drain;
 mod endpoint;
 mod helpers;
 mod hostile;
 mod kv_memory;
 mod metrics_live;
+mod order;
+mod priority;
 mod props;
 mod readme;
 mod reload;
 mod replay;
+mod setting_flags;
 mod sim_truth;
 mod state_machine;
 mod sweep_cli;
 mod time_budget;
 mod trusted_sweep;
 mod truth_cli;
+mod vocabulary;

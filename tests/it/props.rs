@@ -83,6 +83,7 @@ fn state(c: &Case) -> SchedulerState {
         max_row_tokens: c.max_row,
         max_partial_prefills: c.max_partial,
         time: Default::default(),
+        order: Default::default(),
     };
     let table = BudgetTable::build(model, settings).unwrap();
     SchedulerState::with_table(table)
@@ -240,12 +241,14 @@ proptest! {
             cost: Some(model),
             learn_cost: false,
             margin_quantile: None,
+            order: Default::default(),
         };
         let cont: Vec<ContRow> = c.cont.iter().enumerate().map(|(i, &(estimate, context))| ContRow {
             seq: i as u64, rid: i as u64, walk: n("decode"), estimate, context,
         }).collect();
         let prefill: Vec<PrefillRow> = c.prefill.iter().enumerate().map(|(i, &(total, progress, started))| PrefillRow {
             seq: 100 + i as u64, rid: 100 + i as u64, walk: n("prefill"), total, cached: 0, progress, started,
+            priority: 0, arrival_ms: None, admitted_step: 0,
         }).collect();
         let mut out = StepPlan::default();
         let time = TimeLimit { model, max_step_ms: c.max_step_ms };

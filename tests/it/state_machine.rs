@@ -84,6 +84,7 @@ fn settings(budget: Option<u32>, min_chunk: u32) -> BudgetSettings {
         max_row_tokens: None,
         max_partial_prefills: None,
         time: Default::default(),
+        order: Default::default(),
     }
 }
 

@@ -1,4 +1,4 @@
-//! Sweep answers that can be trusted, against the binary (issue 16): flags and grid values
+//! Sweep answers that can be trusted, against the binary: flags and grid values
 //! checked before any replay, outputs checked up front and written as one set, interrupted
 //! sweeps that keep what finished, and input strings escaped wherever they are printed.
 

@@ -1,4 +1,4 @@
-//! Issue 16's refusals and warnings, as a user meets them through the binary: finite clocks,
+//! Refusals and warnings, as a user meets them through the binary: finite clocks,
 //! `fit` on hostile input, models and time budgets that cannot work, a time budget that was
 //! never in force, JSON layers with a repeated key, and misspelt `MSTAR_` variables.
 

@@ -1,19 +1,30 @@
-//! A Llama-architecture decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU)
-//! over a byte vocabulary, run one engine step at a time.
+//! A Llama-architecture decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU),
+//! run one engine step at a time: random weights over a byte vocabulary (`tiny`, `small`), or a
+//! GGUF file with its own tokenizer ([`gguf`], SmolLM2-135M-Instruct by default).
 //!
 //! A step is a list of [`StepRow`]s. All rows' new tokens are flattened into one `[T, d]`
 //! activation; every linear layer (the q/k/v/o projections, the MLP, the LM head) runs once for
 //! the whole step. Attention runs per row against that row's [`KvCache`]: a row of `n` new
 //! tokens at positions `[start, start + n)` attends causally to the `start` tokens it has cached
 //! and to itself, so a prompt chunk and a decode row (`n = 1`) are the same computation. Logits
-//! are computed only for rows that ask for them, at their last token.
+//! are computed only for rows that ask for them, at their last token. The layers are
+//! [`blocks`]' `Block`s; a row's keys and values are passed into each block and come back grown.
+
+pub mod blocks;
+pub mod gguf;
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+pub use crate::sampling::{argmax, Sampler};
+use crate::tokenizer::Tokenizer;
+use blocks::{Attention, Block, LayerKv, Linear, Mlp, RmsNorm, Rope, Span};
 
 /// Errors of the model: tensor errors, a bad weights file, a bad step.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +48,18 @@ pub enum ModelError {
         /// What is wrong.
         what: String,
     },
+    /// A GGUF file that cannot be served: not a regular file, truncated, another
+    /// architecture, a missing tensor, an unknown tensor type or a wrong shape.
+    #[error("GGUF file {path}: {what}")]
+    Gguf {
+        /// The file.
+        path: String,
+        /// What is wrong, naming the metadata key or tensor.
+        what: String,
+    },
+    /// The tokenizer cannot be built from the file's metadata.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
     /// A size name that is not `tiny` or `small`.
     #[error("unknown model size `{0}` (expected `tiny` or `small`)")]
     UnknownSize(String),
@@ -85,6 +108,10 @@ pub struct Config {
     pub eps: f64,
     /// The longest context (prompt + generated) a row may reach.
     pub max_positions: usize,
+    /// Tokens in the vocabulary (the embedding's and LM head's rows).
+    pub vocab: usize,
+    /// Rotary pairs are adjacent dimensions (GGUF's layout) rather than the two halves.
+    pub rope_interleaved: bool,
 }
 
 impl Config {
@@ -99,6 +126,8 @@ impl Config {
             rope_theta: 10_000.0,
             eps: 1e-5,
             max_positions: 4096,
+            vocab: VOCAB,
+            rope_interleaved: false,
         }
     }
 
@@ -113,6 +142,8 @@ impl Config {
             rope_theta: 10_000.0,
             eps: 1e-5,
             max_positions: 4096,
+            vocab: VOCAB,
+            rope_interleaved: false,
         }
     }
 
@@ -137,9 +168,9 @@ impl Config {
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (d, hd, kv) = (self.hidden, self.head_dim(), self.kv_heads);
         let mut v = vec![
-            ("model.embed_tokens.weight".to_owned(), vec![VOCAB, d]),
+            ("model.embed_tokens.weight".to_owned(), vec![self.vocab, d]),
             ("model.norm.weight".to_owned(), vec![d]),
-            ("lm_head.weight".to_owned(), vec![VOCAB, d]),
+            ("lm_head.weight".to_owned(), vec![self.vocab, d]),
         ];
         for l in 0..self.layers {
             let p = format!("model.layers.{l}");
@@ -207,55 +238,6 @@ pub fn save_safetensors(weights: &Weights, path: &Path) -> Result<(), ModelError
     Ok(())
 }
 
-struct Layer {
-    in_norm: Tensor,
-    post_norm: Tensor,
-    /// q, k and v projections fused into one `[d + 2 kv hd, d]` weight (as stored: output
-    /// features by input features), so a step runs them as one product ([`linear`]).
-    qkv: Linear,
-    o: Linear,
-    /// gate and up fused: `[2 ffn, d]`.
-    gate_up: Linear,
-    down: Linear,
-}
-
-/// A linear layer's weight, kept in both layouts: `w` `[out, in]` (as stored) and `t`, its
-/// transposed copy `[in, out]`.
-///
-/// CPU matrix products are not linear in the step's tokens `T` at small `T`. `x t` is the
-/// fastest for one token (a matrix-vector product that streams the weight once) and for many
-/// (compute-bound), but for a few tokens it repacks or strides through the whole weight: on
-/// the small model a 2-token step cost three times a 1-token step and a 16-token step four
-/// times, a cliff no latency model of a few linear terms can follow. For `2..=SMALL_T` tokens
-/// [`Linear::apply`] computes `(w x^T)^T` instead, with the weight as the left operand, which
-/// keeps a step's cost nearly flat while the weight's memory traffic dominates. Both orders
-/// compute the same product; the price is the weights' memory twice.
-struct Linear {
-    w: Tensor,
-    t: Tensor,
-}
-
-/// The most tokens in a step for which [`Linear::apply`] puts the weight on the left.
-const SMALL_T: usize = 64;
-
-impl Linear {
-    fn new(w: Tensor) -> Result<Self, candle_core::Error> {
-        Ok(Self {
-            t: w.t()?.contiguous()?,
-            w: w.contiguous()?,
-        })
-    }
-
-    /// `x W^T` for activations `x` `[T, in]`.
-    fn apply(&self, x: &Tensor) -> Result<Tensor, candle_core::Error> {
-        if (2..=SMALL_T).contains(&x.dim(0)?) {
-            self.w.matmul(&x.t()?)?.t()?.contiguous()
-        } else {
-            x.matmul(&self.t)
-        }
-    }
-}
-
 #[derive(Clone)]
 /// One row's KV cache: per layer, keys and values `[kv_heads, len, head_dim]`, grown by each
 /// step the row runs. Its length is the row's context.
@@ -294,17 +276,34 @@ pub struct StepRow<'a> {
     pub logits: bool,
 }
 
+/// The token embedding: dense f32 rows, or quantized rows dequantized on lookup.
+pub enum Embedding {
+    /// `[vocab, d]` f32.
+    Dense(Tensor),
+    /// `[vocab, d]` quantized (shared with a tied LM head).
+    Quantized(Arc<QTensor>),
+}
+
+impl Embedding {
+    fn lookup(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(t) => t.index_select(ids, 0),
+            Self::Quantized(q) => q.embedding(ids),
+        }
+    }
+}
+
 /// The decoder.
 pub struct Model {
     /// Its shape.
     pub config: Config,
     device: Device,
-    embed: Tensor,
-    norm: Tensor,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
     lm_head: Linear,
-    layers: Vec<Layer>,
-    cos: Tensor,
-    sin: Tensor,
+    rope: Rope,
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl Model {
@@ -330,7 +329,7 @@ impl Model {
         Self::from_weights(config, &w, device, &shown)
     }
 
-    /// Builds the model from named weights.
+    /// Builds the model from named f32 weights (the byte vocabulary's tokenizer).
     ///
     /// # Errors
     /// A tensor is missing or of the wrong shape (named, with `origin`).
@@ -358,7 +357,7 @@ impl Model {
         let get = |n: &str| -> Result<Tensor, ModelError> {
             Ok(w[n].to_dtype(DType::F32)?.to_device(device)?)
         };
-        let mut layers = Vec::with_capacity(config.layers);
+        let mut blocks = Vec::with_capacity(config.layers);
         for l in 0..config.layers {
             let p = format!("model.layers.{l}");
             let q = get(&format!("{p}.self_attn.q_proj.weight"))?;
@@ -366,33 +365,66 @@ impl Model {
             let v = get(&format!("{p}.self_attn.v_proj.weight"))?;
             let gate = get(&format!("{p}.mlp.gate_proj.weight"))?;
             let up = get(&format!("{p}.mlp.up_proj.weight"))?;
-            layers.push(Layer {
-                in_norm: get(&format!("{p}.input_layernorm.weight"))?,
-                post_norm: get(&format!("{p}.post_attention_layernorm.weight"))?,
-                qkv: Linear::new(Tensor::cat(&[q, k, v], 0)?)?,
-                o: Linear::new(get(&format!("{p}.self_attn.o_proj.weight"))?)?,
-                gate_up: Linear::new(Tensor::cat(&[gate, up], 0)?)?,
-                down: Linear::new(get(&format!("{p}.mlp.down_proj.weight"))?)?,
+            blocks.push(Block {
+                attn_norm: RmsNorm::new(get(&format!("{p}.input_layernorm.weight"))?, config.eps),
+                attn: Attention {
+                    qkv: Linear::dense(Tensor::cat(&[q, k, v], 0)?)?,
+                    o: Linear::dense(get(&format!("{p}.self_attn.o_proj.weight"))?)?,
+                    heads: config.heads,
+                    kv_heads: config.kv_heads,
+                    head_dim: config.head_dim(),
+                },
+                mlp_norm: RmsNorm::new(
+                    get(&format!("{p}.post_attention_layernorm.weight"))?,
+                    config.eps,
+                ),
+                mlp: Mlp {
+                    gate_up: Linear::dense(Tensor::cat(&[gate, up], 0)?)?,
+                    down: Linear::dense(get(&format!("{p}.mlp.down_proj.weight"))?)?,
+                    ffn: config.ffn,
+                },
             });
         }
-        let hd = config.head_dim();
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / config.rope_theta.powf(2.0 * i as f32 / hd as f32))
-            .collect();
-        let mut angles = Vec::with_capacity(config.max_positions * hd / 2);
-        for p in 0..config.max_positions {
-            angles.extend(inv.iter().map(|f| p as f32 * f));
-        }
-        let angles = Tensor::from_vec(angles, (config.max_positions, hd / 2), device)?;
+        Self::from_parts(
+            config,
+            device,
+            Embedding::Dense(get("model.embed_tokens.weight")?),
+            blocks,
+            RmsNorm::new(get("model.norm.weight")?, config.eps),
+            Linear::dense(get("lm_head.weight")?)?,
+            Arc::new(Tokenizer::Bytes),
+        )
+    }
+
+    /// Assembles a model from its parts (the rotary tables are computed from `config`).
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn from_parts(
+        config: Config,
+        device: &Device,
+        embed: Embedding,
+        blocks: Vec<Block>,
+        norm: RmsNorm,
+        lm_head: Linear,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Result<Self, ModelError> {
+        let rope = Rope::new(
+            config.head_dim(),
+            config.max_positions,
+            config.rope_theta,
+            config.rope_interleaved,
+            device,
+        )?;
         Ok(Model {
             config,
             device: device.clone(),
-            embed: get("model.embed_tokens.weight")?,
-            norm: get("model.norm.weight")?,
-            lm_head: Linear::new(get("lm_head.weight")?)?,
-            layers,
-            cos: angles.cos()?,
-            sin: angles.sin()?,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+            tokenizer,
         })
     }
 
@@ -401,16 +433,20 @@ impl Model {
         &self.device
     }
 
-    /// Runs one step: every row's tokens through every layer, appending their keys and values
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Runs one step: every row's tokens through every block, appending their keys and values
     /// to the rows' caches. Returns, per row in order, its logits at its last token when it
-    /// asked for them (`VOCAB` values), else `None`.
+    /// asked for them (`vocab` values), else `None`.
     ///
     /// # Errors
     /// A row with no tokens, a token outside the vocabulary, a row past `max_positions`, or a
     /// tensor error. On error no cache has been changed.
     pub fn step(&self, rows: &mut [StepRow<'_>]) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
         let cfg = &self.config;
-        let (h, kvh, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim());
         let mut ids = Vec::new();
         for (i, r) in rows.iter().enumerate() {
             if r.tokens.is_empty() {
@@ -419,10 +455,10 @@ impl Model {
                     what: "no tokens".into(),
                 });
             }
-            if let Some(t) = r.tokens.iter().find(|&&t| t as usize >= VOCAB) {
+            if let Some(t) = r.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
                 return Err(ModelError::BadRow {
                     row: i,
-                    what: format!("token {t} is outside the vocabulary of {VOCAB}"),
+                    what: format!("token {t} is outside the vocabulary of {}", cfg.vocab),
                 });
             }
             if r.cache.len + r.tokens.len() > cfg.max_positions {
@@ -443,74 +479,24 @@ impl Model {
         }
         let t_all = ids.len();
         let ids = Tensor::from_vec(ids, t_all, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?; // [T, d]
-                                                       // New caches are built aside and swapped in only when the whole step succeeded.
-        let mut new_kv: Vec<Vec<(Tensor, Tensor)>> = rows.iter().map(|_| Vec::new()).collect();
-        let scale = 1.0 / (hd as f64).sqrt();
-        for (li, layer) in self.layers.iter().enumerate() {
-            let hn = candle_nn::ops::rms_norm(&x, &layer.in_norm, cfg.eps as f32)?;
-            let qkv = layer.qkv.apply(&hn)?; // [T, d + 2 kv hd]
-            let mut outs = Vec::with_capacity(rows.len());
-            let mut off = 0;
-            for (ri, r) in rows.iter().enumerate() {
-                let n = r.tokens.len();
-                let start = r.cache.len;
-                let part = qkv.narrow(0, off, n)?;
-                off += n;
-                let heads = |col: usize, nh: usize| -> Result<Tensor, candle_core::Error> {
-                    part.narrow(1, col, nh * hd)?
-                        .reshape((n, nh, hd))?
-                        .transpose(0, 1)?
-                        .contiguous()
-                };
-                let cos = self.cos.narrow(0, start, n)?;
-                let sin = self.sin.narrow(0, start, n)?;
-                let q = heads(0, h)?.unsqueeze(0)?;
-                let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?.squeeze(0)?; // [H, n, hd]
-                let k = heads(h * hd, kvh)?.unsqueeze(0)?;
-                let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?.squeeze(0)?; // [KV, n, hd]
-                let v = heads((h + kvh) * hd, kvh)?; // [KV, n, hd]
-                let (k_all, v_all) = match &r.cache.layers[li] {
-                    Some((ck, cv)) => (Tensor::cat(&[ck, &k], 1)?, Tensor::cat(&[cv, &v], 1)?),
-                    None => (k, v),
-                };
-                let ctx = start + n;
-                // Grouped-query attention without copying keys: the `rep` query heads that
-                // share a KV head are stacked along the query axis.
-                let rep = h / kvh;
-                let qg = q.reshape((kvh, rep * n, hd))?;
-                let scores = (qg.matmul(&k_all.t()?)? * scale)?; // [KV, rep n, ctx]
-                let scores = if n > 1 {
-                    // Query i (position start + i) sees keys 0..=start + i.
-                    let mut mask = vec![0f32; n * ctx];
-                    for (i, line) in mask.chunks_exact_mut(ctx).enumerate() {
-                        line[start + i + 1..].fill(f32::NEG_INFINITY);
-                    }
-                    let mask = Tensor::from_vec(mask, (1, 1, n, ctx), &self.device)?;
-                    scores
-                        .reshape((kvh, rep, n, ctx))?
-                        .broadcast_add(&mask)?
-                        .reshape((kvh, rep * n, ctx))?
-                } else {
-                    scores
-                };
-                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                let o = probs.matmul(&v_all)?; // [KV, rep n, hd]
-                let o = o
-                    .reshape((h, n, hd))?
-                    .transpose(0, 1)?
-                    .reshape((n, h * hd))?;
-                outs.push(o);
-                new_kv[ri].push((k_all, v_all));
+        let mut x = self.embed.lookup(&ids)?; // [T, d]
+        let spans: Vec<Span> = rows
+            .iter()
+            .map(|r| Span {
+                start: r.cache.len,
+                n: r.tokens.len(),
+            })
+            .collect();
+        // New caches are built aside and swapped in only when the whole step succeeded.
+        let mut new_kv: Vec<Vec<LayerKv>> = rows.iter().map(|_| Vec::new()).collect();
+        for (li, block) in self.blocks.iter().enumerate() {
+            let past: Vec<Option<&LayerKv>> =
+                rows.iter().map(|r| r.cache.layers[li].as_ref()).collect();
+            let (y, grown) = block.forward(&x, &spans, &past, &self.rope)?;
+            x = y;
+            for (slot, kv) in new_kv.iter_mut().zip(grown) {
+                slot.push(kv);
             }
-            let attn = layer.o.apply(&Tensor::cat(&outs, 0)?)?;
-            x = (x + attn)?;
-            let hn = candle_nn::ops::rms_norm(&x, &layer.post_norm, cfg.eps as f32)?;
-            let gu = layer.gate_up.apply(&hn)?; // [T, 2 ffn]
-            let gate = gu.narrow(1, 0, cfg.ffn)?;
-            let up = gu.narrow(1, cfg.ffn, cfg.ffn)?;
-            let act = (candle_nn::ops::silu(&gate)? * up)?;
-            x = (x + layer.down.apply(&act)?)?;
         }
         // Logits only at the last token of rows that want them: one LM-head product.
         let mut last = Vec::new();
@@ -526,9 +512,8 @@ impl Model {
         } else {
             let n = last.len();
             let idx = Tensor::from_vec(last, n, &self.device)?;
-            let xl = x.index_select(&idx, 0)?;
-            let xl = candle_nn::ops::rms_norm(&xl, &self.norm, cfg.eps as f32)?;
-            self.lm_head.apply(&xl)?.to_vec2::<f32>()?
+            let xl = self.norm.forward(&x.index_select(&idx, 0)?)?;
+            self.lm_head.forward(&xl)?.to_vec2::<f32>()?
         }
         .into_iter();
         let mut out = Vec::with_capacity(rows.len());
@@ -583,70 +568,6 @@ impl Model {
             next = argmax(l[0].as_deref().unwrap_or(&[]));
         }
         Ok(out)
-    }
-}
-
-/// The index of the largest logit (the first on ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Seeded sampling: greedy at temperature 0, else softmax at `temperature` restricted to the
-/// smallest set of tokens whose probability reaches `top_p`.
-pub struct Sampler {
-    rng: SmallRng,
-    temperature: f32,
-    top_p: f32,
-}
-
-impl Sampler {
-    /// A sampler; `seed` makes its draws repeatable.
-    pub fn new(seed: u64, temperature: f32, top_p: f32) -> Self {
-        Sampler {
-            rng: SmallRng::seed_from_u64(seed),
-            temperature,
-            top_p,
-        }
-    }
-
-    /// The next token from `logits`.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.temperature <= 0.0 || logits.is_empty() {
-            return argmax(logits);
-        }
-        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut p: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, ((l - max) / self.temperature).exp()))
-            .collect();
-        let sum: f32 = p.iter().map(|x| x.1).sum();
-        p.iter_mut().for_each(|x| x.1 /= sum);
-        p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut keep = 0;
-        let mut acc = 0.0;
-        for x in &p {
-            keep += 1;
-            acc += x.1;
-            if acc >= self.top_p {
-                break;
-            }
-        }
-        let p = &p[..keep];
-        let mut u = self.rng.gen::<f32>() * acc;
-        for x in p {
-            if u < x.1 {
-                return x.0;
-            }
-            u -= x.1;
-        }
-        p[p.len() - 1].0
     }
 }
 

@@ -1,0 +1,301 @@
+//! The decoder's blocks, candle-style: [`Linear`], [`Attention`], [`Mlp`] and [`Block`], each
+//! with a `forward`; a block's keys and values come in from the caller and go back out, so one
+//! step can run rows of different contexts side by side.
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Module, Tensor};
+
+/// A linear layer `x W^T`, its weight `[out, in]` kept either dense (f32) or quantized.
+pub enum Linear {
+    /// An f32 weight in both layouts: `w` `[out, in]` (as stored) and `t`, its transposed copy
+    /// `[in, out]`.
+    ///
+    /// CPU matrix products are not linear in the step's tokens `T` at small `T`. `x t` is the
+    /// fastest for one token (a matrix-vector product that streams the weight once) and for
+    /// many (compute-bound), but for a few tokens it repacks or strides through the whole
+    /// weight: on the small model a 2-token step cost three times a 1-token step and a
+    /// 16-token step four times, a cliff no latency model of a few linear terms can follow.
+    /// For `2..=SMALL_T` tokens [`Linear::forward`] computes `(w x^T)^T` instead, with the
+    /// weight as the left operand, which keeps a step's cost nearly flat while the weight's
+    /// memory traffic dominates. Both orders compute the same product; the price is the
+    /// weights' memory twice.
+    Dense {
+        /// `[out, in]`.
+        w: Tensor,
+        /// `[in, out]`.
+        t: Tensor,
+    },
+    /// A GGML-quantized weight (candle's quantized matrix product: the activations are
+    /// quantized per row, so a token's result does not depend on the other rows of its step).
+    Quantized(QMatMul),
+}
+
+/// The most tokens in a step for which a dense [`Linear`] puts the weight on the left.
+const SMALL_T: usize = 64;
+
+impl Linear {
+    /// A dense layer from an f32 weight `[out, in]`.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn dense(w: Tensor) -> candle_core::Result<Self> {
+        Ok(Self::Dense {
+            t: w.t()?.contiguous()?,
+            w: w.contiguous()?,
+        })
+    }
+
+    /// A quantized layer.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn quantized(w: QTensor) -> candle_core::Result<Self> {
+        Ok(Self::Quantized(QMatMul::from_qtensor(w)?))
+    }
+
+    /// `x W^T` for activations `x` `[T, in]`.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense { w, t } => {
+                if (2..=SMALL_T).contains(&x.dim(0)?) {
+                    w.matmul(&x.t()?)?.t()?.contiguous()
+                } else {
+                    x.matmul(t)
+                }
+            }
+            Self::Quantized(q) => q.forward(x),
+        }
+    }
+}
+
+/// RMSNorm with a learned scale.
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// A norm with scale `weight` `[d]`.
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        Self {
+            weight,
+            eps: eps as f32,
+        }
+    }
+
+    /// Normalises each row of `x` `[T, d]`.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+/// Rotary position tables and the rotation's pairing.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    /// Rotate adjacent pairs `(2i, 2i+1)` (GGUF's layout: llama.cpp's converter permutes the
+    /// q and k projections for it) instead of the two halves `(i, i + hd/2)` (Hugging Face's).
+    interleaved: bool,
+}
+
+impl Rope {
+    /// Tables for `positions` positions of heads of `head_dim`, base `theta`.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn new(
+        head_dim: usize,
+        positions: usize,
+        theta: f32,
+        interleaved: bool,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        let inv: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32))
+            .collect();
+        let mut angles = Vec::with_capacity(positions * head_dim / 2);
+        for p in 0..positions {
+            angles.extend(inv.iter().map(|f| p as f32 * f));
+        }
+        let angles = Tensor::from_vec(angles, (positions, head_dim / 2), device)?;
+        Ok(Self {
+            cos: angles.cos()?,
+            sin: angles.sin()?,
+            interleaved,
+        })
+    }
+
+    /// Rotates `x` `[heads, n, hd]` whose tokens sit at positions `start..start + n`.
+    fn apply(&self, x: &Tensor, start: usize) -> candle_core::Result<Tensor> {
+        let n = x.dim(1)?;
+        let cos = self.cos.narrow(0, start, n)?;
+        let sin = self.sin.narrow(0, start, n)?;
+        let x = x.unsqueeze(0)?;
+        let r = if self.interleaved {
+            candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?
+        } else {
+            candle_nn::rotary_emb::rope(&x, &cos, &sin)?
+        };
+        r.squeeze(0)
+    }
+}
+
+/// One row's place in a step: `n` new tokens after `start` cached ones.
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    /// The position of the row's first new token (its cached context).
+    pub start: usize,
+    /// Its new tokens.
+    pub n: usize,
+}
+
+/// One layer's keys and values for one row, `[kv_heads, len, head_dim]` each.
+pub type LayerKv = (Tensor, Tensor);
+
+/// Grouped-query self-attention.
+pub struct Attention {
+    /// q, k and v projections fused into one `[(heads + 2 kv_heads) hd, d]` weight, so a step
+    /// runs them as one product.
+    pub qkv: Linear,
+    /// The output projection.
+    pub o: Linear,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// Attends every row of `x` (`[T, d]`, normalised; rows in `spans` order) to its cached
+    /// keys and values (`past`, one entry per row) and to itself, causally. Returns the output
+    /// `[T, d]` and each row's keys and values grown by its new tokens.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        spans: &[Span],
+        past: &[Option<&LayerKv>],
+        rope: &Rope,
+    ) -> candle_core::Result<(Tensor, Vec<LayerKv>)> {
+        let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let qkv = self.qkv.forward(x)?; // [T, (h + 2 kvh) hd]
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut outs = Vec::with_capacity(spans.len());
+        let mut grown = Vec::with_capacity(spans.len());
+        let mut off = 0;
+        for (span, past) in spans.iter().zip(past) {
+            let Span { start, n } = *span;
+            let part = qkv.narrow(0, off, n)?;
+            off += n;
+            let heads = |col: usize, nh: usize| -> candle_core::Result<Tensor> {
+                part.narrow(1, col, nh * hd)?
+                    .reshape((n, nh, hd))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            let q = rope.apply(&heads(0, h)?, start)?; // [H, n, hd]
+            let k = rope.apply(&heads(h * hd, kvh)?, start)?; // [KV, n, hd]
+            let v = heads((h + kvh) * hd, kvh)?; // [KV, n, hd]
+            let (k_all, v_all) = match past {
+                Some((ck, cv)) => (Tensor::cat(&[ck, &k], 1)?, Tensor::cat(&[cv, &v], 1)?),
+                None => (k, v),
+            };
+            let ctx = start + n;
+            // Grouped-query attention without copying keys: the `rep` query heads that share a
+            // KV head are stacked along the query axis.
+            let rep = h / kvh;
+            let qg = q.reshape((kvh, rep * n, hd))?;
+            let scores = (qg.matmul(&k_all.t()?)? * scale)?; // [KV, rep n, ctx]
+            let scores = if n > 1 {
+                // Query i (position start + i) sees keys 0..=start + i.
+                let mut mask = vec![0f32; n * ctx];
+                for (i, line) in mask.chunks_exact_mut(ctx).enumerate() {
+                    line[start + i + 1..].fill(f32::NEG_INFINITY);
+                }
+                let mask = Tensor::from_vec(mask, (1, 1, n, ctx), x.device())?;
+                scores
+                    .reshape((kvh, rep, n, ctx))?
+                    .broadcast_add(&mask)?
+                    .reshape((kvh, rep * n, ctx))?
+            } else {
+                scores
+            };
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let o = probs.matmul(&v_all)?; // [KV, rep n, hd]
+            let o = o
+                .reshape((h, n, hd))?
+                .transpose(0, 1)?
+                .reshape((n, h * hd))?;
+            outs.push(o);
+            grown.push((k_all, v_all));
+        }
+        let out = self.o.forward(&Tensor::cat(&outs, 0)?)?;
+        Ok((out, grown))
+    }
+}
+
+/// The SwiGLU feed-forward layer.
+pub struct Mlp {
+    /// gate and up fused: `[2 ffn, d]`.
+    pub gate_up: Linear,
+    /// `[d, ffn]`.
+    pub down: Linear,
+    /// The inner width.
+    pub ffn: usize,
+}
+
+impl Mlp {
+    /// `down(silu(gate x) * up x)` for `x` `[T, d]`.
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let gu = self.gate_up.forward(x)?; // [T, 2 ffn]
+        let gate = gu.narrow(1, 0, self.ffn)?;
+        let up = gu.narrow(1, self.ffn, self.ffn)?;
+        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+    }
+}
+
+/// One pre-norm decoder layer: `x + attn(norm x)`, then `x + mlp(norm x)`.
+pub struct Block {
+    /// The norm before attention.
+    pub attn_norm: RmsNorm,
+    /// Self-attention.
+    pub attn: Attention,
+    /// The norm before the MLP.
+    pub mlp_norm: RmsNorm,
+    /// The feed-forward layer.
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// The layer over a step's activations `x` `[T, d]`; see [`Attention::forward`].
+    ///
+    /// # Errors
+    /// A tensor error.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        spans: &[Span],
+        past: &[Option<&LayerKv>],
+        rope: &Rope,
+    ) -> candle_core::Result<(Tensor, Vec<LayerKv>)> {
+        let (a, kv) = self
+            .attn
+            .forward(&self.attn_norm.forward(x)?, spans, past, rope)?;
+        let x = (x + a)?;
+        let m = self.mlp.forward(&self.mlp_norm.forward(&x)?)?;
+        Ok(((x + m)?, kv))
+    }
+}

@@ -1,0 +1,467 @@
+"""A vLLM V1 scheduler whose chunked prefill is planned by mstar_chunking.
+
+    vllm serve MODEL --scheduler-cls mstar_chunking.vllm.Scheduler
+
+`Scheduler` is the one dotted path: it becomes `AsyncScheduler` (a subclass of vLLM's own
+`AsyncScheduler`) when vLLM's async scheduling is on, and stays over vLLM's `Scheduler`
+otherwise, so the overlap of async scheduling is kept. Each step the component
+decides how many tokens every running and waiting request gets (floor, alignment, per-row cap,
+partial-prefill limit, token and time budgets); vLLM's own scan then allocates the KV blocks,
+preempts and frees exactly as it does without the plugin, taking for each request at most the
+planned tokens (a request the plan leaves out gets none). A planned request vLLM could not
+schedule is reported to the component as not run and planned again. The design, the settings
+read and what is refused are in docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import vllm
+
+SUPPORTED_VLLM = ((0, 33), (0, 34))  # [lower, upper): the release whose internals this follows
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+if not SUPPORTED_VLLM[0] <= _release(vllm.__version__) < SUPPORTED_VLLM[1]:
+    raise ImportError(
+        f"mstar_chunking.vllm supports vLLM 0.33.x (it overrides that release's scheduler "
+        f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins it."
+    )
+
+from vllm.outputs import RequestError  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from . import ChunkingManagement, ChunkingPolicy, NextStep, SubmoduleCaps, serve_metrics  # noqa: E402
+
+log = logging.getLogger("mstar_chunking.vllm")
+
+NODE, PREFILL, DECODE, MIXED = "llm", "prefill", "decode", "mixed"
+CONFIG_ENV = "MSTAR_CHUNKING_CONFIG"
+MANIFEST_ENV = "MSTAR_CHUNKING_MANIFEST"
+METRICS_ENV = "MSTAR_CHUNKING_METRICS"
+
+
+class UnsupportedVllmFeature(ValueError):
+    """A vLLM feature this scheduler does not support yet, refused when it starts."""
+
+
+@dataclass
+class _Step:
+    """One vLLM step as the component planned it, until vLLM reports its output."""
+
+    step: int
+    rows: list[tuple[str, int, bool, int, bool]]  # (vLLM request id, rid, chunk?, planned, final?)
+    ran: list[int]
+    returned_at: float
+    completed: bool = False
+    measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
+
+
+@dataclass
+class ChunkingStats:
+    """What the plugin saw, for logs and tests (the component's own metrics are separate)."""
+
+    steps: int = 0
+    handed_back: int = 0  # planned rows vLLM did not schedule (no blocks, no slot, preempted)
+    start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
+    refused_requests: int = 0
+    unmeasured_steps: int = 0  # async: completed before their time was known
+    measured_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))  # the component's StepOutcomes
+
+
+def _vllm_config_of(args: tuple, kwargs: dict) -> Any:
+    return kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+
+
+def _refusals(cfg: Any) -> list[str]:
+    """The configured vLLM features this scheduler does not support, by name."""
+    out = []
+    if cfg.lora_config is not None:
+        out.append("LoRA (--enable-lora)")
+    if cfg.speculative_config is not None:
+        out.append("speculative decoding (--speculative-config)")
+    if cfg.kv_transfer_config is not None:
+        out.append("KV transfer (--kv-transfer-config)")
+    if getattr(cfg, "ec_transfer_config", None) is not None:
+        out.append("encoder-cache transfer (--ec-transfer-config)")
+    if cfg.parallel_config.pipeline_parallel_size > 1:
+        out.append("pipeline parallelism (--pipeline-parallel-size > 1)")
+    mc = cfg.model_config
+    if mc.is_encoder_decoder or mc.supports_multimodal_inputs:
+        out.append("encoder inputs (an encoder-decoder or multimodal model)")
+    if mc.runner_type == "pooling":
+        out.append("pooling models (--runner pooling)")
+    if getattr(mc, "is_diffusion", False):
+        out.append("diffusion models")
+    sc = cfg.scheduler_config
+    if not sc.enable_chunked_prefill:
+        out.append("chunked prefill turned off (--no-enable-chunked-prefill)")
+    if SchedulingPolicy(sc.policy) != SchedulingPolicy.FCFS:
+        out.append(f"scheduling policy {sc.policy!r} (only 'fcfs')")
+    if sc.max_num_scheduled_tokens is not None and sc.max_num_scheduled_tokens != sc.max_num_batched_tokens:
+        out.append("max_num_scheduled_tokens other than max_num_batched_tokens")
+    return out
+
+
+def _mstar_env() -> bool:
+    return any(k.startswith("MSTAR__") for k in os.environ)
+
+
+class _Chunking:
+    """The component's side of a vLLM scheduler; mixed in before vLLM's class."""
+
+    chunking: ChunkingManagement
+    mstar_stats: ChunkingStats
+    #: Where the component's metrics are served (`MSTAR_CHUNKING_METRICS`), once they are.
+    metrics_address: Optional[str] = None
+    #: The clock steps are measured with (seconds); a test replaces it with a simulated one.
+    clock: Any = staticmethod(time.perf_counter)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cfg = _vllm_config_of(args, kwargs)
+        refused = _refusals(cfg)
+        if refused:
+            raise UnsupportedVllmFeature(
+                "mstar_chunking.vllm.Scheduler does not support " + "; ".join(refused) + " (docs/vllm.md)"
+            )
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if self.need_mamba_block_aligned_split or self.num_prefill_lookahead:  # type: ignore[attr-defined]
+            raise UnsupportedVllmFeature(
+                "mstar_chunking.vllm.Scheduler does not support models whose chunks vLLM aligns "
+                "itself (Mamba 'align' cache mode, multi-module MTP lookahead)"
+            )
+        self.mstar_stats = ChunkingStats()
+        self._rid_of: dict[str, int] = {}
+        self._req_of: dict[int, str] = {}
+        self._next_rid = 1
+        self._start_hint: dict[str, int] = {}  # observed chunk starts after a mismatch
+        self._plan: Optional[dict[str, tuple[int, Optional[int]]]] = None
+        self._observed: dict[str, int] = {}
+        self._uncompleted: Optional[_Step] = None
+        self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
+        self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
+        self._last_update = 0.0
+        self.chunking = self._start_component(cfg)
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def _start_component(self, cfg: Any) -> ChunkingManagement:
+        sc = cfg.scheduler_config
+        budget = self.max_num_scheduled_tokens  # type: ignore[attr-defined]
+        threshold = sc.long_prefill_token_threshold or None
+        model = str(getattr(cfg.model_config, "served_model_name", None) or cfg.model_config.model)
+        metrics = os.environ.get(METRICS_ENV)
+        if metrics:
+            pc = cfg.parallel_config
+            rank = pc.data_parallel_index if pc.data_parallel_size > 1 else 0
+            if rank:  # one engine core per data-parallel rank, each on its own port
+                host, _, port = metrics.rpartition(":")
+                if not port.isdigit():
+                    raise UnsupportedVllmFeature(f"{METRICS_ENV}={metrics!r} is not host:port")
+                metrics = f"{host}:{int(port) + rank}"
+            self.metrics_address = serve_metrics(metrics)
+        paths = [p for p in os.environ.get(CONFIG_ENV, "").split(os.pathsep) if p]
+        if paths or _mstar_env():
+            if threshold is not None:
+                raise UnsupportedVllmFeature(
+                    f"long_prefill_token_threshold={threshold} with {CONFIG_ENV}: set "
+                    "chunking.max_row_tokens in the config instead"
+                )
+            cm = ChunkingManagement.from_config(paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None)
+            try:
+                self._check_component(cm, budget)
+            except BaseException:
+                cm.close()
+                raise
+            return cm
+        settings = dict(self.chunking_settings())
+        align = settings.pop("align", self.block_size)  # type: ignore[attr-defined]
+        cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model)
+        try:
+            policy = ChunkingPolicy(budget, align=align)
+            cm.set_policies({(NODE, PREFILL): policy, (NODE, MIXED): policy})
+            cm.set_budgets({}, [PREFILL, DECODE, MIXED], combined_walk_of={PREFILL: MIXED, DECODE: MIXED}, **settings)
+        except BaseException:
+            cm.close()
+            raise
+        return cm
+
+    def chunking_settings(self) -> dict[str, Any]:
+        """The component's settings when no chunking config is given: `align` (the policy's,
+        default vLLM's block size) and keyword arguments of `set_budgets` (`min_chunk_tokens`,
+        `max_row_tokens`, `max_partial_prefills`, and the time-budget ones where the package has
+        them). The default is vLLM's `long_prefill_token_threshold` as the per-row cap; a
+        subclass overrides this to set the limits in code (`--scheduler-cls my.Scheduler`)."""
+        threshold = self.scheduler_config.long_prefill_token_threshold  # type: ignore[attr-defined]
+        return {"max_row_tokens": threshold or None}
+
+    @staticmethod
+    def _check_component(cm: ChunkingManagement, budget: int) -> None:
+        try:
+            b = cm.max_batch_tokens(NODE, MIXED)
+        except Exception as e:
+            raise UnsupportedVllmFeature(
+                f"the chunking config needs node {NODE!r} with walks {PREFILL!r}, {DECODE!r} and the "
+                f"combined walk {MIXED!r} (the demo manifest has them): {e}"
+            ) from e
+        if b is None or b > budget:
+            raise UnsupportedVllmFeature(
+                f"chunking.max_batch_tokens.{NODE}.{MIXED} is {b if b is not None else 'off'}: it must be "
+                f"a budget of at most vLLM's max_num_batched_tokens ({budget})"
+            )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        what = None
+        if request.use_structured_output:
+            what = "structured output"
+        elif request.resumable:
+            what = "streaming input"
+        if what is not None and request.request_id in self.requests:  # type: ignore[attr-defined]
+            self.mstar_stats.refused_requests += 1
+            self.grammar_compile_error_reqs[request.request_id] = RequestError(  # type: ignore[attr-defined]
+                code="validation_error",
+                message=f"{what} is not supported by mstar_chunking.vllm.Scheduler",
+            )
+
+    def _forget(self, req_id: str) -> None:
+        """Ends the request in the component, with the next step's row changes."""
+        rid = self._rid_of.pop(req_id, None)
+        self._start_hint.pop(req_id, None)
+        if rid is not None:
+            del self._req_of[rid]
+            self._changes.append((rid, None, 0))
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        self._forget(request.request_id)
+        return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        # Recompute: the request starts over from the waiting queue and is admitted again there.
+        super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
+        self._forget(request.request_id)
+
+    def _admit_waiting(self) -> None:
+        """Admits waiting requests, in vLLM's order, while vLLM has slots to start them in, each
+        with its prefix-cache hit as `cached` (vLLM looks it up again when it reaches the request,
+        and a different answer makes the request be admitted again from there)."""
+        free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
+        pending = 0
+        for request in self.waiting:  # type: ignore[attr-defined]
+            if pending >= free:
+                break
+            req_id = request.request_id
+            if req_id in self._rid_of:
+                pending += 1
+                continue
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                continue
+            if req_id in self.grammar_compile_error_reqs:  # type: ignore[attr-defined]
+                continue
+            start = self._start_hint.pop(req_id, None)
+            if start is None:
+                start = request.num_computed_tokens
+                if start == 0:
+                    start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
+            rid = self._next_rid
+            self._next_rid += 1
+            self._changes.append((rid, request.all_token_ids, start))
+            self._rid_of[req_id] = rid
+            self._req_of[rid] = req_id
+            pending += 1
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        # vLLM calls this for every request it considers, running and waiting, with the tokens it
+        # would give it; the plan's tokens are what it gets, or nothing. (vLLM's own method only
+        # acts with a multi-module MTP lookahead, refused at start.)
+        n = num_new_tokens
+        plan = self._plan
+        if plan is None:
+            return n
+        entry = plan.get(request.request_id)
+        if entry is None:
+            return 0
+        tokens, start = entry
+        if start is not None and start != num_computed_tokens:
+            self._observed[request.request_id] = num_computed_tokens
+            return 0
+        return tokens if n >= tokens else 0
+
+    def _continues(self, prev: Optional[_Step]) -> list[int]:
+        """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
+        out = []
+        if prev is None:
+            return out
+        for (req_id, rid, _, tokens, final), ran in zip(prev.rows, prev.ran):
+            if final and ran == tokens and self._rid_of.get(req_id) == rid:
+                request = self.requests.get(req_id)  # type: ignore[attr-defined]
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    out.append(rid)
+        return out
+
+    def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
+        """Completes `prev` (the step before), applies the row changes since (decode rows of the
+        prompts it finished, requests ended, prompts admitted), and assembles the next step, in one
+        round trip (`complete_and_assemble` with a `NextStep`). The first step, and the last one
+        when the engine goes idle (nothing to assemble), make the calls one by one."""
+        changes, self._changes = self._changes, []
+        continues = self._continues(prev)
+        ms = None
+        if prev is not None:
+            prev.completed = True
+            ms = prev.measured_ms
+            if ms is None:
+                self.mstar_stats.unmeasured_steps += 1
+        cm = self.chunking
+        if prev is not None and assemble:
+            nxt = NextStep(NODE, MIXED)
+            for rid in continues:
+                nxt.continue_row(rid, DECODE, 1)
+            for rid, tokens, cached in changes:
+                if tokens is None:
+                    nxt.forget_request(rid)
+                else:
+                    nxt.admit(rid, PREFILL, tokens, cached)
+            done = cm.complete_and_assemble(prev.step, prev.ran, ms, next=nxt)
+            self.mstar_stats.outcomes.append(done.outcome)
+            return done.next
+        if prev is not None:
+            self.mstar_stats.outcomes.append(cm.complete(prev.step, prev.ran, ms))
+        for rid in continues:
+            cm.continue_row(rid, NODE, DECODE, 1)
+        for rid, tokens, cached in changes:
+            if tokens is None:
+                cm.forget_request(rid)
+            else:
+                cm.admit(rid, NODE, PREFILL, tokens, cached=cached)
+        return cm.assemble(NODE, MIXED) if assemble else None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        # The step before is completed here with what it was scheduled to run: under async
+        # scheduling it is still running (its time comes later), otherwise its output came.
+        prev, self._uncompleted = self._uncompleted, None
+        self._admit_waiting()
+        batch = self._advance(prev)
+        rows: list[tuple[str, int, bool, int, bool]] = []
+        plan: dict[str, tuple[int, Optional[int]]] = {}
+        req_of = self._req_of
+        for row, tokens in zip(batch.rows, batch.planned()):
+            rid = row.rid
+            req_id = req_of[rid]
+            r = row.range  # None for a continuing (decode) row
+            if r is None:
+                rows.append((req_id, rid, False, tokens, False))
+                plan[req_id] = (tokens, None)
+            else:
+                rows.append((req_id, rid, True, tokens, r.end == r.total))
+                plan[req_id] = (tokens, r.start)
+        self._plan, self._observed = plan, {}
+        try:
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            self._plan = None
+            self.chunking.abandon(batch.step)
+            raise
+        self._plan = None
+        scheduled = out.num_scheduled_tokens
+        ran = []
+        for req_id, _, chunk, tokens, _ in rows:
+            n = scheduled.get(req_id, 0)
+            if chunk and n not in (0, tokens):
+                raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
+            if n == 0:
+                self.mstar_stats.handed_back += 1
+            ran.append(n)
+        if len(scheduled) > len(plan) or not plan.keys() >= scheduled.keys():
+            extra = sorted(set(scheduled) - plan.keys())
+            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        for req_id, start in self._observed.items():
+            # vLLM found another prefix-cache hit than at admission: admitted again from there.
+            self.mstar_stats.start_mismatches += 1
+            self._forget(req_id)
+            self._start_hint[req_id] = start
+        self.mstar_stats.steps += 1
+        rec = _Step(batch.step, rows, ran, self.clock())
+        self._uncompleted = rec
+        self._in_flight.append((out, rec))
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        now = self.clock()
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise RuntimeError("update_from_output for a step this scheduler did not schedule last")
+        _, rec = self._in_flight.popleft()
+        result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        # The step ran from when its schedule() returned, or from when the step before it
+        # finished if that was later (async: it was queued behind that step), until now.
+        ms = (now - max(rec.returned_at, self._last_update)) * 1e3
+        self._last_update = now
+        self.mstar_stats.measured_ms.append(ms)
+        if not rec.completed:
+            rec.measured_ms = ms
+        if not self._in_flight and not self.has_requests():  # type: ignore[attr-defined]
+            self._settle()
+        return result
+
+    def _settle(self) -> None:
+        """Idle: completes the last step and applies the changes now, so nothing stays held."""
+        prev, self._uncompleted = self._uncompleted, None
+        self._advance(prev, assemble=False)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            try:
+                if not self._in_flight:
+                    self._settle()
+            finally:
+                self.chunking.close()
+
+
+class Scheduler(_Chunking, _VllmScheduler):
+    """The dotted path for `--scheduler-cls`. Over vLLM's `Scheduler` when async scheduling is
+    off; with it on, constructing `Scheduler` makes an `AsyncScheduler` (its subclass), and a
+    subclass of `Scheduler` gets its own variant over vLLM's `AsyncScheduler` the same way."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if _vllm_config_of(args, kwargs).scheduler_config.async_scheduling and not issubclass(cls, _VllmAsyncScheduler):
+            cls = _async_variant(cls)
+        return object.__new__(cls)
+
+
+class AsyncScheduler(Scheduler, _VllmAsyncScheduler):
+    """Over vLLM's `AsyncScheduler`: step N+1 is scheduled before step N's output arrives."""
+
+
+_async_variants: dict[type, type] = {Scheduler: AsyncScheduler}
+
+
+def _async_variant(cls: type) -> type:
+    """A subclass of `Scheduler` over vLLM's `AsyncScheduler` (made once per class)."""
+    variant = _async_variants.get(cls)
+    if variant is None:
+        variant = type(cls.__name__ + "Async", (cls, AsyncScheduler), {"__module__": cls.__module__})
+        _async_variants[cls] = variant
+    return variant

@@ -1,0 +1,848 @@
+//! `Engine`: one model's chunking actors on a thread of their own, the handle
+//! `ChunkingManagement` wraps, with every call of the facade; `NextStep`, the row changes a
+//! one-trip step carries; token ids taken from Python.
+
+use std::collections::BTreeMap;
+use std::mem::ManuallyDrop;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use mstar_chunking::scheduler::RowChangeRef;
+use mstar_chunking::{
+    ActorThread, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Overrun,
+    OverrunReason, PreparedInput, SubmoduleCaps,
+};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyString};
+
+use crate::boundary::{
+    block, call, invalid, measured_arg, panic_message, py_attr, py_repr_str, ran_arg, timeout_arg,
+    to_py_err, whole, Failure, Owner,
+};
+use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
+use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
+
+/// The logger overruns are reported to (`logging.getLogger("mstar_chunking")`).
+const LOGGER: &str = "mstar_chunking";
+
+/// Logs an overrun through Python's `logging` when it is the 1st, 2nd, 4th, … of its
+/// `(node, walk)` (`count`: the overruns counted there so far, this one included). A failure
+/// of the logging call is reported as an unraisable exception (`sys.unraisablehook`), never
+/// raised: the step it reports on stands, and its outcome is the caller's answer.
+fn log_overrun(py: Python<'_>, o: &Overrun, count: u64) {
+    if !count.is_power_of_two() {
+        return;
+    }
+    let logged = (|| -> PyResult<()> {
+        let logger = py.import("logging")?.call_method1("getLogger", (LOGGER,))?;
+        logger.call_method1(
+            "warning",
+            (
+                "step of %s/%s ran %d tokens over its budget of %d (%s); overrun %d of this walk (logged on the 1st, 2nd, 4th, ...)",
+                &*o.node,
+                &*o.walk,
+                o.tokens,
+                o.budget,
+                o.reason.as_str(),
+                count,
+            ),
+        )?;
+        Ok(())
+    })();
+    if let Err(e) = logged {
+        let what = PyString::new(
+            py,
+            "logging an overrun of mstar_chunking (the step completed)",
+        );
+        e.write_unraisable(py, Some(what.as_any()));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A prompt's token ids from Python: a buffer of native `uint32`s read as it is, anything else
+/// converted by `mstar_chunking._types._token_array` (lists, ranges, other integer buffers,
+/// `uint32` of the other byte order). Text is refused: it must be tokenized first.
+pub(crate) fn token_ids(
+    py: Python<'_>,
+    rid: u64,
+    node: &str,
+    tokens: &Bound<'_, PyAny>,
+) -> PyResult<Arc<[u32]>> {
+    if tokens.is_instance_of::<PyString>() {
+        return Err(invalid(
+            py,
+            &format!("rid {rid} on `{node}`: a prompt is token ids, not text (got a str): tokenize it first, e.g. tokenizer.encode(text)"),
+        ));
+    }
+    // pyo3 takes `>I` for `u32` whatever the machine's byte order: the format is checked here.
+    const NATIVE: &[u8] = if cfg!(target_endian = "little") {
+        b"<I"
+    } else {
+        b">I"
+    };
+    if let Ok(buf) = PyBuffer::<u32>::get(tokens) {
+        let format = buf.format().to_bytes();
+        let native = matches!(format, b"I" | b"@I" | b"=I") || format == NATIVE;
+        if native && buf.dimensions() == 1 {
+            return Ok(buf.to_vec(py)?.into());
+        }
+    }
+    // Anything else (and a buffer that is not aligned for `u32`s) goes through the converter,
+    // whose array's bytes are read as native `u32`s.
+    let converted =
+        py_attr(py, "mstar_chunking._types", "_token_array")?.call1((rid, node, tokens))?;
+    let bytes = converted.call_method0("tobytes")?;
+    let bytes = bytes.downcast::<PyBytes>()?.as_bytes();
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
+#[derive(Default)]
+struct Admitted {
+    keys: BTreeMap<(u64, String), u64>,
+    next: u64,
+}
+
+impl Admitted {
+    fn insert(&mut self, rid: u64, node: &str) {
+        self.next += 1;
+        self.keys.insert((rid, node.to_owned()), self.next);
+    }
+}
+
+/// One model's chunking actors, on a thread of their own (`ChunkingManagement` in Python wraps
+/// it). Frozen: every method takes `&self`, so calls from several Python threads run at once.
+#[pyclass(module = "mstar_chunking._native", frozen)]
+pub(crate) struct Engine {
+    /// Never dropped in a forked child (see `Drop`).
+    cm: ManuallyDrop<ChunkingManagement>,
+    actors: Mutex<Option<ActorThread>>,
+    owner: Owner,
+    /// `(rid, node)` admitted and perhaps still held, with the admission's number: the public
+    /// API answers whether one key is held, not which are, so iterating `prepared` checks these
+    /// (and drops a key found gone only if it was not admitted again meanwhile).
+    admitted: Mutex<Admitted>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.owner.is_here() {
+            // SAFETY: dropped once, here; never used again.
+            unsafe { ManuallyDrop::drop(&mut self.cm) };
+            return;
+        }
+        // A forked child: the actors' thread and runtime are not in this process. Stopping the
+        // thread would join a thread that does not exist, and dropping the handle could wake
+        // tasks of a runtime nobody runs here: both are left to the parent.
+        if let Some(actors) = self.actors.get_mut().ok().and_then(Option::take) {
+            std::mem::forget(actors);
+        }
+    }
+}
+
+impl Engine {
+    fn start(
+        py: Python<'_>,
+        model: &str,
+        caps: Vec<(String, SubmoduleCaps)>,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let timeout = timeout_arg(timeout)?;
+        let started = py.allow_threads(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                ChunkingManagement::start_on_own_thread(model, caps)
+            }))
+            .unwrap_or_else(|p| {
+                Err(ChunkingError::ThreadStart {
+                    reason: panic_message(&*p),
+                })
+            })
+        });
+        let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+        Ok(Self {
+            cm: ManuallyDrop::new(cm.with_timeout(timeout)),
+            actors: Mutex::new(Some(actors)),
+            owner: Owner::here(),
+            admitted: Mutex::new(Admitted::default()),
+        })
+    }
+
+    /// The handle, in the process that started the actors; in a forked child, the error.
+    fn cm(&self, py: Python<'_>) -> PyResult<&ChunkingManagement> {
+        self.owner.check(py)?;
+        Ok(&self.cm)
+    }
+
+    /// Completes `step` and counts its overrun, then logs it; `next` for the one-trip step.
+    fn finish_step(py: Python<'_>, outcome: &mstar_chunking::StepOutcome, count: u64) {
+        if let Some(o) = &outcome.overrun {
+            log_overrun(py, o, count);
+        }
+    }
+}
+
+/// The overruns counted for an outcome's `(node, walk)`, when it has one (else 0).
+async fn overrun_count_of(
+    cm: &ChunkingManagement,
+    outcome: &mstar_chunking::StepOutcome,
+) -> Result<u64, ChunkingError> {
+    match &outcome.overrun {
+        Some(o) => cm.overrun_count(&o.node, &o.walk, None).await,
+        None => Ok(0),
+    }
+}
+
+#[pymethods]
+impl Engine {
+    /// Starts the actors of `model` for `submodules`, `[(node, chunkable_walks,
+    /// can_override_mixed_max_tokens)]`; `timeout` in seconds (`None`: wait for ever).
+    #[new]
+    #[pyo3(signature = (model, submodules, timeout=Some(5.0)))]
+    fn new(
+        py: Python<'_>,
+        model: String,
+        submodules: Vec<(String, Vec<String>, bool)>,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let caps = submodules
+            .into_iter()
+            .map(|(n, w, o)| (n, SubmoduleCaps::new(w, o)))
+            .collect();
+        Self::start(py, &model, caps, timeout)
+    }
+
+    /// Loads the model manifest and the layered serving config as the binary does (`paths`
+    /// as `--config FILE`s, `manifest` as `--model FILE`, `./config`, `$MSTAR_ENV` and
+    /// `MSTAR__…` variables), starts the actors and applies the model's policies and the
+    /// config's `[chunking]`. Answers the engine and what was loaded.
+    #[staticmethod]
+    #[pyo3(signature = (paths, model=None, manifest=None, timeout=Some(5.0)))]
+    fn from_config<'py>(
+        py: Python<'py>,
+        paths: Vec<PathBuf>,
+        model: Option<String>,
+        manifest: Option<PathBuf>,
+        timeout: Option<f64>,
+    ) -> PyResult<(Self, Bound<'py, PyDict>)> {
+        use mstar_chunking::config::{load, LoadOptions};
+        timeout_arg(timeout)?;
+        let opts = LoadOptions::from_process(manifest, paths);
+        let loaded = py.allow_threads(|| load(&opts)).map_err(|errors| {
+            let lines = errors.lines();
+            let e = crate::boundary::error(
+                py,
+                "ConfigError",
+                &format!("the config did not load:\n  {}", lines.join("\n  ")),
+            );
+            let _ = e.value(py).setattr("problems", lines);
+            e
+        })?;
+        let model = model.unwrap_or_else(|| loaded.manifest.name.clone());
+        let caps: Vec<(String, SubmoduleCaps)> = loaded
+            .manifest
+            .submodules()
+            .into_iter()
+            .map(|(n, c)| (n.to_string(), c))
+            .collect();
+        let engine = Self::start(py, &model, caps, timeout)?;
+        let policies: Vec<((String, String), ChunkingPolicy)> = loaded
+            .manifest
+            .policies()
+            .into_iter()
+            .map(|((n, w), p)| ((n.to_string(), w.to_string()), p))
+            .collect();
+        let budgets = loaded.manifest.budget_settings(&loaded.settings.chunking);
+        call(py, || async {
+            engine.cm.set_policies(policies).await?;
+            engine.cm.set_budgets(budgets).await
+        })?;
+        let info = PyDict::new(py);
+        let nodes: Vec<&String> = loaded.manifest.nodes.keys().collect();
+        info.set_item("nodes", nodes)?;
+        info.set_item("model", &model)?;
+        info.set_item("manifest", &loaded.model_origin)?;
+        info.set_item("layers", &loaded.layers)?;
+        info.set_item("warnings", &loaded.warnings)?;
+        info.set_item("walks", &loaded.manifest.walks)?;
+        info.set_item("combined_walk", loaded.manifest.combined_walk())?;
+        let listen = match loaded.settings.metrics.listen {
+            mstar_chunking::config::Listen::Off => None,
+            mstar_chunking::config::Listen::Addr(a) => Some(a.to_string()),
+        };
+        info.set_item("metrics_listen", listen)?;
+        Ok((engine, info))
+    }
+
+    /// Drains (`drain()`) and stops the actors; answers the drain report, or `None` when they
+    /// were already stopped. Later calls raise `ActorsStoppedError`. In a forked child, a
+    /// no-op: the actors are the parent's.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        if !self.owner.is_here() {
+            return Ok(None);
+        }
+        let Some(actors) = lock(&self.actors).take() else {
+            return Ok(None);
+        };
+        let report = block(py, || self.cm.drain());
+        py.allow_threads(|| actors.stop());
+        match report {
+            Ok(r) => Ok(Some(drain_to_py(py, &r)?)),
+            Err(f) => Err(to_py_err(py, f)),
+        }
+    }
+
+    /// Starts the shutdown: admissions, continuing rows and new steps are refused from now on
+    /// (`ChunkingError`, "draining"); the step in flight may still complete. Answers the steps
+    /// in flight.
+    fn begin_drain(&self, py: Python<'_>) -> PyResult<usize> {
+        let cm = self.cm(py)?;
+        call(py, || cm.begin_drain())
+    }
+
+    /// Ends the shutdown (starting it first if needed): abandons steps still in flight, drops
+    /// every queued row and prepared input, and answers what it dropped.
+    fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cm = self.cm(py)?;
+        let r = call(py, || cm.drain())?;
+        drain_to_py(py, &r)
+    }
+
+    /// `[(node, walk, max_batch_tokens | None, align)]`.
+    fn set_policies(
+        &self,
+        py: Python<'_>,
+        policies: Vec<(String, String, Option<u32>, u32)>,
+    ) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let policies: Vec<((String, String), ChunkingPolicy)> = policies
+            .into_iter()
+            .map(|(n, w, b, align)| {
+                (
+                    (n, w),
+                    ChunkingPolicy {
+                        max_batch_tokens: b,
+                        align,
+                    },
+                )
+            })
+            .collect();
+        call(py, || cm.set_policies(policies))
+    }
+
+    /// The arguments of `set_budgets`, normalised by the package (keywords only).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None))]
+    fn set_budgets(
+        &self,
+        py: Python<'_>,
+        walks: Vec<String>,
+        node_wide: Vec<(String, Option<u32>)>,
+        per_walk: PerWalk<u32>,
+        combined_walk_of: Vec<(String, String)>,
+        override_mixed: Vec<String>,
+        no_chunking: Vec<String>,
+        min_chunk_tokens: u32,
+        max_row_tokens: Option<u32>,
+        max_partial_prefills: Option<u32>,
+        max_step_ms: Vec<(String, Option<f64>)>,
+        max_step_ms_per_walk: PerWalk<f64>,
+        cost: Vec<(String, CostArg)>,
+        learn_cost: bool,
+        time_margin: Option<f64>,
+    ) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let settings = BudgetArgs {
+            node_wide,
+            per_walk,
+            walks,
+            combined_walk_of,
+            override_mixed,
+            no_chunking,
+            min_chunk_tokens,
+            max_row_tokens,
+            max_partial_prefills,
+            time_node_wide: max_step_ms,
+            time_per_walk: max_step_ms_per_walk,
+            cost,
+            learn_cost,
+            time_margin,
+        }
+        .settings(py)?;
+        call(py, || cm.set_budgets(settings))
+    }
+
+    /// `(max_batch_tokens | None, align)` of the model's policy.
+    fn policy(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<(Option<u32>, u32)> {
+        let cm = self.cm(py)?;
+        let p = call(py, || cm.policy(node, walk))?;
+        Ok((p.max_batch_tokens, p.align))
+    }
+
+    /// Whether `walk` is chunked on `node`.
+    fn chunkable(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<bool> {
+        let cm = self.cm(py)?;
+        call(py, || cm.chunkable(node, walk))
+    }
+
+    /// The walk's token budget in force (`None`: off).
+    fn max_batch_tokens(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<Option<u32>> {
+        let cm = self.cm(py)?;
+        call(py, || cm.max_batch_tokens(node, walk))
+    }
+
+    /// The floor under `budget`.
+    fn min_chunk_tokens(&self, py: Python<'_>, budget: u32) -> PyResult<u32> {
+        let cm = self.cm(py)?;
+        call(py, || cm.min_chunk_tokens(budget))
+    }
+
+    /// Member walk caps under a combined walk, or `None`.
+    fn walk_caps(
+        &self,
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+    ) -> PyResult<Option<BTreeMap<String, u32>>> {
+        let cm = self.cm(py)?;
+        let caps = call(py, || cm.walk_caps(node, walk))?;
+        Ok(caps.map(|m| m.into_iter().map(|(w, c)| (w.to_string(), c)).collect()))
+    }
+
+    /// The whole prepared input held for `(rid, node)`, as the native token view.
+    fn prepared(&self, py: Python<'_>, rid: u64, node: &str) -> PyResult<Option<Tokens>> {
+        let cm = self.cm(py)?;
+        let input = call(py, || cm.prepared(rid, node))?;
+        input
+            .map(|i| {
+                let n = i.len();
+                Tokens::new(i.cut(0..n))
+            })
+            .transpose()
+    }
+
+    /// The `(rid, node)` keys whose input is held now.
+    fn prepared_keys(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
+        let cm = self.cm(py)?;
+        let candidates: Vec<((u64, String), u64)> = lock(&self.admitted)
+            .keys
+            .iter()
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
+        let (held, gone) = call(py, || async {
+            let (mut held, mut gone) = (Vec::new(), Vec::new());
+            for (key, n) in &candidates {
+                if cm.prepared(key.0, &key.1).await?.is_some() {
+                    held.push(key.clone());
+                } else {
+                    gone.push((key, *n));
+                }
+            }
+            Ok((held, gone))
+        })?;
+        let mut admitted = lock(&self.admitted);
+        for (key, n) in gone {
+            if admitted.keys.get(key) == Some(&n) {
+                admitted.keys.remove(key);
+            }
+        }
+        Ok(held)
+    }
+
+    /// `(rows, tokens)` of prepared inputs held over all nodes.
+    fn prepared_totals(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        let cm = self.cm(py)?;
+        call(py, || cm.prepared_totals())
+    }
+
+    /// Drops the row of `rid` at `node` and its whole input there; answers whether one was held.
+    fn release(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, node: &str) -> PyResult<bool> {
+        let cm = self.cm(py)?;
+        let rid = whole::<u64>(py, "rid", rid)?;
+        let held = call(py, || cm.release(rid, node))?;
+        lock(&self.admitted).keys.remove(&(rid, node.to_owned()));
+        Ok(held)
+    }
+
+    /// Ends request `rid` on every node: its rows and inputs are dropped.
+    fn forget_request(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let rid = whole::<u64>(py, "rid", rid)?;
+        call(py, || cm.forget_request(rid))?;
+        lock(&self.admitted).keys.retain(|(r, _), _| *r != rid);
+        Ok(())
+    }
+
+    /// Holds a prompt's whole prepared input (token ids: a buffer of `uint32`, a list, a
+    /// range, …; text is refused) and queues its row at `node` for `walk`; `cached` tokens
+    /// of it are a cached prefix. The ids are copied once, here.
+    #[pyo3(signature = (rid, node, walk, tokens, cached=None))]
+    fn admit(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        node: &str,
+        walk: &str,
+        tokens: &Bound<'_, PyAny>,
+        cached: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let rid = whole::<u64>(py, "rid", rid)?;
+        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let input = PreparedInput::tokens(token_ids(py, rid, node, tokens)?);
+        call(py, || cm.admit(rid, node, walk, input, cached))?;
+        lock(&self.admitted).insert(rid, node);
+        Ok(())
+    }
+
+    /// Queues a continuing row (decode, speculative verify) of `rid` at `node` for `walk`,
+    /// running `estimate` tokens a step until `forget_request` or `release`; `context` (its
+    /// tokens so far) lets a time budget predict its KV and attention terms.
+    #[pyo3(signature = (rid, node, walk, estimate=None, context=None))]
+    fn continue_row(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        node: &str,
+        walk: &str,
+        estimate: Option<&Bound<'_, PyAny>>,
+        context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let rid = whole::<u64>(py, "rid", rid)?;
+        let estimate = estimate.map_or(Ok(1), |e| whole::<u32>(py, "estimate", e))?;
+        let context = match context.filter(|c| !c.is_none()) {
+            None => None,
+            Some(c) => Some(whole::<u64>(py, "context", c)?),
+        };
+        call(py, || async {
+            match context {
+                None => cm.continue_row(rid, node, walk, estimate).await,
+                Some(c) => {
+                    cm.continue_row_with_context(rid, node, walk, estimate, c)
+                        .await
+                }
+            }
+        })
+    }
+
+    /// Plans the node's next step (answered again, the same batch, while it is in flight).
+    fn assemble(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<StepBatch> {
+        let cm = self.cm(py)?;
+        let batch = call(py, || cm.assemble(node, walk))?;
+        Ok(StepBatch { batch })
+    }
+
+    /// Completes a step with the tokens each row ran (a chunk: 0 or its planned tokens) and,
+    /// optionally, its measured time in ms (checked against the time budget, fed to the
+    /// online fit and the margin). A token overrun is logged on the 1st, 2nd, 4th, … of its
+    /// `(node, walk)`.
+    #[pyo3(signature = (step, ran, measured_ms=None))]
+    fn complete(
+        &self,
+        py: Python<'_>,
+        step: &Bound<'_, PyAny>,
+        ran: &Bound<'_, PyAny>,
+        measured_ms: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Outcome> {
+        let cm = self.cm(py)?;
+        let step = whole::<u64>(py, "step", step)?;
+        let ran = ran_arg(py, ran)?;
+        let measured_ms = measured_arg(py, measured_ms)?;
+        let (outcome, count) = call(py, || async {
+            let outcome = match measured_ms {
+                None => cm.complete(step, ran).await?,
+                Some(ms) => cm.complete_measured(step, ran, ms).await?,
+            };
+            let count = overrun_count_of(cm, &outcome).await?;
+            Ok((outcome, count))
+        })?;
+        Self::finish_step(py, &outcome, count);
+        Ok(Outcome { outcome })
+    }
+
+    /// Completes step `step` (as `complete`) and assembles the next step of `next` (a
+    /// `NextStep`, or a `(node, walk)` pair) after applying its row changes, in one round
+    /// trip. A repeat of the call whose answer was lost gets the same outcome and the batch
+    /// in flight; the completion is applied once.
+    #[pyo3(signature = (step, ran, measured_ms=None, *, next))]
+    fn complete_and_assemble(
+        &self,
+        py: Python<'_>,
+        step: &Bound<'_, PyAny>,
+        ran: &Bound<'_, PyAny>,
+        measured_ms: Option<&Bound<'_, PyAny>>,
+        next: &Bound<'_, PyAny>,
+    ) -> PyResult<Completed> {
+        let cm = self.cm(py)?;
+        let step = whole::<u64>(py, "step", step)?;
+        let ran = ran_arg(py, ran)?;
+        let measured_ms = measured_arg(py, measured_ms)?;
+        let next = if let Ok(n) = next.downcast::<PyNextStep>() {
+            n.borrow().next.clone()
+        } else if let Ok((node, walk)) = next.extract::<(String, String)>() {
+            NextStep::new(node.as_str(), walk.as_str())
+        } else {
+            return Err(invalid(
+                py,
+                &format!(
+                    "next must be a NextStep or a (node, walk) pair, got {}",
+                    crate::boundary::short_repr(next)
+                ),
+            ));
+        };
+        // The prompts it admits, for `prepared_keys` (a key whose admission was refused is
+        // dropped there when found gone).
+        let admits: Vec<u64> = next
+            .row_changes()
+            .filter_map(|c| match c {
+                RowChangeRef::Admit { rid, .. } => Some(rid),
+                _ => None,
+            })
+            .collect();
+        let node = next.node().clone();
+        let (done, count) = call(py, || async {
+            let done = cm
+                .complete_and_assemble_with(step, ran, measured_ms, next)
+                .await?;
+            let count = overrun_count_of(cm, &done.outcome).await?;
+            Ok((done, count))
+        })?;
+        Self::finish_step(py, &done.outcome, count);
+        if !admits.is_empty() {
+            let mut admitted = lock(&self.admitted);
+            for rid in admits {
+                admitted.insert(rid, &node);
+            }
+        }
+        Ok(Completed {
+            outcome: Py::new(
+                py,
+                Outcome {
+                    outcome: done.outcome,
+                },
+            )?,
+            next: match done.next {
+                Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
+                Err(e) => Err(e),
+            },
+        })
+    }
+
+    /// The step ran nothing: no row advances, the node can assemble again.
+    fn abandon(&self, py: Python<'_>, step: &Bound<'_, PyAny>) -> PyResult<()> {
+        let cm = self.cm(py)?;
+        let step = whole::<u64>(py, "step", step)?;
+        call(py, || cm.abandon(step))
+    }
+
+    /// Checks `batch` as it ran (`ran[i]`: the tokens row `i` ran); counts, logs (1st, 2nd,
+    /// 4th, …) and returns the overrun, if any.
+    fn check_budget<'py>(
+        &self,
+        py: Python<'py>,
+        batch: &StepBatch,
+        ran: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let cm = self.cm(py)?;
+        let ran = ran_arg(py, ran)?;
+        let b = batch.batch.clone();
+        let (overrun, count) = call(py, || async {
+            let overrun = cm.check_budget(&b, &ran).await?;
+            let count = match &overrun {
+                Some(o) => cm.overrun_count(&o.node, &o.walk, None).await?,
+                None => 0,
+            };
+            Ok((overrun, count))
+        })?;
+        match overrun {
+            None => Ok(None),
+            Some(o) => {
+                log_overrun(py, &o, count);
+                Ok(Some(overrun_to_py(py, &o)?))
+            }
+        }
+    }
+
+    /// Overruns counted for `(node, walk)`, for one reason (`uncut_row`,
+    /// `speculation_estimate`, `other`) or all.
+    #[pyo3(signature = (node, walk, reason=None))]
+    fn overrun_count(
+        &self,
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+        reason: Option<&str>,
+    ) -> PyResult<u64> {
+        let cm = self.cm(py)?;
+        let reason = match reason {
+            None => None,
+            Some(r) => Some(
+                OverrunReason::ALL
+                    .into_iter()
+                    .find(|x| x.as_str() == r)
+                    .ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "unknown overrun reason `{r}`: one of uncut_row, speculation_estimate, other"
+                        ))
+                    })?,
+            ),
+        };
+        call(py, || cm.overrun_count(node, walk, reason))
+    }
+
+    /// `{prefill_rows, mid_prefill_rows, continuing_rows, steps_in_flight}`.
+    fn queue_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cm = self.cm(py)?;
+        let s = call(py, || cm.queue_stats())?;
+        let d = PyDict::new(py);
+        d.set_item("prefill_rows", s.prefill_rows)?;
+        d.set_item("mid_prefill_rows", s.mid_prefill_rows)?;
+        d.set_item("continuing_rows", s.continuing_rows)?;
+        d.set_item("steps_in_flight", s.steps_in_flight)?;
+        Ok(d)
+    }
+
+    /// The latency model `node` plans its time budgets with (`LatencyModelState`).
+    fn latency_model<'py>(&self, py: Python<'py>, node: &str) -> PyResult<Bound<'py, PyAny>> {
+        let cm = self.cm(py)?;
+        let r = call(py, || cm.latency_model(node))?;
+        let model = |m: Option<&mstar_chunking::LatencyModel>| -> PyResult<PyObject> {
+            Ok(match m {
+                Some(m) => model_to_py(py, m)?.unbind(),
+                None => py.None(),
+            })
+        };
+        let fit = match &r.fit {
+            Some(f) => py_attr(py, "mstar_chunking._types", "OnlineFit")?
+                .call1((model(Some(&f.model))?, f.samples, f.relative_rms, f.trusted))?
+                .unbind(),
+            None => py.None(),
+        };
+        py_attr(py, "mstar_chunking._types", "LatencyModelState")?.call1((
+            model(r.model.as_ref())?,
+            r.source.as_str(),
+            model(r.configured.as_ref())?,
+            r.learn_cost,
+            fit,
+        ))
+    }
+
+    /// The model's name as its metric series' `model` label.
+    #[getter]
+    fn model(&self) -> &str {
+        self.cm.model()
+    }
+}
+
+/// The node, walk and row changes of the next step of a one-trip step
+/// (`complete_and_assemble(..., next=...)`): requests that ended, prompts that continue as
+/// decode rows, prompts that arrived, applied in order after the completion and before the
+/// next step is planned. Each method appends one change and answers the same object; it can
+/// be passed again to repeat a call whose answer was lost.
+#[pyclass(module = "mstar_chunking._native", name = "NextStep")]
+pub(crate) struct PyNextStep {
+    next: NextStep,
+}
+
+impl PyNextStep {
+    fn push(&mut self, change: impl FnOnce(NextStep) -> NextStep) {
+        let empty = NextStep::new(self.next.node().clone(), self.next.walk().clone());
+        let next = std::mem::replace(&mut self.next, empty);
+        self.next = change(next);
+    }
+}
+
+#[pymethods]
+impl PyNextStep {
+    #[new]
+    fn new(node: &str, walk: &str) -> Self {
+        Self {
+            next: NextStep::new(node, walk),
+        }
+    }
+
+    /// Ends request `rid` before the next step (as `forget_request`).
+    fn forget_request<'py>(
+        mut slf: PyRefMut<'py, Self>,
+        rid: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let rid = whole::<u64>(slf.py(), "rid", rid)?;
+        slf.push(|n| n.forget_request(rid));
+        Ok(slf)
+    }
+
+    /// Queues a continuing row of `rid` on the next step's node (as `continue_row`).
+    #[pyo3(signature = (rid, walk, estimate=None, context=None))]
+    fn continue_row<'py>(
+        mut slf: PyRefMut<'py, Self>,
+        rid: &Bound<'_, PyAny>,
+        walk: &str,
+        estimate: Option<&Bound<'_, PyAny>>,
+        context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let py = slf.py();
+        let rid = whole::<u64>(py, "rid", rid)?;
+        let estimate = estimate.map_or(Ok(1), |e| whole::<u32>(py, "estimate", e))?;
+        let context = match context.filter(|c| !c.is_none()) {
+            None => None,
+            Some(c) => Some(whole::<u64>(py, "context", c)?),
+        };
+        slf.push(|n| match context {
+            None => n.continue_row(rid, walk, estimate),
+            Some(c) => n.continue_row_with_context(rid, walk, estimate, c),
+        });
+        Ok(slf)
+    }
+
+    /// Admits a prompt on the next step's node before it is planned (as `admit`).
+    #[pyo3(signature = (rid, walk, tokens, cached=None))]
+    fn admit<'py>(
+        mut slf: PyRefMut<'py, Self>,
+        rid: &Bound<'_, PyAny>,
+        walk: &str,
+        tokens: &Bound<'_, PyAny>,
+        cached: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let py = slf.py();
+        let rid = whole::<u64>(py, "rid", rid)?;
+        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let node = slf.next.node().to_string();
+        let input = PreparedInput::tokens(token_ids(py, rid, &node, tokens)?);
+        slf.push(|n| n.admit(rid, walk, input, cached));
+        Ok(slf)
+    }
+
+    /// The next step's node.
+    #[getter]
+    fn node(&self) -> String {
+        self.next.node().to_string()
+    }
+
+    /// The next step's walk.
+    #[getter]
+    fn walk(&self) -> String {
+        self.next.walk().to_string()
+    }
+
+    /// The row changes carried.
+    fn __len__(&self) -> usize {
+        self.next.changes()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "NextStep(node={}, walk={}, changes={})",
+            py_repr_str(py, self.next.node()),
+            py_repr_str(py, self.next.walk()),
+            self.next.changes()
+        )
+    }
+}

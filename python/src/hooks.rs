@@ -1,0 +1,165 @@
+//! The benchmark's Rust side and the test doors: code the package's tests and `bench.py` call,
+//! not part of the API (their names start with `_`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mstar_chunking::{
+    BudgetSettings, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput,
+    RowWork, SubmoduleCaps,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::boundary::{call, to_py_err, Failure};
+
+/// One benchmark workload's step loop on the Rust facade directly, on its own actors
+/// (`start_on_own_thread`), awaited from the calling thread as the package's calls are: node
+/// `llm` cutting `prefill` rows inside `mixed` under `budget` (align 16), `decode_rows`
+/// continuing rows (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a
+/// new one when its final chunk runs. Each step is one `complete_and_assemble_with` carrying
+/// the replacement admissions. `warm` steps run first; answers the wall-clock and the process's
+/// CPU seconds (`time.process_time()`, the actors' thread included) of `steps` steps.
+#[pyfunction]
+#[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200))]
+pub(crate) fn _bench_facade(
+    py: Python<'_>,
+    steps: u64,
+    decode_rows: u64,
+    prompts: u64,
+    prompt_tokens: u32,
+    budget: u32,
+    warm: u64,
+) -> PyResult<(f64, f64)> {
+    let started = py.allow_threads(|| {
+        ChunkingManagement::start_on_own_thread(
+            "bench-rust",
+            [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
+        )
+    });
+    let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+    let prompt = PreparedInput::tokens((0..prompt_tokens).collect::<Arc<[u32]>>());
+    let result = call(py, || async {
+        let policy = ChunkingPolicy::budget(budget).aligned(16);
+        cm.set_policies([(("llm", "mixed"), policy)]).await?;
+        cm.set_budgets(
+            BudgetSettings::new(["prefill", "decode", "mixed"])
+                .combined("mixed", ["prefill", "decode"]),
+        )
+        .await?;
+        for rid in 1..=decode_rows {
+            cm.continue_row(rid, "llm", "decode", 1).await?;
+        }
+        let mut next_rid = 1u64 << 32;
+        for _ in 0..prompts {
+            cm.admit(next_rid, "llm", "prefill", prompt.clone(), 0)
+                .await?;
+            next_rid += 1;
+        }
+        let template = NextStep::new("llm", "mixed");
+        let mut batch = cm.assemble("llm", "mixed").await?;
+        let mut t0 = Instant::now();
+        let mut cpu0 = process_time();
+        for i in 0..warm + steps {
+            if i == warm {
+                t0 = Instant::now();
+                cpu0 = process_time();
+            }
+            let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
+            let mut next = template.clone();
+            for r in &batch.rows {
+                if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
+                    next = next.admit(next_rid, "prefill", prompt.clone(), 0);
+                    next_rid += 1;
+                }
+            }
+            let done = cm
+                .complete_and_assemble_with(batch.step, ran, None, next)
+                .await?;
+            batch = done.next?;
+        }
+        Ok((t0.elapsed().as_secs_f64(), process_time() - cpu0))
+    });
+    py.allow_threads(|| actors.stop());
+    result
+}
+
+/// `n` round trips (`queue_stats`) awaited in one call on a manager of its own: the process's
+/// CPU seconds and the wall-clock seconds they took, to compare with the same calls from Python.
+#[pyfunction]
+pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64) -> PyResult<(f64, f64)> {
+    let started = py.allow_threads(|| {
+        ChunkingManagement::start_on_own_thread(
+            "bench-trips",
+            [("llm", SubmoduleCaps::new(["prefill"], false))],
+        )
+    });
+    let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+    let result = call(py, || async {
+        let (t0, cpu0) = (Instant::now(), process_time());
+        for _ in 0..n {
+            cm.queue_stats().await?;
+        }
+        Ok((process_time() - cpu0, t0.elapsed().as_secs_f64()))
+    });
+    py.allow_threads(|| actors.stop());
+    result
+}
+
+/// `time.process_time()`, read with the GIL taken again for the moment (twice a run).
+fn process_time() -> f64 {
+    Python::with_gil(|py| {
+        py.import("time")
+            .and_then(|t| t.call_method0("process_time"))
+            .and_then(|v| v.extract::<f64>())
+            .unwrap_or(f64::NAN)
+    })
+}
+
+/// A Rust error of `kind` (`timeout` only) converted as every call converts its errors: the
+/// facade's timeout cannot be provoked deterministically from a test.
+#[pyfunction]
+pub(crate) fn _error_for_test(py: Python<'_>, kind: &str) -> PyResult<PyObject> {
+    let e = match kind {
+        "timeout" => ChunkingError::Timeout {
+            actor: "Scheduler",
+            after: Duration::from_millis(5),
+        },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown test error `{other}`"
+            )))
+        }
+    };
+    Ok(to_py_err(py, Failure::Chunking(e))
+        .into_value(py)
+        .into_any())
+}
+
+/// Panics inside a blocking call, to show the panic comes back as a `ChunkingError`.
+#[pyfunction]
+pub(crate) fn _panic_for_test(py: Python<'_>) -> PyResult<()> {
+    call(py, || async {
+        if std::hint::black_box(true) {
+            panic!("injected");
+        }
+        Ok(())
+    })
+}
+
+/// The address of the memory `obj`'s buffer exports, to show two views share it (no copy).
+#[pyfunction]
+pub(crate) fn _buffer_address(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let mut view = std::mem::MaybeUninit::<pyo3::ffi::Py_buffer>::zeroed();
+    // SAFETY: `view` is filled by `PyObject_GetBuffer` and released once, below.
+    unsafe {
+        if pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), pyo3::ffi::PyBUF_SIMPLE)
+            != 0
+        {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        let address = (*view.as_ptr()).buf as usize;
+        pyo3::ffi::PyBuffer_Release(view.as_mut_ptr());
+        Ok(address)
+    }
+}

@@ -1,0 +1,11 @@
+"""The vLLM scheduler's tests need vLLM (`make test-vllm` installs it into a cached venv): where it
+is not installed (the package's own `make test-python` venv) they are not collected at all."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.v1") is None:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,216 @@
+"""vLLM's V1 scheduler on the CPU with fabricated model-runner outputs, as vLLM's own scheduler
+tests run it: a local `config.json` stands for the model (no hub, no weights, no tokenizer), the
+KV cache is a block count, and each step's output samples one token for every request that
+finished its prompt or decoded in that step."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402, F401 (the baseline)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+EOS = 2
+SAMPLED = 7  # the token every fabricated step samples (never EOS)
+BLOCK = 16
+
+_MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+}
+_model_dir: Optional[str] = None
+init_none_hash(sha256)
+_hasher = get_request_block_hasher(BLOCK, sha256)
+
+
+def model_dir() -> str:
+    """A directory with the tiny model's `config.json` (made once per process)."""
+    global _model_dir
+    if _model_dir is None:
+        d = tempfile.mkdtemp(prefix="mstar-vllm-model-")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(_MODEL, f)
+        _model_dir = d
+    return _model_dir
+
+
+def make_scheduler(
+    cls: type,
+    *,
+    budget: int = 512,
+    max_num_seqs: int = 16,
+    num_blocks: int = 10_000,
+    prefix_caching: bool = True,
+    threshold: int = 0,
+    async_scheduling: bool = False,
+    max_model_len: int = 32_768,
+) -> Any:
+    """A scheduler of class `cls` (vLLM's or the plugin's) over a KV cache of `num_blocks`."""
+    sc = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+    )
+    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len)
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], attn)])
+    cc.num_gpu_blocks = num_blocks
+    return cls(
+        vllm_config=vc,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=_hasher,
+    )
+
+
+@dataclass
+class Chunk:
+    """What one step scheduled for one request."""
+
+    req_id: str
+    start: int
+    tokens: int
+    num_tokens: int  # the request's tokens (prompt and output so far) when it was scheduled
+
+    @property
+    def prefill(self) -> bool:
+        return self.start < self.num_tokens - 1 or (self.start == 0 and self.num_tokens == 1)
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.tokens >= self.num_tokens
+
+
+@dataclass
+class Run:
+    """What a driven run saw."""
+
+    steps: list[list[Chunk]] = field(default_factory=list)
+    outputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    finished: dict[str, str] = field(default_factory=dict)
+    sched_s: list[float] = field(default_factory=list)  # schedule() + update_from_output() per step
+    sched_cpu_s: list[float] = field(default_factory=list)  # the same in the process's CPU time
+
+    def step_tokens(self) -> list[int]:
+        return [sum(c.tokens for c in s) for s in self.steps]
+
+
+class Driver:
+    """Steps a scheduler as vLLM's engine core does: `schedule()`, a fabricated model-runner output,
+    `update_from_output()`; with async scheduling, step N+1 is scheduled before N's output."""
+
+    def __init__(self, sched: Any, *, async_depth: int = 1, step_ms: Any = None) -> None:
+        self.s = sched
+        self.depth = async_depth
+        self.queue: deque = deque()
+        self.run = Run()
+        self.step_ms = step_ms  # (step chunks) -> simulated time the fabricated step takes
+        self.clock = None
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.s.add_request(make_request(req_id, prompt, max_tokens))
+
+    def abort(self, req_id: str) -> None:
+        self.s.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        self.run.finished[req_id] = "abort"
+
+    def step(self) -> list[Chunk]:
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = self.s.schedule()
+        t1, c1 = time.perf_counter(), time.process_time()
+        chunks, sample = [], []
+        for req_id, n in out.num_scheduled_tokens.items():
+            r = self.s.requests[req_id]
+            start = r.num_computed_tokens - n
+            chunks.append(Chunk(req_id, start, n, r.num_tokens))
+            sample.append(not r.is_prefill_chunk)
+        self.run.steps.append(chunks)
+        self.queue.append((out, sample))
+        spent, cpu = t1 - t0, c1 - c0
+        if len(self.queue) >= self.depth:
+            s, c = self._update()
+            spent, cpu = spent + s, cpu + c
+        self.run.sched_s.append(spent)
+        self.run.sched_cpu_s.append(cpu)
+        return chunks
+
+    def _update(self) -> tuple[float, float]:
+        out, sample = self.queue.popleft()
+        ids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[SAMPLED] if s else [] for s in sample],
+        )
+        if self.step_ms is not None:
+            self.step_ms(out)
+        c0, t0 = time.process_time(), time.perf_counter()
+        result = self.s.update_from_output(out, mro)
+        spent, cpu = time.perf_counter() - t0, time.process_time() - c0
+        for eco in result.values():
+            for o in eco.outputs:
+                self.run.outputs[o.request_id] += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.run.finished[o.request_id] = str(o.finish_reason)
+        return spent, cpu
+
+    def drain(self, limit: int = 20_000) -> Run:
+        """Steps until nothing is left to run (bounded)."""
+        for _ in range(limit):
+            if not self.s.has_requests() and not self.queue:
+                return self.run
+            if self.s.has_requests():
+                self.step()
+            while self.queue and (len(self.queue) >= self.depth or not self.s.has_requests()):
+                self._update()
+        raise AssertionError(f"not drained after {limit} steps")
+
+
+def kv_all_free(sched: Any, num_blocks: int) -> bool:
+    """Every KV block is free (cached-but-unreferenced blocks count as free); the null block aside."""
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1

@@ -1,0 +1,1048 @@
+//! The engine's calls on [`SchedulerState`] as a whole: admissions with their prepared inputs,
+//! forgets, assemblies that cut chunk views, completions, the one-trip step with its repeat
+//! answer, and the drain. The Scheduler actor receives each message and calls one method here;
+//! what it does around the call (spans, metric handles, reports to the other actors) it does in
+//! [`StepHooks`], which the methods call at the points where the state changed.
+//!
+//! The state owns every prepared input ([`PreparedStore`]); each change to the store is also
+//! recorded as an [`InputChange`], which the actor sends to PreparedInputs' accounting after
+//! the call (`docs/actors.md#prepared-inputs`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome};
+use crate::error::ChunkingError;
+use crate::order::AdmitOptions;
+use crate::policy::Name;
+use crate::prepared::{InputChange, PreparedInput};
+
+/// What the actor shell does when the state changes: spans, metrics and the reports to other
+/// actors. Every method has a no-op default; `()` is the shell of a test or a benchmark.
+pub(crate) trait StepHooks {
+    /// A row of `rid` was queued on `node`/`walk` (a prompt admitted or a continuing row).
+    fn admitted(&mut self, _rid: u64, _node: &Name, _walk: &Name) {}
+    /// Request `rid` was forgotten.
+    fn forgotten(&mut self, _rid: u64) {}
+    /// A step was planned in `planned_in`; `in_flight(step)` says whether an older step is
+    /// still in flight.
+    fn assembled(
+        &mut self,
+        _batch: &Batch,
+        _planned_in: Duration,
+        _in_flight: &dyn Fn(u64) -> bool,
+    ) {
+    }
+    /// Step `step` was abandoned while its inputs were cut, for `why`.
+    fn abandoned(&mut self, _step: u64, _why: &ChunkingError) {}
+    /// A step completed (its finished rows' inputs are released after this).
+    fn completed(&mut self, _outcome: &StepOutcome) {}
+    /// The completion of step `step` was refused; nothing changed.
+    fn completion_refused(&mut self, _step: u64, _why: &ChunkingError) {}
+    /// A row change sent with the completion of step `step` was refused (the ones before it
+    /// stand).
+    fn change_refused(&mut self, _step: u64, _why: &ChunkingError) {}
+    /// The queues of `node` changed (`None`: possibly of every node).
+    fn queues_changed(&mut self, _state: &SchedulerState, _node: Option<&Name>) {}
+    /// A step of `node`/`assembled` came out empty while prompt rows of `node` wait on
+    /// `waiting`, a walk no step of `assembled` takes: said once per
+    /// `(node, waiting, assembled)`.
+    fn stranded(&mut self, _node: &Name, _waiting: &Name, _assembled: &Name) {}
+}
+
+impl StepHooks for () {}
+
+/// A step completed by [`SchedulerState::complete_and_assemble`], as reported and as it came
+/// out, to answer a repeat of it.
+#[derive(Debug)]
+pub(crate) struct LastCompleted {
+    step: u64,
+    ran: Vec<u32>,
+    measured_ms: Option<f64>,
+    outcome: StepOutcome,
+    /// The row change refused after the completion, if one was.
+    refused: Option<ChunkingError>,
+}
+
+/// What a drain dropped (`ChunkingManagement::drain`); all zero when the engine completed or
+/// forgot everything first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainReport {
+    /// Steps still in flight, abandoned (their rows did not advance).
+    pub steps_abandoned: usize,
+    /// Requests that still had a row queued, dropped.
+    pub requests: usize,
+    /// Rows still queued, prefill and continuing, over all nodes, dropped.
+    pub rows: usize,
+    /// Whole prepared inputs still held, released.
+    pub prepared_inputs: usize,
+    /// Their tokens.
+    pub prepared_tokens: u64,
+}
+
+/// Rows queued over all nodes, and steps in flight ([`crate::ChunkingManagement::queue_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueStats {
+    /// Prefill rows queued (each holds a prepared input), waiting or mid-prefill.
+    pub prefill_rows: usize,
+    /// Of those, rows with at least one completed chunk.
+    pub mid_prefill_rows: usize,
+    /// Continuing rows queued.
+    pub continuing_rows: usize,
+    /// Steps assembled and neither completed nor abandoned.
+    pub steps_in_flight: usize,
+}
+
+impl SchedulerState {
+    /// [`SchedulerState::admit_prepared_with`] with a cached prefix only (the tests' form).
+    #[cfg(test)]
+    pub(crate) fn admit_prepared(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        cached: u32,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        let options = AdmitOptions::cached(cached);
+        self.admit_prepared_with(rid, node, walk, input, options, hooks)
+    }
+
+    /// Admits a prompt whole: measures its input, queues its row (with its cached prefix,
+    /// priority and arrival time) and holds the input. A refused admission (draining, a bad
+    /// input, a second row of `(rid, node)`) queues and holds nothing.
+    ///
+    /// # Errors
+    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit_with`].
+    pub(crate) fn admit_prepared_with(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        options: AdmitOptions,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        if self.draining {
+            return Err(ChunkingError::Draining);
+        }
+        self.admit_input(rid, node, walk, input, options, hooks)?;
+        hooks.queues_changed(self, Some(node));
+        Ok(())
+    }
+
+    /// Queues the prompt row of `rid` at `node` and holds its input; on error nothing is
+    /// queued or held.
+    fn admit_input(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        options: AdmitOptions,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        let total = input.measure(rid, node)?;
+        self.admit_with(rid, node, walk, total, options)?;
+        // The queue refuses a second row of `(rid, node)`, and a row's input is dropped with
+        // its row: an input is never held here already.
+        if let Err(e) = self.inputs.insert(rid, node, input) {
+            self.forget_at(rid, node);
+            return Err(e);
+        }
+        self.input_changes.push(InputChange::Hold {
+            rid,
+            node: node.clone(),
+            tokens: total,
+        });
+        hooks.admitted(rid, node, walk);
+        Ok(())
+    }
+
+    /// Queues a continuing row of `rid` at `node` (or updates its estimate and context).
+    ///
+    /// # Errors
+    /// Draining, or as [`SchedulerState::continue_row`].
+    pub(crate) fn continue_with(
+        &mut self,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        estimate: u32,
+        context: Option<u64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        if self.draining {
+            return Err(ChunkingError::Draining);
+        }
+        self.continue_row(rid, node, walk, estimate, context)?;
+        hooks.admitted(rid, node, walk);
+        hooks.queues_changed(self, Some(node));
+        Ok(())
+    }
+
+    /// Ends request `rid`: drops its rows and inputs on every node.
+    pub(crate) fn forget_request(&mut self, rid: u64, hooks: &mut impl StepHooks) {
+        self.forget_everywhere(rid, hooks);
+        hooks.queues_changed(self, None);
+    }
+
+    fn forget_everywhere(&mut self, rid: u64, hooks: &mut impl StepHooks) {
+        hooks.forgotten(rid);
+        self.forget(rid);
+        self.inputs.forget(rid);
+        self.input_changes.push(InputChange::Forget(rid));
+    }
+
+    /// Drops the row of `rid` at `node` and its input there; answers whether a prefill row
+    /// was dropped.
+    pub(crate) fn forget_row(&mut self, rid: u64, node: &Name, hooks: &mut impl StepHooks) -> bool {
+        let had_prefill = self.forget_at(rid, node);
+        self.release_inputs(node, &[rid]);
+        hooks.queues_changed(self, Some(node));
+        had_prefill
+    }
+
+    /// Drops the inputs of `rids` at `node`.
+    fn release_inputs(&mut self, node: &Name, rids: &[u64]) {
+        for &rid in rids {
+            self.inputs.release(rid, node);
+            self.input_changes.push(InputChange::Release {
+                rid,
+                node: node.clone(),
+            });
+        }
+    }
+
+    /// The whole input held for `(rid, node)` (a cheap clone of its `Arc`s).
+    pub(crate) fn prepared(&self, rid: u64, node: &str) -> Option<PreparedInput> {
+        self.inputs.get(rid, node).cloned()
+    }
+
+    /// The changes made to the inputs held since the last call, in order, for PreparedInputs'
+    /// accounting; `None` when there were none.
+    pub(crate) fn take_input_changes(&mut self) -> Option<Vec<InputChange>> {
+        if self.input_changes.is_empty() {
+            return None;
+        }
+        // The next message's changes start with room for as many.
+        let room = Vec::with_capacity(self.input_changes.len());
+        Some(std::mem::replace(&mut self.input_changes, room))
+    }
+
+    /// Plans the next step of `node`/`walk` (or finds it in flight) and cuts its chunks' views
+    /// from the inputs held. A chunk row without an input (a guard: the store and the queues
+    /// never disagree through the API) abandons the step and drops that row.
+    ///
+    /// # Errors
+    /// Draining, as [`SchedulerState::assemble`], or `MissingPreparedInput`.
+    #[cfg(test)]
+    pub(crate) fn assemble_step(
+        &mut self,
+        node: &str,
+        walk: &str,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Arc<Batch>, ChunkingError> {
+        self.assemble_step_at(node, walk, None, hooks)
+    }
+
+    /// [`SchedulerState::assemble_step`] of a step planned at `now_ms` on the engine's clock
+    /// (for the starvation bound, [`SchedulerState::assemble_at`]).
+    ///
+    /// # Errors
+    /// As `assemble_step`.
+    pub(crate) fn assemble_step_at(
+        &mut self,
+        node: &str,
+        walk: &str,
+        now_ms: Option<f64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Arc<Batch>, ChunkingError> {
+        if self.draining {
+            return Err(ChunkingError::Draining);
+        }
+        let started = Instant::now();
+        let mut batch = match self.assemble_at(node, walk, now_ms)? {
+            Assembled::InFlight(batch) => return Ok(batch),
+            Assembled::Planned(batch) => batch,
+        };
+        let took = started.elapsed();
+        hooks.assembled(&batch, took, &|step| self.node_of_step(step).is_some());
+        if batch.rows.is_empty() {
+            self.say_stranded(&batch, hooks);
+        }
+        let missing = batch.cut_inputs(self.inputs.node(&batch.node));
+        if let Some(&rid) = missing.first() {
+            let (step, node) = (batch.step, batch.node.clone());
+            self.abandon(step, &missing)?;
+            self.release_inputs(&node, &missing);
+            hooks.queues_changed(self, Some(&node));
+            let e = ChunkingError::MissingPreparedInput { rid, node };
+            hooks.abandoned(step, &e);
+            return Err(e);
+        }
+        let batch = Arc::new(batch);
+        self.hold(batch.clone());
+        Ok(batch)
+    }
+
+    /// On an empty step: the first prompt row of the node waiting on a walk the step does not
+    /// take is said once (an engine that alternates walks may see it once too; the message
+    /// names both fixes). Only empty steps look: the check costs nothing on a step that runs.
+    fn say_stranded(&mut self, batch: &Batch, hooks: &mut impl StepHooks) {
+        let Some(queues) = self.nodes.get(&batch.node) else {
+            return;
+        };
+        let waiting = queues
+            .prefill()
+            .iter()
+            .map(|r| &r.walk)
+            .find(|w| !batch.walks.contains(w));
+        if let Some(waiting) = waiting {
+            let key = (batch.node.clone(), waiting.clone(), batch.walk.clone());
+            if self.stranded_said.insert(key) {
+                hooks.stranded(&batch.node, waiting, &batch.walk);
+            }
+        }
+    }
+
+    /// Completes step `step` as [`SchedulerState::complete`] does, and releases the inputs of
+    /// the rows that finished.
+    ///
+    /// # Errors
+    /// As [`SchedulerState::complete`]; nothing changes.
+    pub(crate) fn complete_step(
+        &mut self,
+        step: u64,
+        ran: &[u32],
+        measured_ms: Option<f64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<StepOutcome, ChunkingError> {
+        let outcome = self
+            .complete(step, ran, measured_ms)
+            .inspect_err(|e| hooks.completion_refused(step, e))?;
+        self.completed_step(&outcome, hooks);
+        hooks.queues_changed(self, Some(&outcome.node));
+        Ok(outcome)
+    }
+
+    fn completed_step(&mut self, outcome: &StepOutcome, hooks: &mut impl StepHooks) {
+        hooks.completed(outcome);
+        if !outcome.finished.is_empty() {
+            self.release_inputs(&outcome.node, &outcome.finished);
+        }
+    }
+
+    /// Completes step `step` of `next.node` (as [`SchedulerState::complete_step`]), applies
+    /// `next`'s row changes in order, and assembles the next step of `next.node`/`next.walk`
+    /// (as [`SchedulerState::assemble_step`]): the engine's one call per step.
+    ///
+    /// A repeat for the step it completed last on the node (its answer was lost) is not applied
+    /// again: it gets the same outcome, and the next step as `assemble` answers it then (the
+    /// same batch while that step is in flight). A repeat with other `ran` counts or another
+    /// measured time is refused.
+    ///
+    /// # Errors
+    /// The step is not in flight on `next.node`, the next walk is not one the node serves, the
+    /// completion is refused (nothing changes), or a repeat differs. A refused row change or a
+    /// failed assembly is not an error: it is the answer's `next`.
+    pub(crate) fn complete_and_assemble(
+        &mut self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        next: NextStep,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Completed, ChunkingError> {
+        let (node, walk, now_ms) = (next.node.clone(), next.walk.clone(), next.now_ms);
+        let (outcome, refused) = match self.completed.get(&*node) {
+            Some(last) if last.step == step => {
+                let same_ms = last.measured_ms.map(f64::to_bits) == measured_ms.map(f64::to_bits);
+                if last.ran != ran || !same_ms {
+                    return Err(ChunkingError::CompletedDifferently { step });
+                }
+                (last.outcome.clone(), last.refused.clone())
+            }
+            _ => {
+                // The step must be of the node named for the next one, and the next step's walk
+                // one the node serves: checked before anything changes.
+                if self.node_of_step(step) != Some(&node) {
+                    return Err(ChunkingError::UnknownStep { step });
+                }
+                if let Some(snap) = self.snapshot() {
+                    if snap.step_params(&node, &walk).is_none() {
+                        return Err(ChunkingError::UnknownWalk { node, walk });
+                    }
+                }
+                let mut outcome = self
+                    .complete(step, &ran, measured_ms)
+                    .inspect_err(|e| hooks.completion_refused(step, e))?;
+                self.completed_step(&outcome, hooks);
+                let refused = self.apply_changes(next, hooks).err();
+                if let Some(e) = &refused {
+                    hooks.change_refused(step, e);
+                }
+                self.remember_completed(step, ran, measured_ms, &mut outcome, &refused);
+                (outcome, refused)
+            }
+        };
+        let next = match refused {
+            Some(e) => Err(e),
+            None => self.assemble_step_at(&node, &walk, now_ms, hooks),
+        };
+        Ok(Completed { outcome, next })
+    }
+
+    /// Keeps what step `step` was completed with and what came out, for a repeat of it.
+    fn remember_completed(
+        &mut self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        outcome: &mut StepOutcome,
+        refused: &Option<ChunkingError>,
+    ) {
+        match self.completed.get_mut(&outcome.node) {
+            // Updated in place: the node's entry, and its vectors' room, are reused.
+            Some(last) => {
+                last.step = step;
+                last.ran = ran;
+                last.measured_ms = measured_ms;
+                // The outcome is cloned without its `finished`, copied into the room of the
+                // last one's.
+                let finished = std::mem::take(&mut outcome.finished);
+                let mut room = std::mem::take(&mut last.outcome.finished);
+                room.clone_from(&finished);
+                last.outcome = outcome.clone();
+                last.outcome.finished = room;
+                outcome.finished = finished;
+                last.refused.clone_from(refused);
+            }
+            None => {
+                let last = LastCompleted {
+                    step,
+                    ran,
+                    measured_ms,
+                    outcome: outcome.clone(),
+                    refused: refused.clone(),
+                };
+                self.completed.insert(outcome.node.clone(), last);
+            }
+        }
+    }
+
+    /// Applies `next`'s row changes in order and stops at the first refused one, which it
+    /// answers (while draining, every change but a forget is refused).
+    fn apply_changes(
+        &mut self,
+        next: NextStep,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        let NextStep { node, changes, .. } = next;
+        let mut forgot = false;
+        let mut result = Ok(());
+        for change in changes {
+            if self.draining && !matches!(change, RowChange::Forget(_)) {
+                result = Err(ChunkingError::Draining);
+                break;
+            }
+            result = match change {
+                RowChange::Forget(rid) => {
+                    self.forget_everywhere(rid, hooks);
+                    forgot = true;
+                    Ok(())
+                }
+                RowChange::Continue {
+                    rid,
+                    walk,
+                    estimate,
+                    context,
+                } => self
+                    .continue_row(rid, &node, &walk, estimate, context)
+                    .inspect(|()| hooks.admitted(rid, &node, &walk)),
+                RowChange::Admit {
+                    rid,
+                    walk,
+                    input,
+                    options,
+                } => self.admit_input(rid, &node, &walk, input, options, hooks),
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        hooks.queues_changed(self, if forgot { None } else { Some(&node) });
+        result
+    }
+
+    /// Starts a drain: from now on no request is admitted and no step assembled; completions,
+    /// abandons and forgets are still applied. Answers the steps in flight.
+    pub(crate) fn begin_drain(&mut self) -> usize {
+        self.draining = true;
+        self.steps_in_flight()
+    }
+
+    /// Ends a drain: abandons the steps still in flight, drops every row and every input held;
+    /// answers what was dropped.
+    pub(crate) fn drain_all(&mut self, hooks: &mut impl StepHooks) -> DrainReport {
+        self.draining = true;
+        let drained = self.drain();
+        self.completed.clear();
+        let (prepared_inputs, prepared_tokens) = self.inputs.clear();
+        // PreparedInputs' accounting is cleared whole (`ReleaseAll`), not change by change.
+        self.input_changes.clear();
+        hooks.queues_changed(self, None);
+        DrainReport {
+            steps_abandoned: drained.steps,
+            requests: drained.requests,
+            rows: drained.rows,
+            prepared_inputs,
+            prepared_tokens,
+        }
+    }
+
+    /// Rows queued over all nodes, and steps in flight.
+    pub(crate) fn stats(&self) -> QueueStats {
+        let mut stats = QueueStats {
+            steps_in_flight: self.steps_in_flight(),
+            ..QueueStats::default()
+        };
+        for n in self.node_names() {
+            let c = self.node(n).map(|q| q.counts()).unwrap_or_default();
+            stats.prefill_rows += c.waiting + c.mid_prefill;
+            stats.mid_prefill_rows += c.mid_prefill;
+            stats.continuing_rows += c.continuing;
+        }
+        stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::budget::BudgetTable;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::snapshot::BudgetSnapshot;
+
+    /// One node `llm` serving `prefill` with a budget of 8.
+    fn state() -> SchedulerState {
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("prefill")),
+            ChunkingPolicy::budget(8),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let mut s = SchedulerState::default();
+        s.set_snapshot(Arc::new(BudgetSnapshot::new(
+            BudgetTable::from_policies(model),
+            1,
+        )));
+        s
+    }
+
+    /// Every hook call, in order, as text.
+    #[derive(Default)]
+    struct Recorded(Vec<String>);
+
+    impl StepHooks for Recorded {
+        fn admitted(&mut self, rid: u64, node: &Name, walk: &Name) {
+            self.0.push(format!("admitted {rid} {node}/{walk}"));
+        }
+        fn forgotten(&mut self, rid: u64) {
+            self.0.push(format!("forgotten {rid}"));
+        }
+        fn assembled(&mut self, batch: &Batch, _: Duration, in_flight: &dyn Fn(u64) -> bool) {
+            let older = in_flight(batch.step.saturating_sub(1));
+            self.0
+                .push(format!("assembled {} older {older}", batch.step));
+        }
+        fn abandoned(&mut self, step: u64, why: &ChunkingError) {
+            self.0.push(format!("abandoned {step}: {why}"));
+        }
+        fn completed(&mut self, outcome: &StepOutcome) {
+            self.0
+                .push(format!("completed {} {:?}", outcome.step, outcome.finished));
+        }
+        fn completion_refused(&mut self, step: u64, _: &ChunkingError) {
+            self.0.push(format!("completion refused {step}"));
+        }
+        fn change_refused(&mut self, step: u64, _: &ChunkingError) {
+            self.0.push(format!("change refused {step}"));
+        }
+        fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
+            let rows = state.prefill_rows();
+            self.0.push(format!("queues {node:?} {rows}"));
+        }
+        fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+            self.0
+                .push(format!("stranded {node} {waiting} {assembled}"));
+        }
+    }
+
+    fn tokens(n: usize, v: u32) -> PreparedInput {
+        PreparedInput::tokens(vec![v; n])
+    }
+
+    fn llm() -> (Name, Name) {
+        (Name::from("llm"), Name::from("prefill"))
+    }
+
+    #[test]
+    fn a_refused_admission_queues_and_holds_nothing_and_changes_nothing() {
+        let mut s = state();
+        let (node, walk) = llm();
+        let mut h = Recorded::default();
+        s.admit_prepared(3, &node, &walk, tokens(3, 1), 0, &mut h)
+            .unwrap();
+        let again = s.admit_prepared(3, &node, &walk, tokens(5, 9), 0, &mut h);
+        assert!(matches!(
+            again,
+            Err(ChunkingError::AlreadyQueued { rid: 3, .. })
+        ));
+        let empty = s.admit_prepared(4, &node, &walk, tokens(0, 0), 0, &mut h);
+        assert!(matches!(
+            empty,
+            Err(ChunkingError::EmptyInput { rid: 4, .. })
+        ));
+        let ghost = s.admit_prepared(5, &node, &Name::from("ghost"), tokens(2, 0), 0, &mut h);
+        assert!(ghost.is_err());
+        assert!(
+            s.prepared(5, "llm").is_none(),
+            "a refused walk holds nothing"
+        );
+        assert_eq!(h.0, ["admitted 3 llm/prefill", "queues Some(\"llm\") 1"]);
+        assert_eq!(s.prepared(3, "llm"), Some(tokens(3, 1)));
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 3));
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Hold {
+                rid: 3,
+                node: node.clone(),
+                tokens: 3
+            }]
+        );
+        assert_eq!(s.take_input_changes(), None, "taken once");
+        assert_eq!(s.stats().prefill_rows, 1);
+    }
+
+    #[test]
+    fn forgets_and_releases_are_recorded_in_order_and_drop_the_inputs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2, 3] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        s.take_input_changes();
+        let mut h = Recorded::default();
+        s.forget_request(1, &mut h);
+        assert!(s.forget_row(2, &node, &mut h));
+        assert!(!s.forget_row(2, &node, &mut h));
+        assert_eq!(
+            h.0,
+            [
+                "forgotten 1",
+                "queues None 2",
+                "queues Some(\"llm\") 1",
+                "queues Some(\"llm\") 1"
+            ]
+        );
+        let release = InputChange::Release {
+            rid: 2,
+            node: node.clone(),
+        };
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Forget(1), release.clone(), release]
+        );
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 10));
+        assert!(s.prepared(1, "llm").is_none() && s.prepared(2, "llm").is_none());
+    }
+
+    #[test]
+    fn a_chunk_without_input_abandons_its_step_drops_the_row_and_the_next_one_runs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
+            s.admit_prepared(rid, &node, &walk, input, 0, &mut ())
+                .unwrap();
+        }
+        s.take_input_changes();
+        assert!(s.inputs.release(1, "llm"));
+        let mut h = Recorded::default();
+        let err = s.assemble_step("llm", "prefill", &mut h).unwrap_err();
+        assert!(
+            matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
+            "{err}"
+        );
+        assert_eq!(h.0.len(), 3, "{:?}", h.0);
+        assert!(h.0[2].starts_with("abandoned 1: "), "{:?}", h.0);
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Release { rid: 1, node }]
+        );
+        let batch = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        assert_eq!(batch.rows.len(), 1);
+        assert_eq!(batch.rows[0].rid, 2);
+        let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
+        assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+        let again = s.assemble_step("llm", "prefill", &mut h).unwrap();
+        assert!(Arc::ptr_eq(&batch, &again), "the step in flight, again");
+        assert_eq!((s.stats().prefill_rows, s.stats().steps_in_flight), (1, 1));
+    }
+
+    #[test]
+    fn a_completion_releases_what_finished_and_a_refused_one_changes_nothing() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.take_input_changes();
+        let mut h = Recorded::default();
+        assert!(s.complete_step(step, &[8, 8], None, &mut h).is_err());
+        assert_eq!(h.0, [format!("completion refused {step}")]);
+        assert_eq!(s.take_input_changes(), None);
+        let out = s.complete_step(step, &[8], Some(1.0), &mut h).unwrap();
+        assert_eq!(out.finished, [1]);
+        assert_eq!(
+            h.0[1..],
+            [
+                format!("completed {step} [1]"),
+                "queues Some(\"llm\") 0".into()
+            ]
+        );
+        assert_eq!(
+            s.take_input_changes().unwrap(),
+            [InputChange::Release { rid: 1, node }]
+        );
+        assert!(s.prepared(1, "llm").is_none());
+    }
+
+    #[test]
+    fn a_one_trip_step_is_answered_again_on_a_repeat_and_refused_when_it_differs() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        let next = NextStep::new("llm", "prefill")
+            .admit(2, "prefill", tokens(5, 2), 0)
+            .continue_row_with_context(9, "prefill", 1, 40);
+        let mut h = Recorded::default();
+        let done = s
+            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(done.outcome.finished, [1]);
+        let batch = done.next.clone().unwrap();
+        let rows: Vec<u64> = batch.rows.iter().map(|r| r.rid).collect();
+        assert_eq!(rows, [9, 2], "continuing rows first");
+        assert_eq!(batch.rows[1].input.as_ref().unwrap().token_ids(), &[2; 5]);
+        assert_eq!(batch.rows[0].context, 40);
+        assert_eq!(
+            (s.inputs.rows(), s.inputs.tokens()),
+            (1, 5),
+            "1 released, 2 held"
+        );
+        let calls = h.0.len();
+
+        // A repeat (the answer was lost) is answered again, changing nothing.
+        let again = s
+            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(again.outcome, done.outcome);
+        assert!(Arc::ptr_eq(&again.next.unwrap(), &batch));
+        assert_eq!(h.0.len(), calls, "no hook runs for a repeat");
+        assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 5));
+        for (ran, ms) in [(vec![0], Some(3.0)), (vec![8], Some(4.0)), (vec![8], None)] {
+            let err = s
+                .complete_and_assemble(step, ran, ms, next.clone(), &mut h)
+                .unwrap_err();
+            assert!(
+                matches!(err, ChunkingError::CompletedDifferently { .. }),
+                "{err}"
+            );
+        }
+        // A step that is not in flight on the node is unknown; a walk the node does not serve
+        // is refused before anything changes.
+        let plain = NextStep::new("llm", "prefill");
+        let err = s
+            .complete_and_assemble(batch.step + 5, vec![1, 5], None, plain, &mut h)
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
+        let ghost = NextStep::new("llm", "ghost");
+        let err = s
+            .complete_and_assemble(batch.step, vec![1, 5], None, ghost, &mut h)
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
+        assert_eq!(s.stats().steps_in_flight, 1, "still in flight");
+        // The second step's completion is remembered in place of the first.
+        let next = NextStep::new("llm", "prefill").forget_request(9);
+        let done = s
+            .complete_and_assemble(batch.step, vec![1, 5], None, next.clone(), &mut h)
+            .unwrap();
+        assert_eq!(done.outcome.finished, [2]);
+        assert_eq!(
+            s.complete_and_assemble(batch.step, vec![1, 5], None, next, &mut h)
+                .unwrap()
+                .outcome,
+            done.outcome
+        );
+        let stale = s.complete_and_assemble(
+            step,
+            vec![8],
+            Some(3.0),
+            NextStep::new("llm", "prefill"),
+            &mut h,
+        );
+        assert!(
+            matches!(stale, Err(ChunkingError::UnknownStep { .. })),
+            "{stale:?}"
+        );
+    }
+
+    #[test]
+    fn a_refused_row_change_keeps_the_ones_before_it_and_is_the_next_steps_answer() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        let next = NextStep::new("llm", "prefill")
+            .admit(2, "prefill", tokens(4, 2), 0)
+            .admit(3, "prefill", tokens(0, 0), 0)
+            .admit(4, "prefill", tokens(4, 4), 0);
+        let mut h = Recorded::default();
+        let done = s
+            .complete_and_assemble(step, vec![8], None, next.clone(), &mut h)
+            .unwrap();
+        assert!(
+            matches!(done.next, Err(ChunkingError::EmptyInput { rid: 3, .. })),
+            "{:?}",
+            done.next
+        );
+        assert!(h.0.contains(&format!("change refused {step}")), "{:?}", h.0);
+        assert!(s.prepared(2, "llm").is_some() && s.prepared(4, "llm").is_none());
+        // Its repeat gets the same refusal, and changes nothing.
+        let again = s
+            .complete_and_assemble(step, vec![8], None, next, &mut h)
+            .unwrap();
+        assert_eq!(again.next, done.next);
+        assert_eq!(s.stats().prefill_rows, 1);
+    }
+
+    #[test]
+    fn a_begun_drain_refuses_admissions_and_steps_but_applies_forgets_and_completions() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        assert_eq!(s.begin_drain(), 1);
+        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+        let refused = s.continue_with(5, &node, &walk, 1, None, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+        assert!(matches!(
+            s.assemble_step("llm", "prefill", &mut ()),
+            Err(ChunkingError::Draining)
+        ));
+        let next =
+            NextStep::new("llm", "prefill")
+                .forget_request(2)
+                .admit(4, "prefill", tokens(4, 0), 0);
+        let done = s
+            .complete_and_assemble(step, vec![8], None, next, &mut ())
+            .unwrap();
+        assert!(
+            matches!(done.next, Err(ChunkingError::Draining)),
+            "{:?}",
+            done.next
+        );
+        assert!(s.prepared(2, "llm").is_none() && s.prepared(4, "llm").is_none());
+        assert_eq!((s.stats().prefill_rows, s.stats().steps_in_flight), (1, 0));
+    }
+
+    #[test]
+    fn a_drain_reports_and_drops_every_row_and_input() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
+                .unwrap();
+        }
+        s.continue_with(7, &node, &walk, 1, None, &mut ()).unwrap();
+        s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let mut h = Recorded::default();
+        let report = s.drain_all(&mut h);
+        let want = DrainReport {
+            steps_abandoned: 1,
+            requests: 3,
+            rows: 3,
+            prepared_inputs: 2,
+            prepared_tokens: 20,
+        };
+        assert_eq!(report, want);
+        assert_eq!(h.0, ["queues None 0"]);
+        assert_eq!(
+            s.take_input_changes(),
+            None,
+            "the accounting is cleared whole"
+        );
+        assert_eq!(s.stats(), QueueStats::default());
+        assert_eq!(s.drain_all(&mut ()), DrainReport::default());
+        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        assert!(matches!(refused, Err(ChunkingError::Draining)));
+    }
+
+    #[test]
+    fn an_empty_step_says_once_that_prompts_wait_on_a_walk_it_does_not_take() {
+        // `prefill` and `decode` both budgeted, not combined: a prompt on `prefill` never runs
+        // in a `decode` step.
+        let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
+        let pols = BTreeMap::from([
+            (
+                (Name::from("llm"), Name::from("prefill")),
+                ChunkingPolicy::budget(8),
+            ),
+            (
+                (Name::from("llm"), Name::from("decode")),
+                ChunkingPolicy::budget(4),
+            ),
+        ]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let table = BudgetTable::from_policies(model)
+            .with_settings(crate::budget::BudgetSettings::new(["prefill", "decode"]))
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let (node, walk) = llm();
+        let mut h = Recorded::default();
+        let empty = s.assemble_step("llm", "decode", &mut h).unwrap();
+        assert!(empty.rows.is_empty());
+        assert_eq!(h.0.len(), 1, "nothing waits: nothing said: {:?}", h.0);
+        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
+            .unwrap();
+        h.0.clear();
+        for _ in 0..3 {
+            assert!(s
+                .assemble_step("llm", "decode", &mut h)
+                .unwrap()
+                .rows
+                .is_empty());
+        }
+        let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
+        assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
+        // A step that runs something says nothing (a decode row beside the waiting prompt).
+        s.continue_with(9, &node, &Name::from("decode"), 1, None, &mut ())
+            .unwrap();
+        h.0.clear();
+        let b = s.assemble_step("llm", "decode", &mut h).unwrap();
+        assert_eq!(b.rows.len(), 1);
+        assert!(!h.0.iter().any(|c| c.starts_with("stranded")), "{:?}", h.0);
+    }
+
+    #[test]
+    fn assembling_a_walk_that_runs_inside_a_combined_walk_is_refused_naming_it() {
+        let subs = BTreeMap::from([(
+            Name::from("llm"),
+            SubmoduleCaps::new(["prefill", "mixed"], false),
+        )]);
+        let pols = BTreeMap::from([(
+            (Name::from("llm"), Name::from("mixed")),
+            ChunkingPolicy::budget(64),
+        )]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let settings = crate::budget::BudgetSettings::new(["prefill", "decode", "mixed"])
+            .combined("mixed", ["prefill", "decode"]);
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings.clone())
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(3000, 0), 0, &mut ())
+            .unwrap();
+        for member in ["prefill", "decode"] {
+            let err = s.assemble_step("llm", member, &mut ()).unwrap_err();
+            assert_eq!(
+                err,
+                ChunkingError::MemberWalk {
+                    node: "llm".into(),
+                    walk: member.into(),
+                    combined: "mixed".into()
+                }
+            );
+            assert!(err.to_string().contains("assemble `llm`/`mixed`"), "{err}");
+            assert_eq!(err.kind(), crate::error::ErrorKind::InvalidRequest);
+        }
+        let b = s.assemble_step("llm", "mixed", &mut ()).unwrap();
+        assert_eq!((b.rows.len(), b.budget), (1, Some(64)));
+
+        // A member walk with a budget of its own plans its own steps; so does one on a node
+        // whose combined walk has no budget (an encoder that steps on `prefill` alone).
+        let subs = BTreeMap::from([
+            (
+                Name::from("llm"),
+                SubmoduleCaps::new(["prefill", "mixed"], false),
+            ),
+            (
+                Name::from("vision"),
+                SubmoduleCaps::new::<_, &str>([], false),
+            ),
+        ]);
+        let pols = BTreeMap::from([
+            (
+                (Name::from("llm"), Name::from("mixed")),
+                ChunkingPolicy::budget(64),
+            ),
+            (
+                (Name::from("llm"), Name::from("prefill")),
+                ChunkingPolicy::budget(32),
+            ),
+            (
+                (Name::from("vision"), Name::from("prefill")),
+                ChunkingPolicy::budget(100),
+            ),
+        ]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
+        assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
+        for node in ["llm", "vision"] {
+            let node = Name::from(node);
+            s.admit_prepared(1, &node, &walk, tokens(300, 0), 0, &mut ())
+                .unwrap();
+            let b = s.assemble_step(&node, "prefill", &mut ()).unwrap();
+            assert_eq!(b.rows.len(), 1, "{node}");
+            assert!(b.budget.is_some(), "{node}");
+        }
+    }
+
+    #[test]
+    fn the_stats_count_prefill_mid_prefill_and_continuing_rows() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
+            .unwrap();
+        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.complete_step(step, &[8], None, &mut ()).unwrap();
+        s.continue_with(5, &node, &walk, 1, None, &mut ()).unwrap();
+        s.admit_prepared(2, &node, &walk, tokens(3, 0), 0, &mut ())
+            .unwrap();
+        let want = QueueStats {
+            prefill_rows: 2,
+            mid_prefill_rows: 1,
+            continuing_rows: 1,
+            steps_in_flight: 0,
+        };
+        assert_eq!(s.stats(), want);
+    }
+}
