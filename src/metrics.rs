@@ -1236,6 +1236,16 @@ mod tests {
             )),
             "{text}"
         );
+        for name in [STEPS_TOTAL, DEFERRED_ROWS_TOTAL] {
+            let series = format!("{name}{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0");
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "{STEP_SECONDS}_count{{model=\"m\",node=\"llm\",walk=\"prefill\"}} 0"
+            )),
+            "{text}"
+        );
         for result in [RESULT_OK, RESULT_ERROR] {
             let series = format!("{CONFIG_RELOADS_TOTAL}{{model=\"m\",result=\"{result}\"}} 0");
             assert!(text.contains(&series), "{series} missing:\n{text}");

@@ -44,8 +44,9 @@ pub struct BenchArgs {
     /// Seed of the prompts' bytes.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Give up on the run after this many seconds.
-    #[arg(long, default_value_t = 600.0)]
+    /// Give up on the run after this many seconds (above 0, at most a week); every request
+    /// must arrive within it.
+    #[arg(long, default_value_t = 600.0, value_parser = parse_timeout, allow_negative_numbers = true)]
     pub timeout_secs: f64,
     /// Write the report as JSON here.
     #[arg(long)]
@@ -53,6 +54,27 @@ pub struct BenchArgs {
     /// Write the scaled requests as a generic CSV trace here (for `mstar-chunking replay`).
     #[arg(long)]
     pub write_trace: Option<PathBuf>,
+}
+
+/// The largest trace file `bench` reads.
+pub const MAX_TRACE_BYTES: u64 = 1 << 30;
+/// The most requests a trace may hold.
+pub const MAX_TRACE_REQUESTS: usize = 1_000_000;
+/// The longest `--timeout-secs`: a week.
+pub const MAX_TIMEOUT_SECS: f64 = 7.0 * 86_400.0;
+
+/// `--timeout-secs`: a finite number of seconds above 0, at most [`MAX_TIMEOUT_SECS`].
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_SECS) {
+        return Err(format!(
+            "`{s}`: must be a number of seconds above 0 and at most {MAX_TIMEOUT_SECS}"
+        ));
+    }
+    Ok(v)
 }
 
 /// One request of a trace.
@@ -72,10 +94,12 @@ pub struct TraceRequest {
 /// The file does not read, or a line is malformed (named by file and line).
 pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, String> {
     let shown = path.display();
+    crate::files::check_input(path, "--trace", MAX_TRACE_BYTES)?;
+    let file = std::fs::File::open(path).map_err(|e| format!("{shown}: {e}"))?;
+    // Counted as it is read too: a file that grows past the limit is refused as well.
     let mut rdr = csv::ReaderBuilder::new()
         .trim(csv::Trim::All)
-        .from_path(path)
-        .map_err(|e| format!("{shown}: {e}"))?;
+        .from_reader(std::io::Read::take(file, MAX_TRACE_BYTES + 1));
     let headers: Vec<String> = rdr
         .headers()
         .map_err(|e| format!("{shown}: {e}"))?
@@ -105,6 +129,11 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, String> {
     for (i, rec) in rdr.records().enumerate() {
         let line = i + 2;
         let rec = rec.map_err(|e| format!("{shown}:{line}: {e}"))?;
+        if out.len() == MAX_TRACE_REQUESTS {
+            return Err(format!(
+                "{shown}:{line}: more than {MAX_TRACE_REQUESTS} requests, the most a trace may hold"
+            ));
+        }
         let field = |c: usize, what: &str| -> Result<&str, String> {
             rec.get(c)
                 .ok_or_else(|| format!("{shown}:{line}: no `{what}` column"))
@@ -159,6 +188,11 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, String> {
                 },
             )?,
         });
+    }
+    if rdr.position().byte() > MAX_TRACE_BYTES {
+        return Err(format!(
+            "{shown}: more than {MAX_TRACE_BYTES} bytes, the most a trace may have"
+        ));
     }
     Ok(out)
 }
@@ -357,7 +391,44 @@ pub async fn run_async(a: &BenchArgs) -> Result<serde_json::Value, String> {
     if !(a.length_scale > 0.0 && a.length_scale.is_finite()) {
         return Err(format!("--length-scale {}: must be > 0", a.length_scale));
     }
+    if !(a.timeout_secs.is_finite() && a.timeout_secs > 0.0 && a.timeout_secs <= MAX_TIMEOUT_SECS) {
+        return Err(format!(
+            "--timeout-secs {}: must be a number of seconds above 0 and at most {MAX_TIMEOUT_SECS}",
+            a.timeout_secs
+        ));
+    }
+    for (flag, out) in [
+        ("--report-json", &a.report_json),
+        ("--write-trace", &a.write_trace),
+    ] {
+        if let Some(p) = out {
+            crate::files::check_output(p, flag, &[("--trace", &a.trace)])?;
+        }
+    }
+    if let (Some(r), Some(w)) = (&a.report_json, &a.write_trace) {
+        if same_file::is_same_file(r, w).unwrap_or(false) || r == w {
+            return Err(format!(
+                "--report-json {}: is also the --write-trace file",
+                r.display()
+            ));
+        }
+    }
     let trace = scale(&read_trace(&a.trace)?, a);
+    // Every request must arrive within the run: a later one could never be sent.
+    if let Some((i, r)) = trace
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.arrival_ms.is_nan() || r.arrival_ms / 1000.0 > a.timeout_secs)
+    {
+        return Err(format!(
+            "{}: request {} arrives at {} ms (at rate scale {}), after the run's --timeout-secs of {} s",
+            a.trace.display(),
+            i + 1,
+            r.arrival_ms,
+            a.rate_scale,
+            a.timeout_secs
+        ));
+    }
     if let Some(p) = &a.write_trace {
         let mut w = csv::Writer::from_path(p).map_err(|e| format!("{}: {e}", p.display()))?;
         w.write_record(["arrival_ms", "prompt_tokens", "output_tokens"])
@@ -443,7 +514,8 @@ pub async fn run_async(a: &BenchArgs) -> Result<serde_json::Value, String> {
 /// `bench`: runs the load on a runtime of its own and prints the report.
 ///
 /// # Errors
-/// As [`run_async`].
+/// As [`run_async`], and any request that failed (after the report is printed), so a run
+/// with failures exits non-zero.
 pub fn run(a: BenchArgs) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -451,9 +523,25 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     let report = rt.block_on(run_async(&a))?;
-    println!(
-        "{}",
-        serde_json::to_string_pretty(&report).expect("a JSON value")
-    );
-    Ok(())
+    let text = serde_json::to_string_pretty(&report).expect("a JSON value");
+    let mut out = std::io::stdout().lock();
+    std::io::Write::write_all(&mut out, text.as_bytes())
+        .and_then(|()| std::io::Write::write_all(&mut out, b"\n"))
+        .and_then(|()| std::io::Write::flush(&mut out))
+        .map_err(|e| format!("writing the report: {e}"))?;
+    failures(&report)
+}
+
+/// `Err` naming how many requests failed, if any did.
+///
+/// # Errors
+/// The report counts failed requests.
+pub fn failures(report: &serde_json::Value) -> Result<(), String> {
+    match report["failed"].as_u64() {
+        Some(0) | None => Ok(()),
+        Some(n) => Err(format!(
+            "{n} of {} requests failed (the report's `failures` lists the first)",
+            report["requests"]
+        )),
+    }
 }

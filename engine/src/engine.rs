@@ -2,30 +2,43 @@
 //! cache and the component's handle, and runs one model step per assembled batch.
 //!
 //! Its mailbox takes [`Command`]s (submit, drain, stats). Each turn of the loop:
-//! 1. reads the mailbox; drops requests whose client went away (`forget_request`);
+//! 1. reads the mailbox; ends requests whose client went away (their cache and reservation
+//!    freed at once);
 //! 2. admits waiting requests, oldest first, while their KV reservation fits `kv_tokens`
 //!    (a request waits for memory rather than failing);
-//! 3. assembles a step on the combined walk `mixed` (prefill chunks and decode rows), runs it
-//!    as one model step, and completes it with the measured wall time (`complete_measured`);
-//! 4. samples a token for every final chunk and decode row; a request whose prompt finished
-//!    becomes a decode row (`continue_row_with_context`); a finished request is forgotten.
+//! 3. runs the step in flight (a batch on the combined walk `mixed`: prefill chunks and decode
+//!    rows) as one model step;
+//! 4. samples a token for every final chunk and decode row, and sends the component **one
+//!    message**: `complete_and_assemble_with` with the measured wall time and a [`NextStep`]
+//!    carrying the step's row changes (requests that ended: `forget_request`; prompts whose
+//!    final chunk ran: `continue_row_with_context` on `decode`; requests admitted:
+//!    `admit`), which answers the next step's batch.
+//!
+//! The fallback, one call per change and then `assemble`, runs only where no completion can
+//! carry the changes: the first step of a walk (nothing in flight: the engine was idle or the
+//! last batch was empty), and after a refused change (`flush_changes`).
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::num::NonZeroU32;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mstar_chunking::latency::LatencyModel;
 use mstar_chunking::{
-    ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingManagement, ChunkingPolicy,
-    DrainReport, PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
+    ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingError, ChunkingManagement,
+    ChunkingPolicy, DrainReport, NextStep, PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::api::ModelLimits;
+use crate::metrics::{self as em, Outcome};
 use crate::model::{KvCache, Model, Sampler, StepRow};
+
+/// The longest grace a drain may be given (`--grace-secs`): one day.
+pub const MAX_GRACE: Duration = Duration::from_secs(86_400);
 
 /// The node the engine's model is registered as.
 pub const NODE: &str = "llm";
@@ -67,10 +80,45 @@ pub struct EngineSettings {
     pub time_margin: Option<f64>,
     /// KV cache capacity in tokens over all requests (`engine.kv_tokens`).
     pub kv_tokens: u64,
-    /// Requests that may wait for admission; more are refused (HTTP 503).
+    /// Requests that may wait for KV memory; a request that would wait beyond them is refused
+    /// (HTTP 503). A request that fits now is never counted.
     pub max_waiting: usize,
     /// Where to write the step log (JSON Lines, as `replay --step-log`).
     pub step_log: Option<PathBuf>,
+    /// Called on the engine's thread with the step's id before each model step runs: a
+    /// stand-in for a long step in tests (a hook that blocks holds the engine there).
+    pub before_step: Option<StepHook>,
+}
+
+/// A function the engine calls before each model step ([`EngineSettings::before_step`]).
+#[derive(Clone)]
+pub struct StepHook(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepHook")
+    }
+}
+
+impl EngineSettings {
+    /// Refuses settings the engine cannot serve with, naming the flag that sets each. The
+    /// budgets are checked by the component when the engine starts.
+    ///
+    /// # Errors
+    /// A KV capacity of 0 (every request would be refused), a waiting queue of 0 (every
+    /// request that has to wait would be refused, even on an idle engine).
+    pub fn check(&self) -> Result<(), String> {
+        if self.kv_tokens == 0 {
+            return Err(
+                "--kv-tokens 0: the KV capacity must be at least 1 token (0 refuses every request)"
+                    .into(),
+            );
+        }
+        if self.max_waiting == 0 {
+            return Err("--max-waiting 0: at least 1 request must be able to wait for memory (0 refuses every request that has to wait)".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for EngineSettings {
@@ -87,6 +135,7 @@ impl Default for EngineSettings {
             kv_tokens: 65_536,
             max_waiting: 1024,
             step_log: None,
+            before_step: None,
         }
     }
 }
@@ -149,8 +198,8 @@ pub enum Event {
 /// Why a submission is refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
-    /// Too many requests wait already.
-    #[error("the queue is full ({0} requests waiting)")]
+    /// Too many requests wait for KV memory already.
+    #[error("the queue is full ({0} requests waiting for KV memory)")]
     QueueFull(usize),
     /// The engine is shutting down.
     #[error("the engine is shutting down")]
@@ -168,7 +217,7 @@ pub enum SubmitError {
 pub struct EngineStats {
     /// Requests admitted and not finished.
     pub running: usize,
-    /// Requests waiting for KV memory.
+    /// Requests accepted and not admitted yet (waiting for KV memory, or for the next turn).
     pub waiting: usize,
     /// KV tokens held by caches now.
     pub kv_used: u64,
@@ -216,6 +265,8 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     /// The component's handle, for its metrics and state.
     pub chunking: ChunkingManagement,
+    /// What the model bounds a request by.
+    pub limits: ModelLimits,
     /// The served model's tokenizer.
     pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
 }
@@ -300,8 +351,34 @@ pub async fn start_chunking(
         .map_err(|e| format!("setting the policies: {e}"))?;
     cm.set_budgets(budget_settings(settings))
         .await
-        .map_err(|e| format!("setting the budgets: {e}"))?;
+        .map_err(|e| budget_refusal(&e))?;
     Ok((cm, thread))
+}
+
+/// The component's refusal of the budgets, each problem prefixed with the flag that set the
+/// refused setting (the component validates flags as it validates its config).
+fn budget_refusal(e: &ChunkingError) -> String {
+    use mstar_chunking::budget::SettingKey as K;
+    let Some(errors) = e.budget_errors() else {
+        return format!("setting the budgets: {e}");
+    };
+    let flag = |k: K| match k {
+        K::MaxStepMs => "--max-step-ms",
+        K::Cost => "--cost",
+        K::TimeMargin => "--time-margin",
+        K::MinChunkTokens => "--min-chunk-tokens",
+        K::MaxBatchTokens => "--budget",
+        _ => "the budgets",
+    };
+    errors
+        .0
+        .iter()
+        .map(|b| match b.subject() {
+            Some(s) => format!("{}: {b}", flag(s.setting)),
+            None => format!("the budgets: {b}"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 struct Running {
@@ -324,21 +401,30 @@ struct Waiting {
     arrived: Instant,
 }
 
-/// Starts the engine actor on a thread of its own. Returns its handle and the thread.
+/// Starts the engine actor on a thread of its own. Returns its handle and the thread, which
+/// ends with `Err` naming what failed on the way (a step log that could not be written).
+///
+/// The process's metrics recorder is installed first ([`crate::metrics::install`]), before the
+/// component starts, so every series the component registers is recorded.
 ///
 /// # Errors
-/// The component refused the settings, or the step log cannot be created.
+/// The settings are refused ([`EngineSettings::check`], or by the component), or the step log
+/// cannot be created.
 pub fn start(
     model: Model,
     settings: EngineSettings,
-) -> Result<(EngineHandle, std::thread::JoinHandle<()>), String> {
+) -> Result<(EngineHandle, std::thread::JoinHandle<Result<(), String>>), String> {
+    settings.check()?;
+    crate::metrics::install();
     let log = match &settings.step_log {
-        Some(p) => Some(BufWriter::new(
-            File::create(p).map_err(|e| format!("step log {}: {e}", p.display()))?,
-        )),
+        Some(p) => Some(StepLog::create(p)?),
         None => None,
     };
     let tokenizer = model.tokenizer().clone();
+    let limits = ModelLimits {
+        vocab: tokenizer.vocab_size() as u32,
+        max_positions: model.config.max_positions,
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
@@ -351,14 +437,14 @@ pub fn start(
                 Ok(rt) => rt,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e.to_string()));
-                    return;
+                    return Ok(());
                 }
             };
             let (cm, actors) = match rt.block_on(start_chunking(&settings)) {
                 Ok(x) => x,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
-                    return;
+                    return Ok(());
                 }
             };
             let _ = ready_tx.send(Ok(cm.clone()));
@@ -369,19 +455,23 @@ pub fn start(
                 rx,
                 running: HashMap::new(),
                 waiting: VecDeque::new(),
-                next_rid: AtomicU64::new(0),
+                next_rid: 0,
                 kv_reserved: 0,
                 draining: None,
                 steps: 0,
                 log,
                 started: Instant::now(),
+                in_flight: None,
+                changes: Changes::default(),
             };
             rt.block_on(engine.run());
-            if let Some(mut l) = engine.log.take() {
-                let _ = l.flush();
-            }
+            let log = engine.log.take();
             drop(engine);
             actors.stop();
+            match log {
+                Some(l) => l.finish(),
+                None => Ok(()),
+            }
         })
         .map_err(|e| e.to_string())?;
     let chunking = ready_rx
@@ -391,10 +481,90 @@ pub fn start(
         EngineHandle {
             tx,
             chunking,
+            limits,
             tokenizer,
         },
         thread,
     ))
+}
+
+/// The step log's file: written as the engine runs (so it can be read while the engine
+/// serves); the first write error closes it and is the engine thread's answer at exit.
+struct StepLog {
+    path: PathBuf,
+    out: Option<BufWriter<File>>,
+    error: Option<String>,
+}
+
+impl StepLog {
+    fn create(path: &Path) -> Result<Self, String> {
+        crate::files::check_output(path, "--step-log", &[])?;
+        let f = File::create(path).map_err(|e| format!("--step-log {}: {e}", path.display()))?;
+        Ok(StepLog {
+            path: path.to_owned(),
+            out: Some(BufWriter::new(f)),
+            error: None,
+        })
+    }
+
+    fn write(&mut self, line: &serde_json::Value) {
+        let Some(out) = self.out.as_mut() else { return };
+        let r = serde_json::to_writer(&mut *out, line)
+            .map_err(std::io::Error::from)
+            .and_then(|()| out.write_all(b"\n"));
+        if let Err(e) = r {
+            self.fail(&e);
+        }
+    }
+
+    fn fail(&mut self, e: &std::io::Error) {
+        let msg = format!("--step-log {}: {e}", self.path.display());
+        tracing::error!(error = %msg, "the step log cannot be written; it is closed");
+        self.error.get_or_insert(msg);
+        self.out = None;
+    }
+
+    fn finish(mut self) -> Result<(), String> {
+        if let Some(mut out) = self.out.take() {
+            if let Err(e) = out.flush().and_then(|()| out.get_ref().sync_data()) {
+                self.fail(&e);
+            }
+        }
+        self.error.map_or(Ok(()), Err)
+    }
+}
+
+/// Row changes made since the last step, sent with the next completion (one message a step).
+#[derive(Default)]
+struct Changes {
+    /// Requests that ended (finished, aborted, disconnected).
+    forget: Vec<u64>,
+    /// Requests whose final chunk ran: (rid, context).
+    decode: Vec<(u64, u64)>,
+    /// Requests admitted under the KV bound: (rid, prompt).
+    admit: Vec<(u64, PreparedInput)>,
+}
+
+impl Changes {
+    fn is_empty(&self) -> bool {
+        self.forget.is_empty() && self.decode.is_empty() && self.admit.is_empty()
+    }
+
+    /// The next step, with these changes in the order they apply: ends first, then decode
+    /// rows, then admissions.
+    fn next_step(&self) -> NextStep {
+        let mut next = NextStep::new(NODE, MIXED);
+        for &rid in &self.forget {
+            next = next.forget_request(rid);
+        }
+        for &(rid, ctx) in &self.decode {
+            next = next.continue_row_with_context(rid, DECODE, 1, ctx);
+        }
+        for (rid, input) in &self.admit {
+            next = next.admit(*rid, PREFILL, input.clone(), 0);
+        }
+        next
+    }
 }
 
 struct Engine {
@@ -404,24 +574,30 @@ struct Engine {
     rx: mpsc::UnboundedReceiver<Command>,
     running: HashMap<u64, Running>,
     waiting: VecDeque<Waiting>,
-    next_rid: AtomicU64,
+    next_rid: u64,
     kv_reserved: u64,
     /// Set by a drain: the deadline and who to tell.
     draining: Option<(Instant, Vec<oneshot::Sender<Option<DrainReport>>>)>,
     steps: u64,
-    log: Option<BufWriter<File>>,
+    log: Option<StepLog>,
     started: Instant,
+    /// The step the last completion assembled, not run yet.
+    in_flight: Option<Arc<Batch>>,
+    /// Row changes not yet sent to the component.
+    changes: Changes,
 }
 
 impl Engine {
     async fn run(&mut self) {
         loop {
             // 1. The mailbox: block only when there is nothing to run.
-            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let idle =
+                self.running.is_empty() && self.waiting.is_empty() && self.in_flight.is_none();
             if idle {
                 if self.draining.is_some() {
                     break;
                 }
+                self.flush_changes().await;
                 match self.rx.recv().await {
                     Some(c) => self.handle(c).await,
                     None => break,
@@ -430,27 +606,35 @@ impl Engine {
             while let Ok(c) = self.rx.try_recv() {
                 self.handle(c).await;
             }
-            self.drop_disconnected().await;
+            self.drop_disconnected();
             match &self.draining {
                 // Draining: no admission; stop once nothing runs or the grace period is over.
                 Some((deadline, _)) => {
                     if self.running.is_empty() || Instant::now() >= *deadline {
-                        self.abort_all().await;
+                        self.abort_all();
                         break;
                     }
                 }
                 // 2. Admission under the KV bound.
-                None => self.admit().await,
+                None => self.admit(),
             }
-            if self.running.is_empty() {
+            self.publish_gauges();
+            if self.running.is_empty() && self.in_flight.is_none() {
                 continue;
             }
             // 3. One step.
             if let Err(e) = self.step().await {
                 tracing::error!(error = %e, "engine step failed; aborting its requests");
-                self.abort_all().await;
+                self.abort_all();
+                self.publish_gauges();
             }
         }
+        if let Some(batch) = self.in_flight.take() {
+            if let Err(e) = self.cm.abandon(batch.step).await {
+                tracing::warn!(step = batch.step, error = %e, "abandoning the last step failed");
+            }
+        }
+        self.flush_changes().await;
         if let Some((_, tellers)) = self.draining.take() {
             // Shut the component down too: every request was finished or aborted (and forgotten)
             // above, so its report is all zeros unless something was left behind.
@@ -478,7 +662,8 @@ impl Engine {
         match c {
             Command::Submit { req, events, reply } => {
                 let r = self.check(&req).map(|()| {
-                    let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
+                    let rid = self.next_rid;
+                    self.next_rid += 1;
                     self.waiting.push_back(Waiting {
                         rid,
                         req,
@@ -488,11 +673,16 @@ impl Engine {
                     rid
                 });
                 let _ = reply.send(r);
-                metrics::gauge!("engine_requests_waiting").set(self.waiting.len() as f64);
+                self.publish_gauges();
             }
             Command::Drain { grace, done } => match &mut self.draining {
                 Some((_, tellers)) => tellers.push(done),
-                None => self.draining = Some((Instant::now() + grace, vec![done])),
+                None => {
+                    // The grace was bounded when the flag was read; saturate anyway.
+                    let now = Instant::now();
+                    let deadline = now.checked_add(grace).unwrap_or(now + MAX_GRACE);
+                    self.draining = Some((deadline, vec![done]));
+                }
             },
             Command::Stats(tx) => {
                 let _ = tx.send(self.stats().await);
@@ -500,12 +690,23 @@ impl Engine {
         }
     }
 
+    /// Requests queued ahead that are blocked on memory: in arrival order, those from the first
+    /// whose reservation does not fit beside the running ones and those ahead of it. A request
+    /// that fits now is not waiting, however many arrived with it since the last turn.
+    fn blocked_on_memory(&self) -> usize {
+        let mut reserved = self.kv_reserved;
+        for (i, w) in self.waiting.iter().enumerate() {
+            reserved += reservation(&w.req);
+            if reserved > self.settings.kv_tokens {
+                return self.waiting.len() - i;
+            }
+        }
+        0
+    }
+
     fn check(&self, req: &GenRequest) -> Result<(), SubmitError> {
         if self.draining.is_some() {
             return Err(SubmitError::Draining);
-        }
-        if self.waiting.len() >= self.settings.max_waiting {
-            return Err(SubmitError::QueueFull(self.waiting.len()));
         }
         let need = reservation(req);
         if need > self.settings.kv_tokens {
@@ -523,6 +724,12 @@ impl Engine {
                 req.max_tokens,
                 self.model.config.max_positions
             )));
+        }
+        let blocked = self.blocked_on_memory();
+        let ahead: u64 = self.waiting.iter().map(|w| reservation(&w.req)).sum();
+        let would_wait = blocked > 0 || self.kv_reserved + ahead + need > self.settings.kv_tokens;
+        if would_wait && blocked >= self.settings.max_waiting {
+            return Err(SubmitError::QueueFull(blocked));
         }
         Ok(())
     }
@@ -549,52 +756,51 @@ impl Engine {
     }
 
     fn publish_gauges(&self) {
-        metrics::gauge!("engine_requests_running").set(self.running.len() as f64);
-        metrics::gauge!("engine_requests_waiting").set(self.waiting.len() as f64);
-        metrics::gauge!("engine_kv_tokens_used").set(self.kv_used() as f64);
-        metrics::gauge!("engine_kv_tokens_reserved").set(self.kv_reserved as f64);
-        metrics::gauge!("engine_kv_tokens_capacity").set(self.settings.kv_tokens as f64);
+        em::publish(em::Gauges {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_used: self.kv_used(),
+            kv_reserved: self.kv_reserved,
+            kv_capacity: self.settings.kv_tokens,
+        });
     }
 
-    /// Requests whose client dropped its stream: forgotten, their memory released.
-    async fn drop_disconnected(&mut self) {
+    /// Requests whose client dropped its event receiver (a stream closed, a plain request's
+    /// connection ended): ended now, their cache and reservation freed; the component forgets
+    /// them with the next completion.
+    fn drop_disconnected(&mut self) {
         let gone: Vec<u64> = self
             .running
             .iter()
             .filter(|(_, r)| r.events.is_closed())
             .map(|(&rid, _)| rid)
             .collect();
-        for rid in gone {
-            self.finish(rid, Finish::Abort).await;
-            metrics::counter!("engine_requests_total", "result" => "disconnected").increment(1);
+        for rid in &gone {
+            self.finish(*rid, Finish::Abort);
+        }
+        if !gone.is_empty() {
+            em::request_ended(Outcome::Disconnected, gone.len() as u64);
         }
         let before = self.waiting.len();
         self.waiting.retain(|w| !w.events.is_closed());
         let dropped = before - self.waiting.len();
         if dropped > 0 {
-            metrics::counter!("engine_requests_total", "result" => "disconnected")
-                .increment(dropped as u64);
+            em::request_ended(Outcome::Disconnected, dropped as u64);
         }
     }
 
-    async fn admit(&mut self) {
+    /// Admits waiting requests, oldest first, while their reservations fit; the component
+    /// hears of them with the next completion.
+    fn admit(&mut self) {
         while let Some(w) = self.waiting.front() {
             let need = reservation(&w.req);
             if self.kv_reserved + need > self.settings.kv_tokens {
                 break; // waits for memory, in arrival order
             }
             let w = self.waiting.pop_front().expect("front exists");
-            let input = PreparedInput::tokens(w.req.prompt.clone());
-            if let Err(e) = self.cm.admit(w.rid, NODE, PREFILL, input, 0).await {
-                tracing::error!(rid = w.rid, error = %e, "admit refused");
-                let _ = w.events.send(Event::Done {
-                    finish: Finish::Abort,
-                    prompt_tokens: w.req.prompt.len() as u32,
-                    completion_tokens: 0,
-                });
-                continue;
-            }
             self.kv_reserved += need;
+            let input = PreparedInput::tokens(w.req.prompt.clone());
+            self.changes.admit.push((w.rid, input));
             let sampler = Sampler::new(w.req.seed, w.req.temperature, w.req.top_p);
             self.running.insert(
                 w.rid,
@@ -611,58 +817,117 @@ impl Engine {
                 },
             );
         }
-        self.publish_gauges();
+    }
+
+    /// Sends the row changes one call each: the fallback where no completion carries them
+    /// (the first step of a walk, an idle engine, the end of a run, a refused change).
+    /// A change already applied is not an error here: a forget or a continue is idempotent,
+    /// and an admission the component holds already answers `AlreadyQueued`. An admission it
+    /// refuses ends the request.
+    async fn flush_changes(&mut self) {
+        let changes = std::mem::take(&mut self.changes);
+        for rid in changes.forget {
+            if let Err(e) = self.cm.forget_request(rid).await {
+                tracing::error!(rid, error = %e, "forget_request failed");
+            }
+        }
+        for (rid, ctx) in changes.decode {
+            if let Err(e) = self
+                .cm
+                .continue_row_with_context(rid, NODE, DECODE, 1, ctx)
+                .await
+            {
+                tracing::error!(rid, error = %e, "continue_row refused; the request is aborted");
+                self.finish(rid, Finish::Abort);
+                em::request_ended(Outcome::Abort, 1);
+            }
+        }
+        for (rid, input) in changes.admit {
+            match self.cm.admit(rid, NODE, PREFILL, input, 0).await {
+                Ok(()) | Err(ChunkingError::AlreadyQueued { .. }) => {}
+                Err(e) => {
+                    tracing::error!(rid, error = %e, "admit refused; the request is aborted");
+                    self.finish(rid, Finish::Abort);
+                    em::request_ended(Outcome::Abort, 1);
+                }
+            }
+        }
+        // Requests ended above are forgotten at once: nothing else will send it.
+        if !self.changes.is_empty() {
+            let ended = std::mem::take(&mut self.changes.forget);
+            for rid in ended {
+                let _ = self.cm.forget_request(rid).await;
+            }
+        }
     }
 
     async fn step(&mut self) -> Result<(), String> {
-        let batch = self
-            .cm
-            .assemble(NODE, MIXED)
-            .await
-            .map_err(|e| format!("assemble: {e}"))?;
+        let batch = match self.in_flight.take() {
+            Some(b) => b,
+            None => {
+                // The fallback: no completion assembled this step (the first of a walk, or
+                // after an empty batch or a refused change): its changes go one call each.
+                self.flush_changes().await;
+                self.cm
+                    .assemble(NODE, MIXED)
+                    .await
+                    .map_err(|e| format!("assemble: {e}"))?
+            }
+        };
         if batch.rows.is_empty() {
             // Nothing eligible: an empty batch is not a step in flight (nothing to complete);
             // yield briefly rather than spin.
             tokio::time::sleep(Duration::from_millis(1)).await;
             return Ok(());
         }
-        // Take each row's state out of the map so the model can borrow the caches mutably.
-        let mut states: Vec<(u64, Running)> = Vec::with_capacity(batch.rows.len());
-        let mut ran = Vec::with_capacity(batch.rows.len());
+        // Take each row's state out of the map so the model can borrow the caches mutably. A
+        // row whose request ended since the step was assembled (its client went away) does
+        // not run: it reports 0 tokens, and is forgotten with this completion.
+        let mut states: Vec<(usize, u64, Running)> = Vec::with_capacity(batch.rows.len());
+        let mut ran = vec![0u32; batch.rows.len()];
         let mut tokens: Vec<Vec<u32>> = Vec::with_capacity(batch.rows.len());
         let mut wants = Vec::with_capacity(batch.rows.len());
-        for row in &batch.rows {
+        for (i, row) in batch.rows.iter().enumerate() {
             let Some(state) = self.running.remove(&row.rid) else {
-                return Err(format!("row of unknown request {}", row.rid));
+                continue;
             };
             match (&row.work, &row.input) {
                 (RowWork::Chunk { range, .. }, Some(input)) => {
                     tokens.push(input.token_ids().to_vec());
                     wants.push(range.is_final());
-                    ran.push(range.tokens());
+                    ran[i] = range.tokens();
                 }
                 (RowWork::Continue { .. }, _) => {
-                    let t = state
-                        .pending
-                        .ok_or_else(|| format!("decode row {} has no token", row.rid))?;
+                    let Some(t) = state.pending else {
+                        self.running.insert(row.rid, state);
+                        let _ = self.cm.abandon(batch.step).await;
+                        return Err(format!("decode row {} has no token", row.rid));
+                    };
                     tokens.push(vec![t]);
                     wants.push(true);
-                    ran.push(1);
+                    ran[i] = 1;
                 }
                 (RowWork::Chunk { .. }, None) => {
+                    self.running.insert(row.rid, state);
+                    let _ = self.cm.abandon(batch.step).await;
                     return Err(format!("chunk row {} without input", row.rid));
                 }
             }
-            states.push((row.rid, state));
+            states.push((i, row.rid, state));
+        }
+        if let Some(hook) = &self.settings.before_step {
+            (hook.0)(batch.step);
         }
         let t0 = Instant::now();
         let t_ms = self.started.elapsed().as_secs_f64() * 1000.0;
-        let result = {
+        let result = if states.is_empty() {
+            Ok(Vec::new())
+        } else {
             let mut rows: Vec<StepRow<'_>> = states
                 .iter_mut()
                 .zip(&tokens)
                 .zip(&wants)
-                .map(|(((_, s), t), &w)| StepRow {
+                .map(|(((_, _, s), t), &w)| StepRow {
                     tokens: t,
                     cache: &mut s.cache,
                     logits: w,
@@ -672,8 +937,8 @@ impl Engine {
         };
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
         // Put the states back before anything can fail.
-        let rids: Vec<u64> = states.iter().map(|(r, _)| *r).collect();
-        for (rid, s) in states {
+        let ran_rows: Vec<(usize, u64)> = states.iter().map(|(i, r, _)| (*i, *r)).collect();
+        for (_, rid, s) in states {
             self.running.insert(rid, s);
         }
         let logits = match result {
@@ -683,32 +948,21 @@ impl Engine {
                 return Err(format!("model step: {e}"));
             }
         };
-        let outcome = self
-            .cm
-            .complete_measured(batch.step, ran, ms)
-            .await
-            .map_err(|e| format!("complete: {e}"))?;
         self.steps += 1;
-        metrics::histogram!("engine_step_seconds").record(ms / 1000.0);
-        metrics::counter!("engine_step_tokens_total").increment(batch.scheduled_tokens);
-        self.write_log(t_ms, ms, &batch, &outcome);
+        em::step(ms, batch.scheduled_tokens);
 
+        // Sample, and collect the row changes this step makes.
         let now = Instant::now();
-        for ((rid, row), l) in rids.iter().zip(&batch.rows).zip(logits) {
+        for (&(i, rid), l) in ran_rows.iter().zip(logits) {
             let Some(l) = l else { continue };
-            let Some(s) = self.running.get_mut(rid) else {
+            let Some(s) = self.running.get_mut(&rid) else {
                 continue;
             };
             let tok = s.sampler.sample(&l);
             s.generated += 1;
             s.pending = Some(tok);
-            match s.last_token {
-                None => metrics::histogram!("engine_ttft_seconds")
-                    .record((now - s.arrived).as_secs_f64()),
-                Some(prev) => {
-                    metrics::histogram!("engine_tbt_seconds").record((now - prev).as_secs_f64())
-                }
-            }
+            let since = now - s.last_token.unwrap_or(s.arrived);
+            em::token(s.last_token.is_none(), since.as_secs_f64());
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token(tok));
             let done = if tok == self.model.tokenizer().eos() && !s.req.ignore_eos {
@@ -719,24 +973,55 @@ impl Engine {
                 None
             };
             match done {
-                Some(f) => self.finish(*rid, f).await,
+                Some(f) => self.finish(rid, f),
                 None => {
-                    if matches!(row.work, RowWork::Chunk { .. }) {
+                    if matches!(batch.rows[i].work, RowWork::Chunk { .. }) {
                         let ctx = s.cache.len() as u64;
-                        self.cm
-                            .continue_row_with_context(*rid, NODE, DECODE, 1, ctx)
-                            .await
-                            .map_err(|e| format!("continue_row: {e}"))?;
+                        self.changes.decode.push((rid, ctx));
                     }
                 }
+            }
+        }
+        // Waiting requests that fit now run from the next step.
+        if self.draining.is_none() {
+            self.admit();
+        }
+
+        // One message: complete this step, apply the changes, assemble the next.
+        let next = self.changes.next_step();
+        let sent = std::mem::take(&mut self.changes);
+        let done = match self
+            .cm
+            .complete_and_assemble_with(batch.step, ran, Some(ms), next)
+            .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                // Refused whole (nothing changed): the changes wait for the next call.
+                self.changes = sent;
+                let _ = self.cm.abandon(batch.step).await;
+                return Err(format!("complete: {e}"));
+            }
+        };
+        self.write_log(t_ms, ms, &batch, &done.outcome);
+        match done.next {
+            Ok(next) if next.rows.is_empty() => {}
+            Ok(next) => self.in_flight = Some(next),
+            Err(e) => {
+                // The completion stands; a change was refused and the ones after it were not
+                // applied. Send them again one call each (applied ones are idempotent).
+                tracing::warn!(error = %e, "a row change after the step was refused; sending the changes one by one");
+                self.changes = sent;
+                self.flush_changes().await;
             }
         }
         self.publish_gauges();
         Ok(())
     }
 
-    /// Ends a request: tells its client, forgets it in the component, frees its memory.
-    async fn finish(&mut self, rid: u64, finish: Finish) {
+    /// Ends a request: tells its client, frees its memory; the component forgets it with the
+    /// next completion.
+    fn finish(&mut self, rid: u64, finish: Finish) {
         if let Some(s) = self.running.remove(&rid) {
             let _ = s.events.send(Event::Done {
                 finish,
@@ -744,22 +1029,36 @@ impl Engine {
                 completion_tokens: s.generated,
             });
             self.kv_reserved -= s.reserved;
-            if finish != Finish::Abort {
-                metrics::histogram!("engine_e2e_seconds").record(s.arrived.elapsed().as_secs_f64());
-                metrics::counter!("engine_requests_total", "result" => finish.as_str())
-                    .increment(1);
+            match finish {
+                Finish::Abort => {}
+                Finish::Length | Finish::Stop => {
+                    em::e2e(s.arrived.elapsed().as_secs_f64());
+                    em::request_ended(
+                        if finish == Finish::Stop {
+                            Outcome::Stop
+                        } else {
+                            Outcome::Length
+                        },
+                        1,
+                    );
+                }
             }
         }
-        if let Err(e) = self.cm.forget_request(rid).await {
-            tracing::error!(rid, error = %e, "forget_request failed");
-        }
+        // Admitted since the last step and ended before the component heard of it: it never
+        // hears of it (a later forget is harmless either way).
+        self.changes.admit.retain(|(r, _)| *r != rid);
+        self.changes.decode.retain(|(r, _)| *r != rid);
+        self.changes.forget.push(rid);
     }
 
-    async fn abort_all(&mut self) {
+    fn abort_all(&mut self) {
         let rids: Vec<u64> = self.running.keys().copied().collect();
+        let n = rids.len() as u64;
         for rid in rids {
-            self.finish(rid, Finish::Abort).await;
-            metrics::counter!("engine_requests_total", "result" => "abort").increment(1);
+            self.finish(rid, Finish::Abort);
+        }
+        if n > 0 {
+            em::request_ended(Outcome::Abort, n);
         }
         for w in self.waiting.drain(..) {
             let _ = w.events.send(Event::Done {
@@ -768,19 +1067,11 @@ impl Engine {
                 completion_tokens: 0,
             });
         }
-        self.publish_gauges();
     }
 
     fn write_log(&mut self, t_ms: f64, ms: f64, batch: &Batch, outcome: &StepOutcome) {
         let Some(log) = self.log.as_mut() else { return };
-        let line = step_log_line(t_ms, ms, batch, outcome);
-        if serde_json::to_writer(&mut *log, &line)
-            .and_then(|()| log.write_all(b"\n").map_err(serde_json::Error::io))
-            .is_err()
-        {
-            tracing::error!("step log write failed; the log is closed");
-            self.log = None;
-        }
+        log.write(&step_log_line(t_ms, ms, batch, outcome));
     }
 }
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use mstar_engine::engine::{self, Chunking, EngineSettings};
 use mstar_engine::model::{Config, Model};
-use mstar_engine::{bench, server};
+use mstar_engine::{bench, files, server};
+use tokio::signal::unix::{signal, SignalKind};
 
 /// mimalloc instead of the system allocator: a step allocates and frees its activations and
 /// each row's grown KV cache, megabytes at a time, and glibc's malloc serves blocks that large
@@ -63,9 +64,43 @@ struct ServeArgs {
     served_name: String,
     #[command(flatten)]
     engine: EngineArgs,
-    /// Seconds running requests get to finish after SIGTERM before they are aborted.
-    #[arg(long, default_value_t = 10.0)]
-    grace_secs: f64,
+    /// Seconds running requests get to finish after SIGTERM or SIGINT before they are aborted
+    /// (0 to 86400); a second signal stops at once.
+    #[arg(long, default_value = "10", value_parser = parse_grace, allow_negative_numbers = true)]
+    grace_secs: Duration,
+    /// Connections served at once; further clients wait in the listen queue.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    max_connections: u32,
+    /// Seconds a client may take to send a request's body.
+    #[arg(long, default_value = "10", value_parser = parse_body_timeout)]
+    body_timeout_secs: Duration,
+}
+
+/// `--grace-secs`: a finite number of seconds from 0 to one day.
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    seconds(s, 0.0, engine::MAX_GRACE.as_secs_f64())
+}
+
+/// `--body-timeout-secs`: a finite number of seconds above 0, at most an hour.
+fn parse_body_timeout(s: &str) -> Result<Duration, String> {
+    let d = seconds(s, 0.0, 3600.0)?;
+    if d.is_zero() {
+        return Err("must be more than 0 seconds".into());
+    }
+    Ok(d)
+}
+
+fn seconds(s: &str, min: f64, max: f64) -> Result<Duration, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && (min..=max).contains(&v)) {
+        return Err(format!(
+            "`{s}`: must be a number of seconds from {min} to {max}"
+        ));
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 /// The engine's scheduling and memory flags.
@@ -97,7 +132,8 @@ struct EngineArgs {
     /// contexts of SmolLM2 (~46 KB of f32 keys and values a token: ~720 MiB).
     #[arg(long, default_value_t = 16_384)]
     kv_tokens: u64,
-    /// Requests that may wait for admission before new ones get 503.
+    /// Requests that may wait for KV memory before new ones get 503 (at least 1; a request
+    /// that fits at once never counts).
     #[arg(long, default_value_t = 1024)]
     max_waiting: usize,
     /// Write the step log (JSON Lines, as `mstar-chunking replay --step-log`).
@@ -144,8 +180,13 @@ fn settings(a: &EngineArgs, name: &str) -> Result<EngineSettings, String> {
         kv_tokens: a.kv_tokens,
         max_waiting: a.max_waiting,
         step_log: a.step_log.clone(),
+        before_step: None,
     })
 }
+
+/// The most bytes a `--weights` file may have beyond its tensors' f32 data: the safetensors
+/// header (names, shapes and offsets of a few hundred tensors), with room to spare.
+const WEIGHTS_HEADER_ALLOWANCE: u64 = 16 << 20;
 
 /// `cpu`, `cuda` or `cuda:N`.
 fn device(s: &str) -> Result<candle_core::Device, String> {
@@ -177,6 +218,13 @@ fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, Str
     }
     let config = Config::by_name(&a.model)
         .map_err(|_| format!("--model `{}`: smollm2, tiny or small", a.model))?;
+    if let Some(p) = &a.weights {
+        // f32 tensors at most (a narrower dtype is smaller), plus the header.
+        let max = (config.parameters() as u64)
+            .saturating_mul(4)
+            .saturating_add(WEIGHTS_HEADER_ALLOWANCE);
+        files::check_input(p, "--weights", max)?;
+    }
     let model = match &a.weights {
         Some(p) => Model::load(config, p, device),
         None => Model::random(config, a.seed, device),
@@ -186,37 +234,91 @@ fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, Str
 }
 
 fn serve(a: ServeArgs) -> Result<(), String> {
+    if let Some(p) = &a.engine.step_log {
+        let inputs: Vec<(&str, &std::path::Path)> =
+            [("--weights", &a.weights), ("--gguf", &a.gguf)]
+                .into_iter()
+                .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
+                .collect();
+        files::check_output(p, "--step-log", &inputs)?;
+    }
     let device = device(&a.device)?;
     let (model, shown) = load_model(&a, &device)?;
     let config = model.config;
     let s = settings(&a.engine, &a.served_name)?;
     let (handle, thread) = engine::start(model, s)?;
-    let grace = Duration::from_secs_f64(a.grace_secs.max(0.0));
+    let grace = a.grace_secs;
+    let limits = server::ServerLimits {
+        max_connections: a.max_connections as usize,
+        body_timeout: a.body_timeout_secs,
+        ..server::ServerLimits::default()
+    };
     actix_web::rt::System::new().block_on(async move {
-        let srv = server::Server::start(handle, &a.served_name, &a.listen)
+        let srv = server::Server::start_with(handle, &a.served_name, &a.listen, limits)
             .map_err(|e| format!("listening on {}: {e}", a.listen))?;
         println!(
             "mstar-engine listening on http://{} (model {shown}, {} layers, d = {}, vocabulary {})",
             srv.addr, config.layers, config.hidden, config.vocab
         );
         let _ = std::io::stdout().flush();
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| e.to_string())?;
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = tokio::signal::ctrl_c() => {},
-        }
-        eprintln!("mstar-engine: shutting down (grace {:?})", grace);
+        let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+        let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+        let first = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(
+            signal = first,
+            grace_secs = grace.as_secs_f64(),
+            "shutting down; a second signal stops at once"
+        );
+        eprintln!(
+            "mstar-engine: {first}: shutting down (grace {grace:?}; a second signal stops at once)"
+        );
+        // A second signal: stop now, with the status of a process killed by it.
+        actix_web::rt::spawn(async move {
+            let code = tokio::select! {
+                _ = term.recv() => 143,
+                _ = int.recv() => 130,
+            };
+            eprintln!("mstar-engine: second signal: stopping at once");
+            std::process::exit(code);
+        });
         srv.shutdown(grace).await.map_err(|e| e.to_string())
     })?;
     thread
         .join()
-        .map_err(|_| "the engine thread panicked".to_owned())?;
+        .map_err(|_| "the engine thread panicked".to_owned())??;
     Ok(())
+}
+
+/// Logs to stderr, as the component's binary does: `RUST_LOG` when set (a bad filter is said,
+/// and `info` used), else `info`; colour only at a terminal without `NO_COLOR`.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let env = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty());
+    let (filter, bad) = match env.as_deref().map(|v| EnvFilter::builder().parse(v)) {
+        Some(Ok(f)) => (f, None),
+        Some(Err(e)) => (EnvFilter::new("info"), Some(e)),
+        None => (EnvFilter::new("info"), None),
+    };
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let installed = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .try_init();
+    if let (Ok(()), Some(e)) = (installed, bad) {
+        tracing::warn!(error = %e, "RUST_LOG is not a valid filter; logging at info");
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Bench(a) => bench::run(a),

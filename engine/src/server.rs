@@ -1,48 +1,57 @@
 //! The OpenAI-compatible HTTP API on actix-web: `POST /v1/completions` (plain or streamed as
 //! server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics`.
 //!
-//! A request's event receiver lives in its response: when the client goes away, actix drops
-//! the response (or the handler's future), the receiver is dropped, and the engine aborts the
-//! request at its next step and releases everything it held.
+//! Request bodies are parsed by [`crate::api`]. A request's event receiver lives in its
+//! response: when the client goes away, actix drops the response (or the handler's future),
+//! the receiver is dropped, and the engine aborts the request at its next turn and releases
+//! everything it held. A plain (non-streaming) client that hangs up while its request runs is
+//! noticed too: connections are not kept half-closed, so the end of the client's side ends the
+//! handler.
+//!
+//! Every connection is bounded ([`ServerLimits`]): at most `max_connections` at once (further
+//! clients wait in the kernel's listen queue), request headers within `header_timeout`, the
+//! body within `body_timeout` and [`crate::api::body_limit`] bytes.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix_web::http::StatusCode;
-use actix_web::web::Bytes;
-use actix_web::{web, App, HttpResponse, HttpServer, ResponseError};
-use futures_util::stream;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use serde::Deserialize;
+use actix_web::web::{Bytes, BytesMut};
+use actix_web::{web, App, HttpResponse, HttpServer};
+use futures_util::{stream, StreamExt};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::api::{body_limit, ApiError, CompletionBody, ModelLimits, Prompt};
 use crate::engine::{EngineHandle, Event, GenRequest, SubmitError};
 use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
-/// The process's Prometheus recorder, installed once; the component's and the engine's metrics
-/// are recorded into it through the `metrics` facade.
-pub fn prometheus() -> PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            let buckets = [
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ];
-            let builder = PrometheusBuilder::new()
-                .set_buckets_for_metric(Matcher::Prefix("engine_".into()), &buckets)
-                .expect("non-empty buckets");
-            let recorder = builder.build_recorder();
-            let handle = recorder.handle();
-            // A recorder installed by someone else wins; then this one renders only what it
-            // records (nothing), which the metrics test would catch.
-            let _ = metrics::set_global_recorder(recorder);
-            handle
-        })
-        .clone()
+/// How the server bounds its clients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ServerLimits {
+    /// Connections served at once, over all workers.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body, from its headers.
+    pub body_timeout: Duration,
 }
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_connections: 256,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The HTTP worker threads.
+pub const WORKERS: usize = 2;
 
 /// Shared state of the HTTP handlers.
 pub struct AppState {
@@ -54,166 +63,111 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// Set once shutdown began: `/health` answers 503 and completions are refused.
     pub draining: AtomicBool,
-}
-
-/// An OpenAI error answer.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    kind: &'static str,
-    message: String,
-    param: Option<&'static str>,
-}
-
-impl ApiError {
-    fn bad(param: Option<&'static str>, message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
-            message: message.into(),
-            param,
-        }
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl ResponseError for ApiError {
-    fn status_code(&self) -> StatusCode {
-        self.status
-    }
-    fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status).json(json!({
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}
-        }))
-    }
+    /// The limits in force.
+    pub limits: ServerLimits,
 }
 
 impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {
             SubmitError::TooLarge(m) => ApiError::bad(Some("max_tokens"), m),
-            SubmitError::QueueFull(_) | SubmitError::Draining | SubmitError::Stopped => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                kind: "server_overloaded",
-                message: e.to_string(),
-                param: None,
-            },
+            SubmitError::QueueFull(_) | SubmitError::Draining | SubmitError::Stopped => {
+                ApiError::with_status(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_overloaded",
+                    e.to_string(),
+                )
+            }
         }
     }
 }
 
-/// The body of `POST /v1/completions`. Unknown fields are ignored, as OpenAI clients send
-/// fields this engine has no use for (`n`, `logprobs`, `user`...).
-#[derive(Debug, Deserialize)]
-pub struct CompletionBody {
-    /// The model's name (optional; any other than the served one is refused).
-    pub model: Option<String>,
-    /// A string, or an array of token ids.
-    pub prompt: Value,
-    /// Tokens to generate (default 16).
-    pub max_tokens: Option<u32>,
-    /// Sampling temperature, 0 to 2 (default 1).
-    pub temperature: Option<f32>,
-    /// Nucleus mass, (0, 1] (default 1).
-    pub top_p: Option<f32>,
-    /// Sampling seed (default 0).
-    pub seed: Option<u64>,
-    /// Stream server-sent events.
-    #[serde(default)]
-    pub stream: bool,
-    /// Keep generating past EOS.
-    #[serde(default)]
-    pub ignore_eos: bool,
-}
-
-/// The tokens of a `prompt` value, text encoded with `tok`.
+/// The tokens of a parsed prompt: a string is encoded with `tok`.
 ///
 /// # Errors
-/// A value that is neither a string nor an array of token ids below the vocabulary size.
-pub fn prompt_tokens(v: &Value, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
-    let vocab = tok.vocab_size();
-    match v {
-        Value::String(s) => tok
-            .encode(s)
+/// The text cannot be encoded (named as `prompt`).
+pub fn prompt_tokens(p: Prompt, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    match p {
+        Prompt::Text(s) => tok
+            .encode(&s)
             .map_err(|e| ApiError::bad(Some("prompt"), e.to_string())),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            prompt_tokens(&items[0], tok)
-        }
-        Value::Array(items) => {
-            if items.is_empty() {
-                return Err(ApiError::bad(Some("prompt"), "`prompt` is an empty array"));
-            }
-            items
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_u64() {
-                    Some(t) if t < vocab as u64 => Ok(t as u32),
-                    _ => Err(ApiError::bad(
-                        Some("prompt"),
-                        format!("`prompt[{i}]` is {t}: token ids are whole numbers below {vocab}"),
-                    )),
-                })
-                .collect()
-        }
-        other => Err(ApiError::bad(
-            Some("prompt"),
-            format!("`prompt` must be a string or an array of token ids, not {other}"),
-        )),
+        Prompt::Tokens(t) => Ok(t),
     }
 }
 
 fn request_of(
-    body: &CompletionBody,
+    body: CompletionBody,
     served: &str,
     tok: &Tokenizer,
-) -> Result<GenRequest, ApiError> {
+) -> Result<(GenRequest, bool), ApiError> {
     if let Some(m) = &body.model {
         if m != served {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                kind: "invalid_request_error",
-                message: format!("the model `{m}` does not exist; this server serves `{served}`"),
-                param: Some("model"),
-            });
+            let mut e = ApiError::with_status(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("the model `{m}` does not exist; this server serves `{served}`"),
+            );
+            e.param = Some("model".into());
+            return Err(e);
         }
     }
-    let prompt = prompt_tokens(&body.prompt, tok)?;
-    let max_tokens = body.max_tokens.unwrap_or(16);
-    if max_tokens == 0 {
-        return Err(ApiError::bad(
-            Some("max_tokens"),
-            "`max_tokens` must be at least 1",
-        ));
-    }
-    let temperature = body.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::bad(
-            Some("temperature"),
-            format!("`temperature` is {temperature}: it must be between 0 and 2"),
-        ));
-    }
-    let top_p = body.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::bad(
-            Some("top_p"),
-            format!("`top_p` is {top_p}: it must be in (0, 1]"),
-        ));
-    }
-    Ok(GenRequest {
-        prompt,
-        max_tokens,
-        temperature,
-        top_p,
+    let req = GenRequest {
+        prompt: prompt_tokens(body.prompt, tok)?,
+        max_tokens: body.max_tokens.unwrap_or(16),
+        temperature: body.temperature.unwrap_or(1.0),
+        top_p: body.top_p.unwrap_or(1.0),
         seed: body.seed.unwrap_or(0),
         ignore_eos: body.ignore_eos,
-    })
+    };
+    Ok((req, body.stream))
 }
 
+/// Reads a request body of at most `limit` bytes within `timeout`.
+///
+/// # Errors
+/// 413 past `limit`, 408 past `timeout`, 400 for a body that broke off.
+pub async fn read_body(
+    mut payload: web::Payload,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut body = BytesMut::new();
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, payload.next()).await {
+            Err(_) => {
+                return Err(ApiError::with_status(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        timeout.as_secs_f64()
+                    ),
+                ))
+            }
+            Ok(None) => return Ok(body.freeze()),
+            Ok(Some(Err(e))) => {
+                return Err(ApiError::bad(
+                    None,
+                    format!("the request body could not be read: {e}"),
+                ))
+            }
+            Ok(Some(Ok(c))) => c,
+        };
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::with_status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("the request body exceeds {limit} bytes, the most a prompt that fills the model's context needs"),
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+}
+
+fn model_limits(state: &AppState) -> ModelLimits {
+    state.engine.limits
+}
 /// Turns tokens into text as they arrive, holding back an incomplete UTF-8 sequence; control
 /// tokens (BOS, EOS, `<|im_end|>`) have no text. The default is for the byte vocabulary.
 #[derive(Default)]
@@ -260,17 +214,26 @@ fn usage(prompt: u32, completion: u32) -> Value {
 
 async fn completions(
     state: web::Data<AppState>,
-    body: web::Json<CompletionBody>,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     if state.draining.load(Ordering::Relaxed) {
         return Err(SubmitError::Draining.into());
     }
-    let req = request_of(&body, &state.model_name, &state.engine.tokenizer)?;
+    let limits = model_limits(&state);
+    let raw = read_body(
+        payload,
+        body_limit(limits.max_positions),
+        state.limits.body_timeout,
+    )
+    .await?;
+    let body = CompletionBody::parse(&raw, limits)?;
+    drop(raw);
+    let (req, streamed) = request_of(body, &state.model_name, &state.engine.tokenizer)?;
     let (rid, rx) = state.engine.submit(req).await?;
     let id = format!("cmpl-{rid}");
     let created = now_secs();
     let model = state.model_name.clone();
-    if body.stream {
+    if streamed {
         let st = SseState {
             rx,
             text: Utf8Stream::new(state.engine.tokenizer.clone()),
@@ -375,15 +338,9 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// `/metrics`: renders what the engine and the component last published; never asks the
+/// engine, so a long step does not hold it up.
 async fn metrics_page(state: web::Data<AppState>) -> HttpResponse {
-    // Refresh the engine's gauges from its own state before rendering.
-    if let Some(s) = state.engine.stats().await {
-        metrics::gauge!("engine_requests_running").set(s.running as f64);
-        metrics::gauge!("engine_requests_waiting").set(s.waiting as f64);
-        metrics::gauge!("engine_kv_tokens_used").set(s.kv_used as f64);
-        metrics::gauge!("engine_kv_tokens_reserved").set(s.kv_reserved as f64);
-        metrics::gauge!("engine_kv_tokens_capacity").set(s.kv_capacity as f64);
-    }
     state.metrics.run_upkeep();
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
@@ -392,18 +349,10 @@ async fn metrics_page(state: web::Data<AppState>) -> HttpResponse {
 
 /// Configures the routes on an actix-web app.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.app_data(
-        web::JsonConfig::default()
-            .limit(16 << 20)
-            .error_handler(|err, _| {
-                let msg = format!("the request body is not a valid completion request: {err}");
-                ApiError::bad(None, msg).into()
-            }),
-    )
-    .route("/v1/completions", web::post().to(completions))
-    .route("/v1/models", web::get().to(models))
-    .route("/health", web::get().to(health))
-    .route("/metrics", web::get().to(metrics_page));
+    cfg.route("/v1/completions", web::post().to(completions))
+        .route("/v1/models", web::get().to(models))
+        .route("/health", web::get().to(health))
+        .route("/metrics", web::get().to(metrics_page));
 }
 
 /// A running server: its address, and how to stop it.
@@ -417,20 +366,41 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds `addr` (port 0: any free port) and serves on the current actix/tokio runtime.
+    /// Binds `addr` (port 0: any free port) and serves on the current actix/tokio runtime,
+    /// with the default [`ServerLimits`].
     ///
     /// # Errors
     /// The address cannot be bound.
     pub fn start(engine: EngineHandle, model_name: &str, addr: &str) -> std::io::Result<Server> {
+        Self::start_with(engine, model_name, addr, ServerLimits::default())
+    }
+
+    /// As [`start`](Self::start), with these limits.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn start_with(
+        engine: EngineHandle,
+        model_name: &str,
+        addr: &str,
+        limits: ServerLimits,
+    ) -> std::io::Result<Server> {
         let state = web::Data::new(AppState {
             engine,
             model_name: model_name.to_owned(),
-            metrics: prometheus(),
+            metrics: crate::metrics::install(),
             draining: AtomicBool::new(false),
+            limits,
         });
         let s2 = state.clone();
+        let per_worker = limits.max_connections.div_ceil(WORKERS).max(1);
         let server = HttpServer::new(move || App::new().app_data(s2.clone()).configure(routes))
-            .workers(2)
+            .workers(WORKERS)
+            .max_connections(per_worker)
+            .client_request_timeout(limits.header_timeout)
+            // A client that closes its side has gone: end its handler (a plain request is then
+            // aborted like a dropped stream) instead of computing an answer nobody reads.
+            .h1_allow_half_closed(false)
             .disable_signals()
             .shutdown_timeout(5)
             .bind(addr)?;

@@ -145,7 +145,7 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
     assert_eq!(scaled.len(), 4);
     assert_eq!(scaled[2].prompt_tokens, 500);
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 
     // The step log has the replay step log's shape, with measured `ms`.
     let text = std::fs::read_to_string(&log).unwrap();

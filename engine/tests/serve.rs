@@ -10,7 +10,7 @@ use mstar_engine::model::{Config, Model};
 use mstar_engine::server::Server;
 use serde_json::{json, Value};
 
-fn start(settings: EngineSettings) -> (Server, std::thread::JoinHandle<()>) {
+fn start(settings: EngineSettings) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
     let model = Model::random(Config::tiny(), 5, &Device::Cpu).unwrap();
     let (handle, thread) = engine::start(model, settings).unwrap();
     let srv = Server::start(handle, "tiny", "127.0.0.1:0").unwrap();
@@ -182,7 +182,7 @@ async fn streaming_completion_end_to_end() {
     }
     idle_stats(&wait_idle(&srv).await);
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 #[actix_web::test]
@@ -242,7 +242,7 @@ async fn bad_requests_get_the_openai_error_object() {
         assert_eq!(v["error"]["type"], "invalid_request_error");
     }
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 /// A request waits for KV memory instead of failing; past `max_waiting` the queue answers 503.
@@ -304,7 +304,7 @@ async fn memory_waits_and_a_full_queue_is_503() {
     assert_eq!(v["usage"]["completion_tokens"], 100);
     idle_stats(&wait_idle(&srv).await);
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 /// 64 concurrent streaming clients, every fourth disconnecting mid-stream: everything is
@@ -360,7 +360,7 @@ async fn sixty_four_streaming_clients_some_disconnecting() {
     assert_eq!(s.steps_in_flight, 0);
     assert!(t0.elapsed() < Duration::from_secs(120));
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 /// Starts a streaming request of 4,000 tokens and gives it 100 ms to start running; answers
@@ -407,7 +407,7 @@ async fn shutdown_aborts_after_the_grace_period() {
     let n = last["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(n > 0 && n < 4000, "{n}");
     stop.await.unwrap().unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 /// Draining the engine drains the component after it: every request was finished or aborted and
@@ -424,7 +424,7 @@ async fn draining_the_engine_drains_the_component_leaving_nothing_held() {
     // The engine has stopped: a second drain has nothing to answer.
     assert_eq!(engine.drain(Duration::ZERO).await, None);
     srv.shutdown(Duration::ZERO).await.unwrap();
-    thread.join().unwrap();
+    thread.join().unwrap().unwrap();
 }
 
 /// The binary: `serve` prints its address, answers, and exits 0 on SIGTERM.

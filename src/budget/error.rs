@@ -148,6 +148,18 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
+    /// A configured latency model with a coefficient above
+    /// [`MAX_COEFFICIENT_MS`](crate::latency::MAX_COEFFICIENT_MS): its predictions could
+    /// overflow to infinity, and no step is that slow.
+    #[error("latency model for `{node}`: `{key}` is {value:e} ms, above the {max:e} ms a coefficient may be (its predictions would overflow)", max = crate::latency::MAX_COEFFICIENT_MS)]
+    LatencyModelTooLarge {
+        /// The node.
+        node: Name,
+        /// The coefficient's key.
+        key: &'static str,
+        /// Its value.
+        value: f64,
+    },
     /// A time budget below the `base_ms` of the node's configured latency model: every step is
     /// predicted over it, so no step can meet it.
     #[error("time budget for `{node}`/`{walk}` of {max_step_ms} ms is below the latency model's `base_ms` of {base_ms} ms: every step is predicted over it, so no step can meet it")]
@@ -331,7 +343,9 @@ impl BudgetError {
             | Self::TimeMemberWalk { node, walk, .. }
             | Self::TimeBudgetBelowBase { node, walk, .. } => at(K::MaxStepMs, node, Some(walk)),
             Self::NoLatencyModel { node } => at(K::MaxStepMs, node, None),
-            Self::ZeroLatencyModel { node } => at(K::Cost, node, None),
+            Self::ZeroLatencyModel { node } | Self::LatencyModelTooLarge { node, .. } => {
+                at(K::Cost, node, None)
+            }
             Self::BadTimeMargin { .. } | Self::TimeMarginWithoutBudget => whole(K::TimeMargin),
             Self::BadMaxWait { .. } => whole(K::MaxWaitMs),
         }
@@ -370,7 +384,8 @@ impl BudgetError {
             | Self::TimeMemberWalk { .. }
             | Self::NoLatencyModel { .. }
             | Self::TimeBudgetBelowBase { .. }
-            | Self::ZeroLatencyModel { .. } => Rule::TimeBudgets,
+            | Self::ZeroLatencyModel { .. }
+            | Self::LatencyModelTooLarge { .. } => Rule::TimeBudgets,
             Self::BadTimeMargin { .. } | Self::TimeMarginWithoutBudget => Rule::TimeMargin,
             Self::PoliciesNotSet => Rule::Budgets(None),
         }
@@ -383,6 +398,7 @@ impl BudgetError {
             Self::ZeroSetting { .. } => Some("0".into()),
             Self::RowCapBelowAlign { max_row, .. } => Some(max_row.to_string()),
             Self::BadTimeMargin { value } | Self::BadMaxWait { value } => Some(value.to_string()),
+            Self::LatencyModelTooLarge { value, .. } => Some(value.to_string()),
             _ => None,
         }
     }

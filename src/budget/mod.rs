@@ -312,6 +312,18 @@ impl BudgetTable {
             if m.coefficients() == [0.0; 4] {
                 errors.push(BudgetError::ZeroLatencyModel { node: node.clone() });
             }
+            let keys = crate::latency::COEFFICIENT_KEYS;
+            if let Some((key, value)) = keys
+                .into_iter()
+                .zip(m.coefficients())
+                .find(|&(_, v)| v > crate::latency::MAX_COEFFICIENT_MS)
+            {
+                errors.push(BudgetError::LatencyModelTooLarge {
+                    node: node.clone(),
+                    key,
+                    value,
+                });
+            }
         }
         if let Some(q) = time.margin_quantile {
             if !(q > 0.0 && q <= 1.0) {

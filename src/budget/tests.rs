@@ -778,3 +778,30 @@ fn a_refusal_names_its_setting_node_walk_rule_and_value() {
         "docs/budgets.md#refusals"
     );
 }
+
+#[test]
+fn a_latency_model_coefficient_above_the_bound_is_refused() {
+    // 1e308 ms per token would predict any step of two tokens as infinity.
+    let huge = LatencyModel::try_new(0.0, 1e308, 0.0, 0.0).unwrap();
+    let errs = BudgetTable::build(omni(), settings().cost("llm", huge))
+        .unwrap_err()
+        .0;
+    assert!(
+        errs.iter().any(|e| matches!(
+            e,
+            BudgetError::LatencyModelTooLarge { node, key: "per_token_ms", value }
+                if &**node == "llm" && *value == 1e308
+        )),
+        "{errs:?}"
+    );
+    let text = errs[0].to_string();
+    assert!(
+        text.contains("`per_token_ms` is 1e308 ms, above the 1e6 ms"),
+        "{text}"
+    );
+    let sub = errs[0].subject().unwrap();
+    assert_eq!(sub.setting, SettingKey::Cost);
+    // At the bound: accepted.
+    let at = LatencyModel::try_new(crate::latency::MAX_COEFFICIENT_MS, 0.0, 0.0, 0.0).unwrap();
+    assert!(BudgetTable::build(omni(), settings().cost("llm", at)).is_ok());
+}

@@ -32,6 +32,12 @@ pub const COEFFICIENT_KEYS: [&str; 4] = [
     "per_attention_pair_ms",
 ];
 
+/// The most milliseconds a configured latency model's coefficient may be
+/// (`chunking.cost`, and the `replay.cost` the replay simulates): with token counts and
+/// attention pairs bounded by the inputs' limits, every prediction and sum of them stays
+/// finite.
+pub const MAX_COEFFICIENT_MS: f64 = 1e6;
+
 /// A refused latency model or time budget. Each names the configuration key at fault.
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
 pub enum LatencyError {

@@ -12,7 +12,7 @@ use super::{trace, DECODE_WALK, PREFILL_WALK};
 /// The most milliseconds any `replay.cost` coefficient may be: with token counts bounded by the
 /// trace limits (and so attention pairs below 2^47 a chunk), every step time and sum of them
 /// stays finite.
-pub const MAX_COST_MS: f64 = 1e6;
+pub const MAX_COST_MS: f64 = crate::latency::MAX_COEFFICIENT_MS;
 /// `replay.cost.noise` lies in `[0, MAX_NOISE]`: a step always takes some time.
 pub const MAX_NOISE: f64 = 0.9;
 /// The built-in step cost: 8 ms a step, 0.02 ms a token, no KV or attention term.

@@ -1,0 +1,571 @@
+//! The request bodies of the OpenAI-compatible API, parsed typed, and the OpenAI error object.
+//!
+//! A body is read as a JSON object whose values stay raw slices of the body
+//! ([`serde_json::value::RawValue`]); each field the server knows is then parsed into its own
+//! type, so a refusal names its field, and a token array becomes a `Vec<u32>` without ever
+//! being a tree of JSON values. What is left is judged by [`refuse_unsupported`]: a field the
+//! server does not implement is a 400 naming it, unless its value is the neutral one OpenAI
+//! clients send by default (`n: 1`, penalties of 0, `user`, ...). Nothing is silently ignored.
+//!
+//! The body's size is bounded before it is parsed ([`body_limit`], sized to the model's
+//! positions), and the server reads it under a deadline.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use serde::de::{self, DeserializeOwned, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::json;
+use serde_json::value::RawValue;
+
+/// Body bytes allowed per model position: a token id with its separator, or one character of a
+/// text prompt written as a JSON escape (`\u00e9`), with room to spare.
+pub const BODY_BYTES_PER_POSITION: usize = 32;
+/// Body bytes allowed besides the prompt (the other fields, whitespace).
+pub const BODY_BYTES_BESIDES_PROMPT: usize = 64 << 10;
+/// The most fields a body may have (known and refused ones together).
+pub const MAX_FIELDS: usize = 64;
+
+/// The largest request body the server reads for a model of `max_positions` positions: a
+/// prompt that fills the context fits, a larger body is refused (413) before it is parsed.
+pub fn body_limit(max_positions: usize) -> usize {
+    max_positions
+        .saturating_mul(BODY_BYTES_PER_POSITION)
+        .saturating_add(BODY_BYTES_BESIDES_PROMPT)
+}
+
+// === the error object ===
+
+/// An OpenAI error answer: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The OpenAI error `type` (`invalid_request_error`, `server_overloaded`, ...).
+    pub kind: &'static str,
+    /// What was wrong, for a person.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error`, naming `param` when a field is at fault.
+    pub fn bad(param: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: param.map(str::to_owned),
+        }
+    }
+
+    /// Another status with its OpenAI `type`.
+    pub fn with_status(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+        }
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut r = HttpResponse::build(self.status);
+        // A body refused before it was read whole (too slow, too large): the connection ends
+        // with the answer, so its slot is free at once.
+        if matches!(
+            self.status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::PAYLOAD_TOO_LARGE
+        ) {
+            r.force_close();
+        }
+        r.json(json!({
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}
+        }))
+    }
+}
+
+// === the body as raw fields ===
+
+/// A request body's top-level fields, each value a raw slice of the body, in body order.
+#[derive(Debug)]
+pub struct Fields<'a> {
+    fields: Vec<(Cow<'a, str>, &'a RawValue)>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Fields<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Fields<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut fields: Vec<(Cow<'a, str>, &'a RawValue)> = Vec::new();
+                while let Some(key) = map.next_key::<Cow<'a, str>>()? {
+                    if fields.len() == MAX_FIELDS {
+                        return Err(de::Error::custom(format!("more than {MAX_FIELDS} fields")));
+                    }
+                    if fields.iter().any(|(k, _)| *k == key) {
+                        return Err(de::Error::custom(format!(
+                            "the field `{}` appears twice",
+                            shown(&key)
+                        )));
+                    }
+                    let value: &'a RawValue = map.next_value()?;
+                    fields.push((key, value));
+                }
+                Ok(Fields { fields })
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// A field name as a message shows it: escaped, at most 64 characters.
+fn shown(key: &str) -> String {
+    let mut s: String = key
+        .chars()
+        .take(64)
+        .flat_map(char::escape_default)
+        .collect();
+    if key.chars().count() > 64 {
+        s.push('…');
+    }
+    s
+}
+
+impl<'a> Fields<'a> {
+    /// Reads `body` as a JSON object.
+    ///
+    /// # Errors
+    /// Not JSON, not an object, a field twice, or more than [`MAX_FIELDS`] fields.
+    pub fn parse(body: &'a [u8], what: &str) -> Result<Self, ApiError> {
+        serde_json::from_slice(body).map_err(|e| {
+            ApiError::bad(
+                None,
+                format!("the request body is not a valid {what} request: {e}"),
+            )
+        })
+    }
+
+    /// Takes field `key`, parsed as `T` (a `null` is as if absent).
+    ///
+    /// # Errors
+    /// The value is not a `T`: a 400 naming the field and what it must be.
+    pub fn take<T: DeserializeOwned>(
+        &mut self,
+        key: &str,
+        must: &str,
+    ) -> Result<Option<T>, ApiError> {
+        let Some(i) = self.fields.iter().position(|(k, _)| k == key) else {
+            return Ok(None);
+        };
+        let (_, raw) = self.fields.remove(i);
+        if raw.get() == "null" {
+            return Ok(None);
+        }
+        serde_json::from_str(raw.get()).map(Some).map_err(|_| {
+            ApiError::bad(
+                Some(key),
+                format!("`{key}` must be {must}, not {}", excerpt(raw)),
+            )
+        })
+    }
+
+    /// Takes field `key` with a parser of its own (a `null` is as if absent).
+    ///
+    /// # Errors
+    /// Whatever `parse` answers.
+    pub fn take_with<T>(
+        &mut self,
+        key: &str,
+        parse: impl FnOnce(&'a RawValue) -> Result<T, ApiError>,
+    ) -> Result<Option<T>, ApiError> {
+        let Some(i) = self.fields.iter().position(|(k, _)| k == key) else {
+            return Ok(None);
+        };
+        let (_, raw) = self.fields.remove(i);
+        if raw.get() == "null" {
+            return Ok(None);
+        }
+        parse(raw).map(Some)
+    }
+
+    /// Ends the parse: every field left must pass [`refuse_unsupported`].
+    ///
+    /// # Errors
+    /// The first field left that the server does not implement, named.
+    pub fn finish(self) -> Result<(), ApiError> {
+        for (key, raw) in &self.fields {
+            refuse_unsupported(key, raw)?;
+        }
+        Ok(())
+    }
+}
+
+/// At most 80 characters of a raw value, for a message.
+fn excerpt(raw: &RawValue) -> String {
+    let s = raw.get();
+    let mut out: String = s.chars().take(80).collect();
+    if s.chars().count() > 80 {
+        out.push('…');
+    }
+    out
+}
+
+// === the refused-field rule ===
+
+/// What a field the server does not implement may hold to be accepted: the value an OpenAI
+/// client sends by default, which asks for nothing the server would ignore.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Neutral {
+    /// This number (`n: 1`, `presence_penalty: 0`, ...).
+    Number(f64),
+    /// This boolean (`echo: false`).
+    Bool(bool),
+    /// An empty object (`logit_bias: {}`).
+    EmptyObject,
+    /// Any string (`user`: an end user's id, which only OpenAI's abuse monitoring reads).
+    AnyString,
+}
+
+/// The OpenAI request fields this server does not implement, and the value of each it accepts.
+/// Any other field, and any other value of these, is refused with a 400 naming it.
+pub const NEUTRAL_FIELDS: &[(&str, Neutral)] = &[
+    ("n", Neutral::Number(1.0)),
+    ("best_of", Neutral::Number(1.0)),
+    ("presence_penalty", Neutral::Number(0.0)),
+    ("frequency_penalty", Neutral::Number(0.0)),
+    ("echo", Neutral::Bool(false)),
+    ("logit_bias", Neutral::EmptyObject),
+    ("user", Neutral::AnyString),
+];
+
+/// Accepts a field the server does not implement only with its neutral value
+/// ([`NEUTRAL_FIELDS`]; `null` is always neutral).
+///
+/// # Errors
+/// A 400 naming the field: unknown to the server, or asking for what it does not do.
+pub fn refuse_unsupported(key: &str, raw: &RawValue) -> Result<(), ApiError> {
+    let v = raw.get();
+    if v == "null" {
+        return Ok(());
+    }
+    let Some((_, neutral)) = NEUTRAL_FIELDS.iter().find(|(k, _)| *k == key) else {
+        return Err(ApiError::bad(
+            Some(key),
+            format!("`{}` is not supported by this server", shown(key)),
+        ));
+    };
+    let ok = match neutral {
+        Neutral::Number(n) => serde_json::from_str::<f64>(v).is_ok_and(|x| x == *n),
+        Neutral::Bool(b) => serde_json::from_str::<bool>(v).is_ok_and(|x| x == *b),
+        Neutral::EmptyObject => {
+            serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v)
+                .is_ok_and(|m| m.is_empty())
+        }
+        Neutral::AnyString => serde_json::from_str::<String>(v).is_ok(),
+    };
+    if ok {
+        return Ok(());
+    }
+    let want = match neutral {
+        Neutral::Number(n) => format!("only {n} is supported"),
+        Neutral::Bool(b) => format!("only {b} is supported"),
+        Neutral::EmptyObject => "only {} is supported".to_owned(),
+        Neutral::AnyString => "it must be a string".to_owned(),
+    };
+    Err(ApiError::bad(
+        Some(key),
+        format!("`{key}` is {}: {want} by this server", excerpt(raw)),
+    ))
+}
+
+// === the prompt ===
+
+/// A completion's `prompt`, parsed typed: text, or token ids (never a tree of JSON values).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A string (or an array holding one string).
+    Text(String),
+    /// An array of token ids.
+    Tokens(Vec<u32>),
+}
+
+/// A refused `prompt`, said as a message.
+fn bad_prompt(message: String) -> ApiError {
+    ApiError::bad(Some("prompt"), message)
+}
+
+impl Prompt {
+    /// Parses a raw `prompt`: a string, an array of one string, or an array of at most
+    /// `max_tokens` token ids each below `vocab`.
+    ///
+    /// # Errors
+    /// Anything else, naming the element at fault.
+    pub fn parse(raw: &RawValue, vocab: u32, max_tokens: usize) -> Result<Self, ApiError> {
+        let mut de = serde_json::Deserializer::from_str(raw.get());
+        let seed = PromptSeed { vocab, max_tokens };
+        let parsed = de::DeserializeSeed::deserialize(seed, &mut de).map_err(|e| {
+            bad_prompt(format!(
+                "`prompt` must be a string or an array of token ids: {e}"
+            ))
+        })?;
+        match parsed {
+            Parsed::Ok(p) => Ok(p),
+            Parsed::Refused(m) => Err(bad_prompt(m)),
+        }
+    }
+}
+
+enum Parsed {
+    Ok(Prompt),
+    Refused(String),
+}
+
+struct PromptSeed {
+    vocab: u32,
+    max_tokens: usize,
+}
+
+impl<'de> de::DeserializeSeed<'de> for PromptSeed {
+    type Value = Parsed;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Parsed, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+/// One element of a prompt array.
+enum Item {
+    Id(u64),
+    Text(String),
+    Other(String),
+}
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Item;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a token id or a string")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Item, E> {
+                Ok(Item::Id(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Item, E> {
+                Ok(u64::try_from(v).map_or_else(|_| Item::Other(v.to_string()), Item::Id))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Item, E> {
+                Ok(Item::Other(v.to_string()))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Item, E> {
+                Ok(Item::Other(v.to_string()))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Item, E> {
+                Ok(Item::Other("null".into()))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Item, E> {
+                Ok(Item::Text(v.to_owned()))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Item::Other("an array".into()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Item, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Item::Other("an object".into()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptSeed {
+    type Value = Parsed;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string or an array of token ids")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Parsed, E> {
+        Ok(Parsed::Ok(Prompt::Text(v.to_owned())))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Parsed, A::Error> {
+        let mut ids: Vec<u32> = Vec::new();
+        let mut i = 0usize;
+        let mut refused = None;
+        let mut text = None;
+        while let Some(item) = seq.next_element::<Item>()? {
+            if refused.is_none() {
+                refused = match item {
+                    Item::Text(s) if i == 0 => {
+                        text = Some(s);
+                        None
+                    }
+                    Item::Text(_) => Some(format!(
+                        "`prompt[{i}]` is a string: this server takes one prompt per request (a string, an array of one string, or an array of token ids)"
+                    )),
+                    _ if text.is_some() => Some(
+                        "`prompt` holds more than one string or a string beside token ids: this server takes one prompt per request".to_owned(),
+                    ),
+                    Item::Id(t) if t < u64::from(self.vocab) && ids.len() < self.max_tokens => {
+                        ids.push(t as u32);
+                        None
+                    }
+                    Item::Id(_) if ids.len() >= self.max_tokens => Some(format!(
+                        "`prompt` has more than {} token ids, the model's context",
+                        self.max_tokens
+                    )),
+                    Item::Id(t) => Some(format!(
+                        "`prompt[{i}]` is {t}: token ids are whole numbers below {}",
+                        self.vocab
+                    )),
+                    Item::Other(s) => Some(format!(
+                        "`prompt[{i}]` is {s}: token ids are whole numbers below {}",
+                        self.vocab
+                    )),
+                };
+            }
+            i += 1;
+        }
+        Ok(match (refused, text) {
+            (Some(m), _) => Parsed::Refused(m),
+            (None, Some(s)) => Parsed::Ok(Prompt::Text(s)),
+            (None, None) if i == 0 => Parsed::Refused("`prompt` is an empty array".into()),
+            (None, None) => Parsed::Ok(Prompt::Tokens(ids)),
+        })
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Parsed::Refused(
+            "`prompt` must be a string or an array of token ids, not an object".into(),
+        ))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Parsed, E> {
+        Ok(refused_scalar(&v.to_string()))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Parsed, E> {
+        Ok(refused_scalar(&v.to_string()))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Parsed, E> {
+        Ok(refused_scalar(&v.to_string()))
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Parsed, E> {
+        Ok(refused_scalar(&v.to_string()))
+    }
+}
+
+fn refused_scalar(shown: &str) -> Parsed {
+    Parsed::Refused(format!(
+        "`prompt` must be a string or an array of token ids, not {shown}"
+    ))
+}
+
+// === POST /v1/completions ===
+
+/// The body of `POST /v1/completions`, parsed and checked field by field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionBody {
+    /// The model's name (optional; any other than the served one is refused).
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Tokens to generate (default 16; at least 1).
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature, 0 to 2 (default 1).
+    pub temperature: Option<f32>,
+    /// Nucleus mass, (0, 1] (default 1).
+    pub top_p: Option<f32>,
+    /// Sampling seed (default 0).
+    pub seed: Option<u64>,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+}
+
+/// What the model bounds a request by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLimits {
+    /// Token ids are below this.
+    pub vocab: u32,
+    /// Positions of the model's context: a prompt has at most this many tokens.
+    pub max_positions: usize,
+}
+
+impl CompletionBody {
+    /// Parses a completion request's body.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault: a malformed body, a field of the wrong type or range,
+    /// or a field the server does not implement ([`refuse_unsupported`]).
+    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
+        let mut f = Fields::parse(body, "completion")?;
+        let prompt = f
+            .take_with("prompt", |raw| {
+                Prompt::parse(raw, limits.vocab, limits.max_positions)
+            })?
+            .ok_or_else(|| ApiError::bad(Some("prompt"), "`prompt` is required"))?;
+        let max_tokens: Option<u32> = f.take("max_tokens", "a whole number of tokens ≥ 1")?;
+        if max_tokens == Some(0) {
+            return Err(ApiError::bad(
+                Some("max_tokens"),
+                "`max_tokens` must be at least 1",
+            ));
+        }
+        let temperature: Option<f64> = f.take("temperature", "a number from 0 to 2")?;
+        if let Some(t) = temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(ApiError::bad(
+                    Some("temperature"),
+                    format!("`temperature` is {t}: it must be between 0 and 2"),
+                ));
+            }
+        }
+        let top_p: Option<f64> = f.take("top_p", "a number in (0, 1]")?;
+        if let Some(p) = top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::bad(
+                    Some("top_p"),
+                    format!("`top_p` is {p}: it must be in (0, 1]"),
+                ));
+            }
+        }
+        let body = CompletionBody {
+            model: f.take("model", "a string")?,
+            prompt,
+            max_tokens,
+            temperature: temperature.map(|t| t as f32),
+            top_p: top_p.map(|p| p as f32),
+            seed: f.take("seed", "a whole number from 0 to 2^64 - 1")?,
+            stream: f.take("stream", "a boolean")?.unwrap_or(false),
+            ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+        };
+        f.finish()?;
+        Ok(body)
+    }
+}
