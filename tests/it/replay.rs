@@ -615,7 +615,7 @@ fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
         "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay]\ncost = \"llama2-7b-a100\"\n",
     );
     let r = replay(
-        &model(DEMO_MODEL),
+        &crate::helpers::model_fixture("mixed_override"),
         &s,
         &ReplayOptions {
             trace: Some(shared(
