@@ -116,6 +116,14 @@ pub struct TraceArgs {
     /// Skip trace lines that cannot be parsed instead of stopping
     #[arg(long)]
     pub skip_bad_lines: bool,
+    /// Each request's priority by a rule, over the trace's `priority` column:
+    /// prompt-length:N (prompts up to N tokens get priority 0, longer ones 1)
+    #[arg(long, value_name = "RULE", value_parser = priority_by)]
+    pub priority_by: Option<crate::replay::PriorityBy>,
+}
+
+fn priority_by(s: &str) -> Result<crate::replay::PriorityBy, String> {
+    s.parse()
 }
 
 impl TraceArgs {
@@ -129,6 +137,7 @@ impl TraceArgs {
             format: self.format,
             arrivals: self.arrivals,
             skip_bad_lines: self.skip_bad_lines,
+            priority_by: self.priority_by,
             ..Default::default()
         }
     }

@@ -5,6 +5,7 @@
 //! - [`trace`]: the Azure CSV and Mooncake JSON Lines readers, and the bundled trace;
 //! - `sim`: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
 //! - `prefix_cache`: the LRU of prompt blocks keyed by a trace's block hashes;
+//! - [`priority`]: `--priority-by`, and the TTFT/TBT per priority class;
 //! - [`settings`]: the `[replay]` section, checked once for `check` and `replay`;
 //! - `step_log`: the `--step-log` JSON Lines writer, and outputs written by rename;
 //! - [`report`]: the summary table and the `--report-json` document;
@@ -22,6 +23,7 @@ mod error;
 pub(crate) mod kv;
 mod options;
 pub(crate) mod prefix_cache;
+pub mod priority;
 pub mod report;
 mod run;
 pub mod settings;
@@ -34,6 +36,7 @@ pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, r
 pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
 pub use options::{ReplayOptions, StepHook, StopFlag};
+pub use priority::PriorityBy;
 pub use report::ReplayReport;
 pub use report::{RunSettings, StepDurations};
 pub use run::{load_trace, run, run_on, run_trace, trace_warnings};

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use super::arrivals::Arrivals;
+use super::priority::PriorityBy;
 use super::trace::TraceFormat;
 use crate::budget::BudgetValue;
 
@@ -34,6 +35,8 @@ pub struct ReplayOptions {
     pub report_json: Option<PathBuf>,
     /// Count and leave out bad trace lines instead of failing.
     pub skip_bad_lines: bool,
+    /// `--priority-by`: each request's priority by this rule, over the trace's `priority`.
+    pub priority_by: Option<PriorityBy>,
     /// Show a progress bar (only when stderr is a terminal).
     pub progress: bool,
     /// The config layers the settings were read from, in order, as the report lists them
@@ -108,6 +111,7 @@ impl Default for ReplayOptions {
             step_log: None,
             report_json: None,
             skip_bad_lines: false,
+            priority_by: None,
             progress: false,
             config_layers: Vec::new(),
             inputs: Vec::new(),

@@ -72,6 +72,10 @@ pub struct ReplayReport {
     /// Time between tokens, in simulated ms: one sample per token a continuing row generated,
     /// kept in a [`StepDurations`] histogram (bounded memory; within 0.1%).
     pub tbt_ms: Option<Latency>,
+    /// TTFT and TBT per priority class, by priority; only with two classes or more
+    /// (`docs/replay.md#priorities`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_priority: Vec<super::priority::ClassLatency>,
     /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
     /// their percentiles, like a latency; null without steps).
     pub step_ms: StepDurations,
@@ -958,6 +962,18 @@ impl fmt::Display for ReplayReport {
         }
         row(f, "TTFT p50/p90/p99", latency(&self.ttft_ms))?;
         row(f, "TBT p50/p90/p99", latency(&self.tbt_ms))?;
+        for c in &self.by_priority {
+            row(
+                f,
+                &format!("priority {} TTFT/TBT p50/p90/p99", c.priority),
+                format!(
+                    "{}; {} ({})",
+                    latency(&c.ttft_ms),
+                    latency(&c.tbt_ms),
+                    plural(c.requests as u64, "request")
+                ),
+            )?;
+        }
         row(
             f,
             "peak prepared inputs",

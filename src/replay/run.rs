@@ -15,6 +15,7 @@ use super::trace::{self, Trace, TraceError, TraceFormat};
 use super::{sim, step_log};
 use crate::config::Settings;
 use crate::manifest::Manifest;
+use crate::order::Order;
 use crate::ChunkingManagement;
 
 /// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
@@ -23,6 +24,14 @@ use crate::ChunkingManagement;
 /// # Errors
 /// As [`Trace::load`]; `--format` (other than `azure`) or `--arrivals` without a trace.
 pub fn load_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError> {
+    let mut trace = read_trace(opts, seed)?;
+    if let Some(rule) = opts.priority_by {
+        rule.apply(&mut trace);
+    }
+    Ok(trace)
+}
+
+fn read_trace(opts: &ReplayOptions, seed: u64) -> Result<Trace, ReplayError> {
     let read = trace::ReadOptions {
         limit: opts.requests,
         skip_bad_lines: opts.skip_bad_lines,
@@ -150,7 +159,8 @@ pub async fn run_trace(
         .max_batch_tokens(&setup.node, sim::first_chunk_walk(&setup.walks));
     let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
         .time_budgets(&labels.budgets)
-        .first_chunk_cap(cap);
+        .first_chunk_cap(cap)
+        .priority_preemption(budgets.order.of(&setup.node).order == Order::Priority);
     let flag = opts.stop.as_ref().map(|f| f.0.clone());
     let _signals = if opts.handle_signals {
         let flag = flag.unwrap_or_default();

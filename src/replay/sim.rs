@@ -25,6 +25,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::prefix_cache::PrefixCache;
+use super::priority::ByClass;
 use super::report::{
     ChunkCounts, Latency, OverrunCounts, ReplayReport, StepDurations, TokenCounts,
 };
@@ -37,7 +38,7 @@ use crate::planner::RowWork;
 use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::{Batch, NextStep, StepOutcome};
-use crate::ChunkingManagement;
+use crate::{AdmitOptions, ChunkingManagement};
 
 mod memory;
 
@@ -132,6 +133,8 @@ pub struct Sim<'a> {
     /// Time between tokens: one sample per generated token, so kept in the bounded
     /// histogram step times use (its error is documented there), never in a `Vec`.
     tbt: StepDurations,
+    /// TTFT and TBT per priority class (reported with two classes or more).
+    by_class: ByClass,
     /// The KV memory model (`[replay.kv]`); `None`: unlimited memory, as without it.
     kv: Option<memory::KvState>,
     /// Set to a signal number when the replay is to stop at the next step boundary.
@@ -164,11 +167,11 @@ enum Change {
     /// more; the context is the simulated engine's (its prompt and first token), so that the
     /// planner predicts with what the step is priced with.
     Continue { rid: u64, context: u64 },
-    /// `admit` on `prefill`.
+    /// `admit_with` on `prefill` (its cached prefix, priority and arrival time).
     Admit {
         rid: u64,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     },
 }
 
@@ -240,6 +243,7 @@ impl<'a> Sim<'a> {
             decode_row_waits: 0,
             ttft_ms: None,
             tbt_ms: None,
+            by_priority: Vec::new(),
             peak_prepared_rows: 0,
             peak_prepared_tokens: 0,
             prepared_left_rows: 0,
@@ -292,6 +296,7 @@ impl<'a> Sim<'a> {
             // the trace's declared sizes.
             ttft: Vec::new(),
             tbt: StepDurations::default(),
+            by_class: ByClass::of(trace),
             kv: setup
                 .kv
                 .as_ref()
@@ -349,6 +354,16 @@ impl<'a> Sim<'a> {
         self
     }
 
+    /// With a KV memory limit and `on` (the node's order is `priority`): memory is ordered by
+    /// the requests' priorities (`docs/kv-memory.md#priority-preemption`).
+    #[must_use]
+    pub fn priority_preemption(mut self, on: bool) -> Self {
+        if let (true, Some(kv)) = (on, &mut self.kv) {
+            kv.by_priority(self.trace.requests.iter().map(|r| r.priority).collect());
+        }
+        self
+    }
+
     /// The trace index of a component rid (`rid + attempt << 32`).
     fn index_of(&self, rid: u64) -> Option<usize> {
         self.index_of_rid
@@ -400,7 +415,7 @@ impl<'a> Sim<'a> {
                 }
                 next += 1;
             }
-            if self.kv.is_some() && self.admit_waiting() {
+            if self.kv.is_some() && self.admit_waiting().await? {
                 // Admitting or preempting changes what a step can schedule.
                 empty_streak = 0;
             }
@@ -461,7 +476,8 @@ impl<'a> Sim<'a> {
         let Some(pending) = pending else {
             return self.first_batch(changes, walk).await;
         };
-        let mut next = NextStep::new(self.node_name.clone(), self.walk_names[walk].clone());
+        let mut next =
+            NextStep::new(self.node_name.clone(), self.walk_names[walk].clone()).at_ms(self.t_ms);
         for c in changes {
             next = match c {
                 Change::Forget(rid) => next.forget_request(rid),
@@ -471,9 +487,11 @@ impl<'a> Sim<'a> {
                     self.estimate,
                     context,
                 ),
-                Change::Admit { rid, input, cached } => {
-                    next.admit(rid, PREFILL_WALK, input, cached)
-                }
+                Change::Admit {
+                    rid,
+                    input,
+                    options,
+                } => next.admit_with(rid, PREFILL_WALK, input, options),
             };
         }
         let (step, ran, ms, ran_step) = match pending {
@@ -512,8 +530,14 @@ impl<'a> Sim<'a> {
                         .continue_row_with_context(rid, node, DECODE_WALK, self.estimate, context)
                         .await
                 }
-                Change::Admit { rid, input, cached } => {
-                    self.cm.admit(rid, node, PREFILL_WALK, input, cached).await
+                Change::Admit {
+                    rid,
+                    input,
+                    options,
+                } => {
+                    self.cm
+                        .admit_with(rid, node, PREFILL_WALK, input, options)
+                        .await
                 }
             }
             .map_err(ReplayError::chunking("applying a row change"))?;
@@ -525,7 +549,7 @@ impl<'a> Sim<'a> {
     /// after its rows did not fit the KV memory.
     async fn assemble(&self, walk: usize) -> Result<Arc<Batch>, ReplayError> {
         self.cm
-            .assemble(&self.setup.node, &self.setup.walks[walk])
+            .assemble_at(&self.setup.node, &self.setup.walks[walk], self.t_ms)
             .await
             .map_err(ReplayError::chunking("assembling a step"))
     }
@@ -582,10 +606,17 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
+        // The arrival on the simulated clock, which every step's time is given on too: the
+        // starvation bound's `max_wait_ms` measures waits in simulated ms.
+        let options = AdmitOptions {
+            cached,
+            priority: r.priority,
+            arrival_ms: Some(self.arrivals[i]),
+        };
         self.changes.push(Change::Admit {
             rid,
             input: PreparedInput::tokens(ids),
-            cached,
+            options,
         });
         if cached > 0 {
             self.report.chunks.prefix_cache_hits += 1;
@@ -711,6 +742,8 @@ impl<'a> Sim<'a> {
                     self.report.tokens.generated += 1;
                     let s = &mut self.state[i];
                     self.tbt.record(t_end - s.last_token_ms);
+                    let priority = self.trace.requests[i].priority;
+                    self.by_class.tbt(priority, t_end - s.last_token_ms);
                     s.last_token_ms = t_end;
                     s.true_context += 1;
                     s.generated += 1;
@@ -815,8 +848,11 @@ impl<'a> Sim<'a> {
             // A preempted request's prefill of its prompt and generated tokens yields its
             // next token: a time between tokens, not a first token.
             self.tbt.record(t_end - self.state[i].last_token_ms);
+            self.by_class
+                .tbt(req.priority, t_end - self.state[i].last_token_ms);
         } else {
             self.ttft.push(t_end - self.arrivals[i]);
+            self.by_class.ttft(req.priority, t_end - self.arrivals[i]);
         }
         if let Some(c) = &mut self.cache {
             c.insert(self.trace.hashes(req));
@@ -863,6 +899,7 @@ impl<'a> Sim<'a> {
             .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
         rep.ttft_ms = Latency::of(&mut self.ttft);
         rep.tbt_ms = self.tbt.latency();
+        rep.by_priority = self.by_class.finish();
         if let Some(t) = rep.time_budget.as_ref().filter(|t| t.inactive_steps > 0) {
             rep.warnings.push(format!(
                 "the time budget was inactive for {} of {} steps: {}",

@@ -12,6 +12,7 @@ mod hostile;
 mod kv_memory;
 mod metrics_live;
 mod order;
+mod priority;
 mod props;
 mod readme;
 mod reload;

@@ -50,6 +50,11 @@ pub struct KvState {
     withdrawn: u64,
     cache_evictions: u64,
     waits: Vec<f64>,
+    /// Each request's priority, when the replayed node's order is `priority`
+    /// (`docs/kv-memory.md#priority-preemption`): the memory queue is then ordered by
+    /// priority, the lowest-priority running request is preempted first, and a waiting request
+    /// may preempt a lower-priority one. `None`: arrival order, the newest preempted first.
+    priorities: Option<Vec<i32>>,
 }
 
 impl KvState {
@@ -69,12 +74,83 @@ impl KvState {
             withdrawn: 0,
             cache_evictions: 0,
             waits: Vec::new(),
+            priorities: None,
         }
     }
 
-    /// Request `i` arrived at a step boundary `t_ms`: it waits for memory, behind the others.
+    /// Orders memory by `priorities` (request index -> priority, lower first): the node's order
+    /// is `priority`.
+    pub fn by_priority(&mut self, priorities: Vec<i32>) {
+        self.priorities = Some(priorities);
+    }
+
+    /// Request `i` arrived at a step boundary `t_ms`: it waits for memory, behind the others
+    /// (under priority, behind those of its priority or higher).
     pub fn enqueue_arrival(&mut self, i: usize, t_ms: f64) {
-        self.waiting.push_back((i, t_ms));
+        match &self.priorities {
+            None => self.waiting.push_back((i, t_ms)),
+            Some(_) => self.insert_by_priority(i, t_ms),
+        }
+    }
+
+    /// Request `i`, preempted or withdrawn at `t_ms`, waits again: at the front of the queue
+    /// (under priority, in its priority's place by arrival, as vLLM's priority queue keeps it).
+    fn requeue(&mut self, i: usize, t_ms: f64) {
+        match &self.priorities {
+            None => self.waiting.push_front((i, t_ms)),
+            Some(_) => self.insert_by_priority(i, t_ms),
+        }
+    }
+
+    /// The priority of request `i` (0 without priority ordering).
+    fn priority(&self, i: usize) -> i32 {
+        self.priorities
+            .as_ref()
+            .and_then(|p| p.get(i).copied())
+            .unwrap_or(0)
+    }
+
+    /// Inserts `i` into the memory queue ordered by (priority, arrival): trace order is arrival
+    /// order, so the index breaks ties.
+    fn insert_by_priority(&mut self, i: usize, t_ms: f64) {
+        let key = (self.priority(i), i);
+        let at = self
+            .waiting
+            .iter()
+            .position(|&(w, _)| (self.priority(w), w) > key)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, (i, t_ms));
+    }
+
+    /// The position in `running` of the request to preempt when memory runs out: the most
+    /// recently admitted that holds blocks; under priority, the lowest priority first, then the
+    /// most recently admitted (vLLM's `max(running, key=(priority, arrival))`).
+    fn victim(&self) -> Option<usize> {
+        let holds = |&(_, &r): &(usize, &usize)| self.pool.held(r) > 0;
+        match &self.priorities {
+            None => self.running.iter().rposition(|&r| self.pool.held(r) > 0),
+            Some(_) => self
+                .running
+                .iter()
+                .enumerate()
+                .filter(holds)
+                .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+                .map(|(pos, _)| pos),
+        }
+    }
+
+    /// Under priority, the position in `running` of a request a waiting `head` that does not
+    /// fit may preempt: of strictly lower priority (a higher value) and holding blocks, the
+    /// lowest priority first, then the most recently admitted. `None` otherwise.
+    fn arrival_victim(&self, head: usize) -> Option<usize> {
+        self.priorities.as_ref()?;
+        let mine = self.priority(head);
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|&(_, &r)| self.pool.held(r) > 0 && self.priority(r) > mine)
+            .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+            .map(|(pos, _)| pos)
     }
 
     /// What the step log shows of the step just planned: blocks in use and the preemptions
@@ -138,9 +214,10 @@ impl Sim<'_> {
     }
 
     /// Admits waiting requests (before the next step), front first, while the head's first
-    /// chunk fits with the watermark kept free (`KvPool::can_admit`). Answers whether it
-    /// admitted any.
-    pub(super) fn admit_waiting(&mut self) -> bool {
+    /// chunk fits with the watermark kept free (`KvPool::can_admit`), preempting a running
+    /// request of lower priority for the head where the priority order allows it. Answers
+    /// whether it admitted or preempted any.
+    pub(super) async fn admit_waiting(&mut self) -> Result<bool, ReplayError> {
         let mut any = false;
         while let Some((i, since, cap)) = self.kv.as_ref().and_then(|kv| {
             let &(i, since) = kv.waiting.front()?;
@@ -157,7 +234,18 @@ impl Sim<'_> {
             let need = kv.pool.blocks_for(u64::from(cached) + u64::from(first));
             let alone = self.prefilling == 0 && self.decoding == 0;
             if !kv.pool.can_admit(need, alone) {
-                break;
+                // Under priority, a waiting request may make room by preempting a running one
+                // of lower priority, then try again.
+                let Some(pos) = kv.arrival_victim(i) else {
+                    break;
+                };
+                if let Some(kv) = &mut self.kv {
+                    let v = kv.running.remove(pos);
+                    let freed = kv.pool.release(v);
+                    self.preempt(v, freed).await?;
+                    any = true;
+                }
+                continue;
             }
             let t = self.t_ms;
             if let Some(kv) = &mut self.kv {
@@ -171,7 +259,7 @@ impl Sim<'_> {
             }
             any = true;
         }
-        any
+        Ok(any)
     }
 
     /// Gives the planned `batch` (whose rows run `self.ran`) its blocks. When they do not fit:
@@ -232,9 +320,9 @@ impl Sim<'_> {
                 needs.remove(k);
                 continue;
             }
-            // The most recently admitted request that holds blocks (preempting one that
-            // holds none frees nothing).
-            let Some(pos) = kv.running.iter().rposition(|&r| kv.pool.held(r) > 0) else {
+            // The most recently admitted request that holds blocks (under priority, the
+            // lowest priority first); preempting one that holds none frees nothing.
+            let Some(pos) = kv.victim() else {
                 return Err(ReplayError::KvStuck {
                     rid: self.trace.requests[ni].rid,
                     blocks: kv.pool.limit(),
@@ -314,7 +402,7 @@ impl Sim<'_> {
         if let Some(kv) = &mut self.kv {
             kv.pool.release(i);
             kv.running.retain(|&r| r != i);
-            kv.waiting.push_front((i, t));
+            kv.requeue(i, t);
             kv.withdrawn += 1;
         }
         Ok(())
@@ -335,7 +423,7 @@ impl Sim<'_> {
         let rid = self.trace.requests[i].rid;
         let t = self.t_ms;
         if let Some(kv) = &mut self.kv {
-            kv.waiting.push_front((i, t));
+            kv.requeue(i, t);
             kv.preemptions += 1;
             kv.preempted[i] = true;
             kv.recomputed_tokens += discarded;

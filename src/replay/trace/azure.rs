@@ -58,6 +58,7 @@ fn parse(
         input,
         output,
         hashes: &[],
+        priority: 0,
     })
 }
 

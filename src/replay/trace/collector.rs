@@ -16,6 +16,8 @@ pub(super) struct Line<'a> {
     pub input: u64,
     pub output: u64,
     pub hashes: &'a [u64],
+    /// Its priority, where the format has the field (0 otherwise).
+    pub priority: i32,
 }
 
 /// An arrival as a format writes it; [`Collector`] counts every one from the first request's.
@@ -201,6 +203,7 @@ impl Collector {
             input_tokens: l.input as u32,
             output_tokens: l.output as u32,
             hashes: start..self.trace.hash_pool.len(),
+            priority: l.priority,
         });
         Ok(())
     }

@@ -1,5 +1,5 @@
 //! The generic CSV, the format to convert one's own traces to:
-//! `arrival_ms,prompt_tokens,output_tokens[,hash_ids]`.
+//! `arrival_ms,prompt_tokens,output_tokens[,hash_ids][,priority]`.
 
 use std::io::Read;
 
@@ -10,12 +10,13 @@ use crate::replay::arrivals::MAX_ARRIVAL_MS;
 
 const FIELDS: Fields = ["arrival_ms", "prompt_tokens", "output_tokens"];
 const HASHES: &str = "hash_ids";
+const PRIORITY: &str = "priority";
 
 /// Reads a generic CSV trace into `c`: a header naming `arrival_ms`, `prompt_tokens`,
-/// `output_tokens` and optionally `hash_ids` (any order and case; other columns ignored), then
-/// one request per line. `arrival_ms` is a number of ms from the trace's start (fractions
-/// allowed), never decreasing; `hash_ids` is empty or one space-separated id per 512 prompt
-/// tokens (rounded up).
+/// `output_tokens` and optionally `hash_ids` and `priority` (any order and case; other columns
+/// ignored), then one request per line. `arrival_ms` is a number of ms from the trace's start
+/// (fractions allowed), never decreasing; `hash_ids` is empty or one space-separated id per 512
+/// prompt tokens (rounded up); `priority` is empty (0) or a whole number in `i32`, lower first.
 ///
 /// # Errors
 /// A limit passed, an I/O error, a missing column, or a bad line that is not skipped.
@@ -23,11 +24,18 @@ pub(super) fn read<R: Read>(c: &mut Collector, reader: Bounded<R>) -> Result<(),
     let mut rdr = columns::reader(reader);
     let (cols, header) = columns::find(c, &mut rdr, &FIELDS)?;
     let hash_col = columns::position(&header, HASHES);
+    let priority_col = columns::position(&header, PRIORITY);
     // The last kept arrival as written, for the "goes back in time" message.
     let mut last_ms = 0.0_f64;
     let mut hashes = Vec::new();
     columns::each_record(c, &mut rdr, FIELDS, |c, r, line| {
-        let parsed = parse(c, r, (cols, hash_col), line, last_ms, &mut hashes);
+        let parsed = parse(c, r, (cols, hash_col), line, last_ms, &mut hashes).and_then(|l| {
+            let text = priority_col.and_then(|col| r.get(col)).unwrap_or("");
+            Ok(Line {
+                priority: priority(c, text, line)?,
+                ..l
+            })
+        });
         let arrival_ms = match &parsed {
             Ok(Line {
                 time: Time::Ms(ms), ..
@@ -64,6 +72,27 @@ fn parse<'h>(
         input: prompt,
         output,
         hashes,
+        priority: 0,
+    })
+}
+
+/// A `priority` cell: empty (0) or a whole number in `i32`.
+fn priority(c: &Collector, text: &str, line: u64) -> Result<i32, BadLine> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Ok(0);
+    }
+    t.parse::<i32>().map_err(|_| {
+        c.bad(
+            line,
+            PRIORITY,
+            format!(
+                "must be a whole number from {} to {}, got {:?}",
+                i32::MIN,
+                i32::MAX,
+                t.chars().take(32).collect::<String>()
+            ),
+        )
     })
 }
 

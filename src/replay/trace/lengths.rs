@@ -36,6 +36,7 @@ pub(super) fn read<R: Read>(
                 input: prompt,
                 output,
                 hashes: &[],
+                priority: 0,
             })
         })();
         c.offer(parsed, FIELDS)

@@ -190,6 +190,9 @@ pub struct Request {
     pub output_tokens: u32,
     /// The request's block hashes in [`Trace::hashes`]' pool (empty for Azure traces).
     hashes: Range<usize>,
+    /// Its priority under the `priority` order, lower first: the trace's `priority` field (the
+    /// generic CSV, Mooncake), or `--priority-by`'s class; 0 otherwise.
+    pub priority: i32,
 }
 
 /// A line of a trace that was refused.

@@ -1,5 +1,6 @@
 //! The Mooncake trace JSON Lines: `{"timestamp" (ms), "input_length", "output_length",
-//! "hash_ids"}` per line, blank lines ignored.
+//! "hash_ids"}` per line, and optionally `"priority"` (a whole number in `i32`, lower first;
+//! absent or null: 0), blank lines ignored.
 
 use std::io::BufRead;
 
@@ -24,6 +25,7 @@ struct MooncakeLine {
     input_length: Option<Value>,
     output_length: Option<Value>,
     hash_ids: Option<Value>,
+    priority: Option<Value>,
 }
 
 /// Reads a Mooncake trace into `c`. A line longer than [`MAX_LINE_BYTES`] or not UTF-8 is a bad
@@ -44,12 +46,13 @@ pub(super) fn read<R: BufRead>(
         let parsed = match next {
             input::Line::Text(text) if text.trim().is_empty() => continue,
             input::Line::Text(text) => {
-                parse(c, text, line, &mut hashes).map(|(time, input, output)| Line {
+                parse(c, text, line, &mut hashes).map(|(time, input, output, priority)| Line {
                     line,
                     time,
                     input,
                     output,
                     hashes: &hashes,
+                    priority,
                 })
             }
             input::Line::TooLong => Err(c.bad(
@@ -69,7 +72,7 @@ fn parse(
     text: &str,
     line: u64,
     hashes: &mut Vec<u64>,
-) -> Result<(Time, u64, u64), BadLine> {
+) -> Result<(Time, u64, u64, i32), BadLine> {
     let v: MooncakeLine = serde_json::from_str(text)
         .map_err(|e| c.bad(line, "line", format!("is not a Mooncake JSON object: {e}")))?;
     let missing = |f: &str| c.bad(line, f, "is missing");
@@ -137,5 +140,23 @@ fn parse(
             ),
         ));
     }
-    Ok((time, input, output))
+    let priority = match v.priority {
+        None | Some(Value::Null) => 0,
+        Some(p) => p
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| {
+                c.bad(
+                    line,
+                    "priority",
+                    format!(
+                        "must be a whole number from {} to {}, got {}",
+                        i32::MIN,
+                        i32::MAX,
+                        shown_json(&p)
+                    ),
+                )
+            })?,
+    };
+    Ok((time, input, output, priority))
 }
