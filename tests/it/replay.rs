@@ -602,3 +602,58 @@ fn a_replay_survives_actors_panicking_midway() {
         (0, 0)
     );
 }
+
+/// With the planner's latency model equal to the simulated cost and no noise, every step is
+/// priced as it was predicted (to the µs the step log keeps): the decode rows start with the
+/// simulated engine's context, so the planner counts the first generated token too, and a
+/// step filled to its time budget is never over it.
+#[test]
+fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("steps.jsonl");
+    let s = demo_settings(
+        "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay]\ncost = \"llama2-7b-a100\"\n",
+    );
+    let r = replay(
+        &crate::helpers::model_fixture("mixed_override"),
+        &s,
+        &ReplayOptions {
+            trace: Some(shared(
+                "traces/mooncake_fast25_synthetic_trace.head2000.jsonl",
+            )),
+            requests: Some(400),
+            rate_scale: 0.1,
+            step_log: Some(log.clone()),
+            ..ReplayOptions::default()
+        },
+    )
+    .unwrap();
+    let steps = read_log(&log);
+    // (ms − predicted) over the steps with decode rows: a context a token short per decode row
+    // would make each 3.3e-4 ms per row over.
+    let mut over = Vec::new();
+    for step in &steps {
+        let (ms, predicted) = (
+            step["ms"].as_f64().unwrap(),
+            step["predicted_ms"].as_f64().unwrap(),
+        );
+        // Both rounded to the µs: at most one µs apart.
+        assert!((ms - predicted).abs() <= 0.0011, "{step}");
+        if step["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["kind"] == "continue")
+        {
+            over.push(ms - predicted);
+        }
+    }
+    assert!(
+        over.len() > 1000,
+        "too few steps with decode rows: {}",
+        over.len()
+    );
+    let mean = over.iter().sum::<f64>() / over.len() as f64;
+    assert!(mean.abs() < 1e-5, "predicted {mean} ms short on average");
+    assert_eq!(r.time_overruns.total, 0, "{r}");
+}
