@@ -158,6 +158,22 @@ pub struct Span {
 /// One layer's keys and values for one row, `[kv_heads, len, head_dim]` each.
 pub type LayerKv = (Tensor, Tensor);
 
+/// How attention's products are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// candle's batched matrix products over the row's queries: fast, but the order of each
+    /// sum depends on how many queries and keys the step holds, so a token's result differs
+    /// in its last bits between a whole prompt and its chunks. Enough for f32 weights, whose
+    /// models keep such differences near 1e-6.
+    Batched,
+    /// One query at a time, its keys in position order, with a fixed summation order
+    /// ([`exact_attention`]): a token's result is bit-for-bit the same however its prompt was
+    /// cut. Quantized weights need it, since they quantize each row's activations to 8 bits
+    /// before every product, and a last-bit difference that moves one activation across a
+    /// rounding boundary grows through 30 layers into logits differing by more than 1.
+    Sequential,
+}
+
 /// Grouped-query self-attention.
 pub struct Attention {
     /// q, k and v projections fused into one `[(heads + 2 kv_heads) hd, d]` weight, so a step
@@ -171,6 +187,8 @@ pub struct Attention {
     pub kv_heads: usize,
     /// Width of a head.
     pub head_dim: usize,
+    /// How the products are computed.
+    pub kernel: AttentionKernel,
 }
 
 impl Attention {
@@ -211,6 +229,17 @@ impl Attention {
                 None => (k, v),
             };
             let ctx = start + n;
+            if self.kernel == AttentionKernel::Sequential {
+                let o = exact_attention(
+                    &q.flatten_all()?.to_vec1::<f32>()?,
+                    &k_all.flatten_all()?.to_vec1::<f32>()?,
+                    &v_all.flatten_all()?.to_vec1::<f32>()?,
+                    Shape { heads: h, kv_heads: kvh, head_dim: hd, n, start },
+                );
+                outs.push(Tensor::from_vec(o, (n, h * hd), x.device())?);
+                grown.push((k_all, v_all));
+                continue;
+            }
             // Grouped-query attention without copying keys: the `rep` query heads that share a
             // KV head are stacked along the query axis.
             let rep = h / kvh;
@@ -242,6 +271,91 @@ impl Attention {
         let out = self.o.forward(&Tensor::cat(&outs, 0)?)?;
         Ok((out, grown))
     }
+}
+
+/// The sizes of one row's attention.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// The row's new tokens (queries).
+    pub n: usize,
+    /// The position of the first query (keys before it are cached).
+    pub start: usize,
+}
+
+/// Causal grouped-query attention for one row whose result for a query depends only on the
+/// query, its position and the keys and values up to it: queries `q` `[heads, n, hd]`, keys
+/// and values `[kv_heads, start + n, hd]`; returns `[n, heads * hd]`. Query `i` attends to
+/// keys `0..=start + i`. Every sum runs in one fixed order (eight lanes, then a fixed
+/// reduction), so a token's output is the same bits whether its prompt ran whole or in chunks
+/// of any size; queries run in parallel.
+pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
+    use rayon::prelude::*;
+    let Shape {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        n,
+        start,
+    } = s;
+    let ctx = start + n;
+    let rep = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; n * heads * hd];
+    out.par_chunks_mut(heads * hd)
+        .enumerate()
+        .for_each(|(i, row)| {
+            let pos = start + i;
+            let mut w = vec![0f32; pos + 1];
+            for (head, o) in row.chunks_exact_mut(hd).enumerate() {
+                let kv = head / rep;
+                let qv = &q[(head * n + i) * hd..][..hd];
+                let keys = &k[kv * ctx * hd..][..(pos + 1) * hd];
+                let vals = &v[kv * ctx * hd..][..(pos + 1) * hd];
+                let mut max = f32::NEG_INFINITY;
+                for (wj, kj) in w.iter_mut().zip(keys.chunks_exact(hd)) {
+                    *wj = dot(qv, kj) * scale;
+                    max = max.max(*wj);
+                }
+                let mut sum = 0f32;
+                for wj in w.iter_mut() {
+                    *wj = (*wj - max).exp();
+                    sum += *wj;
+                }
+                o.fill(0.0);
+                for (&wj, vj) in w.iter().zip(vals.chunks_exact(hd)) {
+                    for (od, &vd) in o.iter_mut().zip(vj) {
+                        *od += wj * vd;
+                    }
+                }
+                let inv = 1.0 / sum;
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
+        });
+    out
+}
+
+/// A dot product in a fixed order: eight lanes, then a fixed tree, then the tail.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, at) = a.split_at(a.len() / 8 * 8);
+    let (bc, bt) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in at.iter().zip(bt) {
+        s += x * y;
+    }
+    s
 }
 
 /// The SwiGLU feed-forward layer.

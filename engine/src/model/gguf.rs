@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 
-use super::blocks::{Attention, Block, Linear, Mlp, RmsNorm};
+use super::blocks::{Attention, AttentionKernel, Block, Linear, Mlp, RmsNorm};
 use super::{Config, Embedding, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
@@ -280,6 +280,11 @@ impl GgufFile {
             Ok(RmsNorm::new(t.dequantize(device)?, cfg.eps))
         };
         let norm = norm_of(self.read("output_norm.weight", device)?)?;
+        // Quantized products need attention whose bits do not depend on the chunking.
+        let kernel = match (format, device) {
+            (WeightFormat::Dense, _) | (_, Device::Cuda(_)) => AttentionKernel::Batched,
+            _ => AttentionKernel::Sequential,
+        };
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let p = format!("blk.{l}");
@@ -302,6 +307,7 @@ impl GgufFile {
                     heads: cfg.heads,
                     kv_heads: cfg.kv_heads,
                     head_dim: hd,
+                    kernel,
                 },
                 mlp_norm,
                 mlp: Mlp { gate_up, down, ffn },

@@ -24,7 +24,7 @@ use rand::{Rng, SeedableRng};
 
 pub use crate::sampling::{argmax, Sampler};
 use crate::tokenizer::Tokenizer;
-use blocks::{Attention, Block, LayerKv, Linear, Mlp, RmsNorm, Rope, Span};
+use blocks::{Attention, AttentionKernel, Block, LayerKv, Linear, Mlp, RmsNorm, Rope, Span};
 
 /// Errors of the model: tensor errors, a bad weights file, a bad step.
 #[derive(Debug, thiserror::Error)]
@@ -373,6 +373,7 @@ impl Model {
                     heads: config.heads,
                     kv_heads: config.kv_heads,
                     head_dim: config.head_dim(),
+                    kernel: AttentionKernel::Batched,
                 },
                 mlp_norm: RmsNorm::new(
                     get(&format!("{p}.post_attention_layernorm.weight"))?,
