@@ -69,7 +69,7 @@ fn check_shows_the_time_budget_and_the_latency_model_in_force() {
         .lines()
         .find(|l| l.starts_with("llm   mixed"))
         .unwrap_or_else(|| panic!("no llm/mixed row in {}", r.stdout));
-    assert!(mixed.ends_with("100      config"), "{mixed}");
+    assert!(mixed.ends_with("100      config  fcfs"), "{mixed}");
     let rows = crate::helpers::budgets_json(
         &[
             "--config",
