@@ -1,7 +1,7 @@
 //! Instruction counts of the step path under Callgrind (the `gungraun` harness): the benchmark
 //! of record, since a count does not move with the load of the machine as wall time does.
 //! `scripts/bench_check.py` compares every figure with `benches/baseline/instructions.json`
-//! (`make bench-check`, `make bench-baseline`); the README's Benchmarks section says how.
+//! (`make bench-check`, `make bench-baseline`); docs/benchmarks.md says how.
 //!
 //! Per workload W1–W3 (`benches/common`), each benchmark counts a fixed number of repetitions
 //! after an uncounted setup that reaches the steady state:

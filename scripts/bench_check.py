@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Instruction counts as the benchmark of record (the README's Benchmarks section).
+"""Instruction counts as the benchmark of record (docs/benchmarks.md).
 
 Runs `cargo bench --bench instructions` (Callgrind through gungraun-runner) and compares every
 benchmark's figures with the committed baseline `benches/baseline/instructions.json`.

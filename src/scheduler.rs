@@ -819,7 +819,18 @@ impl SchedulerState {
                 None => Assembled::Planned(f.planned_batch()),
             });
         }
-        if let Some(combined) = snap.table().combined_walk_of(walk) {
+        // A member walk with no budget of its own on a node that budgets its combined walk:
+        // planned alone its rows would run uncut, with no budget, outside the combined steps
+        // that take them (docs/scheduling.md#combined-walks). A member walk with its own
+        // budget, or on a node the combined walk budgets nothing on, plans its own steps.
+        let table = snap.table();
+        let member_of = params
+            .budget
+            .is_none()
+            .then(|| table.combined_walk_of(walk))
+            .flatten()
+            .filter(|combined| table.max_batch_tokens(node, combined).is_some());
+        if let Some(combined) = member_of {
             return Err(ChunkingError::MemberWalk {
                 node: params.node.clone(),
                 walk: params.walk.clone(),

@@ -1,5 +1,5 @@
 //! An embedder's first day (docs/actors.md#embedding-it): a tokio engine with two models in one
-//! process, built from the README's embedding section alone, with no cargo feature. Every
+//! process, built from the README and docs/embedding.md alone, with no cargo feature. Every
 //! configuration that would stall it or leave it unchunked is an error, never a silent state:
 //! - "off" is written, never the result of a failed conversion (a compile-time property: see
 //!   the `compile_fail` example on `BudgetSettings`);

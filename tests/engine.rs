@@ -9,10 +9,13 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Waker};
 
+mod common;
+
+use common::{chunks, planned, prompt};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use mstar_chunking::{
     Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, PreparedInput, RowWork, SubmoduleCaps,
+    ErrorKind, SubmoduleCaps,
 };
 
 /// The process-wide recorder of this test binary, installed once: the actors record from
@@ -33,38 +36,7 @@ fn snapshotter() -> &'static Snapshotter {
 /// budget of 256, align 16, floor 32.
 async fn engine(model: &str) -> ChunkingManagement {
     snapshotter();
-    let cm = ChunkingManagement::start(
-        model,
-        [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
-    )
-    .unwrap();
-    cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256).aligned(16))])
-        .await
-        .unwrap();
-    let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
-        .combined("mixed", ["prefill", "decode"])
-        .min_chunk_tokens(NonZeroU32::new(32).unwrap());
-    cm.set_budgets(settings).await.unwrap();
-    cm
-}
-
-fn prompt(len: u32) -> PreparedInput {
-    PreparedInput::tokens((0..len).collect::<Vec<u32>>())
-}
-
-/// `(rid, range)` of every chunk of a batch.
-fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
-    b.rows
-        .iter()
-        .filter_map(|r| match r.work {
-            RowWork::Chunk { range, .. } => Some((r.rid, range)),
-            RowWork::Continue { .. } => None,
-        })
-        .collect()
-}
-
-fn planned(b: &Batch) -> Vec<u32> {
-    b.rows.iter().map(|r| r.tokens()).collect()
+    common::mixed_engine(model).await
 }
 
 #[actix::test]

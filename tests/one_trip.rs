@@ -6,59 +6,12 @@
 //! step can be abandoned, and row changes land before the next step is planned.
 
 use std::future::Future;
-use std::num::NonZeroU32;
 use std::task::{Context, Waker};
 
-use mstar_chunking::{
-    Batch, BudgetSettings, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy,
-    ErrorKind, NextStep, PreparedInput, RowWork, SubmoduleCaps,
-};
+mod common;
 
-/// A facade with one node `llm`: `prefill` and `decode` under `mixed`, a budget of 256,
-/// align 16, floor 32.
-async fn engine(model: &str) -> ChunkingManagement {
-    let cm = ChunkingManagement::start(
-        model,
-        [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
-    )
-    .unwrap();
-    cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256).aligned(16))])
-        .await
-        .unwrap();
-    let settings = BudgetSettings::new(["prefill", "decode", "mixed"])
-        .combined("mixed", ["prefill", "decode"])
-        .min_chunk_tokens(NonZeroU32::new(32).unwrap());
-    cm.set_budgets(settings).await.unwrap();
-    cm
-}
-
-fn prompt(len: u32) -> PreparedInput {
-    PreparedInput::tokens((0..len).collect::<Vec<u32>>())
-}
-
-/// `(rid, range)` of every chunk of a batch.
-fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
-    b.rows
-        .iter()
-        .filter_map(|r| match r.work {
-            RowWork::Chunk { range, .. } => Some((r.rid, range)),
-            RowWork::Continue { .. } => None,
-        })
-        .collect()
-}
-
-/// `rid` of every continuing row of a batch.
-fn continuing(b: &Batch) -> Vec<u64> {
-    b.rows
-        .iter()
-        .filter(|r| matches!(r.work, RowWork::Continue { .. }))
-        .map(|r| r.rid)
-        .collect()
-}
-
-fn planned(b: &Batch) -> Vec<u32> {
-    b.rows.iter().map(|r| r.tokens()).collect()
-}
+use common::{chunks, continuing, mixed_engine as engine, planned, prompt};
+use mstar_chunking::{ChunkRange, ChunkingError, ErrorKind, NextStep};
 
 #[actix::test]
 async fn one_trip_per_step_cuts_a_prompt_as_two_trips_do() {

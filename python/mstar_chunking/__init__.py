@@ -215,6 +215,20 @@ class PreparedInputs(_Mapping):
         return f"PreparedInputs({dict.fromkeys(self, '...')!r})"
 
 
+_NATIVE_STEP_API = (
+    "assemble",
+    "complete",
+    "complete_and_assemble",
+    "abandon",
+    "admit",
+    "continue_row",
+    "forget_request",
+    "release",
+    "queue_stats",
+    "overrun_count",
+)
+
+
 class ChunkingManagement:
     """One model's chunking state on the engine (its actors run on a thread of their own).
 
@@ -290,17 +304,11 @@ class ChunkingManagement:
         self._config = config
         self._prepared = PreparedInputs(engine)
         # The step API goes straight to the native methods (no Python frame per call); the
-        # methods of the class below document them and call the same.
-        self.assemble = engine.assemble
-        self.complete = engine.complete
-        self.complete_and_assemble = engine.complete_and_assemble
-        self.abandon = engine.abandon
-        self.admit = engine.admit
-        self.continue_row = engine.continue_row
-        self.forget_request = engine.forget_request
-        self.release = engine.release
-        self.queue_stats = engine.queue_stats
-        self.overrun_count = engine.overrun_count
+        # methods of the class below document them and call the same. A subclass that
+        # overrides one keeps its override.
+        for name in _NATIVE_STEP_API:
+            if getattr(type(self), name) is getattr(ChunkingManagement, name):
+                setattr(self, name, getattr(engine, name))
 
     @property
     def config(self) -> dict:

@@ -47,12 +47,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from . import ChunkingManagement, ChunkingPolicy, SubmoduleCaps  # noqa: E402
-
-try:  # the one-call step; without it, each change is a call of its own
-    from . import NextStep as _NextStep  # type: ignore[attr-defined]  # noqa: E402
-except ImportError:
-    _NextStep = None
+from . import ChunkingManagement, ChunkingPolicy, NextStep, SubmoduleCaps, serve_metrics  # noqa: E402
 
 log = logging.getLogger("mstar_chunking.vllm")
 
@@ -134,6 +129,8 @@ class _Chunking:
 
     chunking: ChunkingManagement
     mstar_stats: ChunkingStats
+    #: Where the component's metrics are served (`MSTAR_CHUNKING_METRICS`), once they are.
+    metrics_address: Optional[str] = None
     #: The clock steps are measured with (seconds); a test replaces it with a simulated one.
     clock: Any = staticmethod(time.perf_counter)
 
@@ -162,7 +159,6 @@ class _Chunking:
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self.chunking = self._start_component(cfg)
-        self._one_call = _NextStep is not None and hasattr(self.chunking, "complete_and_assemble")
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -173,24 +169,22 @@ class _Chunking:
         model = str(getattr(cfg.model_config, "served_model_name", None) or cfg.model_config.model)
         metrics = os.environ.get(METRICS_ENV)
         if metrics:
-            serve = getattr(__import__("mstar_chunking"), "serve_metrics", None)
-            if serve is None:
-                raise UnsupportedVllmFeature(f"{METRICS_ENV} is set, but this mstar_chunking has no serve_metrics()")
-            serve(metrics)
+            pc = cfg.parallel_config
+            rank = pc.data_parallel_index if pc.data_parallel_size > 1 else 0
+            if rank:  # one engine core per data-parallel rank, each on its own port
+                host, _, port = metrics.rpartition(":")
+                if not port.isdigit():
+                    raise UnsupportedVllmFeature(f"{METRICS_ENV}={metrics!r} is not host:port")
+                metrics = f"{host}:{int(port) + rank}"
+            self.metrics_address = serve_metrics(metrics)
         paths = [p for p in os.environ.get(CONFIG_ENV, "").split(os.pathsep) if p]
         if paths or _mstar_env():
-            from_config = getattr(ChunkingManagement, "from_config", None)
-            if from_config is None:
-                raise UnsupportedVllmFeature(
-                    f"{CONFIG_ENV} or MSTAR__ variables are set, but this mstar_chunking has no "
-                    "ChunkingManagement.from_config()"
-                )
             if threshold is not None:
                 raise UnsupportedVllmFeature(
                     f"long_prefill_token_threshold={threshold} with {CONFIG_ENV}: set "
                     "chunking.max_row_tokens in the config instead"
                 )
-            cm = from_config(paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None)
+            cm = ChunkingManagement.from_config(paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None)
             try:
                 self._check_component(cm, budget)
             except BaseException:
@@ -299,8 +293,9 @@ class _Chunking:
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM calls this for every request it considers, running and waiting, with the tokens it
-        # would give it; the plan's tokens are what it gets, or nothing.
-        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)  # type: ignore[misc]
+        # would give it; the plan's tokens are what it gets, or nothing. (vLLM's own method only
+        # acts with a multi-module MTP lookahead, refused at start.)
+        n = num_new_tokens
         plan = self._plan
         if plan is None:
             return n
@@ -327,8 +322,9 @@ class _Chunking:
 
     def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
         """Completes `prev` (the step before), applies the row changes since (decode rows of the
-        prompts it finished, requests ended, prompts admitted), and assembles the next step: one
-        round trip where the package has `complete_and_assemble` with a `NextStep`."""
+        prompts it finished, requests ended, prompts admitted), and assembles the next step, in one
+        round trip (`complete_and_assemble` with a `NextStep`). The first step, and the last one
+        when the engine goes idle (nothing to assemble), make the calls one by one."""
         changes, self._changes = self._changes, []
         continues = self._continues(prev)
         ms = None
@@ -338,8 +334,8 @@ class _Chunking:
             if ms is None:
                 self.mstar_stats.unmeasured_steps += 1
         cm = self.chunking
-        if prev is not None and assemble and self._one_call:
-            nxt = _NextStep(NODE, MIXED)
+        if prev is not None and assemble:
+            nxt = NextStep(NODE, MIXED)
             for rid in continues:
                 nxt.continue_row(rid, DECODE, 1)
             for rid, tokens, cached in changes:
@@ -369,16 +365,17 @@ class _Chunking:
         batch = self._advance(prev)
         rows: list[tuple[str, int, bool, int, bool]] = []
         plan: dict[str, tuple[int, Optional[int]]] = {}
-        for row in batch.rows:
+        req_of = self._req_of
+        for row, tokens in zip(batch.rows, batch.planned()):
             rid = row.rid
-            req_id = self._req_of[rid]
-            if row.kind == "chunk":
-                r = row.range
-                rows.append((req_id, rid, True, row.tokens, r.is_final))
-                plan[req_id] = (row.tokens, r.start)
+            req_id = req_of[rid]
+            r = row.range  # None for a continuing (decode) row
+            if r is None:
+                rows.append((req_id, rid, False, tokens, False))
+                plan[req_id] = (tokens, None)
             else:
-                rows.append((req_id, rid, False, row.tokens, False))
-                plan[req_id] = (row.tokens, None)
+                rows.append((req_id, rid, True, tokens, r.end == r.total))
+                plan[req_id] = (tokens, r.start)
         self._plan, self._observed = plan, {}
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]

@@ -1,10 +1,12 @@
-//! The boundary every call crosses: the calling thread's runtime, panics caught, the process
+//! The boundary every call crosses: the future run on the calling thread, panics caught, the process
 //! the actors live in (a forked child has no actors' thread), Rust errors turned into the
 //! exception classes of `mstar_chunking._errors`, and arguments checked with errors that name
 //! them.
 
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use mstar_chunking::budget::SettingKey;
@@ -14,19 +16,46 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyList, PyTuple};
 
+/// Wakes the thread that polls a future by unparking it.
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
 thread_local! {
-    /// The runtime the calling thread drives the facade's futures on: current-thread, with the
-    /// timer the request timeout needs. One per Python thread that calls in, built on first use.
-    static RUNTIME: Result<tokio::runtime::Runtime, String> = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .map_err(|e| e.to_string());
+    /// The waker of the calling thread's futures: it unparks the thread.
+    static WAKER: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+}
+
+/// Runs `fut` to completion on the calling thread, parked while it waits. The facade's
+/// futures need no runtime of the caller's: their request timeout is timed on the actors' own
+/// runtime (`start_on_own_thread`), and what they await are channels to the actors' thread.
+/// A plain park per wait costs less than entering a runtime per call.
+fn block_on<F: Future>(fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    WAKER.with(|waker| {
+        let mut cx = Context::from_waker(waker);
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+                return out;
+            }
+            // A wake-up that came before the park makes it return at once; a spurious one
+            // polls again.
+            std::thread::park();
+        }
+    })
 }
 
 /// What a blocking call can fail with before it becomes a Python exception.
 pub(crate) enum Failure {
     Chunking(ChunkingError),
-    /// A panic in the Rust code, or a runtime that could not be built.
+    /// A panic in the Rust code.
     Internal(String),
 }
 
@@ -44,14 +73,7 @@ where
     T: Send,
 {
     py.allow_threads(|| {
-        let ran = catch_unwind(AssertUnwindSafe(|| {
-            RUNTIME.with(|rt| match rt {
-                Ok(rt) => rt.block_on(make()).map_err(Failure::from),
-                Err(e) => Err(Failure::Internal(format!(
-                    "cannot build the calling thread's runtime: {e}"
-                ))),
-            })
-        }));
+        let ran = catch_unwind(AssertUnwindSafe(|| block_on(make()).map_err(Failure::from)));
         ran.unwrap_or_else(|panic| Err(Failure::Internal(panic_message(&*panic))))
     })
 }

@@ -7,6 +7,7 @@ use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use mstar_chunking::scheduler::RowChangeRef;
 use mstar_chunking::{
     ActorThread, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Overrun,
     OverrunReason, PreparedInput, SubmoduleCaps,
@@ -597,6 +598,16 @@ impl Engine {
                 ),
             ));
         };
+        // The prompts it admits, for `prepared_keys` (a key whose admission was refused is
+        // dropped there when found gone).
+        let admits: Vec<u64> = next
+            .row_changes()
+            .filter_map(|c| match c {
+                RowChangeRef::Admit { rid, .. } => Some(rid),
+                _ => None,
+            })
+            .collect();
+        let node = next.node().clone();
         let (done, count) = call(py, || async {
             let done = cm
                 .complete_and_assemble_with(step, ran, measured_ms, next)
@@ -605,6 +616,12 @@ impl Engine {
             Ok((done, count))
         })?;
         Self::finish_step(py, &done.outcome, count);
+        if !admits.is_empty() {
+            let mut admitted = lock(&self.admitted);
+            for rid in admits {
+                admitted.insert(rid, &node);
+            }
+        }
         Ok(Completed {
             outcome: Py::new(
                 py,

@@ -18,7 +18,8 @@ use crate::boundary::{call, to_py_err, Failure};
 /// `llm` cutting `prefill` rows inside `mixed` under `budget` (align 16), `decode_rows`
 /// continuing rows (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a
 /// new one when its final chunk runs. Each step is one `complete_and_assemble_with` carrying
-/// the replacement admissions. `warm` steps run first; answers the seconds of `steps` steps.
+/// the replacement admissions. `warm` steps run first; answers the wall-clock and the process's
+/// CPU seconds (`time.process_time()`, the actors' thread included) of `steps` steps.
 #[pyfunction]
 #[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200))]
 pub(crate) fn _bench_facade(
@@ -29,7 +30,7 @@ pub(crate) fn _bench_facade(
     prompt_tokens: u32,
     budget: u32,
     warm: u64,
-) -> PyResult<f64> {
+) -> PyResult<(f64, f64)> {
     let started = py.allow_threads(|| {
         ChunkingManagement::start_on_own_thread(
             "bench-rust",
@@ -58,9 +59,11 @@ pub(crate) fn _bench_facade(
         let template = NextStep::new("llm", "mixed");
         let mut batch = cm.assemble("llm", "mixed").await?;
         let mut t0 = Instant::now();
+        let mut cpu0 = process_time();
         for i in 0..warm + steps {
             if i == warm {
                 t0 = Instant::now();
+                cpu0 = process_time();
             }
             let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
             let mut next = template.clone();
@@ -75,10 +78,42 @@ pub(crate) fn _bench_facade(
                 .await?;
             batch = done.next?;
         }
-        Ok(t0.elapsed().as_secs_f64())
+        Ok((t0.elapsed().as_secs_f64(), process_time() - cpu0))
     });
     py.allow_threads(|| actors.stop());
     result
+}
+
+/// `n` round trips (`queue_stats`) awaited in one call on a manager of its own: the process's
+/// CPU seconds and the wall-clock seconds they took, to compare with the same calls from Python.
+#[pyfunction]
+pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64) -> PyResult<(f64, f64)> {
+    let started = py.allow_threads(|| {
+        ChunkingManagement::start_on_own_thread(
+            "bench-trips",
+            [("llm", SubmoduleCaps::new(["prefill"], false))],
+        )
+    });
+    let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+    let result = call(py, || async {
+        let (t0, cpu0) = (Instant::now(), process_time());
+        for _ in 0..n {
+            cm.queue_stats().await?;
+        }
+        Ok((process_time() - cpu0, t0.elapsed().as_secs_f64()))
+    });
+    py.allow_threads(|| actors.stop());
+    result
+}
+
+/// `time.process_time()`, read with the GIL taken again for the moment (twice a run).
+fn process_time() -> f64 {
+    Python::with_gil(|py| {
+        py.import("time")
+            .and_then(|t| t.call_method0("process_time"))
+            .and_then(|v| v.extract::<f64>())
+            .unwrap_or(f64::NAN)
+    })
 }
 
 /// A Rust error of `kind` (`timeout` only) converted as every call converts its errors: the

@@ -12,9 +12,9 @@
 //! - [`hooks`]: the benchmark's Rust side and the test doors.
 //!
 //! Every call that waits for the actors releases the GIL and runs the facade's future to
-//! completion on a current-thread tokio runtime of the calling thread (its timer serves the
-//! facade's request timeout), inside `catch_unwind`: a Rust panic becomes a `ChunkingError`,
-//! never a Python `PanicException`.
+//! completion on the calling thread, parked while it waits (the request timeout is timed on
+//! the actors' runtime), inside `catch_unwind`: a Rust panic becomes a `ChunkingError`, never
+//! a Python `PanicException`.
 //!
 //! [`ChunkingManagement`]: mstar_chunking::ChunkingManagement
 
@@ -44,6 +44,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(settings::preset_cost, m)?)?;
     m.add_function(wrap_pyfunction!(settings::preset_names_py, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_bench_facade, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_bench_round_trips, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_error_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_buffer_address, m)?)?;

@@ -151,3 +151,22 @@ def test_help_lists_every_method():
         doc = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         assert cls.__doc__ and len(doc) > 200
     assert "is_final" in pydoc.render_doc(mstar_chunking.Row, renderer=pydoc.plaintext)
+
+
+def test_a_subclass_override_of_a_step_call_is_kept(make_cm):
+    calls = []
+
+    class Counting(ChunkingManagement):
+        def assemble(self, node_name, graph_walk):  # type: ignore[no-untyped-def]
+            calls.append((node_name, graph_walk))
+            return super().assemble(node_name, graph_walk)
+
+    cm = Counting({"llm": SubmoduleCaps(["prefill"])})
+    try:
+        cm.set_policies({("llm", "prefill"): ChunkingPolicy(256)})
+        b = cm.assemble("llm", "prefill")
+        cm.complete(b.step, [])
+        assert calls == [("llm", "prefill")]
+        assert cm.complete.__self__ is not cm  # not overridden: the native method, bound
+    finally:
+        cm.close()

@@ -107,3 +107,12 @@ def test_close_drains_and_answers_the_report(make_cm):
     assert cm.close() is None
     with pytest.raises(ActorsStoppedError):
         cm.queue_stats()
+
+
+def test_prompts_admitted_with_a_step_are_listed_in_prepared(cm):
+    cm.admit(1, "llm", "prefill", [1] * 600)
+    b = cm.assemble("llm", "mixed")
+    done = cm.complete_and_assemble(b.step, b.planned(), next=NextStep("llm", "mixed").admit(2, "prefill", [2] * 30))
+    assert sorted(cm.prepared) == [(1, "llm"), (2, "llm")]
+    assert cm.prepared[(2, "llm")].tolist() == [2] * 30
+    cm.abandon(done.next.step)

@@ -32,7 +32,7 @@ def cm(make_cm):
         {
             ("llm", "prefill"): ChunkingPolicy(256),
             ("llm", "mixed"): ChunkingPolicy(256),
-            ("enc", "prefill"): ChunkingPolicy(100),
+            ("enc", "mixed"): ChunkingPolicy(100),
         }
     )
     cm.set_budgets({}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"})
@@ -209,7 +209,7 @@ def test_an_exception_from_the_overrun_log_call_does_not_lose_the_outcome(cm, mo
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u))
     try:
         cm.admit(1, "enc", "prefill", [1] * 300)
-        b = cm.assemble("enc", "prefill")
+        b = cm.assemble("enc", "mixed")
         out = cm.complete(b.step, b.planned())
     finally:
         logger.removeFilter(flt)

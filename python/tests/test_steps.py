@@ -25,7 +25,7 @@ def cm(make_cm):
         {
             ("llm", "prefill"): ChunkingPolicy(256),
             ("llm", "mixed"): ChunkingPolicy(256),
-            ("enc", "prefill"): ChunkingPolicy(100),
+            ("enc", "mixed"): ChunkingPolicy(100),
         }
     )
     cm.set_budgets(
@@ -246,10 +246,11 @@ def test_the_cadence_counts_per_walk(cm, caplog):
     b = cm.assemble("llm", "mixed")
     cm.check_budget(b, [300])
     cm.abandon(b.step)
-    b = cm.assemble("llm", "prefill")
+    cm.admit(2, "enc", "prefill", [1] * 50)
+    b = cm.assemble("enc", "mixed")
     caplog.clear()
     cm.check_budget(b, [300])
-    assert len(caplog.records) == 1, "the first overrun of llm/prefill is logged too"
+    assert len(caplog.records) == 1, "the first overrun of enc/mixed is logged too"
     cm.abandon(b.step)
 
 
@@ -267,10 +268,10 @@ def test_complete_counts_an_estimate_overrun_of_a_combined_step(cm, caplog):
 
 def test_a_row_too_long_to_cut_runs_whole(cm):
     cm.admit(1, "enc", "prefill", [1] * 300)
-    b = cm.assemble("enc", "prefill")
+    b = cm.assemble("enc", "mixed")
     assert b.uncut_over_budget and b.rows[0].range == ChunkRange(0, 300, 300, 300)
     out = cm.complete(b.step, b.planned())
-    assert out.overrun == Overrun("enc", "prefill", 100, 300, "uncut_row")
+    assert out.overrun == Overrun("enc", "mixed", 100, 300, "uncut_row")
 
 
 def test_drain_runs_every_token_once(cm):

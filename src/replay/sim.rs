@@ -6,6 +6,15 @@
 //! is admitted (in trace order); when nothing is queued the clock jumps to the next arrival.
 //! A prompt's final chunk yields its first token at the end of its step; each further token
 //! takes its continuing `decode` row one step it runs in.
+//!
+//! One message a step, as an engine's loop should be: a step is completed, the row changes it
+//! leads to (finished requests forgotten, prompts continuing on `decode`, new arrivals
+//! admitted) applied and the next step assembled in one `complete_and_assemble_with`, the
+//! changes carried in its [`NextStep`]. Three documented fallbacks make calls of their own:
+//! the first step (nothing to complete yet: its admissions, then `assemble`), the last step
+//! and the one before a stop (completed alone: nothing comes next), and a step whose rows do
+//! not fit the KV memory (`abandon`, the preempted requests forgotten, `assemble` again;
+//! `sim/memory.rs`).
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -26,8 +35,14 @@ use super::{ReplayError, ReplayOptions, ReplaySetup, DECODE_WALK, PREFILL_WALK};
 use crate::latency::StepFeatures;
 use crate::overrun::OverrunReason;
 use crate::planner::RowWork;
+use crate::policy::Name;
 use crate::prepared::PreparedInput;
+<<<<<<< HEAD
 use crate::{AdmitOptions, ChunkingManagement};
+=======
+use crate::scheduler::{Batch, NextStep, StepOutcome};
+use crate::ChunkingManagement;
+>>>>>>> main
 
 mod memory;
 
@@ -131,6 +146,13 @@ pub struct Sim<'a> {
     /// The step walks that have a time budget (`chunking.max_step_ms`), to count the steps
     /// planned without it ([`super::report::TimeBudgetUse`]).
     timed_walks: Vec<String>,
+    /// The row changes for the next step, in the order they are applied.
+    changes: Vec<Change>,
+    /// The node and its step walks as names, for each step's `NextStep` (cloned, never
+    /// allocated again).
+    node_name: Name,
+    walk_names: Vec<Name>,
+    decode_walk: Name,
 }
 
 /// What one step did.
@@ -138,6 +160,48 @@ enum Stepped {
     Ran,
     /// The step had no row: nothing eligible for its walk.
     Empty,
+}
+
+/// A row change for the component, applied before the next step is planned: carried by the
+/// message that completes the step before it (`NextStep`), or sent alone before the first.
+enum Change {
+    /// `forget_request`: the request generated its last token.
+    Forget(u64),
+    /// `continue_row_with_context` on `decode`: the prompt ran its final chunk and generates
+    /// more; the context is the simulated engine's (its prompt and first token), so that the
+    /// planner predicts with what the step is priced with.
+    Continue { rid: u64, context: u64 },
+    /// `admit` on `prefill`.
+    Admit {
+        rid: u64,
+        input: PreparedInput,
+        cached: u32,
+    },
+}
+
+/// A step assembled and simulated, whose completion the next message carries.
+enum Pending {
+    /// A step without rows: completed with nothing run and no time.
+    Empty(u64),
+    /// A step that ran: what its completion reports and what its step-log line needs.
+    Ran(Box<RanStep>),
+}
+
+/// What a step that ran reports on completion, and what is written of it once its outcome is
+/// back.
+struct RanStep {
+    batch: Arc<Batch>,
+    /// The tokens each row ran.
+    ran: Vec<u32>,
+    /// Its simulated duration, reported as measured.
+    ms: f64,
+    /// When it started (simulated ms).
+    t_start: f64,
+    /// Each row's true context (see [`Sim::true_contexts`]).
+    contexts: Vec<u64>,
+    /// Its step walk's index in the setup's walks.
+    walk: usize,
+    kv_line: Option<super::step_log::KvStepLine>,
 }
 
 impl<'a> Sim<'a> {
@@ -243,6 +307,10 @@ impl<'a> Sim<'a> {
                 .map(|k| memory::KvState::new(k, reqs.len())),
             stop: None,
             timed_walks: Vec::new(),
+            changes: Vec::new(),
+            node_name: Name::from(setup.node.as_str()),
+            walk_names: setup.walks.iter().map(|w| Name::from(w.as_str())).collect(),
+            decode_walk: Name::from(DECODE_WALK),
         }
     }
 
@@ -329,6 +397,8 @@ impl<'a> Sim<'a> {
         let mut turn = 0usize;
         let mut empty_streak = 0usize;
         self.check_kv_fits()?;
+        // The step simulated last, completed by the message that assembles the next one.
+        let mut pending: Option<Pending> = None;
         loop {
             if let Some(sig) = self.stop.as_ref().map(|f| f.load(Ordering::SeqCst)) {
                 if sig != 0 {
@@ -345,18 +415,20 @@ impl<'a> Sim<'a> {
             while next < n && self.arrivals[next] <= self.t_ms {
                 match &mut self.kv {
                     Some(kv) => kv.enqueue_arrival(next, self.t_ms),
-                    None => self.admit(next).await?,
+                    None => self.admit(next),
                 }
                 next += 1;
             }
-            if self.kv.is_some() && self.admit_waiting().await? {
+            if self.kv.is_some() && self.admit_waiting() {
                 // Admitting or preempting changes what a step can schedule.
                 empty_streak = 0;
             }
-            let setup = self.setup;
-            let walk = &setup.walks[turn % setup.walks.len()];
+            let walk = turn % self.setup.walks.len();
             turn += 1;
-            match self.step(walk).await? {
+            let batch = self.next_batch(pending.take(), walk).await?;
+            let (stepped, done) = self.step(batch, walk).await?;
+            pending = Some(done);
+            match stepped {
                 Stepped::Ran => empty_streak = 0,
                 // Preemption emptied the component: the next admission runs the waiting head.
                 Stepped::Empty
@@ -365,6 +437,9 @@ impl<'a> Sim<'a> {
                     empty_streak += 1;
                     // Every step walk had its turn and none scheduled a row: nothing will change.
                     if empty_streak >= self.setup.walks.len() {
+                        if let Some(p) = pending.take() {
+                            self.complete_alone(p).await?;
+                        }
                         return Err(ReplayError::Stalled {
                             t_ms: self.t_ms,
                             node: self.setup.node.clone(),
@@ -383,10 +458,117 @@ impl<'a> Sim<'a> {
                 }
             }
         }
+        // The last step, or the one before a stop: nothing comes next.
+        if let Some(p) = pending.take() {
+            self.complete_alone(p).await?;
+        }
         if let Some(pb) = progress {
             pb.finish_and_clear();
         }
         self.finish()
+    }
+
+    /// The batch of the next step, on step walk `walk`: in one message that completes
+    /// `pending` (the step before), applies the row changes gathered since and assembles it;
+    /// or, before the first step, the changes (admissions) one by one and `assemble`.
+    async fn next_batch(
+        &mut self,
+        pending: Option<Pending>,
+        walk: usize,
+    ) -> Result<Arc<Batch>, ReplayError> {
+        let changes = std::mem::take(&mut self.changes);
+        let Some(pending) = pending else {
+            return self.first_batch(changes, walk).await;
+        };
+        let mut next = NextStep::new(self.node_name.clone(), self.walk_names[walk].clone());
+        for c in changes {
+            next = match c {
+                Change::Forget(rid) => next.forget_request(rid),
+                Change::Continue { rid, context } => next.continue_row_with_context(
+                    rid,
+                    self.decode_walk.clone(),
+                    self.estimate,
+                    context,
+                ),
+                Change::Admit { rid, input, cached } => {
+                    next.admit(rid, PREFILL_WALK, input, cached)
+                }
+            };
+        }
+        let (step, ran, ms, ran_step) = match pending {
+            Pending::Empty(step) => (step, Vec::new(), None, None),
+            Pending::Ran(mut r) => {
+                let ran = std::mem::take(&mut r.ran);
+                (r.batch.step, ran, Some(r.ms), Some(r))
+            }
+        };
+        let done = self
+            .cm
+            .complete_and_assemble_with(step, ran, ms, next)
+            .await
+            .map_err(ReplayError::chunking("completing a step"))?;
+        if let Some(r) = ran_step {
+            self.account(*r, &done.outcome)?;
+        }
+        done.next.map_err(ReplayError::chunking(
+            "applying a step's row changes and assembling the next step",
+        ))
+    }
+
+    /// The first step (a fallback: there is no step to complete): its admissions one by one,
+    /// then `assemble`.
+    async fn first_batch(
+        &mut self,
+        changes: Vec<Change>,
+        walk: usize,
+    ) -> Result<Arc<Batch>, ReplayError> {
+        let node = self.setup.node.as_str();
+        for c in changes {
+            match c {
+                Change::Forget(rid) => self.cm.forget_request(rid).await,
+                Change::Continue { rid, context } => {
+                    self.cm
+                        .continue_row_with_context(rid, node, DECODE_WALK, self.estimate, context)
+                        .await
+                }
+                Change::Admit { rid, input, cached } => {
+                    self.cm.admit(rid, node, PREFILL_WALK, input, cached).await
+                }
+            }
+            .map_err(ReplayError::chunking("applying a row change"))?;
+        }
+        self.assemble(walk).await
+    }
+
+    /// Assembles a step on step walk `walk` alone: the first step, or a step planned again
+    /// after its rows did not fit the KV memory.
+    async fn assemble(&self, walk: usize) -> Result<Arc<Batch>, ReplayError> {
+        self.cm
+            .assemble(&self.setup.node, &self.setup.walks[walk])
+            .await
+            .map_err(ReplayError::chunking("assembling a step"))
+    }
+
+    /// Completes `pending` alone (a fallback: no step comes after it).
+    async fn complete_alone(&mut self, pending: Pending) -> Result<(), ReplayError> {
+        match pending {
+            Pending::Empty(step) => {
+                self.cm
+                    .complete(step, Vec::new())
+                    .await
+                    .map_err(ReplayError::chunking("completing an empty step"))?;
+            }
+            Pending::Ran(mut r) => {
+                let ran = std::mem::take(&mut r.ran);
+                let outcome = self
+                    .cm
+                    .complete_measured(r.batch.step, ran, r.ms)
+                    .await
+                    .map_err(ReplayError::chunking("completing a step"))?;
+                self.account(*r, &outcome)?;
+            }
+        }
+        Ok(())
     }
 
     fn progress_bar(&self) -> Option<ProgressBar> {
@@ -402,9 +584,9 @@ impl<'a> Sim<'a> {
         Some(pb)
     }
 
-    /// Admits request `i`: its prompt (after a preemption, its prompt and the tokens it had
-    /// generated) as a real prepared input, its cached prefix looked up.
-    async fn admit(&mut self, i: usize) -> Result<(), ReplayError> {
+    /// Admits request `i` before the next step: its prompt (after a preemption, its prompt and
+    /// the tokens it had generated) as a real prepared input, its cached prefix looked up.
+    fn admit(&mut self, i: usize) {
         let r = &self.trace.requests[i];
         let s = &mut self.state[i];
         let n = r.input_tokens + s.generated;
@@ -419,6 +601,7 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
+<<<<<<< HEAD
         // The arrival on the simulated clock, which every step's time is given on too: the
         // starvation bound's `max_wait_ms` measures waits in simulated ms.
         let options = AdmitOptions {
@@ -436,6 +619,13 @@ impl<'a> Sim<'a> {
             )
             .await
             .map_err(ReplayError::chunking("admitting a prompt"))?;
+=======
+        self.changes.push(Change::Admit {
+            rid,
+            input: PreparedInput::tokens(ids),
+            cached,
+        });
+>>>>>>> main
         if cached > 0 {
             self.report.chunks.prefix_cache_hits += 1;
             self.report.tokens.cached += u64::from(cached);
@@ -445,7 +635,6 @@ impl<'a> Sim<'a> {
         self.held_tokens += u64::from(n);
         self.report.peak_prepared_rows = self.report.peak_prepared_rows.max(self.held_rows);
         self.report.peak_prepared_tokens = self.report.peak_prepared_tokens.max(self.held_tokens);
-        Ok(())
     }
 
     /// Tokens a continuing row actually runs: its estimate, or with speculation and probability
@@ -485,25 +674,31 @@ impl<'a> Sim<'a> {
         }
     }
 
-    async fn step(&mut self, walk: &str) -> Result<Stepped, ReplayError> {
-        let cm = self.cm;
-        let node = self.setup.node.as_str();
+    /// Simulates the step `batch` (assembled on step walk `walk`): its rows are given KV
+    /// memory (a step that does not fit is abandoned and planned again), priced, counted and
+    /// their requests advanced, with the row changes that follow gathered for the next
+    /// message. Answers what the step did and what its completion reports.
+    async fn step(
+        &mut self,
+        mut batch: Arc<Batch>,
+        walk: usize,
+    ) -> Result<(Stepped, Pending), ReplayError> {
         let mut decode_rows;
         let mut cuts;
         // With a KV limit, a step whose rows do not fit is abandoned after preempting, and
         // planned again (`memory.rs`).
+<<<<<<< HEAD
         let batch = loop {
             let batch = cm
                 .assemble_at(node, walk, self.t_ms)
                 .await
                 .map_err(ReplayError::chunking("assembling a step"))?;
+=======
+        loop {
+>>>>>>> main
             if batch.rows.is_empty() {
-                cm.complete(batch.step, Vec::new())
-                    .await
-                    .map_err(ReplayError::chunking("completing an empty step"))?;
-                return Ok(Stepped::Empty);
+                return Ok((Stepped::Empty, Pending::Empty(batch.step)));
             }
-
             self.ran.clear();
             self.true_contexts.clear();
             decode_rows = 0usize;
@@ -523,37 +718,19 @@ impl<'a> Sim<'a> {
                 self.true_contexts.push(context);
             }
             if self.kv.is_none() || self.allocate(&batch).await? {
-                break batch;
+                break;
             }
-        };
+            batch = self.assemble(walk).await?;
+        }
         let t_start = self.t_ms;
         let step_ms = self.step_ms(&batch);
         let t_end = t_start + step_ms;
         self.report.step_ms.record(step_ms);
-        let outcome = cm
-            .complete_measured(batch.step, self.ran.clone(), step_ms)
-            .await
-            .map_err(ReplayError::chunking("completing a step"))?;
         let kv_line = self.kv.as_mut().map(memory::KvState::step_line);
-        if let Some(log) = &mut self.step_log {
-            log.write_with(
-                t_start,
-                &batch,
-                &self.true_contexts,
-                &outcome,
-                kv_line.as_ref(),
-            )
-            .map_err(|source| ReplayError::Write {
-                what: "step log",
-                path: log.path().to_owned(),
-                source,
-            })?;
-        }
 
         let rep = &mut self.report;
         rep.steps += 1;
         rep.tokens.scheduled += batch.scheduled_tokens;
-        rep.tokens.ran += outcome.tokens.ran;
         if let Some(b) = batch.budget {
             rep.budgeted_steps += 1;
             self.budget_sum += u64::from(b);
@@ -565,23 +742,8 @@ impl<'a> Sim<'a> {
                 self.cut_budget_used += used;
             }
         }
-        if let Some(reason) = outcome.time_overrun {
-            rep.time_overruns.count(reason);
-        }
-        self.count_time_budget(walk, outcome.max_step_ms);
-        let rep = &mut self.report;
-        rep.latency_model = outcome.model.into();
-        if let Some(o) = &outcome.overrun {
-            let c = &mut rep.overruns;
-            c.total += 1;
-            match o.reason {
-                OverrunReason::UncutRow => c.uncut_row += 1,
-                OverrunReason::SpeculationEstimate => c.speculation_estimate += 1,
-                OverrunReason::Other => c.other += 1,
-            }
-        }
         // Decode rows registered before this step that it did not run waited a step.
-        if walk != PREFILL_WALK {
+        if self.setup.walks[walk] != PREFILL_WALK {
             rep.decode_row_waits += self.decoding.saturating_sub(decode_rows) as u64;
         }
 
@@ -604,10 +766,7 @@ impl<'a> Sim<'a> {
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
                         s.phase = Phase::Done;
-                        self.cm
-                            .forget_request(row.rid)
-                            .await
-                            .map_err(ReplayError::chunking("ending a finished request"))?;
+                        self.changes.push(Change::Forget(row.rid));
                         self.decoding -= 1;
                         self.done += 1;
                         self.release_kv(i);
@@ -621,12 +780,62 @@ impl<'a> Sim<'a> {
                         self.state[i].cut = true;
                         continue;
                     }
-                    self.first_token(i, row.rid, range.total, t_end).await?;
+                    self.first_token(i, row.rid, range.total, t_end);
                 }
             }
         }
         self.t_ms = t_end;
-        Ok(Stepped::Ran)
+        let done = RanStep {
+            ran: std::mem::take(&mut self.ran),
+            contexts: std::mem::take(&mut self.true_contexts),
+            batch,
+            ms: step_ms,
+            t_start,
+            walk,
+            kv_line,
+        };
+        Ok((Stepped::Ran, Pending::Ran(Box::new(done))))
+    }
+
+    /// What a step's outcome adds once its completion is back: its step-log line, the tokens
+    /// it ran, its overruns and the latency model in use.
+    fn account(&mut self, r: RanStep, outcome: &StepOutcome) -> Result<(), ReplayError> {
+        if let Some(log) = &mut self.step_log {
+            log.write_with(
+                r.t_start,
+                &r.batch,
+                &r.contexts,
+                outcome,
+                r.kv_line.as_ref(),
+            )
+            .map_err(|source| ReplayError::Write {
+                what: "step log",
+                path: log.path().to_owned(),
+                source,
+            })?;
+        }
+        let rep = &mut self.report;
+        rep.tokens.ran += outcome.tokens.ran;
+        if let Some(reason) = outcome.time_overrun {
+            rep.time_overruns.count(reason);
+        }
+        let walk = &self.setup.walks[r.walk];
+        self.count_time_budget(walk, outcome.max_step_ms);
+        let rep = &mut self.report;
+        rep.latency_model = outcome.model.into();
+        if let Some(o) = &outcome.overrun {
+            let c = &mut rep.overruns;
+            c.total += 1;
+            match o.reason {
+                OverrunReason::UncutRow => c.uncut_row += 1,
+                OverrunReason::SpeculationEstimate => c.speculation_estimate += 1,
+                OverrunReason::Other => c.other += 1,
+            }
+        }
+        // The buffers are reused by the next step.
+        self.ran = r.ran;
+        self.true_contexts = r.contexts;
+        Ok(())
     }
 
     /// The true context of `rid`'s continuing row (0 for a rid the trace does not have).
@@ -635,14 +844,8 @@ impl<'a> Sim<'a> {
     }
 
     /// A prompt's final chunk ran: its prepared input is released, its first token is out, and
-    /// it continues as a decode row if it generates more.
-    async fn first_token(
-        &mut self,
-        i: usize,
-        rid: u64,
-        total: u32,
-        t_end: f64,
-    ) -> Result<(), ReplayError> {
+    /// it continues as a decode row before the next step if it generates more.
+    fn first_token(&mut self, i: usize, rid: u64, total: u32, t_end: f64) {
         let req = &self.trace.requests[i];
         self.report.chunks.final_chunks += 1;
         self.report.tokens.generated += 1;
@@ -686,15 +889,12 @@ impl<'a> Sim<'a> {
             s.phase = Phase::Done;
             self.done += 1;
             self.release_kv(i);
-            return Ok(());
+            return;
         }
         s.phase = Phase::Decoding;
-        self.cm
-            .continue_row(rid, &self.setup.node, DECODE_WALK, self.estimate)
-            .await
-            .map_err(ReplayError::chunking("continuing a request on `decode`"))?;
+        let context = s.true_context;
+        self.changes.push(Change::Continue { rid, context });
         self.decoding += 1;
-        Ok(())
     }
 
     fn finish(mut self) -> Result<ReplayReport, ReplayError> {

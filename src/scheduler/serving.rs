@@ -961,7 +961,7 @@ mod tests {
         let settings = crate::budget::BudgetSettings::new(["prefill", "decode", "mixed"])
             .combined("mixed", ["prefill", "decode"]);
         let table = BudgetTable::from_policies(model)
-            .with_settings(settings)
+            .with_settings(settings.clone())
             .unwrap();
         let mut s = SchedulerState::with_table(table);
         let (node, walk) = llm();
@@ -982,6 +982,48 @@ mod tests {
         }
         let b = s.assemble_step("llm", "mixed", &mut ()).unwrap();
         assert_eq!((b.rows.len(), b.budget), (1, Some(64)));
+
+        // A member walk with a budget of its own plans its own steps; so does one on a node
+        // whose combined walk has no budget (an encoder that steps on `prefill` alone).
+        let subs = BTreeMap::from([
+            (
+                Name::from("llm"),
+                SubmoduleCaps::new(["prefill", "mixed"], false),
+            ),
+            (
+                Name::from("vision"),
+                SubmoduleCaps::new::<_, &str>([], false),
+            ),
+        ]);
+        let pols = BTreeMap::from([
+            (
+                (Name::from("llm"), Name::from("mixed")),
+                ChunkingPolicy::budget(64),
+            ),
+            (
+                (Name::from("llm"), Name::from("prefill")),
+                ChunkingPolicy::budget(32),
+            ),
+            (
+                (Name::from("vision"), Name::from("prefill")),
+                ChunkingPolicy::budget(100),
+            ),
+        ]);
+        let model = ModelPolicies::new(subs, pols).unwrap().shared();
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut s = SchedulerState::with_table(table);
+        let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
+        assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
+        for node in ["llm", "vision"] {
+            let node = Name::from(node);
+            s.admit_prepared(1, &node, &walk, tokens(300, 0), 0, &mut ())
+                .unwrap();
+            let b = s.assemble_step(&node, "prefill", &mut ()).unwrap();
+            assert_eq!(b.rows.len(), 1, "{node}");
+            assert!(b.budget.is_some(), "{node}");
+        }
     }
 
     #[test]

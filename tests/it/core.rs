@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
+use crate::common::{chunks, prompt as tokens};
 use mstar_chunking::budget::{BudgetSettings, BudgetValue, NodeBudget};
 use mstar_chunking::policy::Name;
 use mstar_chunking::{
-    Batch, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy, OverrunReason,
-    PreparedInput, RowWork, SubmoduleCaps,
+    Batch, ChunkRange, ChunkingError, ChunkingManagement, ChunkingPolicy, OverrunReason, RowWork,
+    SubmoduleCaps,
 };
 
 fn n(s: &str) -> Name {
@@ -56,20 +57,6 @@ fn settings(min_chunk_tokens: u32, overrides: BTreeMap<Name, NodeBudget>) -> Bud
         time: Default::default(),
         order: Default::default(),
     }
-}
-
-fn tokens(len: u32) -> PreparedInput {
-    PreparedInput::tokens((0..len).collect::<Vec<u32>>())
-}
-
-fn chunks(b: &Batch) -> Vec<(u64, ChunkRange)> {
-    b.rows
-        .iter()
-        .filter_map(|r| match r.work {
-            RowWork::Chunk { range, .. } => Some((r.rid, range)),
-            RowWork::Continue { .. } => None,
-        })
-        .collect()
 }
 
 /// Runs `b` as scheduled.

@@ -184,7 +184,8 @@ fn wrapper(dir: &Path, requests: Option<u32>) -> PathBuf {
 
 /// Runs `cmd` under `timeout` (which signals its whole process group) with only `PATH` and
 /// `HOME` from the test's environment, so a developer's `MSTAR__…` variables change nothing.
-fn run_bounded(mut cmd: Command, bin: &Path, at: &str) -> String {
+/// Answers its stdout, or what went wrong.
+fn run_bounded(mut cmd: Command, bin: &Path, at: &str) -> Result<String, String> {
     let path = format!(
         "{}:{}",
         bin.display(),
@@ -194,15 +195,18 @@ fn run_bounded(mut cmd: Command, bin: &Path, at: &str) -> String {
     if let Some(home) = std::env::var_os("HOME") {
         cmd.env("HOME", home);
     }
-    let out = cmd.output().expect("timeout and bash run");
+    let out = cmd
+        .output()
+        .map_err(|e| format!("{at}: cannot run `timeout`: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{at}: the block failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    match out.status.success() {
+        true => Ok(stdout),
+        false => Err(format!(
+            "{at}: the block failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
 }
 
 fn bounded(program: &str) -> Command {
@@ -224,33 +228,66 @@ fn absolute_paths(args: &str) -> Vec<String> {
         .collect()
 }
 
+/// Runs one runnable block from the root's view, then, if it is the binary's commands only,
+/// each command from an empty directory.
+fn run_block(b: &Block, requests: Option<u32>) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let view = root_view();
+    let scratch = tempfile::tempdir().unwrap();
+    let bin = wrapper(scratch.path(), requests);
+    let mut cmd = bounded("bash");
+    cmd.args(["-euo", "pipefail", "-c", &b.body])
+        .current_dir(view.path());
+    let stdout = run_bounded(cmd, &bin, &b.at)?;
+    if stdout.trim().is_empty() {
+        return Err(format!("{}: printed nothing", b.at));
+    }
+    if let Some(commands) = binary_commands(&b.body) {
+        let elsewhere = tempfile::tempdir().unwrap();
+        for c in commands {
+            let args = absolute_paths(c.trim_start_matches("mstar-chunking "));
+            let mut cmd = bounded("mstar-chunking");
+            cmd.args(&args).current_dir(elsewhere.path());
+            run_bounded(cmd, &bin, &format!("{} (from another directory)", b.at))?;
+        }
+    }
+    eprintln!("{}: ran in {:.1} s", b.at, started.elapsed().as_secs_f64());
+    Ok(())
+}
+
 #[test]
 fn runnable_command_blocks_run_from_the_root_and_the_binarys_from_elsewhere() {
-    let mut ran = 0;
-    for (b, m) in command_blocks() {
-        let Mark::Runnable { requests } = m else {
-            continue;
-        };
-        let view = root_view();
-        let scratch = tempfile::tempdir().unwrap();
-        let bin = wrapper(scratch.path(), requests);
-        let mut cmd = bounded("bash");
-        cmd.args(["-euo", "pipefail", "-c", &b.body])
-            .current_dir(view.path());
-        let stdout = run_bounded(cmd, &bin, &b.at);
-        assert!(!stdout.trim().is_empty(), "{}: printed nothing", b.at);
-        if let Some(commands) = binary_commands(&b.body) {
-            let elsewhere = tempfile::tempdir().unwrap();
-            for c in commands {
-                let args = absolute_paths(c.trim_start_matches("mstar-chunking "));
-                let mut cmd = bounded("mstar-chunking");
-                cmd.args(&args).current_dir(elsewhere.path());
-                run_bounded(cmd, &bin, &format!("{} (from another directory)", b.at));
-            }
+    let runnable: Vec<(Block, Option<u32>)> = command_blocks()
+        .into_iter()
+        .filter_map(|(b, m)| match m {
+            Mark::Runnable { requests } => Some((b, requests)),
+            Mark::Manual => None,
+        })
+        .collect();
+    assert!(
+        runnable.len() >= 5,
+        "only {} runnable blocks",
+        runnable.len()
+    );
+    // The blocks are independent: a few at a time, each its own processes and directories.
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((b, requests)) = runnable.get(i) else {
+                    break;
+                };
+                if let Err(e) = run_block(b, *requests) {
+                    failures.lock().unwrap().push(e);
+                }
+            });
         }
-        ran += 1;
-    }
-    assert!(ran >= 5, "only {ran} runnable blocks");
+    });
+    let failures = failures.into_inner().unwrap();
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
 #[test]

@@ -14,6 +14,13 @@ pub fn fixture(rel: &str) -> PathBuf {
     repo_root().join("tests/fixtures/config").join(rel)
 }
 
+/// The model manifest `tests/fixtures/config/models/{name}.toml`.
+pub fn model_fixture(name: &str) -> mstar_chunking::manifest::Manifest {
+    let path = fixture(&format!("models/{name}.toml"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    toml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// What one run of the binary did.
 #[derive(Debug)]
 pub struct Run {

@@ -15,23 +15,11 @@ use serde_json::Value;
 
 use crate::helpers::{check_step_log, run, shared};
 
-/// The demo model of `replay.rs`: one node stepping on `mixed`, aligned to 16 tokens.
-const MODEL: &str = r#"
-name = "kv-demo"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-can_override_mixed_max_tokens = true
-policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
-"#;
-
 /// The trace rid of a component rid (`rid + attempt << 32`).
 const RID_MASK: u64 = (1 << 32) - 1;
 
 fn model() -> Manifest {
-    toml::from_str(MODEL).unwrap()
+    crate::helpers::model_fixture("mixed_override")
 }
 
 fn settings(budget: u32, replay: &str) -> Settings {

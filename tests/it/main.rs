@@ -1,5 +1,7 @@
 //! The integration tests, as one test binary.
 
+#[path = "../common/mod.rs"]
+mod common;
 mod config_cli;
 mod core;
 mod doc_commands;

@@ -9,18 +9,6 @@ use mstar_chunking::replay::trace::ReadOptions;
 use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError};
 use serde_json::Value;
 
-/// A model with one node stepping on `mixed` = `prefill` + `decode`, aligned to 16 tokens.
-const DEMO_MODEL: &str = r#"
-name = "replay-demo"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-can_override_mixed_max_tokens = true
-policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
-"#;
-
 use crate::helpers::shared;
 
 fn model(toml_text: &str) -> Manifest {
@@ -164,7 +152,7 @@ fn replay_checked(trace: PathBuf, requests: usize, s: &Settings) -> (ReplayRepor
     let log = dir.path().join("steps.jsonl");
     let json = dir.path().join("report.json");
     let report = replay(
-        &model(DEMO_MODEL),
+        &crate::helpers::model_fixture("mixed_override"),
         s,
         &ReplayOptions {
             trace: Some(trace),
@@ -235,7 +223,7 @@ fn azure_trace_with_speculation_has_no_violations() {
 
 #[test]
 fn chunking_lowers_p99_time_between_tokens() {
-    let m = model(DEMO_MODEL);
+    let m = crate::helpers::model_fixture("mixed_override");
     let s = demo_settings("");
     let opts = ReplayOptions {
         requests: Some(300),
@@ -308,7 +296,7 @@ fn bundled_trace_runs_with_alternating_walks() {
 
 #[test]
 fn rate_scale_compresses_arrivals() {
-    let m = model(DEMO_MODEL);
+    let m = crate::helpers::model_fixture("mixed_override");
     let s = demo_settings("");
     let at = |rate_scale| {
         replay(
@@ -433,7 +421,7 @@ fn skip_bad_lines_counts_and_keeps_rids() {
     let dir2 = tempfile::tempdir().unwrap();
     let log = dir2.path().join("steps.jsonl");
     let r = replay(
-        &model(DEMO_MODEL),
+        &crate::helpers::model_fixture("mixed_override"),
         &Settings::default(),
         &ReplayOptions {
             trace: Some(p),
@@ -455,7 +443,7 @@ fn skip_bad_lines_counts_and_keeps_rids() {
 
 #[test]
 fn bad_replay_settings_are_refused_naming_the_key() {
-    let m = model(DEMO_MODEL);
+    let m = crate::helpers::model_fixture("mixed_override");
     for (toml_text, key) in [
         (
             "[replay]\nnode = \"vision\"\n",
@@ -552,7 +540,7 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
 fn a_replay_survives_actors_panicking_midway() {
     use mstar_chunking::actors::ActorKind;
     use mstar_chunking::{ChunkingError, ChunkingManagement};
-    let m = model(DEMO_MODEL);
+    let m = crate::helpers::model_fixture("mixed_override");
     let s = demo_settings("");
     // Arrivals 100 times as dense, so that prompts queue behind each other.
     let opts = ReplayOptions {

@@ -11,16 +11,6 @@ use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::{self, ReplayOptions};
 use serde_json::Value;
 
-const MODEL: &str = r#"
-name = "truth"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-policies = { mixed = { max_batch_tokens = 1024, align = 16 } }
-"#;
-
 /// The replay cost: a large KV term, so a stale context shows in every decode step's time.
 const COST: [f64; 4] = [5.0, 0.05, 0.002, 1e-6];
 
@@ -44,7 +34,7 @@ fn replay_and_check(what: &str, config: &str, dir: &Path) -> (usize, u64) {
     let trace = dir.join(format!("{what}.csv"));
     let log = dir.join(format!("{what}.jsonl"));
     let reqs = write_trace(&trace);
-    let m: Manifest = toml::from_str(MODEL).unwrap();
+    let m: Manifest = crate::helpers::model_fixture("mixed_1024");
     let s: Settings = toml::from_str(config).unwrap();
     let opts = ReplayOptions {
         trace: Some(trace),

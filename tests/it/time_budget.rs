@@ -13,16 +13,6 @@ use serde_json::Value;
 
 use crate::helpers::{check_step_log, shared};
 
-const MODEL: &str = r#"
-name = "time-demo"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-policies = { mixed = { max_batch_tokens = 2048, align = 16 } }
-"#;
-
 /// The step-time target of these tests, in ms.
 const TARGET_MS: f64 = 100.0;
 
@@ -32,7 +22,7 @@ fn mooncake() -> PathBuf {
 
 /// Replays the first 400 requests of the Mooncake trace at a tenth of its rate under `config`.
 fn run(config: &str, step_log: &Path) -> ReplayReport {
-    let m: Manifest = toml::from_str(MODEL).unwrap();
+    let m: Manifest = crate::helpers::model_fixture("mixed_2048");
     let s: Settings = toml::from_str(config).unwrap();
     let opts = ReplayOptions {
         trace: Some(mooncake()),

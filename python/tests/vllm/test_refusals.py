@@ -1,6 +1,7 @@
 """What the plugin refuses: another vLLM release at import, unsupported features at start (by
 name), structured output per request, and a chunking config vLLM's runner could not take."""
 
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,6 @@ import pytest
 from harness import Driver, make_request, make_scheduler
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-import mstar_chunking
 from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
 
 
@@ -102,21 +102,13 @@ def config_env(tmp_path, monkeypatch):
 
 
 def test_config_budget_above_vllms_is_refused(config_env):
-    config_env("[chunking.max_batch_tokens]\nllm = { mixed = 1024, prefill = 1024 }\n")
-    if not hasattr(mstar_chunking.ChunkingManagement, "from_config"):
-        with pytest.raises(UnsupportedVllmFeature, match="from_config"):
-            make_scheduler(Scheduler, budget=512)
-        return
+    config_env("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n")
     with pytest.raises(UnsupportedVllmFeature, match=r"max_batch_tokens\.llm\.mixed is 1024.*\(512\)"):
         make_scheduler(Scheduler, budget=512)
 
 
-@pytest.mark.skipif(
-    not hasattr(mstar_chunking.ChunkingManagement, "from_config"),
-    reason="this mstar_chunking has no ChunkingManagement.from_config",
-)
 def test_config_budget_is_the_components(config_env, monkeypatch):
-    config_env("[chunking]\nmin_chunk_tokens = 32\n[chunking.max_batch_tokens]\nllm = { mixed = 256, prefill = 256 }\n")
+    config_env("[chunking]\nmin_chunk_tokens = 32\n[chunking.max_batch_tokens]\nllm = { mixed = 256 }\n")
     monkeypatch.setenv("MSTAR__CHUNKING__MAX_ROW_TOKENS", "128")
     s = make_scheduler(Scheduler, budget=512)
     d = Driver(s)
@@ -131,5 +123,29 @@ def test_config_budget_is_the_components(config_env, monkeypatch):
 
 def test_threshold_beside_a_config_is_refused(config_env):
     config_env("[chunking]\nmin_chunk_tokens = 32\n")
-    with pytest.raises(UnsupportedVllmFeature, match="long_prefill_token_threshold|from_config"):
+    with pytest.raises(UnsupportedVllmFeature, match="long_prefill_token_threshold=128 with MSTAR_CHUNKING_CONFIG"):
         make_scheduler(Scheduler, threshold=128)
+
+
+def test_metrics_on_the_components_endpoint():
+    """MSTAR_CHUNKING_METRICS serves the component's series, labelled with vLLM's model name (in a
+    process of its own: the endpoint is served once per process, before any manager starts)."""
+    code = """
+import os, sys, urllib.request
+sys.path.insert(0, sys.argv[1])
+os.environ["MSTAR_CHUNKING_METRICS"] = "127.0.0.1:0"
+from harness import Driver, make_scheduler
+from mstar_chunking.vllm import Scheduler
+s = make_scheduler(Scheduler)
+d = Driver(s)
+d.add("a", [9] * 300, 3)
+d.drain()
+print(urllib.request.urlopen(f"http://{s.metrics_address}/metrics", timeout=10).read().decode())
+s.shutdown()
+"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    steps = [line for line in p.stdout.splitlines() if line.startswith("mstar_chunking_steps_total{")]
+    assert steps and all('node="llm"' in line and "model=" in line for line in steps), p.stdout[-2000:]
+    assert any(float(line.rsplit(" ", 1)[1]) >= 3 for line in steps), steps

@@ -3,23 +3,15 @@ within it (a step over it is one the component reports with its time-overrun rea
 vLLM's token budget alone runs over it. The fabricated step takes exactly the latency model's
 time for what vLLM scheduled, on a simulated clock the scheduler measures its steps with."""
 
-import inspect
 
-import pytest
 from harness import Driver, VllmScheduler, kv_all_free, make_scheduler
 
-import mstar_chunking
 from mstar_chunking.vllm import Scheduler
 
 BUDGET = 2048
 MAX_STEP_MS = 80.0
 COST = (5.0, 0.0624, 0.00033, 3.4e-6)  # base, per token, per KV token read, per attention pair
 BLOCKS = 8192
-
-needs_time_budgets = pytest.mark.skipif(
-    "max_step_ms" not in inspect.signature(mstar_chunking.ChunkingManagement.set_budgets).parameters,
-    reason="this mstar_chunking has no time budgets (set_budgets(max_step_ms=..., cost=...))",
-)
 
 
 class Timed(Scheduler):
@@ -68,7 +60,6 @@ def run(cls):
     return s, times
 
 
-@needs_time_budgets
 def test_time_budget_holds_where_the_token_budget_alone_runs_over():
     ours, ours_ms = run(Timed)
     outcomes = {o.step: o for o in ours.mstar_stats.outcomes}

@@ -5,7 +5,7 @@ non-final chunk meets the floor and the alignment, and every KV block is free at
 import random
 
 import pytest
-from harness import BLOCK, Driver, kv_all_free, make_scheduler
+from harness import BLOCK, Driver, VllmScheduler, kv_all_free, make_scheduler
 
 from mstar_chunking import DEFAULT_MIN_CHUNK_TOKENS
 from mstar_chunking.vllm import AsyncScheduler, Scheduler
@@ -70,3 +70,24 @@ def test_trace_completes_exactly_within_budget_floor_and_alignment(async_schedul
     assert len(s.chunking.prepared) == 0
     assert not s._rid_of and not s._req_of
     s.shutdown()
+
+
+def test_vllms_own_chunks_miss_the_floor_and_alignment():
+    """The checks above can fail: vLLM's own scheduler, on the same trace and budget, cuts
+    prompts wherever its budget ends."""
+    s = make_scheduler(VllmScheduler, budget=BUDGET, num_blocks=BLOCKS, max_num_seqs=32)
+    d = Driver(s)
+    reqs = trace()
+    lengths = {}
+    for step in range(20_000):
+        for i, (at, prompt, max_tokens) in enumerate(reqs):
+            if at == step:
+                lengths[f"r{i}"] = len(prompt)
+                d.add(f"r{i}", prompt, max_tokens)
+        if step > reqs[-1][0]:
+            break
+        d.step()
+    run = d.drain()
+    cut = [c for st in run.steps for c in st if c.start < lengths[c.req_id] and not c.final]
+    assert any((c.start + c.tokens) % BLOCK for c in cut)
+    assert any(c.tokens < DEFAULT_MIN_CHUNK_TOKENS for c in cut)

@@ -3,8 +3,10 @@
 //! and a step that does not fit evicts prefix-cache blocks, then preempts by recompute.
 //!
 //! The block counts live in [`KvPool`]; this module decides when to admit, allocate, evict and
-//! preempt, and talks to the component only through its public contract (`admit`,
-//! `abandon`, `forget_request`).
+//! preempt, and talks to the component only through its public contract: admissions go with
+//! the next step's message as the simulation's others do; a planned step that does not fit is
+//! the simulation's one fallback to calls of their own (`abandon`, `forget_request` for each
+//! preempted or withdrawn request, then `assemble` again).
 
 use std::collections::VecDeque;
 
@@ -211,9 +213,10 @@ impl Sim<'_> {
         crate::replay::check_kv_fits(self.setup, self.trace)
     }
 
-    /// Admits waiting requests, front first, while the head's first chunk fits with the
-    /// watermark kept free (`KvPool::can_admit`). Answers whether it admitted any.
-    pub(super) async fn admit_waiting(&mut self) -> Result<bool, ReplayError> {
+    /// Admits waiting requests (before the next step), front first, while the head's first
+    /// chunk fits with the watermark kept free (`KvPool::can_admit`). Answers whether it
+    /// admitted any.
+    pub(super) fn admit_waiting(&mut self) -> bool {
         let mut any = false;
         while let Some((i, since, cap)) = self.kv.as_ref().and_then(|kv| {
             let &(i, since) = kv.waiting.front()?;
@@ -248,14 +251,14 @@ impl Sim<'_> {
                 kv.waiting.pop_front();
                 kv.waits.push(t - since);
             }
-            self.admit(i).await?;
+            self.admit(i);
             if let Some(kv) = &mut self.kv {
                 kv.pool.reserve(i, need);
                 kv.running.push(i);
             }
             any = true;
         }
-        Ok(any)
+        any
     }
 
     /// Gives the planned `batch` (whose rows run `self.ran`) its blocks. When they do not fit:
