@@ -37,12 +37,8 @@ use crate::overrun::OverrunReason;
 use crate::planner::RowWork;
 use crate::policy::Name;
 use crate::prepared::PreparedInput;
-<<<<<<< HEAD
-use crate::{AdmitOptions, ChunkingManagement};
-=======
 use crate::scheduler::{Batch, NextStep, StepOutcome};
-use crate::ChunkingManagement;
->>>>>>> main
+use crate::{AdmitOptions, ChunkingManagement};
 
 mod memory;
 
@@ -171,11 +167,13 @@ enum Change {
     /// more; the context is the simulated engine's (its prompt and first token), so that the
     /// planner predicts with what the step is priced with.
     Continue { rid: u64, context: u64 },
-    /// `admit` on `prefill`.
+    /// `admit_with` on `prefill`: its cached prefix, priority and arrival on the simulated
+    /// clock (which every step's time is given on too, so the starvation bound's
+    /// `max_wait_ms` measures waits in simulated ms).
     Admit {
         rid: u64,
         input: PreparedInput,
-        cached: u32,
+        options: AdmitOptions,
     },
 }
 
@@ -480,7 +478,8 @@ impl<'a> Sim<'a> {
         let Some(pending) = pending else {
             return self.first_batch(changes, walk).await;
         };
-        let mut next = NextStep::new(self.node_name.clone(), self.walk_names[walk].clone());
+        let mut next =
+            NextStep::new(self.node_name.clone(), self.walk_names[walk].clone()).at_ms(self.t_ms);
         for c in changes {
             next = match c {
                 Change::Forget(rid) => next.forget_request(rid),
@@ -490,9 +489,11 @@ impl<'a> Sim<'a> {
                     self.estimate,
                     context,
                 ),
-                Change::Admit { rid, input, cached } => {
-                    next.admit(rid, PREFILL_WALK, input, cached)
-                }
+                Change::Admit {
+                    rid,
+                    input,
+                    options,
+                } => next.admit_with(rid, PREFILL_WALK, input, options),
             };
         }
         let (step, ran, ms, ran_step) = match pending {
@@ -531,8 +532,14 @@ impl<'a> Sim<'a> {
                         .continue_row_with_context(rid, node, DECODE_WALK, self.estimate, context)
                         .await
                 }
-                Change::Admit { rid, input, cached } => {
-                    self.cm.admit(rid, node, PREFILL_WALK, input, cached).await
+                Change::Admit {
+                    rid,
+                    input,
+                    options,
+                } => {
+                    self.cm
+                        .admit_with(rid, node, PREFILL_WALK, input, options)
+                        .await
                 }
             }
             .map_err(ReplayError::chunking("applying a row change"))?;
@@ -544,7 +551,7 @@ impl<'a> Sim<'a> {
     /// after its rows did not fit the KV memory.
     async fn assemble(&self, walk: usize) -> Result<Arc<Batch>, ReplayError> {
         self.cm
-            .assemble(&self.setup.node, &self.setup.walks[walk])
+            .assemble_at(&self.setup.node, &self.setup.walks[walk], self.t_ms)
             .await
             .map_err(ReplayError::chunking("assembling a step"))
     }
@@ -601,31 +608,15 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
-<<<<<<< HEAD
-        // The arrival on the simulated clock, which every step's time is given on too: the
-        // starvation bound's `max_wait_ms` measures waits in simulated ms.
-        let options = AdmitOptions {
-            cached,
-            priority: r.priority,
-            arrival_ms: Some(self.arrivals[i]),
-        };
-        self.cm
-            .admit_with(
-                rid,
-                &self.setup.node,
-                PREFILL_WALK,
-                PreparedInput::tokens(ids),
-                options,
-            )
-            .await
-            .map_err(ReplayError::chunking("admitting a prompt"))?;
-=======
         self.changes.push(Change::Admit {
             rid,
             input: PreparedInput::tokens(ids),
-            cached,
+            options: AdmitOptions {
+                cached,
+                priority: r.priority,
+                arrival_ms: Some(self.arrivals[i]),
+            },
         });
->>>>>>> main
         if cached > 0 {
             self.report.chunks.prefix_cache_hits += 1;
             self.report.tokens.cached += u64::from(cached);
@@ -687,15 +678,7 @@ impl<'a> Sim<'a> {
         let mut cuts;
         // With a KV limit, a step whose rows do not fit is abandoned after preempting, and
         // planned again (`memory.rs`).
-<<<<<<< HEAD
-        let batch = loop {
-            let batch = cm
-                .assemble_at(node, walk, self.t_ms)
-                .await
-                .map_err(ReplayError::chunking("assembling a step"))?;
-=======
         loop {
->>>>>>> main
             if batch.rows.is_empty() {
                 return Ok((Stepped::Empty, Pending::Empty(batch.step)));
             }
