@@ -138,11 +138,11 @@ fn budgets_json_of_the_demo_model() {
         rows,
         json!([
             {"node": "llm", "walk": "prefill", "policy_budget": 2048, "max_batch_tokens": 2048,
-             "chunkable": true, "min_chunk_tokens": 64, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false},
+             "chunkable": true, "min_chunk_tokens": 64, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"},
             {"node": "llm", "walk": "decode", "policy_budget": null, "max_batch_tokens": null,
-             "chunkable": false, "min_chunk_tokens": null, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false},
+             "chunkable": false, "min_chunk_tokens": null, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"},
             {"node": "llm", "walk": "mixed", "policy_budget": 2048, "max_batch_tokens": 2048,
-             "chunkable": true, "min_chunk_tokens": 64, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false},
+             "chunkable": true, "min_chunk_tokens": 64, "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"},
         ])
     );
 }
@@ -171,14 +171,14 @@ fn budgets_json_of_the_omni_model_has_caps_and_every_node_and_walk() {
         &json!({"node": "thinker", "walk": "mixed", "policy_budget": 8192,
                 "max_batch_tokens": 8192, "chunkable": true, "min_chunk_tokens": 64,
                 "walk_caps": {"decode": 256, "prefill": 4096},
-                "max_step_ms": null, "cost": null, "learn_cost": false})
+                "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"})
     );
     assert_eq!(row(&rows, "thinker", "decode")["chunkable"], false);
     assert_eq!(
         row(&rows, "vision", "prefill"),
         &json!({"node": "vision", "walk": "prefill", "policy_budget": 8192,
                 "max_batch_tokens": 8192, "chunkable": false, "min_chunk_tokens": 64,
-                "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false})
+                "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"})
     );
     assert_eq!(row(&rows, "talker", "prefill")["max_batch_tokens"], 2048);
     assert_eq!(row(&rows, "talker", "prefill")["chunkable"], true);
@@ -194,7 +194,7 @@ fn budgets_json_with_the_omni_worker_layer_turns_the_talker_off() {
         row(&rows, "talker", "prefill"),
         &json!({"node": "talker", "walk": "prefill", "policy_budget": 2048,
                 "max_batch_tokens": null, "chunkable": false, "min_chunk_tokens": null,
-                "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false})
+                "walk_caps": null, "max_step_ms": null, "cost": null, "learn_cost": false, "order": "fcfs"})
     );
     assert_eq!(
         row(&rows, "thinker", "mixed")["walk_caps"],
@@ -232,7 +232,8 @@ fn budgets_without_json_prints_only_the_table() {
                     "64",
                     "decode=192,prefill=4096",
                     "-",
-                    "-"
+                    "-",
+                    "fcfs"
                 ]),
         "{}",
         r.stdout

@@ -124,7 +124,7 @@ impl KvState {
 
     /// The position in `running` of the request to preempt when memory runs out: the most
     /// recently admitted that holds blocks; under priority, the lowest priority first, then the
-    /// most recently admitted (vLLM's `max(running, key=(priority, arrival))`).
+    /// latest arrival (trace order; vLLM's `max(running, key=(priority, arrival_time))`).
     fn victim(&self) -> Option<usize> {
         let holds = |&(_, &r): &(usize, &usize)| self.pool.held(r) > 0;
         match &self.priorities {
@@ -134,14 +134,14 @@ impl KvState {
                 .iter()
                 .enumerate()
                 .filter(holds)
-                .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+                .max_by_key(|&(_, &r)| (self.priority(r), r))
                 .map(|(pos, _)| pos),
         }
     }
 
     /// Under priority, the position in `running` of a request a waiting `head` that does not
     /// fit may preempt: of strictly lower priority (a higher value) and holding blocks, the
-    /// lowest priority first, then the most recently admitted. `None` otherwise.
+    /// lowest priority first, then the latest arrival. `None` otherwise.
     fn arrival_victim(&self, head: usize) -> Option<usize> {
         self.priorities.as_ref()?;
         let mine = self.priority(head);
@@ -149,7 +149,7 @@ impl KvState {
             .iter()
             .enumerate()
             .filter(|&(_, &r)| self.pool.held(r) > 0 && self.priority(r) > mine)
-            .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+            .max_by_key(|&(_, &r)| (self.priority(r), r))
             .map(|(pos, _)| pos)
     }
 
