@@ -113,7 +113,7 @@ fn the_newest_lowest_priority_running_request_is_preempted_when_a_step_does_not_
     .unwrap();
     let log = dir.path().join("steps.jsonl");
     replay(
-        &format!("[chunking]\norder = \"priority\"\n[replay.kv]\nblocks = 200\n"),
+        "[chunking]\norder = \"priority\"\n[replay.kv]\nblocks = 200\n",
         &ReplayOptions {
             trace: Some(path),
             step_log: Some(log.clone()),
