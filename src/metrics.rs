@@ -643,6 +643,20 @@ impl StepMetrics {
             self.time_overruns[reason as usize].increment(1);
         }
     }
+
+    /// Records a step's time measured after its completion
+    /// (`ChunkingManagement::measured`): its time, its prediction error and its time overrun,
+    /// as [`StepMetrics::completed`] records a time measured with the completion.
+    pub(crate) fn measured_late(&self, m: &crate::scheduler::LateMeasurement) {
+        self.step_seconds.record(m.measured_ms / 1000.0);
+        if let Some(predicted) = m.predicted_ms {
+            self.prediction_error
+                .record((m.measured_ms - predicted).abs() / 1000.0);
+        }
+        if let Some(reason) = m.time_overrun {
+            self.time_overruns[reason as usize].increment(1);
+        }
+    }
 }
 
 /// The overrun metrics of one `(node, walk)`.

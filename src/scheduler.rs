@@ -525,6 +525,51 @@ pub(crate) struct Drained {
     pub(crate) rows: usize,
 }
 
+/// How many completed steps keep what a late measured time needs ([`SchedulerState::measured`]):
+/// enough for an engine whose batches run a few steps behind their completion (async
+/// scheduling, pipeline stages).
+pub const LATE_STEPS: usize = 16;
+
+/// A step completed without a measured time, as a late measurement reads it.
+#[derive(Debug, Clone)]
+struct Unmeasured {
+    step: u64,
+    node: Name,
+    walk: Name,
+    /// What the step ran.
+    features: StepFeatures,
+    learns: bool,
+    /// The margin's quantile and the model the step was predicted with, if it plans with one.
+    margin: Option<(f64, LatencyModel)>,
+    max_step_ms: Option<f64>,
+    predicted_ms: Option<f64>,
+    time_over: Option<TimeOverrunReason>,
+}
+
+/// A step's time measured after its completion ([`SchedulerState::measured`]): what the time
+/// budget check found, with the node's latency model after the fit learned from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LateMeasurement {
+    /// The step.
+    pub step: u64,
+    /// Its node.
+    pub node: Name,
+    /// Its step walk.
+    pub walk: Name,
+    /// The time measured, in ms.
+    pub measured_ms: f64,
+    /// The step's predicted time in ms, if it was planned with a latency model.
+    pub predicted_ms: Option<f64>,
+    /// The time budget it was scheduled under, in ms.
+    pub max_step_ms: Option<f64>,
+    /// The time overrun, if the measured time exceeded the time budget.
+    pub time_overrun: Option<TimeOverrunReason>,
+    /// The node's time margin after this measurement, if it plans with one.
+    pub time_margin: Option<f64>,
+    /// The node's latency model after this measurement, and its source.
+    pub model: (Option<LatencyModel>, ModelSource),
+}
+
 /// The latency model a node plans with ([`SchedulerState::latency_report`],
 /// `ChunkingManagement::latency_model`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -558,6 +603,11 @@ pub struct SchedulerState {
     /// Per node, its recent measured ÷ predicted step times (when `chunking.time_margin` is
     /// set): timed steps are planned against their budget divided by the margin.
     margins: FxHashMap<Name, TimeMargin>,
+    /// The latest steps completed without a measured time whose time the fit or the margin
+    /// would read, oldest first (at most [`LATE_STEPS`]): an engine that learns a step's time
+    /// after completing it (one step or more behind) reports it with
+    /// [`SchedulerState::measured`].
+    unmeasured: std::collections::VecDeque<Unmeasured>,
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
@@ -1069,6 +1119,22 @@ impl SchedulerState {
             }
         }
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
+        if measured_ms.is_none() && (learns || margin.is_some()) {
+            if self.unmeasured.len() == LATE_STEPS {
+                self.unmeasured.pop_front();
+            }
+            self.unmeasured.push_back(Unmeasured {
+                step,
+                node: node.clone(),
+                walk: f.params.walk.clone(),
+                features: ran_features(&f.plan, ran),
+                learns,
+                margin: margin.map(|(q, time)| (q, time.model)),
+                max_step_ms,
+                predicted_ms,
+                time_over: f.plan.time_over,
+            });
+        }
         let time_margin = margin.map(|_| f.margin);
         self.spare = f.plan;
         Ok(StepOutcome {
@@ -1087,6 +1153,60 @@ impl SchedulerState {
             time_margin,
             time_overrun,
             model: self.model_for(&f.params),
+        })
+    }
+
+    /// Reports the measured time of step `step`, completed before its time was known (async
+    /// scheduling completes step N when it schedules N+1): the time budget check, the online
+    /// fit and the time margin read it as a completion's measured time would have been read.
+    /// Only the latest [`LATE_STEPS`] steps completed without a time, on nodes that learn
+    /// their model or plan with a margin, are kept; each takes one measurement.
+    ///
+    /// # Errors
+    /// `BadMeasurement` when `ms` is not a finite time ≥ 0; `UnknownStep` when the step is not
+    /// one of those (never completed, completed with a time, measured already, or too old).
+    pub fn measured(&mut self, step: u64, ms: f64) -> Result<LateMeasurement, ChunkingError> {
+        if crate::latency::measured_ms(ms).is_none() {
+            return Err(ChunkingError::BadMeasurement { step, ms });
+        }
+        let at = self
+            .unmeasured
+            .iter()
+            .position(|u| u.step == step)
+            .ok_or(ChunkingError::UnknownStep { step })?;
+        let Some(u) = self.unmeasured.remove(at) else {
+            return Err(ChunkingError::UnknownStep { step });
+        };
+        if u.learns {
+            self.observe(&u.node, &u.features, ms);
+        }
+        if let Some((q, model)) = u.margin {
+            let predicted = model.predict_ms(&u.features);
+            self.margins
+                .entry(u.node.clone())
+                .or_default()
+                .observe(ms, predicted, q);
+        }
+        let time_overrun = u
+            .max_step_ms
+            .and_then(|max| classify_time_overrun(ms, max, u.time_over));
+        let model = match self.snapshot.as_ref() {
+            Some(s) => {
+                let table = s.table();
+                self.select(&u.node, table.settings().time.learn, table.cost(&u.node))
+            }
+            None => (None, ModelSource::None),
+        };
+        Ok(LateMeasurement {
+            step,
+            time_margin: u.margin.map(|_| self.margin(&u.node).unwrap_or(1.0)),
+            node: u.node,
+            walk: u.walk,
+            measured_ms: ms,
+            predicted_ms: u.predicted_ms,
+            max_step_ms: u.max_step_ms,
+            time_overrun,
+            model,
         })
     }
 
@@ -1402,6 +1522,79 @@ mod tests {
             panic!("a chunk: {row:?}")
         };
         (range.start, range.end)
+    }
+
+    #[test]
+    fn a_time_measured_after_the_completion_is_read_as_one_given_with_it() {
+        let truth = LatencyModel::try_new(2.0, 0.5, 0.0, 0.001).unwrap();
+        let model = LatencyModel::try_new(1.0, 0.5, 0.0, 0.0).unwrap();
+        let settings = |s: crate::budget::BudgetSettings| {
+            s.cost("llm", model)
+                .learn_cost(true)
+                .max_step_ms("llm", 40.0)
+                .time_margin(0.9)
+        };
+        let (mut now, mut late) = (state_with(settings), state_with(settings));
+        for i in 0..60u32 {
+            let total = 10 + (i * 37) % 60;
+            let mut outs = Vec::new();
+            for (s, with_ms) in [(&mut now, true), (&mut late, false)] {
+                s.admit(u64::from(i), "llm", "prefill", total, 0).unwrap();
+                let b = s.assemble("llm", "prefill").unwrap().into_batch();
+                let ran = b.rows[0].tokens();
+                let ms = truth.predict_ms(&StepFeatures::EMPTY.with_chunk(0, ran)) * 1.3;
+                let out = s.complete(b.step, &[ran], with_ms.then_some(ms)).unwrap();
+                let time_overrun = if with_ms {
+                    out.time_overrun
+                } else {
+                    assert_eq!(out.time_overrun, None, "not known yet");
+                    let m = s.measured(b.step, ms).unwrap();
+                    assert_eq!((m.step, m.measured_ms), (b.step, ms));
+                    assert_eq!(
+                        (m.predicted_ms, m.max_step_ms),
+                        (out.predicted_ms, out.max_step_ms)
+                    );
+                    assert_eq!(m.model, s.latency_model("llm"));
+                    assert_eq!(m.time_margin, s.margin("llm"));
+                    let again = s.measured(b.step, ms).unwrap_err();
+                    assert_eq!(again, ChunkingError::UnknownStep { step: b.step });
+                    m.time_overrun
+                };
+                outs.push((b.step, time_overrun));
+                s.forget(u64::from(i));
+            }
+            assert_eq!(outs[0].1, outs[1].1, "step {i}");
+        }
+        assert_eq!(late.latency_model("llm"), now.latency_model("llm"));
+        assert_eq!(late.latency_model("llm").1, ModelSource::Online);
+        assert_eq!(late.margin("llm"), now.margin("llm"));
+        assert!(late.margin("llm").unwrap() > 1.0);
+        let bad = late.measured(1, f64::NAN).unwrap_err();
+        assert!(matches!(bad, ChunkingError::BadMeasurement { step: 1, .. }));
+        assert_eq!(
+            late.measured(9_999, 1.0).unwrap_err(),
+            ChunkingError::UnknownStep { step: 9_999 }
+        );
+        // Only the latest LATE_STEPS unmeasured steps are kept; a step completed with its time
+        // is not kept at all.
+        let mut steps = Vec::new();
+        for i in 0..=LATE_STEPS as u64 {
+            late.admit(100 + i, "llm", "prefill", 10, 0).unwrap();
+            let b = late.assemble("llm", "prefill").unwrap().into_batch();
+            late.complete(b.step, &[10], None).unwrap();
+            steps.push(b.step);
+        }
+        assert!(late.measured(steps[0], 1.0).is_err(), "evicted");
+        assert!(late.measured(steps[1], 1.0).is_ok());
+        assert!(late.measured(steps[LATE_STEPS], 1.0).is_ok());
+        let mut plain = state();
+        plain.admit(1, "llm", "prefill", 10, 0).unwrap();
+        let b = plain.assemble("llm", "prefill").unwrap().into_batch();
+        plain.complete(b.step, &[10], None).unwrap();
+        assert!(
+            plain.measured(b.step, 1.0).is_err(),
+            "nothing reads a time there"
+        );
     }
 
     #[test]

@@ -19,7 +19,8 @@ a time budget the planner predicts with `--cost` (`chunking.cost`):
 One message per step: every step is `complete_and_assemble`, carrying what changed since the
 step was planned (`NextStep`): requests that finished are forgotten, prompts whose final chunk
 ran continue as `decode` rows, and every request that arrived by the step's end is admitted;
-when nothing is left queued the clock jumps to the next arrival first. A prompt's final chunk
+when nothing is left queued the clock jumps to the next arrival first; a decode row starts
+with its true context (the prompt and its first token), as the replay's. A prompt's final chunk
 yields its first token; each further token takes its continuing row one step. Prints the summary
 as `key: value` lines (`steps: N` first).
 """
@@ -172,7 +173,8 @@ def run(cm: ChunkingManagement, requests: Sequence[Request], sim: LatencyModel) 
                 context[rid] = chunk.total + 1
                 remaining[rid] = max(requests[rid][2], 1) - 1
                 if remaining[rid] > 0:
-                    next_step.continue_row(rid, DECODE, 1)
+                    # Its context lets the planner predict its KV and attention terms.
+                    next_step.continue_row(rid, DECODE, 1, context=context[rid])
                     decoding += 1
         if prefilling == 0 and decoding == 0:
             if nxt == n:

@@ -485,6 +485,15 @@ class ChunkingManagement:
         own. ``None`` otherwise."""
         return self._engine.walk_caps(node_name, graph_walk)
 
+    def measured(self, step: int, measured_ms: float) -> dict[str, Any]:
+        """Report the measured time of ``step``, completed before its time was known (an engine
+        that schedules step N+1 before step N's output, as asynchronous scheduling does): the
+        time budget check, the online fit and the time margin read it then. Kept for the latest
+        16 steps completed without a time on nodes that learn or plan with a margin, once each.
+        Returns ``step``, ``node``, ``walk``, ``measured_ms``, ``predicted_ms``, ``max_step_ms``,
+        ``time_overrun`` (a reason or None) and ``time_margin``."""
+        return self._engine.measured(step, measured_ms)
+
     def latency_model(self, node_name: str) -> LatencyModelState:
         """The latency model ``node_name`` plans its time budgets with: the model in force, where
         it came from (``online``, ``config`` or ``none``), the configured one, whether the node

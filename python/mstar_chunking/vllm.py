@@ -47,7 +47,14 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from . import ChunkingManagement, ChunkingPolicy, NextStep, SubmoduleCaps, serve_metrics  # noqa: E402
+from . import (  # noqa: E402
+    ChunkingError,
+    ChunkingManagement,
+    ChunkingPolicy,
+    NextStep,
+    SubmoduleCaps,
+    serve_metrics,
+)
 
 log = logging.getLogger("mstar_chunking.vllm")
 
@@ -82,6 +89,8 @@ class ChunkingStats:
     start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
     refused_requests: int = 0
     unmeasured_steps: int = 0  # async: completed before their time was known
+    late_measured: int = 0  # of those, times reported after the completion (`measured`)
+    late_outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))
     measured_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
     outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))  # the component's StepOutcomes
 
@@ -420,6 +429,14 @@ class _Chunking:
         self.mstar_stats.measured_ms.append(ms)
         if not rec.completed:
             rec.measured_ms = ms
+        else:
+            # Completed when the next step was scheduled (async): its time goes to the fit, the
+            # margin and the time budget check now. A node that reads no time keeps no step.
+            try:
+                self.mstar_stats.late_outcomes.append(self.chunking.measured(rec.step, ms))
+                self.mstar_stats.late_measured += 1
+            except ChunkingError:
+                pass
         if not self._in_flight and not self.has_requests():  # type: ignore[attr-defined]
             self._settle()
         return result

@@ -181,7 +181,7 @@ impl Engine {
         Ok(&self.cm)
     }
 
-    /// Completes `step` and counts its overrun, then logs it; `next` for the one-trip step.
+    /// Logs a completed step's token overrun, if it had one (`count`: its walk's overruns).
     fn finish_step(py: Python<'_>, outcome: &mstar_chunking::StepOutcome, count: u64) {
         if let Some(o) = &outcome.overrun {
             log_overrun(py, o, count);
@@ -707,6 +707,37 @@ impl Engine {
         d.set_item("mid_prefill_rows", s.mid_prefill_rows)?;
         d.set_item("continuing_rows", s.continuing_rows)?;
         d.set_item("steps_in_flight", s.steps_in_flight)?;
+        Ok(d)
+    }
+
+    /// Reports the measured time of step `step`, completed before its time was known
+    /// (asynchronous scheduling): the time budget check, the online fit and the margin read
+    /// it then. Answers a dict: `step`, `node`, `walk`, `measured_ms`, `predicted_ms`,
+    /// `max_step_ms`, `time_overrun` (a reason or None), `time_margin`.
+    fn measured<'py>(
+        &self,
+        py: Python<'py>,
+        step: &Bound<'_, PyAny>,
+        measured_ms: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cm = self.cm(py)?;
+        let step = whole::<u64>(py, "step", step)?;
+        let Some(ms) = measured_arg(py, Some(measured_ms))? else {
+            return Err(invalid(
+                py,
+                "measured_ms must be a finite number of ms >= 0, got None",
+            ));
+        };
+        let m = call(py, || cm.measured(step, ms))?;
+        let d = PyDict::new(py);
+        d.set_item("step", m.step)?;
+        d.set_item("node", &*m.node)?;
+        d.set_item("walk", &*m.walk)?;
+        d.set_item("measured_ms", m.measured_ms)?;
+        d.set_item("predicted_ms", m.predicted_ms)?;
+        d.set_item("max_step_ms", m.max_step_ms)?;
+        d.set_item("time_overrun", m.time_overrun.map(|r| r.as_str()))?;
+        d.set_item("time_margin", m.time_margin)?;
         Ok(d)
     }
 

@@ -86,8 +86,10 @@ pub(crate) fn _bench_facade(
 
 /// `n` round trips (`queue_stats`) awaited in one call on a manager of its own: the process's
 /// CPU seconds and the wall-clock seconds they took, to compare with the same calls from Python.
+/// With `separate`, each trip is a blocking call of its own (as a call from Python is).
 #[pyfunction]
-pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64) -> PyResult<(f64, f64)> {
+#[pyo3(signature = (n, separate=false))]
+pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64, separate: bool) -> PyResult<(f64, f64)> {
     let started = py.allow_threads(|| {
         ChunkingManagement::start_on_own_thread(
             "bench-trips",
@@ -95,13 +97,21 @@ pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64) -> PyResult<(f64, f64)>
         )
     });
     let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
-    let result = call(py, || async {
+    let result = if separate {
+        // Each trip a call of its own, as from Python: the GIL released and taken again.
         let (t0, cpu0) = (Instant::now(), process_time());
-        for _ in 0..n {
-            cm.queue_stats().await?;
-        }
-        Ok((process_time() - cpu0, t0.elapsed().as_secs_f64()))
-    });
+        (0..n)
+            .try_for_each(|_| call(py, || cm.queue_stats()).map(drop))
+            .map(|()| (process_time() - cpu0, t0.elapsed().as_secs_f64()))
+    } else {
+        call(py, || async {
+            let (t0, cpu0) = (Instant::now(), process_time());
+            for _ in 0..n {
+                cm.queue_stats().await?;
+            }
+            Ok((process_time() - cpu0, t0.elapsed().as_secs_f64()))
+        })
+    };
     py.allow_threads(|| actors.stop());
     result
 }

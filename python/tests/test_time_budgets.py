@@ -164,3 +164,28 @@ def test_an_online_fit_learns_a_four_term_truth_from_measured_times(cm):
         assert got == pytest.approx(want, rel=0.10), (name, state.model)
     # Once timed steps run, each reports the margin it was planned with.
     assert len(margins) > 100 and all(m is not None and m > 0 for m in margins)
+
+
+def test_a_time_reported_after_the_completion_feeds_the_fit_once(cm):
+    # An engine one step behind (asynchronous scheduling): each step completes without its
+    # time, which comes with the next step.
+    truth = LatencyModel(6.0, 0.05, 0.0, 0.0)
+    budgets(cm, max_step_ms={"llm": {"mixed": 120.0}}, learn_cost=True)
+    late = []
+    for rid in range(1, 80):
+        cm.admit(rid, "llm", "prefill", [1] * (64 + 37 * rid % 1500))
+        b = cm.assemble("llm", "mixed")
+        out = cm.complete(b.step, b.planned())
+        assert out.measured_ms is None and out.time_overrun is None
+        ms = truth.predict_ms(*features(b))
+        m = cm.measured(b.step, ms)
+        assert (m["step"], m["node"], m["walk"], m["measured_ms"]) == (b.step, "llm", "mixed", ms)
+        late.append(m)
+        with pytest.raises(ChunkingError, match="step"):
+            cm.measured(b.step, ms)
+        cm.forget_request(rid)
+    state = cm.latency_model("llm")
+    assert state.source == "online", state
+    assert state.model[1] == pytest.approx(0.05, rel=0.05)
+    with pytest.raises(ValueError, match="measured_ms"):
+        cm.measured(late[-1]["step"], float("nan"))

@@ -14,8 +14,8 @@ use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
     Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
-    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, QueueStats,
-    Scheduler, SchedulerStats,
+    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, Measured,
+    QueueStats, Scheduler, SchedulerStats,
 };
 #[cfg(any(test, feature = "test-hooks"))]
 use super::{ActorKind, InjectPanic};
@@ -27,7 +27,9 @@ use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, Completed, LatencyModelReport, NextStep, StepOutcome};
+use crate::scheduler::{
+    Batch, Completed, LateMeasurement, LatencyModelReport, NextStep, StepOutcome,
+};
 use crate::snapshot::BudgetSnapshot;
 
 /// How long the facade waits for an actor's answer before returning
@@ -861,6 +863,43 @@ impl ChunkingManagement {
             reason,
         };
         ask(&self.overruns, "OverrunAccounting", &self.timeout, msg).await
+    }
+
+    /// Reports the measured time of step `step`, completed before its time was known: an
+    /// engine with asynchronous scheduling completes step N when it schedules step N+1, and
+    /// learns N's time later. The time budget check, the online fit and the time margin read
+    /// it as they read a time given with the completion (`complete_measured`); the step's
+    /// time overrun is counted then. Kept for the latest `LATE_STEPS` steps completed without
+    /// a time on nodes that learn their model or plan with a margin, one measurement each.
+    ///
+    /// ```
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"]).learn_cost(true)).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![7; 100]), 0).await?;
+    /// let step = cm.assemble("llm", "prefill").await?.step;
+    /// cm.complete(step, vec![100]).await?; // scheduled ahead: its time is not known yet
+    /// let late = cm.measured(step, 12.5).await?;
+    /// assert_eq!((late.step, late.measured_ms), (step, 12.5));
+    /// assert!(cm.measured(step, 12.5).await.is_err(), "one measurement a step");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `BadMeasurement` for a time that is not finite and ≥ 0; `UnknownStep` for a step not
+    /// kept (never completed, completed with a time, measured already, or too old).
+    pub async fn measured(&self, step: u64, ms: f64) -> Result<LateMeasurement, ChunkingError> {
+        ask(
+            &self.scheduler,
+            "Scheduler",
+            &self.timeout,
+            Measured { step, ms },
+        )
+        .await
     }
 
     /// The latency model `node` plans its time budgets with: the model in force, where it

@@ -23,7 +23,7 @@ use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::serving::StepHooks;
 use crate::scheduler::{
-    Batch, Completed, LatencyModelReport, NextStep, SchedulerState, StepOutcome,
+    Batch, Completed, LateMeasurement, LatencyModelReport, NextStep, SchedulerState, StepOutcome,
 };
 pub use crate::scheduler::{DrainReport, QueueStats};
 
@@ -220,7 +220,8 @@ super::supervised!(
         BeginDrain,
         Drain,
         GetLatencyModel,
-        GetPrepared
+        GetPrepared,
+        Measured
     ]
 );
 
@@ -499,6 +500,32 @@ impl Handler<GetPrepared> for Scheduler {
 
     fn handle(&mut self, m: GetPrepared, _: &mut Self::Context) -> Self::Result {
         Ok(self.state.prepared(m.rid, &m.node))
+    }
+}
+
+/// A step's time measured after its completion (`ChunkingManagement::measured`).
+#[derive(Message)]
+#[rtype(result = "Result<LateMeasurement, ChunkingError>")]
+pub(crate) struct Measured {
+    pub(crate) step: u64,
+    pub(crate) ms: f64,
+}
+
+impl Handler<Measured> for Scheduler {
+    type Result = Result<LateMeasurement, ChunkingError>;
+
+    fn handle(&mut self, m: Measured, _: &mut Self::Context) -> Self::Result {
+        let late = self.state.measured(m.step, m.ms)?;
+        self.shell
+            .step_metrics(&late.node, &late.walk)
+            .measured_late(&late);
+        self.shell.publish_model(&late.node, late.model);
+        if let (Some(margin), Some(gauges)) =
+            (late.time_margin, self.shell.model_gauges.get(&late.node))
+        {
+            gauges.set_margin(margin);
+        }
+        Ok(late)
     }
 }
 

@@ -167,9 +167,7 @@ enum Change {
     /// more; the context is the simulated engine's (its prompt and first token), so that the
     /// planner predicts with what the step is priced with.
     Continue { rid: u64, context: u64 },
-    /// `admit_with` on `prefill`: its cached prefix, priority and arrival on the simulated
-    /// clock (which every step's time is given on too, so the starvation bound's
-    /// `max_wait_ms` measures waits in simulated ms).
+    /// `admit_with` on `prefill` (its cached prefix, priority and arrival time).
     Admit {
         rid: u64,
         input: PreparedInput,
@@ -417,7 +415,7 @@ impl<'a> Sim<'a> {
                 }
                 next += 1;
             }
-            if self.kv.is_some() && self.admit_waiting() {
+            if self.kv.is_some() && self.admit_waiting().await? {
                 // Admitting or preempting changes what a step can schedule.
                 empty_streak = 0;
             }
@@ -608,14 +606,17 @@ impl<'a> Sim<'a> {
             Some(c) => c.lookup(self.trace.hashes(r), n),
             None => 0,
         };
+        // The arrival on the simulated clock, which every step's time is given on too: the
+        // starvation bound's `max_wait_ms` measures waits in simulated ms.
+        let options = AdmitOptions {
+            cached,
+            priority: r.priority,
+            arrival_ms: Some(self.arrivals[i]),
+        };
         self.changes.push(Change::Admit {
             rid,
             input: PreparedInput::tokens(ids),
-            options: AdmitOptions {
-                cached,
-                priority: r.priority,
-                arrival_ms: Some(self.arrivals[i]),
-            },
+            options,
         });
         if cached > 0 {
             self.report.chunks.prefix_cache_hits += 1;

@@ -214,9 +214,10 @@ impl Sim<'_> {
     }
 
     /// Admits waiting requests (before the next step), front first, while the head's first
-    /// chunk fits with the watermark kept free (`KvPool::can_admit`). Answers whether it
-    /// admitted any.
-    pub(super) fn admit_waiting(&mut self) -> bool {
+    /// chunk fits with the watermark kept free (`KvPool::can_admit`), preempting a running
+    /// request of lower priority for the head where the priority order allows it. Answers
+    /// whether it admitted or preempted any.
+    pub(super) async fn admit_waiting(&mut self) -> Result<bool, ReplayError> {
         let mut any = false;
         while let Some((i, since, need)) = self.head_need() {
             let Some(kv) = &self.kv else { break };
@@ -236,7 +237,7 @@ impl Sim<'_> {
             }
             any = true;
         }
-        any
+        Ok(any)
     }
 
     /// The head of the memory queue, since when it waits, and the blocks its first chunk needs.
