@@ -311,6 +311,11 @@ pub struct SweepArgs {
     /// grid runs once per size, each into OUT/kv-N/ (N the pool size), and OUT/kv.* compares them
     #[arg(long, value_name = "LIST")]
     pub kv_blocks: Option<String>,
+    /// Orders of waiting prompts (`chunking.order` for every node), comma-separated: the grid
+    /// runs once per order, each into OUT/order-NAME/; OUT/sweep.csv then has an `order` column
+    /// and OUT/orders.* compares them
+    #[arg(long, value_name = "LIST", conflicts_with = "kv_blocks")]
+    pub orders: Option<String>,
 }
 
 /// `fit` arguments.

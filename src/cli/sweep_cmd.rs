@@ -34,6 +34,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         budgets,
         rates,
         kv_axis,
+        order_axis,
         slo,
     } = match parse_grid(args) {
         Ok(g) => g,
@@ -114,6 +115,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if let Some(axis) = kv_axis {
         return sweep_kv_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
     }
+    if let Some(axis) = order_axis {
+        return sweep_order_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
+    }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
     };
@@ -174,6 +178,7 @@ struct Grid {
     budgets: Vec<crate::sweep::Budget>,
     rates: Vec<f64>,
     kv_axis: Option<Vec<crate::sweep::kv_axis::KvBlocks>>,
+    order_axis: Option<Vec<crate::order::Order>>,
     slo: Option<crate::sweep::Slo>,
 }
 
@@ -187,6 +192,12 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         .kv_blocks
         .as_deref()
         .map(sweep::kv_axis::parse_kv_blocks)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let order_axis = args
+        .orders
+        .as_deref()
+        .map(sweep::order_axis::parse_orders)
         .transpose()
         .map_err(|e| e.to_string())?;
     let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
@@ -204,6 +215,7 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         budgets,
         rates,
         kv_axis,
+        order_axis,
         slo,
     })
 }
@@ -280,6 +292,79 @@ fn check_kv_axis(
             .map_err(|e| format!("`--kv-blocks` names {kv}: {e} (no replay ran)"))?;
     }
     Ok(())
+}
+
+/// `sweep --orders` (`docs/sweep.md#orders`): the grid once per order, each written into
+/// `OUT/order-<order>/`, then the cells together (`OUT/sweep.csv`, with an `order` column) and
+/// their comparison (`OUT/orders.*`).
+fn sweep_order_axis(
+    args: &SweepArgs,
+    opts: &crate::sweep::SweepOptions,
+    loaded: &LoadedConfig,
+    base: &crate::replay::ReplayOptions,
+    trace: &crate::replay::Trace,
+    inputs: &[PathBuf],
+    axis: &[crate::order::Order],
+) -> ExitCode {
+    use crate::sweep;
+    use crate::sweep::order_axis;
+    let wall = std::time::Instant::now();
+    let stop = opts.stop.clone().unwrap_or_default();
+    let mut runs = Vec::new();
+    let mut code = ExitCode::SUCCESS;
+    for &order in axis {
+        let (settings, label) = order_axis::with_order(&loaded.settings, order);
+        let mut o = opts.clone();
+        o.settings.push(("order".into(), label));
+        let dir = args.out.join(order_axis::dir_name(order));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            say(&format!(
+                "error: cannot create the output directory `{}`: {e}",
+                config::problem::escape(&dir.display().to_string())
+            ));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        let result = match sweep::run_sweep(&o, |b, r| {
+            sweep::cells::run_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                say(&format!("error: under order {order}: {e}"));
+                return ExitCode::FAILURE;
+            }
+        };
+        code = print_stdout(&format!(
+            "order: {order}\n{}",
+            sweep::output::table(&result)
+        ));
+        if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
+            say(&format!("error: {e}"));
+            return ExitCode::FAILURE;
+        }
+        runs.push((order, result));
+    }
+    let cmp = order_axis::OrderComparison::of(&runs);
+    let _ = print_stdout(&cmp.table());
+    match cmp.write(&runs, &args.out) {
+        Ok(paths) => {
+            say(&format!(
+                "wrote {} runs into {}/order-*/ and {} in {:.1} s",
+                runs.len(),
+                config::problem::escape(&args.out.display().to_string()),
+                paths
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                wall.elapsed().as_secs_f64()
+            ));
+            code
+        }
+        Err(e) => {
+            say(&format!("error: {e}"));
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `sweep --kv-blocks` (`docs/kv-memory.md#in-a-sweep`): the grid once per KV pool size, each

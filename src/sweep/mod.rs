@@ -12,6 +12,8 @@
 //! - [`plots`]: the trade-off curve, capacity bars and step-time distributions, SVG and PNG;
 //! - [`html`]: the self-contained `report.html`;
 //! - [`kv_axis`]: `--kv-blocks`, the grid run once per KV pool size, and their comparison.
+//! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
+//!   comparison.
 
 use std::fmt;
 use std::io::IsTerminal;
@@ -27,6 +29,7 @@ pub(crate) mod cells;
 pub mod grid;
 pub mod html;
 pub mod kv_axis;
+pub mod order_axis;
 pub mod output;
 pub mod plots;
 mod raster;

@@ -113,7 +113,7 @@ fn the_newest_lowest_priority_running_request_is_preempted_when_a_step_does_not_
     .unwrap();
     let log = dir.path().join("steps.jsonl");
     replay(
-        &format!("[chunking]\norder = \"priority\"\n[replay.kv]\nblocks = 200\n"),
+        "[chunking]\norder = \"priority\"\n[replay.kv]\nblocks = 200\n",
         &ReplayOptions {
             trace: Some(path),
             step_log: Some(log.clone()),
@@ -216,4 +216,79 @@ fn a_trace_priority_is_read_from_the_generic_csv_and_mooncake_and_a_bad_one_is_r
     .unwrap_err()
     .to_string();
     assert!(e.contains(":1: `priority` must be a whole number"), "{e}");
+}
+
+#[test]
+fn a_sweep_over_orders_runs_the_grid_per_order_and_adds_the_order_column_only_then() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let out_s = out.to_str().unwrap();
+    let args = |orders: Option<&str>, out: &str| {
+        let mut a = vec![
+            "sweep",
+            "--requests",
+            "60",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1,4",
+            "--no-progress",
+            "--out",
+            out,
+        ];
+        if let Some(o) = orders {
+            a.extend(["--orders", o]);
+        }
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        crate::helpers::run(&a, &[])
+    };
+    let r = run(args(Some("fcfs,shortest_first"), out_s));
+    assert_eq!(r.code, 0, "{r:?}");
+    let combined = std::fs::read_to_string(out.join("sweep.csv")).unwrap();
+    let lines: Vec<&str> = combined.lines().collect();
+    assert!(
+        lines[0].starts_with("order,budget,rate_scale,"),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(lines.len(), 1 + 2 * 2, "{combined}");
+    assert!(
+        lines[1].starts_with("fcfs,2048,1,") && lines[3].starts_with("shortest_first,2048,1,"),
+        "{combined}"
+    );
+    // Each order's own run is a plain sweep: no `order` column.
+    let fcfs = std::fs::read_to_string(out.join("order-fcfs").join("sweep.csv")).unwrap();
+    assert!(fcfs.starts_with("budget,rate_scale,"), "{fcfs}");
+    // The same rows as the combined file's, less the column.
+    for (a, b) in fcfs.lines().skip(1).zip(lines[1..3].iter()) {
+        assert_eq!(format!("fcfs,{a}"), *b);
+    }
+    let cmp = std::fs::read_to_string(out.join("orders.csv")).unwrap();
+    assert_eq!(cmp.lines().count(), 3, "{cmp}");
+    assert!(
+        r.stdout.contains("orders: capacity and latency"),
+        "{}",
+        r.stdout
+    );
+    // Without the axis, sweep.csv has no `order` column.
+    let plain = dir.path().join("plain");
+    let r = run(args(None, plain.to_str().unwrap()));
+    assert_eq!(r.code, 0, "{r:?}");
+    let csv = std::fs::read_to_string(plain.join("sweep.csv")).unwrap();
+    assert!(csv.starts_with("budget,rate_scale,"), "{csv}");
+    assert_eq!(csv, fcfs, "a plain sweep is the fcfs run");
+    // A bad list is usage, naming the flag.
+    let r = run(args(
+        Some("fcfs,lpm"),
+        dir.path().join("bad").to_str().unwrap(),
+    ));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(
+        r.stderr.contains("`--orders` unknown order \"lpm\""),
+        "{}",
+        r.stderr
+    );
 }

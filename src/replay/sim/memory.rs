@@ -124,7 +124,7 @@ impl KvState {
 
     /// The position in `running` of the request to preempt when memory runs out: the most
     /// recently admitted that holds blocks; under priority, the lowest priority first, then the
-    /// most recently admitted (vLLM's `max(running, key=(priority, arrival))`).
+    /// latest arrival (trace order; vLLM's `max(running, key=(priority, arrival_time))`).
     fn victim(&self) -> Option<usize> {
         let holds = |&(_, &r): &(usize, &usize)| self.pool.held(r) > 0;
         match &self.priorities {
@@ -134,14 +134,14 @@ impl KvState {
                 .iter()
                 .enumerate()
                 .filter(holds)
-                .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+                .max_by_key(|&(_, &r)| (self.priority(r), r))
                 .map(|(pos, _)| pos),
         }
     }
 
     /// Under priority, the position in `running` of a request a waiting `head` that does not
     /// fit may preempt: of strictly lower priority (a higher value) and holding blocks, the
-    /// lowest priority first, then the most recently admitted. `None` otherwise.
+    /// lowest priority first, then the latest arrival. `None` otherwise.
     fn arrival_victim(&self, head: usize) -> Option<usize> {
         self.priorities.as_ref()?;
         let mine = self.priority(head);
@@ -149,7 +149,7 @@ impl KvState {
             .iter()
             .enumerate()
             .filter(|&(_, &r)| self.pool.held(r) > 0 && self.priority(r) > mine)
-            .max_by_key(|&(pos, &r)| (self.priority(r), pos))
+            .max_by_key(|&(_, &r)| (self.priority(r), r))
             .map(|(pos, _)| pos)
     }
 
@@ -219,33 +219,11 @@ impl Sim<'_> {
     /// whether it admitted or preempted any.
     pub(super) async fn admit_waiting(&mut self) -> Result<bool, ReplayError> {
         let mut any = false;
-        while let Some((i, since, cap)) = self.kv.as_ref().and_then(|kv| {
-            let &(i, since) = kv.waiting.front()?;
-            Some((i, since, kv.first_chunk_cap))
-        }) {
-            let r = &self.trace.requests[i];
-            let total = r.input_tokens + self.state[i].generated;
-            let cached = self
-                .cache
-                .as_ref()
-                .map_or(0, |c| c.peek(self.trace.hashes(r), total));
-            let first = (total - cached).min(cap.unwrap_or(u32::MAX));
+        while let Some((i, since, need)) = self.head_need() {
             let Some(kv) = &self.kv else { break };
-            let need = kv.pool.blocks_for(u64::from(cached) + u64::from(first));
             let alone = self.prefilling == 0 && self.decoding == 0;
             if !kv.pool.can_admit(need, alone) {
-                // Under priority, a waiting request may make room by preempting a running one
-                // of lower priority, then try again.
-                let Some(pos) = kv.arrival_victim(i) else {
-                    break;
-                };
-                if let Some(kv) = &mut self.kv {
-                    let v = kv.running.remove(pos);
-                    let freed = kv.pool.release(v);
-                    self.preempt(v, freed).await?;
-                    any = true;
-                }
-                continue;
+                break;
             }
             let t = self.t_ms;
             if let Some(kv) = &mut self.kv {
@@ -260,6 +238,38 @@ impl Sim<'_> {
             any = true;
         }
         Ok(any)
+    }
+
+    /// The head of the memory queue, since when it waits, and the blocks its first chunk needs.
+    fn head_need(&self) -> Option<(usize, f64, u64)> {
+        let kv = self.kv.as_ref()?;
+        let &(i, since) = kv.waiting.front()?;
+        let r = &self.trace.requests[i];
+        let total = r.input_tokens + self.state[i].generated;
+        let cached = self
+            .cache
+            .as_ref()
+            .map_or(0, |c| c.peek(self.trace.hashes(r), total));
+        let first = (total - cached).min(kv.first_chunk_cap.unwrap_or(u32::MAX));
+        Some((
+            i,
+            since,
+            kv.pool.blocks_for(u64::from(cached) + u64::from(first)),
+        ))
+    }
+
+    /// Under priority: a memory queue head that cannot be admitted and a running request of
+    /// lower priority that holds blocks: that request's position in `running`, to preempt so
+    /// the head is admitted before the next step. Taken while a planned step has not run (as
+    /// every preemption is), so no step in flight holds the victim's rows.
+    fn arrival_victim_for_head(&self) -> Option<usize> {
+        let (head, _, need) = self.head_need()?;
+        let kv = self.kv.as_ref()?;
+        let alone = self.prefilling == 0 && self.decoding == 0;
+        if kv.pool.can_admit(need, alone) {
+            return None;
+        }
+        kv.arrival_victim(head)
     }
 
     /// Gives the planned `batch` (whose rows run `self.ran`) its blocks. When they do not fit:
@@ -286,6 +296,7 @@ impl Sim<'_> {
             let started = s.phase == Phase::Decoding || s.prefilled > 0;
             needs.push(Need { i, tokens, started });
         }
+        let arrival_victim = self.arrival_victim_for_head();
         let Some(kv) = self.kv.as_mut() else {
             return Ok(true);
         };
@@ -295,6 +306,13 @@ impl Sim<'_> {
             .map_or(0, |c| kv.pool.blocks_for(u64::from(c.block_tokens())));
         let mut victims: Vec<(usize, u64)> = Vec::new();
         let mut withdrawn: Vec<usize> = Vec::new();
+        // A waiting request of higher priority preempts first (one per step planned).
+        if let Some(pos) = arrival_victim {
+            let v = kv.running.remove(pos);
+            let freed = kv.pool.release(v);
+            victims.push((v, freed));
+            needs.retain(|n| n.i != v);
+        }
         // Started rows first (running requests, which may preempt), then first chunks (new
         // prompts, which only take what is free), each in batch order.
         needs.sort_by_key(|n| !n.started);
