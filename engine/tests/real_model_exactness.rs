@@ -60,9 +60,15 @@ async fn chunked_prefill(
 ) -> (KvCache, Vec<f32>, Vec<u32>) {
     let model = model();
     let mut cache = KvCache::new(model);
-    cm.admit(rid, "llm", "prefill", PreparedInput::tokens(tokens.to_vec()), 0)
-        .await
-        .unwrap();
+    cm.admit(
+        rid,
+        "llm",
+        "prefill",
+        PreparedInput::tokens(tokens.to_vec()),
+        0,
+    )
+    .await
+    .unwrap();
     let mut sizes = Vec::new();
     loop {
         let batch = cm.assemble("llm", "prefill").await.unwrap();

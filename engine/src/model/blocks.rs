@@ -234,7 +234,13 @@ impl Attention {
                     &q.flatten_all()?.to_vec1::<f32>()?,
                     &k_all.flatten_all()?.to_vec1::<f32>()?,
                     &v_all.flatten_all()?.to_vec1::<f32>()?,
-                    Shape { heads: h, kv_heads: kvh, head_dim: hd, n, start },
+                    Shape {
+                        heads: h,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        n,
+                        start,
+                    },
                 );
                 outs.push(Tensor::from_vec(o, (n, h * hd), x.device())?);
                 grown.push((k_all, v_all));
