@@ -217,6 +217,38 @@ impl KvArgs {
     }
 }
 
+/// `replay`'s fleet as flags: `replay.fleet.workers` and `replay.fleet.router`.
+#[derive(Debug, Clone, Default, PartialEq, Args)]
+pub struct FleetArgs {
+    /// Component instances replayed side by side behind the router, 1 to 256:
+    /// `replay.fleet.workers`
+    #[arg(
+        long,
+        value_name = "N",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub workers: Option<String>,
+    /// How each request is sent to a worker at its arrival: round_robin, least_outstanding,
+    /// least_kv or prefix_affinity: `replay.fleet.router`
+    #[arg(
+        long,
+        value_name = "NAME",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub router: Option<String>,
+}
+
+impl FleetArgs {
+    /// The flags given, as config edits.
+    pub fn flags(&self) -> Vec<config::FlagSetting> {
+        use config::FlagSetting as F;
+        let mut v = Vec::new();
+        v.extend(self.workers.as_deref().map(F::workers));
+        v.extend(self.router.as_deref().map(F::router));
+        v
+    }
+}
+
 /// What `--help` of `replay` and `sweep` says of settings.
 const SETTINGS_HELP: &str = "Every setting is a config key: config/default.toml lists them all, with their defaults, and docs/config.md describes them. Layers, each over the one before: config/default.toml (a built-in copy outside the repository), config/$MSTAR_ENV.toml, each --config FILE, MSTAR__SECTION__KEY environment variables, then the flags above, each the key it names, refused as the key is.";
 
@@ -236,6 +268,9 @@ pub struct ReplayArgs {
     /// KV memory as flags.
     #[command(flatten)]
     pub kv: KvArgs,
+    /// The fleet as flags.
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
     pub rate_scale: f64,
@@ -262,7 +297,7 @@ pub struct ReplayArgs {
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying (a reload
     /// reads the layers again without the flags, so none may be given)
-    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory"])]
+    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
