@@ -508,27 +508,46 @@ impl Instance {
     /// Creates the series that exist from start-up with value 0: the reload results.
     pub(crate) fn started(&self) {
         for result in [RESULT_OK, RESULT_ERROR] {
-            metrics::counter!(CONFIG_RELOADS_TOTAL, self.labels([(LABEL_RESULT, result.into())]))
-                .increment(0);
+            metrics::counter!(
+                CONFIG_RELOADS_TOTAL,
+                self.labels([(LABEL_RESULT, result.into())])
+            )
+            .increment(0);
         }
     }
 
     /// Counts a config reload; `ok` is its result.
     pub(crate) fn record_reload(&self, ok: bool) {
         let result = if ok { RESULT_OK } else { RESULT_ERROR };
-        metrics::counter!(CONFIG_RELOADS_TOTAL, self.labels([(LABEL_RESULT, result.into())]))
-            .increment(1);
+        metrics::counter!(
+            CONFIG_RELOADS_TOTAL,
+            self.labels([(LABEL_RESULT, result.into())])
+        )
+        .increment(1);
     }
 
     /// Sets the time budget gauge of `node`/`walk` (0 where there is none); a pair with a
     /// time budget has its time-overrun series created at 0.
     pub(crate) fn set_time_budget(&self, node: &Name, walk: &Name, max_step_ms: Option<f64>) {
-        metrics::gauge!(STEP_BUDGET_SECONDS, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into())]))
-            .set(max_step_ms.unwrap_or(0.0) / 1000.0);
+        metrics::gauge!(
+            STEP_BUDGET_SECONDS,
+            self.labels([
+                (LABEL_NODE, node.to_string().into()),
+                (LABEL_WALK, walk.to_string().into())
+            ])
+        )
+        .set(max_step_ms.unwrap_or(0.0) / 1000.0);
         if max_step_ms.is_some() {
             for reason in TimeOverrunReason::ALL {
-                metrics::counter!(TIME_OVERRUNS_TOTAL, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into()), (LABEL_REASON, reason.as_str().into())]))
-                    .increment(0);
+                metrics::counter!(
+                    TIME_OVERRUNS_TOTAL,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_WALK, walk.to_string().into()),
+                        (LABEL_REASON, reason.as_str().into())
+                    ])
+                )
+                .increment(0);
             }
         }
     }
@@ -536,11 +555,30 @@ impl Instance {
     /// The latency-model gauges of `node`.
     pub(crate) fn model(&self, node: &Name) -> ModelGauges {
         ModelGauges {
-            coefficients: COEFFICIENT_KEYS.map(|c| metrics::gauge!(LATENCY_MODEL_COEFFICIENT, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_COEFFICIENT, c.into())]))),
-            sources: ModelSource::ALL.map(|s| metrics::gauge!(LATENCY_MODEL_SOURCE, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_SOURCE, s.as_str().into())]))),
+            coefficients: COEFFICIENT_KEYS.map(|c| {
+                metrics::gauge!(
+                    LATENCY_MODEL_COEFFICIENT,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_COEFFICIENT, c.into())
+                    ])
+                )
+            }),
+            sources: ModelSource::ALL.map(|s| {
+                metrics::gauge!(
+                    LATENCY_MODEL_SOURCE,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_SOURCE, s.as_str().into())
+                    ])
+                )
+            }),
             shown: None,
             margin: {
-                let g = metrics::gauge!(TIME_MARGIN, self.labels([(LABEL_NODE, node.to_string().into())]));
+                let g = metrics::gauge!(
+                    TIME_MARGIN,
+                    self.labels([(LABEL_NODE, node.to_string().into())])
+                );
                 g.set(1.0);
                 g
             },
@@ -550,8 +588,14 @@ impl Instance {
     /// Sets the budget gauge of `node`/`walk` (0 where there is no budget); a budgeted pair's
     /// overrun series are created at 0.
     pub(crate) fn set_budget(&self, node: &Name, walk: &Name, budget: Option<u32>) {
-        metrics::gauge!(STEP_BUDGET_TOKENS, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into())]))
-            .set(f64::from(budget.unwrap_or(0)));
+        metrics::gauge!(
+            STEP_BUDGET_TOKENS,
+            self.labels([
+                (LABEL_NODE, node.to_string().into()),
+                (LABEL_WALK, walk.to_string().into())
+            ])
+        )
+        .set(f64::from(budget.unwrap_or(0)));
         if budget.is_some() {
             // Resolving the handles registers the series: counters at 0, an empty histogram.
             let _ = self.overruns(node, walk);
@@ -566,7 +610,16 @@ impl Instance {
             (LABEL_NODE, node.to_string().into()),
             (LABEL_WALK, walk.to_string().into()),
         ]);
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into()), (LABEL_FINAL, fin.into())]));
+        let chunks = |fin: &'static str| {
+            metrics::counter!(
+                CHUNKS_TOTAL,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into()),
+                    (LABEL_FINAL, fin.into())
+                ])
+            )
+        };
         StepMetrics {
             steps: metrics::counter!(STEPS_TOTAL, labels.clone()),
             tokens: metrics::histogram!(STEP_TOKENS, labels.clone()),
@@ -576,34 +629,64 @@ impl Instance {
             assembly_seconds: metrics::histogram!(STEP_ASSEMBLY_SECONDS, labels.clone()),
             step_seconds: metrics::histogram!(STEP_SECONDS, labels.clone()),
             prediction_error: metrics::histogram!(STEP_PREDICTION_ERROR_SECONDS, labels.clone()),
-            time_overruns: TimeOverrunReason::ALL.map(|reason| metrics::counter!(TIME_OVERRUNS_TOTAL, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into()), (LABEL_REASON, reason.as_str().into())]))),
+            time_overruns: TimeOverrunReason::ALL.map(|reason| {
+                metrics::counter!(
+                    TIME_OVERRUNS_TOTAL,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_WALK, walk.to_string().into()),
+                        (LABEL_REASON, reason.as_str().into())
+                    ])
+                )
+            }),
         }
     }
 
     /// The overrun metrics of `node`/`walk`, one counter per reason.
     pub(crate) fn overruns(&self, node: &Name, walk: &Name) -> OverrunMetrics {
         let by_reason = OverrunReason::ALL.map(|reason| {
-            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into()), (LABEL_REASON, reason.as_str().into())]));
+            let c = metrics::counter!(
+                BUDGET_OVERRUNS_TOTAL,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into()),
+                    (LABEL_REASON, reason.as_str().into())
+                ])
+            );
             c.increment(0);
             c
         });
         OverrunMetrics {
             by_reason,
-            tokens: metrics::histogram!(OVERRUN_TOKENS, self.labels([(LABEL_NODE, node.to_string().into()), (LABEL_WALK, walk.to_string().into())])),
+            tokens: metrics::histogram!(
+                OVERRUN_TOKENS,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into())
+                ])
+            ),
         }
     }
 
     /// The prepared-input gauges of `node` (rows, tokens).
     pub(crate) fn prepared(&self, node: &Name) -> (Gauge, Gauge) {
         (
-            metrics::gauge!(PREPARED_INPUTS, self.labels([(LABEL_NODE, node.to_string().into())])),
-            metrics::gauge!(PREPARED_INPUT_TOKENS, self.labels([(LABEL_NODE, node.to_string().into())])),
+            metrics::gauge!(
+                PREPARED_INPUTS,
+                self.labels([(LABEL_NODE, node.to_string().into())])
+            ),
+            metrics::gauge!(
+                PREPARED_INPUT_TOKENS,
+                self.labels([(LABEL_NODE, node.to_string().into())])
+            ),
         )
     }
 
     /// The queue-depth gauges of `node`.
     pub(crate) fn queue(&self, node: &Name) -> QueueGauges {
-        let gauge = |name: &'static str| metrics::gauge!(name, self.labels([(LABEL_NODE, node.to_string().into())]));
+        let gauge = |name: &'static str| {
+            metrics::gauge!(name, self.labels([(LABEL_NODE, node.to_string().into())]))
+        };
         QueueGauges {
             waiting: gauge(ROWS_WAITING),
             mid_prefill: gauge(ROWS_MID_PREFILL),

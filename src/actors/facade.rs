@@ -113,7 +113,11 @@ impl ChunkingManagement {
     ///
     /// # Errors
     /// As [`ChunkingManagement::start`].
-    pub fn start_worker<I, S>(model: &str, worker: &str, submodules: I) -> Result<Self, ChunkingError>
+    pub fn start_worker<I, S>(
+        model: &str,
+        worker: &str,
+        submodules: I,
+    ) -> Result<Self, ChunkingError>
     where
         I: IntoIterator<Item = (S, SubmoduleCaps)>,
         S: AsRef<str>,

@@ -222,11 +222,7 @@ impl KvArgs {
 pub struct FleetArgs {
     /// Component instances replayed side by side behind the router, 1 to 256:
     /// `replay.fleet.workers`
-    #[arg(
-        long,
-        value_name = "N",
-        help_heading = "Settings (each a config key)"
-    )]
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
     pub workers: Option<String>,
     /// How each request is sent to a worker at its arrival: round_robin, least_outstanding,
     /// least_kv or prefix_affinity: `replay.fleet.router`

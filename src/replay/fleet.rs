@@ -120,12 +120,9 @@ pub(super) async fn run(
     let n = setup.fleet.workers;
     let mut others = Vec::with_capacity(n as usize - 1);
     for w in 1..n {
-        let cm = ChunkingManagement::start_worker(
-            &manifest.name,
-            &w.to_string(),
-            manifest.submodules(),
-        )
-        .map_err(ReplayError::chunking("starting a worker's actors"))?;
+        let cm =
+            ChunkingManagement::start_worker(&manifest.name, &w.to_string(), manifest.submodules())
+                .map_err(ReplayError::chunking("starting a worker's actors"))?;
         cm.set_policies(manifest.policies())
             .await
             .map_err(ReplayError::chunking("setting the model's policies"))?;
@@ -144,7 +141,7 @@ pub(super) async fn run(
                 .time_budgets(plan.walk_budgets)
                 .first_chunk_cap(plan.first_chunk_cap)
                 .priority_preemption(plan.priority_preemption)
-                .as_worker(w as u32, log.clone())
+                .into_worker(w as u32, n, log.clone())
         })
         .collect();
     sims[0].check_fits()?;
@@ -302,7 +299,8 @@ fn pool(tallies: Vec<Tally>, routed: &[usize], setup: &ReplaySetup) -> ReplayRep
     let mut report = pooled
         .map(Tally::finish)
         .expect("a fleet has at least one worker");
-    report.fleet = Some(fleet);
+    // A fleet of one reports what a single replay does.
+    report.fleet = (setup.fleet.workers > 1).then_some(fleet);
     report
 }
 
@@ -310,7 +308,10 @@ fn pool(tallies: Vec<Tally>, routed: &[usize], setup: &ReplaySetup) -> ReplayRep
 mod tests {
     use super::*;
 
-    fn checked(f: &FleetSection) -> (FleetSetup, Vec<(&'static str, Option<String>, String)>) {
+    /// A refused setting: its key, its value and why.
+    type Problem = (&'static str, Option<String>, String);
+
+    fn checked(f: &FleetSection) -> (FleetSetup, Vec<Problem>) {
         let mut problems = Vec::new();
         let setup = check(f, &mut |k, v, r| problems.push((k, v, r)));
         (setup, problems)

@@ -23,6 +23,8 @@ mod budgets;
 mod checks;
 mod error;
 pub mod fleet;
+#[cfg(test)]
+mod fleet_equivalence;
 pub mod fleet_report;
 pub(crate) mod kv;
 mod options;
@@ -41,11 +43,11 @@ pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, r
 pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
 pub use fleet::FleetSetup;
-pub use router::RouterKind;
 pub use options::{ReplayOptions, StepHook, StopFlag};
 pub use priority::PriorityBy;
 pub use report::ReplayReport;
 pub use report::{RunSettings, StepDurations};
+pub use router::RouterKind;
 pub use run::{load_trace, run, run_on, run_trace, trace_warnings};
 pub use settings::{KvSetup, ReplaySetup};
 pub use signals::signal_exit_code;

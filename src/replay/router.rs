@@ -227,8 +227,14 @@ mod tests {
     #[test]
     fn least_kv_picks_the_least_kv_in_use_then_the_fewest_requests() {
         let mut r = Router::new(RouterKind::LeastKv, 0);
-        assert_eq!(r.pick(&[load(1, 800, 0), load(9, 200, 0), load(0, 500, 0)]), 1);
-        assert_eq!(r.pick(&[load(4, 100, 0), load(2, 100, 0), load(3, 100, 0)]), 1);
+        assert_eq!(
+            r.pick(&[load(1, 800, 0), load(9, 200, 0), load(0, 500, 0)]),
+            1
+        );
+        assert_eq!(
+            r.pick(&[load(4, 100, 0), load(2, 100, 0), load(3, 100, 0)]),
+            1
+        );
     }
 
     #[test]

@@ -125,6 +125,20 @@ pub async fn run_trace(
     trace: &Trace,
     wall: Instant,
 ) -> Result<ReplayReport, ReplayError> {
+    run_trace_on(cm, manifest, settings, opts, trace, wall, false).await
+}
+
+/// [`run_trace`]; `fleet_loop` runs even one worker through the fleet's loop (`fleet.rs`),
+/// which a test holds to the single replay's results exactly.
+pub(crate) async fn run_trace_on(
+    cm: &ChunkingManagement,
+    manifest: &Manifest,
+    settings: &Settings,
+    opts: &ReplayOptions,
+    trace: &Trace,
+    wall: Instant,
+    fleet_loop: bool,
+) -> Result<ReplayReport, ReplayError> {
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
     let setup = ReplaySetup::resolve(manifest, settings)?;
     check_run_outputs(opts)?;
@@ -171,7 +185,7 @@ pub async fn run_trace(
         workers = setup.fleet.workers,
         "replay started"
     );
-    let mut report = if setup.fleet.workers > 1 {
+    let mut report = if setup.fleet.workers > 1 || fleet_loop {
         let plan = fleet::WorkerPlan {
             budgets: &budgets,
             walk_budgets: &labels.budgets,

@@ -27,9 +27,7 @@ use rand::{Rng, SeedableRng};
 
 use super::prefix_cache::PrefixCache;
 use super::priority::ByClass;
-use super::report::{
-    ChunkCounts, OverrunCounts, ReplayReport, StepDurations, TokenCounts,
-};
+use super::report::{ChunkCounts, OverrunCounts, ReplayReport, StepDurations, TokenCounts};
 use super::step_log::{StepLog, StepSink};
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup, DECODE_WALK, PREFILL_WALK};
@@ -833,8 +831,8 @@ impl<'a> Sim<'a> {
                     s.generated += 1;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
-                        self.done_tokens += u64::from(self.trace.requests[i].input_tokens)
-                            + u64::from(s.generated);
+                        self.done_tokens +=
+                            u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated);
                         s.phase = Phase::Done;
                         self.changes.push(Change::Forget(row.rid));
                         self.decoding -= 1;

@@ -46,8 +46,9 @@ pub enum StepSink {
     Shared {
         /// The log, finished by the fleet once every worker is done.
         log: Rc<RefCell<StepLog>>,
-        /// The worker's index, written on each of its lines.
-        worker: u32,
+        /// The worker's index, written on each of its lines when the fleet has two workers or
+        /// more (`None`: a fleet of one writes the lines of a single replay).
+        worker: Option<u32>,
     },
 }
 
@@ -74,10 +75,9 @@ impl StepSink {
     ) -> io::Result<()> {
         match self {
             StepSink::Own(log) => log.write_line(None, t_ms, batch, contexts, outcome, kv),
-            StepSink::Shared { log, worker } => {
-                log.borrow_mut()
-                    .write_line(Some(*worker), t_ms, batch, contexts, outcome, kv)
-            }
+            StepSink::Shared { log, worker } => log
+                .borrow_mut()
+                .write_line(*worker, t_ms, batch, contexts, outcome, kv),
         }
     }
 }

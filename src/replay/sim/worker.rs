@@ -39,13 +39,20 @@ fn worker_seed(seed: u64, worker: u32) -> u64 {
 }
 
 impl Sim<'_> {
-    /// Makes this simulation worker `index` of a fleet: it admits what [`Sim::route`] sends it,
-    /// writes its steps to `log` (the fleet's, shared) naming itself, draws its speculation and
-    /// noise from its own seeded streams, and keeps when its prefix blocks became cached.
+    /// Makes this simulation worker `index` of a fleet of `workers`: it admits what
+    /// [`Sim::route`] sends it, writes its steps to `log` (the fleet's, shared; naming itself
+    /// when there are two workers or more), draws its speculation and noise from its own
+    /// seeded streams, and keeps when its prefix blocks became cached.
     #[must_use]
-    pub(crate) fn as_worker(mut self, index: u32, log: Option<Rc<RefCell<StepLog>>>) -> Self {
+    pub(crate) fn into_worker(
+        mut self,
+        index: u32,
+        workers: u32,
+        log: Option<Rc<RefCell<StepLog>>>,
+    ) -> Self {
         self.inbox = Inbox::Routed(VecDeque::new());
-        self.step_log = log.map(|log| StepSink::Shared { log, worker: index });
+        let worker = (workers > 1).then_some(index);
+        self.step_log = log.map(|log| StepSink::Shared { log, worker });
         self.report.step_log = self
             .step_log
             .as_ref()
@@ -61,7 +68,9 @@ impl Sim<'_> {
     /// its arrival. Requests must be sent in arrival order.
     pub(crate) fn route(&mut self, i: usize) {
         if let Inbox::Routed(q) = &mut self.inbox {
-            debug_assert!(q.back().is_none_or(|&j| self.arrivals[j] <= self.arrivals[i]));
+            debug_assert!(q
+                .back()
+                .is_none_or(|&j| self.arrivals[j] <= self.arrivals[i]));
             q.push_back(i);
         }
         self.routed += 1;
@@ -74,8 +83,7 @@ impl Sim<'_> {
         if self.prefilling > 0 || self.decoding > 0 || self.memory_waiting() > 0 {
             return Some(self.t_ms);
         }
-        self.next_arrival()
-            .map(|i| self.t_ms.max(self.arrivals[i]))
+        self.next_arrival().map(|i| self.t_ms.max(self.arrivals[i]))
     }
 
     /// The figures behind a router's view, as they are now.
