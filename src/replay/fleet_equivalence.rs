@@ -122,3 +122,76 @@ fn one_worker_in_the_fleet_loop_is_exact_with_kv_memory_a_prefix_cache_and_noise
         r.tokens
     );
 }
+
+/// The `worker` label of every series a fleet replay records: each worker's index, on every
+/// series; no series without it.
+#[test]
+fn every_series_of_a_fleet_carries_its_worker_label() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let load = LoadOptions {
+        config_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+        env: Some(HashMap::new()),
+        ..LoadOptions::default()
+    };
+    let loaded = config::load_with_flags(
+        &load,
+        &[FlagSetting::workers("3"), FlagSetting::router("least_kv")],
+    )
+    .unwrap();
+    let opts = ReplayOptions {
+        requests: Some(60),
+        ..ReplayOptions::default()
+    };
+    let report = metrics::with_local_recorder(&recorder, || {
+        actix::System::new().block_on(async {
+            let m = &loaded.manifest;
+            let cm = ChunkingManagement::start_worker(&m.name, "0", m.submodules()).unwrap();
+            let trace = load_trace(&opts, 42).unwrap();
+            run_trace(&cm, m, &loaded.settings, &opts, &trace, Instant::now())
+                .await
+                .unwrap()
+        })
+    });
+    assert_eq!(report.fleet.as_ref().map(|f| f.workers), Some(3));
+    let mut workers = std::collections::BTreeSet::new();
+    let mut series = 0;
+    for (key, _, _, _) in snapshotter.snapshot().into_vec() {
+        let worker = key
+            .key()
+            .labels()
+            .find(|l| l.key() == crate::metrics::LABEL_WORKER)
+            .map(|l| l.value().to_string());
+        let name = key.key().name().to_string();
+        workers.insert(worker.unwrap_or_else(|| panic!("{name} has no worker label")));
+        series += 1;
+    }
+    assert!(series > 30, "{series}");
+    assert_eq!(workers.into_iter().collect::<Vec<_>>(), ["0", "1", "2"]);
+}
+
+/// One component instance (not a fleet's worker) has no `worker` label.
+#[test]
+fn a_single_instance_has_no_worker_label() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        actix::System::new().block_on(async {
+            let caps = crate::SubmoduleCaps::new(["prefill"], false);
+            let cm = ChunkingManagement::start("solo", [("llm", caps)]).unwrap();
+            cm.set_policies([(("llm", "prefill"), crate::ChunkingPolicy::budget(256))])
+                .await
+                .unwrap();
+        });
+    });
+    let keys = snapshotter.snapshot().into_vec();
+    assert!(!keys.is_empty());
+    for (key, _, _, _) in keys {
+        assert!(
+            key.key()
+                .labels()
+                .all(|l| l.key() != crate::metrics::LABEL_WORKER),
+            "{key:?}"
+        );
+    }
+}

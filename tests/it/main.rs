@@ -7,6 +7,7 @@ mod core;
 mod doc_commands;
 mod drain;
 mod endpoint;
+mod fleet;
 mod helpers;
 mod hostile;
 mod kv_memory;
