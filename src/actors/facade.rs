@@ -791,7 +791,7 @@ impl ChunkingManagement {
     /// drops every queued row and releases every prepared input, and reports what it dropped
     /// (all zero when the engine completed its step and forgot its requests first). The actors
     /// then hold nothing and refuse all work with [`ChunkingError::Draining`]; they end with
-    /// their actix System ([`ActorThread::stop`] for [`start_on_own_thread`]), since a
+    /// their actix System ([`ActorThread::stop`](crate::ActorThread::stop) for [`start_on_own_thread`](Self::start_on_own_thread)), since a
     /// supervised actor is restarted while any handle can still reach it.
     ///
     /// ```
