@@ -188,7 +188,8 @@ impl StepHooks for Shell {
             node = %node,
             waiting = %waiting,
             assembled = %assembled,
-            "prompt rows of `{node}` wait on walk `{waiting}`, which no step of `{node}`/`{assembled}` takes: run `{waiting}` inside `{assembled}` (`BudgetSettings::combined`, or the model manifest's combined walks) or assemble `{node}`/`{waiting}` too"
+            "{}",
+            crate::scheduler::serving::stranded_message(node, waiting, assembled)
         );
     }
 
