@@ -8,8 +8,8 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
+use super::host::{ask, RequestTimeout};
 use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
-use super::own_thread::{ask, RequestTimeout};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{

@@ -122,6 +122,7 @@ use supervised;
 
 mod budget_config;
 mod facade;
+mod host;
 mod overrun_accounting;
 mod own_thread;
 mod policy_registry;
@@ -130,5 +131,5 @@ mod scheduler;
 mod spans;
 
 pub use facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
-pub use own_thread::ActorThread;
+pub use host::ActorThread;
 pub use scheduler::{DrainReport, QueueStats};

@@ -75,7 +75,7 @@ pub struct ReplayReport {
     /// TTFT and TBT per priority class, by priority; only with two classes or more
     /// (`docs/replay.md#priorities`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub by_priority: Vec<super::priority::ClassLatency>,
+    pub by_priority: Vec<ClassLatency>,
     /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
     /// their percentiles, like a latency; null without steps).
     pub step_ms: StepDurations,
@@ -363,6 +363,19 @@ fn ser_opt_ratio<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error
         Some(x) if x.is_finite() => s.serialize_f64((x * 10_000.0).round() / 10_000.0),
         _ => s.serialize_none(),
     }
+}
+
+/// The latency of one priority class (the summary's and report's `by_priority`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassLatency {
+    /// The priority.
+    pub priority: i32,
+    /// Requests of the class.
+    pub requests: usize,
+    /// Their time to first token, simulated ms.
+    pub ttft_ms: Option<Latency>,
+    /// Their time between tokens, simulated ms.
+    pub tbt_ms: Option<Latency>,
 }
 
 /// The effective settings a replay ran under, shown at the head of the summary and recorded in

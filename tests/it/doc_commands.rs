@@ -335,7 +335,11 @@ fn the_readmes_first_code_block_is_the_doc_tested_engine_loop() {
         .into_iter()
         .next()
         .expect("README.md has a code block");
-    assert_eq!(first.lang, "rust", "{}: the first block is not Rust", first.at);
+    assert_eq!(
+        first.lang, "rust",
+        "{}: the first block is not Rust",
+        first.at
+    );
     assert!(
         first.marks.is_empty(),
         "{}: the first block is not a plain (doc-tested) Rust block: {:?}",

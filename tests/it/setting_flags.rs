@@ -490,7 +490,10 @@ fn sweep_flags_run_and_are_refused_as_their_config_keys() {
     {
         let layer = dir.path().join(format!("layer{i}.toml"));
         std::fs::write(&layer, toml).unwrap();
-        let (a, b) = (dir.path().join(format!("a{i}")), dir.path().join(format!("b{i}")));
+        let (a, b) = (
+            dir.path().join(format!("a{i}")),
+            dir.path().join(format!("b{i}")),
+        );
         let r = sweep(&a, flags);
         assert_eq!(r.code, 0, "{flags:?}: {r:?}");
         let r = sweep(&b, &["--config", layer.to_str().unwrap()]);
