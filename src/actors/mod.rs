@@ -124,11 +124,12 @@ mod budget_config;
 mod facade;
 mod host;
 mod overrun_accounting;
-mod own_thread;
 mod policy_registry;
 mod prepared_inputs;
 mod scheduler;
+mod scheduler_shell;
 mod spans;
+mod start;
 
 pub use facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
 pub use host::ActorThread;

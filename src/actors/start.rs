@@ -1,14 +1,85 @@
-//! [`ChunkingManagement::start_on_own_thread`]: the actors on a thread of their own, in an
-//! actix System of their own, for an engine on tokio or any other runtime.
+//! Starting a model's actors: [`ChunkingManagement::start`] on the current actix arbiter, and
+//! [`ChunkingManagement::start_on_own_thread`] on a thread of their own, in an actix System of
+//! their own, for an engine on tokio or any other runtime.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::facade::ChunkingManagement;
-use super::host::{ActorThread, ThreadKeeper};
+use actix::prelude::*;
+
+use super::budget_config::{BudgetConfig, Subscribe};
+use super::facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
+use super::host::{ActorThread, RequestTimeout, ThreadKeeper};
+use super::overrun_accounting::OverrunAccounting;
+use super::policy_registry::PolicyRegistry;
+use super::prepared_inputs::PreparedInputs;
+use super::scheduler::Scheduler;
 use crate::error::ChunkingError;
-use crate::policy::SubmoduleCaps;
+use crate::metrics::Instance;
+use crate::policy::{Name, SubmoduleCaps};
 
 impl ChunkingManagement {
+    /// Starts the actors of `model` (the value of every metric series' `model` label) on the
+    /// current actix arbiter, for a model with these node submodules.
+    ///
+    /// # Errors
+    /// [`ChunkingError::NoActixSystem`] when called outside an actix System.
+    pub fn start<I, S>(model: &str, submodules: I) -> Result<Self, ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
+        if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
+            return Err(ChunkingError::NoActixSystem);
+        }
+        let submodules: BTreeMap<Name, SubmoduleCaps> = submodules
+            .into_iter()
+            .map(|(n, c)| (Name::from(n.as_ref()), c))
+            .collect();
+        let model = Name::from(model);
+        let instance = Instance::new(model.clone());
+        instance.started();
+        let instance_handle = instance.clone();
+        // Supervised: an actor that panics is restarted with its state, on this arbiter.
+        let budgets = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| BudgetConfig::new(instance))
+        };
+        let policies = {
+            let budgets = budgets.clone();
+            Supervisor::start(move |_| PolicyRegistry::new(budgets))
+        };
+        let prepared = {
+            let instance = instance.clone();
+            let nodes: Vec<Name> = submodules.keys().cloned().collect();
+            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
+        };
+        let overruns = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| OverrunAccounting::new(instance))
+        };
+        let scheduler = {
+            let (prepared, overruns) = (prepared.clone(), overruns.clone());
+            Supervisor::start(move |_| Scheduler::new(instance, prepared, overruns))
+        };
+        budgets.do_send(Subscribe(scheduler.clone().recipient()));
+        Ok(Self {
+            submodules: Arc::new(submodules),
+            policies,
+            budgets,
+            prepared,
+            overruns,
+            scheduler,
+            timeout: RequestTimeout {
+                after: Some(DEFAULT_REQUEST_TIMEOUT),
+                host: None,
+                keeper: None,
+            },
+            model,
+            metrics: instance_handle,
+        })
+    }
+
     /// Starts the actors on a thread of their own, in an actix System of their own, for an
     /// engine that runs on tokio (or any runtime) without one. Returns the handle (`Send`,
     /// usable from any thread) and the thread's guard. The thread runs while the guard or any
