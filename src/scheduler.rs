@@ -1,7 +1,7 @@
 //! The scheduler's state without a runtime: row queues per node, the budget snapshot, the
 //! step in flight per node, every queued prompt's prepared input, the last one-trip completion
 //! and the drain. Assembles each step's batch (docs/scheduling.md) and applies its completion;
-//! [`serving`] holds the engine's calls on the whole state, which the Scheduler actor makes.
+//! `serving` holds the engine's calls on the whole state, which the Scheduler actor makes.
 //!
 //! One step per node is in flight at a time: a node runs its steps one after another, and the
 //! next step's plan depends on how far the previous one moved its rows.

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
-use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
+use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets};
+use super::host::{ask, RequestTimeout};
 use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
-use super::own_thread::{ask, RequestTimeout};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
@@ -74,15 +74,15 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// ```
 #[derive(Clone)]
 pub struct ChunkingManagement {
-    submodules: Arc<BTreeMap<Name, SubmoduleCaps>>,
-    policies: Addr<PolicyRegistry>,
-    budgets: Addr<BudgetConfig>,
-    prepared: Addr<PreparedInputs>,
-    overruns: Addr<OverrunAccounting>,
-    scheduler: Addr<Scheduler>,
+    pub(super) submodules: Arc<BTreeMap<Name, SubmoduleCaps>>,
+    pub(super) policies: Addr<PolicyRegistry>,
+    pub(super) budgets: Addr<BudgetConfig>,
+    pub(super) prepared: Addr<PreparedInputs>,
+    pub(super) overruns: Addr<OverrunAccounting>,
+    pub(super) scheduler: Addr<Scheduler>,
     pub(super) timeout: RequestTimeout,
-    model: Name,
-    metrics: Instance,
+    pub(super) model: Name,
+    pub(super) metrics: Instance,
 }
 
 impl ChunkingManagement {
@@ -92,93 +92,6 @@ impl ChunkingManagement {
         self.submodules
             .get_key_value(node)
             .map_or_else(|| Name::from(node), |(name, _)| name.clone())
-    }
-
-    /// Starts the actors of `model` (the value of every metric series' `model` label) on the
-    /// current actix arbiter, for a model with these node submodules.
-    ///
-    /// # Errors
-    /// [`ChunkingError::NoActixSystem`] when called outside an actix System.
-    pub fn start<I, S>(model: &str, submodules: I) -> Result<Self, ChunkingError>
-    where
-        I: IntoIterator<Item = (S, SubmoduleCaps)>,
-        S: AsRef<str>,
-    {
-        Self::start_labelled(Instance::new(Name::from(model)), submodules)
-    }
-
-    /// [`ChunkingManagement::start`] for one worker of a fleet (a replayed fleet has one
-    /// instance per worker in one process): every metric series carries a `worker` label with
-    /// `worker` besides `model`, so the workers export separate series.
-    ///
-    /// # Errors
-    /// As [`ChunkingManagement::start`].
-    pub fn start_worker<I, S>(
-        model: &str,
-        worker: &str,
-        submodules: I,
-    ) -> Result<Self, ChunkingError>
-    where
-        I: IntoIterator<Item = (S, SubmoduleCaps)>,
-        S: AsRef<str>,
-    {
-        let instance = Instance::new(Name::from(model)).with_worker(Name::from(worker));
-        Self::start_labelled(instance, submodules)
-    }
-
-    fn start_labelled<I, S>(instance: Instance, submodules: I) -> Result<Self, ChunkingError>
-    where
-        I: IntoIterator<Item = (S, SubmoduleCaps)>,
-        S: AsRef<str>,
-    {
-        if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
-            return Err(ChunkingError::NoActixSystem);
-        }
-        let submodules: BTreeMap<Name, SubmoduleCaps> = submodules
-            .into_iter()
-            .map(|(n, c)| (Name::from(n.as_ref()), c))
-            .collect();
-        let model = instance.model_name().clone();
-        instance.started();
-        let instance_handle = instance.clone();
-        // Supervised: an actor that panics is restarted with its state, on this arbiter.
-        let budgets = {
-            let instance = instance.clone();
-            Supervisor::start(move |_| BudgetConfig::new(instance))
-        };
-        let policies = {
-            let budgets = budgets.clone();
-            Supervisor::start(move |_| PolicyRegistry::new(budgets))
-        };
-        let prepared = {
-            let instance = instance.clone();
-            let nodes: Vec<Name> = submodules.keys().cloned().collect();
-            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
-        };
-        let overruns = {
-            let instance = instance.clone();
-            Supervisor::start(move |_| OverrunAccounting::new(instance))
-        };
-        let scheduler = {
-            let (prepared, overruns) = (prepared.clone(), overruns.clone());
-            Supervisor::start(move |_| Scheduler::new(instance, prepared, overruns))
-        };
-        budgets.do_send(Subscribe(scheduler.clone().recipient()));
-        Ok(Self {
-            submodules: Arc::new(submodules),
-            policies,
-            budgets,
-            prepared,
-            overruns,
-            scheduler,
-            timeout: RequestTimeout {
-                after: Some(DEFAULT_REQUEST_TIMEOUT),
-                host: None,
-                keeper: None,
-            },
-            model,
-            metrics: instance_handle,
-        })
     }
 
     /// The value of this instance's `model` label.
@@ -817,7 +730,7 @@ impl ChunkingManagement {
     /// drops every queued row and releases every prepared input, and reports what it dropped
     /// (all zero when the engine completed its step and forgot its requests first). The actors
     /// then hold nothing and refuse all work with [`ChunkingError::Draining`]; they end with
-    /// their actix System ([`ActorThread::stop`] for [`start_on_own_thread`]), since a
+    /// their actix System ([`ActorThread::stop`](crate::ActorThread::stop) for [`start_on_own_thread`](Self::start_on_own_thread)), since a
     /// supervised actor is restarted while any handle can still reach it.
     ///
     /// ```
