@@ -27,6 +27,7 @@ mod config_cmd;
 mod fit_cmd;
 mod replay_cmd;
 mod sweep_cmd;
+mod sweep_fleet;
 
 pub use config_cmd::{budgets, check, render_table, rows_json};
 pub use fit_cmd::fit;
@@ -347,6 +348,15 @@ pub struct SweepArgs {
     /// and OUT/orders.* compares them
     #[arg(long, value_name = "LIST", conflicts_with = "kv_blocks")]
     pub orders: Option<String>,
+    /// Fleet sizes (`replay.fleet.workers`), ascending, comma-separated: the grid runs once per
+    /// size and router, each into OUT/fleet-ROUTER-N/; OUT/sweep.csv then has `router` and
+    /// `workers` columns and OUT/fleet.* gives the fewest workers that meet the objective
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
+    pub workers: Option<String>,
+    /// Routers (`replay.fleet.router`) for the fleet sizes of `--workers`, comma-separated
+    /// [default: the config's router]
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
+    pub routers: Option<String>,
 }
 
 /// `fit` arguments.

@@ -35,8 +35,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         rates,
         kv_axis,
         order_axis,
+        fleet_axis,
         slo,
-    } = match parse_grid(args) {
+    } = match parse_grid(args, &setup) {
         Ok(g) => g,
         Err(e) => return usage(&e),
     };
@@ -118,6 +119,11 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if let Some(axis) = order_axis {
         return sweep_order_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
     }
+    if let Some(axis) = fleet_axis {
+        return super::sweep_fleet::sweep_fleet_axis(
+            args, &opts, &loaded, &base, &trace, &inputs, &axis,
+        );
+    }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
     };
@@ -179,12 +185,14 @@ struct Grid {
     rates: Vec<f64>,
     kv_axis: Option<Vec<crate::sweep::kv_axis::KvBlocks>>,
     order_axis: Option<Vec<crate::order::Order>>,
+    fleet_axis: Option<super::sweep_fleet::FleetAxis>,
     slo: Option<crate::sweep::Slo>,
 }
 
-/// `--budgets`, `--rates`, `--kv-blocks`, the SLO flags and `--step-time-rate`, or the first
-/// refused one.
-fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
+/// `--budgets`, `--rates`, `--kv-blocks`, `--orders`, `--workers` and `--routers` (the
+/// config's fleet filling in the one not given), the SLO flags and `--step-time-rate`, or the
+/// first refused one.
+fn parse_grid(args: &SweepArgs, setup: &crate::replay::ReplaySetup) -> Result<Grid, String> {
     use crate::sweep;
     let budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
     let rates = sweep::parse_rates(&args.rates).map_err(|e| e.to_string())?;
@@ -200,6 +208,7 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         .map(sweep::order_axis::parse_orders)
         .transpose()
         .map_err(|e| e.to_string())?;
+    let fleet_axis = super::sweep_fleet::parse_fleet_axis(args, setup)?;
     let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
         Some(sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90).map_err(|e| e.to_string())?)
     } else {
@@ -216,6 +225,7 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         rates,
         kv_axis,
         order_axis,
+        fleet_axis,
         slo,
     })
 }

@@ -12,6 +12,8 @@
 //! - [`plots`]: the trade-off curve, capacity bars and step-time distributions, SVG and PNG;
 //! - [`html`]: the self-contained `report.html`;
 //! - [`kv_axis`]: `--kv-blocks`, the grid run once per KV pool size, and their comparison.
+//! - [`fleet_axis`]: `--workers` and `--routers`, the grid run once per fleet, and the fewest
+//!   workers that meet the objective at each rate.
 //! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
 //!   comparison.
 
@@ -26,6 +28,7 @@ use serde::Serialize;
 
 pub mod capacity;
 pub(crate) mod cells;
+pub mod fleet_axis;
 pub mod grid;
 pub mod html;
 pub mod kv_axis;

@@ -400,3 +400,139 @@ fn bad_fleet_settings_are_refused_as_their_keys_naming_flag_or_file() {
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("--watch-config"), "{}", r.stderr);
 }
+
+/// The rows of a CSV file, the header first.
+fn csv_rows(path: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| l.split(',').map(str::to_owned).collect())
+        .collect()
+}
+
+#[test]
+fn a_fleet_sweep_finds_the_fewest_workers_from_cells_that_are_fleet_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let grid = [
+        "--requests",
+        "200",
+        "--budgets",
+        "2048",
+        "--rates",
+        "1,4",
+        "--slo-tbt-p99",
+        "60",
+        "--slo-ttft-p90",
+        "1500",
+        "--no-progress",
+        "--jobs",
+        "2",
+    ];
+    let mut args = vec!["sweep", "--out", out.to_str().unwrap()];
+    args.extend(grid);
+    args.extend([
+        "--workers",
+        "1,2,4",
+        "--routers",
+        "round_robin,least_outstanding",
+    ]);
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(r.stdout.contains("fewest workers"), "{}", r.stdout);
+    // The combined cells: each fleet's own sweep.csv under `router,workers`.
+    let all = csv_rows(&out.join("sweep.csv"));
+    assert_eq!(all[0][..3], ["router", "workers", "budget"]);
+    assert_eq!(all.len(), 1 + 2 * 3 * 2);
+    for router in ["round_robin", "least_outstanding"] {
+        for n in ["1", "2", "4"] {
+            let own = csv_rows(&out.join(format!("fleet-{router}-{n}/sweep.csv")));
+            assert_eq!(
+                own[0],
+                all[0][2..],
+                "a fleet's own sweep.csv has no fleet columns"
+            );
+            let mine: Vec<Vec<String>> = all
+                .iter()
+                .filter(|row| row[0] == router && row[1] == n)
+                .map(|row| row[2..].to_vec())
+                .collect();
+            assert_eq!(mine, own[1..]);
+        }
+    }
+    // A fleet's cells are the fleet replays the config would run.
+    let plain = dir.path().join("plain");
+    let mut args = vec!["sweep", "--out", plain.to_str().unwrap()];
+    args.extend(grid);
+    let r = run(
+        &args,
+        &[
+            ("MSTAR__REPLAY__FLEET__WORKERS", "2"),
+            ("MSTAR__REPLAY__FLEET__ROUTER", "least_outstanding"),
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let by_config = std::fs::read_to_string(plain.join("sweep.csv")).unwrap();
+    let by_axis = std::fs::read_to_string(out.join("fleet-least_outstanding-2/sweep.csv")).unwrap();
+    assert_eq!(by_config, by_axis);
+    assert!(
+        by_config.starts_with("budget,"),
+        "no fleet columns without the axes"
+    );
+    // The fewest workers: the smallest fleet whose cell met the objective.
+    let fewest = csv_rows(&out.join("fleet.csv"));
+    assert_eq!(
+        fewest[0],
+        [
+            "router",
+            "budget",
+            "rate_scale",
+            "fewest_workers",
+            "ttft_p90_ms",
+            "tbt_p99_ms"
+        ]
+    );
+    assert_eq!(fewest.len(), 1 + 2 * 2);
+    let meets = all[0].iter().position(|h| h == "meets_slo").unwrap();
+    for row in &fewest[1..] {
+        let met: Vec<&str> = all
+            .iter()
+            .filter(|c| c[0] == row[0] && c[2] == row[1] && c[3] == row[2] && c[meets] == "true")
+            .map(|c| c[1].as_str())
+            .collect();
+        assert_eq!(row[3], met.first().copied().unwrap_or(""), "{row:?}");
+    }
+    assert!(
+        fewest[1..].iter().any(|r| r[3] != "1"),
+        "some rate needs more than one worker: {fewest:?}"
+    );
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("fleet.json")).unwrap()).unwrap();
+    assert_eq!(json["workers"], serde_json::json!([1, 2, 4]));
+    assert_eq!(json["capacity"].as_array().unwrap().len(), 2 * 3);
+}
+
+#[test]
+fn bad_fleet_axes_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flags, says) in [
+        (&["--workers", "0"][..], "`--workers`"),
+        (&["--workers", "4,2"], "after 4"),
+        (&["--workers", "1,x"], "\"x\""),
+        (&["--routers", "random"], "`--routers` unknown router"),
+        (&["--routers", "least_kv,least_kv"], "twice"),
+        (&["--workers", "2", "--orders", "fcfs"], "--orders"),
+        (
+            &["--routers", "least_kv", "--kv-blocks", "500"],
+            "--kv-blocks",
+        ),
+    ] {
+        let out = dir.path().join("refused");
+        let mut args = vec!["sweep", "--no-progress", "--out", out.to_str().unwrap()];
+        args.extend(flags);
+        let r = run(&args, &[]);
+        assert_eq!(r.code, 2, "{flags:?}: {r:?}");
+        assert!(r.stderr.contains(says), "{flags:?}: {}", r.stderr);
+        assert!(!out.exists(), "{flags:?} created {out:?}");
+    }
+}
