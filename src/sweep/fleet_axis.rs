@@ -8,10 +8,13 @@
 
 use std::path::{Path, PathBuf};
 
+use plotters::coord::Shift;
+use plotters::prelude::*;
 use serde::Serialize;
 
 use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
 use super::output::{to_csv, write_whole};
+use super::plots::{render_figure, series_color, text_style, Figure};
 use super::{Sweep, SweepError};
 use crate::config::Settings;
 use crate::replay::fleet::MAX_WORKERS;
@@ -22,6 +25,10 @@ use crate::text::{fmt_rate, round3};
 pub const FLEET_CSV: &str = "fleet.csv";
 /// The comparison as JSON.
 pub const FLEET_JSON: &str = "fleet.json";
+/// The plot of the fewest workers, SVG and PNG.
+pub const FLEET_SVG: &str = "fleet.svg";
+/// See [`FLEET_SVG`].
+pub const FLEET_PNG: &str = "fleet.png";
 
 /// Splits a comma-separated list, refusing empty entries and more than [`MAX_AXIS_VALUES`].
 fn items<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
@@ -283,10 +290,11 @@ impl FleetComparison {
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
     }
 
-    /// Writes `fleet.csv`, `fleet.json` and the combined `sweep.csv` of `runs` into `dir`.
+    /// Writes `fleet.csv`, `fleet.json`, the plot (`fleet.svg`, `fleet.png`, with an objective)
+    /// and the combined `sweep.csv` of `runs` into `dir`.
     ///
     /// # Errors
-    /// A file cannot be written.
+    /// A file cannot be written or the plot drawn.
     pub fn write(&self, runs: &[FleetRun], dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
         let fail = |name: &str, e: String| SweepError::Write {
             path: dir.join(name),
@@ -297,11 +305,20 @@ impl FleetComparison {
             serde_json::to_vec_pretty(self).map_err(|e| fail(FLEET_JSON, e.to_string()))?;
         json.push(b'\n');
         let cells = combined_csv(runs).map_err(|e| fail(super::output::CSV_FILE, e.to_string()))?;
-        let files: [(&str, &[u8]); 3] = [
+        let plot = if self.fewest.is_empty() {
+            None
+        } else {
+            Some(render_figure("fleet", self.title(), self)?)
+        };
+        let mut files: Vec<(&str, &[u8])> = vec![
             (super::output::CSV_FILE, &cells),
             (FLEET_CSV, &csv),
             (FLEET_JSON, &json),
         ];
+        if let Some(p) = &plot {
+            files.push((FLEET_SVG, p.svg.as_bytes()));
+            files.push((FLEET_PNG, &p.png));
+        }
         let mut paths = Vec::new();
         for (name, bytes) in files {
             let path = dir.join(name);
@@ -312,6 +329,112 @@ impl FleetComparison {
             paths.push(path);
         }
         Ok(paths)
+    }
+}
+
+impl FleetComparison {
+    fn title(&self) -> String {
+        "The fewest workers that meet the objective, by rate scale".into()
+    }
+
+    /// The series of the plot: one per router and budget, in the rows' order.
+    fn series(&self) -> Vec<(&'static str, Budget)> {
+        let mut v: Vec<(&'static str, Budget)> = Vec::new();
+        for r in &self.fewest {
+            if !v.contains(&(r.router, r.budget)) {
+                v.push((r.router, r.budget));
+            }
+        }
+        v
+    }
+}
+
+type Drawn = Result<(), Box<dyn std::error::Error>>;
+
+impl Figure for FleetComparison {
+    /// The rate scales across (spread evenly, in order), the fewest workers up (a log axis),
+    /// one line per router (and budget, with several), each moved a little sideways so that
+    /// equal answers stay visible; a rate no listed fleet met is a hollow mark above the largest
+    /// fleet.
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn
+    where
+        DB::ErrorType: 'static,
+    {
+        let root = root.titled(&self.title(), text_style(20))?;
+        let mut rates: Vec<f64> = Vec::new();
+        for r in &self.fewest {
+            if !rates.contains(&r.rate_scale) {
+                rates.push(r.rate_scale);
+            }
+        }
+        rates.sort_by(f64::total_cmp);
+        let x = |rate: f64| rates.iter().position(|r| *r == rate).unwrap_or(0) as f64;
+        let n = rates.len().max(1) as f64;
+        let most = f64::from(self.workers.last().copied().unwrap_or(1));
+        let over = most * 1.5;
+        let names: Vec<String> = rates.iter().map(|r| format!("{}x", fmt_rate(*r))).collect();
+        let label = |v: &f64| {
+            let i = v.round();
+            if (v - i).abs() > 0.01 || i < 0.0 {
+                return String::new();
+            }
+            names.get(i as usize).cloned().unwrap_or_default()
+        };
+        let mut chart = ChartBuilder::on(&root)
+            .margin(16)
+            .x_label_area_size(45)
+            .y_label_area_size(60)
+            .build_cartesian_2d(-1.0..n, (0.8..most * 2.0).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_labels(2 * (n as usize + 1) + 1)
+            .disable_x_mesh()
+            .x_label_formatter(&label)
+            .x_desc("rate scale")
+            .y_desc("fewest workers meeting the objective")
+            .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+            .label_style(text_style(13))
+            .axis_desc_style(text_style(14))
+            .draw()?;
+        let series = self.series();
+        let several_budgets = series.iter().any(|(_, b)| *b != series[0].1);
+        let spread = 0.2 / series.len().max(1) as f64;
+        for (k, (router, budget)) in series.iter().enumerate() {
+            let shift = (k as f64 - (series.len() as f64 - 1.0) / 2.0) * spread;
+            let rows: Vec<&FewestRow> = self
+                .fewest
+                .iter()
+                .filter(|r| r.router == *router && r.budget == *budget)
+                .collect();
+            let met: Vec<(f64, f64)> = rows
+                .iter()
+                .filter_map(|r| Some((x(r.rate_scale) + shift, f64::from(r.fewest_workers?))))
+                .collect();
+            let c = series_color(k);
+            let name = if several_budgets {
+                format!("{router}, budget {budget}")
+            } else {
+                (*router).to_string()
+            };
+            chart
+                .draw_series(LineSeries::new(met.clone(), c.stroke_width(2)))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+            chart.draw_series(met.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            chart.draw_series(
+                rows.iter()
+                    .filter(|r| r.fewest_workers.is_none())
+                    .map(|r| Circle::new((x(r.rate_scale) + shift, over), 5, c.stroke_width(2))),
+            )?;
+        }
+        chart
+            .configure_series_labels()
+            .label_font(text_style(13))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()?;
+        Ok(())
     }
 }
 
@@ -478,6 +601,28 @@ mod tests {
         let csv = String::from_utf8(cmp.to_csv().unwrap()).unwrap();
         assert!(csv.starts_with("router,budget,rate_scale,fewest_workers,ttft_p90_ms,tbt_p99_ms\n"));
         assert_eq!(csv.lines().count(), 19);
+        let dir = tempfile::tempdir().unwrap();
+        let paths = cmp.write(&runs, dir.path()).unwrap();
+        let names: Vec<String> = paths
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "sweep.csv",
+                "fleet.csv",
+                "fleet.json",
+                "fleet.svg",
+                "fleet.png"
+            ]
+        );
+        let svg = std::fs::read_to_string(dir.path().join(FLEET_SVG)).unwrap();
+        for router in ["round_robin", "least_outstanding"] {
+            assert!(svg.contains(&format!("{router}, budget 512")), "{router}");
+        }
+        let png = std::fs::read(dir.path().join(FLEET_PNG)).unwrap();
+        assert_eq!(png[..4], [0x89, b'P', b'N', b'G']);
     }
 
     #[test]
