@@ -77,13 +77,15 @@ pub(super) fn sweep_fleet_axis(
                 Ok(r) => r,
                 Err(e) => {
                     say(&format!(
-                        "error: with {workers} workers behind {router}: {e}"
+                        "error: with {} behind {router}: {e}",
+                        crate::text::plural(u64::from(workers), "worker")
                     ));
                     return ExitCode::FAILURE;
                 }
             };
             code = print_stdout(&format!(
-                "fleet: {workers} workers behind {router}\n{}",
+                "fleet: {} behind {router}\n{}",
+                crate::text::plural(u64::from(workers), "worker"),
                 sweep::output::table(&result)
             ));
             if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
