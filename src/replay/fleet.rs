@@ -194,6 +194,9 @@ async fn drive(
         .collect();
     let progress = progress_bar(opts, arrivals.len());
     let mut loads = vec![WorkerLoad::default(); sims.len()];
+    // Each worker's next step start, kept up to date for the two workers an event changes (the
+    // one that stepped, the one a request went to) rather than asked of every worker per event.
+    let mut starts: Vec<Option<f64>> = sims.iter().map(Sim::next_start).collect();
     let mut next = 0usize;
     let mut steps = 0u64;
     let mut interrupted = None;
@@ -202,7 +205,7 @@ async fn drive(
             interrupted = Some(super::signal_name(sig));
             break;
         }
-        let soonest = soonest_step(sims);
+        let soonest = soonest_step(&starts);
         if next < arrivals.len() && soonest.is_none_or(|(t, _)| arrivals[next] <= t) {
             let a = arrivals[next];
             for (load, sim) in loads.iter_mut().zip(sims.iter()) {
@@ -211,7 +214,9 @@ async fn drive(
                     load.prefix_blocks = sim.prefix_blocks_at(next, a);
                 }
             }
-            sims[router.pick(&loads)].route(next);
+            let w = router.pick(&loads);
+            sims[w].route(next);
+            starts[w] = sims[w].next_start();
             next += 1;
             continue;
         }
@@ -221,6 +226,7 @@ async fn drive(
         let before = sims[w].steps();
         let turn = sims[w].turn().await?;
         debug_assert_eq!(turn, Turn::Stepped, "a worker with a next step takes it");
+        starts[w] = sims[w].next_start();
         steps += sims[w].steps() - before;
         if let Some(hook) = &opts.on_step {
             hook.call(steps);
@@ -240,11 +246,13 @@ async fn drive(
     Ok(interrupted)
 }
 
-/// The worker whose next step starts first, and when (ties to the lower index).
-fn soonest_step(sims: &[Sim<'_>]) -> Option<(f64, usize)> {
-    sims.iter()
+/// The worker whose next step starts first, and when (ties to the lower index), from each
+/// worker's next start (`None`: nothing to run).
+fn soonest_step(starts: &[Option<f64>]) -> Option<(f64, usize)> {
+    starts
+        .iter()
         .enumerate()
-        .filter_map(|(w, s)| s.next_start().map(|t| (t, w)))
+        .filter_map(|(w, t)| t.map(|t| (t, w)))
         .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
 }
 
