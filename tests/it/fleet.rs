@@ -536,3 +536,37 @@ fn bad_fleet_axes_are_refused_before_anything_runs() {
         assert!(!out.exists(), "{flags:?} created {out:?}");
     }
 }
+
+/// Without a prefix cache nothing is ever held, and `prefix_affinity` routes exactly as
+/// `least_outstanding` does.
+#[test]
+fn without_a_prefix_cache_prefix_affinity_is_least_outstanding() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = mooncake();
+    let logs: Vec<Vec<u8>> = ["least_outstanding", "prefix_affinity"]
+        .iter()
+        .map(|router| {
+            let log = dir.path().join(format!("{router}.jsonl"));
+            let r = run(
+                &[
+                    "replay",
+                    "--no-progress",
+                    "--trace",
+                    &trace,
+                    "--requests",
+                    "300",
+                    "--workers",
+                    "3",
+                    "--router",
+                    router,
+                    "--step-log",
+                    log.to_str().unwrap(),
+                ],
+                &[],
+            );
+            assert_eq!(r.code, 0, "{r:?}");
+            std::fs::read(&log).unwrap()
+        })
+        .collect();
+    assert!(logs[0] == logs[1], "the step logs differ");
+}
