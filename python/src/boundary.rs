@@ -394,6 +394,58 @@ pub(crate) fn measured_arg(py: Python<'_>, ms: Option<&Bound<'_, PyAny>>) -> PyR
     }
 }
 
+/// A time on the engine's clock in ms (`arrival_ms`, `at_ms`): any finite number (the clock's
+/// origin is the engine's), or `None`; else an `InvalidRequestError` naming `what`.
+pub(crate) fn clock_arg(
+    py: Python<'_>,
+    what: &str,
+    ms: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<f64>> {
+    let Some(ms) = ms.filter(|m| !m.is_none()) else {
+        return Ok(None);
+    };
+    let v = if ms.is_instance_of::<pyo3::types::PyBool>() {
+        None
+    } else {
+        ms.extract::<f64>().ok()
+    };
+    match v {
+        Some(v) if v.is_finite() => Ok(Some(v)),
+        _ => Err(invalid(
+            py,
+            &format!(
+                "{what} must be a finite number of ms on the engine's clock, or None, got {}",
+                short_repr(ms)
+            ),
+        )),
+    }
+}
+
+/// A prompt's priority: a whole number between -2147483648 and 2147483647 (lower runs first
+/// under the `priority` order), `None` for 0; else an `InvalidRequestError` naming `priority`.
+pub(crate) fn priority_arg(py: Python<'_>, value: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(0);
+    };
+    let refused = || {
+        invalid(
+            py,
+            &format!(
+                "priority must be a whole number (int) between {} and {}, got {}",
+                i32::MIN,
+                i32::MAX,
+                short_repr(value)
+            ),
+        )
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>()
+        || !value.is_instance_of::<pyo3::types::PyInt>()
+    {
+        return Err(refused());
+    }
+    value.extract::<i32>().map_err(|_| refused())
+}
+
 /// `repr(value)`, cut to 80 characters.
 pub(crate) fn short_repr(value: &Bound<'_, PyAny>) -> String {
     let r = value

@@ -2,24 +2,26 @@
 //! `ChunkingManagement` wraps, with every call of the facade; `NextStep`, the row changes a
 //! one-trip step carries; token ids taken from Python.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::CString;
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use mstar_chunking::budget::OrderSettings;
 use mstar_chunking::scheduler::RowChangeRef;
 use mstar_chunking::{
-    ActorThread, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Overrun,
-    OverrunReason, PreparedInput, SubmoduleCaps,
+    ActorThread, AdmitOptions, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Order,
+    Overrun, OverrunReason, PreparedInput, SubmoduleCaps,
 };
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::boundary::{
-    block, call, invalid, measured_arg, panic_message, py_attr, py_repr_str, ran_arg, timeout_arg,
-    to_py_err, whole, Failure, Owner,
+    block, call, clock_arg, invalid, measured_arg, panic_message, priority_arg, py_attr,
+    py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -130,6 +132,63 @@ pub(crate) struct Engine {
     /// API answers whether one key is held, not which are, so iterating `prepared` checks these
     /// (and drops a key found gone only if it was not admitted again meanwhile).
     admitted: Mutex<Admitted>,
+    /// The orders set last (`set_budgets`, `from_config`) and the nodes warned about a priority
+    /// given where it orders nothing.
+    orders: Mutex<Orders>,
+}
+
+/// The nodes' orders as set through this engine, to warn (once per node) about a priority given
+/// where the node's order is not `priority`, without asking the actors.
+#[derive(Default)]
+struct Orders {
+    nodes: Vec<String>,
+    settings: OrderSettings,
+    warned: BTreeSet<String>,
+}
+
+impl Orders {
+    /// The warning to give for a priority given to `rid` on `node` (a node of this engine),
+    /// once per node: `None` when the priority is 0, the node orders by priority, or the node
+    /// was warned about before (from now on it counts as warned).
+    fn warning(&mut self, rid: u64, node: &str, priority: i32) -> Option<CString> {
+        if priority == 0 || !self.nodes.iter().any(|n| n == node) {
+            return None;
+        }
+        let order = self.settings.of(node).order;
+        if order == Order::Priority || self.warned.contains(node) {
+            return None;
+        }
+        self.warned.insert(node.to_owned());
+        CString::new(format!(
+            "priority {priority} given to rid {rid} on node `{node}`, whose order is `{order}`, not `priority`: it is kept but does not change the order there (set_budgets(..., order=\"priority\")); warned once per node"
+        ))
+        .ok()
+    }
+}
+
+/// Warns, as a `RuntimeWarning` from the caller's line, about each priority given where it
+/// orders nothing (`rids`: `(rid, priority)` admitted on `node`), once per node. A warning
+/// filter that turns it into an error raises it (before anything is sent to the actors).
+fn warn_priorities(
+    py: Python<'_>,
+    orders: &Mutex<Orders>,
+    node: &str,
+    rids: impl IntoIterator<Item = (u64, i32)>,
+) -> PyResult<()> {
+    let warnings: Vec<CString> = {
+        let mut o = lock(orders);
+        rids.into_iter()
+            .filter_map(|(rid, p)| o.warning(rid, node, p))
+            .collect()
+    };
+    if warnings.is_empty() {
+        return Ok(());
+    }
+    let category = py.get_type::<PyRuntimeWarning>();
+    for w in warnings {
+        PyErr::warn(py, category.as_any(), &w, 1)?;
+    }
+    Ok(())
 }
 
 impl Drop for Engine {
@@ -156,6 +215,7 @@ impl Engine {
         timeout: Option<f64>,
     ) -> PyResult<Self> {
         let timeout = timeout_arg(timeout)?;
+        let nodes = caps.iter().map(|(n, _)| n.clone()).collect();
         let started = py.allow_threads(|| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 ChunkingManagement::start_on_own_thread(model, caps)
@@ -172,6 +232,10 @@ impl Engine {
             actors: Mutex::new(Some(actors)),
             owner: Owner::here(),
             admitted: Mutex::new(Admitted::default()),
+            orders: Mutex::new(Orders {
+                nodes,
+                ..Orders::default()
+            }),
         })
     }
 
@@ -260,10 +324,12 @@ impl Engine {
             .map(|((n, w), p)| ((n.to_string(), w.to_string()), p))
             .collect();
         let budgets = loaded.manifest.budget_settings(&loaded.settings.chunking);
+        let orders = budgets.order.clone();
         call(py, || async {
             engine.cm.set_policies(policies).await?;
             engine.cm.set_budgets(budgets).await
         })?;
+        lock(&engine.orders).settings = orders;
         let info = PyDict::new(py);
         let nodes: Vec<&String> = loaded.manifest.nodes.keys().collect();
         info.set_item("nodes", nodes)?;
@@ -339,7 +405,7 @@ impl Engine {
 
     /// The arguments of `set_budgets`, normalised by the package (keywords only).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None))]
+    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None))]
     fn set_budgets(
         &self,
         py: Python<'_>,
@@ -357,6 +423,10 @@ impl Engine {
         cost: Vec<(String, CostArg)>,
         learn_cost: bool,
         time_margin: Option<f64>,
+        order: Option<String>,
+        order_per_node: Vec<(String, String)>,
+        max_wait_ms: Option<f64>,
+        max_wait_steps: Option<u64>,
     ) -> PyResult<()> {
         let cm = self.cm(py)?;
         let settings = BudgetArgs {
@@ -374,9 +444,16 @@ impl Engine {
             cost,
             learn_cost,
             time_margin,
+            order,
+            order_per_node,
+            max_wait_ms,
+            max_wait_steps,
         }
         .settings(py)?;
-        call(py, || cm.set_budgets(settings))
+        let orders = settings.order.clone();
+        call(py, || cm.set_budgets(settings))?;
+        lock(&self.orders).settings = orders;
+        Ok(())
     }
 
     /// `(max_batch_tokens | None, align)` of the model's policy.
@@ -482,8 +559,11 @@ impl Engine {
 
     /// Holds a prompt's whole prepared input (token ids: a buffer of `uint32`, a list, a
     /// range, …; text is refused) and queues its row at `node` for `walk`; `cached` tokens
-    /// of it are a cached prefix. The ids are copied once, here.
-    #[pyo3(signature = (rid, node, walk, tokens, cached=None))]
+    /// of it are a cached prefix. The ids are copied once, here. `priority` (lower first)
+    /// orders it under the `priority` order (elsewhere it is kept, with a `RuntimeWarning`
+    /// once per node); `arrival_ms`, on the engine's clock, starts its wait for `max_wait_ms`.
+    #[pyo3(signature = (rid, node, walk, tokens, cached=None, *, priority=None, arrival_ms=None))]
+    #[allow(clippy::too_many_arguments)]
     fn admit(
         &self,
         py: Python<'_>,
@@ -492,12 +572,19 @@ impl Engine {
         walk: &str,
         tokens: &Bound<'_, PyAny>,
         cached: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+        arrival_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let options = AdmitOptions {
+            cached: cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?,
+            priority: priority_arg(py, priority)?,
+            arrival_ms: clock_arg(py, "arrival_ms", arrival_ms)?,
+        };
         let input = PreparedInput::tokens(token_ids(py, rid, node, tokens)?);
-        call(py, || cm.admit(rid, node, walk, input, cached))?;
+        warn_priorities(py, &self.orders, node, [(rid, options.priority)])?;
+        call(py, || cm.admit_with(rid, node, walk, input, options))?;
         lock(&self.admitted).insert(rid, node);
         Ok(())
     }
@@ -533,10 +620,24 @@ impl Engine {
         })
     }
 
-    /// Plans the node's next step (answered again, the same batch, while it is in flight).
-    fn assemble(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<StepBatch> {
+    /// Plans the node's next step (answered again, the same batch, while it is in flight);
+    /// `at_ms`, the step's time on the engine's clock, is what `max_wait_ms` measures waits to.
+    #[pyo3(signature = (node, walk, *, at_ms=None))]
+    fn assemble(
+        &self,
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+        at_ms: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StepBatch> {
         let cm = self.cm(py)?;
-        let batch = call(py, || cm.assemble(node, walk))?;
+        let at_ms = clock_arg(py, "at_ms", at_ms)?;
+        let batch = call(py, || async {
+            match at_ms {
+                None => cm.assemble(node, walk).await,
+                Some(ms) => cm.assemble_at(node, walk, ms).await,
+            }
+        })?;
         Ok(StepBatch { batch })
     }
 
@@ -571,8 +672,9 @@ impl Engine {
     /// Completes step `step` (as `complete`) and assembles the next step of `next` (a
     /// `NextStep`, or a `(node, walk)` pair) after applying its row changes, in one round
     /// trip. A repeat of the call whose answer was lost gets the same outcome and the batch
-    /// in flight; the completion is applied once.
-    #[pyo3(signature = (step, ran, measured_ms=None, *, next))]
+    /// in flight; the completion is applied once. `at_ms` (else `next`'s own) is the next
+    /// step's time on the engine's clock.
+    #[pyo3(signature = (step, ran, measured_ms=None, *, next, at_ms=None))]
     fn complete_and_assemble(
         &self,
         py: Python<'_>,
@@ -580,15 +682,18 @@ impl Engine {
         ran: &Bound<'_, PyAny>,
         measured_ms: Option<&Bound<'_, PyAny>>,
         next: &Bound<'_, PyAny>,
+        at_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Completed> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
         let ran = ran_arg(py, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
-        let next = if let Ok(n) = next.downcast::<PyNextStep>() {
-            n.borrow().next.clone()
+        let at_ms = clock_arg(py, "at_ms", at_ms)?;
+        let (mut next, own_at_ms) = if let Ok(n) = next.downcast::<PyNextStep>() {
+            let n = n.borrow();
+            (n.next.clone(), n.at_ms)
         } else if let Ok((node, walk)) = next.extract::<(String, String)>() {
-            NextStep::new(node.as_str(), walk.as_str())
+            (NextStep::new(node.as_str(), walk.as_str()), None)
         } else {
             return Err(invalid(
                 py,
@@ -598,16 +703,20 @@ impl Engine {
                 ),
             ));
         };
+        if let Some(ms) = at_ms.or(own_at_ms) {
+            next = next.at_ms(ms);
+        }
         // The prompts it admits, for `prepared_keys` (a key whose admission was refused is
-        // dropped there when found gone).
-        let admits: Vec<u64> = next
+        // dropped there when found gone), with their priorities.
+        let admits: Vec<(u64, i32)> = next
             .row_changes()
             .filter_map(|c| match c {
-                RowChangeRef::Admit { rid, .. } => Some(rid),
+                RowChangeRef::Admit { rid, priority, .. } => Some((rid, priority)),
                 _ => None,
             })
             .collect();
         let node = next.node().clone();
+        warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
         let (done, count) = call(py, || async {
             let done = cm
                 .complete_and_assemble_with(step, ran, measured_ms, next)
@@ -618,7 +727,7 @@ impl Engine {
         Self::finish_step(py, &done.outcome, count);
         if !admits.is_empty() {
             let mut admitted = lock(&self.admitted);
-            for rid in admits {
+            for (rid, _) in admits {
                 admitted.insert(rid, &node);
             }
         }
@@ -780,7 +889,9 @@ impl Engine {
 /// be passed again to repeat a call whose answer was lost.
 #[pyclass(module = "mstar_chunking._native", name = "NextStep")]
 pub(crate) struct PyNextStep {
+    /// The node, walk and row changes (its step time is `at_ms`, set on each call's copy).
     next: NextStep,
+    at_ms: Option<f64>,
 }
 
 impl PyNextStep {
@@ -794,10 +905,30 @@ impl PyNextStep {
 #[pymethods]
 impl PyNextStep {
     #[new]
-    fn new(node: &str, walk: &str) -> Self {
-        Self {
+    #[pyo3(signature = (node, walk, *, at_ms=None))]
+    fn new(
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+        at_ms: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
             next: NextStep::new(node, walk),
-        }
+            at_ms: clock_arg(py, "at_ms", at_ms)?,
+        })
+    }
+
+    /// The next step's time in ms on the engine's clock (`None`: not given), which
+    /// `max_wait_ms` measures waits to; settable.
+    #[getter]
+    fn get_at_ms(&self) -> Option<f64> {
+        self.at_ms
+    }
+
+    #[setter]
+    fn set_at_ms(&mut self, at_ms: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.at_ms = clock_arg(at_ms.py(), "at_ms", Some(at_ms))?;
+        Ok(())
     }
 
     /// Ends request `rid` before the next step (as `forget_request`).
@@ -833,21 +964,28 @@ impl PyNextStep {
         Ok(slf)
     }
 
-    /// Admits a prompt on the next step's node before it is planned (as `admit`).
-    #[pyo3(signature = (rid, walk, tokens, cached=None))]
+    /// Admits a prompt on the next step's node before it is planned (as `admit`, with its
+    /// `priority` and `arrival_ms`).
+    #[pyo3(signature = (rid, walk, tokens, cached=None, *, priority=None, arrival_ms=None))]
     fn admit<'py>(
         mut slf: PyRefMut<'py, Self>,
         rid: &Bound<'_, PyAny>,
         walk: &str,
         tokens: &Bound<'_, PyAny>,
         cached: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+        arrival_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRefMut<'py, Self>> {
         let py = slf.py();
         let rid = whole::<u64>(py, "rid", rid)?;
-        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let options = AdmitOptions {
+            cached: cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?,
+            priority: priority_arg(py, priority)?,
+            arrival_ms: clock_arg(py, "arrival_ms", arrival_ms)?,
+        };
         let node = slf.next.node().to_string();
         let input = PreparedInput::tokens(token_ids(py, rid, &node, tokens)?);
-        slf.push(|n| n.admit(rid, walk, input, cached));
+        slf.push(|n| n.admit_with(rid, walk, input, options));
         Ok(slf)
     }
 
@@ -869,8 +1007,12 @@ impl PyNextStep {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
+        let at = match self.at_ms {
+            Some(ms) => format!(", at_ms={}", crate::steps::py_float(ms)),
+            None => String::new(),
+        };
         format!(
-            "NextStep(node={}, walk={}, changes={})",
+            "NextStep(node={}, walk={}, changes={}{at})",
             py_repr_str(py, self.next.node()),
             py_repr_str(py, self.next.walk()),
             self.next.changes()

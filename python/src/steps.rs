@@ -259,7 +259,7 @@ pymethods_with_getters! {
 }
 
 /// `x` as Python's `repr(float)` writes it (`100.0`, not `100`).
-fn py_float(x: f64) -> String {
+pub(crate) fn py_float(x: f64) -> String {
     if x.is_finite() && x.fract() == 0.0 && x.abs() < 1e16 {
         format!("{x:.1}")
     } else {
