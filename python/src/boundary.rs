@@ -7,7 +7,7 @@ use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::SettingKey;
 use mstar_chunking::{ChunkingError, ErrorKind};
@@ -33,24 +33,37 @@ thread_local! {
     static WAKER: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
 }
 
-/// Runs `fut` to completion on the calling thread, parked while it waits. The facade's
-/// futures need no runtime of the caller's: their request timeout is timed on the actors' own
-/// runtime (`start_on_own_thread`), and what they await are channels to the actors' thread.
-/// A plain park per wait costs less than entering a runtime per call.
-fn block_on<F: Future>(fut: F) -> F::Output {
+/// Runs `fut` to completion on the calling thread, parked while it waits, or until
+/// `deadline` (then `None`, the future dropped). The facade's futures need no runtime of the
+/// caller's: what they await are channels to the actors' thread. A plain park per wait costs
+/// less than entering a runtime per call.
+fn block_on<F: Future>(fut: F, deadline: Option<Instant>) -> Option<F::Output> {
     let mut fut = std::pin::pin!(fut);
     WAKER.with(|waker| {
         let mut cx = Context::from_waker(waker);
         loop {
             if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-                return out;
+                return Some(out);
             }
             // A wake-up that came before the park makes it return at once; a spurious one
             // polls again.
-            std::thread::park();
+            match deadline {
+                None => std::thread::park(),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return None;
+                    }
+                    std::thread::park_timeout(deadline - now);
+                }
+            }
         }
     })
 }
+
+/// The actor a timeout names: the engine's calls time their whole wait for the actors (one
+/// call may ask several), not one actor's answer.
+pub(crate) const TIMED_OUT_ACTOR: &str = "chunking";
 
 /// What a blocking call can fail with before it becomes a Python exception.
 pub(crate) enum Failure {
@@ -65,17 +78,49 @@ impl From<ChunkingError> for Failure {
     }
 }
 
-/// Runs `make()`'s future to completion with the GIL released; a panic is caught here.
-pub(crate) fn block<T, F, Fut>(py: Python<'_>, make: F) -> Result<T, Failure>
+/// Runs `make()`'s future to completion with the GIL released, waiting at most `timeout`
+/// (`None`: for ever) for it: then the future is dropped, as the facade drops a request that
+/// timed out, and the answer is [`ChunkingError::Timeout`]. Timed here, on the calling thread,
+/// rather than by the facade on the actors' runtime: a call then sends the actors one message,
+/// with no timer task beside it. A panic is caught here.
+pub(crate) fn block_within<T, F, Fut>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    make: F,
+) -> Result<T, Failure>
 where
     F: FnOnce() -> Fut + Send,
     Fut: Future<Output = Result<T, ChunkingError>>,
     T: Send,
 {
     py.allow_threads(|| {
-        let ran = catch_unwind(AssertUnwindSafe(|| block_on(make()).map_err(Failure::from)));
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            // A timeout too long for the clock is no limit.
+            let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+            match block_on(make(), deadline) {
+                Some(answer) => answer.map_err(Failure::from),
+                None => Err(Failure::Chunking(ChunkingError::Timeout {
+                    actor: TIMED_OUT_ACTOR,
+                    after: timeout.unwrap_or_default(),
+                })),
+            }
+        }));
         ran.unwrap_or_else(|panic| Err(Failure::Internal(panic_message(&*panic))))
     })
+}
+
+/// `block_within`, with the failure turned into its Python exception.
+pub(crate) fn call_within<T, F, Fut>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    make: F,
+) -> PyResult<T>
+where
+    F: FnOnce() -> Fut + Send,
+    Fut: Future<Output = Result<T, ChunkingError>>,
+    T: Send,
+{
+    block_within(py, timeout, make).map_err(|f| to_py_err(py, f))
 }
 
 /// `block`, with the failure turned into its Python exception.
@@ -85,7 +130,7 @@ where
     Fut: Future<Output = Result<T, ChunkingError>>,
     T: Send,
 {
-    block(py, make).map_err(|f| to_py_err(py, f))
+    call_within(py, None, make)
 }
 
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -7,6 +7,7 @@ use std::ffi::CString;
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use mstar_chunking::budget::OrderSettings;
 use mstar_chunking::scheduler::RowChangeRef;
@@ -20,8 +21,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::boundary::{
-    block, call, clock_arg, invalid, measured_arg, panic_message, priority_arg, py_attr,
-    py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
+    block_within, call_within, clock_arg, invalid, measured_arg, panic_message, priority_arg,
+    py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -132,6 +133,9 @@ pub(crate) struct Engine {
     /// API answers whether one key is held, not which are, so iterating `prepared` checks these
     /// (and drops a key found gone only if it was not admitted again meanwhile).
     admitted: Mutex<Admitted>,
+    /// How long a call waits for the actors (`None`: for ever), timed on the calling thread
+    /// (the facade's own timeout is off: see `boundary::block_within`).
+    timeout: Option<Duration>,
     /// The orders set last (`set_budgets`, `from_config`) and the nodes warned about a priority
     /// given where it orders nothing.
     orders: Mutex<Orders>,
@@ -228,7 +232,8 @@ impl Engine {
         });
         let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
         Ok(Self {
-            cm: ManuallyDrop::new(cm.with_timeout(timeout)),
+            cm: ManuallyDrop::new(cm.with_timeout(None)),
+            timeout,
             actors: Mutex::new(Some(actors)),
             owner: Owner::here(),
             admitted: Mutex::new(Admitted::default()),
@@ -237,6 +242,16 @@ impl Engine {
                 ..Orders::default()
             }),
         })
+    }
+
+    /// Runs `make()`'s future with the GIL released, waiting at most the engine's timeout.
+    fn call<T, F, Fut>(&self, py: Python<'_>, make: F) -> PyResult<T>
+    where
+        F: FnOnce() -> Fut + Send,
+        Fut: std::future::Future<Output = Result<T, ChunkingError>>,
+        T: Send,
+    {
+        call_within(py, self.timeout, make)
     }
 
     /// The handle, in the process that started the actors; in a forked child, the error.
@@ -325,7 +340,7 @@ impl Engine {
             .collect();
         let budgets = loaded.manifest.budget_settings(&loaded.settings.chunking);
         let orders = budgets.order.clone();
-        call(py, || async {
+        engine.call(py, || async {
             engine.cm.set_policies(policies).await?;
             engine.cm.set_budgets(budgets).await
         })?;
@@ -357,7 +372,7 @@ impl Engine {
         let Some(actors) = lock(&self.actors).take() else {
             return Ok(None);
         };
-        let report = block(py, || self.cm.drain());
+        let report = block_within(py, self.timeout, || self.cm.drain());
         py.allow_threads(|| actors.stop());
         match report {
             Ok(r) => Ok(Some(drain_to_py(py, &r)?)),
@@ -370,14 +385,14 @@ impl Engine {
     /// in flight.
     fn begin_drain(&self, py: Python<'_>) -> PyResult<usize> {
         let cm = self.cm(py)?;
-        call(py, || cm.begin_drain())
+        self.call(py, || cm.begin_drain())
     }
 
     /// Ends the shutdown (starting it first if needed): abandons steps still in flight, drops
     /// every queued row and prepared input, and answers what it dropped.
     fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cm = self.cm(py)?;
-        let r = call(py, || cm.drain())?;
+        let r = self.call(py, || cm.drain())?;
         drain_to_py(py, &r)
     }
 
@@ -400,7 +415,7 @@ impl Engine {
                 )
             })
             .collect();
-        call(py, || cm.set_policies(policies))
+        self.call(py, || cm.set_policies(policies))
     }
 
     /// The arguments of `set_budgets`, normalised by the package (keywords only).
@@ -451,7 +466,7 @@ impl Engine {
         }
         .settings(py)?;
         let orders = settings.order.clone();
-        call(py, || cm.set_budgets(settings))?;
+        self.call(py, || cm.set_budgets(settings))?;
         lock(&self.orders).settings = orders;
         Ok(())
     }
@@ -459,26 +474,26 @@ impl Engine {
     /// `(max_batch_tokens | None, align)` of the model's policy.
     fn policy(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<(Option<u32>, u32)> {
         let cm = self.cm(py)?;
-        let p = call(py, || cm.policy(node, walk))?;
+        let p = self.call(py, || cm.policy(node, walk))?;
         Ok((p.max_batch_tokens, p.align))
     }
 
     /// Whether `walk` is chunked on `node`.
     fn chunkable(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<bool> {
         let cm = self.cm(py)?;
-        call(py, || cm.chunkable(node, walk))
+        self.call(py, || cm.chunkable(node, walk))
     }
 
     /// The walk's token budget in force (`None`: off).
     fn max_batch_tokens(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<Option<u32>> {
         let cm = self.cm(py)?;
-        call(py, || cm.max_batch_tokens(node, walk))
+        self.call(py, || cm.max_batch_tokens(node, walk))
     }
 
     /// The floor under `budget`.
     fn min_chunk_tokens(&self, py: Python<'_>, budget: u32) -> PyResult<u32> {
         let cm = self.cm(py)?;
-        call(py, || cm.min_chunk_tokens(budget))
+        self.call(py, || cm.min_chunk_tokens(budget))
     }
 
     /// Member walk caps under a combined walk, or `None`.
@@ -489,14 +504,14 @@ impl Engine {
         walk: &str,
     ) -> PyResult<Option<BTreeMap<String, u32>>> {
         let cm = self.cm(py)?;
-        let caps = call(py, || cm.walk_caps(node, walk))?;
+        let caps = self.call(py, || cm.walk_caps(node, walk))?;
         Ok(caps.map(|m| m.into_iter().map(|(w, c)| (w.to_string(), c)).collect()))
     }
 
     /// The whole prepared input held for `(rid, node)`, as the native token view.
     fn prepared(&self, py: Python<'_>, rid: u64, node: &str) -> PyResult<Option<Tokens>> {
         let cm = self.cm(py)?;
-        let input = call(py, || cm.prepared(rid, node))?;
+        let input = self.call(py, || cm.prepared(rid, node))?;
         input
             .map(|i| {
                 let n = i.len();
@@ -513,7 +528,7 @@ impl Engine {
             .iter()
             .map(|(k, n)| (k.clone(), *n))
             .collect();
-        let (held, gone) = call(py, || async {
+        let (held, gone) = self.call(py, || async {
             let (mut held, mut gone) = (Vec::new(), Vec::new());
             for (key, n) in &candidates {
                 if cm.prepared(key.0, &key.1).await?.is_some() {
@@ -536,14 +551,14 @@ impl Engine {
     /// `(rows, tokens)` of prepared inputs held over all nodes.
     fn prepared_totals(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
         let cm = self.cm(py)?;
-        call(py, || cm.prepared_totals())
+        self.call(py, || cm.prepared_totals())
     }
 
     /// Drops the row of `rid` at `node` and its whole input there; answers whether one was held.
     fn release(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, node: &str) -> PyResult<bool> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        let held = call(py, || cm.release(rid, node))?;
+        let held = self.call(py, || cm.release(rid, node))?;
         lock(&self.admitted).keys.remove(&(rid, node.to_owned()));
         Ok(held)
     }
@@ -552,7 +567,7 @@ impl Engine {
     fn forget_request(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<()> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        call(py, || cm.forget_request(rid))?;
+        self.call(py, || cm.forget_request(rid))?;
         lock(&self.admitted).keys.retain(|(r, _), _| *r != rid);
         Ok(())
     }
@@ -584,7 +599,7 @@ impl Engine {
         };
         let input = PreparedInput::tokens(token_ids(py, rid, node, tokens)?);
         warn_priorities(py, &self.orders, node, [(rid, options.priority)])?;
-        call(py, || cm.admit_with(rid, node, walk, input, options))?;
+        self.call(py, || cm.admit_with(rid, node, walk, input, options))?;
         lock(&self.admitted).insert(rid, node);
         Ok(())
     }
@@ -609,7 +624,7 @@ impl Engine {
             None => None,
             Some(c) => Some(whole::<u64>(py, "context", c)?),
         };
-        call(py, || async {
+        self.call(py, || async {
             match context {
                 None => cm.continue_row(rid, node, walk, estimate).await,
                 Some(c) => {
@@ -632,7 +647,7 @@ impl Engine {
     ) -> PyResult<StepBatch> {
         let cm = self.cm(py)?;
         let at_ms = clock_arg(py, "at_ms", at_ms)?;
-        let batch = call(py, || async {
+        let batch = self.call(py, || async {
             match at_ms {
                 None => cm.assemble(node, walk).await,
                 Some(ms) => cm.assemble_at(node, walk, ms).await,
@@ -657,7 +672,7 @@ impl Engine {
         let step = whole::<u64>(py, "step", step)?;
         let ran = ran_arg(py, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
-        let (outcome, count) = call(py, || async {
+        let (outcome, count) = self.call(py, || async {
             let outcome = match measured_ms {
                 None => cm.complete(step, ran).await?,
                 Some(ms) => cm.complete_measured(step, ran, ms).await?,
@@ -717,7 +732,7 @@ impl Engine {
             .collect();
         let node = next.node().clone();
         warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
-        let (done, count) = call(py, || async {
+        let (done, count) = self.call(py, || async {
             let done = cm
                 .complete_and_assemble_with(step, ran, measured_ms, next)
                 .await?;
@@ -749,7 +764,7 @@ impl Engine {
     fn abandon(&self, py: Python<'_>, step: &Bound<'_, PyAny>) -> PyResult<()> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        call(py, || cm.abandon(step))
+        self.call(py, || cm.abandon(step))
     }
 
     /// Checks `batch` as it ran (`ran[i]`: the tokens row `i` ran); counts, logs (1st, 2nd,
@@ -763,7 +778,7 @@ impl Engine {
         let cm = self.cm(py)?;
         let ran = ran_arg(py, ran)?;
         let b = batch.batch.clone();
-        let (overrun, count) = call(py, || async {
+        let (overrun, count) = self.call(py, || async {
             let overrun = cm.check_budget(&b, &ran).await?;
             let count = match &overrun {
                 Some(o) => cm.overrun_count(&o.node, &o.walk, None).await?,
@@ -804,13 +819,13 @@ impl Engine {
                     })?,
             ),
         };
-        call(py, || cm.overrun_count(node, walk, reason))
+        self.call(py, || cm.overrun_count(node, walk, reason))
     }
 
     /// `{prefill_rows, mid_prefill_rows, continuing_rows, steps_in_flight}`.
     fn queue_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cm = self.cm(py)?;
-        let s = call(py, || cm.queue_stats())?;
+        let s = self.call(py, || cm.queue_stats())?;
         let d = PyDict::new(py);
         d.set_item("prefill_rows", s.prefill_rows)?;
         d.set_item("mid_prefill_rows", s.mid_prefill_rows)?;
@@ -837,7 +852,7 @@ impl Engine {
                 "measured_ms must be a finite number of ms >= 0, got None",
             ));
         };
-        let m = call(py, || cm.measured(step, ms))?;
+        let m = self.call(py, || cm.measured(step, ms))?;
         let d = PyDict::new(py);
         d.set_item("step", m.step)?;
         d.set_item("node", &*m.node)?;
@@ -853,7 +868,7 @@ impl Engine {
     /// The latency model `node` plans its time budgets with (`LatencyModelState`).
     fn latency_model<'py>(&self, py: Python<'py>, node: &str) -> PyResult<Bound<'py, PyAny>> {
         let cm = self.cm(py)?;
-        let r = call(py, || cm.latency_model(node))?;
+        let r = self.call(py, || cm.latency_model(node))?;
         let model = |m: Option<&mstar_chunking::LatencyModel>| -> PyResult<PyObject> {
             Ok(match m {
                 Some(m) => model_to_py(py, m)?.unbind(),

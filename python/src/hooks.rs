@@ -173,3 +173,11 @@ pub(crate) fn _buffer_address(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
         Ok(address)
     }
 }
+
+/// Waits `timeout` seconds for an answer that never comes, as a call to actors that do not
+/// answer would: the timeout every call is timed with, provoked.
+#[pyfunction]
+pub(crate) fn _timeout_for_test(py: Python<'_>, timeout: f64) -> PyResult<()> {
+    let timeout = crate::boundary::timeout_arg(Some(timeout))?;
+    crate::boundary::call_within(py, timeout, || std::future::pending())
+}

@@ -12,9 +12,9 @@
 //! - [`hooks`]: the benchmark's Rust side and the test doors.
 //!
 //! Every call that waits for the actors releases the GIL and runs the facade's future to
-//! completion on the calling thread, parked while it waits (the request timeout is timed on
-//! the actors' runtime), inside `catch_unwind`: a Rust panic becomes a `ChunkingError`, never
-//! a Python `PanicException`.
+//! completion on the calling thread, parked while it waits (the request timeout is timed there,
+//! by the park's deadline, not by the facade on the actors' runtime), inside `catch_unwind`: a
+//! Rust panic becomes a `ChunkingError`, never a Python `PanicException`.
 //!
 //! [`ChunkingManagement`]: mstar_chunking::ChunkingManagement
 
@@ -47,6 +47,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hooks::_bench_round_trips, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_error_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_panic_for_test, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_timeout_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_buffer_address, m)?)?;
     m.add(
         "DEFAULT_MIN_CHUNK_TOKENS",
