@@ -179,5 +179,5 @@ pub(crate) fn _buffer_address(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 #[pyfunction]
 pub(crate) fn _timeout_for_test(py: Python<'_>, timeout: f64) -> PyResult<()> {
     let timeout = crate::boundary::timeout_arg(Some(timeout))?;
-    crate::boundary::call_within(py, timeout, || std::future::pending())
+    crate::boundary::call_within(py, timeout, std::future::pending)
 }
