@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use mstar_chunking::budget::OrderSettings;
+use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::RowChangeRef;
 use mstar_chunking::{
     ActorThread, AdmitOptions, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Order,
@@ -92,7 +93,11 @@ pub(crate) fn token_ids(
         let format = buf.format().to_bytes();
         let native = matches!(format, b"I" | b"@I" | b"=I") || format == NATIVE;
         if native && buf.dimensions() == 1 {
-            return Ok(buf.to_vec(py)?.into());
+            // One allocation and one copy, into the `Arc` the actors hold.
+            return Ok(match buf.as_slice(py) {
+                Some(ids) => ids.iter().map(|c| c.get()).collect(),
+                None => buf.to_vec(py)?.into(),
+            });
         }
     }
     // Anything else (and a buffer that is not aligned for `u32`s) goes through the converter,
@@ -110,14 +115,15 @@ pub(crate) fn token_ids(
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
 #[derive(Default)]
 struct Admitted {
-    keys: BTreeMap<(u64, String), u64>,
+    keys: BTreeMap<(u64, Name), u64>,
     next: u64,
 }
 
 impl Admitted {
-    fn insert(&mut self, rid: u64, node: &str) {
+    /// Records `(rid, node)`: a clone of a `Name` the caller has allocates nothing.
+    fn insert(&mut self, rid: u64, node: Name) {
         self.next += 1;
-        self.keys.insert((rid, node.to_owned()), self.next);
+        self.keys.insert((rid, node), self.next);
     }
 }
 
@@ -179,10 +185,13 @@ fn warn_priorities(
     node: &str,
     rids: impl IntoIterator<Item = (u64, i32)>,
 ) -> PyResult<()> {
+    let mut rids = rids.into_iter().filter(|&(_, p)| p != 0).peekable();
+    if rids.peek().is_none() {
+        return Ok(());
+    }
     let warnings: Vec<CString> = {
         let mut o = lock(orders);
-        rids.into_iter()
-            .filter_map(|(rid, p)| o.warning(rid, node, p))
+        rids.filter_map(|(rid, p)| o.warning(rid, node, p))
             .collect()
     };
     if warnings.is_empty() {
@@ -523,7 +532,7 @@ impl Engine {
     /// The `(rid, node)` keys whose input is held now.
     fn prepared_keys(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
         let cm = self.cm(py)?;
-        let candidates: Vec<((u64, String), u64)> = lock(&self.admitted)
+        let candidates: Vec<((u64, Name), u64)> = lock(&self.admitted)
             .keys
             .iter()
             .map(|(k, n)| (k.clone(), *n))
@@ -532,7 +541,7 @@ impl Engine {
             let (mut held, mut gone) = (Vec::new(), Vec::new());
             for (key, n) in &candidates {
                 if cm.prepared(key.0, &key.1).await?.is_some() {
-                    held.push(key.clone());
+                    held.push((key.0, key.1.to_string()));
                 } else {
                     gone.push((key, *n));
                 }
@@ -559,7 +568,7 @@ impl Engine {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
         let held = self.call(py, || cm.release(rid, node))?;
-        lock(&self.admitted).keys.remove(&(rid, node.to_owned()));
+        lock(&self.admitted).keys.remove(&(rid, Name::from(node)));
         Ok(held)
     }
 
@@ -600,7 +609,7 @@ impl Engine {
         let input = PreparedInput::tokens(token_ids(py, rid, node, tokens)?);
         warn_priorities(py, &self.orders, node, [(rid, options.priority)])?;
         self.call(py, || cm.admit_with(rid, node, walk, input, options))?;
-        lock(&self.admitted).insert(rid, node);
+        lock(&self.admitted).insert(rid, Name::from(node));
         Ok(())
     }
 
@@ -681,7 +690,9 @@ impl Engine {
             Ok((outcome, count))
         })?;
         Self::finish_step(py, &outcome, count);
-        Ok(Outcome { outcome })
+        Ok(Outcome {
+            outcome: Arc::new(outcome),
+        })
     }
 
     /// Completes step `step` (as `complete`) and assembles the next step of `next` (a
@@ -743,21 +754,14 @@ impl Engine {
         if !admits.is_empty() {
             let mut admitted = lock(&self.admitted);
             for (rid, _) in admits {
-                admitted.insert(rid, &node);
+                admitted.insert(rid, node.clone());
             }
         }
-        Ok(Completed {
-            outcome: Py::new(
-                py,
-                Outcome {
-                    outcome: done.outcome,
-                },
-            )?,
-            next: match done.next {
-                Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
-                Err(e) => Err(e),
-            },
-        })
+        let next = match done.next {
+            Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
+            Err(e) => Err(e),
+        };
+        Ok(Completed::new(done.outcome, next))
     }
 
     /// The step ran nothing: no row advances, the node can assemble again.

@@ -362,7 +362,7 @@ pymethods_with_getters! {
 /// What completing a step did.
 #[pyclass(module = "mstar_chunking._native", frozen, name = "StepOutcome")]
 pub(crate) struct Outcome {
-    pub(crate) outcome: StepOutcome,
+    pub(crate) outcome: Arc<StepOutcome>,
 }
 
 pymethods_with_getters! {
@@ -426,16 +426,42 @@ pymethods_with_getters! {
 /// it could not be assembled: the completion stands either way).
 #[pyclass(module = "mstar_chunking._native", frozen)]
 pub(crate) struct Completed {
-    pub(crate) outcome: Py<Outcome>,
+    /// The outcome, made a `StepOutcome` object when `outcome` is first read: a loop that
+    /// reads only `next` makes none.
+    outcome: Arc<StepOutcome>,
+    outcome_py: GILOnceCell<Py<Outcome>>,
     pub(crate) next: Result<Py<StepBatch>, ChunkingError>,
+}
+
+impl Completed {
+    pub(crate) fn new(outcome: StepOutcome, next: Result<Py<StepBatch>, ChunkingError>) -> Self {
+        Self {
+            outcome: Arc::new(outcome),
+            outcome_py: GILOnceCell::new(),
+            next,
+        }
+    }
+
+    fn outcome_obj<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, Outcome>> {
+        self.outcome_py
+            .get_or_try_init(py, || {
+                Py::new(
+                    py,
+                    Outcome {
+                        outcome: self.outcome.clone(),
+                    },
+                )
+            })
+            .map(|o| o.bind(py))
+    }
 }
 
 #[pymethods]
 impl Completed {
     /// What completing the step did (`StepOutcome`).
     #[getter]
-    fn outcome(&self, py: Python<'_>) -> Py<Outcome> {
-        self.outcome.clone_ref(py)
+    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, Outcome>> {
+        self.outcome_obj(py).cloned()
     }
 
     /// The next step (`Batch`); raises the error its assembly (or a row change) failed with.
@@ -459,7 +485,7 @@ impl Completed {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let outcome = self.outcome.bind(py).repr()?.to_string();
+        let outcome = self.outcome_obj(py)?.repr()?.to_string();
         let next = match &self.next {
             Ok(b) => b.bind(py).repr()?.to_string(),
             Err(e) => format!("error({})", py_repr_str(py, &e.to_string())),

@@ -294,3 +294,27 @@ def test_prepared_lists_a_row_admitted_again_after_it_was_dropped(cm):
     assert list(cm.prepared) == []
     cm.admit(1, "llm", "prefill", [3])
     assert list(cm.prepared) == [(1, "llm")] and cm.prepared[(1, "llm")].tolist() == [3]
+
+
+def test_ran_is_read_alike_from_any_sequence_of_ints(cm):
+    # A list of ints is read item by item; any other sequence (a tuple, an array, ints of a
+    # subclass) goes the general way: the same counts either way.
+    import enum
+
+    class Tokens(enum.IntEnum):
+        CHUNK = 255
+        DECODE = 1
+
+    forms = [
+        lambda b: b.planned(),
+        lambda b: tuple(b.planned()),
+        lambda b: array.array("I", b.planned()),
+        lambda b: [Tokens(t) for t in b.planned()],
+    ]
+    cm.continue_row(1, "llm", "decode", 1)
+    for i, form in enumerate(forms):
+        cm.admit(10 + i, "llm", "prefill", [1] * 255)
+        b = cm.assemble("llm", "mixed")
+        assert b.planned() == [1, 255]
+        out = cm.complete(b.step, form(b))
+        assert (out.ran_tokens, out.finished) == (256, [10 + i]), i
