@@ -634,10 +634,12 @@ class ChunkingManagement:
         return self._engine.assemble(node_name, graph_walk, at_ms=at_ms)
 
     def complete(  # type: ignore[no-redef]
-        self, step: int, ran: Sequence[int], measured_ms: Optional[float] = None
+        self, step: int, ran: Union[Sequence[int], Batch], measured_ms: Optional[float] = None
     ) -> StepOutcome:
         """Complete a step: ``ran[i]`` is the tokens row ``i`` ran (a chunk: 0 or its planned
-        tokens), ``measured_ms`` its measured time (checked against the time budget, fed to the
+        tokens), or ``ran`` is the step's ``Batch`` itself when every row ran its planned tokens
+        (as ``batch.planned()``, without a list of a Python int per row), ``measured_ms`` its
+        measured time (checked against the time budget, fed to the
         online fit and the margin). A token overrun is logged; a failure of that logging call
         is reported through ``sys.unraisablehook``, never raised: the outcome is answered."""
         return self._engine.complete(step, ran, measured_ms)
@@ -645,7 +647,7 @@ class ChunkingManagement:
     def complete_and_assemble(  # type: ignore[no-redef]
         self,
         step: int,
-        ran: Sequence[int],
+        ran: Union[Sequence[int], Batch],
         measured_ms: Optional[float] = None,
         *,
         next: Union[NextStep, Tuple[str, str]],

@@ -275,11 +275,13 @@ class ChunkingManagement:
         self, rid: int, node_name: str, graph_walk: str, estimate: int = 1, context: Optional[int] = None
     ) -> None: ...
     def assemble(self, node_name: str, graph_walk: str, *, at_ms: Optional[float] = None) -> Batch: ...
-    def complete(self, step: int, ran: Sequence[int], measured_ms: Optional[float] = None) -> StepOutcome: ...
+    def complete(
+        self, step: int, ran: Union[Sequence[int], Batch], measured_ms: Optional[float] = None
+    ) -> StepOutcome: ...
     def complete_and_assemble(
         self,
         step: int,
-        ran: Sequence[int],
+        ran: Union[Sequence[int], Batch],
         measured_ms: Optional[float] = None,
         *,
         next: Union[NextStep, Tuple[str, str]],

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -142,24 +143,39 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     format!("internal error in mstar_chunking (a Rust panic, caught): {what}")
 }
 
+/// Forks of this process that Python was told of (`os.register_at_fork`'s `after_in_child`,
+/// which `os.fork`, `multiprocessing` and `PyOS_AfterFork_Child` run): a child counts one more
+/// than its parent.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a fork in the child (registered with `os.register_at_fork` when the module loads).
+#[pyfunction]
+pub(crate) fn _after_fork_in_child() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// The process that started a manager's actors. A forked child inherits the handle but not the
 /// actors' thread: its calls would wait for an answer that never comes, and stopping the
-/// thread would join a thread that does not exist there.
+/// thread would join a thread that does not exist there. Told by the forks counted (an atomic
+/// load per call, where asking the process id is a system call), with the process id for the
+/// message.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Owner {
     pid: u32,
+    forks: u64,
 }
 
 impl Owner {
     pub(crate) fn here() -> Self {
         Self {
             pid: std::process::id(),
+            forks: FORKS.load(Ordering::Relaxed),
         }
     }
 
     /// Whether this is the process that started the actors.
     pub(crate) fn is_here(self) -> bool {
-        std::process::id() == self.pid
+        FORKS.load(Ordering::Relaxed) == self.forks
     }
 
     /// `Ok` in the process that started the actors; in a forked child, `ActorsStoppedError`.

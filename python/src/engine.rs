@@ -277,6 +277,28 @@ impl Engine {
     }
 }
 
+/// `ran` of step `step`: the tokens each row ran (a sequence of ints), or the step's `Batch`
+/// itself for "every row ran its planned tokens" (as `batch.planned()`, without making the
+/// list); the `Batch` of another step is refused.
+fn ran_of_step(py: Python<'_>, step: u64, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    match ran.downcast::<StepBatch>() {
+        Ok(b) => {
+            let batch = &b.get().batch;
+            if batch.step != step {
+                return Err(invalid(
+                    py,
+                    &format!(
+                        "ran is the Batch of step {}, not of step {step}: pass that step's Batch, or the tokens each row ran",
+                        batch.step
+                    ),
+                ));
+            }
+            Ok(batch.rows.iter().map(|r| r.tokens()).collect())
+        }
+        Err(_) => ran_arg(py, ran),
+    }
+}
+
 /// The overruns counted for an outcome's `(node, walk)`, when it has one (else 0).
 async fn overrun_count_of(
     cm: &ChunkingManagement,
@@ -679,7 +701,7 @@ impl Engine {
     ) -> PyResult<Outcome> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        let ran = ran_arg(py, ran)?;
+        let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
         let (outcome, count) = self.call(py, || async {
             let outcome = match measured_ms {
@@ -712,7 +734,7 @@ impl Engine {
     ) -> PyResult<Completed> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        let ran = ran_arg(py, ran)?;
+        let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
         let at_ms = clock_arg(py, "at_ms", at_ms)?;
         let (mut next, own_at_ms) = if let Ok(n) = next.downcast::<PyNextStep>() {

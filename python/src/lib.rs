@@ -43,6 +43,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metrics::render_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(settings::preset_cost, m)?)?;
     m.add_function(wrap_pyfunction!(settings::preset_names_py, m)?)?;
+    m.add_function(wrap_pyfunction!(boundary::_after_fork_in_child, m)?)?;
+    // A manager made before a fork answers `ActorsStoppedError` in the child (`Owner`).
+    let kwargs = pyo3::types::PyDict::new(m.py());
+    kwargs.set_item("after_in_child", m.getattr("_after_fork_in_child")?)?;
+    m.py()
+        .import("os")?
+        .call_method("register_at_fork", (), Some(&kwargs))?;
     m.add_function(wrap_pyfunction!(hooks::_bench_facade, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_bench_round_trips, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_error_for_test, m)?)?;

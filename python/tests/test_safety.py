@@ -259,3 +259,21 @@ def test_no_panic_exception_from_any_call(cm):
             cm.admit(*args)
         except ChunkingError:
             pass
+
+
+def test_a_manager_made_after_a_fork_works_in_the_child(make_cm):
+    # The forks counted by `os.register_at_fork` tell the child from the parent: a manager the
+    # child makes is its own, and works.
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            cm = ChunkingManagement({"llm": SubmoduleCaps(["prefill"])})
+            cm.set_policies({("llm", "prefill"): ChunkingPolicy(64)})
+            cm.admit(1, "llm", "prefill", [1] * 100)
+            code = 0 if cm.assemble("llm", "prefill").planned() == [64] else 2
+            cm.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
