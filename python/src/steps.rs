@@ -225,8 +225,8 @@ pymethods_with_getters! {
     }
 
     /// The tokens each row is scheduled to run: what `complete` takes when every row ran.
-    fn planned(&self) -> Vec<u32> {
-        self.batch.rows.iter().map(BatchRow::tokens).collect()
+    fn planned<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        int_list(py, self.batch.rows.iter().map(BatchRow::tokens))
     }
 
     /// The rids whose final chunk this step runs: their prefill ends with it (what an engine
@@ -255,6 +255,31 @@ pymethods_with_getters! {
             py_opt(self.batch.budget),
             py_opt(self.batch.max_step_ms.map(py_float)),
         )
+    }
+}
+
+/// A `list` of `items` as Python `int`s, filled in place (a step's rows can number in the
+/// thousands: a third of the cost of a list made item by item through conversions).
+fn int_list<'py>(
+    py: Python<'py>,
+    items: impl ExactSizeIterator<Item = u32>,
+) -> PyResult<Bound<'py, PyList>> {
+    let n = ffi::Py_ssize_t::try_from(items.len())
+        .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
+    // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
+    // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
+    // the new reference `PyLong_FromUnsignedLong` answers. A failed conversion leaves the
+    // rest of the slots empty, which a list's deallocation accepts.
+    unsafe {
+        let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
+        for (i, v) in (0..n).zip(items) {
+            let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
+            if int.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            ffi::PyList_SetItem(list.as_ptr(), i, int);
+        }
+        Ok(list.downcast_into_unchecked())
     }
 }
 
