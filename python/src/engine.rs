@@ -299,6 +299,18 @@ fn ran_of_step(py: Python<'_>, step: u64, ran: &Bound<'_, PyAny>) -> PyResult<Ve
     }
 }
 
+/// `set_budgets`, answered once the scheduler has taken the new budgets in: the budgets' actor
+/// hands them to the scheduler on its own after answering, so a question to the scheduler
+/// (answered in its mailbox's order) waits for that. The gauges the scheduler publishes with
+/// them (rows, orders, latency models) are then in `render_metrics()`.
+async fn set_budgets_seen(
+    cm: &ChunkingManagement,
+    settings: mstar_chunking::BudgetSettings,
+) -> Result<(), ChunkingError> {
+    cm.set_budgets(settings).await?;
+    cm.queue_stats().await.map(drop)
+}
+
 /// The overruns counted for an outcome's `(node, walk)`, when it has one (else 0).
 async fn overrun_count_of(
     cm: &ChunkingManagement,
@@ -373,7 +385,7 @@ impl Engine {
         let orders = budgets.order.clone();
         engine.call(py, || async {
             engine.cm.set_policies(policies).await?;
-            engine.cm.set_budgets(budgets).await
+            set_budgets_seen(&engine.cm, budgets).await
         })?;
         lock(&engine.orders).settings = orders;
         let info = PyDict::new(py);
@@ -497,7 +509,7 @@ impl Engine {
         }
         .settings(py)?;
         let orders = settings.order.clone();
-        self.call(py, || cm.set_budgets(settings))?;
+        self.call(py, || set_budgets_seen(cm, settings))?;
         lock(&self.orders).settings = orders;
         Ok(())
     }
