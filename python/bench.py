@@ -12,7 +12,11 @@ and, in a second loop, as the step's `Batch` itself (`ran=batch`: every row ran 
 list). Prints the medians of `--repeats` interleaved runs per side and the ratios Python / Rust
 per workload, of the process's CPU time per step (both threads: what a step costs the machine)
 and of wall-clock time (which on a loaded machine is mostly the wait for the other thread to be
-scheduled). The limit (`--check`) is on the list's loop. Build the wheel with `--release` first.
+scheduled). The limit (`--check`) is on the list's loop. The Rust side runs twice: with the
+facade's request timeout (`rust`, a Rust handle's default: a timer task on the actors' thread
+per request) and without it (`rust*`, `with_timeout(None)`: the package's handle is made so,
+and times its calls on the calling thread instead), and the list's loop is compared with both.
+Build the wheel with `--release` first.
 
     python python/bench.py [--steps 5000] [--repeats 5] [--workloads W1,W2,W3]
 """
@@ -95,8 +99,10 @@ def python_loop(w: Workload, steps: int, ran_batch: bool = False) -> tuple[float
         cm.close()
 
 
-def rust_loop(w: Workload, steps: int) -> tuple[float, float]:
-    return _native._bench_facade(steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS)
+def rust_loop(w: Workload, steps: int, facade_timeout: bool = True) -> tuple[float, float]:
+    return _native._bench_facade(
+        steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS, facade_timeout
+    )
 
 
 def main() -> None:
@@ -115,29 +121,31 @@ def main() -> None:
         ap.error(f"--workloads: unknown {unknown or names}; known: {', '.join(WORKLOADS)}")
     print(f"steps per run: {a.steps} (after {WARM_STEPS} warm-up steps), runs per side: {a.repeats}")
     print("us/step, medians; cpu: the process's CPU time (both threads), wall: wall-clock time")
-    print("ratio: python / rust; ran=batch: the Python loop reporting each step with its Batch")
+    print("ratio: python / rust; ran=batch: the Python loop reporting each step with its Batch;")
+    print("rust*: the facade without its request timeout, and python / rust*")
     print(
         f"{'workload':<9} {'rust cpu':>9} {'python cpu':>11} {'ratio':>6} {'ran=batch':>10} {'ratio':>6}"
-        f" {'rust wall':>10} {'python wall':>12} {'ratio':>6}"
+        f" {'rust* cpu':>10} {'ratio':>6} {'rust wall':>10} {'python wall':>12} {'ratio':>6}"
     )
     ratios = {}
     for name in names:
         w = WORKLOADS[name]
-        rust, py, py_batch = [], [], []
+        rust, rust_nt, py, py_batch = [], [], [], []
         for _ in range(a.repeats):  # interleaved, so load on the machine hits every side alike
             rust.append(rust_loop(w, a.steps))
             py.append(python_loop(w, a.steps))
             py_batch.append(python_loop(w, a.steps, ran_batch=True))
+            rust_nt.append(rust_loop(w, a.steps, facade_timeout=False))
 
         def us(runs: list[tuple[float, float]], i: int) -> float:
             return float(statistics.median(r[i] for r in runs)) / steps * 1e6
 
         r_wall, p_wall, r_cpu, p_cpu = us(rust, 0), us(py, 0), us(rust, 1), us(py, 1)
-        b_cpu = us(py_batch, 1)
+        b_cpu, n_cpu = us(py_batch, 1), us(rust_nt, 1)
         ratios[name] = p_cpu / r_cpu
         print(
             f"{name:<9} {r_cpu:9.2f} {p_cpu:11.2f} {p_cpu / r_cpu:6.2f} {b_cpu:10.2f} {b_cpu / r_cpu:6.2f}"
-            f" {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
+            f" {n_cpu:10.2f} {p_cpu / n_cpu:6.2f} {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
         )
     if "W3" in ratios:
         verdict = "within" if ratios["W3"] <= W3_LIMIT else "OVER"
