@@ -34,29 +34,32 @@ thread_local! {
     static WAKER: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
 }
 
-/// Runs `fut` to completion on the calling thread, parked while it waits, or until
-/// `deadline` (then `None`, the future dropped). The facade's futures need no runtime of the
-/// caller's: what they await are channels to the actors' thread. A plain park per wait costs
-/// less than entering a runtime per call.
-fn block_on<F: Future>(fut: F, deadline: Option<Instant>) -> Option<F::Output> {
+/// Runs `fut` to completion on the calling thread, parked while it waits, or until `timeout`
+/// has passed since it first waited (then `None`, the future dropped). The facade's futures
+/// need no runtime of the caller's: what they await are channels to the actors' thread. A
+/// plain park per wait costs less than entering a runtime per call.
+fn block_on<F: Future>(fut: F, timeout: Option<Duration>) -> Option<F::Output> {
     let mut fut = std::pin::pin!(fut);
     WAKER.with(|waker| {
         let mut cx = Context::from_waker(waker);
+        // The deadline, read from the clock when the future first waits (its message sent),
+        // not before; `Some(None)`: a timeout too long for the clock, no limit.
+        let mut deadline: Option<Option<Instant>> = None;
         loop {
             if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
                 return Some(out);
             }
             // A wake-up that came before the park makes it return at once; a spurious one
             // polls again.
-            match deadline {
+            let Some(timeout) = timeout else {
+                std::thread::park();
+                continue;
+            };
+            let now = Instant::now();
+            match *deadline.get_or_insert_with(|| now.checked_add(timeout)) {
                 None => std::thread::park(),
-                Some(deadline) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return None;
-                    }
-                    std::thread::park_timeout(deadline - now);
-                }
+                Some(until) if now >= until => return None,
+                Some(until) => std::thread::park_timeout(until - now),
             }
         }
     })
@@ -95,16 +98,12 @@ where
     T: Send,
 {
     py.allow_threads(|| {
-        let ran = catch_unwind(AssertUnwindSafe(|| {
-            // A timeout too long for the clock is no limit.
-            let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-            match block_on(make(), deadline) {
-                Some(answer) => answer.map_err(Failure::from),
-                None => Err(Failure::Chunking(ChunkingError::Timeout {
-                    actor: TIMED_OUT_ACTOR,
-                    after: timeout.unwrap_or_default(),
-                })),
-            }
+        let ran = catch_unwind(AssertUnwindSafe(|| match block_on(make(), timeout) {
+            Some(answer) => answer.map_err(Failure::from),
+            None => Err(Failure::Chunking(ChunkingError::Timeout {
+                actor: TIMED_OUT_ACTOR,
+                after: timeout.unwrap_or_default(),
+            })),
         }));
         ran.unwrap_or_else(|panic| Err(Failure::Internal(panic_message(&*panic))))
     })

@@ -113,9 +113,11 @@ pub(crate) fn token_ids(
 }
 
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
+/// By rid (an engine's prompts live on one node or a few), so that recording one and
+/// forgetting a request compare integers, not names, however many are held.
 #[derive(Default)]
 struct Admitted {
-    keys: BTreeMap<(u64, Name), u64>,
+    keys: BTreeMap<u64, Vec<(Name, u64)>>,
     next: u64,
 }
 
@@ -123,7 +125,33 @@ impl Admitted {
     /// Records `(rid, node)`: a clone of a `Name` the caller has allocates nothing.
     fn insert(&mut self, rid: u64, node: Name) {
         self.next += 1;
-        self.keys.insert((rid, node), self.next);
+        let n = self.next;
+        let nodes = self.keys.entry(rid).or_default();
+        match nodes.iter_mut().find(|(m, _)| *m == node) {
+            Some(slot) => slot.1 = n,
+            None => nodes.push((node, n)),
+        }
+    }
+
+    /// Every `((rid, node), admission)`, by rid then node.
+    fn all(&self) -> Vec<((u64, Name), u64)> {
+        let mut out: Vec<((u64, Name), u64)> = self
+            .keys
+            .iter()
+            .flat_map(|(rid, nodes)| nodes.iter().map(|(m, n)| ((*rid, m.clone()), *n)))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Drops `(rid, node)`, if it is still admission `n` (any admission: `None`).
+    fn remove(&mut self, rid: u64, node: &str, n: Option<u64>) {
+        if let Some(nodes) = self.keys.get_mut(&rid) {
+            nodes.retain(|(m, k)| !(&**m == node && n.is_none_or(|n| n == *k)));
+            if nodes.is_empty() {
+                self.keys.remove(&rid);
+            }
+        }
     }
 }
 
@@ -566,11 +594,7 @@ impl Engine {
     /// The `(rid, node)` keys whose input is held now.
     fn prepared_keys(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
         let cm = self.cm(py)?;
-        let candidates: Vec<((u64, Name), u64)> = lock(&self.admitted)
-            .keys
-            .iter()
-            .map(|(k, n)| (k.clone(), *n))
-            .collect();
+        let candidates = lock(&self.admitted).all();
         let (held, gone) = self.call(py, || async {
             let (mut held, mut gone) = (Vec::new(), Vec::new());
             for (key, n) in &candidates {
@@ -584,9 +608,7 @@ impl Engine {
         })?;
         let mut admitted = lock(&self.admitted);
         for (key, n) in gone {
-            if admitted.keys.get(key) == Some(&n) {
-                admitted.keys.remove(key);
-            }
+            admitted.remove(key.0, &key.1, Some(n));
         }
         Ok(held)
     }
@@ -602,7 +624,7 @@ impl Engine {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
         let held = self.call(py, || cm.release(rid, node))?;
-        lock(&self.admitted).keys.remove(&(rid, Name::from(node)));
+        lock(&self.admitted).remove(rid, node, None);
         Ok(held)
     }
 
@@ -611,7 +633,7 @@ impl Engine {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
         self.call(py, || cm.forget_request(rid))?;
-        lock(&self.admitted).keys.retain(|(r, _), _| *r != rid);
+        lock(&self.admitted).keys.remove(&rid);
         Ok(())
     }
 
