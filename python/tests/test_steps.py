@@ -318,3 +318,24 @@ def test_ran_is_read_alike_from_any_sequence_of_ints(cm):
         assert b.planned() == [1, 255]
         out = cm.complete(b.step, form(b))
         assert (out.ran_tokens, out.finished) == (256, [10 + i]), i
+
+
+def test_the_prepared_keys_follow_admissions_releases_and_forgets(cm):
+    cm.admit(7, "llm", "prefill", [1] * 10)
+    cm.admit(7, "enc", "mixed", [1] * 10)
+    cm.admit(3, "llm", "prefill", [1] * 10)
+    assert list(cm.prepared) == [(3, "llm"), (7, "enc"), (7, "llm")]
+    assert cm.release(7, "llm")
+    assert list(cm.prepared) == [(3, "llm"), (7, "enc")]
+    cm.forget_request(7)
+    assert list(cm.prepared) == [(3, "llm")]
+    cm.admit(7, "llm", "prefill", [1] * 10)
+    assert list(cm.prepared) == [(3, "llm"), (7, "llm")]
+    # A prompt whose prefill ended is no longer held: found gone and dropped from the keys.
+    b = cm.assemble("llm", "mixed")
+    done = cm.complete_and_assemble(
+        b.step, b, next=_native.NextStep("llm", "mixed").admit(9, "prefill", [1] * 10)
+    )
+    assert sorted(done.outcome.finished) == [3, 7]
+    assert list(cm.prepared) == [(9, "llm")]
+    assert dict(cm.prepared.items())[(9, "llm")].tolist() == [1] * 10
