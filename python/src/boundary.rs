@@ -446,12 +446,6 @@ pub(crate) fn ran_arg(py: Python<'_>, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u3
     if let Some(v) = ran_list(ran) {
         return Ok(v);
     }
-    if let Ok(v) = ran.extract::<Vec<u32>>() {
-        if !ran.is_instance_of::<pyo3::types::PyString>() {
-            return Ok(v);
-        }
-    }
-    // The slow path, only to say what was wrong.
     if ran.is_instance_of::<pyo3::types::PyString>() || ran.try_iter().is_err() {
         return Err(invalid(
             py,
@@ -461,9 +455,28 @@ pub(crate) fn ran_arg(py: Python<'_>, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u3
             ),
         ));
     }
+    // Any other sequence, item by item: an int of any kind (a subclass, numpy's), not a bool.
     let mut out = Vec::new();
     for (i, item) in ran.try_iter()?.enumerate() {
-        out.push(whole::<u32>(py, &format!("ran[{i}]"), &item?)?);
+        let item = item?;
+        let v = if item.is_instance_of::<pyo3::types::PyBool>() {
+            None
+        } else {
+            item.extract::<u32>().ok()
+        };
+        match v {
+            Some(v) => out.push(v),
+            None => {
+                return Err(invalid(
+                    py,
+                    &format!(
+                        "ran[{i}] must be a whole number (int) between 0 and {}, got {}",
+                        u32::MAX,
+                        short_repr(&item)
+                    ),
+                ))
+            }
+        }
     }
     Ok(out)
 }
