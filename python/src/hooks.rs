@@ -94,8 +94,9 @@ pub(crate) fn _bench_facade(
     result
 }
 
-/// `n` round trips (`queue_stats`) awaited in one call on a manager of its own: the process's
-/// CPU seconds and the wall-clock seconds they took, to compare with the same calls from Python.
+/// `n` trips to the actors (`queue_stats`) awaited in one call on a manager of its own: the
+/// process's CPU seconds and the wall-clock seconds they took, to compare with the same calls
+/// from Python.
 /// The manager's handle waits as the package's do (the facade's timeout off, each call timed
 /// by the calling thread's park, 5 s).
 /// With `separate`, each trip is a blocking call of its own (as a call from Python is), and
@@ -103,7 +104,7 @@ pub(crate) fn _bench_facade(
 /// Python loop spends them between its calls; the spin's CPU time is in the answer).
 #[pyfunction]
 #[pyo3(signature = (n, separate=false, gap_us=0.0))]
-pub(crate) fn _bench_round_trips(
+pub(crate) fn _bench_trips(
     py: Python<'_>,
     n: u64,
     separate: bool,

@@ -51,7 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .import("os")?
         .call_method("register_at_fork", (), Some(&kwargs))?;
     m.add_function(wrap_pyfunction!(hooks::_bench_facade, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_bench_round_trips, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_bench_trips, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_error_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_panic_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_timeout_for_test, m)?)?;
