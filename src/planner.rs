@@ -288,7 +288,7 @@ pub fn plan_ranked(
 ) {
     debug_assert_eq!(rank.len(), prefill.len());
     let ranked = rank.iter().filter_map(|&i| prefill.get(i as usize));
-    plan_walk(params, time, cont, prefill, [ranked], out, true);
+    plan_walk(params, time, cont, prefill, [(None, ranked)], out, true);
 }
 
 /// [`plan_timed`], with the `TimeFull` shortcut on or (for the test that it changes no plan)
@@ -315,20 +315,22 @@ fn plan_timed_with(
 /// The prefill rows in admission order as two groups, mid-prefill ones first: the `fcfs` walk.
 /// Two plain loops over the queue, one per group, as the planner walked it before other orders
 /// existed (a chained iterator costs the token planner about 40% more instructions).
-fn admission_groups(prefill: &[PrefillRow]) -> [impl Iterator<Item = &PrefillRow>; 2] {
-    let group = |mid: bool| prefill.iter().filter(move |p| p.started == mid);
+fn admission_groups(
+    prefill: &[PrefillRow],
+) -> [(Option<bool>, impl Iterator<Item = &PrefillRow>); 2] {
+    let group = |mid: bool| (Some(mid), prefill.iter().filter(move |p| p.started == mid));
     [group(true), group(false)]
 }
 
 /// Plans one step with the prefill rows walked group by group, each in order (every row of
 /// `prefill` once, mid-prefill ones first); `prefill` itself is read only for order-free
-/// counts.
+/// counts. A group says whether its rows are all mid-prefill (`Some`) or mixed (`None`).
 fn plan_walk<'a, I: Iterator<Item = &'a PrefillRow>>(
     params: &StepParams,
     time: Option<TimeLimit>,
     cont: &[ContRow],
     prefill: &'a [PrefillRow],
-    groups: impl IntoIterator<Item = I>,
+    groups: impl IntoIterator<Item = (Option<bool>, I)>,
     out: &mut StepPlan,
     shortcut: bool,
 ) {
@@ -336,7 +338,7 @@ fn plan_walk<'a, I: Iterator<Item = &'a PrefillRow>>(
     #[cfg(feature = "bench-slow-planner")]
     slow_pass(cont, prefill);
     let Some(budget) = params.budget else {
-        plan_unbudgeted(params, cont, groups.into_iter().flatten(), out);
+        plan_unbudgeted(params, cont, groups.into_iter().flat_map(|(_, g)| g), out);
         return;
     };
     out.time = time;
@@ -493,7 +495,7 @@ fn plan_continuing(
 fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
     params: &StepParams,
     prefill: &'a [PrefillRow],
-    groups: impl IntoIterator<Item = I>,
+    groups: impl IntoIterator<Item = (Option<bool>, I)>,
     room: &mut Room<'_>,
     out: &mut StepPlan,
     shortcut: bool,
@@ -509,10 +511,11 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
         ..TimeFull::default()
     };
     let mut walks = WalkIndex::new(params);
-    for group in groups {
+    for (group_mid, group) in groups {
         let rows = group.filter_map(|r| Some((r, walks.of(&r.walk)?)));
         for (r, walk) in rows {
-            let mid = r.started;
+            // A constant for each `fcfs` group, so each loop is compiled for its own group.
+            let mid = group_mid.unwrap_or(r.started);
             if time_full.full {
                 // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
                 // have found one by one.
