@@ -207,9 +207,19 @@ async fn bad_requests_get_the_openai_error_object() {
         ),
         (json!({"prompt": 17}), "prompt", "string or an array"),
         (
-            json!({"prompt": "x", "max_tokens": 5000}),
+            json!({"prompt": "x", "max_tokens": 2000}),
             "max_tokens",
             "KV capacity",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 5000}),
+            "max_tokens",
+            "context of 4096",
+        ),
+        (
+            json!({"prompt": "x", "max_completion_tokens": 5000}),
+            "max_completion_tokens",
+            "context of 4096",
         ),
     ];
     for (body, param, says) in cases {
