@@ -1,13 +1,9 @@
 //! SmolLM2-135M-Instruct from its GGUF (`make model` installs it; a missing file fails).
 
-use candle_core::Device;
-use mstar_engine::model::gguf::{self, WeightFormat, DEFAULT_FORMAT};
-use mstar_engine::model::Model;
+use mstar_engine::model::gguf::{WeightFormat, DEFAULT_FORMAT};
 
-fn smollm2(format: WeightFormat) -> Model {
-    let path = gguf::smollm2_path().unwrap_or_else(|e| panic!("{e}"));
-    gguf::load(&path, &Device::Cpu, format).unwrap_or_else(|e| panic!("{e}"))
-}
+mod common;
+use common::smollm2;
 
 #[test]
 fn the_capital_of_france_is_paris() {
@@ -58,7 +54,11 @@ fn token_ids_equal_llama_cpp_on_the_fixture_strings() {
         if got != want {
             wrong.push(format!("{text:?}: engine {got:?}, llama.cpp {want:?}"));
         }
-        assert_eq!(tok.decode(&got, true).unwrap(), text, "decode is byte-exact");
+        assert_eq!(
+            tok.decode(&got, true).unwrap(),
+            text,
+            "decode is byte-exact"
+        );
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
@@ -83,7 +83,11 @@ fn greedy_continuations_match_llama_cpp_on_at_least_four_of_five_prompts() {
     for c in cases {
         let prompt = c["prompt"].as_str().unwrap();
         let ids_in = tok.encode(prompt).unwrap();
-        assert_eq!(ids_in, ids(&c["prompt_ids"]), "{prompt:?} encodes as llama.cpp's");
+        assert_eq!(
+            ids_in,
+            ids(&c["prompt_ids"]),
+            "{prompt:?} encodes as llama.cpp's"
+        );
         let want = ids(&c["tokens"]);
         let (mut cache, logits) = m.prefill(&ids_in).unwrap();
         let got = m.greedy(&mut cache, &logits, want.len()).unwrap();
@@ -96,5 +100,8 @@ fn greedy_continuations_match_llama_cpp_on_at_least_four_of_five_prompts() {
             c["text"].as_str().unwrap()
         );
     }
-    assert!(matched >= 4, "{matched} of 5 greedy continuations match llama.cpp's");
+    assert!(
+        matched >= 4,
+        "{matched} of 5 greedy continuations match llama.cpp's"
+    );
 }

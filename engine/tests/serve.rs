@@ -2,76 +2,14 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
 use futures_util::StreamExt;
 use mstar_chunking::DrainReport;
-use mstar_engine::engine::{self, EngineSettings, EngineStats};
-use mstar_engine::model::{Config, Model};
+use mstar_engine::engine::{self, EngineSettings};
 use mstar_engine::server::Server;
 use serde_json::{json, Value};
 
-fn start(settings: EngineSettings) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
-    let model = Model::random(Config::tiny(), 5, &Device::Cpu).unwrap();
-    let (handle, thread) = engine::start(model, settings).unwrap();
-    let srv = Server::start(handle, "tiny", "127.0.0.1:0").unwrap();
-    (srv, thread)
-}
-
-fn url(srv: &Server, path: &str) -> String {
-    format!("http://{}{path}", srv.addr)
-}
-
-/// Reads an SSE response whole: the JSON events and whether it ended with `data: [DONE]`.
-async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
-    let body = resp.text().await.unwrap();
-    let mut events = Vec::new();
-    let mut done = false;
-    for block in body.split("\n\n").filter(|b| !b.is_empty()) {
-        let data = block.strip_prefix("data: ").expect("an SSE data line");
-        assert!(!done, "nothing after [DONE]");
-        if data == "[DONE]" {
-            done = true;
-        } else {
-            events.push(serde_json::from_str(data).unwrap());
-        }
-    }
-    (events, done)
-}
-
-/// Waits (bounded) until the engine and the component hold nothing.
-async fn wait_idle(srv: &Server) -> EngineStats {
-    let t0 = Instant::now();
-    loop {
-        let s = srv.state.engine.stats().await.unwrap();
-        let idle = s.running == 0
-            && s.waiting == 0
-            && s.kv_used == 0
-            && s.kv_reserved == 0
-            && s.prepared == (0, 0)
-            && s.prefill_rows == 0
-            && s.continuing_rows == 0;
-        if idle || t0.elapsed() > Duration::from_secs(60) {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn idle_stats(s: &EngineStats) {
-    assert_eq!(
-        (
-            s.running,
-            s.waiting,
-            s.kv_used,
-            s.kv_reserved,
-            s.prepared,
-            s.prefill_rows,
-            s.continuing_rows
-        ),
-        (0, 0, 0, 0, (0, 0), 0, 0),
-        "everything released: {s:?}"
-    );
-}
+mod common;
+use common::{idle_stats, read_sse, start, url, wait_idle};
 
 #[actix_web::test]
 async fn streaming_completion_end_to_end() {
