@@ -375,3 +375,23 @@ async fn model_routes_and_tokenize_detokenize() {
         assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
     }
 }
+
+/// A streamed response never splits a UTF-8 character across events: SmolLM2 writes these
+/// Japanese characters a byte token at a time, and every event holds whole characters.
+#[actix_web::test]
+async fn streamed_text_never_splits_a_character() {
+    let base = smollm2_server();
+    let body = json!({"prompt": "日本語のテキストです。日本", "max_tokens": 8, "temperature": 0, "stream": true});
+    let (_, events, done) = post_sse(base, "/v1/completions", &body).await;
+    assert!(done);
+    for e in &events {
+        let t = e["choices"][0]["text"].as_str().unwrap();
+        assert!(!t.contains('\u{FFFD}'), "{events:?}");
+    }
+    let text = streamed_text(&events);
+    assert!(text.chars().count() >= 2 && !text.is_ascii(), "{text:?}");
+    assert!(
+        events.len() > text.chars().count() + 1,
+        "some tokens are parts of a character: {events:?}"
+    );
+}
