@@ -92,6 +92,7 @@ pub mod range;
 pub mod reload;
 #[cfg(feature = "replay")]
 pub mod replay;
+pub mod rows;
 pub mod scheduler;
 pub mod snapshot;
 #[cfg(feature = "sweep")]

@@ -4,7 +4,7 @@
 //! [`Manifest::from_toml`] parses and validates a manifest whole: every problem is reported at
 //! once, each naming the manifest, so a bad model file never reaches `set_policies`. Reading a
 //! manifest file (bounded, regular files only) and joining it with the serving config is the
-//! config wing's (`config::load_manifest`, `Manifest::budget_settings`); this module imports
+//! config module's (`config::load_manifest`, `Manifest::budget_settings`); this module imports
 //! nothing from it.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -16,7 +16,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::planner::PrefillRow;
+use crate::rows::PrefillRow;
 
 /// How a node orders the prompts that have not started (`chunking.order`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]

@@ -8,6 +8,7 @@ use crate::order::NodeOrder;
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
 use crate::range::ChunkRange;
+pub use crate::rows::{ContRow, PrefillRow};
 
 /// Everything one step of `(node, walk)` is planned under, precomputed from a budget snapshot so
 /// a step's assembly does no map lookups per row.
@@ -81,48 +82,6 @@ impl StepParams {
             .iter()
             .position(|(w, _)| Arc::ptr_eq(w, walk) || w == walk)
     }
-}
-
-/// A continuing row (decode, speculative verify): it runs its estimate every step it fits and is
-/// never cut.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ContRow {
-    /// Admission order within the node.
-    pub seq: u64,
-    /// The request.
-    pub rid: u64,
-    /// The row's walk.
-    pub walk: Name,
-    /// Tokens the row is expected to run: 1 for plain decode, `k + 1` for `k` speculative tokens.
-    pub estimate: u32,
-    /// Tokens of context the row reads (its prompt plus the tokens it ran in completed steps,
-    /// or what the engine said): the `K` of the latency model.
-    pub context: u64,
-}
-
-/// A prompt being prefilled.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PrefillRow {
-    /// Admission order within the node.
-    pub seq: u64,
-    /// The request.
-    pub rid: u64,
-    /// The row's walk.
-    pub walk: Name,
-    /// Tokens of the whole prepared input.
-    pub total: u32,
-    /// The cached prefix, at most `total - 1`.
-    pub cached: u32,
-    /// Tokens done: the end of the last completed chunk, or `cached` before the first.
-    pub progress: u32,
-    /// Whether a chunk of this row has completed (the row is mid-prefill).
-    pub started: bool,
-    /// Its priority under the `priority` order (lower first; [`crate::order`]).
-    pub priority: i32,
-    /// When its request arrived, in ms on the engine's clock, if the engine said.
-    pub arrival_ms: Option<f64>,
-    /// How many steps its node had planned when it was admitted: the start of its wait in steps.
-    pub admitted_step: u64,
 }
 
 /// What one planned row runs.

@@ -21,7 +21,7 @@ def make_cm():
 
 
 @pytest.fixture
-def issue_example(make_cm):
+def documented_example(make_cm):
     """The documentation's example: a node `llm` that can cap member walks inside `mixed`."""
     cm = make_cm({"llm": SubmoduleCaps(["prefill", "mixed"], True)})
     cm.set_policies({("llm", "mixed"): ChunkingPolicy(2048, align=16)})

@@ -283,8 +283,8 @@ def test_a_budget_below_the_policys_align_is_refused(cm):
         budgets(cm, {"llm": {"mixed": 8}})
 
 
-def test_the_documentations_example(issue_example):
-    cm = issue_example
+def test_the_documentations_example(documented_example):
+    cm = documented_example
     cm.set_budgets(
         {"llm": {"mixed": 1024}},
         ["prefill", "decode", "mixed"],

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
-use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets, Subscribe};
+use super::budget_config::{BudgetConfig, GetSnapshot, SetBudgets};
+use super::host::{ask, RequestTimeout};
 use super::overrun_accounting::{CheckStep, OverrunAccounting, OverrunCount};
-use super::own_thread::{ask, RequestTimeout};
 use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
@@ -74,15 +74,15 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// ```
 #[derive(Clone)]
 pub struct ChunkingManagement {
-    submodules: Arc<BTreeMap<Name, SubmoduleCaps>>,
-    policies: Addr<PolicyRegistry>,
-    budgets: Addr<BudgetConfig>,
-    prepared: Addr<PreparedInputs>,
-    overruns: Addr<OverrunAccounting>,
-    scheduler: Addr<Scheduler>,
+    pub(super) submodules: Arc<BTreeMap<Name, SubmoduleCaps>>,
+    pub(super) policies: Addr<PolicyRegistry>,
+    pub(super) budgets: Addr<BudgetConfig>,
+    pub(super) prepared: Addr<PreparedInputs>,
+    pub(super) overruns: Addr<OverrunAccounting>,
+    pub(super) scheduler: Addr<Scheduler>,
     pub(super) timeout: RequestTimeout,
-    model: Name,
-    metrics: Instance,
+    pub(super) model: Name,
+    pub(super) metrics: Instance,
 }
 
 impl ChunkingManagement {
@@ -92,67 +92,6 @@ impl ChunkingManagement {
         self.submodules
             .get_key_value(node)
             .map_or_else(|| Name::from(node), |(name, _)| name.clone())
-    }
-
-    /// Starts the actors of `model` (the value of every metric series' `model` label) on the
-    /// current actix arbiter, for a model with these node submodules.
-    ///
-    /// # Errors
-    /// [`ChunkingError::NoActixSystem`] when called outside an actix System.
-    pub fn start<I, S>(model: &str, submodules: I) -> Result<Self, ChunkingError>
-    where
-        I: IntoIterator<Item = (S, SubmoduleCaps)>,
-        S: AsRef<str>,
-    {
-        if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
-            return Err(ChunkingError::NoActixSystem);
-        }
-        let submodules: BTreeMap<Name, SubmoduleCaps> = submodules
-            .into_iter()
-            .map(|(n, c)| (Name::from(n.as_ref()), c))
-            .collect();
-        let model = Name::from(model);
-        let instance = Instance::new(model.clone());
-        instance.started();
-        let instance_handle = instance.clone();
-        // Supervised: an actor that panics is restarted with its state, on this arbiter.
-        let budgets = {
-            let instance = instance.clone();
-            Supervisor::start(move |_| BudgetConfig::new(instance))
-        };
-        let policies = {
-            let budgets = budgets.clone();
-            Supervisor::start(move |_| PolicyRegistry::new(budgets))
-        };
-        let prepared = {
-            let instance = instance.clone();
-            let nodes: Vec<Name> = submodules.keys().cloned().collect();
-            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
-        };
-        let overruns = {
-            let instance = instance.clone();
-            Supervisor::start(move |_| OverrunAccounting::new(instance))
-        };
-        let scheduler = {
-            let (prepared, overruns) = (prepared.clone(), overruns.clone());
-            Supervisor::start(move |_| Scheduler::new(instance, prepared, overruns))
-        };
-        budgets.do_send(Subscribe(scheduler.clone().recipient()));
-        Ok(Self {
-            submodules: Arc::new(submodules),
-            policies,
-            budgets,
-            prepared,
-            overruns,
-            scheduler,
-            timeout: RequestTimeout {
-                after: Some(DEFAULT_REQUEST_TIMEOUT),
-                host: None,
-                keeper: None,
-            },
-            model,
-            metrics: instance_handle,
-        })
     }
 
     /// The value of this instance's `model` label.

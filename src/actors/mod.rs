@@ -122,13 +122,15 @@ use supervised;
 
 mod budget_config;
 mod facade;
+mod host;
 mod overrun_accounting;
-mod own_thread;
 mod policy_registry;
 mod prepared_inputs;
 mod scheduler;
+mod scheduler_shell;
 mod spans;
+mod start;
 
 pub use facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
-pub use own_thread::ActorThread;
+pub use host::ActorThread;
 pub use scheduler::{DrainReport, QueueStats};

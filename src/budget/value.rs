@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 /// `min_chunk_tokens` when the serving config sets none.
 pub const DEFAULT_MIN_CHUNK_TOKENS: u32 = 64;
 
-/// One budget as a serving config sets it: a positive token count or off. The config wing
+/// One budget as a serving config sets it: a positive token count or off. The config module
 /// parses its spellings (`docs/config.md#budget-spellings`); 0, negatives and counts beyond
 /// `u32` cannot be represented, so they never reach the core.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -16,7 +16,7 @@ use crate::order::{Order, WaitBound};
 use crate::policy::Name;
 
 /// Defined here rather than in `manifest.rs` so that the model's file imports nothing from the
-/// config wing (the config wing reads manifests; the reverse would be an import circle).
+/// config module (the config module reads manifests; the reverse would be an import circle).
 impl Manifest {
     /// The arguments of `set_budgets` for this model under the `[chunking]` section: walks and
     /// combined walks from the manifest, `override_mixed` from the nodes that can cap member

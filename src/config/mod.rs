@@ -1,4 +1,4 @@
-//! The config wing: the layered serving config and the model manifest, loaded and checked
+//! The config module: the layered serving config and the model manifest, loaded and checked
 //! together (`docs/config.md`). One concept per module:
 //!
 //! - [`sections`]: the typed sections of the serving config;
@@ -12,7 +12,7 @@
 //! This module is the load pipeline: [`load`] reads every layer, merges them, deserializes
 //! strictly and validates against the manifest, reporting every problem at once (up to
 //! [`problem::MAX_PROBLEMS`]), each with its key, the layer that set it and its value. The
-//! `[replay]` section is checked by the replay itself (`replay::settings`); the config wing
+//! `[replay]` section is checked by the replay itself (`replay::settings`); the config module
 //! imports nothing from `replay/`.
 
 pub mod budgets;

@@ -5,9 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
-
-use super::report::{Latency, StepDurations};
+use super::report::{ClassLatency, Latency, StepDurations};
 use super::trace::Trace;
 
 /// A rule that gives every request of a trace its priority, over the trace's own `priority`
@@ -64,19 +62,6 @@ impl PriorityBy {
             r.priority = self.priority(r.input_tokens);
         }
     }
-}
-
-/// The latency of one priority class (the summary's and report's `by_priority`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ClassLatency {
-    /// The priority.
-    pub priority: i32,
-    /// Requests of the class.
-    pub requests: usize,
-    /// Their time to first token, simulated ms.
-    pub ttft_ms: Option<Latency>,
-    /// Their time between tokens, simulated ms.
-    pub tbt_ms: Option<Latency>,
 }
 
 /// TTFT and TBT samples per priority class, as a replay collects them.

@@ -75,7 +75,7 @@ pub struct ReplayReport {
     /// TTFT and TBT per priority class, by priority; only with two classes or more
     /// (`docs/replay.md#priorities`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub by_priority: Vec<super::priority::ClassLatency>,
+    pub by_priority: Vec<ClassLatency>,
     /// The simulated durations of the steps, kept in a fixed-size histogram (serialised as
     /// their percentiles, like a latency; null without steps).
     pub step_ms: StepDurations,
@@ -365,6 +365,19 @@ fn ser_opt_ratio<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error
     }
 }
 
+/// The latency of one priority class (the summary's and report's `by_priority`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassLatency {
+    /// The priority.
+    pub priority: i32,
+    /// Requests of the class.
+    pub requests: usize,
+    /// Their time to first token, simulated ms.
+    pub ttft_ms: Option<Latency>,
+    /// Their time between tokens, simulated ms.
+    pub tbt_ms: Option<Latency>,
+}
+
 /// The effective settings a replay ran under, shown at the head of the summary and recorded in
 /// the JSON report, so that two runs can be told apart (`docs/replay.md#labelled-runs`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -513,6 +526,15 @@ pub struct PlannerLabel {
     /// `chunking.time_margin`: the quantile of measured ÷ predicted step times timed steps are
     /// planned with (`None`: no margin).
     pub time_margin: Option<f64>,
+    /// `chunking.order` for the node (`fcfs`, `priority`, `shortest_first`, `longest_prefix`).
+    pub order: String,
+    /// `chunking.max_wait_ms`: the starvation bound in ms (`None`: none).
+    pub max_wait_ms: Option<f64>,
+    /// `chunking.max_wait_steps`: the starvation bound in planned steps (`None`: none).
+    pub max_wait_steps: Option<u64>,
+    /// `--priority-by`: the rule that gave requests their priority (`None`: the trace's own, or
+    /// none).
+    pub priority_by: Option<String>,
 }
 
 impl PlannerLabel {
@@ -525,6 +547,10 @@ impl PlannerLabel {
             cost: budgets.time.cost.get(node).map(|m| m.coefficients()),
             learn_cost: budgets.time.learn,
             time_margin: budgets.time.margin_quantile,
+            order: budgets.order.of(node).order.as_str().to_owned(),
+            max_wait_ms: budgets.order.bound.max_wait_ms,
+            max_wait_steps: budgets.order.bound.max_wait_steps,
+            priority_by: None,
         }
     }
 }
@@ -558,9 +584,24 @@ impl fmt::Display for PlannerLabel {
             (None, false) => f.write_str("none")?,
         }
         match self.time_margin {
-            Some(q) => write!(f, "; time margin q{q}"),
-            None => f.write_str("; time margin none"),
+            Some(q) => write!(f, "; time margin q{q}")?,
+            None => f.write_str("; time margin none")?,
         }
+        // The order and what feeds it only where they are not the default (first come, first
+        // served, no bound), so a default run's label reads as it always has.
+        if !self.order.is_empty() && self.order != crate::order::Order::Fcfs.as_str() {
+            write!(f, "; order {}", self.order)?;
+        }
+        if let Some(ms) = self.max_wait_ms {
+            write!(f, "; max wait {} ms", coefficient(ms))?;
+        }
+        if let Some(n) = self.max_wait_steps {
+            write!(f, "; max wait {n} steps")?;
+        }
+        if let Some(rule) = &self.priority_by {
+            write!(f, "; priority by {rule}")?;
+        }
+        Ok(())
     }
 }
 

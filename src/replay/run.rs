@@ -139,6 +139,7 @@ pub async fn run_trace(
         .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
     let mut labels = run_settings(cm, manifest, &setup, opts, trace).await?;
     labels.planner = report::PlannerLabel::of(&budgets, &setup.node);
+    labels.planner.priority_by = opts.priority_by.map(|r| r.to_string());
 
     let step_log = match &opts.step_log {
         Some(p) => Some(

@@ -52,6 +52,16 @@ pub(crate) trait StepHooks {
 
 impl StepHooks for () {}
 
+/// The warning for prompt rows of `node` that wait on `waiting`, a walk no step of
+/// `node`/`assembled` takes: both walks named, and the two ways out.
+pub(crate) fn stranded_message(node: &str, waiting: &str, assembled: &str) -> String {
+    format!(
+        "prompt rows of `{node}` wait on walk `{waiting}`, which no step of `{node}`/`{assembled}` \
+         takes: run `{waiting}` inside `{assembled}` (`BudgetSettings::combined`, or the model \
+         manifest's combined walks) or assemble `{node}`/`{waiting}` too"
+    )
+}
+
 /// A step completed by [`SchedulerState::complete_and_assemble`], as reported and as it came
 /// out, to answer a repeat of it.
 #[derive(Debug)]
@@ -949,6 +959,12 @@ mod tests {
         }
         let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
         assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
+        assert_eq!(
+            stranded_message("llm", "prefill", "decode"),
+            "prompt rows of `llm` wait on walk `prefill`, which no step of `llm`/`decode` takes: \
+             run `prefill` inside `decode` (`BudgetSettings::combined`, or the model manifest's \
+             combined walks) or assemble `llm`/`prefill` too"
+        );
         // A step that runs something says nothing (a decode row beside the waiting prompt).
         s.continue_with(9, &node, &Name::from("decode"), 1, None, &mut ())
             .unwrap();

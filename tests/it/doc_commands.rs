@@ -328,6 +328,38 @@ fn the_readme_is_short() {
     );
 }
 
+#[test]
+fn the_readmes_first_code_block_is_the_doc_tested_engine_loop() {
+    let text = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let first = blocks("README.md", &text)
+        .into_iter()
+        .next()
+        .expect("README.md has a code block");
+    assert_eq!(
+        first.lang, "rust",
+        "{}: the first block is not Rust",
+        first.at
+    );
+    assert!(
+        first.marks.is_empty(),
+        "{}: the first block is not a plain (doc-tested) Rust block: {:?}",
+        first.at,
+        first.marks
+    );
+    for needle in [
+        "start_on_own_thread",
+        "complete_and_assemble_with",
+        "is_final",
+        "max_step_ms",
+    ] {
+        assert!(
+            first.body.contains(needle),
+            "{}: the engine loop does not show `{needle}`",
+            first.at
+        );
+    }
+}
+
 /// GitHub's anchor for a heading: lower case, spaces as `-`, punctuation other than `-` and
 /// `_` dropped.
 fn anchor(heading: &str) -> String {

@@ -9,19 +9,10 @@ use mstar_chunking::manifest::Manifest;
 use mstar_chunking::replay::{self, PriorityBy, ReplayError, ReplayOptions, ReplayReport, Trace};
 use serde_json::Value;
 
-const MODEL: &str = r#"
-name = "priority-demo"
-walks = ["prefill", "decode", "mixed"]
-[combined_walks]
-mixed = ["prefill", "decode"]
-[nodes.llm]
-chunkable_walks = ["prefill", "mixed"]
-can_override_mixed_max_tokens = true
-policies = { prefill = { max_batch_tokens = 4096, align = 16 }, mixed = { max_batch_tokens = 8192, align = 16 } }
-"#;
+use crate::helpers::model_fixture;
 
 fn replay(settings: &str, o: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
-    let model: Manifest = toml::from_str(MODEL).unwrap();
+    let model: Manifest = model_fixture("mixed_override");
     let s: Settings = toml::from_str(settings).unwrap();
     actix::System::new().block_on(replay::run(&model, &s, o))
 }

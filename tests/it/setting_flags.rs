@@ -391,3 +391,133 @@ fn the_time_margin_and_the_planner_settings_are_in_the_label() {
     assert!(sweep.contains("time margin q0.5"), "{sweep}");
     assert!(sweep.contains("command-line flags"), "{sweep}");
 }
+
+/// The order of waiting prompts, its starvation bound and the priority rule change which prompt
+/// starts first, so each is in the run's label; the default order (`fcfs`, no bound) adds nothing
+/// to the summary's planner line.
+#[test]
+fn the_order_its_bound_and_the_priority_rule_are_in_the_label() {
+    let dir = tempfile::tempdir().unwrap();
+    let planner_line = |stdout: &str| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("planner "))
+            .unwrap_or_else(|| panic!("no planner line:\n{stdout}"))
+            .to_owned()
+    };
+    let json = dir.path().join("default.json");
+    let r = run(
+        &[
+            "replay",
+            "--requests",
+            "30",
+            "--no-progress",
+            "--report-json",
+            json.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let default_line = planner_line(&r.stdout);
+    assert!(!default_line.contains("order"), "{default_line}");
+    assert!(!default_line.contains("max wait"), "{default_line}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["settings"]["planner"]["order"], "fcfs");
+    assert!(v["settings"]["planner"]["max_wait_ms"].is_null(), "{v}");
+
+    let json = dir.path().join("priority.json");
+    let r = run(
+        &[
+            "replay",
+            "--requests",
+            "30",
+            "--no-progress",
+            "--priority-by",
+            "prompt-length:2048",
+            "--report-json",
+            json.to_str().unwrap(),
+        ],
+        &[
+            ("MSTAR__CHUNKING__ORDER", "priority"),
+            ("MSTAR__CHUNKING__MAX_WAIT_MS", "750"),
+            ("MSTAR__CHUNKING__MAX_WAIT_STEPS", "40"),
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let line = planner_line(&r.stdout);
+    for part in [
+        "; order priority",
+        "; max wait 750 ms",
+        "; max wait 40 steps",
+        "; priority by prompt-length:2048",
+    ] {
+        assert!(line.contains(part), "`{part}` missing from {line}");
+    }
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let planner = &v["settings"]["planner"];
+    assert_eq!(planner["order"], "priority");
+    assert_eq!(planner["max_wait_ms"].as_f64(), Some(750.0));
+    assert_eq!(planner["max_wait_steps"], 40);
+    assert_eq!(planner["priority_by"], "prompt-length:2048");
+}
+
+/// `sweep` takes the same setting flags through the same parser: each runs as its config key
+/// (the same `sweep.csv`) and is refused as the key is, naming the flag.
+#[test]
+fn sweep_flags_run_and_are_refused_as_their_config_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "sweep",
+            "--requests",
+            "20",
+            "--budgets",
+            "1024",
+            "--rates",
+            "1",
+            "--no-progress",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        run(&args, &[])
+    };
+    for (i, (flags, toml)) in SAME
+        .iter()
+        .enumerate()
+        // KV memory is the sweep's own list axis (`--kv-blocks`), not a setting flag.
+        .filter(|(_, (flags, _))| !flags.iter().any(|f| f.starts_with("--kv-")))
+    {
+        let layer = dir.path().join(format!("layer{i}.toml"));
+        std::fs::write(&layer, toml).unwrap();
+        let (a, b) = (
+            dir.path().join(format!("a{i}")),
+            dir.path().join(format!("b{i}")),
+        );
+        let r = sweep(&a, flags);
+        assert_eq!(r.code, 0, "{flags:?}: {r:?}");
+        let r = sweep(&b, &["--config", layer.to_str().unwrap()]);
+        assert_eq!(r.code, 0, "{toml}: {r:?}");
+        assert_eq!(
+            std::fs::read_to_string(a.join("sweep.csv")).unwrap(),
+            std::fs::read_to_string(b.join("sweep.csv")).unwrap(),
+            "{flags:?} against\n{toml}"
+        );
+    }
+    for (flags, flag) in [
+        (&["--time-margin", "1.5"][..], "--time-margin"),
+        (&["--max-step-ms", "nan"], "--max-step-ms"),
+        (&["--cost", "gpt-9"], "--cost"),
+        (&["--sim-cost", "0,0,0,0"], "--sim-cost"),
+    ] {
+        let out = dir.path().join("refused");
+        let r = sweep(&out, flags);
+        assert_eq!(r.code, 2, "{flags:?}: {r:?}");
+        assert!(
+            r.stderr.contains(&format!("command-line flag {flag}")),
+            "{flags:?} not named: {}",
+            r.stderr
+        );
+        assert!(!out.exists(), "{flags:?}: a refused sweep wrote {out:?}");
+    }
+}

@@ -1,0 +1,178 @@
+//! What the Scheduler actor does around each call on [`SchedulerState`]: the
+//! [`StepHooks`] that keep the tracing spans and metric handles, tell OverrunAccounting about
+//! overruns and log what the engine should hear of. It holds nothing the scheduling rules read.
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use rustc_hash::FxHashMap;
+
+use super::overrun_accounting::{OverrunAccounting, RecordOverrun};
+use super::prepared_inputs::PreparedInputs;
+use super::spans::Spans;
+use crate::error::ChunkingError;
+use crate::latency::{LatencyModel, ModelSource};
+use crate::metrics::{Instance, ModelGauges, QueueGauges, StepMetrics};
+use crate::policy::Name;
+use crate::scheduler::serving::StepHooks;
+use crate::scheduler::{Batch, SchedulerState, StepOutcome};
+
+/// What the Scheduler does around the state's calls ([`StepHooks`]): metric handles, spans and
+/// the other actors' addresses. It holds nothing the scheduling rules read.
+pub(super) struct Shell {
+    pub(super) prepared: Addr<PreparedInputs>,
+    pub(super) overruns: Addr<OverrunAccounting>,
+    pub(super) instance: Instance,
+    /// Metric handles per `(node, walk)`, resolved on a pair's first step.
+    pub(super) metrics: FxHashMap<(Name, Name), StepMetrics>,
+    /// Queue-depth gauges per node, resolved on the node's first change.
+    pub(super) queue_gauges: FxHashMap<Name, QueueGauges>,
+    /// Latency-model gauges per node.
+    pub(super) model_gauges: FxHashMap<Name, ModelGauges>,
+    /// The tracing spans of the steps in flight and of the requests admitted.
+    pub(super) spans: Spans,
+}
+
+impl Shell {
+    pub(super) fn new(
+        instance: Instance,
+        prepared: Addr<PreparedInputs>,
+        overruns: Addr<OverrunAccounting>,
+    ) -> Self {
+        Self {
+            prepared,
+            overruns,
+            metrics: FxHashMap::default(),
+            queue_gauges: FxHashMap::default(),
+            model_gauges: FxHashMap::default(),
+            spans: Spans::new(instance.model_name().clone()),
+            instance,
+        }
+    }
+}
+
+impl Shell {
+    pub(super) fn step_metrics(&mut self, node: &Name, walk: &Name) -> &StepMetrics {
+        let instance = &self.instance;
+        self.metrics
+            .entry((node.clone(), walk.clone()))
+            .or_insert_with(|| instance.step(node, walk))
+    }
+
+    /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
+    pub(super) fn publish_queue(&mut self, state: &SchedulerState, node: &Name) {
+        let queues = state.node(node);
+        let counts = queues.map(|q| q.counts()).unwrap_or_default();
+        let instance = &self.instance;
+        let gauges = self
+            .queue_gauges
+            .entry(node.clone())
+            .or_insert_with(|| instance.queue(node));
+        gauges.set(counts);
+        gauges.set_head_wait(queues.and_then(|q| q.head_wait()));
+    }
+
+    /// Sets the latency-model gauges of `node`: its coefficients and their source.
+    pub(super) fn publish_model(
+        &mut self,
+        node: &Name,
+        model: (Option<LatencyModel>, ModelSource),
+    ) {
+        let instance = &self.instance;
+        self.model_gauges
+            .entry(node.clone())
+            .or_insert_with(|| instance.model(node))
+            .set(model.0, model.1);
+    }
+
+    fn publish_all_queues(&mut self, state: &SchedulerState) {
+        let nodes: Vec<Name> = self.queue_gauges.keys().cloned().collect();
+        for n in nodes {
+            self.publish_queue(state, &n);
+        }
+    }
+}
+
+impl StepHooks for Shell {
+    fn admitted(&mut self, rid: u64, node: &Name, walk: &Name) {
+        self.spans.admitted(rid, node, walk);
+    }
+
+    fn forgotten(&mut self, rid: u64) {
+        self.spans.forgotten(rid);
+    }
+
+    fn assembled(&mut self, batch: &Batch, planned_in: Duration, in_flight: &dyn Fn(u64) -> bool) {
+        self.step_metrics(&batch.node, &batch.walk)
+            .assembled(batch, planned_in);
+        self.spans.assembled(batch, in_flight);
+    }
+
+    /// Records in its span why the step was abandoned, and closes the span (tracing only).
+    fn abandoned(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "step abandoned"));
+        self.spans.ended(step);
+    }
+
+    /// Overruns recorded (in the step's span), the span closed, metrics.
+    fn completed(&mut self, outcome: &StepOutcome) {
+        let span = self.spans.step(outcome.step);
+        span.in_scope(|| {
+            tracing::debug!(
+                ran_tokens = outcome.tokens.ran,
+                finished = outcome.finished.len(),
+                "step completed"
+            );
+            if let Some(reason) = outcome.time_overrun {
+                tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
+            }
+        });
+        if let Some(o) = &outcome.overrun {
+            self.overruns
+                .do_send(RecordOverrun(o.clone(), span.clone()));
+        }
+        self.spans.ended(outcome.step);
+        self.step_metrics(&outcome.node, &outcome.walk)
+            .completed(outcome);
+        self.publish_model(&outcome.node, outcome.model);
+        if let (Some(margin), Some(gauges)) =
+            (outcome.time_margin, self.model_gauges.get(&outcome.node))
+        {
+            gauges.set_margin(margin);
+        }
+    }
+
+    /// Records a refused completion in the step's span. Tracing only, like the step's span
+    /// itself: `tests/spans.rs` asserts both, in a process of its own (a tracing subscriber's
+    /// level is process-wide).
+    fn completion_refused(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "step completion refused"));
+    }
+
+    fn change_refused(&mut self, step: u64, why: &ChunkingError) {
+        self.spans
+            .step(step)
+            .in_scope(|| tracing::debug!(error = %why, "row change refused after the step"));
+    }
+
+    fn stranded(&mut self, node: &Name, waiting: &Name, assembled: &Name) {
+        tracing::warn!(
+            node = %node,
+            waiting = %waiting,
+            assembled = %assembled,
+            "{}",
+            crate::scheduler::serving::stranded_message(node, waiting, assembled)
+        );
+    }
+
+    fn queues_changed(&mut self, state: &SchedulerState, node: Option<&Name>) {
+        match node {
+            Some(node) => self.publish_queue(state, node),
+            None => self.publish_all_queues(state),
+        }
+    }
+}

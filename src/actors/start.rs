@@ -1,0 +1,150 @@
+//! Starting a model's actors: [`ChunkingManagement::start`] on the current actix arbiter, and
+//! [`ChunkingManagement::start_on_own_thread`] on a thread of their own, in an actix System of
+//! their own, for an engine on tokio or any other runtime.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use super::budget_config::{BudgetConfig, Subscribe};
+use super::facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
+use super::host::{ActorThread, RequestTimeout, ThreadKeeper};
+use super::overrun_accounting::OverrunAccounting;
+use super::policy_registry::PolicyRegistry;
+use super::prepared_inputs::PreparedInputs;
+use super::scheduler::Scheduler;
+use crate::error::ChunkingError;
+use crate::metrics::Instance;
+use crate::policy::{Name, SubmoduleCaps};
+
+impl ChunkingManagement {
+    /// Starts the actors of `model` (the value of every metric series' `model` label) on the
+    /// current actix arbiter, for a model with these node submodules.
+    ///
+    /// # Errors
+    /// [`ChunkingError::NoActixSystem`] when called outside an actix System.
+    pub fn start<I, S>(model: &str, submodules: I) -> Result<Self, ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
+        if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
+            return Err(ChunkingError::NoActixSystem);
+        }
+        let submodules: BTreeMap<Name, SubmoduleCaps> = submodules
+            .into_iter()
+            .map(|(n, c)| (Name::from(n.as_ref()), c))
+            .collect();
+        let model = Name::from(model);
+        let instance = Instance::new(model.clone());
+        instance.started();
+        let instance_handle = instance.clone();
+        // Supervised: an actor that panics is restarted with its state, on this arbiter.
+        let budgets = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| BudgetConfig::new(instance))
+        };
+        let policies = {
+            let budgets = budgets.clone();
+            Supervisor::start(move |_| PolicyRegistry::new(budgets))
+        };
+        let prepared = {
+            let instance = instance.clone();
+            let nodes: Vec<Name> = submodules.keys().cloned().collect();
+            Supervisor::start(move |_| PreparedInputs::new(instance, &nodes))
+        };
+        let overruns = {
+            let instance = instance.clone();
+            Supervisor::start(move |_| OverrunAccounting::new(instance))
+        };
+        let scheduler = {
+            let (prepared, overruns) = (prepared.clone(), overruns.clone());
+            Supervisor::start(move |_| Scheduler::new(instance, prepared, overruns))
+        };
+        budgets.do_send(Subscribe(scheduler.clone().recipient()));
+        Ok(Self {
+            submodules: Arc::new(submodules),
+            policies,
+            budgets,
+            prepared,
+            overruns,
+            scheduler,
+            timeout: RequestTimeout {
+                after: Some(DEFAULT_REQUEST_TIMEOUT),
+                host: None,
+                keeper: None,
+            },
+            model,
+            metrics: instance_handle,
+        })
+    }
+
+    /// Starts the actors on a thread of their own, in an actix System of their own, for an
+    /// engine that runs on tokio (or any runtime) without one. Returns the handle (`Send`,
+    /// usable from any thread) and the thread's guard. The thread runs while the guard or any
+    /// clone of the handle lives, so dropping the guard early stops nothing; call
+    /// [`ActorThread::stop`] (after [`drain`](Self::drain)) to stop the actors at shutdown.
+    ///
+    /// ```
+    /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, SubmoduleCaps};
+    ///
+    /// let (cm, _actors) = ChunkingManagement::start_on_own_thread(
+    ///     "demo",
+    ///     [("llm", SubmoduleCaps::new(["prefill"], false))],
+    /// )?;
+    /// let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    /// rt.block_on(async {
+    ///     cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    ///     assert_eq!(cm.max_batch_tokens("llm", "prefill").await?, Some(256));
+    ///     Ok::<_, mstar_chunking::ChunkingError>(())
+    /// })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`ChunkingError::ThreadStart`] when the thread or its System cannot start.
+    pub fn start_on_own_thread<I, S>(
+        model: &str,
+        submodules: I,
+    ) -> Result<(Self, ActorThread), ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
+        let submodules: Vec<(String, SubmoduleCaps)> = submodules
+            .into_iter()
+            .map(|(n, c)| (n.as_ref().to_owned(), c))
+            .collect();
+        let model = model.to_owned();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("mstar-chunking-{model}"))
+            .spawn(move || {
+                let system = actix::System::new();
+                system.block_on(async {
+                    let started = ChunkingManagement::start(&model, submodules).map(|mut cm| {
+                        cm.timeout.host = Some(actix::Arbiter::current());
+                        cm
+                    });
+                    // The receiver waits for this answer; if it went away there is no one to tell.
+                    let _ = tx.send(started.map(|cm| (cm, actix::System::current())));
+                });
+                if let Err(e) = system.run() {
+                    tracing::error!(error = %e, "the chunking actor System ended with an error");
+                }
+            })
+            .map_err(|e| ChunkingError::ThreadStart {
+                reason: e.to_string(),
+            })?;
+        let (mut cm, system) = rx.recv().map_err(|_| ChunkingError::ThreadStart {
+            reason: "the actor thread ended before starting the actors".into(),
+        })??;
+        let keeper = Arc::new(ThreadKeeper {
+            system,
+            thread: std::sync::Mutex::new(Some(thread)),
+        });
+        cm.timeout.keeper = Some(keeper.clone());
+        Ok((cm, ActorThread { keeper }))
+    }
+}
