@@ -5,7 +5,7 @@
 //! SmolLM2-135M-Instruct with its [`tokenizer`]), run one step per assembled batch by an
 //! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`], its
 //! request bodies in [`api`], chat prompts rendered by [`chat`]) with its metrics in
-//! [`metrics`], and driven by a trace-replaying load generator ([`bench`]); [`files`] holds
+//! [`metrics`], and driven by a trace-replaying load generator ([`bench`](mod@bench)); [`files`] holds
 //! the rules for the files it reads and writes.
 //! `engine/README.md` describes the design.
 
