@@ -39,6 +39,8 @@ pub struct Bpe {
     bos: Option<u32>,
     eos: u32,
     add_bos: bool,
+    /// The file's chat template (`tokenizer.chat_template`, Jinja), if it has one.
+    chat_template: Option<String>,
 }
 
 /// GGUF's token type of a control token.
@@ -172,6 +174,11 @@ impl Tokenizer {
                 .map_err(|_| bad("`tokenizer.ggml.add_bos_token` is not a bool".into()))?,
         };
 
+        let chat_template = match ct.metadata.get("tokenizer.chat_template") {
+            None => None,
+            Some(_) => Some(string("tokenizer.chat_template")?),
+        };
+
         let by_text: HashMap<String, u32> = tokens
             .iter()
             .enumerate()
@@ -238,6 +245,7 @@ impl Tokenizer {
             bos,
             eos,
             add_bos,
+            chat_template,
         })))
     }
 
@@ -262,6 +270,29 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => Some(BOS),
             Tokenizer::Bpe(b) => b.bos,
+        }
+    }
+
+    /// The model's chat template (Jinja), as its file ships it; the byte vocabulary has none.
+    pub fn chat_template(&self) -> Option<&str> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::Bpe(b) => b.chat_template.as_deref(),
+        }
+    }
+
+    /// A token's text with control tokens written out (`<|im_end|>`), invalid UTF-8 replaced:
+    /// how logprobs and `/detokenize` show a token. `None` outside the vocabulary.
+    pub fn token_text(&self, token: u32) -> Option<String> {
+        self.token_bytes_with_control(token)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+
+    /// Whether `token` is a control token (BOS, EOS, `<|im_start|>`, ...): no text of its own.
+    pub fn is_control(&self, token: u32) -> bool {
+        match self {
+            Tokenizer::Bytes => token as usize >= 256,
+            Tokenizer::Bpe(b) => b.control.get(token as usize).copied().unwrap_or(false),
         }
     }
 
