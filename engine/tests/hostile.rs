@@ -182,7 +182,8 @@ async fn metrics_answer_during_a_long_step() {
     // The gauge is the process's, shared with the other tests' engines: its line is there, its
     // value is whatever the engines last published.
     assert!(
-        text.lines().any(|l| l.starts_with("engine_requests_running ")),
+        text.lines()
+            .any(|l| l.starts_with("engine_requests_running ")),
         "{text}"
     );
     gate.open();
