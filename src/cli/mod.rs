@@ -28,11 +28,13 @@ mod fit_cmd;
 mod replay_cmd;
 mod sweep_cmd;
 mod sweep_fleet;
+mod sweep_jobs;
 
 pub use config_cmd::{budgets, check, render_table, rows_json};
 pub use fit_cmd::fit;
 pub use replay_cmd::{load_for_replay, replay};
 pub use sweep_cmd::sweep;
+pub use sweep_jobs::sweep_cell;
 
 /// The exit code of a refused configuration (and of clap's usage errors).
 pub const EXIT_CONFIG: u8 = 2;
@@ -59,6 +61,9 @@ pub enum Command {
     /// Replay the trace over a grid of token budgets x rate scales, find each budget's capacity
     /// under a latency objective, and write a table, CSV, JSON, SVG/PNG plots and report.html.
     Sweep(SweepArgs),
+    /// Run one cell of a job directory written by `sweep --emit-jobs`, and write its result
+    /// into the directory (atomically; a cell already done is left as it is).
+    SweepCell(SweepCellArgs),
     /// Fit the step latency model from a replay step log (with `ms`) or a CSV of step features
     /// (`tokens,kv_tokens,attention_pairs,ms`); print the coefficients, R², error quantiles and
     /// a `[chunking.cost.<node>]` table.
@@ -357,6 +362,28 @@ pub struct SweepArgs {
     /// [default: the config's router]
     #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
     pub routers: Option<String>,
+    /// Write every cell of the grid as a job into DIR (its inputs copied in, a manifest naming
+    /// each cell by index) instead of running it; run the cells with `sweep-cell DIR INDEX`
+    /// anywhere, then `sweep --merge DIR`
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "merge"])]
+    pub emit_jobs: Option<PathBuf>,
+    /// Build the sweep's outputs into --out from the results of a job directory's cells
+    /// (everything else comes from the directory); exits 3 when the capacity searches need
+    /// another round of cells, which it adds to the directory
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers"])]
+    pub merge: Option<PathBuf>,
+}
+
+/// `sweep-cell` arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct SweepCellArgs {
+    /// A job directory written by `sweep --emit-jobs`
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The cell to run [default: $JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else
+    /// $SLURM_ARRAY_TASK_ID (a Slurm job array)]
+    #[arg(value_name = "INDEX")]
+    pub index: Option<u64>,
 }
 
 /// `fit` arguments.

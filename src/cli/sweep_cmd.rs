@@ -18,6 +18,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         say(&format!("error: {e}"));
         ExitCode::from(EXIT_CONFIG)
     };
+    if let Some(dir) = &args.merge {
+        return super::sweep_jobs::merge(args, dir);
+    }
     let load = args.config.load_options();
     let (loaded, setup) = match load_for_replay(&load, &args.settings.flags()) {
         Ok((l, s)) => {
@@ -83,6 +86,19 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         if let Err(e) = check_kv_axis(&loaded, &trace, axis) {
             return usage(&e);
         }
+    }
+    if let Some(dir) = &args.emit_jobs {
+        let plan = super::sweep_jobs::Plan {
+            load: &load,
+            loaded: &loaded,
+            setup: &setup,
+            base: &base,
+            trace: &trace,
+            budgets: &budgets,
+            rates: &rates,
+            slo,
+        };
+        return super::sweep_jobs::emit(args, dir, &plan);
     }
     // Created only now that every input was accepted, and removed again if the sweep writes
     // nothing into it.

@@ -326,7 +326,8 @@ impl Sweep {
 }
 
 impl SweepOptions {
-    fn check(&self) -> Result<f64, SweepError> {
+    /// Checks the options; answers the rate scale whose step times are plotted.
+    pub(crate) fn check(&self) -> Result<f64, SweepError> {
         if self.budgets.is_empty() || self.rates.is_empty() {
             return Err(SweepError::Options(
                 "a sweep needs at least one budget (`--budgets`) and one rate scale (`--rates`)"
