@@ -369,7 +369,7 @@ pub struct SweepArgs {
     pub emit_jobs: Option<PathBuf>,
     /// Build the sweep's outputs into --out from the results of a job directory's cells
     /// (everything else comes from the directory); exits 3 when the capacity searches need
-    /// another round of cells, which it adds to the directory
+    /// another wave of cells, which it adds to the directory
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers"])]
     pub merge: Option<PathBuf>,
 }

@@ -1,7 +1,7 @@
 //! A sweep on a cluster engine (`docs/cluster-sweeps.md`): `sweep --emit-jobs DIR` writes the
 //! job directory (the inputs copied in, the manifest), `sweep-cell DIR [INDEX]` runs one cell
 //! and writes its result atomically, `sweep --merge DIR --out OUT` writes the sweep's outputs
-//! from the results, or the next round of capacity probes. The manifest, the results and the
+//! from the results, or the next wave of capacity probes. The manifest, the results and the
 //! merge itself are `crate::sweep::jobs`'.
 
 use std::collections::BTreeMap;
@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use super::*;
 use crate::sweep::jobs::{self, Body, Inputs, JobCell, JobError, Manifest, Merged};
 
-/// The exit code of a merge that added a round of cells to run before the next merge.
+/// The exit code of a merge that added a wave of cells to run before the next merge.
 pub const EXIT_MORE_CELLS: u8 = 3;
 
 /// What the sweep being emitted was checked to run.
@@ -149,7 +149,7 @@ pub(super) fn emit(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> ExitCode {
                     index: cells.len(),
                     budget: b.to_string(),
                     rate_scale: *r,
-                    round: 0,
+                    wave: 0,
                 });
             }
         }
@@ -436,7 +436,7 @@ fn read_results(
     Ok(results)
 }
 
-/// `sweep --merge DIR --out OUT`: the outputs of the sweep whose cells ran, or the next round
+/// `sweep --merge DIR --out OUT`: the outputs of the sweep whose cells ran, or the next wave
 /// of capacity probes (exit [`EXIT_MORE_CELLS`]). Exit codes: 0 written, 2 a refused
 /// directory or output, 1 cells without results or a failed write.
 pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
@@ -456,15 +456,15 @@ pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
     };
     let sweep = match jobs::merge(&mut manifest, &results) {
         Ok(Merged::Done(s)) => s,
-        Ok(Merged::NextRound(range)) => {
+        Ok(Merged::NextWave(range)) => {
             if let Err(e) = manifest.write(dir) {
                 say(&format!("error: {e}"));
                 return ExitCode::FAILURE;
             }
             say(&format!(
-                "the capacity searches need {} more cells (round {}): run them, then merge again",
+                "the capacity searches need {} more cells (wave {}): run them, then merge again",
                 range.len(),
-                manifest.body.cells.last().map_or(0, |c| c.round)
+                manifest.body.cells.last().map_or(0, |c| c.wave)
             ));
             let _ = print_stdout(&how_to_run(dir, range));
             return ExitCode::from(EXIT_MORE_CELLS);
@@ -507,5 +507,43 @@ pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
             say(&format!("error: {e}"));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_is_written_once_and_two_different_ones_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cell-000002.json");
+        write_result(&path, b"{\"a\": 1}\n").unwrap();
+        // The same cell finishing twice (a requeued task): the same bytes, accepted.
+        write_result(&path, b"{\"a\": 1}\n").unwrap();
+        let e = write_result(&path, b"{\"a\": 2}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cell-000002.json"), "{e}");
+        assert!(
+            e.contains("another run of the same cell with different figures"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), b"{\"a\": 1}\n");
+        // No temporary file is left behind.
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["cell-000002.json"]);
+    }
+
+    #[test]
+    fn the_index_comes_from_the_argument_then_the_cluster_engines_variables() {
+        let args = |index| SweepCellArgs {
+            dir: PathBuf::from("d"),
+            index,
+        };
+        assert_eq!(cell_index(&args(Some(4))), Ok(4));
     }
 }

@@ -5,14 +5,14 @@
 //! the results, exactly as the local sweep would have.
 //!
 //! The local sweep refines each budget's capacity by bisection between grid rates, probe by
-//! probe, which no job list knows up front. A job directory runs it in rounds: a merge replays
+//! probe, which no job list knows up front. A job directory runs it in waves: a merge replays
 //! the same search (`capacity::search`) over the results it has, and when a search needs a rate
-//! no cell has run, it adds that probe as a cell of a new round (one per budget, all in one
-//! round) and asks for it to be run; the merge after the last round writes the outputs. The
+//! no cell has run, it adds that probe as a cell of a new wave (one per budget, all in one
+//! wave) and asks for it to be run; the merge after the last wave writes the outputs. The
 //! results being the local sweep's, the outputs are too.
 //!
 //! This module is the plain part: the manifest and its checksum, a cell's result file, and the
-//! merge (what is missing, the next round, or the finished sweep). The command line copies the
+//! merge (what is missing, the next wave, or the finished sweep). The command line copies the
 //! inputs and runs the cells (`cli/sweep_jobs.rs`).
 
 use std::collections::BTreeMap;
@@ -148,8 +148,8 @@ pub struct JobCell {
     pub budget: String,
     /// The rate scale.
     pub rate_scale: f64,
-    /// The round that added it: 0 for the grid, then one per step of the capacity searches.
-    pub round: u32,
+    /// The wave that added it: 0 for the grid, then one per step of the capacity searches.
+    pub wave: u32,
 }
 
 /// What a job directory runs, checksummed.
@@ -169,7 +169,7 @@ pub struct Body {
     pub slo_ttft_p90_ms: Option<f64>,
     /// The rate scale whose step times are plotted.
     pub step_time_rate: f64,
-    /// Every cell, by index: the grid's, budget by budget, then each round's probes.
+    /// Every cell, by index: the grid's, budget by budget, then each wave's probes.
     pub cells: Vec<JobCell>,
 }
 
@@ -306,7 +306,7 @@ fn exact_opt(x: Option<f64>) -> Option<String> {
 }
 
 /// A cell's result: which cell, whether it met the objective, and its summary with every float
-/// exact, as text (the outputs round as they print; the result must not round before them).
+/// exact, as text (the outputs wave as they print; the result must not round before them).
 pub fn result_json(cell: &JobCell, meets_slo: Option<bool>, s: &RunSummary) -> serde_json::Value {
     serde_json::json!({
         "index": cell.index,
@@ -389,14 +389,14 @@ pub fn parse_result(
 pub enum Merged {
     /// Every cell and every capacity search is done: the sweep.
     Done(Box<Sweep>),
-    /// The capacity searches need more probes: the cells of the next round, added to the
+    /// The capacity searches need more probes: the cells of the next wave, added to the
     /// manifest (its indices).
-    NextRound(std::ops::Range<usize>),
+    NextWave(std::ops::Range<usize>),
 }
 
 /// Merges the results `results` (by cell index) of `manifest`'s cells into the sweep the local
 /// sweep would have made; when its capacity searches need rates no cell ran, adds them to
-/// `manifest` as the cells of a new round instead.
+/// `manifest` as the cells of a new wave instead.
 ///
 /// # Errors
 /// A budget that does not parse (a manifest of another build).
@@ -421,7 +421,7 @@ pub fn merge(
             .and_then(|c| results.get(&c.index))
     };
     let mut cells = Vec::new();
-    for c in body.cells.iter().filter(|c| c.round == 0) {
+    for c in body.cells.iter().filter(|c| c.wave == 0) {
         let Some((meets_slo, summary)) = results.get(&c.index) else {
             continue;
         };
@@ -442,7 +442,7 @@ pub fn merge(
                 .map(|c| (c.rate_scale, c.meets_slo == Some(true)))
                 .collect();
             // The local search, answered by the cells that ran; the first rate none ran stops
-            // it and becomes a probe of the next round.
+            // it and becomes a probe of the next wave.
             let searched = capacity::search(&known, |r| match ran(name, r) {
                 Some((meets, _)) => Ok(*meets == Some(true)),
                 None => Err(r),
@@ -454,7 +454,7 @@ pub fn merge(
         }
     }
     if !wanted.is_empty() {
-        let round = body.cells.iter().map(|c| c.round).max().unwrap_or(0) + 1;
+        let wave = body.cells.iter().map(|c| c.wave).max().unwrap_or(0) + 1;
         let start = body.cells.len();
         let mut b = body.clone();
         for (i, (budget, rate_scale)) in wanted.into_iter().enumerate() {
@@ -462,12 +462,12 @@ pub fn merge(
                 index: start + i,
                 budget,
                 rate_scale,
-                round,
+                wave,
             });
         }
         let end = b.cells.len();
         *manifest = Manifest::new(b);
-        return Ok(Merged::NextRound(start..end));
+        return Ok(Merged::NextWave(start..end));
     }
     Ok(Merged::Done(Box::new(Sweep {
         version: env!("CARGO_PKG_VERSION"),
@@ -520,7 +520,7 @@ mod tests {
                     index: cells.len(),
                     budget: b.to_string(),
                     rate_scale: *r,
-                    round: 0,
+                    wave: 0,
                 });
             }
         }
@@ -554,25 +554,25 @@ mod tests {
     }
 
     #[test]
-    fn rounds_of_probes_end_in_the_local_sweep_exactly() {
+    fn waves_of_probes_end_in_the_local_sweep_exactly() {
         let slo = Slo::new(Some(60.0), Some(5000.0)).unwrap();
         let local = run_sweep(&options(Some(slo)), fake).unwrap();
         let mut m = manifest(Some(slo));
         let mut results = BTreeMap::new();
-        let mut rounds = 0;
+        let mut waves = 0;
         let merged = loop {
             run_cells(&m, &mut results);
             match merge(&mut m, &results).unwrap() {
                 Merged::Done(s) => break s,
-                Merged::NextRound(r) => {
-                    rounds += 1;
+                Merged::NextWave(r) => {
+                    waves += 1;
                     // One probe per budget whose search goes on, at most.
                     assert!(r.len() <= 3, "{r:?}");
-                    assert!(rounds < 40);
+                    assert!(waves < 40);
                 }
             }
         };
-        assert!(rounds > 2, "the searches bisect: {rounds}");
+        assert!(waves > 2, "the searches bisect: {waves}");
         assert_eq!(*merged, local);
         let csv = |s: &Sweep| crate::sweep::output::to_csv(s).unwrap();
         assert_eq!(csv(&merged), csv(&local));
@@ -583,7 +583,7 @@ mod tests {
     }
 
     #[test]
-    fn without_an_objective_one_round_is_the_whole_sweep() {
+    fn without_an_objective_one_wave_is_the_whole_sweep() {
         let local = run_sweep(&options(None), fake).unwrap();
         let mut m = manifest(None);
         let mut results = BTreeMap::new();

@@ -1,5 +1,6 @@
 //! The integration tests, as one test binary.
 
+mod cluster_sweep;
 #[path = "../common/mod.rs"]
 mod common;
 mod config_cli;
