@@ -62,6 +62,8 @@ pub(super) fn sweep_fleet_axis(
         for &workers in &axis.workers {
             let (settings, label) = fleet_axis::with_fleet(&loaded.settings, router, workers);
             let mut o = opts.clone();
+            // The axis's fleet, over the config's.
+            o.settings.retain(|(k, _)| k != "fleet");
             o.settings.push(("fleet".into(), label));
             let dir = args.out.join(fleet_axis::dir_name(router, workers));
             if let Err(e) = std::fs::create_dir_all(&dir) {

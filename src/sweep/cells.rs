@@ -185,6 +185,17 @@ pub fn labels(
             ),
         ));
     }
+    // A fleet set in the config makes every cell a fleet replay (`docs/fleet.md`).
+    if setup.fleet.workers > 1 {
+        v.push((
+            "fleet".to_string(),
+            format!(
+                "{} behind {} (replay.fleet)",
+                crate::text::plural(u64::from(setup.fleet.workers), "worker"),
+                setup.fleet.router
+            ),
+        ));
+    }
     // Time budgets are the config's, the same in every cell.
     let times: Vec<String> = setup
         .walks

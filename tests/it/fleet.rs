@@ -472,6 +472,12 @@ fn a_fleet_sweep_finds_the_fewest_workers_from_cells_that_are_fleet_replays() {
         ],
     );
     assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stdout
+            .contains("2 workers behind least_outstanding (replay.fleet)"),
+        "{}",
+        r.stdout
+    );
     let by_config = std::fs::read_to_string(plain.join("sweep.csv")).unwrap();
     let by_axis = std::fs::read_to_string(out.join("fleet-least_outstanding-2/sweep.csv")).unwrap();
     assert_eq!(by_config, by_axis);
