@@ -87,6 +87,7 @@ class ChunkingStats:
     steps: int = 0
     handed_back: int = 0  # planned rows vLLM did not schedule (no blocks, no slot, preempted)
     start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
+    ended_in_flight: int = 0  # async: forgotten once their last token was scheduled
     refused_requests: int = 0
     unmeasured_steps: int = 0  # async: completed before their time was known
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
@@ -167,6 +168,7 @@ class _Chunking:
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
+        self._async = isinstance(self, _VllmAsyncScheduler)
         self.chunking = self._start_component(cfg)
 
     # -- settings ---------------------------------------------------------------------------
@@ -405,6 +407,8 @@ class _Chunking:
         if len(scheduled) > len(plan) or not plan.keys() >= scheduled.keys():
             extra = sorted(set(scheduled) - plan.keys())
             raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        if self._async:
+            self._end_in_flight(rows, ran)
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
             self.mstar_stats.start_mismatches += 1
@@ -415,6 +419,21 @@ class _Chunking:
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
+
+    def _end_in_flight(self, rows: list[tuple[str, int, bool, int, bool]], ran: list[int]) -> None:
+        """Async: a request whose last token (its `max_tokens`-th, or the one reaching
+        `max_model_len`) is in the step just scheduled is never scheduled again (vLLM skips it
+        until that step's output finishes it), so it is forgotten now rather than planned a
+        decode row in the next step that vLLM would hand back."""
+        requests = self.requests  # type: ignore[attr-defined]
+        max_len = self.max_model_len  # type: ignore[attr-defined]
+        for (req_id, _, chunk, _, final), n in zip(rows, ran):
+            if n and (final or not chunk):
+                r = requests[req_id]
+                produced = r.num_output_tokens + r.num_output_placeholders
+                if produced >= r.max_tokens or r.num_prompt_tokens + produced >= max_len:
+                    self.mstar_stats.ended_in_flight += 1
+                    self._forget(req_id)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = self.clock()

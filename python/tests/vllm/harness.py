@@ -116,6 +116,7 @@ class Chunk:
     start: int
     tokens: int
     num_tokens: int  # the request's tokens (prompt and output so far) when it was scheduled
+    prompt_tokens: int = 0
 
     @property
     def prefill(self) -> bool:
@@ -149,7 +150,7 @@ class Driver:
         self.depth = async_depth
         self.queue: deque = deque()
         self.run = Run()
-        self.step_ms = step_ms  # (step chunks) -> simulated time the fabricated step takes
+        self.step_ms = step_ms  # (output, its chunks), called just before its update_from_output
         self.clock = None
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -167,10 +168,10 @@ class Driver:
         for req_id, n in out.num_scheduled_tokens.items():
             r = self.s.requests[req_id]
             start = r.num_computed_tokens - n
-            chunks.append(Chunk(req_id, start, n, r.num_tokens))
+            chunks.append(Chunk(req_id, start, n, r.num_tokens, r.num_prompt_tokens))
             sample.append(not r.is_prefill_chunk)
         self.run.steps.append(chunks)
-        self.queue.append((out, sample))
+        self.queue.append((out, sample, chunks))
         spent, cpu = t1 - t0, c1 - c0
         if len(self.queue) >= self.depth:
             s, c = self._update()
@@ -180,7 +181,7 @@ class Driver:
         return chunks
 
     def _update(self) -> tuple[float, float]:
-        out, sample = self.queue.popleft()
+        out, sample, chunks = self.queue.popleft()
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
@@ -188,7 +189,7 @@ class Driver:
             sampled_token_ids=[[SAMPLED] if s else [] for s in sample],
         )
         if self.step_ms is not None:
-            self.step_ms(out)
+            self.step_ms(out, chunks)
         c0, t0 = time.process_time(), time.perf_counter()
         result = self.s.update_from_output(out, mro)
         spent, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -209,6 +210,22 @@ class Driver:
             while self.queue and (len(self.queue) >= self.depth or not self.s.has_requests()):
                 self._update()
         raise AssertionError(f"not drained after {limit} steps")
+
+
+def four_term_ms(cost: tuple, chunks: list[Chunk]) -> float:
+    """The latency model's four terms on what one step scheduled (as vLLM scheduled it, so the
+    same under async scheduling): tokens, the KV a decode row reads, a prompt chunk's attention
+    pairs."""
+    base, per_token, per_kv, per_pair = cost
+    t = kv = pairs = 0
+    for c in chunks:
+        s, e = c.start, c.start + c.tokens
+        t += c.tokens
+        if s >= c.prompt_tokens:  # a decode row reads its whole KV cache
+            kv += s
+        else:
+            pairs += (e * (e + 1) - s * (s + 1)) // 2
+    return base + per_token * t + per_kv * kv + per_pair * pairs
 
 
 def kv_all_free(sched: Any, num_blocks: int) -> bool:
