@@ -100,7 +100,11 @@ def _vllm_config_of(args: tuple, kwargs: dict) -> Any:
     return kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
 
 
-def _refusals(cfg: Any) -> list[str]:
+def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
+    return kwargs["kv_cache_config"] if "kv_cache_config" in kwargs else (args[1] if len(args) > 1 else None)
+
+
+def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
     if cfg.lora_config is not None:
@@ -120,6 +124,8 @@ def _refusals(cfg: Any) -> list[str]:
         out.append("pooling models (--runner pooling)")
     if getattr(mc, "is_diffusion", False):
         out.append("diffusion models")
+    if getattr(kv_cache_config, "has_mamba_layers", False) and cfg.cache_config.mamba_cache_mode == "align":
+        out.append("Mamba's 'align' cache mode (--mamba-cache-mode align), whose chunks vLLM aligns itself")
     sc = cfg.scheduler_config
     if not sc.enable_chunked_prefill:
         out.append("chunked prefill turned off (--no-enable-chunked-prefill)")
@@ -146,13 +152,15 @@ class _Chunking:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = _vllm_config_of(args, kwargs)
-        refused = _refusals(cfg)
+        refused = _refusals(cfg, _kv_cache_config_of(args, kwargs))
         if refused:
             raise UnsupportedVllmFeature(
                 "mstar_chunking.vllm.Scheduler does not support " + "; ".join(refused) + " (docs/vllm.md)"
             )
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.need_mamba_block_aligned_split or self.num_prefill_lookahead:  # type: ignore[attr-defined]
+            # Both are refused above (Mamba's 'align' mode; the MTP lookahead comes with a
+            # speculative config): this guards against another way of turning them on.
             raise UnsupportedVllmFeature(
                 "mstar_chunking.vllm.Scheduler does not support models whose chunks vLLM aligns "
                 "itself (Mamba 'align' cache mode, multi-module MTP lookahead)"

@@ -114,6 +114,9 @@ def test_async_late_times_feed_the_fit_and_the_margin(cls, needed):
     for step, o in late.items():
         assert abs(o["measured_ms"] - times[step]) < 1e-6, (step, o, times[step])
         assert o["max_step_ms"] == MAX_STEP_MS
+    # A request whose last token was in a step in flight was not planned again (vLLM would have
+    # handed its decode row back, and the row's KV would have counted in the step's features).
+    assert stats.ended_in_flight == 16 and stats.handed_back == 0
     lm = s.chunking.latency_model("llm")
     if cls is Learning:
         # The fit saw every late time (and the last step's, measured in time), and is the truth.
