@@ -24,12 +24,13 @@ fmt: ## Format the code
 doc: ## Build the API docs
 	$(CARGO) doc --no-deps --all-features
 
-test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package)
+test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package, vLLM scheduler)
 	$(CARGO) test --all-features --all-targets
 	$(CARGO) test --all-features --doc
 	$(CARGO) test --no-default-features --lib --tests
 	$(MAKE) test-engine
 	$(MAKE) test-python
+	$(MAKE) test-vllm
 	$(MAKE) bench-check
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package

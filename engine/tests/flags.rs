@@ -120,6 +120,54 @@ fn the_weights_follow_the_input_rules() {
     refused(&["--weights", big.to_str().unwrap()], "more than");
 }
 
+/// `--gguf` follows the same input rules as every file the engine reads, and a file that is not
+/// a whole GGUF is refused at start naming it.
+#[test]
+fn the_gguf_follows_the_input_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf_refused = |path: &Path, says: &str| {
+        let out = run(&[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--gguf",
+            path.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        let code = out.status.code();
+        assert!(
+            code.is_some_and(|c| c != 0 && c != 101),
+            "{path:?}: exit {code:?}, stderr {err}"
+        );
+        assert!(err.contains(says), "{path:?}: stderr lacks {says:?}: {err}");
+        assert!(
+            err.contains(path.to_str().unwrap()),
+            "{path:?} not named: {err}"
+        );
+        assert!(!err.contains("panicked"), "{path:?}: {err}");
+    };
+    let fifo = dir.path().join("fifo.gguf");
+    mkfifo(&fifo);
+    gguf_refused(&fifo, "not a regular file");
+    gguf_refused(Path::new("/dev/zero"), "not a regular file");
+    let big = dir.path().join("big.gguf");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(mstar_engine::model::gguf::MAX_GGUF_BYTES + 1)
+        .unwrap();
+    gguf_refused(&big, "more than");
+    // The real model's first 64 KiB: its header reads, its tensors do not.
+    let real = mstar_engine::model::gguf::smollm2_path().unwrap_or_else(|e| panic!("{e}"));
+    let mut head = vec![0u8; 64 << 10];
+    std::io::Read::read_exact(&mut std::fs::File::open(real).unwrap(), &mut head).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &head).unwrap();
+    gguf_refused(&cut, "cut.gguf");
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"not a gguf at all").unwrap();
+    gguf_refused(&junk, "junk.gguf");
+}
+
 /// Starts `serve` on the tiny model; answers the child and its address.
 fn serve(extra: &[&str], env: &[(&str, &str)]) -> (Child, String) {
     let mut child = Command::new(BIN)

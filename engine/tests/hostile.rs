@@ -124,6 +124,19 @@ async fn a_plain_client_that_hangs_up_is_aborted_at_the_next_turn() {
     };
     assert!(s.steps < 100, "aborted within the permitted steps: {s:?}");
     assert_eq!((s.kv_used, s.prepared), (0, (0, 0)), "{s:?}");
+    // Counted as a disconnect, not as a request that ran to its length.
+    let text = reqwest::get(url(&srv, "/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines().any(|l| l.starts_with("engine_requests_total{")
+            && l.contains("result=\"disconnected\"")
+            && !l.ends_with(" 0")),
+        "{text}"
+    );
     gate.open();
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
     thread.join().unwrap().unwrap();
@@ -257,6 +270,24 @@ async fn oversized_bodies_and_prompts_are_refused() {
             "{v}"
         );
     }
+    // Deterministically: a whole body one byte past the limit, sent before the answer is read,
+    // gets 413 (the client above may see its connection closed mid-send instead).
+    let mut conn = TcpStream::connect(srv.addr).unwrap();
+    let body = "7".repeat(limit + 1);
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let head = tokio::task::spawn_blocking(move || status_of(&mut conn))
+        .await
+        .unwrap();
+    assert!(
+        head.contains(" 413 "),
+        "a body of {} bytes: {head}",
+        limit + 1
+    );
     let too_long = vec![65; Config::tiny().max_positions + 1];
     let r = c
         .post(url(&srv, "/v1/completions"))
