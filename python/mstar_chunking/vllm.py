@@ -303,7 +303,9 @@ class _Chunking:
                     start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
             rid = self._next_rid
             self._next_rid += 1
-            self._changes.append((rid, request.all_token_ids, start))
+            # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
+            # convert element by element); the package copies it once, here.
+            self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
             pending += 1
@@ -385,7 +387,8 @@ class _Chunking:
         rows: list[tuple[str, int, bool, int, bool]] = []
         plan: dict[str, tuple[int, Optional[int]]] = {}
         req_of = self._req_of
-        for row, tokens in zip(batch.rows, batch.planned()):
+        planned = batch.planned()
+        for row, tokens in zip(batch.rows, planned):
             rid = row.rid
             req_id = req_of[rid]
             r = row.range  # None for a continuing (decode) row
@@ -404,17 +407,17 @@ class _Chunking:
             raise
         self._plan = None
         scheduled = out.num_scheduled_tokens
-        ran = []
-        for req_id, _, chunk, tokens, _ in rows:
-            n = scheduled.get(req_id, 0)
-            if chunk and n not in (0, tokens):
-                raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
-            if n == 0:
-                self.mstar_stats.handed_back += 1
-            ran.append(n)
-        if len(scheduled) > len(plan) or not plan.keys() >= scheduled.keys():
-            extra = sorted(set(scheduled) - plan.keys())
-            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        get = scheduled.get
+        ran = [get(row[0], 0) for row in rows]
+        unrun = ran.count(0)
+        if unrun:
+            self.mstar_stats.handed_back += unrun
+        # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
+        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk.
+        if len(scheduled) != len(rows) - unrun or sum(ran) != (
+            sum(row[3] for row, n in zip(rows, ran) if n) if unrun else sum(planned)
+        ):
+            self._scheduled_otherwise(rows, ran, scheduled)
         if self._async:
             self._end_in_flight(rows, ran)
         for req_id, start in self._observed.items():
@@ -427,6 +430,15 @@ class _Chunking:
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
+
+    @staticmethod
+    def _scheduled_otherwise(rows: list[tuple[str, int, bool, int, bool]], ran: list[int], scheduled: dict) -> None:
+        """Raises naming what vLLM scheduled other than planned."""
+        for (req_id, _, _, tokens, _), n in zip(rows, ran):
+            if n not in (0, tokens):
+                raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
+        extra = sorted(set(scheduled) - {row[0] for row in rows})
+        raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
 
     def _end_in_flight(self, rows: list[tuple[str, int, bool, int, bool]], ran: list[int]) -> None:
         """Async: a request whose last token (its `max_tokens`-th, or the one reaching

@@ -167,3 +167,21 @@ def test_unallocatable_request_is_handed_back_and_planned_again():
     assert kv_all_free(s, blocks)
     assert len(s.chunking.prepared) == 0 and not s._rid_of
     s.shutdown()
+
+
+class Shortening(Scheduler):
+    """vLLM giving a planned chunk fewer tokens than planned (it never does: the plugin's hook
+    answers the plan's tokens or 0; this stands for a vLLM that would)."""
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        return n - BLOCK if n > BLOCK else n
+
+
+def test_vllm_scheduling_other_than_the_plan_is_an_error():
+    s = make_scheduler(Shortening, budget=256)
+    d = Driver(s)
+    d.add("long", [9] * 1000, 2)
+    with pytest.raises(RuntimeError, match=r"vLLM scheduled 240 tokens of request 'long', planned 256"):
+        d.step()
+    s.shutdown()
