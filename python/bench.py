@@ -6,11 +6,17 @@ prompts, each replaced by a new one when its final chunk runs, 200 warm-up steps
 sides drive one message per step (`complete_and_assemble`, carrying the replacement
 admissions) on actors of their own (`start_on_own_thread`), awaited from the calling thread: the
 Rust side is `_native._bench_facade`, the loop written against the facade directly; the
-Python side goes through `ChunkingManagement` as an engine would (`planned()`, `final_rids()`,
-a `NextStep` when a prompt finishes). Prints the medians of `--repeats` interleaved runs per
-side and the ratios Python / Rust per workload, of the process's CPU time per step (both
-threads: what a step costs the machine) and of wall-clock time (which on a loaded machine is
-mostly the wait for the other thread to be scheduled). Build the wheel with `--release` first.
+Python side goes through `ChunkingManagement` as an engine would (`final_rids()`, a `NextStep`
+when a prompt finishes), reporting the rows' tokens as the list `planned()` makes (`python`),
+and, in a second loop, as the step's `Batch` itself (`ran=batch`: every row ran as planned, no
+list). Prints the medians of `--repeats` interleaved runs per side and the ratios Python / Rust
+per workload, of the process's CPU time per step (both threads: what a step costs the machine)
+and of wall-clock time (which on a loaded machine is mostly the wait for the other thread to be
+scheduled). The limit (`--check`) is on the list's loop. The Rust side runs twice: with the
+facade's request timeout (`rust`, a Rust handle's default: a timer task on the actors' thread
+per request) and without it (`rust*`, `with_timeout(None)`: the package's handle is made so,
+and times its calls on the calling thread instead), and the list's loop is compared with both.
+Build the wheel with `--release` first.
 
     python python/bench.py [--steps 5000] [--repeats 5] [--workloads W1,W2,W3]
 """
@@ -56,9 +62,10 @@ WORKLOADS = {
 }
 
 
-def python_loop(w: Workload, steps: int) -> tuple[float, float]:
+def python_loop(w: Workload, steps: int, ran_batch: bool = False) -> tuple[float, float]:
     """Wall-clock and CPU seconds (the process's, the actors' thread included) of `steps`
-    steps after the warm-up, through the Python API."""
+    steps after the warm-up, through the Python API; `ran_batch`: each step reported with
+    its `Batch` (every row ran as planned) rather than the list `planned()` makes."""
     cm = ChunkingManagement({"llm": SubmoduleCaps(["prefill", "mixed"])}, model="bench-python")
     try:
         cm.set_policies({("llm", "mixed"): ChunkingPolicy(w.budget, align=16)})
@@ -86,14 +93,16 @@ def python_loop(w: Workload, steps: int) -> tuple[float, float]:
                 for _ in finals:
                     nxt.admit(next_rid, "prefill", prompt)
                     next_rid += 1
-            batch = step(batch.step, batch.planned(), next=nxt).next
+            batch = step(batch.step, batch if ran_batch else batch.planned(), next=nxt).next
         return time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         cm.close()
 
 
-def rust_loop(w: Workload, steps: int) -> tuple[float, float]:
-    return _native._bench_facade(steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS)
+def rust_loop(w: Workload, steps: int, facade_timeout: bool = True) -> tuple[float, float]:
+    return _native._bench_facade(
+        steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS, facade_timeout
+    )
 
 
 def main() -> None:
@@ -112,22 +121,31 @@ def main() -> None:
         ap.error(f"--workloads: unknown {unknown or names}; known: {', '.join(WORKLOADS)}")
     print(f"steps per run: {a.steps} (after {WARM_STEPS} warm-up steps), runs per side: {a.repeats}")
     print("us/step, medians; cpu: the process's CPU time (both threads), wall: wall-clock time")
-    print(f"{'workload':<9} {'rust cpu':>9} {'python cpu':>11} {'ratio':>6} {'rust wall':>10} {'python wall':>12} {'ratio':>6}")
+    print("ratio: python / rust; ran=batch: the Python loop reporting each step with its Batch;")
+    print("rust*: the facade without its request timeout, and python / rust*")
+    print(
+        f"{'workload':<9} {'rust cpu':>9} {'python cpu':>11} {'ratio':>6} {'ran=batch':>10} {'ratio':>6}"
+        f" {'rust* cpu':>10} {'ratio':>6} {'rust wall':>10} {'python wall':>12} {'ratio':>6}"
+    )
     ratios = {}
     for name in names:
         w = WORKLOADS[name]
-        rust, py = [], []
-        for _ in range(a.repeats):  # interleaved, so load on the machine hits both sides alike
+        rust, rust_nt, py, py_batch = [], [], [], []
+        for _ in range(a.repeats):  # interleaved, so load on the machine hits every side alike
             rust.append(rust_loop(w, a.steps))
             py.append(python_loop(w, a.steps))
+            py_batch.append(python_loop(w, a.steps, ran_batch=True))
+            rust_nt.append(rust_loop(w, a.steps, facade_timeout=False))
 
         def us(runs: list[tuple[float, float]], i: int) -> float:
             return float(statistics.median(r[i] for r in runs)) / steps * 1e6
 
         r_wall, p_wall, r_cpu, p_cpu = us(rust, 0), us(py, 0), us(rust, 1), us(py, 1)
+        b_cpu, n_cpu = us(py_batch, 1), us(rust_nt, 1)
         ratios[name] = p_cpu / r_cpu
         print(
-            f"{name:<9} {r_cpu:9.2f} {p_cpu:11.2f} {p_cpu / r_cpu:6.2f} {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
+            f"{name:<9} {r_cpu:9.2f} {p_cpu:11.2f} {p_cpu / r_cpu:6.2f} {b_cpu:10.2f} {b_cpu / r_cpu:6.2f}"
+            f" {n_cpu:10.2f} {p_cpu / n_cpu:6.2f} {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
         )
     if "W3" in ratios:
         verdict = "within" if ratios["W3"] <= W3_LIMIT else "OVER"

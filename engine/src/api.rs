@@ -49,6 +49,8 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, if one is.
     pub param: Option<String>,
+    /// OpenAI's error `code` (`model_not_found`), if one applies.
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -59,6 +61,7 @@ impl ApiError {
             kind: "invalid_request_error",
             message: message.into(),
             param: param.map(str::to_owned),
+            code: None,
         }
     }
 
@@ -69,6 +72,7 @@ impl ApiError {
             kind,
             message: message.into(),
             param: None,
+            code: None,
         }
     }
 }
@@ -95,7 +99,7 @@ impl ResponseError for ApiError {
             r.force_close();
         }
         r.json(json!({
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         }))
     }
 }
@@ -311,11 +315,6 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// A refused `prompt`, said as a message.
-fn bad_prompt(message: String) -> ApiError {
-    ApiError::bad(Some("prompt"), message)
-}
-
 impl Prompt {
     /// Parses a raw `prompt`: a string, an array of one string, or an array of at most
     /// `max_tokens` token ids each below `vocab`.
@@ -323,17 +322,58 @@ impl Prompt {
     /// # Errors
     /// Anything else, naming the element at fault.
     pub fn parse(raw: &RawValue, vocab: u32, max_tokens: usize) -> Result<Self, ApiError> {
+        Self::parse_field(raw, "prompt", vocab, max_tokens)
+    }
+
+    /// As [`parse`](Self::parse), for a field named `field`.
+    ///
+    /// # Errors
+    /// Anything else, naming the element at fault.
+    pub fn parse_field(
+        raw: &RawValue,
+        field: &'static str,
+        vocab: u32,
+        max_tokens: usize,
+    ) -> Result<Self, ApiError> {
         let mut de = serde_json::Deserializer::from_str(raw.get());
-        let seed = PromptSeed { vocab, max_tokens };
+        let seed = PromptSeed {
+            field,
+            vocab,
+            max_tokens,
+        };
         let parsed = de::DeserializeSeed::deserialize(seed, &mut de).map_err(|e| {
-            bad_prompt(format!(
-                "`prompt` must be a string or an array of token ids: {e}"
-            ))
+            ApiError::bad(
+                Some(field),
+                format!("`{field}` must be a string or an array of token ids: {e}"),
+            )
         })?;
         match parsed {
             Parsed::Ok(p) => Ok(p),
-            Parsed::Refused(m) => Err(bad_prompt(m)),
+            Parsed::Refused(m) => Err(ApiError::bad(Some(field), m)),
         }
+    }
+}
+
+/// Parses a raw array of at most `max_tokens` token ids below `vocab` (`/detokenize`'s
+/// `tokens`), typed as a prompt's.
+///
+/// # Errors
+/// Not such an array, naming `field` or its element at fault.
+pub fn token_ids(
+    raw: &RawValue,
+    field: &'static str,
+    vocab: u32,
+    max_tokens: usize,
+) -> Result<Vec<u32>, ApiError> {
+    if raw.get().trim() == "[]" {
+        return Ok(Vec::new());
+    }
+    match Prompt::parse_field(raw, field, vocab, max_tokens)? {
+        Prompt::Tokens(t) => Ok(t),
+        Prompt::Text(_) => Err(ApiError::bad(
+            Some(field),
+            format!("`{field}` must be an array of token ids, not text"),
+        )),
     }
 }
 
@@ -343,6 +383,7 @@ enum Parsed {
 }
 
 struct PromptSeed {
+    field: &'static str,
     vocab: u32,
     max_tokens: usize,
 }
@@ -417,6 +458,7 @@ impl<'de> Visitor<'de> for PromptSeed {
         let mut i = 0usize;
         let mut refused = None;
         let mut text = None;
+        let f = self.field;
         while let Some(item) = seq.next_element::<Item>()? {
             if refused.is_none() {
                 refused = match item {
@@ -425,25 +467,25 @@ impl<'de> Visitor<'de> for PromptSeed {
                         None
                     }
                     Item::Text(_) => Some(format!(
-                        "`prompt[{i}]` is a string: this server takes one prompt per request (a string, an array of one string, or an array of token ids)"
+                        "`{f}[{i}]` is a string: this server takes one prompt per request (a string, an array of one string, or an array of token ids)"
                     )),
-                    _ if text.is_some() => Some(
-                        "`prompt` holds more than one string or a string beside token ids: this server takes one prompt per request".to_owned(),
-                    ),
+                    _ if text.is_some() => Some(format!(
+                        "`{f}` holds more than one string or a string beside token ids: this server takes one prompt per request"
+                    )),
                     Item::Id(t) if t < u64::from(self.vocab) && ids.len() < self.max_tokens => {
                         ids.push(t as u32);
                         None
                     }
                     Item::Id(_) if ids.len() >= self.max_tokens => Some(format!(
-                        "`prompt` has more than {} token ids, the model's context",
+                        "`{f}` has more than {} token ids, the model's context",
                         self.max_tokens
                     )),
                     Item::Id(t) => Some(format!(
-                        "`prompt[{i}]` is {t}: token ids are whole numbers below {}",
+                        "`{f}[{i}]` is {t}: token ids are whole numbers below {}",
                         self.vocab
                     )),
                     Item::Other(s) => Some(format!(
-                        "`prompt[{i}]` is {s}: token ids are whole numbers below {}",
+                        "`{f}[{i}]` is {s}: token ids are whole numbers below {}",
                         self.vocab
                     )),
                 };
@@ -453,60 +495,40 @@ impl<'de> Visitor<'de> for PromptSeed {
         Ok(match (refused, text) {
             (Some(m), _) => Parsed::Refused(m),
             (None, Some(s)) => Parsed::Ok(Prompt::Text(s)),
-            (None, None) if i == 0 => Parsed::Refused("`prompt` is an empty array".into()),
+            (None, None) if i == 0 => Parsed::Refused(format!("`{f}` is an empty array")),
             (None, None) => Parsed::Ok(Prompt::Tokens(ids)),
         })
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Parsed::Refused(
-            "`prompt` must be a string or an array of token ids, not an object".into(),
-        ))
+        Ok(Parsed::Refused(format!(
+            "`{}` must be a string or an array of token ids, not an object",
+            self.field
+        )))
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Parsed, E> {
-        Ok(refused_scalar(&v.to_string()))
+        Ok(refused_scalar(self.field, &v.to_string()))
     }
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Parsed, E> {
-        Ok(refused_scalar(&v.to_string()))
+        Ok(refused_scalar(self.field, &v.to_string()))
     }
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Parsed, E> {
-        Ok(refused_scalar(&v.to_string()))
+        Ok(refused_scalar(self.field, &v.to_string()))
     }
     fn visit_bool<E: de::Error>(self, v: bool) -> Result<Parsed, E> {
-        Ok(refused_scalar(&v.to_string()))
+        Ok(refused_scalar(self.field, &v.to_string()))
     }
 }
 
-fn refused_scalar(shown: &str) -> Parsed {
+fn refused_scalar(field: &str, shown: &str) -> Parsed {
     Parsed::Refused(format!(
-        "`prompt` must be a string or an array of token ids, not {shown}"
+        "`{field}` must be a string or an array of token ids, not {shown}"
     ))
 }
 
-// === POST /v1/completions ===
-
-/// The body of `POST /v1/completions`, parsed and checked field by field.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CompletionBody {
-    /// The model's name (optional; any other than the served one is refused).
-    pub model: Option<String>,
-    /// The prompt.
-    pub prompt: Prompt,
-    /// Tokens to generate (default 16; at least 1).
-    pub max_tokens: Option<u32>,
-    /// Sampling temperature, 0 to 2 (default 1).
-    pub temperature: Option<f32>,
-    /// Nucleus mass, (0, 1] (default 1).
-    pub top_p: Option<f32>,
-    /// Sampling seed (default 0).
-    pub seed: Option<u64>,
-    /// Stream server-sent events.
-    pub stream: bool,
-    /// Keep generating past EOS.
-    pub ignore_eos: bool,
-}
+// === what both endpoints take ===
 
 /// What the model bounds a request by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -517,24 +539,59 @@ pub struct ModelLimits {
     pub max_positions: usize,
 }
 
-impl CompletionBody {
-    /// Parses a completion request's body.
+/// The most stop strings a request may give (as OpenAI).
+pub const MAX_STOPS: usize = 4;
+/// The longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// The most alternatives `logprobs` / `top_logprobs` may ask for (as OpenAI).
+pub const MAX_LOGPROBS: u8 = 5;
+
+/// The generation settings both endpoints share, parsed and checked.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Sampling {
+    /// Tokens to generate at most (`max_tokens`, or its newer name `max_completion_tokens`).
+    pub max_tokens: Option<u32>,
+    /// Which of the two names set `max_tokens` (for a refusal naming it).
+    pub max_tokens_field: &'static str,
+    /// Sampling temperature, 0 to 2 (default 1; 0 is greedy).
+    pub temperature: Option<f32>,
+    /// Nucleus mass, (0, 1] (default 1).
+    pub top_p: Option<f32>,
+    /// Sampling seed (absent: a fresh one per request).
+    pub seed: Option<u64>,
+    /// Stop strings (at most [`MAX_STOPS`], none empty).
+    pub stop: Vec<String>,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// `stream_options.include_usage`: usage in a final chunk of its own.
+    pub include_usage: bool,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+}
+
+impl Sampling {
+    /// Takes the shared fields out of `f`.
     ///
     /// # Errors
-    /// A 400 naming the field at fault: a malformed body, a field of the wrong type or range,
-    /// or a field the server does not implement ([`refuse_unsupported`]).
-    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
-        let mut f = Fields::parse(body, "completion")?;
-        let prompt = f
-            .take_with("prompt", |raw| {
-                Prompt::parse(raw, limits.vocab, limits.max_positions)
-            })?
-            .ok_or_else(|| ApiError::bad(Some("prompt"), "`prompt` is required"))?;
-        let max_tokens: Option<u32> = f.take("max_tokens", "a whole number of tokens ≥ 1")?;
+    /// A 400 naming the field at fault.
+    pub fn take(f: &mut Fields<'_>) -> Result<Self, ApiError> {
+        let mut max_tokens_field = "max_tokens";
+        let mut max_tokens: Option<u32> = f.take("max_tokens", "a whole number of tokens ≥ 1")?;
+        let newer: Option<u32> = f.take("max_completion_tokens", "a whole number of tokens ≥ 1")?;
+        if let Some(n) = newer {
+            if max_tokens.is_some_and(|m| m != n) {
+                return Err(ApiError::bad(
+                    Some("max_completion_tokens"),
+                    "`max_completion_tokens` and `max_tokens` are the same setting: give one, or both equal",
+                ));
+            }
+            max_tokens = Some(n);
+            max_tokens_field = "max_completion_tokens";
+        }
         if max_tokens == Some(0) {
             return Err(ApiError::bad(
-                Some("max_tokens"),
-                "`max_tokens` must be at least 1",
+                Some(max_tokens_field),
+                format!("`{max_tokens_field}` must be at least 1"),
             ));
         }
         let temperature: Option<f64> = f.take("temperature", "a number from 0 to 2")?;
@@ -555,15 +612,448 @@ impl CompletionBody {
                 ));
             }
         }
-        let body = CompletionBody {
-            model: f.take("model", "a string")?,
-            prompt,
+        let stream = f.take("stream", "a boolean")?.unwrap_or(false);
+        let include_usage = match f.take_with("stream_options", stream_options)? {
+            None => false,
+            Some(_) if !stream => {
+                return Err(ApiError::bad(
+                    Some("stream_options"),
+                    "`stream_options` is only allowed with `stream: true`",
+                ))
+            }
+            Some(u) => u,
+        };
+        Ok(Sampling {
             max_tokens,
+            max_tokens_field,
             temperature: temperature.map(|t| t as f32),
             top_p: top_p.map(|p| p as f32),
             seed: f.take("seed", "a whole number from 0 to 2^64 - 1")?,
-            stream: f.take("stream", "a boolean")?.unwrap_or(false),
+            stop: f.take_with("stop", stops)?.unwrap_or_default(),
+            stream,
+            include_usage,
             ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+        })
+    }
+}
+
+/// `stop`: a string, or an array of at most [`MAX_STOPS`] strings; none empty or longer than
+/// [`MAX_STOP_BYTES`].
+fn stops(raw: &RawValue) -> Result<Vec<String>, ApiError> {
+    let must = format!("a string or an array of at most {MAX_STOPS} strings");
+    let bad = |m: String| ApiError::bad(Some("stop"), m);
+    let list: Vec<String> = match serde_json::from_str::<String>(raw.get()) {
+        Ok(s) => vec![s],
+        Err(_) => {
+            let items: Vec<&RawValue> = serde_json::from_str(raw.get())
+                .map_err(|_| bad(format!("`stop` must be {must}, not {}", excerpt(raw))))?;
+            if items.len() > MAX_STOPS {
+                return Err(bad(format!(
+                    "`stop` has {} strings: at most {MAX_STOPS}",
+                    items.len()
+                )));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    serde_json::from_str::<String>(r.get()).map_err(|_| {
+                        bad(format!("`stop[{i}]` must be a string, not {}", excerpt(r)))
+                    })
+                })
+                .collect::<Result<_, _>>()?
+        }
+    };
+    for s in &list {
+        if s.is_empty() {
+            return Err(bad("`stop` holds an empty string".into()));
+        }
+        if s.len() > MAX_STOP_BYTES {
+            return Err(bad(format!(
+                "a `stop` string has {} bytes: at most {MAX_STOP_BYTES}",
+                s.len()
+            )));
+        }
+    }
+    Ok(list)
+}
+
+/// `stream_options`: an object whose only field is `include_usage` (a boolean).
+fn stream_options(raw: &RawValue) -> Result<bool, ApiError> {
+    let mut f = Fields::parse(raw.get().as_bytes(), "stream_options").map_err(|_| {
+        ApiError::bad(
+            Some("stream_options"),
+            format!(
+                "`stream_options` must be an object such as {{\"include_usage\": true}}, not {}",
+                excerpt(raw)
+            ),
+        )
+    })?;
+    let include = f
+        .take::<bool>("include_usage", "a boolean")
+        .map_err(|e| ApiError::bad(Some("stream_options.include_usage"), e.message))?
+        .unwrap_or(false);
+    if let Some((key, _)) = f.fields.first() {
+        let name = format!("stream_options.{}", shown(key));
+        return Err(ApiError::bad(
+            Some(&name),
+            format!("`{name}` is not supported by this server"),
+        ));
+    }
+    Ok(include)
+}
+
+/// The model's name, when given, must be the served one.
+///
+/// # Errors
+/// Another name: 404 naming `model` (`model_not_found`), as OpenAI answers.
+pub fn check_model(model: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != served => Err(model_not_found(m, served, Some("model"))),
+        _ => Ok(()),
+    }
+}
+
+/// The 404 for a model this server does not serve.
+pub fn model_not_found(m: &str, served: &str, param: Option<&str>) -> ApiError {
+    let mut e = ApiError::with_status(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!(
+            "the model `{}` does not exist; this server serves `{served}`",
+            shown(m)
+        ),
+    );
+    e.param = param.map(str::to_owned);
+    e.code = Some("model_not_found");
+    e
+}
+
+// === POST /v1/completions ===
+
+/// The body of `POST /v1/completions`, parsed and checked field by field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionBody {
+    /// The model's name (optional; any other than the served one is refused).
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// The generation settings.
+    pub sampling: Sampling,
+    /// `logprobs`: each token's log-probability with this many alternatives (0 to 5).
+    pub logprobs: Option<u8>,
+}
+
+impl CompletionBody {
+    /// Parses a completion request's body.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault: a malformed body, a field of the wrong type or range,
+    /// or a field the server does not implement ([`refuse_unsupported`]).
+    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
+        let mut f = Fields::parse(body, "completion")?;
+        let prompt = f
+            .take_with("prompt", |raw| {
+                Prompt::parse(raw, limits.vocab, limits.max_positions)
+            })?
+            .ok_or_else(|| ApiError::bad(Some("prompt"), "`prompt` is required"))?;
+        let sampling = Sampling::take(&mut f)?;
+        let logprobs: Option<u8> = f
+            .take::<u8>("logprobs", "a whole number from 0 to 5")?
+            .map(|n| {
+                if n > MAX_LOGPROBS {
+                    Err(ApiError::bad(
+                        Some("logprobs"),
+                        format!("`logprobs` is {n}: at most {MAX_LOGPROBS}"),
+                    ))
+                } else {
+                    Ok(n)
+                }
+            })
+            .transpose()?;
+        let body = CompletionBody {
+            model: f.take("model", "a string")?,
+            prompt,
+            sampling,
+            logprobs,
+        };
+        f.finish()?;
+        Ok(body)
+    }
+}
+
+// === POST /v1/chat/completions ===
+
+/// The body of `POST /v1/chat/completions`, parsed and checked field by field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatBody {
+    /// The model's name (optional; any other than the served one is refused).
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Vec<crate::chat::Message>,
+    /// The generation settings.
+    pub sampling: Sampling,
+    /// `logprobs: true` with `top_logprobs` alternatives (0 to 5); `None` without logprobs.
+    pub logprobs: Option<u8>,
+}
+
+impl ChatBody {
+    /// Parses a chat completion request's body.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault, as [`CompletionBody::parse`]; each message's fault is
+    /// named by its index (`messages[1].role`).
+    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
+        let mut f = Fields::parse(body, "chat completion")?;
+        let messages = f
+            .take_with("messages", |raw| messages(raw, limits.max_positions))?
+            .ok_or_else(|| ApiError::bad(Some("messages"), "`messages` is required"))?;
+        let sampling = Sampling::take(&mut f)?;
+        let logprobs: bool = f.take("logprobs", "a boolean")?.unwrap_or(false);
+        let top: Option<u8> = f.take("top_logprobs", "a whole number from 0 to 5")?;
+        if let Some(n) = top {
+            if n > MAX_LOGPROBS {
+                return Err(ApiError::bad(
+                    Some("top_logprobs"),
+                    format!("`top_logprobs` is {n}: at most {MAX_LOGPROBS}"),
+                ));
+            }
+            if !logprobs {
+                return Err(ApiError::bad(
+                    Some("top_logprobs"),
+                    "`top_logprobs` needs `logprobs: true`",
+                ));
+            }
+        }
+        let body = ChatBody {
+            model: f.take("model", "a string")?,
+            messages,
+            sampling,
+            logprobs: logprobs.then(|| top.unwrap_or(0)),
+        };
+        f.finish()?;
+        Ok(body)
+    }
+}
+
+/// `messages`: a non-empty array (at most `max` messages) of `{"role", "content"}` objects;
+/// a content is a string or an array of `{"type": "text", "text"}` parts.
+///
+/// # Errors
+/// A 400 naming `messages` or the message's field at fault.
+pub fn messages(raw: &RawValue, max: usize) -> Result<Vec<crate::chat::Message>, ApiError> {
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| {
+        ApiError::bad(
+            Some("messages"),
+            format!(
+                "`messages` must be an array of messages, not {}",
+                excerpt(raw)
+            ),
+        )
+    })?;
+    if items.is_empty() {
+        return Err(ApiError::bad(
+            Some("messages"),
+            "`messages` is empty: a chat needs at least one message",
+        ));
+    }
+    if items.len() > max {
+        return Err(ApiError::bad(
+            Some("messages"),
+            format!(
+                "`messages` has {} messages, more than the model's context",
+                items.len()
+            ),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, raw)| message(i, raw))
+        .collect()
+}
+
+fn message(i: usize, raw: &RawValue) -> Result<crate::chat::Message, ApiError> {
+    let at = |field: &str| format!("messages[{i}].{field}");
+    let mut f = Fields::parse(raw.get().as_bytes(), "message").map_err(|_| {
+        ApiError::bad(
+            Some(&format!("messages[{i}]")),
+            format!(
+                "`messages[{i}]` must be an object with `role` and `content`, not {}",
+                excerpt(raw)
+            ),
+        )
+    })?;
+    let renamed = |e: ApiError, field: &str| ApiError::bad(Some(&at(field)), e.message);
+    let role: String = f
+        .take("role", "a string")
+        .map_err(|e| renamed(e, "role"))?
+        .ok_or_else(|| {
+            ApiError::bad(
+                Some(&at("role")),
+                format!("`messages[{i}].role` is required"),
+            )
+        })?;
+    if !crate::chat::ROLES.contains(&role.as_str()) {
+        return Err(ApiError::bad(
+            Some(&at("role")),
+            format!(
+                "`messages[{i}].role` is `{}`: the roles are {}",
+                shown(&role),
+                crate::chat::ROLES.join(", ")
+            ),
+        ));
+    }
+    let content = f
+        .take_with("content", |raw| content(i, raw))?
+        .ok_or_else(|| {
+            ApiError::bad(
+                Some(&at("content")),
+                format!("`messages[{i}].content` is required"),
+            )
+        })?;
+    if let Some((key, _)) = f.fields.first() {
+        let name = at(&shown(key));
+        return Err(ApiError::bad(
+            Some(&name),
+            format!("`{name}` is not supported by this server"),
+        ));
+    }
+    Ok(crate::chat::Message { role, content })
+}
+
+fn content(i: usize, raw: &RawValue) -> Result<String, ApiError> {
+    if let Ok(s) = serde_json::from_str::<String>(raw.get()) {
+        return Ok(s);
+    }
+    let field = format!("messages[{i}].content");
+    let parts: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| {
+        ApiError::bad(
+            Some(&field),
+            format!(
+                "`{field}` must be a string or an array of text parts, not {}",
+                excerpt(raw)
+            ),
+        )
+    })?;
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("{field}[{j}]");
+        let bad = || {
+            ApiError::bad(
+                Some(&at),
+                format!(
+                    "`{at}` must be {{\"type\": \"text\", \"text\": ...}}: this server reads text only, not {}",
+                    excerpt(part)
+                ),
+            )
+        };
+        let mut f = Fields::parse(part.get().as_bytes(), "content part").map_err(|_| bad())?;
+        let kind: Option<String> = f.take("type", "a string").map_err(|_| bad())?;
+        let t: Option<String> = f.take("text", "a string").map_err(|_| bad())?;
+        match (kind.as_deref(), t) {
+            (Some("text"), Some(t)) if f.fields.is_empty() => text.push_str(&t),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(text)
+}
+
+// === POST /tokenize, POST /detokenize ===
+
+/// What `/tokenize` encodes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenizeInput {
+    /// Text, encoded as a completion's prompt is.
+    Prompt(String),
+    /// A conversation, rendered with the chat template as a chat's prompt is.
+    Messages {
+        /// The messages.
+        messages: Vec<crate::chat::Message>,
+        /// Open the assistant's turn (default true, as a chat completion renders it).
+        add_generation_prompt: bool,
+    },
+}
+
+/// The body of `POST /tokenize`: `prompt` or `messages` (vLLM's API).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizeBody {
+    /// The model's name (optional).
+    pub model: Option<String>,
+    /// What to encode.
+    pub input: TokenizeInput,
+}
+
+impl TokenizeBody {
+    /// Parses a `/tokenize` body.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault; neither or both of `prompt` and `messages`.
+    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
+        let mut f = Fields::parse(body, "tokenize")?;
+        let prompt: Option<String> = f.take("prompt", "a string")?;
+        let msgs = f.take_with("messages", |raw| messages(raw, limits.max_positions))?;
+        let agp: Option<bool> = f.take("add_generation_prompt", "a boolean")?;
+        let input = match (prompt, msgs) {
+            (Some(p), None) => {
+                if agp.is_some() {
+                    return Err(ApiError::bad(
+                        Some("add_generation_prompt"),
+                        "`add_generation_prompt` goes with `messages`, not `prompt`",
+                    ));
+                }
+                TokenizeInput::Prompt(p)
+            }
+            (None, Some(messages)) => TokenizeInput::Messages {
+                messages,
+                add_generation_prompt: agp.unwrap_or(true),
+            },
+            (Some(_), Some(_)) => {
+                return Err(ApiError::bad(
+                    Some("messages"),
+                    "give `prompt` or `messages`, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(ApiError::bad(
+                    Some("prompt"),
+                    "`prompt` (a string) or `messages` is required",
+                ))
+            }
+        };
+        let body = TokenizeBody {
+            model: f.take("model", "a string")?,
+            input,
+        };
+        f.finish()?;
+        Ok(body)
+    }
+}
+
+/// The body of `POST /detokenize`: `tokens`, an array of token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DetokenizeBody {
+    /// The model's name (optional).
+    pub model: Option<String>,
+    /// The tokens.
+    pub tokens: Vec<u32>,
+}
+
+impl DetokenizeBody {
+    /// Parses a `/detokenize` body.
+    ///
+    /// # Errors
+    /// A 400 naming the field (or token) at fault.
+    pub fn parse(body: &[u8], limits: ModelLimits) -> Result<Self, ApiError> {
+        let mut f = Fields::parse(body, "detokenize")?;
+        let tokens = f
+            .take_with("tokens", |raw| {
+                token_ids(raw, "tokens", limits.vocab, limits.max_positions)
+            })?
+            .ok_or_else(|| ApiError::bad(Some("tokens"), "`tokens` is required"))?;
+        let body = DetokenizeBody {
+            model: f.take("model", "a string")?,
+            tokens,
         };
         f.finish()?;
         Ok(body)

@@ -349,7 +349,7 @@ pub async fn stream_one(
                 }
             };
             // The last event carries usage and no new token.
-            if v.get("usage").is_some() {
+            if v.get("usage").is_some_and(|u| !u.is_null()) {
                 continue;
             }
             m.tokens += 1;

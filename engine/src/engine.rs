@@ -141,7 +141,7 @@ impl Default for EngineSettings {
 }
 
 /// A generation request, tokenised.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenRequest {
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
@@ -155,6 +155,53 @@ pub struct GenRequest {
     pub seed: u64,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// Tokens that end the request like EOS (`<|im_end|>` for a chat), unless `ignore_eos`.
+    pub stop_tokens: Vec<u32>,
+    /// Send each token's log-probability with this many most likely alternatives (0 to
+    /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
+    pub logprobs: Option<u8>,
+}
+
+/// The most alternatives a token's log-probabilities list.
+pub const MAX_TOP_LOGPROBS: u8 = 5;
+
+/// A generated token's log-probability under the model (the softmax of its logits, before
+/// temperature and top-p), and the most likely tokens at its position with theirs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    /// The token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first: (token, log-probability).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Logprobs {
+    /// The log-probability of `token` under `logits`, and the `top` most likely tokens.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let lse = f64::from(max) + sum.ln();
+        let lp = |t: u32| (f64::from(logits[t as usize]) - lse) as f32;
+        let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                let pos = best
+                    .iter()
+                    .position(|&b| l > logits[b as usize])
+                    .unwrap_or(best.len());
+                if pos < top {
+                    best.insert(pos, i as u32);
+                    best.truncate(top);
+                }
+            }
+        }
+        Logprobs {
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NEG_INFINITY, |_| lp(token)),
+            top: best.into_iter().map(|t| (t, lp(t))).collect(),
+        }
+    }
 }
 
 /// Why a request stopped.
@@ -182,8 +229,13 @@ impl Finish {
 /// What a request's stream receives.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// A generated token.
-    Token(u32),
+    /// A generated token, with its log-probabilities when the request asked for them.
+    Token {
+        /// The token.
+        id: u32,
+        /// Its log-probabilities ([`GenRequest::logprobs`]).
+        logprobs: Option<Logprobs>,
+    },
     /// The request ended.
     Done {
         /// Why.
@@ -257,6 +309,9 @@ pub enum Command {
     },
     /// Report [`EngineStats`].
     Stats(oneshot::Sender<EngineStats>),
+    /// End a request as finished with `stop` (its client matched a stop string): its memory is
+    /// freed at once and it is counted `result="stop"`.
+    Stop(u64),
 }
 
 /// A handle to the engine actor (cheap to clone).
@@ -269,6 +324,8 @@ pub struct EngineHandle {
     pub limits: ModelLimits,
     /// The served model's tokenizer.
     pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
+    /// The KV capacity in tokens (`--kv-tokens`): no request reserves more.
+    pub kv_tokens: u64,
 }
 
 impl EngineHandle {
@@ -287,6 +344,12 @@ impl EngineHandle {
             .map_err(|_| SubmitError::Stopped)?;
         let rid = answer.await.map_err(|_| SubmitError::Stopped)??;
         Ok((rid, rx))
+    }
+
+    /// Ends request `rid` as finished with `stop` at the engine's next turn (a stop string was
+    /// matched in its text); tokens it generates meanwhile are still sent.
+    pub fn stop(&self, rid: u64) {
+        let _ = self.tx.send(Command::Stop(rid));
     }
 
     /// The engine's state.
@@ -421,6 +484,7 @@ pub fn start(
         None => None,
     };
     let tokenizer = model.tokenizer().clone();
+    let settings_kv_tokens = settings.kv_tokens;
     let limits = ModelLimits {
         vocab: tokenizer.vocab_size() as u32,
         max_positions: model.config.max_positions,
@@ -474,6 +538,7 @@ pub fn start(
             }
         })
         .map_err(|e| e.to_string())?;
+    let kv_tokens = settings_kv_tokens;
     let chunking = ready_rx
         .recv()
         .map_err(|_| "the engine thread ended before starting".to_owned())??;
@@ -483,6 +548,7 @@ pub fn start(
             chunking,
             limits,
             tokenizer,
+            kv_tokens,
         },
         thread,
     ))
@@ -686,6 +752,11 @@ impl Engine {
             },
             Command::Stats(tx) => {
                 let _ = tx.send(self.stats().await);
+            }
+            Command::Stop(rid) => {
+                if self.running.contains_key(&rid) {
+                    self.finish(rid, Finish::Stop);
+                }
             }
         }
     }
@@ -959,13 +1030,18 @@ impl Engine {
                 continue;
             };
             let tok = s.sampler.sample(&l);
+            let logprobs = s
+                .req
+                .logprobs
+                .map(|k| Logprobs::of(&l, tok, usize::from(k.min(MAX_TOP_LOGPROBS))));
             s.generated += 1;
             s.pending = Some(tok);
             let since = now - s.last_token.unwrap_or(s.arrived);
             em::token(s.last_token.is_none(), since.as_secs_f64());
             s.last_token = Some(now);
-            let _ = s.events.send(Event::Token(tok));
-            let done = if tok == self.model.tokenizer().eos() && !s.req.ignore_eos {
+            let _ = s.events.send(Event::Token { id: tok, logprobs });
+            let ends = tok == self.model.tokenizer().eos() || s.req.stop_tokens.contains(&tok);
+            let done = if ends && !s.req.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)

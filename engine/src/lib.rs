@@ -4,14 +4,16 @@
 //! a Llama-architecture decoder on candle ([`model`]: random weights, or a GGUF file such as
 //! SmolLM2-135M-Instruct with its [`tokenizer`]), run one step per assembled batch by an
 //! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`], its
-//! request bodies in [`api`]) with its metrics in [`metrics`], and driven by a trace-replaying
-//! load generator ([`bench`]); [`files`] holds the rules for the files it reads and writes.
+//! request bodies in [`api`], chat prompts rendered by [`chat`]) with its metrics in
+//! [`metrics`], and driven by a trace-replaying load generator ([`bench`](mod@bench)); [`files`] holds
+//! the rules for the files it reads and writes.
 //! `engine/README.md` describes the design.
 
 #![deny(missing_docs)]
 
 pub mod api;
 pub mod bench;
+pub mod chat;
 pub mod engine;
 pub mod files;
 pub mod metrics;

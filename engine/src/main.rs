@@ -50,6 +50,11 @@ struct ServeArgs {
     /// Serve this llama-architecture GGUF file (weights and tokenizer) instead of `--model`.
     #[arg(long, conflicts_with_all = ["weights", "seed"])]
     gguf: Option<PathBuf>,
+    /// How a GGUF model's weights are kept: `q8_0` (requantized at load; the fastest decode),
+    /// `native` (as stored: Q4_1 for SmolLM2, llama.cpp's own arithmetic, slower) or `dense`
+    /// (f32; the fastest long prefill, the most memory).
+    #[arg(long, default_value = "q8_0", value_parser = parse_format)]
+    weight_format: mstar_engine::model::gguf::WeightFormat,
     /// Seed of the random weights (`tiny`, `small`).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -74,6 +79,12 @@ struct ServeArgs {
     /// Seconds a client may take to send a request's body.
     #[arg(long, default_value = "10", value_parser = parse_body_timeout)]
     body_timeout_secs: Duration,
+}
+
+/// `--weight-format`: `q8_0`, `native` or `dense`.
+fn parse_format(s: &str) -> Result<mstar_engine::model::gguf::WeightFormat, String> {
+    mstar_engine::model::gguf::WeightFormat::by_name(s)
+        .ok_or_else(|| format!("`{s}`: q8_0, native or dense"))
 }
 
 /// `--grace-secs`: a finite number of seconds from 0 to one day.
@@ -203,9 +214,8 @@ fn device(s: &str) -> Result<candle_core::Device, String> {
 
 fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, String), String> {
     use mstar_engine::model::gguf;
-    let from_gguf = |p: &std::path::Path| {
-        gguf::load(p, device, gguf::DEFAULT_FORMAT).map_err(|e| e.to_string())
-    };
+    let from_gguf =
+        |p: &std::path::Path| gguf::load(p, device, a.weight_format).map_err(|e| e.to_string());
     if let Some(p) = &a.gguf {
         return Ok((from_gguf(p)?, p.display().to_string()));
     }

@@ -17,7 +17,35 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::AddedToken;
 
-use crate::model::{ModelError, BOS, EOS, VOCAB};
+/// A tokenizer that cannot be built from a file's metadata, or text it cannot encode.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("tokenizer: {0}")]
+pub struct TokenizerError(pub String);
+
+/// The byte vocabulary of the random models: token `b` (0..=255) is the byte `b`, then BOS and
+/// EOS.
+pub const VOCAB: usize = 258;
+/// Beginning of sequence (byte vocabulary).
+pub const BOS: u32 = 256;
+/// End of sequence (byte vocabulary).
+pub const EOS: u32 = 257;
+
+/// Encodes text in the byte vocabulary: BOS followed by its UTF-8 bytes.
+pub fn encode(text: &str) -> Vec<u32> {
+    std::iter::once(BOS)
+        .chain(text.bytes().map(u32::from))
+        .collect()
+}
+
+/// Decodes byte-vocabulary tokens to text (BOS/EOS dropped; invalid UTF-8 replaced).
+pub fn decode(tokens: &[u32]) -> String {
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .filter(|&&t| t < 256)
+        .map(|&t| t as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
 
 /// The tokens of a model.
 pub enum Tokenizer {
@@ -39,6 +67,8 @@ pub struct Bpe {
     bos: Option<u32>,
     eos: u32,
     add_bos: bool,
+    /// The file's chat template (`tokenizer.chat_template`, Jinja), if it has one.
+    chat_template: Option<String>,
 }
 
 /// GGUF's token type of a control token.
@@ -52,20 +82,20 @@ impl Tokenizer {
     /// # Errors
     /// A missing or malformed key (named), a tokenizer model other than `gpt2`, or a
     /// pre-tokenizer this reader does not implement.
-    pub fn from_gguf(ct: &Content) -> Result<Self, ModelError> {
-        let bad = |what: String| ModelError::Tokenizer(what);
+    pub fn from_gguf(ct: &Content) -> Result<Self, TokenizerError> {
+        let bad = |what: String| TokenizerError(what);
         let get = |k: &str| {
             ct.metadata
                 .get(k)
                 .ok_or_else(|| bad(format!("metadata key `{k}` is missing")))
         };
-        let string = |k: &str| -> Result<String, ModelError> {
+        let string = |k: &str| -> Result<String, TokenizerError> {
             get(k)?
                 .to_string()
                 .cloned()
                 .map_err(|_| bad(format!("`{k}` is not a string")))
         };
-        let id = |k: &str| -> Result<Option<u32>, ModelError> {
+        let id = |k: &str| -> Result<Option<u32>, TokenizerError> {
             match ct.metadata.get(k) {
                 None => Ok(None),
                 Some(v) => v
@@ -95,7 +125,7 @@ impl Tokenizer {
                 )))
             }
         };
-        let strings = |k: &str| -> Result<Vec<String>, ModelError> {
+        let strings = |k: &str| -> Result<Vec<String>, TokenizerError> {
             let v = get(k)?
                 .to_vec()
                 .map_err(|_| bad(format!("`{k}` is not an array")))?;
@@ -150,7 +180,7 @@ impl Tokenizer {
             }
         };
         let n = tokens.len() as u32;
-        let in_vocab = |k: &str, v: Option<u32>| -> Result<Option<u32>, ModelError> {
+        let in_vocab = |k: &str, v: Option<u32>| -> Result<Option<u32>, TokenizerError> {
             match v {
                 Some(t) if t >= n => Err(bad(format!("`{k}` is {t}, past the {n} tokens"))),
                 v => Ok(v),
@@ -170,6 +200,11 @@ impl Tokenizer {
             Some(v) => v
                 .to_bool()
                 .map_err(|_| bad("`tokenizer.ggml.add_bos_token` is not a bool".into()))?,
+        };
+
+        let chat_template = match ct.metadata.get("tokenizer.chat_template") {
+            None => None,
+            Some(_) => Some(string("tokenizer.chat_template")?),
         };
 
         let by_text: HashMap<String, u32> = tokens
@@ -238,6 +273,7 @@ impl Tokenizer {
             bos,
             eos,
             add_bos,
+            chat_template,
         })))
     }
 
@@ -265,6 +301,29 @@ impl Tokenizer {
         }
     }
 
+    /// The model's chat template (Jinja), as its file ships it; the byte vocabulary has none.
+    pub fn chat_template(&self) -> Option<&str> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::Bpe(b) => b.chat_template.as_deref(),
+        }
+    }
+
+    /// A token's text with control tokens written out (`<|im_end|>`), invalid UTF-8 replaced:
+    /// how logprobs and `/detokenize` show a token. `None` outside the vocabulary.
+    pub fn token_text(&self, token: u32) -> Option<String> {
+        self.token_bytes_with_control(token)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+
+    /// Whether `token` is a control token (BOS, EOS, `<|im_start|>`, ...): no text of its own.
+    pub fn is_control(&self, token: u32) -> bool {
+        match self {
+            Tokenizer::Bytes => token as usize >= 256,
+            Tokenizer::Bpe(b) => b.control.get(token as usize).copied().unwrap_or(false),
+        }
+    }
+
     /// The id of a token by its text (`<|im_end|>`), if there is one.
     pub fn token_id(&self, text: &str) -> Option<u32> {
         match self {
@@ -278,14 +337,14 @@ impl Tokenizer {
     ///
     /// # Errors
     /// The BPE fails (it does not on valid UTF-8, but the crate's error is passed on).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match self {
-            Tokenizer::Bytes => Ok(crate::model::encode(text)),
+            Tokenizer::Bytes => Ok(encode(text)),
             Tokenizer::Bpe(b) => {
                 let enc = b
                     .inner
                     .encode_fast(text, false)
-                    .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+                    .map_err(|e| TokenizerError(e.to_string()))?;
                 let mut out = Vec::with_capacity(enc.len() + 1);
                 if b.add_bos {
                     out.extend(b.bos);

@@ -352,3 +352,9 @@ fn bench_refuses_what_it_cannot_run() {
     assert_eq!(report["failed"], 1, "{report}");
     check(out, "1 of 1 requests failed");
 }
+
+#[test]
+fn an_unknown_weight_format_or_device_is_refused() {
+    refused(&["--weight-format", "q4_k"], "--weight-format");
+    refused(&["--device", "tpu"], "--device");
+}

@@ -2,76 +2,14 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
 use futures_util::StreamExt;
 use mstar_chunking::DrainReport;
-use mstar_engine::engine::{self, EngineSettings, EngineStats};
-use mstar_engine::model::{Config, Model};
+use mstar_engine::engine::{self, EngineSettings};
 use mstar_engine::server::Server;
 use serde_json::{json, Value};
 
-fn start(settings: EngineSettings) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
-    let model = Model::random(Config::tiny(), 5, &Device::Cpu).unwrap();
-    let (handle, thread) = engine::start(model, settings).unwrap();
-    let srv = Server::start(handle, "tiny", "127.0.0.1:0").unwrap();
-    (srv, thread)
-}
-
-fn url(srv: &Server, path: &str) -> String {
-    format!("http://{}{path}", srv.addr)
-}
-
-/// Reads an SSE response whole: the JSON events and whether it ended with `data: [DONE]`.
-async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
-    let body = resp.text().await.unwrap();
-    let mut events = Vec::new();
-    let mut done = false;
-    for block in body.split("\n\n").filter(|b| !b.is_empty()) {
-        let data = block.strip_prefix("data: ").expect("an SSE data line");
-        assert!(!done, "nothing after [DONE]");
-        if data == "[DONE]" {
-            done = true;
-        } else {
-            events.push(serde_json::from_str(data).unwrap());
-        }
-    }
-    (events, done)
-}
-
-/// Waits (bounded) until the engine and the component hold nothing.
-async fn wait_idle(srv: &Server) -> EngineStats {
-    let t0 = Instant::now();
-    loop {
-        let s = srv.state.engine.stats().await.unwrap();
-        let idle = s.running == 0
-            && s.waiting == 0
-            && s.kv_used == 0
-            && s.kv_reserved == 0
-            && s.prepared == (0, 0)
-            && s.prefill_rows == 0
-            && s.continuing_rows == 0;
-        if idle || t0.elapsed() > Duration::from_secs(60) {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn idle_stats(s: &EngineStats) {
-    assert_eq!(
-        (
-            s.running,
-            s.waiting,
-            s.kv_used,
-            s.kv_reserved,
-            s.prepared,
-            s.prefill_rows,
-            s.continuing_rows
-        ),
-        (0, 0, 0, 0, (0, 0), 0, 0),
-        "everything released: {s:?}"
-    );
-}
+mod common;
+use common::{idle_stats, read_sse, start, url, wait_idle};
 
 #[actix_web::test]
 async fn streaming_completion_end_to_end() {
@@ -207,9 +145,19 @@ async fn bad_requests_get_the_openai_error_object() {
         ),
         (json!({"prompt": 17}), "prompt", "string or an array"),
         (
-            json!({"prompt": "x", "max_tokens": 5000}),
+            json!({"prompt": "x", "max_tokens": 2000}),
             "max_tokens",
             "KV capacity",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 5000}),
+            "max_tokens",
+            "context of 4096",
+        ),
+        (
+            json!({"prompt": "x", "max_completion_tokens": 5000}),
+            "max_completion_tokens",
+            "context of 4096",
         ),
     ];
     for (body, param, says) in cases {
@@ -503,4 +451,181 @@ fn utf8_stream_holds_back_incomplete_sequences() {
     assert_eq!(u.push(0xff), "\u{FFFD}", "an invalid byte");
     assert_eq!(u.push(0xe2), "");
     assert_eq!(u.finish(), "\u{FFFD}", "an incomplete sequence at the end");
+}
+
+/// Without `seed`, each request samples differently (a fresh seed each); with the same seed,
+/// the same text.
+#[actix_web::test]
+async fn without_a_seed_each_request_samples_differently() {
+    let (srv, thread) = start(EngineSettings::default());
+    let base = format!("http://{}", srv.addr);
+    let body = json!({"prompt": "Once", "max_tokens": 12, "temperature": 1.0, "ignore_eos": true});
+    let mut texts = Vec::new();
+    for _ in 0..3 {
+        let (status, v) = common::post(&base, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{v}");
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_owned());
+    }
+    assert!(
+        texts[0] != texts[1] && texts[1] != texts[2] && texts[0] != texts[2],
+        "{texts:?}"
+    );
+    let mut seeded = body.clone();
+    seeded["seed"] = json!(7);
+    let (_, a) = common::post(&base, "/v1/completions", &seeded).await;
+    let (_, b) = common::post(&base, "/v1/completions", &seeded).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+}
+
+/// Stop text is cut on whole characters and held back while it may begin a stop string.
+#[test]
+fn stop_text_holds_back_what_may_begin_a_stop_string() {
+    use mstar_engine::server::StopText;
+    let mut s = StopText::new(vec!["END".into(), "éé!".into()]);
+    assert_eq!(s.push("abc E"), ("abc ".into(), false), "`E` may begin END");
+    assert_eq!(s.push("N"), (String::new(), false));
+    assert_eq!(s.push("x"), ("ENx".into(), false), "`ENx` does not");
+    assert_eq!(s.push("ééé"), ("é".into(), false), "`éé` may begin `éé!`");
+    assert_eq!(
+        s.push("!tail"),
+        (String::new(), true),
+        "found: nothing after it"
+    );
+    assert_eq!(s.push("more"), (String::new(), true));
+    // The earliest of several stop strings wins; text held at the end is returned.
+    let mut s = StopText::new(vec!["bc".into(), "ab".into()]);
+    assert_eq!(s.push("xabc"), ("x".into(), true));
+    let mut s = StopText::new(vec!["END".into()]);
+    assert_eq!(s.push("the EN"), ("the ".into(), false));
+    assert_eq!(s.finish(), "EN");
+}
+
+/// A stop string ends the request in the engine too: its memory is freed, it is counted
+/// `result="stop"`, and the text before the stop string (whole characters only) is returned.
+#[actix_web::test]
+async fn a_stop_string_ends_the_request_in_the_engine() {
+    let (srv, thread) = start(EngineSettings::default());
+    let base = format!("http://{}", srv.addr);
+    // Greedy text of the tiny model, then the same request stopped inside it.
+    let body =
+        json!({"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": true});
+    let (_, v) = common::post(&base, "/v1/completions", &body).await;
+    let text = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 6, "{text:?}");
+    let stop: String = chars[3..5].iter().collect();
+    let want: String = text[..text.find(&stop).unwrap()].to_owned();
+    let mut stopped = body.clone();
+    stopped["stop"] = json!([stop]);
+    stopped["max_tokens"] = json!(4000);
+    for stream in [false, true] {
+        stopped["stream"] = json!(stream);
+        let got = if stream {
+            let (_, events, done) = common::post_sse(&base, "/v1/completions", &stopped).await;
+            assert!(done);
+            assert_eq!(
+                events.last().unwrap()["choices"][0]["finish_reason"],
+                "stop"
+            );
+            events
+                .iter()
+                .map(|e| e["choices"][0]["text"].as_str().unwrap())
+                .collect::<String>()
+        } else {
+            let (_, v) = common::post(&base, "/v1/completions", &stopped).await;
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 40);
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        };
+        assert_eq!(got, want, "stream: {stream}");
+    }
+    idle_stats(&wait_idle(&srv).await);
+    let metrics = reqwest::get(url(&srv, "/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("engine_requests_total{result=\"stop\"}"))
+        .unwrap_or_else(|| panic!("no stop count:\n{metrics}"));
+    assert!(line.ends_with(" 2"), "{line}");
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+}
+
+/// A model without a chat template is served ChatML; a template that raises, or that does
+/// not compile, makes a chat a 400 naming `messages`, never a 500.
+#[actix_web::test]
+async fn chat_templates_that_fail_are_400s() {
+    use mstar_engine::model::{Config, Model};
+    let (srv, thread) = start(EngineSettings::default());
+    let base = format!("http://{}", srv.addr);
+    let (_, t) = common::post(
+        &base,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": false}),
+    )
+    .await;
+    let bytes: Vec<u8> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .skip(1) // BOS
+        .collect();
+    assert_eq!(
+        String::from_utf8(bytes).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n"
+    );
+    let (status, v) = common::post(
+        &base,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+
+    for (template, says) in [
+        (
+            "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ messages[0]['content'] }}",
+            "System role not supported",
+        ),
+        ("{% for m in messages %}{{ m.content }", "does not compile"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "render"),
+    ] {
+        let model = Model::random(Config::tiny(), 5, &candle_core::Device::Cpu).unwrap();
+        let (handle, thread) = engine::start(model, EngineSettings::default()).unwrap();
+        let srv = Server::start_with_template(
+            handle,
+            "tiny",
+            "127.0.0.1:0",
+            mstar_engine::server::ServerLimits::default(),
+            Some(template),
+        )
+        .unwrap();
+        let base = format!("http://{}", srv.addr);
+        let body = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 1});
+        for path in ["/v1/chat/completions", "/tokenize"] {
+            let mut body = body.clone();
+            if path == "/tokenize" {
+                body.as_object_mut().unwrap().remove("max_tokens");
+            }
+            let (status, v) = common::post(&base, path, &body).await;
+            assert_eq!(status, 400, "{template}: {v}");
+            assert_eq!(v["error"]["param"], "messages", "{template}: {v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains(says),
+                "{template}: {v}"
+            );
+        }
+        srv.shutdown(Duration::from_secs(1)).await.unwrap();
+        thread.join().unwrap().unwrap();
+    }
 }

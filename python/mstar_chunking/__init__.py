@@ -119,6 +119,41 @@ def _refuse_time(argument: str, node: Optional[str], walk: Optional[str], key: s
     return e
 
 
+def _refuse_arg(argument: str, node: Optional[str], key: str, what: str) -> RefusedSettingsError:
+    """A ``RefusedSettingsError`` naming ``argument`` (and ``node``) as the core's refusals do."""
+    e = _refuse(key, what)
+    e.argument, e.node, e.walk = argument, node, None
+    e.refusals = [(argument, node, None)]
+    return e
+
+
+_ORDERS = ("fcfs", "priority", "shortest_first", "longest_prefix")
+"""The orders of waiting prompts ``set_budgets(order=...)`` takes (``chunking.order``)."""
+
+
+def _order(value: Any) -> Tuple[Optional[str], list]:
+    """``order=``: ``None`` (``fcfs``), one name for every node, or a mapping node -> name. The
+    names are checked by the core's parser, which lists the known ones."""
+    if value is None:
+        return None, []
+    if isinstance(value, str):
+        return value, []
+    if isinstance(value, _Mapping):
+        per_node = []
+        for node, name in value.items():
+            if not isinstance(node, str):
+                raise _refuse_arg("order", None, "order", f"is keyed by node name (str), got {node!r}")
+            if not isinstance(name, str):
+                raise _refuse_arg(
+                    "order", node, f"order[{node!r}]", f"must be an order's name ({', '.join(_ORDERS)}), got {name!r}"
+                )
+            per_node.append((node, name))
+        return None, per_node
+    raise _refuse_arg(
+        "order", None, "order", f"must be an order's name ({', '.join(_ORDERS)}) or a mapping node -> name, got {value!r}"
+    )
+
+
 def _count(value: Any, key: str, *, allow_zero: bool = True) -> int:
     """``value`` as a u32 count, or a ``RefusedSettingsError`` naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -364,6 +399,9 @@ class ChunkingManagement:
         cost: Union[str, Sequence[float], None, Mapping[str, Union[str, Sequence[float]]]] = None,
         learn_cost: bool = False,
         time_margin: Optional[float] = None,
+        order: Union[str, None, Mapping[str, str]] = None,
+        max_wait_ms: Optional[float] = None,
+        max_wait_steps: Optional[int] = None,
     ) -> None:
         """Apply a serving config's ``max_batch_tokens`` and ``min_chunk_tokens`` to this
         engine's nodes, over the budgets ``set_policies`` declared (so it runs after it).
@@ -386,6 +424,16 @@ class ChunkingManagement:
         measured / predicted ratios. Refusals (a budget not finite or below the model's
         ``base_ms``, an all-zero model, a margin without a time budget, ...) raise
         ``TimeSettingsError`` naming the argument, node and walk.
+
+        The order of waiting prompts (``docs/scheduling.md``), keywords only: ``order`` is one of
+        ``fcfs`` (the default), ``priority`` (``admit(..., priority=)``, lower first),
+        ``shortest_first`` or ``longest_prefix``, for every node or as a mapping node -> name.
+        Mid-prefill rows keep their place first under every order. ``max_wait_ms`` (measured
+        from ``admit(..., arrival_ms=)`` to the step's ``at_ms``) and ``max_wait_steps`` (the
+        node's planned steps since admission) bound the wait: a prompt that waited that long
+        goes first, oldest first. An unknown order, an order for an unknown node, a
+        ``max_wait_ms`` that is not a finite number above 0 or a ``max_wait_steps`` below 1 raise
+        ``RefusedSettingsError`` naming the argument (and node).
         """
         node_wide, per_walk = [], []
         for node, value in overrides.items():
@@ -430,6 +478,20 @@ class ChunkingManagement:
                 raise _refuse_time(
                     "time_margin", None, None, "time_margin", f"must be a number in (0, 1] or None, got {time_margin!r}"
                 )
+        order_all, order_per_node = _order(order)
+        wait_ms = None
+        if max_wait_ms is not None:
+            wait_ms = _number(max_wait_ms)
+            if wait_ms is None:
+                raise _refuse_arg(
+                    "max_wait_ms", None, "max_wait_ms", f"must be a number of milliseconds above 0 or None, got {max_wait_ms!r}"
+                )
+        if max_wait_steps is not None and (
+            isinstance(max_wait_steps, bool) or not isinstance(max_wait_steps, int) or not 0 <= max_wait_steps <= _U64_MAX
+        ):
+            raise _refuse_arg(
+                "max_wait_steps", None, "max_wait_steps", f"must be a whole number of steps of at least 1 or None, got {max_wait_steps!r}"
+            )
         combined = list((combined_walk_of or {}).items())
         self._engine.set_budgets(
             walks=_names(walks, "walks"),
@@ -448,6 +510,10 @@ class ChunkingManagement:
             cost=costs,
             learn_cost=learn_cost,
             time_margin=margin,
+            order=order_all,
+            order_per_node=order_per_node,
+            max_wait_ms=wait_ms,
+            max_wait_steps=max_wait_steps,
         )
 
     def _all_nodes(self) -> list:
@@ -528,14 +594,28 @@ class ChunkingManagement:
     # The step API (each instance calls the native methods directly; these document them).
 
     def admit(  # type: ignore[no-redef]
-        self, rid: int, node_name: str, graph_walk: str, tokens: Any, cached: int = 0
+        self,
+        rid: int,
+        node_name: str,
+        graph_walk: str,
+        tokens: Any,
+        cached: int = 0,
+        *,
+        priority: int = 0,
+        arrival_ms: Optional[float] = None,
     ) -> None:
         """Hold a prompt's whole prepared input and queue its row at ``node_name`` for
         ``graph_walk``; ``cached`` tokens of it are a cached prefix (clamped to leave the last
         token to run). ``tokens`` are token ids: a buffer of ``uint32`` (``array('I')``, a numpy
         ``uint32`` array, either byte order), a list, a range, another integer buffer; text is
-        refused (tokenize it first). The ids are copied once, here."""
-        self._engine.admit(rid, node_name, graph_walk, tokens, cached)
+        refused (tokenize it first). The ids are copied once, here.
+
+        ``priority`` (a 32-bit int, lower first) orders the prompt on a node whose order is
+        ``priority``; on another node it is kept but orders nothing, and the first such
+        admission per node raises a ``RuntimeWarning``. ``arrival_ms``, in ms on the engine's
+        clock (any origin; the steps' ``at_ms`` on the same), starts its wait for
+        ``max_wait_ms``."""
+        self._engine.admit(rid, node_name, graph_walk, tokens, cached, priority=priority, arrival_ms=arrival_ms)
 
     def continue_row(  # type: ignore[no-redef]
         self, rid: int, node_name: str, graph_walk: str, estimate: int = 1, context: Optional[int] = None
@@ -545,15 +625,21 @@ class ChunkingManagement:
         tokens generated so far) lets a time budget predict its KV and attention terms."""
         self._engine.continue_row(rid, node_name, graph_walk, estimate, context)
 
-    def assemble(self, node_name: str, graph_walk: str) -> Batch:  # type: ignore[no-redef]
-        """Plan the node's next step; while it is in flight, the same batch is answered again."""
-        return self._engine.assemble(node_name, graph_walk)
+    def assemble(  # type: ignore[no-redef]
+        self, node_name: str, graph_walk: str, *, at_ms: Optional[float] = None
+    ) -> Batch:
+        """Plan the node's next step; while it is in flight, the same batch is answered again.
+        ``at_ms`` is the step's time on the engine's clock (that of ``admit``'s
+        ``arrival_ms``), which ``max_wait_ms`` measures prompts' waits to."""
+        return self._engine.assemble(node_name, graph_walk, at_ms=at_ms)
 
     def complete(  # type: ignore[no-redef]
-        self, step: int, ran: Sequence[int], measured_ms: Optional[float] = None
+        self, step: int, ran: Union[Sequence[int], Batch], measured_ms: Optional[float] = None
     ) -> StepOutcome:
         """Complete a step: ``ran[i]`` is the tokens row ``i`` ran (a chunk: 0 or its planned
-        tokens), ``measured_ms`` its measured time (checked against the time budget, fed to the
+        tokens), or ``ran`` is the step's ``Batch`` itself when every row ran its planned tokens
+        (as ``batch.planned()``, without a list of a Python int per row), ``measured_ms`` its
+        measured time (checked against the time budget, fed to the
         online fit and the margin). A token overrun is logged; a failure of that logging call
         is reported through ``sys.unraisablehook``, never raised: the outcome is answered."""
         return self._engine.complete(step, ran, measured_ms)
@@ -561,18 +647,20 @@ class ChunkingManagement:
     def complete_and_assemble(  # type: ignore[no-redef]
         self,
         step: int,
-        ran: Sequence[int],
+        ran: Union[Sequence[int], Batch],
         measured_ms: Optional[float] = None,
         *,
         next: Union[NextStep, Tuple[str, str]],
+        at_ms: Optional[float] = None,
     ) -> Completed:
         """Complete step ``step`` (as ``complete``), apply ``next``'s row changes (a
         ``NextStep``: requests ended, decode rows continued, prompts admitted), and assemble
         the node's next step, in one round trip. Answers a ``Completed``: ``outcome`` and
         ``next`` (the next ``Batch``; reading it raises what its assembly failed with). A
         repeat of a call whose answer was lost gets the same outcome and the batch in flight:
-        the completion and the changes are applied once."""
-        return self._engine.complete_and_assemble(step, ran, measured_ms, next=next)
+        the completion and the changes are applied once. ``at_ms`` (else ``next.at_ms``) is
+        the next step's time on the engine's clock, as ``assemble``'s."""
+        return self._engine.complete_and_assemble(step, ran, measured_ms, next=next, at_ms=at_ms)
 
     def abandon(self, step: int) -> None:  # type: ignore[no-redef]
         """The step ran nothing: no row advances, and the node can assemble again."""

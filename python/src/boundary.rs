@@ -5,9 +5,10 @@
 
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::SettingKey;
 use mstar_chunking::{ChunkingError, ErrorKind};
@@ -33,24 +34,40 @@ thread_local! {
     static WAKER: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
 }
 
-/// Runs `fut` to completion on the calling thread, parked while it waits. The facade's
-/// futures need no runtime of the caller's: their request timeout is timed on the actors' own
-/// runtime (`start_on_own_thread`), and what they await are channels to the actors' thread.
-/// A plain park per wait costs less than entering a runtime per call.
-fn block_on<F: Future>(fut: F) -> F::Output {
+/// Runs `fut` to completion on the calling thread, parked while it waits, or until `timeout`
+/// has passed since it first waited (then `None`, the future dropped). The facade's futures
+/// need no runtime of the caller's: what they await are channels to the actors' thread. A
+/// plain park per wait costs less than entering a runtime per call.
+fn block_on<F: Future>(fut: F, timeout: Option<Duration>) -> Option<F::Output> {
     let mut fut = std::pin::pin!(fut);
     WAKER.with(|waker| {
         let mut cx = Context::from_waker(waker);
+        // The deadline, read from the clock when the future first waits (its message sent),
+        // not before; `Some(None)`: a timeout too long for the clock, no limit.
+        let mut deadline: Option<Option<Instant>> = None;
         loop {
             if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-                return out;
+                return Some(out);
             }
             // A wake-up that came before the park makes it return at once; a spurious one
             // polls again.
-            std::thread::park();
+            let Some(timeout) = timeout else {
+                std::thread::park();
+                continue;
+            };
+            let now = Instant::now();
+            match *deadline.get_or_insert_with(|| now.checked_add(timeout)) {
+                None => std::thread::park(),
+                Some(until) if now >= until => return None,
+                Some(until) => std::thread::park_timeout(until - now),
+            }
         }
     })
 }
+
+/// The actor a timeout names: the engine's calls time their whole wait for the actors (one
+/// call may ask several), not one actor's answer.
+pub(crate) const TIMED_OUT_ACTOR: &str = "chunking";
 
 /// What a blocking call can fail with before it becomes a Python exception.
 pub(crate) enum Failure {
@@ -65,17 +82,45 @@ impl From<ChunkingError> for Failure {
     }
 }
 
-/// Runs `make()`'s future to completion with the GIL released; a panic is caught here.
-pub(crate) fn block<T, F, Fut>(py: Python<'_>, make: F) -> Result<T, Failure>
+/// Runs `make()`'s future to completion with the GIL released, waiting at most `timeout`
+/// (`None`: for ever) for it: then the future is dropped, as the facade drops a request that
+/// timed out, and the answer is [`ChunkingError::Timeout`]. Timed here, on the calling thread,
+/// rather than by the facade on the actors' runtime: a call then sends the actors one message,
+/// with no timer task beside it. A panic is caught here.
+pub(crate) fn block_within<T, F, Fut>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    make: F,
+) -> Result<T, Failure>
 where
     F: FnOnce() -> Fut + Send,
     Fut: Future<Output = Result<T, ChunkingError>>,
     T: Send,
 {
     py.allow_threads(|| {
-        let ran = catch_unwind(AssertUnwindSafe(|| block_on(make()).map_err(Failure::from)));
+        let ran = catch_unwind(AssertUnwindSafe(|| match block_on(make(), timeout) {
+            Some(answer) => answer.map_err(Failure::from),
+            None => Err(Failure::Chunking(ChunkingError::Timeout {
+                actor: TIMED_OUT_ACTOR,
+                after: timeout.unwrap_or_default(),
+            })),
+        }));
         ran.unwrap_or_else(|panic| Err(Failure::Internal(panic_message(&*panic))))
     })
+}
+
+/// `block_within`, with the failure turned into its Python exception.
+pub(crate) fn call_within<T, F, Fut>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    make: F,
+) -> PyResult<T>
+where
+    F: FnOnce() -> Fut + Send,
+    Fut: Future<Output = Result<T, ChunkingError>>,
+    T: Send,
+{
+    block_within(py, timeout, make).map_err(|f| to_py_err(py, f))
 }
 
 /// `block`, with the failure turned into its Python exception.
@@ -85,7 +130,7 @@ where
     Fut: Future<Output = Result<T, ChunkingError>>,
     T: Send,
 {
-    block(py, make).map_err(|f| to_py_err(py, f))
+    call_within(py, None, make)
 }
 
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -97,24 +142,39 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     format!("internal error in mstar_chunking (a Rust panic, caught): {what}")
 }
 
+/// Forks of this process that Python was told of (`os.register_at_fork`'s `after_in_child`,
+/// which `os.fork`, `multiprocessing` and `PyOS_AfterFork_Child` run): a child counts one more
+/// than its parent.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a fork in the child (registered with `os.register_at_fork` when the module loads).
+#[pyfunction]
+pub(crate) fn _after_fork_in_child() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// The process that started a manager's actors. A forked child inherits the handle but not the
 /// actors' thread: its calls would wait for an answer that never comes, and stopping the
-/// thread would join a thread that does not exist there.
+/// thread would join a thread that does not exist there. Told by the forks counted (an atomic
+/// load per call, where asking the process id is a system call), with the process id for the
+/// message.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Owner {
     pid: u32,
+    forks: u64,
 }
 
 impl Owner {
     pub(crate) fn here() -> Self {
         Self {
             pid: std::process::id(),
+            forks: FORKS.load(Ordering::Relaxed),
         }
     }
 
     /// Whether this is the process that started the actors.
     pub(crate) fn is_here(self) -> bool {
-        std::process::id() == self.pid
+        FORKS.load(Ordering::Relaxed) == self.forks
     }
 
     /// `Ok` in the process that started the actors; in a forked child, `ActorsStoppedError`.
@@ -347,14 +407,45 @@ pub(crate) mod num_max {
     }
 }
 
+/// `ran` as a `list` of `int`s (exactly those types, as `Batch.planned()` makes), read item by
+/// item without an iterator or a new reference; `None` for anything else, or an item out of
+/// range, which the general path reads (or refuses, naming it).
+fn ran_list(ran: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
+    use pyo3::ffi;
+    let list = ran.as_ptr();
+    // SAFETY: `list` is a live object (borrowed from `ran`, the GIL held). Once it is checked
+    // to be exactly a `list`, `PyList_GetItem` answers a borrowed reference to item `i` for
+    // every `i` below its length, which no code run here can change (only `PyLong_*` calls on
+    // exact `int`s, which run no Python code). An error set by `PyLong_AsUnsignedLong` is
+    // cleared before answering `None`.
+    unsafe {
+        if ffi::PyList_CheckExact(list) == 0 {
+            return None;
+        }
+        let n = ffi::PyList_Size(list);
+        let mut out = Vec::with_capacity(usize::try_from(n).ok()?);
+        for i in 0..n {
+            let item = ffi::PyList_GetItem(list, i);
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            out.push(u32::try_from(v).ok()?);
+        }
+        Some(out)
+    }
+}
+
 /// `ran`: one whole number of tokens per row, or an `InvalidRequestError` naming the entry.
 pub(crate) fn ran_arg(py: Python<'_>, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if let Ok(v) = ran.extract::<Vec<u32>>() {
-        if !ran.is_instance_of::<pyo3::types::PyString>() {
-            return Ok(v);
-        }
+    if let Some(v) = ran_list(ran) {
+        return Ok(v);
     }
-    // The slow path, only to say what was wrong.
     if ran.is_instance_of::<pyo3::types::PyString>() || ran.try_iter().is_err() {
         return Err(invalid(
             py,
@@ -364,9 +455,28 @@ pub(crate) fn ran_arg(py: Python<'_>, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u3
             ),
         ));
     }
+    // Any other sequence, item by item: an int of any kind (a subclass, numpy's), not a bool.
     let mut out = Vec::new();
     for (i, item) in ran.try_iter()?.enumerate() {
-        out.push(whole::<u32>(py, &format!("ran[{i}]"), &item?)?);
+        let item = item?;
+        let v = if item.is_instance_of::<pyo3::types::PyBool>() {
+            None
+        } else {
+            item.extract::<u32>().ok()
+        };
+        match v {
+            Some(v) => out.push(v),
+            None => {
+                return Err(invalid(
+                    py,
+                    &format!(
+                        "ran[{i}] must be a whole number (int) between 0 and {}, got {}",
+                        u32::MAX,
+                        short_repr(&item)
+                    ),
+                ))
+            }
+        }
     }
     Ok(out)
 }
@@ -392,6 +502,58 @@ pub(crate) fn measured_arg(py: Python<'_>, ms: Option<&Bound<'_, PyAny>>) -> PyR
             ),
         )),
     }
+}
+
+/// A time on the engine's clock in ms (`arrival_ms`, `at_ms`): any finite number (the clock's
+/// origin is the engine's), or `None`; else an `InvalidRequestError` naming `what`.
+pub(crate) fn clock_arg(
+    py: Python<'_>,
+    what: &str,
+    ms: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<f64>> {
+    let Some(ms) = ms.filter(|m| !m.is_none()) else {
+        return Ok(None);
+    };
+    let v = if ms.is_instance_of::<pyo3::types::PyBool>() {
+        None
+    } else {
+        ms.extract::<f64>().ok()
+    };
+    match v {
+        Some(v) if v.is_finite() => Ok(Some(v)),
+        _ => Err(invalid(
+            py,
+            &format!(
+                "{what} must be a finite number of ms on the engine's clock, or None, got {}",
+                short_repr(ms)
+            ),
+        )),
+    }
+}
+
+/// A prompt's priority: a whole number between -2147483648 and 2147483647 (lower runs first
+/// under the `priority` order), `None` for 0; else an `InvalidRequestError` naming `priority`.
+pub(crate) fn priority_arg(py: Python<'_>, value: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(0);
+    };
+    let refused = || {
+        invalid(
+            py,
+            &format!(
+                "priority must be a whole number (int) between {} and {}, got {}",
+                i32::MIN,
+                i32::MAX,
+                short_repr(value)
+            ),
+        )
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>()
+        || !value.is_instance_of::<pyo3::types::PyInt>()
+    {
+        return Err(refused());
+    }
+    value.extract::<i32>().map_err(|_| refused())
 }
 
 /// `repr(value)`, cut to 80 characters.

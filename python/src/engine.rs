@@ -2,24 +2,28 @@
 //! `ChunkingManagement` wraps, with every call of the facade; `NextStep`, the row changes a
 //! one-trip step carries; token ids taken from Python.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::CString;
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
+use mstar_chunking::budget::OrderSettings;
+use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::RowChangeRef;
 use mstar_chunking::{
-    ActorThread, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Overrun,
-    OverrunReason, PreparedInput, SubmoduleCaps,
+    ActorThread, AdmitOptions, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Order,
+    Overrun, OverrunReason, PreparedInput, SubmoduleCaps,
 };
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::boundary::{
-    block, call, invalid, measured_arg, panic_message, py_attr, py_repr_str, ran_arg, timeout_arg,
-    to_py_err, whole, Failure, Owner,
+    block_within, call_within, clock_arg, invalid, measured_arg, panic_message, priority_arg,
+    py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -89,7 +93,11 @@ pub(crate) fn token_ids(
         let format = buf.format().to_bytes();
         let native = matches!(format, b"I" | b"@I" | b"=I") || format == NATIVE;
         if native && buf.dimensions() == 1 {
-            return Ok(buf.to_vec(py)?.into());
+            // One allocation and one copy, into the `Arc` the actors hold.
+            return Ok(match buf.as_slice(py) {
+                Some(ids) => ids.iter().map(|c| c.get()).collect(),
+                None => buf.to_vec(py)?.into(),
+            });
         }
     }
     // Anything else (and a buffer that is not aligned for `u32`s) goes through the converter,
@@ -105,16 +113,45 @@ pub(crate) fn token_ids(
 }
 
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
+/// By rid (an engine's prompts live on one node or a few), so that recording one and
+/// forgetting a request compare integers, not names, however many are held.
 #[derive(Default)]
 struct Admitted {
-    keys: BTreeMap<(u64, String), u64>,
+    keys: BTreeMap<u64, Vec<(Name, u64)>>,
     next: u64,
 }
 
 impl Admitted {
-    fn insert(&mut self, rid: u64, node: &str) {
+    /// Records `(rid, node)`: a clone of a `Name` the caller has allocates nothing.
+    fn insert(&mut self, rid: u64, node: Name) {
         self.next += 1;
-        self.keys.insert((rid, node.to_owned()), self.next);
+        let n = self.next;
+        let nodes = self.keys.entry(rid).or_default();
+        match nodes.iter_mut().find(|(m, _)| *m == node) {
+            Some(slot) => slot.1 = n,
+            None => nodes.push((node, n)),
+        }
+    }
+
+    /// Every `((rid, node), admission)`, by rid then node.
+    fn all(&self) -> Vec<((u64, Name), u64)> {
+        let mut out: Vec<((u64, Name), u64)> = self
+            .keys
+            .iter()
+            .flat_map(|(rid, nodes)| nodes.iter().map(|(m, n)| ((*rid, m.clone()), *n)))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Drops `(rid, node)`, if it is still admission `n` (any admission: `None`).
+    fn remove(&mut self, rid: u64, node: &str, n: Option<u64>) {
+        if let Some(nodes) = self.keys.get_mut(&rid) {
+            nodes.retain(|(m, k)| !(&**m == node && n.is_none_or(|n| n == *k)));
+            if nodes.is_empty() {
+                self.keys.remove(&rid);
+            }
+        }
     }
 }
 
@@ -130,6 +167,69 @@ pub(crate) struct Engine {
     /// API answers whether one key is held, not which are, so iterating `prepared` checks these
     /// (and drops a key found gone only if it was not admitted again meanwhile).
     admitted: Mutex<Admitted>,
+    /// How long a call waits for the actors (`None`: for ever), timed on the calling thread
+    /// (the facade's own timeout is off: see `boundary::block_within`).
+    timeout: Option<Duration>,
+    /// The orders set last (`set_budgets`, `from_config`) and the nodes warned about a priority
+    /// given where it orders nothing.
+    orders: Mutex<Orders>,
+}
+
+/// The nodes' orders as set through this engine, to warn (once per node) about a priority given
+/// where the node's order is not `priority`, without asking the actors.
+#[derive(Default)]
+struct Orders {
+    nodes: Vec<String>,
+    settings: OrderSettings,
+    warned: BTreeSet<String>,
+}
+
+impl Orders {
+    /// The warning to give for a priority given to `rid` on `node` (a node of this engine),
+    /// once per node: `None` when the priority is 0, the node orders by priority, or the node
+    /// was warned about before (from now on it counts as warned).
+    fn warning(&mut self, rid: u64, node: &str, priority: i32) -> Option<CString> {
+        if priority == 0 || !self.nodes.iter().any(|n| n == node) {
+            return None;
+        }
+        let order = self.settings.of(node).order;
+        if order == Order::Priority || self.warned.contains(node) {
+            return None;
+        }
+        self.warned.insert(node.to_owned());
+        CString::new(format!(
+            "priority {priority} given to rid {rid} on node `{node}`, whose order is `{order}`, not `priority`: it is kept but does not change the order there (set_budgets(..., order=\"priority\")); warned once per node"
+        ))
+        .ok()
+    }
+}
+
+/// Warns, as a `RuntimeWarning` from the caller's line, about each priority given where it
+/// orders nothing (`rids`: `(rid, priority)` admitted on `node`), once per node. A warning
+/// filter that turns it into an error raises it (before anything is sent to the actors).
+fn warn_priorities(
+    py: Python<'_>,
+    orders: &Mutex<Orders>,
+    node: &str,
+    rids: impl IntoIterator<Item = (u64, i32)>,
+) -> PyResult<()> {
+    let mut rids = rids.into_iter().filter(|&(_, p)| p != 0).peekable();
+    if rids.peek().is_none() {
+        return Ok(());
+    }
+    let warnings: Vec<CString> = {
+        let mut o = lock(orders);
+        rids.filter_map(|(rid, p)| o.warning(rid, node, p))
+            .collect()
+    };
+    if warnings.is_empty() {
+        return Ok(());
+    }
+    let category = py.get_type::<PyRuntimeWarning>();
+    for w in warnings {
+        PyErr::warn(py, category.as_any(), &w, 1)?;
+    }
+    Ok(())
 }
 
 impl Drop for Engine {
@@ -156,6 +256,7 @@ impl Engine {
         timeout: Option<f64>,
     ) -> PyResult<Self> {
         let timeout = timeout_arg(timeout)?;
+        let nodes = caps.iter().map(|(n, _)| n.clone()).collect();
         let started = py.allow_threads(|| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 ChunkingManagement::start_on_own_thread(model, caps)
@@ -168,11 +269,26 @@ impl Engine {
         });
         let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
         Ok(Self {
-            cm: ManuallyDrop::new(cm.with_timeout(timeout)),
+            cm: ManuallyDrop::new(cm.with_timeout(None)),
+            timeout,
             actors: Mutex::new(Some(actors)),
             owner: Owner::here(),
             admitted: Mutex::new(Admitted::default()),
+            orders: Mutex::new(Orders {
+                nodes,
+                ..Orders::default()
+            }),
         })
+    }
+
+    /// Runs `make()`'s future with the GIL released, waiting at most the engine's timeout.
+    fn call<T, F, Fut>(&self, py: Python<'_>, make: F) -> PyResult<T>
+    where
+        F: FnOnce() -> Fut + Send,
+        Fut: std::future::Future<Output = Result<T, ChunkingError>>,
+        T: Send,
+    {
+        call_within(py, self.timeout, make)
     }
 
     /// The handle, in the process that started the actors; in a forked child, the error.
@@ -187,6 +303,40 @@ impl Engine {
             log_overrun(py, o, count);
         }
     }
+}
+
+/// `ran` of step `step`: the tokens each row ran (a sequence of ints), or the step's `Batch`
+/// itself for "every row ran its planned tokens" (as `batch.planned()`, without making the
+/// list); the `Batch` of another step is refused.
+fn ran_of_step(py: Python<'_>, step: u64, ran: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    match ran.downcast::<StepBatch>() {
+        Ok(b) => {
+            let batch = &b.get().batch;
+            if batch.step != step {
+                return Err(invalid(
+                    py,
+                    &format!(
+                        "ran is the Batch of step {}, not of step {step}: pass that step's Batch, or the tokens each row ran",
+                        batch.step
+                    ),
+                ));
+            }
+            Ok(batch.rows.iter().map(|r| r.tokens()).collect())
+        }
+        Err(_) => ran_arg(py, ran),
+    }
+}
+
+/// `set_budgets`, answered once the scheduler has taken the new budgets in: the budgets' actor
+/// hands them to the scheduler on its own after answering, so a question to the scheduler
+/// (answered in its mailbox's order) waits for that. The gauges the scheduler publishes with
+/// them (rows, orders, latency models) are then in `render_metrics()`.
+async fn set_budgets_seen(
+    cm: &ChunkingManagement,
+    settings: mstar_chunking::BudgetSettings,
+) -> Result<(), ChunkingError> {
+    cm.set_budgets(settings).await?;
+    cm.queue_stats().await.map(drop)
 }
 
 /// The overruns counted for an outcome's `(node, walk)`, when it has one (else 0).
@@ -260,10 +410,12 @@ impl Engine {
             .map(|((n, w), p)| ((n.to_string(), w.to_string()), p))
             .collect();
         let budgets = loaded.manifest.budget_settings(&loaded.settings.chunking);
-        call(py, || async {
+        let orders = budgets.order.clone();
+        engine.call(py, || async {
             engine.cm.set_policies(policies).await?;
-            engine.cm.set_budgets(budgets).await
+            set_budgets_seen(&engine.cm, budgets).await
         })?;
+        lock(&engine.orders).settings = orders;
         let info = PyDict::new(py);
         let nodes: Vec<&String> = loaded.manifest.nodes.keys().collect();
         info.set_item("nodes", nodes)?;
@@ -291,7 +443,7 @@ impl Engine {
         let Some(actors) = lock(&self.actors).take() else {
             return Ok(None);
         };
-        let report = block(py, || self.cm.drain());
+        let report = block_within(py, self.timeout, || self.cm.drain());
         py.allow_threads(|| actors.stop());
         match report {
             Ok(r) => Ok(Some(drain_to_py(py, &r)?)),
@@ -304,14 +456,14 @@ impl Engine {
     /// in flight.
     fn begin_drain(&self, py: Python<'_>) -> PyResult<usize> {
         let cm = self.cm(py)?;
-        call(py, || cm.begin_drain())
+        self.call(py, || cm.begin_drain())
     }
 
     /// Ends the shutdown (starting it first if needed): abandons steps still in flight, drops
     /// every queued row and prepared input, and answers what it dropped.
     fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cm = self.cm(py)?;
-        let r = call(py, || cm.drain())?;
+        let r = self.call(py, || cm.drain())?;
         drain_to_py(py, &r)
     }
 
@@ -334,12 +486,12 @@ impl Engine {
                 )
             })
             .collect();
-        call(py, || cm.set_policies(policies))
+        self.call(py, || cm.set_policies(policies))
     }
 
     /// The arguments of `set_budgets`, normalised by the package (keywords only).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None))]
+    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None))]
     fn set_budgets(
         &self,
         py: Python<'_>,
@@ -357,6 +509,10 @@ impl Engine {
         cost: Vec<(String, CostArg)>,
         learn_cost: bool,
         time_margin: Option<f64>,
+        order: Option<String>,
+        order_per_node: Vec<(String, String)>,
+        max_wait_ms: Option<f64>,
+        max_wait_steps: Option<u64>,
     ) -> PyResult<()> {
         let cm = self.cm(py)?;
         let settings = BudgetArgs {
@@ -374,34 +530,41 @@ impl Engine {
             cost,
             learn_cost,
             time_margin,
+            order,
+            order_per_node,
+            max_wait_ms,
+            max_wait_steps,
         }
         .settings(py)?;
-        call(py, || cm.set_budgets(settings))
+        let orders = settings.order.clone();
+        self.call(py, || set_budgets_seen(cm, settings))?;
+        lock(&self.orders).settings = orders;
+        Ok(())
     }
 
     /// `(max_batch_tokens | None, align)` of the model's policy.
     fn policy(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<(Option<u32>, u32)> {
         let cm = self.cm(py)?;
-        let p = call(py, || cm.policy(node, walk))?;
+        let p = self.call(py, || cm.policy(node, walk))?;
         Ok((p.max_batch_tokens, p.align))
     }
 
     /// Whether `walk` is chunked on `node`.
     fn chunkable(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<bool> {
         let cm = self.cm(py)?;
-        call(py, || cm.chunkable(node, walk))
+        self.call(py, || cm.chunkable(node, walk))
     }
 
     /// The walk's token budget in force (`None`: off).
     fn max_batch_tokens(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<Option<u32>> {
         let cm = self.cm(py)?;
-        call(py, || cm.max_batch_tokens(node, walk))
+        self.call(py, || cm.max_batch_tokens(node, walk))
     }
 
     /// The floor under `budget`.
     fn min_chunk_tokens(&self, py: Python<'_>, budget: u32) -> PyResult<u32> {
         let cm = self.cm(py)?;
-        call(py, || cm.min_chunk_tokens(budget))
+        self.call(py, || cm.min_chunk_tokens(budget))
     }
 
     /// Member walk caps under a combined walk, or `None`.
@@ -412,14 +575,14 @@ impl Engine {
         walk: &str,
     ) -> PyResult<Option<BTreeMap<String, u32>>> {
         let cm = self.cm(py)?;
-        let caps = call(py, || cm.walk_caps(node, walk))?;
+        let caps = self.call(py, || cm.walk_caps(node, walk))?;
         Ok(caps.map(|m| m.into_iter().map(|(w, c)| (w.to_string(), c)).collect()))
     }
 
     /// The whole prepared input held for `(rid, node)`, as the native token view.
     fn prepared(&self, py: Python<'_>, rid: u64, node: &str) -> PyResult<Option<Tokens>> {
         let cm = self.cm(py)?;
-        let input = call(py, || cm.prepared(rid, node))?;
+        let input = self.call(py, || cm.prepared(rid, node))?;
         input
             .map(|i| {
                 let n = i.len();
@@ -431,16 +594,12 @@ impl Engine {
     /// The `(rid, node)` keys whose input is held now.
     fn prepared_keys(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
         let cm = self.cm(py)?;
-        let candidates: Vec<((u64, String), u64)> = lock(&self.admitted)
-            .keys
-            .iter()
-            .map(|(k, n)| (k.clone(), *n))
-            .collect();
-        let (held, gone) = call(py, || async {
+        let candidates = lock(&self.admitted).all();
+        let (held, gone) = self.call(py, || async {
             let (mut held, mut gone) = (Vec::new(), Vec::new());
             for (key, n) in &candidates {
                 if cm.prepared(key.0, &key.1).await?.is_some() {
-                    held.push(key.clone());
+                    held.push((key.0, key.1.to_string()));
                 } else {
                     gone.push((key, *n));
                 }
@@ -449,9 +608,7 @@ impl Engine {
         })?;
         let mut admitted = lock(&self.admitted);
         for (key, n) in gone {
-            if admitted.keys.get(key) == Some(&n) {
-                admitted.keys.remove(key);
-            }
+            admitted.remove(key.0, &key.1, Some(n));
         }
         Ok(held)
     }
@@ -459,15 +616,15 @@ impl Engine {
     /// `(rows, tokens)` of prepared inputs held over all nodes.
     fn prepared_totals(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
         let cm = self.cm(py)?;
-        call(py, || cm.prepared_totals())
+        self.call(py, || cm.prepared_totals())
     }
 
     /// Drops the row of `rid` at `node` and its whole input there; answers whether one was held.
     fn release(&self, py: Python<'_>, rid: &Bound<'_, PyAny>, node: &str) -> PyResult<bool> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        let held = call(py, || cm.release(rid, node))?;
-        lock(&self.admitted).keys.remove(&(rid, node.to_owned()));
+        let held = self.call(py, || cm.release(rid, node))?;
+        lock(&self.admitted).remove(rid, node, None);
         Ok(held)
     }
 
@@ -475,15 +632,18 @@ impl Engine {
     fn forget_request(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<()> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        call(py, || cm.forget_request(rid))?;
-        lock(&self.admitted).keys.retain(|(r, _), _| *r != rid);
+        self.call(py, || cm.forget_request(rid))?;
+        lock(&self.admitted).keys.remove(&rid);
         Ok(())
     }
 
     /// Holds a prompt's whole prepared input (token ids: a buffer of `uint32`, a list, a
     /// range, …; text is refused) and queues its row at `node` for `walk`; `cached` tokens
-    /// of it are a cached prefix. The ids are copied once, here.
-    #[pyo3(signature = (rid, node, walk, tokens, cached=None))]
+    /// of it are a cached prefix. The ids are copied once, here. `priority` (lower first)
+    /// orders it under the `priority` order (elsewhere it is kept, with a `RuntimeWarning`
+    /// once per node); `arrival_ms`, on the engine's clock, starts its wait for `max_wait_ms`.
+    #[pyo3(signature = (rid, node, walk, tokens, cached=None, *, priority=None, arrival_ms=None))]
+    #[allow(clippy::too_many_arguments)]
     fn admit(
         &self,
         py: Python<'_>,
@@ -492,13 +652,20 @@ impl Engine {
         walk: &str,
         tokens: &Bound<'_, PyAny>,
         cached: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+        arrival_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let cm = self.cm(py)?;
         let rid = whole::<u64>(py, "rid", rid)?;
-        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let options = AdmitOptions {
+            cached: cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?,
+            priority: priority_arg(py, priority)?,
+            arrival_ms: clock_arg(py, "arrival_ms", arrival_ms)?,
+        };
         let input = PreparedInput::tokens(token_ids(py, rid, node, tokens)?);
-        call(py, || cm.admit(rid, node, walk, input, cached))?;
-        lock(&self.admitted).insert(rid, node);
+        warn_priorities(py, &self.orders, node, [(rid, options.priority)])?;
+        self.call(py, || cm.admit_with(rid, node, walk, input, options))?;
+        lock(&self.admitted).insert(rid, Name::from(node));
         Ok(())
     }
 
@@ -522,7 +689,7 @@ impl Engine {
             None => None,
             Some(c) => Some(whole::<u64>(py, "context", c)?),
         };
-        call(py, || async {
+        self.call(py, || async {
             match context {
                 None => cm.continue_row(rid, node, walk, estimate).await,
                 Some(c) => {
@@ -533,10 +700,24 @@ impl Engine {
         })
     }
 
-    /// Plans the node's next step (answered again, the same batch, while it is in flight).
-    fn assemble(&self, py: Python<'_>, node: &str, walk: &str) -> PyResult<StepBatch> {
+    /// Plans the node's next step (answered again, the same batch, while it is in flight);
+    /// `at_ms`, the step's time on the engine's clock, is what `max_wait_ms` measures waits to.
+    #[pyo3(signature = (node, walk, *, at_ms=None))]
+    fn assemble(
+        &self,
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+        at_ms: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StepBatch> {
         let cm = self.cm(py)?;
-        let batch = call(py, || cm.assemble(node, walk))?;
+        let at_ms = clock_arg(py, "at_ms", at_ms)?;
+        let batch = self.call(py, || async {
+            match at_ms {
+                None => cm.assemble(node, walk).await,
+                Some(ms) => cm.assemble_at(node, walk, ms).await,
+            }
+        })?;
         Ok(StepBatch { batch })
     }
 
@@ -554,9 +735,9 @@ impl Engine {
     ) -> PyResult<Outcome> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        let ran = ran_arg(py, ran)?;
+        let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
-        let (outcome, count) = call(py, || async {
+        let (outcome, count) = self.call(py, || async {
             let outcome = match measured_ms {
                 None => cm.complete(step, ran).await?,
                 Some(ms) => cm.complete_measured(step, ran, ms).await?,
@@ -565,14 +746,17 @@ impl Engine {
             Ok((outcome, count))
         })?;
         Self::finish_step(py, &outcome, count);
-        Ok(Outcome { outcome })
+        Ok(Outcome {
+            outcome: Arc::new(outcome),
+        })
     }
 
     /// Completes step `step` (as `complete`) and assembles the next step of `next` (a
     /// `NextStep`, or a `(node, walk)` pair) after applying its row changes, in one round
     /// trip. A repeat of the call whose answer was lost gets the same outcome and the batch
-    /// in flight; the completion is applied once.
-    #[pyo3(signature = (step, ran, measured_ms=None, *, next))]
+    /// in flight; the completion is applied once. `at_ms` (else `next`'s own) is the next
+    /// step's time on the engine's clock.
+    #[pyo3(signature = (step, ran, measured_ms=None, *, next, at_ms=None))]
     fn complete_and_assemble(
         &self,
         py: Python<'_>,
@@ -580,15 +764,18 @@ impl Engine {
         ran: &Bound<'_, PyAny>,
         measured_ms: Option<&Bound<'_, PyAny>>,
         next: &Bound<'_, PyAny>,
+        at_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Completed> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        let ran = ran_arg(py, ran)?;
+        let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
-        let next = if let Ok(n) = next.downcast::<PyNextStep>() {
-            n.borrow().next.clone()
+        let at_ms = clock_arg(py, "at_ms", at_ms)?;
+        let (mut next, own_at_ms) = if let Ok(n) = next.downcast::<PyNextStep>() {
+            let n = n.borrow();
+            (n.next.clone(), n.at_ms)
         } else if let Ok((node, walk)) = next.extract::<(String, String)>() {
-            NextStep::new(node.as_str(), walk.as_str())
+            (NextStep::new(node.as_str(), walk.as_str()), None)
         } else {
             return Err(invalid(
                 py,
@@ -598,17 +785,21 @@ impl Engine {
                 ),
             ));
         };
+        if let Some(ms) = at_ms.or(own_at_ms) {
+            next = next.at_ms(ms);
+        }
         // The prompts it admits, for `prepared_keys` (a key whose admission was refused is
-        // dropped there when found gone).
-        let admits: Vec<u64> = next
+        // dropped there when found gone), with their priorities.
+        let admits: Vec<(u64, i32)> = next
             .row_changes()
             .filter_map(|c| match c {
-                RowChangeRef::Admit { rid, .. } => Some(rid),
+                RowChangeRef::Admit { rid, priority, .. } => Some((rid, priority)),
                 _ => None,
             })
             .collect();
         let node = next.node().clone();
-        let (done, count) = call(py, || async {
+        warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
+        let (done, count) = self.call(py, || async {
             let done = cm
                 .complete_and_assemble_with(step, ran, measured_ms, next)
                 .await?;
@@ -618,29 +809,22 @@ impl Engine {
         Self::finish_step(py, &done.outcome, count);
         if !admits.is_empty() {
             let mut admitted = lock(&self.admitted);
-            for rid in admits {
-                admitted.insert(rid, &node);
+            for (rid, _) in admits {
+                admitted.insert(rid, node.clone());
             }
         }
-        Ok(Completed {
-            outcome: Py::new(
-                py,
-                Outcome {
-                    outcome: done.outcome,
-                },
-            )?,
-            next: match done.next {
-                Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
-                Err(e) => Err(e),
-            },
-        })
+        let next = match done.next {
+            Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
+            Err(e) => Err(e),
+        };
+        Ok(Completed::new(done.outcome, next))
     }
 
     /// The step ran nothing: no row advances, the node can assemble again.
     fn abandon(&self, py: Python<'_>, step: &Bound<'_, PyAny>) -> PyResult<()> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
-        call(py, || cm.abandon(step))
+        self.call(py, || cm.abandon(step))
     }
 
     /// Checks `batch` as it ran (`ran[i]`: the tokens row `i` ran); counts, logs (1st, 2nd,
@@ -654,7 +838,7 @@ impl Engine {
         let cm = self.cm(py)?;
         let ran = ran_arg(py, ran)?;
         let b = batch.batch.clone();
-        let (overrun, count) = call(py, || async {
+        let (overrun, count) = self.call(py, || async {
             let overrun = cm.check_budget(&b, &ran).await?;
             let count = match &overrun {
                 Some(o) => cm.overrun_count(&o.node, &o.walk, None).await?,
@@ -695,13 +879,13 @@ impl Engine {
                     })?,
             ),
         };
-        call(py, || cm.overrun_count(node, walk, reason))
+        self.call(py, || cm.overrun_count(node, walk, reason))
     }
 
     /// `{prefill_rows, mid_prefill_rows, continuing_rows, steps_in_flight}`.
     fn queue_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cm = self.cm(py)?;
-        let s = call(py, || cm.queue_stats())?;
+        let s = self.call(py, || cm.queue_stats())?;
         let d = PyDict::new(py);
         d.set_item("prefill_rows", s.prefill_rows)?;
         d.set_item("mid_prefill_rows", s.mid_prefill_rows)?;
@@ -728,7 +912,7 @@ impl Engine {
                 "measured_ms must be a finite number of ms >= 0, got None",
             ));
         };
-        let m = call(py, || cm.measured(step, ms))?;
+        let m = self.call(py, || cm.measured(step, ms))?;
         let d = PyDict::new(py);
         d.set_item("step", m.step)?;
         d.set_item("node", &*m.node)?;
@@ -744,7 +928,7 @@ impl Engine {
     /// The latency model `node` plans its time budgets with (`LatencyModelState`).
     fn latency_model<'py>(&self, py: Python<'py>, node: &str) -> PyResult<Bound<'py, PyAny>> {
         let cm = self.cm(py)?;
-        let r = call(py, || cm.latency_model(node))?;
+        let r = self.call(py, || cm.latency_model(node))?;
         let model = |m: Option<&mstar_chunking::LatencyModel>| -> PyResult<PyObject> {
             Ok(match m {
                 Some(m) => model_to_py(py, m)?.unbind(),
@@ -780,7 +964,9 @@ impl Engine {
 /// be passed again to repeat a call whose answer was lost.
 #[pyclass(module = "mstar_chunking._native", name = "NextStep")]
 pub(crate) struct PyNextStep {
+    /// The node, walk and row changes (its step time is `at_ms`, set on each call's copy).
     next: NextStep,
+    at_ms: Option<f64>,
 }
 
 impl PyNextStep {
@@ -794,10 +980,30 @@ impl PyNextStep {
 #[pymethods]
 impl PyNextStep {
     #[new]
-    fn new(node: &str, walk: &str) -> Self {
-        Self {
+    #[pyo3(signature = (node, walk, *, at_ms=None))]
+    fn new(
+        py: Python<'_>,
+        node: &str,
+        walk: &str,
+        at_ms: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
             next: NextStep::new(node, walk),
-        }
+            at_ms: clock_arg(py, "at_ms", at_ms)?,
+        })
+    }
+
+    /// The next step's time in ms on the engine's clock (`None`: not given), which
+    /// `max_wait_ms` measures waits to; settable.
+    #[getter]
+    fn get_at_ms(&self) -> Option<f64> {
+        self.at_ms
+    }
+
+    #[setter]
+    fn set_at_ms(&mut self, at_ms: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.at_ms = clock_arg(at_ms.py(), "at_ms", Some(at_ms))?;
+        Ok(())
     }
 
     /// Ends request `rid` before the next step (as `forget_request`).
@@ -833,21 +1039,28 @@ impl PyNextStep {
         Ok(slf)
     }
 
-    /// Admits a prompt on the next step's node before it is planned (as `admit`).
-    #[pyo3(signature = (rid, walk, tokens, cached=None))]
+    /// Admits a prompt on the next step's node before it is planned (as `admit`, with its
+    /// `priority` and `arrival_ms`).
+    #[pyo3(signature = (rid, walk, tokens, cached=None, *, priority=None, arrival_ms=None))]
     fn admit<'py>(
         mut slf: PyRefMut<'py, Self>,
         rid: &Bound<'_, PyAny>,
         walk: &str,
         tokens: &Bound<'_, PyAny>,
         cached: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+        arrival_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRefMut<'py, Self>> {
         let py = slf.py();
         let rid = whole::<u64>(py, "rid", rid)?;
-        let cached = cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?;
+        let options = AdmitOptions {
+            cached: cached.map_or(Ok(0), |c| whole::<u32>(py, "cached", c))?,
+            priority: priority_arg(py, priority)?,
+            arrival_ms: clock_arg(py, "arrival_ms", arrival_ms)?,
+        };
         let node = slf.next.node().to_string();
         let input = PreparedInput::tokens(token_ids(py, rid, &node, tokens)?);
-        slf.push(|n| n.admit(rid, walk, input, cached));
+        slf.push(|n| n.admit_with(rid, walk, input, options));
         Ok(slf)
     }
 
@@ -869,8 +1082,12 @@ impl PyNextStep {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
+        let at = match self.at_ms {
+            Some(ms) => format!(", at_ms={}", crate::steps::py_float(ms)),
+            None => String::new(),
+        };
         format!(
-            "NextStep(node={}, walk={}, changes={})",
+            "NextStep(node={}, walk={}, changes={}{at})",
             py_repr_str(py, self.next.node()),
             py_repr_str(py, self.next.walk()),
             self.next.changes()

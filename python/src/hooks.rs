@@ -11,7 +11,7 @@ use mstar_chunking::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::boundary::{call, to_py_err, Failure};
+use crate::boundary::{call, call_within, to_py_err, Failure};
 
 /// One benchmark workload's step loop on the Rust facade directly, on its own actors
 /// (`start_on_own_thread`), awaited from the calling thread as the package's calls are: node
@@ -19,9 +19,13 @@ use crate::boundary::{call, to_py_err, Failure};
 /// continuing rows (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a
 /// new one when its final chunk runs. Each step is one `complete_and_assemble_with` carrying
 /// the replacement admissions. `warm` steps run first; answers the wall-clock and the process's
-/// CPU seconds (`time.process_time()`, the actors' thread included) of `steps` steps.
+/// CPU seconds (`time.process_time()`, the actors' thread included) of `steps` steps. With
+/// `facade_timeout` (the default) the facade times each request as a Rust engine's handle does
+/// by default (a timer task on the actors' thread); without, it waits for every answer
+/// (`with_timeout(None)`), as the Python package's handle does (it times calls itself).
 #[pyfunction]
-#[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200))]
+#[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200, facade_timeout=true))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn _bench_facade(
     py: Python<'_>,
     steps: u64,
@@ -30,6 +34,7 @@ pub(crate) fn _bench_facade(
     prompt_tokens: u32,
     budget: u32,
     warm: u64,
+    facade_timeout: bool,
 ) -> PyResult<(f64, f64)> {
     let started = py.allow_threads(|| {
         ChunkingManagement::start_on_own_thread(
@@ -38,6 +43,11 @@ pub(crate) fn _bench_facade(
         )
     });
     let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+    let cm = if facade_timeout {
+        cm
+    } else {
+        cm.with_timeout(None)
+    };
     let prompt = PreparedInput::tokens((0..prompt_tokens).collect::<Arc<[u32]>>());
     let result = call(py, || async {
         let policy = ChunkingPolicy::budget(budget).aligned(16);
@@ -84,12 +94,24 @@ pub(crate) fn _bench_facade(
     result
 }
 
-/// `n` round trips (`queue_stats`) awaited in one call on a manager of its own: the process's
-/// CPU seconds and the wall-clock seconds they took, to compare with the same calls from Python.
-/// With `separate`, each trip is a blocking call of its own (as a call from Python is).
+/// `n` trips to the actors (`queue_stats`) awaited in one call on a manager of its own: the
+/// process's CPU seconds and the wall-clock seconds they took, to compare with the same calls
+/// from Python.
+/// The manager's handle waits as the package's do (the facade's timeout off, each call timed
+/// by the calling thread's park, 5 s).
+/// With `separate`, each trip is a blocking call of its own (as a call from Python is), and
+/// `gap_us` microseconds pass between two of them, spent spinning on the calling thread (as a
+/// Python loop spends them between its calls; the spin's CPU time is in the answer).
 #[pyfunction]
-#[pyo3(signature = (n, separate=false))]
-pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64, separate: bool) -> PyResult<(f64, f64)> {
+#[pyo3(signature = (n, separate=false, gap_us=0.0))]
+pub(crate) fn _bench_trips(
+    py: Python<'_>,
+    n: u64,
+    separate: bool,
+    gap_us: f64,
+) -> PyResult<(f64, f64)> {
+    let gap = Duration::try_from_secs_f64(gap_us / 1e6)
+        .map_err(|_| PyValueError::new_err(format!("gap_us must be >= 0, got {gap_us}")))?;
     let started = py.allow_threads(|| {
         ChunkingManagement::start_on_own_thread(
             "bench-trips",
@@ -97,14 +119,22 @@ pub(crate) fn _bench_round_trips(py: Python<'_>, n: u64, separate: bool) -> PyRe
         )
     });
     let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+    let cm = cm.with_timeout(None);
+    let timeout = Some(mstar_chunking::actors::DEFAULT_REQUEST_TIMEOUT);
     let result = if separate {
         // Each trip a call of its own, as from Python: the GIL released and taken again.
         let (t0, cpu0) = (Instant::now(), process_time());
         (0..n)
-            .try_for_each(|_| call(py, || cm.queue_stats()).map(drop))
+            .try_for_each(|_| {
+                let t = Instant::now();
+                while t.elapsed() < gap {
+                    std::hint::spin_loop();
+                }
+                call_within(py, timeout, || cm.queue_stats()).map(drop)
+            })
             .map(|()| (process_time() - cpu0, t0.elapsed().as_secs_f64()))
     } else {
-        call(py, || async {
+        call_within(py, timeout, || async {
             let (t0, cpu0) = (Instant::now(), process_time());
             for _ in 0..n {
                 cm.queue_stats().await?;
@@ -172,4 +202,12 @@ pub(crate) fn _buffer_address(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
         pyo3::ffi::PyBuffer_Release(view.as_mut_ptr());
         Ok(address)
     }
+}
+
+/// Waits `timeout` seconds for an answer that never comes, as a call to actors that do not
+/// answer would: the timeout every call is timed with, provoked.
+#[pyfunction]
+pub(crate) fn _timeout_for_test(py: Python<'_>, timeout: f64) -> PyResult<()> {
+    let timeout = crate::boundary::timeout_arg(Some(timeout))?;
+    crate::boundary::call_within(py, timeout, std::future::pending)
 }

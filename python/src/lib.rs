@@ -12,9 +12,9 @@
 //! - [`hooks`]: the benchmark's Rust side and the test doors.
 //!
 //! Every call that waits for the actors releases the GIL and runs the facade's future to
-//! completion on the calling thread, parked while it waits (the request timeout is timed on
-//! the actors' runtime), inside `catch_unwind`: a Rust panic becomes a `ChunkingError`, never
-//! a Python `PanicException`.
+//! completion on the calling thread, parked while it waits (the request timeout is timed there,
+//! by the park's deadline, not by the facade on the actors' runtime), inside `catch_unwind`: a
+//! Rust panic becomes a `ChunkingError`, never a Python `PanicException`.
 //!
 //! [`ChunkingManagement`]: mstar_chunking::ChunkingManagement
 
@@ -43,10 +43,18 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metrics::render_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(settings::preset_cost, m)?)?;
     m.add_function(wrap_pyfunction!(settings::preset_names_py, m)?)?;
+    m.add_function(wrap_pyfunction!(boundary::_after_fork_in_child, m)?)?;
+    // A manager made before a fork answers `ActorsStoppedError` in the child (`Owner`).
+    let kwargs = pyo3::types::PyDict::new(m.py());
+    kwargs.set_item("after_in_child", m.getattr("_after_fork_in_child")?)?;
+    m.py()
+        .import("os")?
+        .call_method("register_at_fork", (), Some(&kwargs))?;
     m.add_function(wrap_pyfunction!(hooks::_bench_facade, m)?)?;
-    m.add_function(wrap_pyfunction!(hooks::_bench_round_trips, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_bench_trips, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_error_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_panic_for_test, m)?)?;
+    m.add_function(wrap_pyfunction!(hooks::_timeout_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(hooks::_buffer_address, m)?)?;
     m.add(
         "DEFAULT_MIN_CHUNK_TOKENS",

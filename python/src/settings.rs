@@ -6,7 +6,8 @@ use std::num::NonZeroU32;
 
 use mstar_chunking::budget::{BudgetValue, NodeBudget, NodeTimeBudget, TimeBudget};
 use mstar_chunking::latency::presets::preset_names;
-use mstar_chunking::{preset_model, BudgetSettings, LatencyModel};
+use mstar_chunking::order::WaitBound;
+use mstar_chunking::{preset_model, BudgetSettings, LatencyModel, Order};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -31,11 +32,18 @@ fn time_error(
     node: Option<&str>,
     message: String,
 ) -> PyErr {
-    let e = error(
-        py,
-        "TimeSettingsError",
-        &format!("refused budgets: {message}"),
-    );
+    settings_error(py, "TimeSettingsError", argument, node, message)
+}
+
+/// A refused setting of class `class` (a `RefusedSettingsError`) naming `argument` and `node`.
+fn settings_error(
+    py: Python<'_>,
+    class: &str,
+    argument: &'static str,
+    node: Option<&str>,
+    message: String,
+) -> PyErr {
+    let e = error(py, class, &format!("refused budgets: {message}"));
     let v = e.value(py);
     // Attributes of a fresh exception: setting them cannot fail but for memory.
     let _ = v.setattr("kind", "refused_settings");
@@ -84,6 +92,26 @@ pub(crate) struct BudgetArgs {
     pub(crate) cost: Vec<(String, CostArg)>,
     pub(crate) learn_cost: bool,
     pub(crate) time_margin: Option<f64>,
+    /// `order=` for every node, or `None` for `fcfs`.
+    pub(crate) order: Option<String>,
+    /// `order=` per node.
+    pub(crate) order_per_node: Vec<(String, String)>,
+    pub(crate) max_wait_ms: Option<f64>,
+    pub(crate) max_wait_steps: Option<u64>,
+}
+
+/// An order's name as the crate's `Order`, or a `RefusedSettingsError` naming `key` (`order`
+/// or `order["llm"]`), `node` and the names accepted.
+fn order_of(py: Python<'_>, key: &str, node: Option<&str>, name: &str) -> PyResult<Order> {
+    name.parse::<Order>().map_err(|e| {
+        settings_error(
+            py,
+            "RefusedSettingsError",
+            "order",
+            node,
+            format!("{key}: {e}"),
+        )
+    })
 }
 
 fn tokens(py: Python<'_>, key: String, b: Option<u32>) -> PyResult<BudgetValue> {
@@ -157,6 +185,18 @@ impl BudgetArgs {
         }
         s.time.learn = self.learn_cost;
         s.time.margin_quantile = self.time_margin;
+        if let Some(name) = &self.order {
+            s.order.all = order_of(py, "order", None, name)?;
+        }
+        for (node, name) in &self.order_per_node {
+            let order = order_of(py, &format!("order[{node:?}]"), Some(node), name)?;
+            s.order.per_node.insert(node.as_str().into(), order);
+        }
+        // Checked by the core (finite and above 0; at least 1), which names the setting.
+        s.order.bound = WaitBound {
+            max_wait_ms: self.max_wait_ms,
+            max_wait_steps: self.max_wait_steps,
+        };
         Ok(s)
     }
 }

@@ -225,8 +225,8 @@ pymethods_with_getters! {
     }
 
     /// The tokens each row is scheduled to run: what `complete` takes when every row ran.
-    fn planned(&self) -> Vec<u32> {
-        self.batch.rows.iter().map(BatchRow::tokens).collect()
+    fn planned<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        int_list(py, self.batch.rows.iter().map(BatchRow::tokens))
     }
 
     /// The rids whose final chunk this step runs: their prefill ends with it (what an engine
@@ -258,8 +258,33 @@ pymethods_with_getters! {
     }
 }
 
+/// A `list` of `items` as Python `int`s, filled in place (a step's rows can number in the
+/// thousands: a third of the cost of a list made item by item through conversions).
+fn int_list<'py>(
+    py: Python<'py>,
+    items: impl ExactSizeIterator<Item = u32>,
+) -> PyResult<Bound<'py, PyList>> {
+    let n = ffi::Py_ssize_t::try_from(items.len())
+        .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
+    // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
+    // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
+    // the new reference `PyLong_FromUnsignedLong` answers. A failed conversion leaves the
+    // rest of the slots empty, which a list's deallocation accepts.
+    unsafe {
+        let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
+        for (i, v) in (0..n).zip(items) {
+            let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
+            if int.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            ffi::PyList_SetItem(list.as_ptr(), i, int);
+        }
+        Ok(list.downcast_into_unchecked())
+    }
+}
+
 /// `x` as Python's `repr(float)` writes it (`100.0`, not `100`).
-fn py_float(x: f64) -> String {
+pub(crate) fn py_float(x: f64) -> String {
     if x.is_finite() && x.fract() == 0.0 && x.abs() < 1e16 {
         format!("{x:.1}")
     } else {
@@ -362,7 +387,7 @@ pymethods_with_getters! {
 /// What completing a step did.
 #[pyclass(module = "mstar_chunking._native", frozen, name = "StepOutcome")]
 pub(crate) struct Outcome {
-    pub(crate) outcome: StepOutcome,
+    pub(crate) outcome: Arc<StepOutcome>,
 }
 
 pymethods_with_getters! {
@@ -426,16 +451,42 @@ pymethods_with_getters! {
 /// it could not be assembled: the completion stands either way).
 #[pyclass(module = "mstar_chunking._native", frozen)]
 pub(crate) struct Completed {
-    pub(crate) outcome: Py<Outcome>,
+    /// The outcome, made a `StepOutcome` object when `outcome` is first read: a loop that
+    /// reads only `next` makes none.
+    outcome: Arc<StepOutcome>,
+    outcome_py: GILOnceCell<Py<Outcome>>,
     pub(crate) next: Result<Py<StepBatch>, ChunkingError>,
+}
+
+impl Completed {
+    pub(crate) fn new(outcome: StepOutcome, next: Result<Py<StepBatch>, ChunkingError>) -> Self {
+        Self {
+            outcome: Arc::new(outcome),
+            outcome_py: GILOnceCell::new(),
+            next,
+        }
+    }
+
+    fn outcome_obj<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, Outcome>> {
+        self.outcome_py
+            .get_or_try_init(py, || {
+                Py::new(
+                    py,
+                    Outcome {
+                        outcome: self.outcome.clone(),
+                    },
+                )
+            })
+            .map(|o| o.bind(py))
+    }
 }
 
 #[pymethods]
 impl Completed {
     /// What completing the step did (`StepOutcome`).
     #[getter]
-    fn outcome(&self, py: Python<'_>) -> Py<Outcome> {
-        self.outcome.clone_ref(py)
+    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, Outcome>> {
+        self.outcome_obj(py).cloned()
     }
 
     /// The next step (`Batch`); raises the error its assembly (or a row change) failed with.
@@ -459,7 +510,7 @@ impl Completed {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let outcome = self.outcome.bind(py).repr()?.to_string();
+        let outcome = self.outcome_obj(py)?.repr()?.to_string();
         let next = match &self.next {
             Ok(b) => b.bind(py).repr()?.to_string(),
             Err(e) => format!("error({})", py_repr_str(py, &e.to_string())),

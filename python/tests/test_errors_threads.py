@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -83,6 +84,17 @@ def test_a_timeout_is_a_timeout_error():
     assert isinstance(e, ChunkingTimeoutError) and isinstance(e, TimeoutError)
     assert e.retryable and e.kind == "transient"
     assert "the Scheduler actor did not answer within 5ms" in str(e)
+
+
+def test_a_call_waits_its_timeout_and_no_longer():
+    # Every call is timed on the calling thread: here the wait of a call whose answer never
+    # comes, under the same deadline, with the GIL released meanwhile.
+    t0 = time.monotonic()
+    with pytest.raises(ChunkingTimeoutError, match="did not answer within 50ms") as e:
+        _native._timeout_for_test(0.05)
+    waited = time.monotonic() - t0
+    assert 0.05 <= waited < 2.0, waited
+    assert e.value.retryable and e.value.kind == "transient"
 
 
 def test_no_panic_crosses_into_python():

@@ -116,3 +116,20 @@ def test_prompts_admitted_with_a_step_are_listed_in_prepared(cm):
     assert sorted(cm.prepared) == [(1, "llm"), (2, "llm")]
     assert cm.prepared[(2, "llm")].tolist() == [2] * 30
     cm.abandon(done.next.step)
+
+
+def test_ran_may_be_the_step_s_batch(make_cm):
+    cm = make_cm({"llm": SubmoduleCaps(["prefill", "mixed"])})
+    cm.set_policies({("llm", "mixed"): ChunkingPolicy(256)})
+    cm.set_budgets({}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"})
+    cm.continue_row(1, "llm", "decode", 1)
+    cm.admit(2, "llm", "prefill", [2] * 400)
+    b = cm.assemble("llm", "mixed")
+    out = cm.complete(b.step, b)
+    assert (out.ran_tokens, out.scheduled_tokens, out.chunks) == (256, 256, 1)
+    b2 = cm.assemble("llm", "mixed")
+    with pytest.raises(InvalidRequestError, match=f"ran is the Batch of step {b.step}, not of step {b2.step}"):
+        cm.complete_and_assemble(b2.step, b, next=("llm", "mixed"))
+    done = cm.complete_and_assemble(b2.step, b2, next=("llm", "mixed"))
+    assert done.outcome.finished == [2] and done.outcome.ran_tokens == b2.scheduled_tokens
+    assert done.next.planned() == [1]

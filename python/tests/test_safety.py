@@ -181,6 +181,9 @@ def test_a_timeout_a_duration_cannot_hold_is_a_value_error_naming_it(timeout):
         (lambda cm: cm.complete(1, [-1]), r"ran\[0\]"),
         (lambda cm: cm.complete(1, [0, 2**40]), r"ran\[1\]"),
         (lambda cm: cm.complete(1, "abc"), "ran"),
+        (lambda cm: cm.complete(1, [1, True]), r"ran\[1\]"),
+        (lambda cm: cm.complete(1, (1, 2.0)), r"ran\[1\]"),
+        (lambda cm: cm.complete(1, 5), "ran must be a sequence"),
         (lambda cm: cm.complete(1, [], math.nan), "measured_ms"),
         (lambda cm: cm.complete(1, [], 1e309), "measured_ms"),
         (lambda cm: cm.complete(1, [], -1.0), "measured_ms"),
@@ -259,3 +262,21 @@ def test_no_panic_exception_from_any_call(cm):
             cm.admit(*args)
         except ChunkingError:
             pass
+
+
+def test_a_manager_made_after_a_fork_works_in_the_child(make_cm):
+    # The forks counted by `os.register_at_fork` tell the child from the parent: a manager the
+    # child makes is its own, and works.
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            cm = ChunkingManagement({"llm": SubmoduleCaps(["prefill"])})
+            cm.set_policies({("llm", "prefill"): ChunkingPolicy(64)})
+            cm.admit(1, "llm", "prefill", [1] * 100)
+            code = 0 if cm.assemble("llm", "prefill").planned() == [64] else 2
+            cm.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -294,3 +294,48 @@ def test_prepared_lists_a_row_admitted_again_after_it_was_dropped(cm):
     assert list(cm.prepared) == []
     cm.admit(1, "llm", "prefill", [3])
     assert list(cm.prepared) == [(1, "llm")] and cm.prepared[(1, "llm")].tolist() == [3]
+
+
+def test_ran_is_read_alike_from_any_sequence_of_ints(cm):
+    # A list of ints is read item by item; any other sequence (a tuple, an array, ints of a
+    # subclass) goes the general way: the same counts either way.
+    import enum
+
+    class Tokens(enum.IntEnum):
+        CHUNK = 255
+        DECODE = 1
+
+    forms = [
+        lambda b: b.planned(),
+        lambda b: tuple(b.planned()),
+        lambda b: array.array("I", b.planned()),
+        lambda b: [Tokens(t) for t in b.planned()],
+    ]
+    cm.continue_row(1, "llm", "decode", 1)
+    for i, form in enumerate(forms):
+        cm.admit(10 + i, "llm", "prefill", [1] * 255)
+        b = cm.assemble("llm", "mixed")
+        assert b.planned() == [1, 255]
+        out = cm.complete(b.step, form(b))
+        assert (out.ran_tokens, out.finished) == (256, [10 + i]), i
+
+
+def test_the_prepared_keys_follow_admissions_releases_and_forgets(cm):
+    cm.admit(7, "llm", "prefill", [1] * 10)
+    cm.admit(7, "enc", "mixed", [1] * 10)
+    cm.admit(3, "llm", "prefill", [1] * 10)
+    assert list(cm.prepared) == [(3, "llm"), (7, "enc"), (7, "llm")]
+    assert cm.release(7, "llm")
+    assert list(cm.prepared) == [(3, "llm"), (7, "enc")]
+    cm.forget_request(7)
+    assert list(cm.prepared) == [(3, "llm")]
+    cm.admit(7, "llm", "prefill", [1] * 10)
+    assert list(cm.prepared) == [(3, "llm"), (7, "llm")]
+    # A prompt whose prefill ended is no longer held: found gone and dropped from the keys.
+    b = cm.assemble("llm", "mixed")
+    done = cm.complete_and_assemble(
+        b.step, b, next=_native.NextStep("llm", "mixed").admit(9, "prefill", [1] * 10)
+    )
+    assert sorted(done.outcome.finished) == [3, 7]
+    assert list(cm.prepared) == [(9, "llm")]
+    assert dict(cm.prepared.items())[(9, "llm")].tolist() == [1] * 10

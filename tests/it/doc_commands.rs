@@ -26,10 +26,19 @@ struct Block {
     body: String,
 }
 
-/// The markdown files the conventions cover: the README and every page under `docs/`.
+/// The markdown files the conventions cover: the README, the engine's, the Python package's and
+/// the dashboards' READMEs, and every page under `docs/`.
 fn pages() -> Vec<PathBuf> {
     let root = repo_root();
-    let mut pages = vec![root.join("README.md")];
+    let mut pages: Vec<PathBuf> = [
+        "README.md",
+        "engine/README.md",
+        "python/README.md",
+        "dashboards/README.md",
+    ]
+    .iter()
+    .map(|p| root.join(p))
+    .collect();
     let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
         .expect("docs/ is readable")
         .map(|e| e.expect("a docs/ entry").path())

@@ -58,36 +58,14 @@ pub enum ModelError {
         what: String,
     },
     /// The tokenizer cannot be built from the file's metadata.
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
     /// A size name that is not `tiny` or `small`.
     #[error("unknown model size `{0}` (expected `tiny` or `small`)")]
     UnknownSize(String),
 }
 
-/// The byte vocabulary: token `b` (0..=255) is the byte `b`, then BOS and EOS.
-pub const VOCAB: usize = 258;
-/// Beginning of sequence.
-pub const BOS: u32 = 256;
-/// End of sequence.
-pub const EOS: u32 = 257;
-
-/// Encodes text as BOS followed by its UTF-8 bytes.
-pub fn encode(text: &str) -> Vec<u32> {
-    std::iter::once(BOS)
-        .chain(text.bytes().map(u32::from))
-        .collect()
-}
-
-/// Decodes byte tokens to text (BOS/EOS dropped; invalid UTF-8 replaced).
-pub fn decode(tokens: &[u32]) -> String {
-    let bytes: Vec<u8> = tokens
-        .iter()
-        .filter(|&&t| t < 256)
-        .map(|&t| t as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
+pub use crate::tokenizer::{decode, encode, BOS, EOS, VOCAB};
 
 /// The model's shape.
 #[derive(Debug, Clone, Copy, PartialEq)]
