@@ -44,7 +44,10 @@ def _config():
 # scheduler starts with it: the refusal is the plugin's); the others are set on a configuration
 # that started, as vLLM would carry them.
 REAL = [
-    ({"model": {"is_encoder_decoder": True}, "budget": 4096, "max_model_len": 4096}, "encoder inputs (an encoder-decoder"),
+    (
+        {"model": {"is_encoder_decoder": True}, "budget": 4096, "max_model_len": 4096},
+        "encoder inputs (an encoder-decoder",
+    ),
     ({"model": LLAVA}, "encoder inputs (an encoder-decoder or multimodal model)"),
     ({"runner": "pooling"}, "pooling models"),
     ({"model": {"canvas_length": 32}}, "diffusion models"),
@@ -122,7 +125,9 @@ def test_start_refuses_with_every_name():
 
 
 def _structured(req):
-    req.sampling_params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    req.sampling_params = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"})
+    )
     from vllm.v1.structured_output.request import StructuredOutputRequest
 
     req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
