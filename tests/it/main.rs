@@ -4,6 +4,7 @@
 mod common;
 mod config_cli;
 mod core;
+mod default_log;
 mod doc_commands;
 mod drain;
 mod endpoint;
