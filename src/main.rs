@@ -12,5 +12,6 @@ fn main() -> ExitCode {
         Command::Budgets(args) => cli::budgets(&args),
         Command::Sweep(args) => cli::sweep(&args),
         Command::Fit(args) => cli::fit(&args),
+        Command::SweepCell(args) => cli::sweep_cell(&args),
     }
 }

@@ -12,7 +12,8 @@
 use std::time::Duration;
 
 use metrics::{
-    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label,
+    SharedString, Unit,
 };
 
 use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
@@ -106,6 +107,9 @@ pub const ALL: [&str; 23] = [
 
 /// On every series: the facade instance (one per model or engine in a process).
 pub const LABEL_MODEL: &str = "model";
+/// On every series of a replayed fleet's workers, when there are two or more: the worker's
+/// index (`0`, `1`, …; bounded by `replay.fleet.workers`). Absent otherwise.
+pub const LABEL_WORKER: &str = "worker";
 /// On every series but the reloads: the node.
 pub const LABEL_NODE: &str = "node";
 /// On step and overrun series: the step walk.
@@ -122,10 +126,11 @@ pub const LABEL_COEFFICIENT: &str = "coefficient";
 pub const LABEL_SOURCE: &str = "source";
 
 /// Every label name a metric may carry.
-pub const LABELS: [&str; 8] = [
+pub const LABELS: [&str; 9] = [
     LABEL_COEFFICIENT,
     LABEL_SOURCE,
     LABEL_MODEL,
+    LABEL_WORKER,
     LABEL_NODE,
     LABEL_WALK,
     LABEL_REASON,
@@ -461,11 +466,34 @@ mod exporter {
 #[derive(Clone, Debug)]
 pub(crate) struct Instance {
     model: Name,
+    /// A replayed fleet's worker, when the fleet has two or more: a `worker` label on every
+    /// series.
+    worker: Option<Name>,
 }
 
 impl Instance {
     pub(crate) fn new(model: Name) -> Self {
-        Self { model }
+        Self {
+            model,
+            worker: None,
+        }
+    }
+
+    /// The same instance as one worker of a fleet: every series also carries `worker`.
+    pub(crate) fn with_worker(mut self, worker: Name) -> Self {
+        self.worker = Some(worker);
+        self
+    }
+
+    /// This instance's labels (`model`, and `worker` in a fleet) followed by `rest`.
+    fn labels<const N: usize>(&self, rest: [(&'static str, SharedString); N]) -> Vec<Label> {
+        let mut v = Vec::with_capacity(N + 2);
+        v.push(Label::new(LABEL_MODEL, self.model_label()));
+        if let Some(w) = &self.worker {
+            v.push(Label::new(LABEL_WORKER, w.to_string()));
+        }
+        v.extend(rest.into_iter().map(|(k, value)| Label::new(k, value)));
+        v
     }
 
     /// The model this instance is labelled with.
@@ -480,27 +508,46 @@ impl Instance {
     /// Creates the series that exist from start-up with value 0: the reload results.
     pub(crate) fn started(&self) {
         for result in [RESULT_OK, RESULT_ERROR] {
-            metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_RESULT => result)
-                .increment(0);
+            metrics::counter!(
+                CONFIG_RELOADS_TOTAL,
+                self.labels([(LABEL_RESULT, result.into())])
+            )
+            .increment(0);
         }
     }
 
     /// Counts a config reload; `ok` is its result.
     pub(crate) fn record_reload(&self, ok: bool) {
         let result = if ok { RESULT_OK } else { RESULT_ERROR };
-        metrics::counter!(CONFIG_RELOADS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_RESULT => result)
-            .increment(1);
+        metrics::counter!(
+            CONFIG_RELOADS_TOTAL,
+            self.labels([(LABEL_RESULT, result.into())])
+        )
+        .increment(1);
     }
 
     /// Sets the time budget gauge of `node`/`walk` (0 where there is none); a pair with a
     /// time budget has its time-overrun series created at 0.
     pub(crate) fn set_time_budget(&self, node: &Name, walk: &Name, max_step_ms: Option<f64>) {
-        metrics::gauge!(STEP_BUDGET_SECONDS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-            .set(max_step_ms.unwrap_or(0.0) / 1000.0);
+        metrics::gauge!(
+            STEP_BUDGET_SECONDS,
+            self.labels([
+                (LABEL_NODE, node.to_string().into()),
+                (LABEL_WALK, walk.to_string().into())
+            ])
+        )
+        .set(max_step_ms.unwrap_or(0.0) / 1000.0);
         if max_step_ms.is_some() {
             for reason in TimeOverrunReason::ALL {
-                metrics::counter!(TIME_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())
-                    .increment(0);
+                metrics::counter!(
+                    TIME_OVERRUNS_TOTAL,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_WALK, walk.to_string().into()),
+                        (LABEL_REASON, reason.as_str().into())
+                    ])
+                )
+                .increment(0);
             }
         }
     }
@@ -508,11 +555,30 @@ impl Instance {
     /// The latency-model gauges of `node`.
     pub(crate) fn model(&self, node: &Name) -> ModelGauges {
         ModelGauges {
-            coefficients: COEFFICIENT_KEYS.map(|c| metrics::gauge!(LATENCY_MODEL_COEFFICIENT, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_COEFFICIENT => c)),
-            sources: ModelSource::ALL.map(|s| metrics::gauge!(LATENCY_MODEL_SOURCE, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_SOURCE => s.as_str())),
+            coefficients: COEFFICIENT_KEYS.map(|c| {
+                metrics::gauge!(
+                    LATENCY_MODEL_COEFFICIENT,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_COEFFICIENT, c.into())
+                    ])
+                )
+            }),
+            sources: ModelSource::ALL.map(|s| {
+                metrics::gauge!(
+                    LATENCY_MODEL_SOURCE,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_SOURCE, s.as_str().into())
+                    ])
+                )
+            }),
             shown: None,
             margin: {
-                let g = metrics::gauge!(TIME_MARGIN, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string());
+                let g = metrics::gauge!(
+                    TIME_MARGIN,
+                    self.labels([(LABEL_NODE, node.to_string().into())])
+                );
                 g.set(1.0);
                 g
             },
@@ -522,8 +588,14 @@ impl Instance {
     /// Sets the budget gauge of `node`/`walk` (0 where there is no budget); a budgeted pair's
     /// overrun series are created at 0.
     pub(crate) fn set_budget(&self, node: &Name, walk: &Name, budget: Option<u32>) {
-        metrics::gauge!(STEP_BUDGET_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string())
-            .set(f64::from(budget.unwrap_or(0)));
+        metrics::gauge!(
+            STEP_BUDGET_TOKENS,
+            self.labels([
+                (LABEL_NODE, node.to_string().into()),
+                (LABEL_WALK, walk.to_string().into())
+            ])
+        )
+        .set(f64::from(budget.unwrap_or(0)));
         if budget.is_some() {
             // Resolving the handles registers the series: counters at 0, an empty histogram.
             let _ = self.overruns(node, walk);
@@ -534,49 +606,87 @@ impl Instance {
 
     /// The step metrics of `node`/`walk`.
     pub(crate) fn step(&self, node: &Name, walk: &Name) -> StepMetrics {
-        let labels = [
-            (LABEL_MODEL, self.model_label()),
-            (LABEL_NODE, node.to_string()),
-            (LABEL_WALK, walk.to_string()),
-        ];
-        let chunks = |fin: &'static str| metrics::counter!(CHUNKS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_FINAL => fin);
+        let labels = self.labels([
+            (LABEL_NODE, node.to_string().into()),
+            (LABEL_WALK, walk.to_string().into()),
+        ]);
+        let chunks = |fin: &'static str| {
+            metrics::counter!(
+                CHUNKS_TOTAL,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into()),
+                    (LABEL_FINAL, fin.into())
+                ])
+            )
+        };
         StepMetrics {
-            steps: metrics::counter!(STEPS_TOTAL, &labels),
-            tokens: metrics::histogram!(STEP_TOKENS, &labels),
+            steps: metrics::counter!(STEPS_TOTAL, labels.clone()),
+            tokens: metrics::histogram!(STEP_TOKENS, labels.clone()),
             chunks_final: chunks(FINAL_TRUE),
             chunks_partial: chunks(FINAL_FALSE),
-            deferred: metrics::counter!(DEFERRED_ROWS_TOTAL, &labels),
-            assembly_seconds: metrics::histogram!(STEP_ASSEMBLY_SECONDS, &labels),
-            step_seconds: metrics::histogram!(STEP_SECONDS, &labels),
-            prediction_error: metrics::histogram!(STEP_PREDICTION_ERROR_SECONDS, &labels),
-            time_overruns: TimeOverrunReason::ALL.map(|reason| metrics::counter!(TIME_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str())),
+            deferred: metrics::counter!(DEFERRED_ROWS_TOTAL, labels.clone()),
+            assembly_seconds: metrics::histogram!(STEP_ASSEMBLY_SECONDS, labels.clone()),
+            step_seconds: metrics::histogram!(STEP_SECONDS, labels.clone()),
+            prediction_error: metrics::histogram!(STEP_PREDICTION_ERROR_SECONDS, labels.clone()),
+            time_overruns: TimeOverrunReason::ALL.map(|reason| {
+                metrics::counter!(
+                    TIME_OVERRUNS_TOTAL,
+                    self.labels([
+                        (LABEL_NODE, node.to_string().into()),
+                        (LABEL_WALK, walk.to_string().into()),
+                        (LABEL_REASON, reason.as_str().into())
+                    ])
+                )
+            }),
         }
     }
 
     /// The overrun metrics of `node`/`walk`, one counter per reason.
     pub(crate) fn overruns(&self, node: &Name, walk: &Name) -> OverrunMetrics {
         let by_reason = OverrunReason::ALL.map(|reason| {
-            let c = metrics::counter!(BUDGET_OVERRUNS_TOTAL, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string(), LABEL_REASON => reason.as_str());
+            let c = metrics::counter!(
+                BUDGET_OVERRUNS_TOTAL,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into()),
+                    (LABEL_REASON, reason.as_str().into())
+                ])
+            );
             c.increment(0);
             c
         });
         OverrunMetrics {
             by_reason,
-            tokens: metrics::histogram!(OVERRUN_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string(), LABEL_WALK => walk.to_string()),
+            tokens: metrics::histogram!(
+                OVERRUN_TOKENS,
+                self.labels([
+                    (LABEL_NODE, node.to_string().into()),
+                    (LABEL_WALK, walk.to_string().into())
+                ])
+            ),
         }
     }
 
     /// The prepared-input gauges of `node` (rows, tokens).
     pub(crate) fn prepared(&self, node: &Name) -> (Gauge, Gauge) {
         (
-            metrics::gauge!(PREPARED_INPUTS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string()),
-            metrics::gauge!(PREPARED_INPUT_TOKENS, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string()),
+            metrics::gauge!(
+                PREPARED_INPUTS,
+                self.labels([(LABEL_NODE, node.to_string().into())])
+            ),
+            metrics::gauge!(
+                PREPARED_INPUT_TOKENS,
+                self.labels([(LABEL_NODE, node.to_string().into())])
+            ),
         )
     }
 
     /// The queue-depth gauges of `node`.
     pub(crate) fn queue(&self, node: &Name) -> QueueGauges {
-        let gauge = |name: &'static str| metrics::gauge!(name, LABEL_MODEL => self.model_label(), LABEL_NODE => node.to_string());
+        let gauge = |name: &'static str| {
+            metrics::gauge!(name, self.labels([(LABEL_NODE, node.to_string().into())]))
+        };
         QueueGauges {
             waiting: gauge(ROWS_WAITING),
             mid_prefill: gauge(ROWS_MID_PREFILL),

@@ -29,6 +29,33 @@ impl ChunkingManagement {
         I: IntoIterator<Item = (S, SubmoduleCaps)>,
         S: AsRef<str>,
     {
+        Self::start_labelled(Instance::new(Name::from(model)), submodules)
+    }
+
+    /// [`ChunkingManagement::start`] for one worker of a fleet (a replayed fleet has one
+    /// instance per worker in one process): every metric series carries a `worker` label with
+    /// `worker` besides `model`, so the workers export separate series.
+    ///
+    /// # Errors
+    /// As [`ChunkingManagement::start`].
+    pub fn start_worker<I, S>(
+        model: &str,
+        worker: &str,
+        submodules: I,
+    ) -> Result<Self, ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
+        let instance = Instance::new(Name::from(model)).with_worker(Name::from(worker));
+        Self::start_labelled(instance, submodules)
+    }
+
+    fn start_labelled<I, S>(instance: Instance, submodules: I) -> Result<Self, ChunkingError>
+    where
+        I: IntoIterator<Item = (S, SubmoduleCaps)>,
+        S: AsRef<str>,
+    {
         if actix::System::try_current().is_none() || actix::Arbiter::try_current().is_none() {
             return Err(ChunkingError::NoActixSystem);
         }
@@ -36,8 +63,7 @@ impl ChunkingManagement {
             .into_iter()
             .map(|(n, c)| (Name::from(n.as_ref()), c))
             .collect();
-        let model = Name::from(model);
-        let instance = Instance::new(model.clone());
+        let model = instance.model_name().clone();
         instance.started();
         let instance_handle = instance.clone();
         // Supervised: an actor that panics is restarted with its state, on this arbiter.

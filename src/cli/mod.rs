@@ -27,11 +27,14 @@ mod config_cmd;
 mod fit_cmd;
 mod replay_cmd;
 mod sweep_cmd;
+mod sweep_fleet;
+mod sweep_jobs;
 
 pub use config_cmd::{budgets, check, render_table, rows_json};
 pub use fit_cmd::fit;
 pub use replay_cmd::{load_for_replay, replay};
 pub use sweep_cmd::sweep;
+pub use sweep_jobs::sweep_cell;
 
 /// The exit code of a refused configuration (and of clap's usage errors).
 pub const EXIT_CONFIG: u8 = 2;
@@ -58,6 +61,9 @@ pub enum Command {
     /// Replay the trace over a grid of token budgets x rate scales, find each budget's capacity
     /// under a latency objective, and write a table, CSV, JSON, SVG/PNG plots and report.html.
     Sweep(SweepArgs),
+    /// Run one cell of a job directory written by `sweep --emit-jobs`, and write its result
+    /// into the directory (atomically; a cell already done is left as it is).
+    SweepCell(SweepCellArgs),
     /// Fit the step latency model from a replay step log (with `ms`) or a CSV of step features
     /// (`tokens,kv_tokens,attention_pairs,ms`); print the coefficients, R², error quantiles and
     /// a `[chunking.cost.<node>]` table.
@@ -217,6 +223,34 @@ impl KvArgs {
     }
 }
 
+/// `replay`'s fleet as flags: `replay.fleet.workers` and `replay.fleet.router`.
+#[derive(Debug, Clone, Default, PartialEq, Args)]
+pub struct FleetArgs {
+    /// Component instances replayed side by side behind the router, 1 to 256:
+    /// `replay.fleet.workers`
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    pub workers: Option<String>,
+    /// How each request is sent to a worker at its arrival: round_robin, least_outstanding,
+    /// least_kv or prefix_affinity: `replay.fleet.router`
+    #[arg(
+        long,
+        value_name = "NAME",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub router: Option<String>,
+}
+
+impl FleetArgs {
+    /// The flags given, as config edits.
+    pub fn flags(&self) -> Vec<config::FlagSetting> {
+        use config::FlagSetting as F;
+        let mut v = Vec::new();
+        v.extend(self.workers.as_deref().map(F::workers));
+        v.extend(self.router.as_deref().map(F::router));
+        v
+    }
+}
+
 /// What `--help` of `replay` and `sweep` says of settings.
 const SETTINGS_HELP: &str = "Every setting is a config key: config/default.toml lists them all, with their defaults, and docs/config.md describes them. Layers, each over the one before: config/default.toml (a built-in copy outside the repository), config/$MSTAR_ENV.toml, each --config FILE, MSTAR__SECTION__KEY environment variables, then the flags above, each the key it names, refused as the key is.";
 
@@ -236,6 +270,9 @@ pub struct ReplayArgs {
     /// KV memory as flags.
     #[command(flatten)]
     pub kv: KvArgs,
+    /// The fleet as flags.
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Multiply the arrival rate (2.0 = arrivals twice as dense), from 1e-6 to 1e6
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = rate_scale)]
     pub rate_scale: f64,
@@ -262,7 +299,7 @@ pub struct ReplayArgs {
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying (a reload
     /// reads the layers again without the flags, so none may be given)
-    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory"])]
+    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
@@ -316,6 +353,37 @@ pub struct SweepArgs {
     /// and OUT/orders.* compares them
     #[arg(long, value_name = "LIST", conflicts_with = "kv_blocks")]
     pub orders: Option<String>,
+    /// Fleet sizes (`replay.fleet.workers`), ascending, comma-separated: the grid runs once per
+    /// size and router, each into OUT/fleet-ROUTER-N/; OUT/sweep.csv then has `router` and
+    /// `workers` columns and OUT/fleet.* gives the fewest workers that meet the objective
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
+    pub workers: Option<String>,
+    /// Routers (`replay.fleet.router`) for the fleet sizes of `--workers`, comma-separated
+    /// [default: the config's router]
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
+    pub routers: Option<String>,
+    /// Write every cell of the grid as a job into DIR (its inputs copied in, a manifest naming
+    /// each cell by index) instead of running it; run the cells with `sweep-cell DIR INDEX`
+    /// anywhere, then `sweep --merge DIR`
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "merge"])]
+    pub emit_jobs: Option<PathBuf>,
+    /// Build the sweep's outputs into --out from the results of a job directory's cells
+    /// (everything else comes from the directory); exits 3 when the capacity searches need
+    /// another wave of cells, which it adds to the directory
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers"])]
+    pub merge: Option<PathBuf>,
+}
+
+/// `sweep-cell` arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct SweepCellArgs {
+    /// A job directory written by `sweep --emit-jobs`
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The cell to run [default: $JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else
+    /// $SLURM_ARRAY_TASK_ID (a Slurm job array)]
+    #[arg(value_name = "INDEX")]
+    pub index: Option<u64>,
 }
 
 /// `fit` arguments.

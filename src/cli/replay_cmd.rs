@@ -92,11 +92,12 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
     let load = args.config.load_options();
     let mut flags = args.settings.flags();
     flags.extend(args.kv.flags());
-    let loaded = match load_for_replay(&load, &flags) {
-        Ok((l, _)) => {
+    flags.extend(args.fleet.flags());
+    let (loaded, workers) = match load_for_replay(&load, &flags) {
+        Ok((l, setup)) => {
             init_logging(&l);
             note_built_in_copies(&l);
-            l
+            (l, setup.fleet.workers)
         }
         Err(errors) => {
             report(&errors);
@@ -130,11 +131,25 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         stop: None,
         ..args.source.options()
     };
+    if args.watch_config && workers > 1 {
+        say(&format!(
+            "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.workers` is {workers} (from {}): replay a fleet without it",
+            loaded.origins.of("replay.fleet.workers")
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
     actix::System::new().block_on(async {
-        let cm = match crate::ChunkingManagement::start(
-            &loaded.manifest.name,
-            loaded.manifest.submodules(),
-        ) {
+        // Worker 0 of a fleet is labelled as its others are (a `worker` label only then).
+        let started = if workers > 1 {
+            crate::ChunkingManagement::start_worker(
+                &loaded.manifest.name,
+                "0",
+                loaded.manifest.submodules(),
+            )
+        } else {
+            crate::ChunkingManagement::start(&loaded.manifest.name, loaded.manifest.submodules())
+        };
+        let cm = match started {
             Ok(cm) => cm,
             Err(e) => {
                 say(&format!("error: {e}"));

@@ -18,6 +18,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         say(&format!("error: {e}"));
         ExitCode::from(EXIT_CONFIG)
     };
+    if let Some(dir) = &args.merge {
+        return super::sweep_jobs::merge(args, dir);
+    }
     let load = args.config.load_options();
     let (loaded, setup) = match load_for_replay(&load, &args.settings.flags()) {
         Ok((l, s)) => {
@@ -35,8 +38,9 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         rates,
         kv_axis,
         order_axis,
+        fleet_axis,
         slo,
-    } = match parse_grid(args) {
+    } = match parse_grid(args, &setup) {
         Ok(g) => g,
         Err(e) => return usage(&e),
     };
@@ -83,6 +87,19 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             return usage(&e);
         }
     }
+    if let Some(dir) = &args.emit_jobs {
+        let plan = super::sweep_jobs::Plan {
+            load: &load,
+            loaded: &loaded,
+            setup: &setup,
+            base: &base,
+            trace: &trace,
+            budgets: &budgets,
+            rates: &rates,
+            slo,
+        };
+        return super::sweep_jobs::emit(args, dir, &plan);
+    }
     // Created only now that every input was accepted, and removed again if the sweep writes
     // nothing into it.
     let created = !args.out.exists();
@@ -117,6 +134,11 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     }
     if let Some(axis) = order_axis {
         return sweep_order_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
+    }
+    if let Some(axis) = fleet_axis {
+        return super::sweep_fleet::sweep_fleet_axis(
+            args, &opts, &loaded, &base, &trace, &inputs, &axis,
+        );
     }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
@@ -179,12 +201,14 @@ struct Grid {
     rates: Vec<f64>,
     kv_axis: Option<Vec<crate::sweep::kv_axis::KvBlocks>>,
     order_axis: Option<Vec<crate::order::Order>>,
+    fleet_axis: Option<super::sweep_fleet::FleetAxis>,
     slo: Option<crate::sweep::Slo>,
 }
 
-/// `--budgets`, `--rates`, `--kv-blocks`, the SLO flags and `--step-time-rate`, or the first
-/// refused one.
-fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
+/// `--budgets`, `--rates`, `--kv-blocks`, `--orders`, `--workers` and `--routers` (the
+/// config's fleet filling in the one not given), the SLO flags and `--step-time-rate`, or the
+/// first refused one.
+fn parse_grid(args: &SweepArgs, setup: &crate::replay::ReplaySetup) -> Result<Grid, String> {
     use crate::sweep;
     let budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
     let rates = sweep::parse_rates(&args.rates).map_err(|e| e.to_string())?;
@@ -200,6 +224,7 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         .map(sweep::order_axis::parse_orders)
         .transpose()
         .map_err(|e| e.to_string())?;
+    let fleet_axis = super::sweep_fleet::parse_fleet_axis(args, setup)?;
     let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
         Some(sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90).map_err(|e| e.to_string())?)
     } else {
@@ -216,6 +241,7 @@ fn parse_grid(args: &SweepArgs) -> Result<Grid, String> {
         rates,
         kv_axis,
         order_axis,
+        fleet_axis,
         slo,
     })
 }

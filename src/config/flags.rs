@@ -218,6 +218,22 @@ impl FlagSetting {
         }
         Ok(Self::new("--kv-memory", edits))
     }
+
+    /// `--workers N`: `replay.fleet.workers`, the component instances replayed side by side.
+    pub fn workers(value: &str) -> Self {
+        Self::new(
+            "--workers",
+            vec![Edit::Set("replay.fleet.workers".into(), typed(value))],
+        )
+    }
+
+    /// `--router NAME`: `replay.fleet.router`, how a request is sent to a worker.
+    pub fn router(value: &str) -> Self {
+        Self::new(
+            "--router",
+            vec![Edit::Set("replay.fleet.router".into(), typed(value))],
+        )
+    }
 }
 
 fn kv_unsized() -> Vec<Edit> {

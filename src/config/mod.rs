@@ -33,8 +33,8 @@ pub use flags::FlagSetting;
 pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
-    ChunkingSection, CostSection, KvSection, Listen, LogFormat, LogSection, MetricsSection,
-    PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
+    ChunkingSection, CostSection, FleetSection, KvSection, Listen, LogFormat, LogSection,
+    MetricsSection, PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
 pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
 

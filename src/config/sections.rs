@@ -172,6 +172,8 @@ pub struct ReplaySection {
     pub prefix_cache: PrefixCacheSection,
     /// The simulated KV-cache memory (`docs/kv-memory.md`); unset: unlimited.
     pub kv: KvSection,
+    /// The workers replayed behind a router (`docs/fleet.md`); default: one worker.
+    pub fleet: FleetSection,
 }
 
 /// A step's simulated duration (`docs/cost-model.md`): `base_ms + per_token_ms·T +
@@ -285,6 +287,32 @@ impl Default for PrefixCacheSection {
         Self {
             blocks: 0,
             block_tokens: 512,
+        }
+    }
+}
+
+/// `[replay.fleet]`: how many instances of the component the replay runs side by side, and the
+/// router that sends each request to one of them (`docs/fleet.md`). Checked by
+/// [`crate::replay::settings`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetSection {
+    /// Workers, each a component instance with its own queues, KV memory and prefix cache.
+    pub workers: u32,
+    /// How a request is sent to a worker: `round_robin`, `least_outstanding`, `least_kv` or
+    /// `prefix_affinity`.
+    pub router: String,
+    /// `prefix_affinity` follows a prefix only to a worker with at most this many outstanding
+    /// requests more than the least loaded one.
+    pub affinity_slack: u32,
+}
+
+impl Default for FleetSection {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            router: "round_robin".into(),
+            affinity_slack: 8,
         }
     }
 }

@@ -189,6 +189,7 @@ mod tests {
             cache_blocks: 0,
             cache_block_tokens: 512,
             kv: None,
+            fleet: Default::default(),
         }
     }
 

@@ -191,6 +191,14 @@ impl KvPool {
         self.samples += 1;
     }
 
+    /// Pools another worker's pool figures (of the same size) into these: the larger peak, and
+    /// every step's sample for the mean.
+    pub fn absorb_figures(&mut self, other: &KvPool) {
+        self.peak = self.peak.max(other.peak);
+        self.used_sum += other.used_sum;
+        self.samples += other.samples;
+    }
+
     /// The most blocks ever in use.
     pub fn peak(&self) -> u64 {
         self.peak

@@ -5,6 +5,8 @@
 //! - [`trace`]: the Azure CSV and Mooncake JSON Lines readers, and the bundled trace;
 //! - `sim`: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
 //! - `prefix_cache`: the LRU of prompt blocks keyed by a trace's block hashes;
+//! - [`fleet`], [`router`], [`fleet_report`]: several workers behind a router on one clock
+//!   (`replay.fleet`), the router's rules, and the fleet's part of the report;
 //! - [`priority`]: `--priority-by`, and the TTFT/TBT per priority class;
 //! - [`settings`]: the `[replay]` section, checked once for `check` and `replay`;
 //! - `step_log`: the `--step-log` JSON Lines writer, and outputs written by rename;
@@ -20,11 +22,16 @@ pub mod arrivals;
 mod budgets;
 mod checks;
 mod error;
+pub mod fleet;
+#[cfg(test)]
+mod fleet_equivalence;
+pub mod fleet_report;
 pub(crate) mod kv;
 mod options;
 pub(crate) mod prefix_cache;
 pub mod priority;
 pub mod report;
+pub mod router;
 mod run;
 pub mod settings;
 mod signals;
@@ -35,10 +42,12 @@ pub mod trace;
 pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, replay_budgets};
 pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
+pub use fleet::FleetSetup;
 pub use options::{ReplayOptions, StepHook, StopFlag};
 pub use priority::PriorityBy;
 pub use report::ReplayReport;
 pub use report::{RunSettings, StepDurations};
+pub use router::RouterKind;
 pub use run::{load_trace, run, run_on, run_trace, trace_warnings};
 pub use settings::{KvSetup, ReplaySetup};
 pub use signals::signal_exit_code;

@@ -22,6 +22,10 @@ pub struct PrefixCache {
     /// prefix's tail before its head (as vLLM frees a request's blocks); see
     /// [`PrefixCache::tail_first`].
     tail_first: bool,
+    /// In a fleet's worker, `hash -> when its KV cache was complete` (simulated ms): a router
+    /// looking at the cache while the step that computes a block still runs does not see the
+    /// block yet ([`PrefixCache::held_blocks_at`]). `None`: not tracked (one worker).
+    visible_from: Option<FxHashMap<u64, f64>>,
 }
 
 impl PrefixCache {
@@ -34,7 +38,16 @@ impl PrefixCache {
             by_use: BTreeMap::new(),
             tick: 0,
             tail_first: false,
+            visible_from: None,
         }
+    }
+
+    /// Tracks when each block's KV cache was complete, for a fleet's router
+    /// ([`PrefixCache::held_blocks_at`]).
+    #[must_use]
+    pub fn track_visibility(mut self) -> Self {
+        self.visible_from = Some(FxHashMap::default());
+        self
     }
 
     /// Makes a prompt's blocks recent from its last to its first, so that the least recently
@@ -83,17 +96,55 @@ impl PrefixCache {
     }
 
     /// Puts a prefilled prompt's blocks in, evicting the least recently used beyond capacity.
+    #[cfg(test)]
     pub fn insert(&mut self, hashes: &[u64]) {
+        self.insert_at(hashes, 0.0);
+    }
+
+    /// [`PrefixCache::insert`] by a step that ends at `t_ms`: the blocks new to the cache are
+    /// visible to a router from then on (when tracked).
+    pub fn insert_at(&mut self, hashes: &[u64], t_ms: f64) {
         if self.capacity == 0 {
             return;
+        }
+        if let Some(v) = &mut self.visible_from {
+            for h in hashes {
+                if !self.blocks.contains_key(h) {
+                    v.insert(*h, t_ms);
+                }
+            }
         }
         self.touch_all(hashes);
         while self.blocks.len() > self.capacity {
             let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
-            self.blocks.remove(&oldest);
+            self.forget(oldest);
         }
+    }
+
+    fn forget(&mut self, hash: u64) {
+        self.blocks.remove(&hash);
+        if let Some(v) = &mut self.visible_from {
+            v.remove(&hash);
+        }
+    }
+
+    /// How many of a prompt's leading blocks (`hashes`) the cache holds, as a router sees it
+    /// at `t_ms`: blocks still being computed by a step that ends after `t_ms` are not counted
+    /// (when tracked). Nothing becomes more recent.
+    pub fn held_blocks_at(&self, hashes: &[u64], t_ms: f64) -> u32 {
+        let mut seen = rustc_hash::FxHashSet::default();
+        let visible = |h: &u64| {
+            self.visible_from
+                .as_ref()
+                .is_none_or(|v| v.get(h).is_none_or(|&from| from <= t_ms))
+        };
+        let hits = hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h) && visible(h) && seen.insert(**h))
+            .count();
+        u32::try_from(hits).unwrap_or(u32::MAX)
     }
 
     /// What [`lookup`](Self::lookup) would answer, without making any block more recent (to
@@ -112,7 +163,7 @@ impl PrefixCache {
     pub fn evict_lru(&mut self) -> bool {
         match self.by_use.pop_first() {
             Some((_, oldest)) => {
-                self.blocks.remove(&oldest);
+                self.forget(oldest);
                 true
             }
             None => false,
@@ -184,6 +235,32 @@ mod tests {
         assert!(c.evict_lru());
         assert!(!c.evict_lru());
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_router_sees_a_block_once_the_step_computing_it_has_ended() {
+        let mut c = PrefixCache::new(8, 512).track_visibility();
+        c.insert_at(&[1, 2], 100.0);
+        // Blocks 1 and 2 ended at 100 ms; block 3 joins at 250 ms with 1 and 2 again.
+        c.insert_at(&[1, 2, 3], 250.0);
+        assert_eq!(c.held_blocks_at(&[1, 2, 3], 99.0), 0);
+        assert_eq!(c.held_blocks_at(&[1, 2, 3], 100.0), 2);
+        assert_eq!(c.held_blocks_at(&[1, 2, 3], 249.9), 2);
+        assert_eq!(c.held_blocks_at(&[1, 2, 3], 250.0), 3);
+        // A gap or a repeat stops the run, as a lookup's does.
+        assert_eq!(c.held_blocks_at(&[9, 1], 300.0), 0);
+        assert_eq!(c.held_blocks_at(&[1, 1, 2], 300.0), 1);
+        // An evicted block comes back with the time of its new insert.
+        let mut small = PrefixCache::new(1, 512).track_visibility();
+        small.insert_at(&[5], 10.0);
+        small.insert_at(&[6], 20.0);
+        small.insert_at(&[5], 30.0);
+        assert_eq!(small.held_blocks_at(&[5], 25.0), 0);
+        assert_eq!(small.held_blocks_at(&[5], 30.0), 1);
+        // Untracked: every block held counts, whenever it was put in.
+        let mut plain = PrefixCache::new(8, 512);
+        plain.insert_at(&[1, 2], 1e9);
+        assert_eq!(plain.held_blocks_at(&[1, 2], 0.0), 2);
     }
 
     #[test]

@@ -101,6 +101,17 @@ impl ByClass {
         }
     }
 
+    /// Pools another worker's samples of the same trace into these (its request counts are the
+    /// trace's, as these are).
+    pub(crate) fn absorb(&mut self, other: ByClass) {
+        for (priority, (_, ttft, tbt)) in other.classes {
+            if let Some(c) = self.classes.get_mut(&priority) {
+                c.1.extend(ttft);
+                c.2.absorb(&tbt);
+            }
+        }
+    }
+
     /// Each class's figures, by priority; empty with a single class (the totals say it all).
     pub(crate) fn finish(self) -> Vec<ClassLatency> {
         if self.classes.len() < 2 {

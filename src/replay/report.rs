@@ -105,6 +105,10 @@ pub struct ReplayReport {
     /// The KV memory model's figures (`docs/kv-memory.md`); absent with unlimited memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvReport>,
+    /// A fleet's settings and spread across its workers (`docs/fleet.md#the-report`); absent
+    /// with one worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<super::fleet_report::FleetReport>,
 }
 
 /// What KV memory did to a replay (`docs/kv-memory.md#the-summary`).
@@ -710,6 +714,27 @@ impl StepDurations {
         self.n += 1;
     }
 
+    /// Adds every duration `other` recorded, as if recorded here.
+    pub fn absorb(&mut self, other: &StepDurations) {
+        if other.n == 0 {
+            return;
+        }
+        if self.counts.len() < other.counts.len() {
+            self.counts.resize(other.counts.len(), 0);
+        }
+        for (c, o) in self.counts.iter_mut().zip(&other.counts) {
+            *c += o;
+        }
+        if self.n == 0 {
+            self.min = other.min;
+            self.max = other.max;
+        } else {
+            self.min = self.min.min(other.min);
+            self.max = self.max.max(other.max);
+        }
+        self.n += other.n;
+    }
+
     /// Steps recorded.
     pub fn len(&self) -> u64 {
         self.n
@@ -851,6 +876,9 @@ impl fmt::Display for ReplayReport {
                     )
                 },
             )?;
+        }
+        if let Some(fleet) = &self.fleet {
+            row(f, "fleet", fleet.label())?;
         }
         let skipped = if self.skipped_lines > 0 {
             format!(
@@ -1003,6 +1031,9 @@ impl fmt::Display for ReplayReport {
         }
         row(f, "TTFT p50/p90/p99", latency(&self.ttft_ms))?;
         row(f, "TBT p50/p90/p99", latency(&self.tbt_ms))?;
+        if let Some(fleet) = &self.fleet {
+            write!(f, "{fleet}")?;
+        }
         for c in &self.by_priority {
             row(
                 f,

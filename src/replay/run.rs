@@ -12,7 +12,7 @@ use super::report::{self, ReplayReport};
 use super::settings::{self, ReplaySetup};
 use super::signals::watch_signals;
 use super::trace::{self, Trace, TraceError, TraceFormat};
-use super::{sim, step_log};
+use super::{fleet, sim, step_log};
 use crate::config::Settings;
 use crate::manifest::Manifest;
 use crate::order::Order;
@@ -125,6 +125,20 @@ pub async fn run_trace(
     trace: &Trace,
     wall: Instant,
 ) -> Result<ReplayReport, ReplayError> {
+    run_trace_on(cm, manifest, settings, opts, trace, wall, false).await
+}
+
+/// [`run_trace`]; `fleet_loop` runs even one worker through the fleet's loop (`fleet.rs`),
+/// which a test holds to the single replay's results exactly.
+pub(crate) async fn run_trace_on(
+    cm: &ChunkingManagement,
+    manifest: &Manifest,
+    settings: &Settings,
+    opts: &ReplayOptions,
+    trace: &Trace,
+    wall: Instant,
+    fleet_loop: bool,
+) -> Result<ReplayReport, ReplayError> {
     settings::check_rate_scale(opts.rate_scale).map_err(ReplayError::RateScale)?;
     let setup = ReplaySetup::resolve(manifest, settings)?;
     check_run_outputs(opts)?;
@@ -158,38 +172,55 @@ pub async fn run_trace(
         .map_err(ReplayError::chunking("reading the budgets back"))?
         .table()
         .max_batch_tokens(&setup.node, sim::first_chunk_walk(&setup.walks));
-    let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
-        .time_budgets(&labels.budgets)
-        .first_chunk_cap(cap)
-        .priority_preemption(budgets.order.of(&setup.node).order == Order::Priority);
+    let priority_preemption = budgets.order.of(&setup.node).order == Order::Priority;
     let flag = opts.stop.as_ref().map(|f| f.0.clone());
-    let _signals = if opts.handle_signals {
+    let (stop, _signals) = if opts.handle_signals {
         let flag = flag.unwrap_or_default();
-        sim = sim.stop_on(flag.clone());
-        watch_signals(flag)
+        (Some(flag.clone()), watch_signals(flag))
     } else {
-        if let Some(flag) = flag {
-            sim = sim.stop_on(flag);
-        }
-        None
+        (flag, None)
     };
     tracing::debug!(
         requests = trace.requests.len(),
         node = %setup.node,
+        workers = setup.fleet.workers,
         "replay started"
     );
-    let mut report = sim.run().await?;
+    let mut report = if setup.fleet.workers > 1 || fleet_loop {
+        let plan = fleet::WorkerPlan {
+            budgets: &budgets,
+            walk_budgets: &labels.budgets,
+            first_chunk_cap: cap,
+            priority_preemption,
+            stop,
+        };
+        fleet::run(cm, manifest, &setup, trace, opts, step_log, plan).await?
+    } else {
+        let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
+            .time_budgets(&labels.budgets)
+            .first_chunk_cap(cap)
+            .priority_preemption(priority_preemption);
+        if let Some(flag) = stop {
+            sim = sim.stop_on(flag);
+        }
+        sim.run().await?
+    };
     report.settings = labels;
     let mut warnings = trace_warnings(&setup, trace);
     warnings.append(&mut report.warnings);
     report.warnings = warnings;
 
     // Every prompt ran its final chunk, so every prepared input must have been released
-    // (unless a signal stopped the replay midway: then the counts are reported).
+    // (unless a signal stopped the replay midway: then the counts are reported). A fleet's
+    // report holds its other workers' already.
     let (rows, tokens) = cm
         .prepared_totals()
         .await
         .map_err(ReplayError::chunking("counting prepared inputs left"))?;
+    let (rows, tokens) = (
+        rows + report.prepared_left_rows,
+        tokens + report.prepared_left_tokens,
+    );
     if report.interrupted.is_none() && (rows != 0 || tokens != 0) {
         return Err(ReplayError::PreparedLeft { rows, tokens });
     }

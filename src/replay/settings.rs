@@ -50,6 +50,8 @@ pub struct ReplaySetup {
     pub cache_block_tokens: u32,
     /// The KV-cache memory (`[replay.kv]`); `None`: unlimited.
     pub kv: Option<KvSetup>,
+    /// The workers and their router (`[replay.fleet]`); one worker by default.
+    pub fleet: super::fleet::FleetSetup,
 }
 
 /// The KV pool a replay simulates (`docs/kv-memory.md`), resolved from `[replay.kv]`.
@@ -223,6 +225,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
         );
     }
     let kv = check_kv(&r.kv, &mut refuse);
+    let fleet = super::fleet::check(&r.fleet, &mut refuse);
     match node {
         Some(node) if problems.is_empty() => Ok(ReplaySetup {
             node,
@@ -237,6 +240,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
             cache_blocks: p.blocks as usize,
             cache_block_tokens: p.block_tokens,
             kv,
+            fleet,
         }),
         _ => Err(problems),
     }

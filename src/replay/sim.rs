@@ -16,6 +16,7 @@
 //! not fit the KV memory (`abandon`, the preempted requests forgotten, `assemble` again;
 //! `sim/memory.rs`).
 
+use std::collections::VecDeque;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -26,10 +27,8 @@ use rand::{Rng, SeedableRng};
 
 use super::prefix_cache::PrefixCache;
 use super::priority::ByClass;
-use super::report::{
-    ChunkCounts, Latency, OverrunCounts, ReplayReport, StepDurations, TokenCounts,
-};
-use super::step_log::StepLog;
+use super::report::{ChunkCounts, OverrunCounts, ReplayReport, StepDurations, TokenCounts};
+use super::step_log::{StepLog, StepSink};
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup, DECODE_WALK, PREFILL_WALK};
 use crate::latency::StepFeatures;
@@ -41,8 +40,11 @@ use crate::scheduler::{Batch, NextStep, StepOutcome};
 use crate::{AdmitOptions, ChunkingManagement};
 
 mod memory;
+mod tally;
+mod worker;
 
 pub use memory::first_chunk_walk;
+pub(crate) use tally::Tally;
 
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;
@@ -95,7 +97,7 @@ pub struct Sim<'a> {
     setup: &'a ReplaySetup,
     trace: &'a Trace,
     opts: &'a ReplayOptions,
-    step_log: Option<StepLog>,
+    step_log: Option<StepSink>,
     /// Arrivals in simulated ms (trace times scaled by `1 / rate_scale`).
     arrivals: Vec<f64>,
     /// `rid -> index` into the trace's requests (rids skip bad lines).
@@ -149,6 +151,39 @@ pub struct Sim<'a> {
     node_name: Name,
     walk_names: Vec<Name>,
     decode_walk: Name,
+    /// The requests this simulation admits, in arrival order.
+    inbox: Inbox,
+    /// The step simulated last, completed by the message that assembles the next one.
+    pending: Option<Pending>,
+    /// Turns taken: the step walk of the next is `turns % walks`.
+    turns: usize,
+    /// Turns in a row whose step scheduled no row (a stall, once every walk had one).
+    empty_streak: usize,
+    /// What a fleet's router sees of this worker: requests and prompt tokens sent to it, and
+    /// the figures it had while its last step ran (`sim/worker.rs`).
+    routed: usize,
+    routed_tokens: u64,
+    /// Prompt and generated tokens of the requests whose last token is out.
+    done_tokens: u64,
+    in_step: worker::Load,
+}
+
+/// The requests a simulation admits, in arrival order.
+enum Inbox {
+    /// Every request of the trace (one worker): the next to arrive.
+    Trace { next: usize },
+    /// Those a fleet's router sent to this worker, not yet arrived at a step.
+    Routed(VecDeque<usize>),
+}
+
+/// What one turn of the loop did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// A step was assembled (it may have had no row).
+    Stepped,
+    /// Nothing to run and nothing left to arrive: the simulation is done (for a fleet's
+    /// worker, until its router sends it more).
+    Idle,
 }
 
 /// What one step did.
@@ -252,6 +287,7 @@ impl<'a> Sim<'a> {
             wall_ms: 0.0,
             steps_per_second: 0.0,
             step_log: step_log.as_ref().map(|l| l.path().display().to_string()),
+            fleet: None,
             interrupted: None,
             kv: None,
         };
@@ -260,7 +296,7 @@ impl<'a> Sim<'a> {
             setup,
             trace,
             opts,
-            step_log,
+            step_log: step_log.map(StepSink::Own),
             arrivals: reqs
                 .iter()
                 .map(|r| r.arrival_ms / opts.rate_scale)
@@ -307,6 +343,14 @@ impl<'a> Sim<'a> {
             node_name: Name::from(setup.node.as_str()),
             walk_names: setup.walks.iter().map(|w| Name::from(w.as_str())).collect(),
             decode_walk: Name::from(DECODE_WALK),
+            inbox: Inbox::Trace { next: 0 },
+            pending: None,
+            turns: 0,
+            empty_streak: 0,
+            routed: 0,
+            routed_tokens: 0,
+            done_tokens: 0,
+            in_step: worker::Load::default(),
         }
     }
 
@@ -388,13 +432,7 @@ impl<'a> Sim<'a> {
     /// stalled (rows queued that no step schedules).
     pub async fn run(mut self) -> Result<ReplayReport, ReplayError> {
         let progress = self.progress_bar();
-        let n = self.arrivals.len();
-        let mut next = 0usize;
-        let mut turn = 0usize;
-        let mut empty_streak = 0usize;
         self.check_kv_fits()?;
-        // The step simulated last, completed by the message that assembles the next one.
-        let mut pending: Option<Pending> = None;
         loop {
             if let Some(sig) = self.stop.as_ref().map(|f| f.load(Ordering::SeqCst)) {
                 if sig != 0 {
@@ -402,48 +440,8 @@ impl<'a> Sim<'a> {
                     break;
                 }
             }
-            if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() == 0 {
-                if next == n {
-                    break;
-                }
-                self.t_ms = self.t_ms.max(self.arrivals[next]);
-            }
-            while next < n && self.arrivals[next] <= self.t_ms {
-                match &mut self.kv {
-                    Some(kv) => kv.enqueue_arrival(next, self.t_ms),
-                    None => self.admit(next),
-                }
-                next += 1;
-            }
-            if self.kv.is_some() && self.admit_waiting().await? {
-                // Admitting or preempting changes what a step can schedule.
-                empty_streak = 0;
-            }
-            let walk = turn % self.setup.walks.len();
-            turn += 1;
-            let batch = self.next_batch(pending.take(), walk).await?;
-            let (stepped, done) = self.step(batch, walk).await?;
-            pending = Some(done);
-            match stepped {
-                Stepped::Ran => empty_streak = 0,
-                // Preemption emptied the component: the next admission runs the waiting head.
-                Stepped::Empty
-                    if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() > 0 => {}
-                Stepped::Empty => {
-                    empty_streak += 1;
-                    // Every step walk had its turn and none scheduled a row: nothing will change.
-                    if empty_streak >= self.setup.walks.len() {
-                        if let Some(p) = pending.take() {
-                            self.complete_alone(p).await?;
-                        }
-                        return Err(ReplayError::Stalled {
-                            t_ms: self.t_ms,
-                            node: self.setup.node.clone(),
-                            prefilling: self.prefilling,
-                            decoding: self.decoding,
-                        });
-                    }
-                }
+            if self.turn().await? == Turn::Idle {
+                break;
             }
             if let Some(hook) = &self.opts.on_step {
                 hook.call(self.report.steps);
@@ -455,13 +453,95 @@ impl<'a> Sim<'a> {
             }
         }
         // The last step, or the one before a stop: nothing comes next.
-        if let Some(p) = pending.take() {
-            self.complete_alone(p).await?;
-        }
+        self.complete_last().await?;
         if let Some(pb) = progress {
             pb.finish_and_clear();
         }
         self.finish()
+    }
+
+    /// One turn of the loop: the requests that arrived by the next step's start admitted (the
+    /// clock first jumps to the next arrival when nothing is queued), then one step assembled,
+    /// in the message that completes the step before it, and simulated.
+    ///
+    /// # Errors
+    /// As [`Sim::run`].
+    pub(crate) async fn turn(&mut self) -> Result<Turn, ReplayError> {
+        if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() == 0 {
+            let Some(i) = self.next_arrival() else {
+                return Ok(Turn::Idle);
+            };
+            self.t_ms = self.t_ms.max(self.arrivals[i]);
+        }
+        while let Some(i) = self
+            .next_arrival()
+            .filter(|&i| self.arrivals[i] <= self.t_ms)
+        {
+            self.take_arrival();
+            match &mut self.kv {
+                Some(kv) => kv.enqueue_arrival(i, self.t_ms),
+                None => self.admit(i),
+            }
+        }
+        if self.kv.is_some() && self.admit_waiting().await? {
+            // Admitting or preempting changes what a step can schedule.
+            self.empty_streak = 0;
+        }
+        let walk = self.turns % self.setup.walks.len();
+        self.turns += 1;
+        let pending = self.pending.take();
+        let batch = self.next_batch(pending, walk).await?;
+        let (stepped, done) = self.step(batch, walk).await?;
+        self.pending = Some(done);
+        match stepped {
+            Stepped::Ran => self.empty_streak = 0,
+            // Preemption emptied the component: the next admission runs the waiting head.
+            Stepped::Empty
+                if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() > 0 => {}
+            Stepped::Empty => {
+                self.empty_streak += 1;
+                // Every step walk had its turn and none scheduled a row: nothing will change.
+                if self.empty_streak >= self.setup.walks.len() {
+                    self.complete_last().await?;
+                    return Err(ReplayError::Stalled {
+                        t_ms: self.t_ms,
+                        node: self.setup.node.clone(),
+                        prefilling: self.prefilling,
+                        decoding: self.decoding,
+                    });
+                }
+            }
+        }
+        Ok(Turn::Stepped)
+    }
+
+    /// The trace index of the next request to arrive here, if any.
+    fn next_arrival(&self) -> Option<usize> {
+        match &self.inbox {
+            Inbox::Trace { next } => (*next < self.arrivals.len()).then_some(*next),
+            Inbox::Routed(q) => q.front().copied(),
+        }
+    }
+
+    /// Takes the next request to arrive out of the inbox.
+    fn take_arrival(&mut self) {
+        match &mut self.inbox {
+            Inbox::Trace { next } => *next += 1,
+            Inbox::Routed(q) => {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// Completes the step simulated last alone (nothing comes next), if there is one.
+    ///
+    /// # Errors
+    /// The component refused or did not answer, or the step log could not be written.
+    pub(crate) async fn complete_last(&mut self) -> Result<(), ReplayError> {
+        match self.pending.take() {
+            Some(p) => self.complete_alone(p).await,
+            None => Ok(()),
+        }
     }
 
     /// The batch of the next step, on step walk `walk`: in one message that completes
@@ -711,6 +791,8 @@ impl<'a> Sim<'a> {
         let t_end = t_start + step_ms;
         self.report.step_ms.record(step_ms);
         let kv_line = self.kv.as_mut().map(memory::KvState::step_line);
+        // What a fleet's router sees of this worker until the step ends.
+        self.in_step = self.load_now();
 
         let rep = &mut self.report;
         rep.steps += 1;
@@ -749,6 +831,8 @@ impl<'a> Sim<'a> {
                     s.generated += 1;
                     s.remaining = s.remaining.saturating_sub(1);
                     if s.remaining == 0 {
+                        self.done_tokens +=
+                            u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated);
                         s.phase = Phase::Done;
                         self.changes.push(Change::Forget(row.rid));
                         self.decoding -= 1;
@@ -794,7 +878,7 @@ impl<'a> Sim<'a> {
             )
             .map_err(|source| ReplayError::Write {
                 what: "step log",
-                path: log.path().to_owned(),
+                path: log.path(),
                 source,
             })?;
         }
@@ -855,7 +939,7 @@ impl<'a> Sim<'a> {
             self.by_class.ttft(req.priority, t_end - self.arrivals[i]);
         }
         if let Some(c) = &mut self.cache {
-            c.insert(self.trace.hashes(req));
+            c.insert_at(self.trace.hashes(req), t_end);
         }
         self.fit_cache();
         let s = &mut self.state[i];
@@ -870,6 +954,7 @@ impl<'a> Sim<'a> {
         }
         s.generated += 1;
         if s.remaining == 0 {
+            self.done_tokens += u64::from(req.input_tokens) + u64::from(s.generated);
             s.phase = Phase::Done;
             self.done += 1;
             self.release_kv(i);
@@ -882,7 +967,7 @@ impl<'a> Sim<'a> {
     }
 
     fn finish(mut self) -> Result<ReplayReport, ReplayError> {
-        if let Some(log) = self.step_log.take() {
+        if let Some(StepSink::Own(log)) = self.step_log.take() {
             let path = log.path().to_owned();
             log.finish().map_err(|source| ReplayError::Write {
                 what: "step log",
@@ -890,26 +975,25 @@ impl<'a> Sim<'a> {
                 source,
             })?;
         }
-        let first = self.arrivals.first().copied().unwrap_or(0.0);
-        let mut rep = self.report;
-        rep.simulated_ms = self.t_ms - first;
-        rep.budget_utilisation =
-            (self.budget_sum > 0).then(|| self.budget_used as f64 / self.budget_sum as f64);
-        rep.cut_step_utilisation = (self.cut_budget_sum > 0)
-            .then(|| self.cut_budget_used as f64 / self.cut_budget_sum as f64);
-        rep.ttft_ms = Latency::of(&mut self.ttft);
-        rep.tbt_ms = self.tbt.latency();
-        rep.by_priority = self.by_class.finish();
-        if let Some(t) = rep.time_budget.as_ref().filter(|t| t.inactive_steps > 0) {
-            rep.warnings.push(format!(
-                "the time budget was inactive for {} of {} steps: {}",
-                t.inactive_steps,
-                t.steps,
-                t.inactive_reason.as_deref().unwrap_or("no latency model")
-            ));
+        Ok(self.into_tally().finish())
+    }
+
+    /// What the simulation counted, before the figures that need every sample: for its own
+    /// report, or for a fleet to pool with its other workers'.
+    pub(crate) fn into_tally(self) -> Tally {
+        Tally {
+            first_arrival_ms: self.arrivals.first().copied().unwrap_or(0.0),
+            end_ms: self.t_ms,
+            report: self.report,
+            budget_sum: self.budget_sum,
+            budget_used: self.budget_used,
+            cut_budget_sum: self.cut_budget_sum,
+            cut_budget_used: self.cut_budget_used,
+            ttft: self.ttft,
+            tbt: self.tbt,
+            by_class: self.by_class,
+            kv: self.kv,
         }
-        rep.kv = self.kv.take().map(memory::KvState::report);
-        Ok(rep)
     }
 }
 

@@ -18,9 +18,11 @@
 //! into a temporary file next to the log, renamed over it by [`StepLog::finish`]: an
 //! interrupted or failed run leaves the previous file or a complete one, never half a line.
 
+use std::cell::RefCell;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
@@ -33,6 +35,51 @@ use crate::scheduler::{Batch, BatchRow, StepOutcome};
 pub struct StepLog {
     path: PathBuf,
     out: Option<AtomicFile>,
+}
+
+/// Where a simulation writes its steps: a log of its own (one worker), or the log a fleet's
+/// workers share, each line naming the worker that ran the step.
+pub enum StepSink {
+    /// The replay's own log.
+    Own(StepLog),
+    /// A fleet's log, and the worker writing to it.
+    Shared {
+        /// The log, finished by the fleet once every worker is done.
+        log: Rc<RefCell<StepLog>>,
+        /// The worker's index, written on each of its lines when the fleet has two workers or
+        /// more (`None`: a fleet of one writes the lines of a single replay).
+        worker: Option<u32>,
+    },
+}
+
+impl StepSink {
+    /// The log's path.
+    pub fn path(&self) -> PathBuf {
+        match self {
+            StepSink::Own(log) => log.path().to_owned(),
+            StepSink::Shared { log, .. } => log.borrow().path().to_owned(),
+        }
+    }
+
+    /// Writes one step, as [`StepLog::write_line`] does, with the worker on a shared log.
+    ///
+    /// # Errors
+    /// The write failed.
+    pub fn write_with(
+        &mut self,
+        t_ms: f64,
+        batch: &Batch,
+        contexts: &[u64],
+        outcome: &StepOutcome,
+        kv: Option<&KvStepLine>,
+    ) -> io::Result<()> {
+        match self {
+            StepSink::Own(log) => log.write_line(None, t_ms, batch, contexts, outcome, kv),
+            StepSink::Shared { log, worker } => log
+                .borrow_mut()
+                .write_line(*worker, t_ms, batch, contexts, outcome, kv),
+        }
+    }
 }
 
 /// A file written under a temporary name in the same directory and renamed over its path when
@@ -127,10 +174,13 @@ impl StepLog {
     /// memory of the step when the replay models it (a `kv` object; no such key without a KV
     /// limit).
     ///
+    /// The line names `worker` when there is one (a fleet's).
+    ///
     /// # Errors
     /// The write failed.
-    pub fn write_with(
+    pub fn write_line(
         &mut self,
+        worker: Option<u32>,
         t_ms: f64,
         batch: &Batch,
         contexts: &[u64],
@@ -138,6 +188,7 @@ impl StepLog {
         kv: Option<&KvStepLine>,
     ) -> io::Result<()> {
         let line = StepLine {
+            worker,
             t_ms,
             batch,
             contexts,
@@ -165,6 +216,7 @@ impl StepLog {
 }
 
 struct StepLine<'a> {
+    worker: Option<u32>,
     t_ms: f64,
     batch: &'a Batch,
     contexts: &'a [u64],
@@ -220,6 +272,9 @@ impl Serialize for StepLine<'_> {
         let (b, o) = (self.batch, self.outcome);
         let mut m = s.serialize_map(Some(16))?;
         m.serialize_entry("step", &b.step)?;
+        if let Some(w) = self.worker {
+            m.serialize_entry("worker", &w)?;
+        }
         m.serialize_entry("t_ms", &ms(self.t_ms))?;
         m.serialize_entry("node", &*b.node)?;
         m.serialize_entry("walk", &*b.walk)?;

@@ -12,6 +12,10 @@
 //! - [`plots`]: the trade-off curve, capacity bars and step-time distributions, SVG and PNG;
 //! - [`html`]: the self-contained `report.html`;
 //! - [`kv_axis`]: `--kv-blocks`, the grid run once per KV pool size, and their comparison.
+//! - [`jobs`]: the sweep as a job directory for a cluster engine: the manifest, a cell's
+//!   result, and merging the results (in rounds for the capacity searches).
+//! - [`fleet_axis`]: `--workers` and `--routers`, the grid run once per fleet, and the fewest
+//!   workers that meet the objective at each rate.
 //! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
 //!   comparison.
 
@@ -26,8 +30,10 @@ use serde::Serialize;
 
 pub mod capacity;
 pub(crate) mod cells;
+pub mod fleet_axis;
 pub mod grid;
 pub mod html;
+pub mod jobs;
 pub mod kv_axis;
 pub mod order_axis;
 pub mod output;
@@ -320,7 +326,8 @@ impl Sweep {
 }
 
 impl SweepOptions {
-    fn check(&self) -> Result<f64, SweepError> {
+    /// Checks the options; answers the rate scale whose step times are plotted.
+    pub(crate) fn check(&self) -> Result<f64, SweepError> {
         if self.budgets.is_empty() || self.rates.is_empty() {
             return Err(SweepError::Options(
                 "a sweep needs at least one budget (`--budgets`) and one rate scale (`--rates`)"

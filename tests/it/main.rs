@@ -1,5 +1,6 @@
 //! The integration tests, as one test binary.
 
+mod cluster_sweep;
 #[path = "../common/mod.rs"]
 mod common;
 mod config_cli;
@@ -8,6 +9,7 @@ mod default_log;
 mod doc_commands;
 mod drain;
 mod endpoint;
+mod fleet;
 mod helpers;
 mod hostile;
 mod kv_memory;

@@ -166,6 +166,20 @@ impl KvState {
         }
     }
 
+    /// Pools another worker's counts (its pool the same size as this one) into these, for a
+    /// fleet's report: sums, every wait, the larger peak, the mean over every worker's steps.
+    pub fn absorb(&mut self, other: KvState) {
+        self.pool.absorb_figures(&other.pool);
+        self.preemptions += other.preemptions;
+        for (mine, theirs) in self.preempted.iter_mut().zip(other.preempted) {
+            *mine |= theirs;
+        }
+        self.recomputed_tokens += other.recomputed_tokens;
+        self.withdrawn += other.withdrawn;
+        self.cache_evictions += other.cache_evictions;
+        self.waits.extend(other.waits);
+    }
+
     /// The figures of the report.
     pub fn report(mut self) -> KvReport {
         let limit = self.pool.limit();

@@ -1,0 +1,658 @@
+//! The fleet axes of a sweep (`docs/fleet.md#in-a-sweep`): `--workers 1,2,4,8` and
+//! `--routers round_robin,prefix_affinity` run the whole grid once per router and fleet size
+//! (`replay.fleet.router` and `replay.fleet.workers`), each into `OUT/fleet-<router>-<n>/`
+//! with the usual files; then `OUT/sweep.csv` holds every run's cells with `router` and
+//! `workers` columns first, and `OUT/fleet.csv`/`fleet.json` give, per router, budget and rate
+//! scale, the fewest workers whose fleet meets the objective. A sweep without either flag writes
+//! `sweep.csv` as before, without the columns.
+
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde::Serialize;
+
+use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
+use super::output::{to_csv, write_whole};
+use super::plots::{render_figure, series_color, text_style, Figure};
+use super::{Sweep, SweepError};
+use crate::config::Settings;
+use crate::replay::fleet::MAX_WORKERS;
+use crate::replay::RouterKind;
+use crate::text::{fmt_rate, round3};
+
+/// The comparison's CSV file.
+pub const FLEET_CSV: &str = "fleet.csv";
+/// The comparison as JSON.
+pub const FLEET_JSON: &str = "fleet.json";
+/// The plot of the fewest workers, SVG and PNG.
+pub const FLEET_SVG: &str = "fleet.svg";
+/// See [`FLEET_SVG`].
+pub const FLEET_PNG: &str = "fleet.png";
+
+/// Splits a comma-separated list, refusing empty entries and more than [`MAX_AXIS_VALUES`].
+fn items<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
+    let bad = |problem: String| GridError { flag, problem };
+    let items: Vec<&str> = list.split(',').map(str::trim).collect();
+    if items.iter().any(|i| i.is_empty()) {
+        return Err(bad(format!(
+            "takes a comma-separated list without empty entries, got {list:?}"
+        )));
+    }
+    if items.len() > MAX_AXIS_VALUES {
+        return Err(bad(format!(
+            "takes at most {MAX_AXIS_VALUES} values, got {}",
+            items.len()
+        )));
+    }
+    Ok(items)
+}
+
+/// Parses `--workers`: fleet sizes from 1 to [`MAX_WORKERS`], ascending, each once.
+///
+/// # Errors
+/// An empty entry, a value that is not such a size, a repeated value or one out of order.
+pub fn parse_workers(list: &str) -> Result<Vec<u32>, GridError> {
+    let bad = |problem: String| GridError {
+        flag: "--workers",
+        problem,
+    };
+    let mut out: Vec<u32> = Vec::new();
+    for item in items("--workers", list)? {
+        let n = item
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=MAX_WORKERS).contains(n))
+            .ok_or_else(|| {
+                bad(format!(
+                    "takes whole numbers of workers from 1 to {MAX_WORKERS}, got {item:?}"
+                ))
+            })?;
+        if let Some(&last) = out.last() {
+            if n <= last {
+                return Err(bad(format!(
+                    "takes fleet sizes ascending, each once, got {n} after {last}"
+                )));
+            }
+        }
+        out.push(n);
+    }
+    Ok(out)
+}
+
+/// Parses `--routers`: routers, each once, in the order given.
+///
+/// # Errors
+/// An empty entry, an unknown or repeated router.
+pub fn parse_routers(list: &str) -> Result<Vec<RouterKind>, GridError> {
+    let bad = |problem: String| GridError {
+        flag: "--routers",
+        problem,
+    };
+    let mut out = Vec::new();
+    for item in items("--routers", list)? {
+        let r: RouterKind = item.parse().map_err(|e| bad(format!("{e}")))?;
+        if out.contains(&r) {
+            return Err(bad(format!("names {r} twice")));
+        }
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// `settings` with a fleet of `workers` behind `router` (over the config's `replay.fleet`),
+/// and the label the run's settings show.
+pub fn with_fleet(settings: &Settings, router: RouterKind, workers: u32) -> (Settings, String) {
+    let mut out = settings.clone();
+    out.replay.fleet.router = router.as_str().to_owned();
+    out.replay.fleet.workers = workers;
+    (
+        out,
+        format!(
+            "{} behind {router} (--workers, --routers)",
+            crate::text::plural(u64::from(workers), "worker")
+        ),
+    )
+}
+
+/// The subdirectory a run of `workers` behind `router` is written to.
+pub fn dir_name(router: RouterKind, workers: u32) -> String {
+    format!("fleet-{router}-{workers}")
+}
+
+/// One fleet's sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetRun {
+    /// The router.
+    pub router: RouterKind,
+    /// The workers.
+    pub workers: u32,
+    /// The grid, run on that fleet.
+    pub sweep: Sweep,
+}
+
+/// Under one router, one budget and one rate scale: the fewest workers that meet the objective.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FewestRow {
+    /// The router.
+    pub router: &'static str,
+    /// The budget.
+    pub budget: Budget,
+    /// The rate scale.
+    #[serde(serialize_with = "super::output::ser_round")]
+    pub rate_scale: f64,
+    /// The fewest workers of `--workers` whose fleet met the objective at this rate; `None`:
+    /// none of them did (or no objective, or the cell did not run).
+    pub fewest_workers: Option<u32>,
+    /// That fleet's TTFT p90 and TBT p99, simulated ms (the figures the objective bounds).
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p90_ms: Option<f64>,
+    /// See `ttft_p90_ms`.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub tbt_p99_ms: Option<f64>,
+}
+
+/// One fleet's capacity under the objective, for one budget: the highest rate scale it takes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FleetCapacity {
+    /// The router.
+    pub router: &'static str,
+    /// The workers.
+    pub workers: u32,
+    /// The budget.
+    pub budget: Budget,
+    /// The capacity as text (`1.23x`, `>= 1024x`, `none`).
+    pub capacity: String,
+    /// Its rate scale (`None`: none).
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub capacity_rate: Option<f64>,
+}
+
+/// The comparison of the fleets.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FleetComparison {
+    /// The routers, in the order given.
+    pub routers: Vec<&'static str>,
+    /// The fleet sizes, ascending.
+    pub workers: Vec<u32>,
+    /// Per router, budget and rate scale, the fewest workers that meet the objective (only with
+    /// an objective).
+    pub fewest: Vec<FewestRow>,
+    /// Per router, fleet size and budget, the capacity (only with an objective).
+    pub capacity: Vec<FleetCapacity>,
+}
+
+impl FleetComparison {
+    /// Compares the sweeps of each fleet (same budgets and rates in each), runs ordered by
+    /// router, then workers ascending.
+    pub fn of(runs: &[FleetRun]) -> Self {
+        let mut routers: Vec<RouterKind> = Vec::new();
+        let mut workers: Vec<u32> = Vec::new();
+        for r in runs {
+            if !routers.contains(&r.router) {
+                routers.push(r.router);
+            }
+            if !workers.contains(&r.workers) {
+                workers.push(r.workers);
+            }
+        }
+        workers.sort_unstable();
+        let with_slo = runs.first().is_some_and(|r| r.sweep.slo.is_some());
+        let mut fewest = Vec::new();
+        let mut capacity = Vec::new();
+        if with_slo {
+            for &router in &routers {
+                let mine: Vec<&FleetRun> = runs.iter().filter(|r| r.router == router).collect();
+                let Some(first) = mine.first() else { continue };
+                for &budget in &first.sweep.budgets {
+                    for &rate in &first.sweep.rates {
+                        fewest.push(fewest_row(&mine, router, budget, rate));
+                    }
+                }
+                for run in &mine {
+                    for c in &run.sweep.capacity {
+                        capacity.push(FleetCapacity {
+                            router: router.as_str(),
+                            workers: run.workers,
+                            budget: c.budget,
+                            capacity: c.label(),
+                            capacity_rate: c.search.rate_scale,
+                        });
+                    }
+                }
+            }
+        }
+        Self {
+            routers: routers.iter().map(|r| r.as_str()).collect(),
+            workers,
+            fewest,
+            capacity,
+        }
+    }
+
+    /// The table on the terminal.
+    pub fn table(&self) -> String {
+        if self.fewest.is_empty() {
+            return "fleets: no objective (`--slo-tbt-p99`, `--slo-ttft-p90`), so no fewest workers to find\n".into();
+        }
+        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
+        let most = self.workers.last().copied().unwrap_or(0);
+        let mut out = format!(
+            "fleets: the fewest workers (of {}) that meet the objective\n  {:<18} {:<8} {:>10} {:>14} {:>14} {:>12}\n",
+            self.workers
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            "router",
+            "budget",
+            "rate",
+            "fewest workers",
+            "TTFT p90 ms",
+            "TBT p99 ms"
+        );
+        for r in &self.fewest {
+            out.push_str(&format!(
+                "  {:<18} {:<8} {:>10} {:>14} {:>14} {:>12}\n",
+                r.router,
+                r.budget.to_string(),
+                format!("{}x", fmt_rate(r.rate_scale)),
+                r.fewest_workers
+                    .map_or_else(|| format!("> {most}"), |n| n.to_string()),
+                opt(r.ttft_p90_ms),
+                opt(r.tbt_p99_ms)
+            ));
+        }
+        out
+    }
+
+    fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
+        let mut w = csv::Writer::from_writer(Vec::new());
+        w.write_record([
+            "router",
+            "budget",
+            "rate_scale",
+            "fewest_workers",
+            "ttft_p90_ms",
+            "tbt_p99_ms",
+        ])?;
+        let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
+        for r in &self.fewest {
+            w.write_record([
+                r.router.to_string(),
+                r.budget.to_string(),
+                fmt_rate(r.rate_scale),
+                r.fewest_workers.map_or_else(String::new, |n| n.to_string()),
+                opt(r.ttft_p90_ms),
+                opt(r.tbt_p99_ms),
+            ])?;
+        }
+        w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+    }
+
+    /// Writes `fleet.csv`, `fleet.json`, the plot (`fleet.svg`, `fleet.png`, with an objective)
+    /// and the combined `sweep.csv` of `runs` into `dir`.
+    ///
+    /// # Errors
+    /// A file cannot be written or the plot drawn.
+    pub fn write(&self, runs: &[FleetRun], dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
+        let fail = |name: &str, e: String| SweepError::Write {
+            path: dir.join(name),
+            source: std::io::Error::other(e),
+        };
+        let csv = self.to_csv().map_err(|e| fail(FLEET_CSV, e.to_string()))?;
+        let mut json =
+            serde_json::to_vec_pretty(self).map_err(|e| fail(FLEET_JSON, e.to_string()))?;
+        json.push(b'\n');
+        let cells = combined_csv(runs).map_err(|e| fail(super::output::CSV_FILE, e.to_string()))?;
+        let plot = if self.fewest.is_empty() {
+            None
+        } else {
+            Some(render_figure("fleet", self.title(), self)?)
+        };
+        let mut files: Vec<(&str, &[u8])> = vec![
+            (super::output::CSV_FILE, &cells),
+            (FLEET_CSV, &csv),
+            (FLEET_JSON, &json),
+        ];
+        if let Some(p) = &plot {
+            files.push((FLEET_SVG, p.svg.as_bytes()));
+            files.push((FLEET_PNG, &p.png));
+        }
+        let mut paths = Vec::new();
+        for (name, bytes) in files {
+            let path = dir.join(name);
+            write_whole(&path, bytes).map_err(|source| SweepError::Write {
+                path: path.clone(),
+                source,
+            })?;
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+}
+
+impl FleetComparison {
+    fn title(&self) -> String {
+        "The fewest workers that meet the objective, by rate scale".into()
+    }
+
+    /// The series of the plot: one per router and budget, in the rows' order.
+    fn series(&self) -> Vec<(&'static str, Budget)> {
+        let mut v: Vec<(&'static str, Budget)> = Vec::new();
+        for r in &self.fewest {
+            if !v.contains(&(r.router, r.budget)) {
+                v.push((r.router, r.budget));
+            }
+        }
+        v
+    }
+}
+
+type Drawn = Result<(), Box<dyn std::error::Error>>;
+
+impl Figure for FleetComparison {
+    /// The rate scales across (spread evenly, in order), the fewest workers up (a log axis),
+    /// one line per router (and budget, with several), each moved a little sideways so that
+    /// equal answers stay visible; a rate no listed fleet met is a hollow mark above the largest
+    /// fleet.
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn
+    where
+        DB::ErrorType: 'static,
+    {
+        let root = root.titled(&self.title(), text_style(20))?;
+        let mut rates: Vec<f64> = Vec::new();
+        for r in &self.fewest {
+            if !rates.contains(&r.rate_scale) {
+                rates.push(r.rate_scale);
+            }
+        }
+        rates.sort_by(f64::total_cmp);
+        let x = |rate: f64| rates.iter().position(|r| *r == rate).unwrap_or(0) as f64;
+        let n = rates.len().max(1) as f64;
+        let most = f64::from(self.workers.last().copied().unwrap_or(1));
+        let over = most * 1.5;
+        let names: Vec<String> = rates.iter().map(|r| format!("{}x", fmt_rate(*r))).collect();
+        let label = |v: &f64| {
+            let i = v.round();
+            if (v - i).abs() > 0.01 || i < 0.0 {
+                return String::new();
+            }
+            names.get(i as usize).cloned().unwrap_or_default()
+        };
+        let mut chart = ChartBuilder::on(&root)
+            .margin(16)
+            .x_label_area_size(45)
+            .y_label_area_size(60)
+            .build_cartesian_2d(-1.0..n, (0.8..most * 2.0).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_labels(2 * (n as usize + 1) + 1)
+            .disable_x_mesh()
+            .x_label_formatter(&label)
+            .x_desc("rate scale")
+            .y_desc("fewest workers meeting the objective")
+            .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+            .label_style(text_style(13))
+            .axis_desc_style(text_style(14))
+            .draw()?;
+        let series = self.series();
+        let several_budgets = series.iter().any(|(_, b)| *b != series[0].1);
+        let spread = 0.2 / series.len().max(1) as f64;
+        for (k, (router, budget)) in series.iter().enumerate() {
+            let shift = (k as f64 - (series.len() as f64 - 1.0) / 2.0) * spread;
+            let rows: Vec<&FewestRow> = self
+                .fewest
+                .iter()
+                .filter(|r| r.router == *router && r.budget == *budget)
+                .collect();
+            let met: Vec<(f64, f64)> = rows
+                .iter()
+                .filter_map(|r| Some((x(r.rate_scale) + shift, f64::from(r.fewest_workers?))))
+                .collect();
+            let c = series_color(k);
+            let name = if several_budgets {
+                format!("{router}, budget {budget}")
+            } else {
+                (*router).to_string()
+            };
+            chart
+                .draw_series(LineSeries::new(met.clone(), c.stroke_width(2)))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+            chart.draw_series(met.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            chart.draw_series(
+                rows.iter()
+                    .filter(|r| r.fewest_workers.is_none())
+                    .map(|r| Circle::new((x(r.rate_scale) + shift, over), 5, c.stroke_width(2))),
+            )?;
+        }
+        chart
+            .configure_series_labels()
+            .label_font(text_style(13))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()?;
+        Ok(())
+    }
+}
+
+/// The fewest workers among `runs` (one router's, workers ascending) whose cell at (`budget`,
+/// `rate`) met the objective.
+fn fewest_row(runs: &[&FleetRun], router: RouterKind, budget: Budget, rate: f64) -> FewestRow {
+    let met = runs.iter().find_map(|r| {
+        let c = r.sweep.cell(budget, rate)?;
+        (c.meets_slo == Some(true)).then_some((r.workers, c))
+    });
+    FewestRow {
+        router: router.as_str(),
+        budget,
+        rate_scale: rate,
+        fewest_workers: met.map(|(n, _)| n),
+        ttft_p90_ms: met.and_then(|(_, c)| c.summary.ttft_p90_ms),
+        tbt_p99_ms: met.and_then(|(_, c)| c.summary.tbt_p99_ms),
+    }
+}
+
+/// Every run's `sweep.csv` rows, each with its router and workers first, under one header:
+/// `router`, `workers`, then the columns of a sweep without the axes.
+///
+/// # Errors
+/// None in practice (written to memory).
+pub fn combined_csv(runs: &[FleetRun]) -> Result<Vec<u8>, csv::Error> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let mut header_written = false;
+    for run in runs {
+        let one = to_csv(&run.sweep)?;
+        let mut r = csv::Reader::from_reader(one.as_slice());
+        if !header_written {
+            let mut h = vec!["router".to_string(), "workers".to_string()];
+            h.extend(r.headers()?.iter().map(str::to_owned));
+            w.write_record(&h)?;
+            header_written = true;
+        }
+        for rec in r.records() {
+            let rec = rec?;
+            let mut row = vec![run.router.as_str().to_string(), run.workers.to_string()];
+            row.extend(rec.iter().map(str::to_owned));
+            w.write_record(&row)?;
+        }
+    }
+    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::tests::options;
+    use crate::sweep::{run_sweep, Slo};
+
+    #[test]
+    fn fleet_sizes_parse_ascending_and_routers_in_the_order_given() {
+        assert_eq!(parse_workers("1, 2,4,8").unwrap(), [1, 2, 4, 8]);
+        for (bad, says) in [
+            ("0", "from 1 to 256"),
+            ("257", "from 1 to 256"),
+            ("two", "\"two\""),
+            ("4,2", "got 2 after 4"),
+            ("2,2", "got 2 after 2"),
+            ("1,", "without empty entries"),
+        ] {
+            let e = parse_workers(bad).unwrap_err().to_string();
+            assert!(e.starts_with("`--workers`"), "{bad}: {e}");
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        assert_eq!(
+            parse_routers("prefix_affinity,round_robin").unwrap(),
+            [RouterKind::PrefixAffinity, RouterKind::RoundRobin]
+        );
+        let e = parse_routers("random").unwrap_err().to_string();
+        assert!(
+            e.starts_with("`--routers` unknown router \"random\""),
+            "{e}"
+        );
+        assert!(parse_routers("least_kv,least_kv")
+            .unwrap_err()
+            .to_string()
+            .contains("names least_kv twice"));
+    }
+
+    #[test]
+    fn a_fleet_overrides_the_configs_and_names_its_directory() {
+        let mut s = Settings::default();
+        s.replay.fleet.workers = 3;
+        let (out, label) = with_fleet(&s, RouterKind::LeastKv, 8);
+        assert_eq!(
+            (out.replay.fleet.workers, out.replay.fleet.router.as_str()),
+            (8, "least_kv")
+        );
+        assert_eq!(label, "8 workers behind least_kv (--workers, --routers)");
+        assert_eq!(
+            dir_name(RouterKind::PrefixAffinity, 4),
+            "fleet-prefix_affinity-4"
+        );
+    }
+
+    /// A fake fleet: latency falls as workers share the load (rate / workers), more slowly
+    /// behind round robin than behind least outstanding.
+    fn run(router: RouterKind, workers: u32) -> FleetRun {
+        let slo = Slo::new(Some(60.0), Some(5000.0)).unwrap();
+        let share = match router {
+            RouterKind::RoundRobin => 1.0,
+            _ => 0.8,
+        };
+        let sweep = run_sweep(&options(Some(slo)), |b, r| {
+            crate::sweep::tests::fake(b, r * share / f64::from(workers))
+        })
+        .unwrap();
+        FleetRun {
+            router,
+            workers,
+            sweep,
+        }
+    }
+
+    #[test]
+    fn the_fewest_workers_are_the_smallest_fleet_whose_cell_meets_the_objective() {
+        let mut runs = Vec::new();
+        for router in [RouterKind::RoundRobin, RouterKind::LeastOutstanding] {
+            for n in [1, 2, 4] {
+                runs.push(run(router, n));
+            }
+        }
+        let cmp = FleetComparison::of(&runs);
+        assert_eq!(cmp.routers, ["round_robin", "least_outstanding"]);
+        assert_eq!(cmp.workers, [1, 2, 4]);
+        // 2 routers × 3 budgets × 3 rates.
+        assert_eq!(cmp.fewest.len(), 18);
+        for row in &cmp.fewest {
+            let mine: Vec<&FleetRun> = runs
+                .iter()
+                .filter(|r| r.router.as_str() == row.router)
+                .collect();
+            let meets = |n: u32| {
+                mine.iter()
+                    .find(|r| r.workers == n)
+                    .and_then(|r| r.sweep.cell(row.budget, row.rate_scale))
+                    .and_then(|c| c.meets_slo)
+                    == Some(true)
+            };
+            match row.fewest_workers {
+                Some(n) => {
+                    assert!(meets(n), "{row:?}");
+                    assert!([1, 2, 4].iter().filter(|&&m| m < n).all(|&m| !meets(m)));
+                }
+                None => assert!([1, 2, 4].iter().all(|&m| !meets(m)), "{row:?}"),
+            }
+        }
+        // Least outstanding spreads better, so it never needs more workers.
+        for (rr, lo) in cmp.fewest[..9].iter().zip(&cmp.fewest[9..]) {
+            assert!(
+                lo.fewest_workers.unwrap_or(u32::MAX) <= rr.fewest_workers.unwrap_or(u32::MAX),
+                "{rr:?} vs {lo:?}"
+            );
+        }
+        // Some rate needs more than one worker, and somewhere the fleet sizes make a difference.
+        assert!(cmp.fewest.iter().any(|r| r.fewest_workers > Some(1)));
+        assert_eq!(cmp.capacity.len(), 2 * 3 * 3);
+        let table = cmp.table();
+        assert!(table.contains("fewest workers"), "{table}");
+        let csv = String::from_utf8(cmp.to_csv().unwrap()).unwrap();
+        assert!(csv.starts_with("router,budget,rate_scale,fewest_workers,ttft_p90_ms,tbt_p99_ms\n"));
+        assert_eq!(csv.lines().count(), 19);
+        let dir = tempfile::tempdir().unwrap();
+        let paths = cmp.write(&runs, dir.path()).unwrap();
+        let names: Vec<String> = paths
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "sweep.csv",
+                "fleet.csv",
+                "fleet.json",
+                "fleet.svg",
+                "fleet.png"
+            ]
+        );
+        let svg = std::fs::read_to_string(dir.path().join(FLEET_SVG)).unwrap();
+        for router in ["round_robin", "least_outstanding"] {
+            assert!(svg.contains(&format!("{router}, budget 512")), "{router}");
+        }
+        let png = std::fs::read(dir.path().join(FLEET_PNG)).unwrap();
+        assert_eq!(png[..4], [0x89, b'P', b'N', b'G']);
+    }
+
+    #[test]
+    fn the_combined_csv_is_each_runs_csv_with_router_and_workers_first() {
+        let runs = [
+            run(RouterKind::RoundRobin, 1),
+            run(RouterKind::PrefixAffinity, 2),
+        ];
+        let all = String::from_utf8(combined_csv(&runs).unwrap()).unwrap();
+        let one = String::from_utf8(to_csv(&runs[0].sweep).unwrap()).unwrap();
+        let header = one.lines().next().unwrap();
+        assert_eq!(
+            all.lines().next().unwrap(),
+            format!("router,workers,{header}")
+        );
+        for (a, b) in all.lines().skip(1).zip(one.lines().skip(1)) {
+            assert_eq!(a, format!("round_robin,1,{b}"));
+        }
+        assert!(all
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("prefix_affinity,2,"));
+        // Without an objective there is nothing to find.
+        let plain = run_sweep(&options(None), crate::sweep::tests::fake).unwrap();
+        let cmp = FleetComparison::of(&[FleetRun {
+            router: RouterKind::RoundRobin,
+            workers: 1,
+            sweep: plain,
+        }]);
+        assert!(cmp.fewest.is_empty() && cmp.capacity.is_empty());
+    }
+}

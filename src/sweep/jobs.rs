@@ -1,0 +1,652 @@
+//! A sweep as a list of jobs for a cluster engine users already have (`docs/cluster-sweeps.md`):
+//! `sweep --emit-jobs DIR` writes every cell of the grid as a job of a job directory (its
+//! inputs copied in, one manifest naming each cell by index), `sweep-cell DIR INDEX` runs one
+//! and writes its result next to the manifest, and `sweep --merge DIR` builds the sweep from
+//! the results, exactly as the local sweep would have.
+//!
+//! The local sweep refines each budget's capacity by bisection between grid rates, probe by
+//! probe, which no job list knows up front. A job directory runs it in waves: a merge replays
+//! the same search (`capacity::search`) over the results it has, and when a search needs a rate
+//! no cell has run, it adds that probe as a cell of a new wave (one per budget, all in one
+//! wave) and asks for it to be run; the merge after the last wave writes the outputs. The
+//! results being the local sweep's, the outputs are too.
+//!
+//! This module is the plain part: the manifest and its checksum, a cell's result file, and the
+//! merge (what is missing, the next wave, or the finished sweep). The command line copies the
+//! inputs and runs the cells (`cli/sweep_jobs.rs`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::capacity::{self, Slo};
+use super::grid::Budget;
+use super::{Capacity, Cell, RunSummary, StepTimes, Sweep};
+
+/// The manifest's file name in a job directory.
+pub const MANIFEST: &str = "jobs.json";
+/// The directory of the cells' results.
+pub const RESULTS: &str = "results";
+/// The directory of the copied inputs.
+pub const INPUTS: &str = "inputs";
+/// What a manifest's `format` says.
+pub const FORMAT: &str = "mstar-chunking sweep jobs";
+
+/// Why a job directory, a cell or a merge was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// A file could not be read or written.
+    #[error("`{}`: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The manifest is not one, or not this version's, or was edited.
+    #[error("`{}` {problem}", path.display())]
+    Manifest {
+        /// The manifest.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A cell index outside the manifest.
+    #[error("cell {index} is not in `{}`: its cells are 0 to {last}", path.display())]
+    NoSuchCell {
+        /// The index asked for.
+        index: u64,
+        /// The highest index.
+        last: usize,
+        /// The manifest.
+        path: PathBuf,
+    },
+    /// A result file that is not a result of this cell.
+    #[error("`{}` {problem}", path.display())]
+    Result {
+        /// The result file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A merge found cells without results.
+    #[error("{} of {total} cells have no result yet: {}{}", missing.len(), list(missing), running_note(*writing))]
+    Missing {
+        /// The cells without a result, by index.
+        missing: Vec<usize>,
+        /// All cells.
+        total: usize,
+        /// Results being written (temporary files present): cells still running.
+        writing: usize,
+    },
+}
+
+fn list(v: &[usize]) -> String {
+    let shown: Vec<String> = v.iter().take(20).map(ToString::to_string).collect();
+    if v.len() > 20 {
+        format!("{} and {} more", shown.join(", "), v.len() - 20)
+    } else {
+        shown.join(", ")
+    }
+}
+
+fn running_note(writing: usize) -> String {
+    if writing == 0 {
+        " (run them with `mstar-chunking sweep-cell DIR INDEX`, then merge again)".into()
+    } else {
+        format!(" ({writing} still being written: cells are running; merge once they are done)")
+    }
+}
+
+/// How a cell reads its inputs: where the job directory's copies are, and the settings of the
+/// sweep that emitted it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inputs {
+    /// The directory of `default.toml` (and the `$MSTAR_ENV` layer), under the job directory.
+    pub config_dir: String,
+    /// `$MSTAR_ENV` when the sweep was emitted.
+    pub mstar_env: Option<String>,
+    /// The `--config` layers' copies, in order, under the job directory.
+    pub configs: Vec<String>,
+    /// The model manifest's copy, under the job directory.
+    pub model: String,
+    /// The `MSTAR__…` environment variables when the sweep was emitted.
+    pub env: BTreeMap<String, String>,
+    /// The trace's copy under the job directory; `None`: the bundled trace.
+    pub trace: Option<String>,
+    /// `--format`, `--arrivals`, `--requests`, `--skip-bad-lines`, `--priority-by`, as given.
+    pub format: Option<String>,
+    /// See `format`.
+    pub arrivals: Option<String>,
+    /// See `format`.
+    pub requests: Option<u64>,
+    /// See `format`.
+    pub skip_bad_lines: bool,
+    /// See `format`.
+    pub priority_by: Option<String>,
+    /// The setting flags (`--max-step-ms`, `--cost`, `--learn-cost`, `--sim-cost`,
+    /// `--time-margin`), as given.
+    pub max_step_ms: Option<String>,
+    /// See `max_step_ms`.
+    pub cost: Option<String>,
+    /// See `max_step_ms`.
+    pub learn_cost: bool,
+    /// See `max_step_ms`.
+    pub sim_cost: Option<String>,
+    /// See `max_step_ms`.
+    pub time_margin: Option<String>,
+}
+
+/// One cell of a job directory: a replay at one budget and rate scale.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobCell {
+    /// Its index, its position in the manifest.
+    pub index: usize,
+    /// The budget, as `--budgets` spells it.
+    pub budget: String,
+    /// The rate scale.
+    pub rate_scale: f64,
+    /// The wave that added it: 0 for the grid, then one per step of the capacity searches.
+    pub wave: u32,
+}
+
+/// What a job directory runs, checksummed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Body {
+    /// The inputs every cell reads.
+    pub inputs: Inputs,
+    /// The settings every output shows, as the emitting sweep labelled them.
+    pub settings: Vec<(String, String)>,
+    /// The budgets, in the order given.
+    pub budgets: Vec<String>,
+    /// The rate scales, ascending.
+    pub rates: Vec<f64>,
+    /// The objective's bounds, if any.
+    pub slo_tbt_p99_ms: Option<f64>,
+    /// See `slo_tbt_p99_ms`.
+    pub slo_ttft_p90_ms: Option<f64>,
+    /// The rate scale whose step times are plotted.
+    pub step_time_rate: f64,
+    /// Every cell, by index: the grid's, budget by budget, then each wave's probes.
+    pub cells: Vec<JobCell>,
+}
+
+/// The manifest file: the body, the version that wrote it, and a checksum of the body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// The crate version that wrote it; only the same version runs or merges it.
+    pub version: String,
+    /// FNV-1a (64 bits) of the body's JSON, in hex: a manifest edited by hand is refused.
+    pub checksum: String,
+    /// What the jobs run.
+    pub body: Body,
+}
+
+/// FNV-1a, 64 bits: stable across builds and platforms (a hand edit detector, not security).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn checksum(body: &Body) -> String {
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    format!("fnv1a64:{:016x}", fnv1a(&bytes))
+}
+
+impl Manifest {
+    /// A manifest of `body`, by this version.
+    pub fn new(body: Body) -> Self {
+        Self {
+            format: FORMAT.into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            checksum: checksum(&body),
+            body,
+        }
+    }
+
+    /// Reads and checks the manifest of job directory `dir`.
+    ///
+    /// # Errors
+    /// Unreadable, not a manifest, another version's, or edited (the checksum does not match).
+    pub fn read(dir: &Path) -> Result<Self, JobError> {
+        let path = dir.join(MANIFEST);
+        let bad = |problem: String| JobError::Manifest {
+            path: path.clone(),
+            problem,
+        };
+        let text = crate::input::read_text(&path, 64 << 20).map_err(|e| {
+            bad(format!(
+                "cannot be read ({e}): is `{}` a job directory written by `sweep --emit-jobs`?",
+                dir.display()
+            ))
+        })?;
+        let m: Manifest =
+            serde_json::from_str(&text).map_err(|e| bad(format!("is not a job manifest: {e}")))?;
+        if m.format != FORMAT {
+            return Err(bad(format!(
+                "is not a job manifest (format {:?})",
+                m.format
+            )));
+        }
+        let mine = env!("CARGO_PKG_VERSION");
+        if m.version != mine {
+            return Err(bad(format!(
+                "was written by mstar-chunking {} and this is {mine}: emit the jobs again with this version (or run that one)",
+                m.version
+            )));
+        }
+        let sum = checksum(&m.body);
+        if m.checksum != sum {
+            return Err(bad(format!(
+                "was changed after it was written (checksum {} expected, {sum} found): emit the jobs again rather than edit them",
+                m.checksum
+            )));
+        }
+        for (i, c) in m.body.cells.iter().enumerate() {
+            if c.index != i {
+                return Err(bad(format!("lists cell {} at position {i}", c.index)));
+            }
+        }
+        Ok(m)
+    }
+
+    /// Writes the manifest into `dir` whole (a temporary file renamed over it).
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn write(&self, dir: &Path) -> Result<(), JobError> {
+        let path = dir.join(MANIFEST);
+        let mut bytes = serde_json::to_vec_pretty(self).unwrap_or_default();
+        bytes.push(b'\n');
+        super::output::write_whole(&path, &bytes).map_err(|source| JobError::Io { path, source })
+    }
+
+    /// The cell at `index`.
+    ///
+    /// # Errors
+    /// No such cell.
+    pub fn cell(&self, index: u64, dir: &Path) -> Result<&JobCell, JobError> {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.body.cells.get(i))
+            .ok_or_else(|| JobError::NoSuchCell {
+                index,
+                last: self.body.cells.len().saturating_sub(1),
+                path: dir.join(MANIFEST),
+            })
+    }
+
+    /// The objective, if any.
+    pub fn slo(&self) -> Option<Slo> {
+        Slo::new(self.body.slo_tbt_p99_ms, self.body.slo_ttft_p90_ms).ok()
+    }
+}
+
+/// The result file of cell `index`.
+pub fn result_path(dir: &Path, index: usize) -> PathBuf {
+    dir.join(RESULTS).join(format!("cell-{index:06}.json"))
+}
+
+/// A float as text that reads back to the same float (Rust's shortest round-trip form: JSON
+/// numbers are not read back exactly by every reader).
+fn exact(x: f64) -> String {
+    format!("{x:?}")
+}
+
+fn exact_opt(x: Option<f64>) -> Option<String> {
+    x.map(exact)
+}
+
+/// A cell's result: which cell, whether it met the objective, and its summary with every float
+/// exact, as text (the outputs wave as they print; the result must not round before them).
+pub fn result_json(cell: &JobCell, meets_slo: Option<bool>, s: &RunSummary) -> serde_json::Value {
+    serde_json::json!({
+        "index": cell.index,
+        "budget": cell.budget,
+        "rate_scale": cell.rate_scale,
+        "meets_slo": meets_slo,
+        "summary": {
+            "requests": s.requests,
+            "steps": s.steps,
+            "overruns": s.overruns,
+            "budget_utilisation": exact_opt(s.budget_utilisation),
+            "tbt_p50_ms": exact_opt(s.tbt_p50_ms),
+            "tbt_p99_ms": exact_opt(s.tbt_p99_ms),
+            "ttft_p50_ms": exact_opt(s.ttft_p50_ms),
+            "ttft_p90_ms": exact_opt(s.ttft_p90_ms),
+            "ttft_p99_ms": exact_opt(s.ttft_p99_ms),
+            "step_percentiles_ms": s.step_ms.percentiles_ms.iter().map(|x| exact(*x)).collect::<Vec<_>>(),
+        },
+    })
+}
+
+/// The summary and objective of a result file's JSON for `cell`.
+///
+/// # Errors
+/// A result of another cell, or not a result.
+pub fn parse_result(
+    v: &serde_json::Value,
+    cell: &JobCell,
+) -> Result<(Option<bool>, RunSummary), String> {
+    if v["index"].as_u64() != Some(cell.index as u64)
+        || v["budget"].as_str() != Some(cell.budget.as_str())
+        || v["rate_scale"].as_f64() != Some(cell.rate_scale)
+    {
+        return Err(format!(
+            "is not the result of cell {} (budget {}, rate scale {})",
+            cell.index, cell.budget, cell.rate_scale
+        ));
+    }
+    let s = &v["summary"];
+    let count = |k: &str| s[k].as_u64().ok_or_else(|| format!("has no `summary.{k}`"));
+    let number = |x: &serde_json::Value| x.as_str().and_then(|t| t.parse::<f64>().ok());
+    let ms = |k: &str| -> Result<Option<f64>, String> {
+        match &s[k] {
+            serde_json::Value::Null => Ok(None),
+            x => number(x)
+                .map(Some)
+                .ok_or_else(|| format!("has a `summary.{k}` that is not a number")),
+        }
+    };
+    let percentiles_ms = s["step_percentiles_ms"]
+        .as_array()
+        .ok_or("has no `summary.step_percentiles_ms`")?
+        .iter()
+        .map(|x| number(x).ok_or("has a step percentile that is not a number"))
+        .collect::<Result<Vec<f64>, _>>()?;
+    let summary = RunSummary {
+        requests: usize::try_from(count("requests")?).map_err(|e| e.to_string())?,
+        steps: count("steps")?,
+        overruns: count("overruns")?,
+        budget_utilisation: ms("budget_utilisation")?,
+        tbt_p50_ms: ms("tbt_p50_ms")?,
+        tbt_p99_ms: ms("tbt_p99_ms")?,
+        ttft_p50_ms: ms("ttft_p50_ms")?,
+        ttft_p90_ms: ms("ttft_p90_ms")?,
+        ttft_p99_ms: ms("ttft_p99_ms")?,
+        step_ms: StepTimes { percentiles_ms },
+    };
+    let meets = match &v["meets_slo"] {
+        serde_json::Value::Null => None,
+        m => Some(
+            m.as_bool()
+                .ok_or("has a `meets_slo` that is not a boolean")?,
+        ),
+    };
+    Ok((meets, summary))
+}
+
+/// What a merge found.
+#[derive(Debug)]
+pub enum Merged {
+    /// Every cell and every capacity search is done: the sweep.
+    Done(Box<Sweep>),
+    /// The capacity searches need more probes: the cells of the next wave, added to the
+    /// manifest (its indices).
+    NextWave(std::ops::Range<usize>),
+}
+
+/// Merges the results `results` (by cell index) of `manifest`'s cells into the sweep the local
+/// sweep would have made; when its capacity searches need rates no cell ran, adds them to
+/// `manifest` as the cells of a new wave instead.
+///
+/// # Errors
+/// A budget that does not parse (a manifest of another build).
+pub fn merge(
+    manifest: &mut Manifest,
+    results: &BTreeMap<usize, (Option<bool>, RunSummary)>,
+) -> Result<Merged, String> {
+    let body = &manifest.body;
+    let budget = |b: &str| {
+        b.parse::<Budget>()
+            .map_err(|e| format!("budget {b:?} of the manifest: {e}"))
+    };
+    let budgets: Vec<Budget> = body
+        .budgets
+        .iter()
+        .map(|b| budget(b))
+        .collect::<Result<_, _>>()?;
+    let ran = |b: &str, r: f64| {
+        body.cells
+            .iter()
+            .find(|c| c.budget == b && c.rate_scale == r)
+            .and_then(|c| results.get(&c.index))
+    };
+    let mut cells = Vec::new();
+    for c in body.cells.iter().filter(|c| c.wave == 0) {
+        let Some((meets_slo, summary)) = results.get(&c.index) else {
+            continue;
+        };
+        cells.push(Cell {
+            budget: budget(&c.budget)?,
+            rate_scale: c.rate_scale,
+            meets_slo: *meets_slo,
+            summary: summary.clone(),
+        });
+    }
+    let mut capacity = Vec::new();
+    let mut wanted: Vec<(String, f64)> = Vec::new();
+    if let Some(_slo) = manifest.slo() {
+        for (b, name) in budgets.iter().zip(&body.budgets) {
+            let known: Vec<(f64, bool)> = cells
+                .iter()
+                .filter(|c| c.budget == *b)
+                .map(|c| (c.rate_scale, c.meets_slo == Some(true)))
+                .collect();
+            // The local search, answered by the cells that ran; the first rate none ran stops
+            // it and becomes a probe of the next wave.
+            let searched = capacity::search(&known, |r| match ran(name, r) {
+                Some((meets, _)) => Ok(*meets == Some(true)),
+                None => Err(r),
+            });
+            match searched {
+                Ok(search) => capacity.push(Capacity { budget: *b, search }),
+                Err(r) => wanted.push((name.clone(), r)),
+            }
+        }
+    }
+    if !wanted.is_empty() {
+        let wave = body.cells.iter().map(|c| c.wave).max().unwrap_or(0) + 1;
+        let start = body.cells.len();
+        let mut b = body.clone();
+        for (i, (budget, rate_scale)) in wanted.into_iter().enumerate() {
+            b.cells.push(JobCell {
+                index: start + i,
+                budget,
+                rate_scale,
+                wave,
+            });
+        }
+        let end = b.cells.len();
+        *manifest = Manifest::new(b);
+        return Ok(Merged::NextWave(start..end));
+    }
+    Ok(Merged::Done(Box::new(Sweep {
+        version: env!("CARGO_PKG_VERSION"),
+        settings: body.settings.clone(),
+        budgets,
+        rates: body.rates.clone(),
+        slo: manifest.slo(),
+        step_time_rate: body.step_time_rate,
+        cells,
+        capacity,
+        interrupted: None,
+        not_run: Vec::new(),
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::run_sweep;
+    use crate::sweep::tests::{fake, options};
+
+    fn inputs() -> Inputs {
+        Inputs {
+            config_dir: "inputs/config".into(),
+            mstar_env: None,
+            configs: Vec::new(),
+            model: "inputs/model.toml".into(),
+            env: BTreeMap::new(),
+            trace: None,
+            format: None,
+            arrivals: None,
+            requests: Some(100),
+            skip_bad_lines: false,
+            priority_by: None,
+            max_step_ms: None,
+            cost: None,
+            learn_cost: false,
+            sim_cost: None,
+            time_margin: None,
+        }
+    }
+
+    /// The manifest of `options(slo)`'s grid.
+    fn manifest(slo: Option<Slo>) -> Manifest {
+        let o = options(slo);
+        let mut cells = Vec::new();
+        for b in &o.budgets {
+            for r in &o.rates {
+                cells.push(JobCell {
+                    index: cells.len(),
+                    budget: b.to_string(),
+                    rate_scale: *r,
+                    wave: 0,
+                });
+            }
+        }
+        Manifest::new(Body {
+            inputs: inputs(),
+            settings: o.settings.clone(),
+            budgets: o.budgets.iter().map(ToString::to_string).collect(),
+            rates: o.rates.clone(),
+            slo_tbt_p99_ms: slo.and_then(|s| s.tbt_p99_ms),
+            slo_ttft_p90_ms: slo.and_then(|s| s.ttft_p90_ms),
+            step_time_rate: 1.0,
+            cells,
+        })
+    }
+
+    /// Runs every cell of `m` not yet run with the fake replay, through the result files'
+    /// JSON, as `sweep-cell` does.
+    fn run_cells(m: &Manifest, results: &mut BTreeMap<usize, (Option<bool>, RunSummary)>) {
+        for c in &m.body.cells {
+            if results.contains_key(&c.index) {
+                continue;
+            }
+            let b: Budget = c.budget.parse().unwrap();
+            let s = fake(b, c.rate_scale).unwrap();
+            let meets = m.slo().map(|slo| slo.meets(&s));
+            let json = result_json(c, meets, &s);
+            let text = serde_json::to_string(&json).unwrap();
+            let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+            results.insert(c.index, parse_result(&back, c).unwrap());
+        }
+    }
+
+    #[test]
+    fn waves_of_probes_end_in_the_local_sweep_exactly() {
+        let slo = Slo::new(Some(60.0), Some(5000.0)).unwrap();
+        let local = run_sweep(&options(Some(slo)), fake).unwrap();
+        let mut m = manifest(Some(slo));
+        let mut results = BTreeMap::new();
+        let mut waves = 0;
+        let merged = loop {
+            run_cells(&m, &mut results);
+            match merge(&mut m, &results).unwrap() {
+                Merged::Done(s) => break s,
+                Merged::NextWave(r) => {
+                    waves += 1;
+                    // One probe per budget whose search goes on, at most.
+                    assert!(r.len() <= 3, "{r:?}");
+                    assert!(waves < 40);
+                }
+            }
+        };
+        assert!(waves > 2, "the searches bisect: {waves}");
+        assert_eq!(*merged, local);
+        let csv = |s: &Sweep| crate::sweep::output::to_csv(s).unwrap();
+        assert_eq!(csv(&merged), csv(&local));
+        // Every manifest written on the way still reads back.
+        let dir = tempfile::tempdir().unwrap();
+        m.write(dir.path()).unwrap();
+        assert_eq!(Manifest::read(dir.path()).unwrap(), m);
+    }
+
+    #[test]
+    fn without_an_objective_one_wave_is_the_whole_sweep() {
+        let local = run_sweep(&options(None), fake).unwrap();
+        let mut m = manifest(None);
+        let mut results = BTreeMap::new();
+        run_cells(&m, &mut results);
+        let Merged::Done(merged) = merge(&mut m, &results).unwrap() else {
+            panic!("no capacity search without an objective");
+        };
+        assert_eq!(*merged, local);
+    }
+
+    #[test]
+    fn an_edited_or_foreign_manifest_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(None);
+        m.write(dir.path()).unwrap();
+        assert!(Manifest::read(dir.path()).is_ok());
+        let path = dir.path().join(MANIFEST);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(
+            &path,
+            text.replace("\"rate_scale\": 2.0", "\"rate_scale\": 3.0"),
+        )
+        .unwrap();
+        let e = Manifest::read(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("was changed after it was written"), "{e}");
+        let mut old = m.clone();
+        old.version = "0.0.1".into();
+        std::fs::write(&path, serde_json::to_vec(&old).unwrap()).unwrap();
+        let e = Manifest::read(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("written by mstar-chunking 0.0.1"), "{e}");
+        std::fs::write(&path, "{}").unwrap();
+        let e = Manifest::read(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("is not a job manifest"), "{e}");
+        let e = Manifest::read(&dir.path().join("nowhere"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is `") && e.contains("a job directory"), "{e}");
+        assert!(m.cell(9, dir.path()).is_err());
+        assert_eq!(m.cell(8, dir.path()).unwrap().index, 8);
+    }
+
+    #[test]
+    fn a_result_reads_back_exactly_and_only_for_its_cell() {
+        let m = manifest(None);
+        let c = &m.body.cells[4];
+        let mut s = fake(Budget::Off, 1.0).unwrap();
+        s.tbt_p99_ms = Some(0.1 + 0.2);
+        let v = result_json(c, Some(true), &s);
+        assert_eq!(parse_result(&v, c).unwrap(), (Some(true), s));
+        let e = parse_result(&v, &m.body.cells[5]).unwrap_err();
+        assert!(e.contains("is not the result of cell 5"), "{e}");
+    }
+
+    #[test]
+    fn a_merge_names_the_cells_without_results() {
+        let e = JobError::Missing {
+            missing: vec![3, 7],
+            total: 9,
+            writing: 1,
+        };
+        assert_eq!(
+            e.to_string(),
+            "2 of 9 cells have no result yet: 3, 7 (1 still being written: cells are running; merge once they are done)"
+        );
+    }
+}
