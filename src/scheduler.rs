@@ -1263,7 +1263,11 @@ fn ran_features(plan: &StepPlan, ran: &[u32]) -> StepFeatures {
     let mut features = StepFeatures::EMPTY;
     for (row, &r) in plan.rows.iter().zip(ran) {
         match row.work {
-            RowWork::Continue { .. } => features.add_continuing(r, row.context),
+            // A continuing row reported at 0 did not run: neither its tokens nor the context it
+            // would have read count (an engine that hands a decode row back, as vLLM does when it
+            // cannot allocate).
+            RowWork::Continue { .. } if r != 0 => features.add_continuing(r, row.context),
+            RowWork::Continue { .. } => {}
             RowWork::Chunk { range, .. } if r != 0 => features.add_chunk(range.start, range.end),
             RowWork::Chunk { .. } => {}
         }
@@ -1305,6 +1309,51 @@ mod tests {
     use crate::budget::BudgetTable;
     use crate::latency::ModelSource;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+
+    #[test]
+    fn only_rows_that_ran_count_in_the_features_learned_from() {
+        let row = |rid: u64, work: RowWork, context: u64| crate::planner::PlannedRow {
+            seq: rid,
+            rid,
+            walk: 0,
+            work,
+            context,
+        };
+        let plan = StepPlan {
+            rows: vec![
+                row(1, RowWork::Continue { estimate: 1 }, 900),
+                row(2, RowWork::Continue { estimate: 1 }, 4_000),
+                row(
+                    3,
+                    RowWork::Chunk {
+                        range: ChunkRange::new(true, 0, 64, 128),
+                        cached: 0,
+                    },
+                    0,
+                ),
+                row(
+                    4,
+                    RowWork::Chunk {
+                        range: ChunkRange::new(true, 0, 32, 32),
+                        cached: 0,
+                    },
+                    0,
+                ),
+            ],
+            continuing: 2,
+            ..StepPlan::default()
+        };
+        let all = ran_features(&plan, &[1, 1, 64, 32]);
+        assert_eq!((all.tokens, all.kv_tokens), (98, 4_900));
+        // The second decode row and the second chunk were handed back: nothing of theirs counts.
+        let some = ran_features(&plan, &[1, 0, 64, 0]);
+        assert_eq!((some.tokens, some.kv_tokens), (65, 900));
+        assert_eq!(
+            some.attention_pairs,
+            StepFeatures::EMPTY.with_chunk(0, 64).attention_pairs
+        );
+        assert_eq!(ran_features(&plan, &[0, 0, 0, 0]), StepFeatures::EMPTY);
+    }
 
     #[test]
     fn a_next_step_reads_back_its_node_walk_and_changes_in_order() {

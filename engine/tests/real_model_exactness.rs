@@ -94,7 +94,6 @@ async fn chunked_prefill(
 }
 
 #[test]
-#[ignore = "not yet confirmed on the quantized model's exact attention kernel, and minutes long on 2 cores: run with `cargo test -p mstar-engine --test real_model_exactness -- --ignored`"]
 fn chunked_prefill_matches_whole_prefill_on_smollm2() {
     let model = model();
     let refs: Vec<_> = [300usize, 1000]
@@ -142,7 +141,6 @@ fn chunked_prefill_matches_whole_prefill_on_smollm2() {
 /// Two decode rows beside a middle chunk and a final chunk in one step: each row's logits
 /// equal that row run alone.
 #[test]
-#[ignore = "not yet confirmed on the quantized model's exact attention kernel, and minutes long on 2 cores: run with `cargo test -p mstar-engine --test real_model_exactness -- --ignored`"]
 fn mixed_step_equals_each_row_alone_on_smollm2() {
     let model = model();
     let p = prompt(700);

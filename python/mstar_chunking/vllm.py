@@ -87,6 +87,7 @@ class ChunkingStats:
     steps: int = 0
     handed_back: int = 0  # planned rows vLLM did not schedule (no blocks, no slot, preempted)
     start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
+    ended_in_flight: int = 0  # async: forgotten once their last token was scheduled
     refused_requests: int = 0
     unmeasured_steps: int = 0  # async: completed before their time was known
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
@@ -99,7 +100,11 @@ def _vllm_config_of(args: tuple, kwargs: dict) -> Any:
     return kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
 
 
-def _refusals(cfg: Any) -> list[str]:
+def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
+    return kwargs["kv_cache_config"] if "kv_cache_config" in kwargs else (args[1] if len(args) > 1 else None)
+
+
+def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
     if cfg.lora_config is not None:
@@ -119,6 +124,8 @@ def _refusals(cfg: Any) -> list[str]:
         out.append("pooling models (--runner pooling)")
     if getattr(mc, "is_diffusion", False):
         out.append("diffusion models")
+    if getattr(kv_cache_config, "has_mamba_layers", False) and cfg.cache_config.mamba_cache_mode == "align":
+        out.append("Mamba's 'align' cache mode (--mamba-cache-mode align), whose chunks vLLM aligns itself")
     sc = cfg.scheduler_config
     if not sc.enable_chunked_prefill:
         out.append("chunked prefill turned off (--no-enable-chunked-prefill)")
@@ -145,13 +152,15 @@ class _Chunking:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = _vllm_config_of(args, kwargs)
-        refused = _refusals(cfg)
+        refused = _refusals(cfg, _kv_cache_config_of(args, kwargs))
         if refused:
             raise UnsupportedVllmFeature(
                 "mstar_chunking.vllm.Scheduler does not support " + "; ".join(refused) + " (docs/vllm.md)"
             )
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.need_mamba_block_aligned_split or self.num_prefill_lookahead:  # type: ignore[attr-defined]
+            # Both are refused above (Mamba's 'align' mode; the MTP lookahead comes with a
+            # speculative config): this guards against another way of turning them on.
             raise UnsupportedVllmFeature(
                 "mstar_chunking.vllm.Scheduler does not support models whose chunks vLLM aligns "
                 "itself (Mamba 'align' cache mode, multi-module MTP lookahead)"
@@ -167,6 +176,7 @@ class _Chunking:
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
+        self._async = isinstance(self, _VllmAsyncScheduler)
         self.chunking = self._start_component(cfg)
 
     # -- settings ---------------------------------------------------------------------------
@@ -293,7 +303,9 @@ class _Chunking:
                     start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
             rid = self._next_rid
             self._next_rid += 1
-            self._changes.append((rid, request.all_token_ids, start))
+            # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
+            # convert element by element); the package copies it once, here.
+            self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
             pending += 1
@@ -375,7 +387,8 @@ class _Chunking:
         rows: list[tuple[str, int, bool, int, bool]] = []
         plan: dict[str, tuple[int, Optional[int]]] = {}
         req_of = self._req_of
-        for row, tokens in zip(batch.rows, batch.planned()):
+        planned = batch.planned()
+        for row, tokens in zip(batch.rows, planned):
             rid = row.rid
             req_id = req_of[rid]
             r = row.range  # None for a continuing (decode) row
@@ -394,17 +407,19 @@ class _Chunking:
             raise
         self._plan = None
         scheduled = out.num_scheduled_tokens
-        ran = []
-        for req_id, _, chunk, tokens, _ in rows:
-            n = scheduled.get(req_id, 0)
-            if chunk and n not in (0, tokens):
-                raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
-            if n == 0:
-                self.mstar_stats.handed_back += 1
-            ran.append(n)
-        if len(scheduled) > len(plan) or not plan.keys() >= scheduled.keys():
-            extra = sorted(set(scheduled) - plan.keys())
-            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        get = scheduled.get
+        ran = [get(row[0], 0) for row in rows]
+        unrun = ran.count(0)
+        if unrun:
+            self.mstar_stats.handed_back += unrun
+        # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
+        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk.
+        if len(scheduled) != len(rows) - unrun or sum(ran) != (
+            sum(row[3] for row, n in zip(rows, ran) if n) if unrun else sum(planned)
+        ):
+            self._scheduled_otherwise(rows, ran, scheduled)
+        if self._async:
+            self._end_in_flight(rows, ran)
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
             self.mstar_stats.start_mismatches += 1
@@ -415,6 +430,30 @@ class _Chunking:
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
+
+    @staticmethod
+    def _scheduled_otherwise(rows: list[tuple[str, int, bool, int, bool]], ran: list[int], scheduled: dict) -> None:
+        """Raises naming what vLLM scheduled other than planned."""
+        for (req_id, _, _, tokens, _), n in zip(rows, ran):
+            if n not in (0, tokens):
+                raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
+        extra = sorted(set(scheduled) - {row[0] for row in rows})
+        raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+
+    def _end_in_flight(self, rows: list[tuple[str, int, bool, int, bool]], ran: list[int]) -> None:
+        """Async: a request whose last token (its `max_tokens`-th, or the one reaching
+        `max_model_len`) is in the step just scheduled is never scheduled again (vLLM skips it
+        until that step's output finishes it), so it is forgotten now rather than planned a
+        decode row in the next step that vLLM would hand back."""
+        requests = self.requests  # type: ignore[attr-defined]
+        max_len = self.max_model_len  # type: ignore[attr-defined]
+        for (req_id, _, chunk, _, final), n in zip(rows, ran):
+            if n and (final or not chunk):
+                r = requests[req_id]
+                produced = r.num_output_tokens + r.num_output_placeholders
+                if produced >= r.max_tokens or r.num_prompt_tokens + produced >= max_len:
+                    self.mstar_stats.ended_in_flight += 1
+                    self._forget(req_id)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = self.clock()

@@ -5,6 +5,7 @@ mod cluster_sweep;
 mod common;
 mod config_cli;
 mod core;
+mod default_log;
 mod doc_commands;
 mod drain;
 mod endpoint;

@@ -22,7 +22,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402, F401 (the baseline)
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -46,20 +46,38 @@ _MODEL = {
     "bos_token_id": 1,
     "eos_token_id": EOS,
 }
-_model_dir: Optional[str] = None
+_model_dirs: dict[str, str] = {}
 init_none_hash(sha256)
 _hasher = get_request_block_hasher(BLOCK, sha256)
 
+# A multimodal model's config.json (LLaVA over the tiny Llama): for the refusals at start only.
+LLAVA = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "text_config": {k: v for k, v in _MODEL.items() if k not in ("architectures", "torch_dtype")},
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "image_size": 32,
+        "patch_size": 16,
+    },
+}
 
-def model_dir() -> str:
-    """A directory with the tiny model's `config.json` (made once per process)."""
-    global _model_dir
-    if _model_dir is None:
+
+def model_dir(extra: Optional[dict] = None) -> str:
+    """A directory with the tiny model's `config.json`, with `extra` keys over it (made once
+    per process for each)."""
+    config = {**_MODEL, **(extra or {})}
+    key = json.dumps(config, sort_keys=True)
+    if key not in _model_dirs:
         d = tempfile.mkdtemp(prefix="mstar-vllm-model-")
         with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(_MODEL, f)
-        _model_dir = d
-    return _model_dir
+            json.dump(config, f)
+        _model_dirs[key] = d
+    return _model_dirs[key]
 
 
 def make_scheduler(
@@ -72,22 +90,45 @@ def make_scheduler(
     threshold: int = 0,
     async_scheduling: bool = False,
     max_model_len: int = 32_768,
+    model: Optional[dict] = None,
+    runner: str = "auto",
+    chunked_prefill: bool = True,
+    max_num_scheduled_tokens: Optional[int] = None,
+    policy: str = "fcfs",
+    mamba_align: bool = False,
 ) -> Any:
-    """A scheduler of class `cls` (vLLM's or the plugin's) over a KV cache of `num_blocks`."""
+    """A scheduler of class `cls` (vLLM's or the plugin's) over a KV cache of `num_blocks`.
+    `model` adds keys to the model's `config.json`; `mamba_align` adds a Mamba layer to the KV
+    cache, in vLLM's `align` cache mode."""
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        max_num_scheduled_tokens=max_num_scheduled_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=threshold,
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=chunked_prefill,
         async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
+        is_encoder_decoder=bool((model or {}).get("is_encoder_decoder")),
+        policy=policy,
     )
-    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len)
-    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    mc = ModelConfig(
+        model=model_dir(model),
+        runner=runner,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+    )
+    cc = CacheConfig(
+        block_size=BLOCK, enable_prefix_caching=prefix_caching, mamba_cache_mode="align" if mamba_align else "none"
+    )
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], attn)])
+    groups = [KVCacheGroupSpec(["layer"], attn)]
+    if mamba_align:
+        mamba = MambaSpec(block_size=BLOCK, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+        groups.append(KVCacheGroupSpec(["mamba"], mamba))
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     cc.num_gpu_blocks = num_blocks
     return cls(
         vllm_config=vc,
@@ -98,13 +139,14 @@ def make_scheduler(
     )
 
 
-def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
+def make_request(req_id: str, prompt: list[int], max_tokens: int, *, resumable: bool = False) -> Request:
     return Request(
         request_id=req_id,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
         block_hasher=_hasher,
+        resumable=resumable,
     )
 
 
@@ -116,6 +158,7 @@ class Chunk:
     start: int
     tokens: int
     num_tokens: int  # the request's tokens (prompt and output so far) when it was scheduled
+    prompt_tokens: int = 0
 
     @property
     def prefill(self) -> bool:
@@ -133,6 +176,7 @@ class Run:
     steps: list[list[Chunk]] = field(default_factory=list)
     outputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     finished: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, Any] = field(default_factory=dict)  # request id -> its RequestError
     sched_s: list[float] = field(default_factory=list)  # schedule() + update_from_output() per step
     sched_cpu_s: list[float] = field(default_factory=list)  # the same in the process's CPU time
 
@@ -149,7 +193,7 @@ class Driver:
         self.depth = async_depth
         self.queue: deque = deque()
         self.run = Run()
-        self.step_ms = step_ms  # (step chunks) -> simulated time the fabricated step takes
+        self.step_ms = step_ms  # (output, its chunks), called just before its update_from_output
         self.clock = None
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -167,10 +211,10 @@ class Driver:
         for req_id, n in out.num_scheduled_tokens.items():
             r = self.s.requests[req_id]
             start = r.num_computed_tokens - n
-            chunks.append(Chunk(req_id, start, n, r.num_tokens))
+            chunks.append(Chunk(req_id, start, n, r.num_tokens, r.num_prompt_tokens))
             sample.append(not r.is_prefill_chunk)
         self.run.steps.append(chunks)
-        self.queue.append((out, sample))
+        self.queue.append((out, sample, chunks))
         spent, cpu = t1 - t0, c1 - c0
         if len(self.queue) >= self.depth:
             s, c = self._update()
@@ -180,7 +224,7 @@ class Driver:
         return chunks
 
     def _update(self) -> tuple[float, float]:
-        out, sample = self.queue.popleft()
+        out, sample, chunks = self.queue.popleft()
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
@@ -188,7 +232,7 @@ class Driver:
             sampled_token_ids=[[SAMPLED] if s else [] for s in sample],
         )
         if self.step_ms is not None:
-            self.step_ms(out)
+            self.step_ms(out, chunks)
         c0, t0 = time.process_time(), time.perf_counter()
         result = self.s.update_from_output(out, mro)
         spent, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -197,6 +241,8 @@ class Driver:
                 self.run.outputs[o.request_id] += len(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.run.finished[o.request_id] = str(o.finish_reason)
+                if getattr(o, "error", None) is not None:
+                    self.run.errors[o.request_id] = o.error
         return spent, cpu
 
     def drain(self, limit: int = 20_000) -> Run:
@@ -209,6 +255,22 @@ class Driver:
             while self.queue and (len(self.queue) >= self.depth or not self.s.has_requests()):
                 self._update()
         raise AssertionError(f"not drained after {limit} steps")
+
+
+def four_term_ms(cost: tuple, chunks: list[Chunk]) -> float:
+    """The latency model's four terms on what one step scheduled (as vLLM scheduled it, so the
+    same under async scheduling): tokens, the KV a decode row reads, a prompt chunk's attention
+    pairs."""
+    base, per_token, per_kv, per_pair = cost
+    t = kv = pairs = 0
+    for c in chunks:
+        s, e = c.start, c.start + c.tokens
+        t += c.tokens
+        if s >= c.prompt_tokens:  # a decode row reads its whole KV cache
+            kv += s
+        else:
+            pairs += (e * (e + 1) - s * (s + 1)) // 2
+    return base + per_token * t + per_kv * kv + per_pair * pairs
 
 
 def kv_all_free(sched: Any, num_blocks: int) -> bool:

@@ -101,7 +101,9 @@ def test_cost_side_by_side():
         ours.s.shutdown()
         theirs.s.shutdown()
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **report}, indent=1))
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    build = os.environ.get("MSTAR_VLLM_COST_BUILD", "as installed")  # python/scripts/vllm-cost.sh
+    OUT.write_text(json.dumps({"when": when, "build": build, **report}, indent=1))
     # The aim is 1.1x wall time. Wall time on a loaded machine is mostly the wake-ups of the
     # actors' thread (docs/vllm.md#cost); the bound, on CPU time, catches a plugin that does
     # far more work per step than vLLM's own scheduler.

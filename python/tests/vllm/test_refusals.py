@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import Driver, make_request, make_scheduler
+from harness import LLAVA, Driver, VllmScheduler, make_request, make_scheduler
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
@@ -39,20 +39,73 @@ def _config():
     return cfg
 
 
+# Each feature refused when the scheduler starts: how the test turns it on, and the name the
+# refusal gives it. Where a real configuration turns it on, the test builds one (and vLLM's own
+# scheduler starts with it: the refusal is the plugin's); the others are set on a configuration
+# that started, as vLLM would carry them.
+REAL = [
+    (
+        {"model": {"is_encoder_decoder": True}, "budget": 4096, "max_model_len": 4096},
+        "encoder inputs (an encoder-decoder",
+    ),
+    ({"model": LLAVA}, "encoder inputs (an encoder-decoder or multimodal model)"),
+    ({"runner": "pooling"}, "pooling models"),
+    ({"model": {"canvas_length": 32}}, "diffusion models"),
+    ({"chunked_prefill": False, "budget": 4096, "max_model_len": 4096}, "chunked prefill turned off"),
+    ({"max_num_scheduled_tokens": 256}, "max_num_scheduled_tokens other than max_num_batched_tokens"),
+    ({"policy": "priority"}, "scheduling policy 'priority'"),
+    ({"mamba_align": True}, "Mamba's 'align' cache mode"),
+]
+SET = [
+    (("lora_config",), "LoRA (--enable-lora)"),
+    (("speculative_config",), "speculative decoding"),
+    (("kv_transfer_config",), "KV transfer"),
+    (("ec_transfer_config",), "encoder-cache transfer"),
+    (("parallel_config", "pipeline_parallel_size", 2), "pipeline parallelism"),
+]
+
+
 @pytest.mark.parametrize(
-    "attr, value, name",
-    [
-        ("lora_config", object(), "LoRA"),
-        ("speculative_config", object(), "speculative decoding"),
-        ("kv_transfer_config", object(), "KV transfer"),
-        ("ec_transfer_config", object(), "encoder-cache transfer"),
+    "how, name",
+    REAL + SET,
+    ids=[
+        "encoder-decoder",
+        "multimodal",
+        "pooling",
+        "diffusion",
+        "no-chunked-prefill",
+        "max_num_scheduled_tokens",
+        "priority",
+        "mamba-align",
+        "lora",
+        "speculative",
+        "kv-transfer",
+        "ec-transfer",
+        "pipeline-parallel",
     ],
 )
-def test_unsupported_features_are_named(attr, value, name):
-    cfg = _config()
-    object.__setattr__(cfg, attr, value)
-    problems = _refusals(cfg)
-    assert any(p.startswith(name) for p in problems), problems
+def test_refused_at_start_by_name(how, name):
+    if isinstance(how, dict):
+        with pytest.raises(UnsupportedVllmFeature) as e:
+            make_scheduler(Scheduler, **how)
+        try:
+            theirs = make_scheduler(VllmScheduler, **how)
+        except Exception as their_error:  # vLLM's own cannot start with it here (no tokenizer, ...)
+            assert how.get("model") is not None or how.get("mamba_align"), their_error
+        else:
+            theirs.shutdown()
+    else:
+        cfg = _config()
+        if len(how) == 1:
+            object.__setattr__(cfg, how[0], object())
+        else:
+            object.__setattr__(getattr(cfg, how[0]), how[1], how[2])
+        with pytest.raises(UnsupportedVllmFeature) as e:
+            Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
+    message = str(e.value)
+    assert message.startswith("mstar_chunking.vllm.Scheduler does not support ") and name in message, message
+    others = message.count(";")  # the features named besides: none, but what comes with it
+    assert others == 0 or (name.startswith("encoder inputs") and "chunked prefill turned off" in message), message
 
 
 def test_pipeline_parallelism_and_other_policies_are_named():
@@ -71,23 +124,39 @@ def test_start_refuses_with_every_name():
         Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
 
 
-def test_structured_output_is_refused_per_request():
-    s = make_scheduler(Scheduler)
-    d = Driver(s)
-    req = make_request("json", [5] * 40, 8)
+def _structured(req):
     req.sampling_params = SamplingParams(
         max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"})
     )
     from vllm.v1.structured_output.request import StructuredOutputRequest
 
     req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
-    s.add_request(req)
+    return req
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: _structured(make_request("refused", [5] * 40, 8)), "structured output"),
+        (lambda: make_request("refused", [5] * 40, 8, resumable=True), "streaming input"),
+    ],
+    ids=["structured-output", "streaming-input"],
+)
+def test_refused_per_request_by_name(make, name):
+    """The request finishes with a validation error naming the feature; the engine serves on and
+    the component never holds the request."""
+    s = make_scheduler(Scheduler)
+    d = Driver(s)
+    s.add_request(make())
     d.add("plain", [6] * 40, 3)
     run = d.drain(limit=200)
-    assert run.finished["json"] == "error" and run.outputs["json"] == 0
-    assert run.outputs["plain"] == 3
+    assert run.finished["refused"] == "error" and run.outputs["refused"] == 0
+    error = run.errors["refused"]
+    assert error.code == "validation_error"
+    assert error.message == f"{name} is not supported by mstar_chunking.vllm.Scheduler", error
+    assert run.outputs["plain"] == 3 and "plain" not in run.errors
     assert s.mstar_stats.refused_requests == 1
-    assert len(s.chunking.prepared) == 0
+    assert len(s.chunking.prepared) == 0 and not s._rid_of and not s.requests
     s.shutdown()
 
 

@@ -4,7 +4,7 @@ vLLM's token budget alone runs over it. The fabricated step takes exactly the la
 time for what vLLM scheduled, on a simulated clock the scheduler measures its steps with."""
 
 
-from harness import Driver, VllmScheduler, kv_all_free, make_scheduler
+from harness import Driver, VllmScheduler, four_term_ms, kv_all_free, make_scheduler
 
 from mstar_chunking.vllm import Scheduler
 
@@ -19,30 +19,14 @@ class Timed(Scheduler):
         return {**super().chunking_settings(), "max_step_ms": {"llm": {"mixed": MAX_STEP_MS}}, "cost": {"llm": COST}}
 
 
-def step_ms(sched, out):
-    """The four-term model on what vLLM scheduled: tokens, decode rows' KV, prefill pairs."""
-    base, per_token, per_kv, per_pair = COST
-    t = kv = pairs = 0
-    for req_id, n in out.num_scheduled_tokens.items():
-        r = sched.requests[req_id]
-        e = r.num_computed_tokens
-        s = e - n
-        t += n
-        if s >= r.num_prompt_tokens:  # a decode row reads its whole KV cache
-            kv += s
-        else:
-            pairs += (e * (e + 1) - s * (s + 1)) // 2
-    return base + per_token * t + per_kv * kv + per_pair * pairs
-
-
 def run(cls):
     s = make_scheduler(cls, budget=BUDGET, num_blocks=BLOCKS, max_num_seqs=32)
     now = [0.0]
     s.clock = lambda: now[0]
     times = {}  # our step number (or vLLM's step index) -> simulated ms
 
-    def advance(out):
-        ms = step_ms(s, out)
+    def advance(out, chunks):
+        ms = four_term_ms(COST, chunks)
         rec = s._in_flight[0][1] if isinstance(s, Scheduler) else None
         times[rec.step if rec is not None else len(times)] = ms
         now[0] += ms / 1e3
