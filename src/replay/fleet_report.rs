@@ -6,7 +6,7 @@ use std::fmt;
 
 use serde::{Serialize, Serializer};
 
-use super::report::Latency;
+use super::percentiles::Latency;
 use super::router::RouterKind;
 use crate::text::plural;
 

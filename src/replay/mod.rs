@@ -28,6 +28,7 @@ mod fleet_equivalence;
 pub mod fleet_report;
 pub(crate) mod kv;
 mod options;
+pub mod percentiles;
 pub(crate) mod prefix_cache;
 pub mod priority;
 pub mod report;

@@ -8,6 +8,8 @@ use std::fmt;
 
 use serde::{Serialize, Serializer};
 
+pub use super::percentiles::{round_ms, Latency};
+use super::percentiles::{ser_ms, ser_opt_ms};
 use super::trace::TraceFormat;
 use crate::config::problem::escape;
 use crate::text::{coefficient, plural};
@@ -294,71 +296,6 @@ impl
             per_kv_token_ms: c.map(|c| c[2]),
             per_attention_pair_ms: c.map(|c| c[3]),
         }
-    }
-}
-
-/// Percentiles of a latency, in simulated ms (nearest rank).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Latency {
-    /// The median.
-    #[serde(serialize_with = "ser_ms")]
-    pub p50: f64,
-    /// The 90th percentile (the sweep's TTFT objective uses it).
-    #[serde(serialize_with = "ser_ms")]
-    pub p90: f64,
-    /// The 99th percentile.
-    #[serde(serialize_with = "ser_ms")]
-    pub p99: f64,
-    /// The largest sample.
-    #[serde(serialize_with = "ser_ms")]
-    pub max: f64,
-    /// How many samples.
-    pub samples: usize,
-}
-
-impl Latency {
-    /// Nearest-rank percentiles of `samples` (reordered in place); `None` when empty.
-    pub fn of<T: Copy + Into<f64>>(samples: &mut [T]) -> Option<Self> {
-        let n = samples.len();
-        if n == 0 {
-            return None;
-        }
-        let mut rank = |p: f64| -> f64 {
-            // Nearest rank: the smallest value with at least p of the samples at or below it.
-            let k = ((p * n as f64).ceil() as usize).clamp(1, n) - 1;
-            let (_, v, _) = samples.select_nth_unstable_by(k, |a, b| {
-                let (a, b): (f64, f64) = ((*a).into(), (*b).into());
-                a.total_cmp(&b)
-            });
-            (*v).into()
-        };
-        Some(Self {
-            p50: rank(0.50),
-            p90: rank(0.90),
-            p99: rank(0.99),
-            max: rank(1.0),
-            samples: n,
-        })
-    }
-}
-
-/// Rounds to 0.001, the precision a simulated ms means.
-pub fn round_ms(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
-fn ser_ms<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if x.is_finite() {
-        s.serialize_f64(round_ms(*x))
-    } else {
-        s.serialize_none()
-    }
-}
-
-fn ser_opt_ms<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
-    match x {
-        Some(x) => ser_ms(x, s),
-        None => s.serialize_none(),
     }
 }
 
