@@ -7,6 +7,9 @@
 //! after an uncounted setup that reaches the steady state:
 //! - `planner::token`: [`PLANS`] plans of the token planner;
 //! - `planner::timed`: [`PLANS`] plans under a binding time budget (the A100 preset);
+//! - `planner::ranked`: [`PLANS`] token plans under the `shortest_first` order, each with its
+//!   ranking of the waiting prompts (what a step of a node with another order than `fcfs`
+//!   pays);
 //! - `facade::two_trips`: [`STEPS`] whole steps through the facade with `assemble` + `complete`;
 //! - `facade::one_trip`: [`STEPS`] whole steps with `complete_and_assemble`;
 //! - `replay::bundled`: one replay of the bundled trace's first [`REPLAY_REQUESTS`] requests
@@ -22,7 +25,8 @@ use std::sync::Arc;
 use gungraun::{library_benchmark, library_benchmark_group};
 use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::planner::{StepParams, StepPlan, TimeLimit};
+use mstar_chunking::order::{rank as rank_rows, NodeOrder, Order, WaitBound};
+use mstar_chunking::planner::{plan_ranked, StepParams, StepPlan, TimeLimit};
 use mstar_chunking::replay::{self, ReplayOptions, Trace};
 use mstar_chunking::scheduler::SchedulerState;
 
@@ -74,7 +78,46 @@ fn timed(input: PlannerInput) -> PlannerInput {
     (state, params, time, out)
 }
 
-library_benchmark_group!(name = planner; benchmarks = token, timed);
+/// The planner input with the node's queues under `shortest_first`, and the rank buffer (used
+/// once, so the counted steps reuse its capacity).
+type RankedInput = (PlannerInput, Vec<u32>);
+
+fn ranked_setup(w: usize) -> RankedInput {
+    let input = planner_setup(w);
+    let mut rank = Vec::new();
+    ranked_once(&input.0, &input.1, &mut input.3.clone(), &mut rank);
+    (input, rank)
+}
+
+/// One step of a node ordered `shortest_first`: the ranking, then the plan that walks it.
+fn ranked_once(
+    state: &SchedulerState,
+    params: &StepParams,
+    out: &mut StepPlan,
+    rank: &mut Vec<u32>,
+) {
+    let q = state.node(common::NODE).expect("the node has queues");
+    let order = NodeOrder {
+        order: Order::ShortestFirst,
+        bound: WaitBound::default(),
+    };
+    rank_rows(order, q.clock(None), q.prefill(), rank);
+    plan_ranked(params, None, q.cont(), q.prefill(), rank, out);
+}
+
+#[library_benchmark]
+#[bench::w1(args = (0), setup = ranked_setup)]
+#[bench::w2(args = (1), setup = ranked_setup)]
+#[bench::w3(args = (2), setup = ranked_setup)]
+fn ranked(input: RankedInput) -> RankedInput {
+    let ((state, params, time, mut out), mut rank) = input;
+    for _ in 0..PLANS {
+        ranked_once(black_box(&state), black_box(&params), &mut out, &mut rank);
+    }
+    ((state, params, time, out), rank)
+}
+
+library_benchmark_group!(name = planner; benchmarks = token, timed, ranked);
 
 /// A facade on its own actix System, warmed up to the workload's steady state.
 fn facade_setup(w: usize) -> (actix::SystemRunner, Engine) {
