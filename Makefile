@@ -102,13 +102,14 @@ test-python: ## The Python package: a venv under target/, maturin + pytest + myp
 
 RAY_VENV ?= target/ray-venv
 # The cluster recipes of docs/cluster-sweeps.md: the Ray driver against a local Ray head on
-# 127.0.0.1 (usage stats off), its merged sweep.csv compared with a local sweep's.
-test-ray: ## The cluster recipes: a venv under target/ with ray + pytest from PyPI, the Ray driver's pytest (deploy/ray)
+# 127.0.0.1 (usage stats off), its merged sweep.csv compared with a local sweep's; the
+# Kubernetes Job checked against the schemas kubernetes-validate bundles (nothing fetched).
+test-ray: ## The cluster recipes: a venv under target/ with ray + kubernetes-validate + pytest from PyPI, the tests under deploy/ (Ray driver, Kubernetes Job)
 	python3 -m venv $(RAY_VENV)
-	$(RAY_VENV)/bin/pip install -q --disable-pip-version-check "ray==2.60.0" "pytest>=7"
+	$(RAY_VENV)/bin/pip install -q --disable-pip-version-check "ray==2.60.0" "pytest>=7" "kubernetes-validate==1.35.0" "pyyaml>=6"
 	$(CARGO) build --all-features --bin mstar-chunking
 	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=target/debug/mstar-chunking \
-		$(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy/ray
+		$(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy
 
 test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
 	$(CARGO) test -p mstar-engine
