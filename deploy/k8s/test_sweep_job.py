@@ -62,10 +62,10 @@ def test_a_broken_job_is_refused(edit: Any) -> None:
 
 
 def test_it_is_an_indexed_job_of_sweep_cells_on_a_shared_volume() -> None:
-    spec = job()["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert 1 <= spec["parallelism"] <= spec["completions"]
-    pod = spec["template"]["spec"]
+    job_spec = job()["spec"]
+    assert job_spec["completionMode"] == "Indexed"
+    assert 1 <= job_spec["parallelism"] <= job_spec["completions"]
+    pod = job_spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     (c,) = pod["containers"]
     assert c["command"] == ["mstar-chunking", "sweep-cell", "/jobs"]
@@ -89,12 +89,12 @@ def run(args: list[str], env: dict[str, str] | None = None) -> None:
 def test_its_pods_commands_merge_into_the_local_sweep(tmp_path: Path) -> None:
     jobs, merged, local = tmp_path / "jobs", tmp_path / "merged", tmp_path / "local"
     run([BIN, "sweep", "--emit-jobs", str(jobs), *GRID])
-    spec = job()["spec"]
-    (c,) = spec["template"]["spec"]["containers"]
+    job_spec = job()["spec"]
+    (c,) = job_spec["template"]["spec"]["containers"]
     mount = c["volumeMounts"][0]["mountPath"]
     command = [BIN if a == "mstar-chunking" else str(jobs) if a == mount else a
                for a in c["command"]]
-    for i in range(spec["completions"]):
+    for i in range(job_spec["completions"]):
         run(command, {"JOB_COMPLETION_INDEX": str(i)})
     run([BIN, "sweep", "--merge", str(jobs), "--out", str(merged)])
     run([BIN, "sweep", "--no-progress", "--out", str(local), *GRID])

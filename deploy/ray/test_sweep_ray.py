@@ -82,3 +82,19 @@ def test_a_failing_cell_fails_the_driver(local_ray, tmp_path: Path) -> None:  # 
         sweep_ray.main([str(jobs), "--out", str(tmp_path / "merged"), "--bin", BIN,
                         "--cell-timeout", str(TIMEOUT)])
     assert not (tmp_path / "merged").exists()
+
+
+def test_the_driver_as_a_command_joins_a_running_cluster(local_ray, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    jobs, merged, local = tmp_path / "jobs", tmp_path / "merged", tmp_path / "local"
+    run("sweep", "--emit-jobs", str(jobs), *GRID)
+    address = ray.get_runtime_context().gcs_address
+    r = subprocess.run(
+        [sys.executable, str(Path(sweep_ray.__file__)), str(jobs), "--out", str(merged),
+         "--address", address, "--bin", BIN, "--cell-timeout", str(TIMEOUT)],
+        capture_output=True, text=True, timeout=4 * TIMEOUT, check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Connecting to existing Ray cluster" in r.stderr, r.stderr
+    assert "more cells (wave 2)" in r.stderr, r.stderr
+    run("sweep", "--no-progress", "--out", str(local), *GRID)
+    assert (merged / "sweep.csv").read_bytes() == (local / "sweep.csv").read_bytes()
