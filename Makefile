@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-vllm test-engine serve engine-bench
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-engine serve engine-bench
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -30,13 +30,14 @@ test: test-deps lint check-core ## Install what the tests need, lint, then the w
 	$(CARGO) test --no-default-features --lib --tests
 	$(MAKE) test-engine
 	$(MAKE) test-python
+	$(MAKE) test-ray
 	$(MAKE) test-vllm
 	$(MAKE) bench-check
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
 
-test-deps: ## Install what the tests need: prometheus + promtool + valgrind (apt), python3, gungraun-runner (cargo), @grafana/schema + typescript (npm, into target/)
+test-deps: ## Install what the tests need: prometheus + promtool + valgrind + shellcheck (apt), python3, gungraun-runner (cargo), @grafana/schema + typescript (npm, into target/)
 	scripts/install-test-deps.sh
 
 bench: ## Criterion benchmarks of one step (not in CI), then their table
@@ -98,6 +99,19 @@ test-python: ## The Python package: a venv under target/, maturin + pytest + myp
 	$(CARGO) build --all-features --bin mstar-chunking
 	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
 	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py
+
+RAY_VENV ?= target/ray-venv
+# The cluster recipes of docs/cluster-sweeps.md: the Ray driver against a local Ray head on
+# 127.0.0.1 (usage stats off), its merged sweep.csv compared with a local sweep's; the
+# Kubernetes Job checked against the schemas kubernetes-validate bundles (nothing fetched); the
+# Slurm script through shellcheck (make test-deps installs it), then run as every array task.
+test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under target/ with ray + kubernetes-validate + pytest from PyPI, the tests under deploy/ (Ray driver, Kubernetes Job, Slurm script)
+	shellcheck deploy/slurm/*.sh
+	python3 -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/pip install -q --disable-pip-version-check "ray==2.60.0" "pytest>=7" "kubernetes-validate==1.35.0" "pyyaml>=6"
+	$(CARGO) build --all-features --bin mstar-chunking
+	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=target/debug/mstar-chunking \
+		$(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy
 
 test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
 	$(CARGO) test -p mstar-engine

@@ -3,6 +3,7 @@
 # - `prometheus` and `promtool` (Debian's `prometheus` package) for the live metrics tests;
 # - `valgrind` (Debian) and `gungraun-runner` (cargo install) for `make bench-check`;
 # - `python3` for the step-log checker;
+# - `shellcheck` (Debian) for the Slurm script (`make test-ray`);
 # - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
 set -euo pipefail
 
@@ -45,6 +46,15 @@ if ! command -v python3 >/dev/null; then
     as_root apt-get install -y -qq --no-install-recommends python3
 fi
 python3 --version
+
+# The Slurm script is linted by `make test-ray`: Debian's shellcheck.
+if ! command -v shellcheck >/dev/null; then
+    echo "install-test-deps: installing Debian's shellcheck"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq --no-install-recommends shellcheck
+fi
+shellcheck --version | sed -n 2p
 
 # Instruction counts (make bench-check): valgrind (Debian) and gungraun-runner, the exact
 # version of the `gungraun` crate in Cargo.lock (the harness refuses any other).
