@@ -110,8 +110,10 @@ test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under t
 	python3 -m venv $(RAY_VENV)
 	$(RAY_VENV)/bin/pip install -q --disable-pip-version-check "ray==2.60.0" "pytest>=7" "kubernetes-validate==1.35.0" "pyyaml>=6"
 	$(CARGO) build --all-features --bin mstar-chunking
+	# In a network namespace of its own with only loopback: Ray's services bind the interfaces
+	# they find, and there is none but 127.0.0.1 to find.
 	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=target/debug/mstar-chunking \
-		$(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy
+		unshare --net --map-root-user sh -c 'ip link set lo up && exec $(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy'
 
 test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
 	$(CARGO) test -p mstar-engine

@@ -3,7 +3,8 @@
 # - `prometheus` and `promtool` (Debian's `prometheus` package) for the live metrics tests;
 # - `valgrind` (Debian) and `gungraun-runner` (cargo install) for `make bench-check`;
 # - `python3` for the step-log checker;
-# - `shellcheck` (Debian) for the Slurm script (`make test-ray`);
+# - `shellcheck` (Debian) for the Slurm script, and `ip` (Debian's iproute2) for the loopback-only
+#   network namespace the Ray test runs in (`make test-ray`);
 # - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
 set -euo pipefail
 
@@ -46,6 +47,14 @@ if ! command -v python3 >/dev/null; then
     as_root apt-get install -y -qq --no-install-recommends python3
 fi
 python3 --version
+
+# `make test-ray` brings up loopback in a network namespace of its own: Debian's iproute2.
+if ! command -v ip >/dev/null; then
+    echo "install-test-deps: installing Debian's iproute2"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq --no-install-recommends iproute2
+fi
 
 # The Slurm script is linted by `make test-ray`: Debian's shellcheck.
 if ! command -v shellcheck >/dev/null; then
