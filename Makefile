@@ -37,7 +37,7 @@ test: test-deps lint check-core ## Install what the tests need, lint, then the w
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
 
-test-deps: ## Install what the tests need: prometheus + promtool + valgrind + shellcheck (apt), python3, gungraun-runner (cargo), @grafana/schema + typescript (npm, into target/)
+test-deps: ## Install what the tests need: prometheus + promtool + valgrind + shellcheck + parallel + iproute2 (apt), python3, gungraun-runner (cargo), @grafana/schema + typescript (npm, into target/)
 	scripts/install-test-deps.sh
 
 bench: ## Criterion benchmarks of one step (not in CI), then their table
@@ -105,7 +105,7 @@ RAY_VENV ?= target/ray-venv
 # 127.0.0.1 (usage stats off), its merged sweep.csv compared with a local sweep's; the
 # Kubernetes Job checked against the schemas kubernetes-validate bundles (nothing fetched); the
 # Slurm script through shellcheck (make test-deps installs it), then run as every array task.
-test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under target/ with ray + kubernetes-validate + pytest from PyPI, the tests under deploy/ (Ray driver, Kubernetes Job, Slurm script)
+test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under target/ with ray + kubernetes-validate + pytest from PyPI, the tests under deploy/ (Ray driver, Kubernetes Job, Slurm script, GNU parallel)
 	shellcheck deploy/slurm/*.sh
 	python3 -m venv $(RAY_VENV)
 	$(RAY_VENV)/bin/pip install -q --disable-pip-version-check "ray==2.60.0" "pytest>=7" "kubernetes-validate==1.35.0" "pyyaml>=6"

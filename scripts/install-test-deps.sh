@@ -4,7 +4,7 @@
 # - `valgrind` (Debian) and `gungraun-runner` (cargo install) for `make bench-check`;
 # - `python3` for the step-log checker;
 # - `shellcheck` (Debian) for the Slurm script, and `ip` (Debian's iproute2) for the loopback-only
-#   network namespace the Ray test runs in (`make test-ray`);
+#   network namespace the Ray test runs in, and GNU `parallel` (Debian) (`make test-ray`);
 # - `@grafana/schema` and `typescript` (npm) into a scratch folder for the dashboard type-check.
 set -euo pipefail
 
@@ -47,6 +47,14 @@ if ! command -v python3 >/dev/null; then
     as_root apt-get install -y -qq --no-install-recommends python3
 fi
 python3 --version
+
+# `make test-ray` runs a sweep's cells with GNU parallel: Debian's parallel.
+if ! command -v parallel >/dev/null; then
+    echo "install-test-deps: installing Debian's parallel"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq --no-install-recommends parallel
+fi
 
 # `make test-ray` brings up loopback in a network namespace of its own: Debian's iproute2.
 if ! command -v ip >/dev/null; then
