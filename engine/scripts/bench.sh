@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The reference engine's measurements (engine/README.md#measurements), with the small model on
-# this machine's CPU. Writes everything under target/engine-bench/ and prints the summary table.
+# The reference engine's measurements (engine/README.md#measurements), with SmolLM2-135M-Instruct
+# (MODEL=small: the random 25M model) on this machine's CPU. Writes everything under target/engine-bench/ and prints the summary table.
 #
 #   A  token budget 256        -> step log for `fit` (R^2, coefficients), TBT p99 "token budget"
 #   B  time budget X (X = X_FACTOR x the median decode-only step of A; A's fit to start, then
@@ -8,7 +8,7 @@
 #   C  chunking off            -> TBT p99 "off"
 #   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients -> vs A
 #
-# Knobs (environment): X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT.
+# Knobs (environment): MODEL, KV_TOKENS, X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=target/engine-bench
@@ -20,6 +20,8 @@ LENGTH_SCALE=${LENGTH_SCALE:-1}
 MAX_PROMPT=${MAX_PROMPT:-2048}
 MAX_OUTPUT=${MAX_OUTPUT:-128}
 PORT=${PORT:-8317}
+MODEL=${MODEL:-smollm2}
+KV_TOKENS=${KV_TOKENS:-65536}
 # On a CPU a step of 2-16 tokens costs about twice a 1-token decode step (engine/README.md#the-cost-of-a-step),
 # so a time budget of 2 x the decode-only step leaves a long-context chunk no room at all.
 X_FACTOR=${X_FACTOR:-3}
@@ -42,8 +44,8 @@ fi
 # run NAME SERVE-FLAGS...: serve, replay the trace against it, stop it with SIGTERM.
 run() {
   local name=$1; shift
-  RAYON_NUM_THREADS=$ENGINE_THREADS "$ENGINE" serve --model small --listen "127.0.0.1:$PORT" --step-log "$OUT/$name.steps.jsonl" \
-    --kv-tokens 200000 "$@" >"$OUT/$name.serve.log" 2>&1 &
+  RAYON_NUM_THREADS=$ENGINE_THREADS "$ENGINE" serve --model "$MODEL" --listen "127.0.0.1:$PORT" --step-log "$OUT/$name.steps.jsonl" \
+    --kv-tokens "$KV_TOKENS" "$@" >"$OUT/$name.serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 300); do
     grep -q "listening on" "$OUT/$name.serve.log" && break
