@@ -126,5 +126,5 @@ SERVE_MODEL ?= smollm2
 serve: model ## Serve the reference engine (SmolLM2-135M-Instruct; SERVE_MODEL=small for random weights) on SERVE_LISTEN
 	$(CARGO) run --release -p mstar-engine -- serve --model $(SERVE_MODEL) --listen $(SERVE_LISTEN)
 
-engine-bench: model ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (~5 min of runs after a release build)
+engine-bench: model ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (about 20 min of runs on SmolLM2, 5 on the small model, after a release build)
 	engine/scripts/bench.sh
