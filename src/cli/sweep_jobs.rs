@@ -440,6 +440,14 @@ fn read_results(
 /// of capacity probes (exit [`EXIT_MORE_CELLS`]). Exit codes: 0 written, 2 a refused
 /// directory or output, 1 cells without results or a failed write.
 pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
+    if within(&args.out, dir) {
+        say(&format!(
+            "error: --out {} is inside the job directory {}: the outputs would mix with its manifest and results; name a directory outside it",
+            args.out.display(),
+            dir.display()
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let mut manifest = match Manifest::read(dir) {
         Ok(m) => m,
         Err(e) => {
@@ -510,6 +518,43 @@ pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
     }
 }
 
+/// Whether `path` is `dir` or below it: `..` taken lexically, then symbolic links resolved as far
+/// as the path exists (an output not made yet is judged by its nearest existing ancestor).
+fn within(path: &Path, dir: &Path) -> bool {
+    let Ok(dir) = dir.canonicalize() else {
+        return false;
+    };
+    let Ok(absolute) = std::path::absolute(path) else {
+        return false;
+    };
+    // `..` taken lexically: a part that does not exist yet cannot be resolved by the system.
+    let mut existing = std::path::PathBuf::new();
+    for c in absolute.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                existing.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => existing.push(c),
+        }
+    }
+    let mut rest = Vec::new();
+    let resolved = loop {
+        if let Ok(p) = existing.canonicalize() {
+            break p;
+        }
+        match (existing.file_name(), existing.parent()) {
+            (Some(name), Some(parent)) => {
+                rest.push(name.to_owned());
+                existing = parent.to_path_buf();
+            }
+            _ => return false,
+        }
+    };
+    let full = rest.iter().rev().fold(resolved, |p, n| p.join(n));
+    full.starts_with(&dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,5 +590,24 @@ mod tests {
             index,
         };
         assert_eq!(cell_index(&args(Some(4))), Ok(4));
+    }
+
+    #[test]
+    fn an_output_inside_the_job_directory_is_told_apart_from_one_beside_it() {
+        let root = tempfile::tempdir().unwrap();
+        let jobs = root.path().join("jobs");
+        std::fs::create_dir_all(jobs.join("results")).unwrap();
+        assert!(super::within(&jobs, &jobs));
+        assert!(super::within(&jobs.join("results"), &jobs));
+        assert!(super::within(&jobs.join("not-yet/out"), &jobs));
+        assert!(super::within(&root.path().join("x/../jobs/out"), &jobs));
+        assert!(!super::within(&root.path().join("jobs-out"), &jobs));
+        assert!(!super::within(&root.path().join("merged"), &jobs));
+        #[cfg(unix)]
+        {
+            let link = root.path().join("link");
+            std::os::unix::fs::symlink(&jobs, &link).unwrap();
+            assert!(super::within(&link.join("out"), &jobs));
+        }
     }
 }
