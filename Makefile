@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-engine serve engine-bench
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-engine serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -126,5 +126,15 @@ SERVE_MODEL ?= smollm2
 serve: model ## Serve the reference engine (SmolLM2-135M-Instruct; SERVE_MODEL=small for random weights) on SERVE_LISTEN
 	$(CARGO) run --release -p mstar-engine -- serve --model $(SERVE_MODEL) --listen $(SERVE_LISTEN)
 
-engine-bench: model ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (about 20 min of runs on SmolLM2, 5 on the small model, after a release build)
+LLAMA_VENV ?= $(HOME)/.cache/mstar-chunking/llama-venv
+
+engine-speed: model ## Prefill and decode tokens/s of the engine and llama.cpp on SmolLM2 at 1 and 2 threads (llama-cpp-python built from source once into ~/.cache/mstar-chunking, ~10 min)
+	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --disable-pip-version-check "llama-cpp-python==0.3.36"
+	$(CARGO) build --release -p mstar-engine --example speed
+	python3 engine/scripts/speed_vs_llama_cpp.py --gguf "$$(python3 engine/scripts/fetch-model.py --check)" \
+		--engine target/release/examples/speed --python $(LLAMA_VENV)/bin/python \
+		--out engine/results/speed-vs-llama-cpp.md
+
+engine-bench: model engine-speed ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (about 20 min of runs on SmolLM2, 5 on the small model, after a release build)
 	engine/scripts/bench.sh

@@ -4,7 +4,7 @@
 //! ```sh
 //! RAYON_NUM_THREADS=1 cargo run --release -p mstar-engine --example step_cost            # small
 //! RAYON_NUM_THREADS=1 cargo run --release -p mstar-engine --example step_cost -- \
-//!     smollm2 q8_0                  # the GGUF model, weights kept as dense, native or q8_0
+//!     smollm2 native                # the GGUF model, weights kept as native, q8_0 or dense
 //! ```
 //!
 //! Each line is the best of five runs of one step: one row of `T` new tokens after `context`
@@ -25,7 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = match which {
         "tiny" | "small" => Model::random(Config::by_name(which)?, 1, &Device::Cpu)?,
         "smollm2" => {
-            let f = args.get(1).map(String::as_str).unwrap_or("q8_0");
+            let f = args.get(1).map(String::as_str).unwrap_or("native");
             let format = WeightFormat::by_name(f).ok_or(format!("unknown format `{f}`"))?;
             let t0 = Instant::now();
             let m = gguf::load(&gguf::smollm2_path()?, &Device::Cpu, format)?;

@@ -3,6 +3,8 @@
 continuations of 5 prompts for SmolLM2-135M-Instruct, computed by llama.cpp (through the
 `llama-cpp-python` package, which builds it from source) on the same GGUF file the engine
 serves. Made once, outside CI; `engine/tests/real_model.rs` compares the engine against it.
+llama.cpp keeps its KV cache in f32 here, as the engine does (its default, f16, rounds every
+key and value and moves near-ties elsewhere).
 
     python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python
     make model
@@ -57,7 +59,8 @@ def main():
         [sys.executable, os.path.join(HERE, "fetch-model.py"), "--check"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=1, verbose=False,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     tokenize = [
         {"text": s, "ids": llm.tokenize(s.encode(), add_bos=False, special=True)}
         for s in STRINGS
@@ -75,7 +78,7 @@ def main():
                        "text": llm.detokenize(out).decode("utf-8", "replace")})
     doc = {
         "made_by": "engine/scripts/make-fixtures.py with llama-cpp-python "
-                   f"{llama_cpp.__version__} (llama.cpp built from source, one thread)",
+                   f"{llama_cpp.__version__} (llama.cpp built from source, one thread, f32 KV cache)",
         "gguf": os.path.basename(gguf),
         "tokenize": tokenize,
         "greedy": greedy,

@@ -50,10 +50,10 @@ struct ServeArgs {
     /// Serve this llama-architecture GGUF file (weights and tokenizer) instead of `--model`.
     #[arg(long, conflicts_with_all = ["weights", "seed"])]
     gguf: Option<PathBuf>,
-    /// How a GGUF model's weights are kept: `q8_0` (requantized at load; the fastest decode),
-    /// `native` (as stored: Q4_1 for SmolLM2, llama.cpp's own arithmetic, slower) or `dense`
-    /// (f32; the fastest long prefill, the most memory).
-    #[arg(long, default_value = "q8_0", value_parser = parse_format)]
+    /// How a GGUF model's weights are kept: `native` (as stored: Q4_1 for SmolLM2, with
+    /// llama.cpp's arithmetic; the fastest here), `q8_0` (requantized at load) or `dense`
+    /// (f32; the most memory).
+    #[arg(long, default_value = "native", value_parser = parse_format)]
     weight_format: mstar_engine::model::gguf::WeightFormat,
     /// Seed of the random weights (`tiny`, `small`).
     #[arg(long, default_value_t = 0)]

@@ -28,6 +28,9 @@ pub enum Linear {
     /// A GGML-quantized weight (candle's quantized matrix product: the activations are
     /// quantized per row, so a token's result does not depend on the other rows of its step).
     Quantized(QMatMul),
+    /// A Q4_1 weight on the CPU, with the engine's own kernel (llama.cpp's arithmetic; see
+    /// [`super::q4_1`]), the activations quantized per row as well.
+    Q4_1(std::sync::Arc<super::q4_1::Q4_1Matrix>),
 }
 
 /// The most tokens in a step for which a dense [`Linear`] puts the weight on the left.
@@ -67,6 +70,7 @@ impl Linear {
                 }
             }
             Self::Quantized(q) => q.forward(x),
+            Self::Q4_1(m) => x.contiguous()?.apply_op1_no_bwd(m.as_ref()),
         }
     }
 }

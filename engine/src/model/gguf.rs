@@ -22,6 +22,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 
 use super::blocks::{Attention, AttentionKernel, Block, Linear, Mlp, RmsNorm};
+use super::q4_1::Q4_1Matrix;
 use super::{Config, Embedding, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
@@ -37,10 +38,10 @@ pub const MAX_GGUF_BYTES: u64 = 64 << 30;
 pub enum WeightFormat {
     /// Dequantized to f32 at load: candle's f32 matrix products (gemm).
     Dense,
-    /// As stored in the file (Q4_1 here), with candle's quantized products.
+    /// As stored in the file: Q4_1 products on the CPU by the engine's own kernel
+    /// ([`super::q4_1`], llama.cpp's arithmetic), every other type by candle's.
     Native,
-    /// Requantized at load to Q8_0, whose quantized dot product has SIMD kernels in candle
-    /// (Q4_1's is scalar code).
+    /// Requantized at load to Q8_0, with candle's Q8_0 products.
     Q8_0,
 }
 
@@ -54,10 +55,19 @@ impl WeightFormat {
             _ => None,
         }
     }
+
+    /// The name [`WeightFormat::by_name`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Native => "native",
+            Self::Q8_0 => "q8_0",
+        }
+    }
 }
 
-/// The format the engine serves GGUF files with (the fastest measured: `engine/README.md`).
-pub const DEFAULT_FORMAT: WeightFormat = WeightFormat::Q8_0;
+/// The format the engine serves GGUF files with (`engine/README.md#the-weight-format`).
+pub const DEFAULT_FORMAT: WeightFormat = WeightFormat::Native;
 
 /// The model cache: `$XDG_CACHE_HOME/mstar-chunking`, else `$HOME/.cache/mstar-chunking`.
 ///
@@ -351,7 +361,8 @@ fn linear(
         )?)?),
         WeightFormat::Native => {
             let dtype = parts[0].dtype();
-            if parts.len() == 1 {
+            let q4_1_here = dtype == GgmlDType::Q4_1 && device.is_cpu();
+            if parts.len() == 1 && !q4_1_here {
                 let q = parts.into_iter().next().expect("one part");
                 return Ok(Linear::quantized(q)?);
             }
@@ -369,6 +380,11 @@ fn linear(
             let mut bytes = Vec::new();
             for q in &parts {
                 bytes.extend_from_slice(&q.data()?);
+            }
+            if q4_1_here {
+                let m =
+                    Q4_1Matrix::from_ggml(&bytes, rows, cols).map_err(candle_core::Error::Msg)?;
+                return Ok(Linear::Q4_1(Arc::new(m)));
             }
             let storage = QStorage::from_data(Cow::Owned(bytes), device, dtype)?;
             Ok(Linear::quantized(QTensor::new(storage, (rows, cols))?)?)

@@ -12,6 +12,7 @@
 
 pub mod blocks;
 pub mod gguf;
+pub mod q4_1;
 
 use std::collections::HashMap;
 use std::path::Path;
