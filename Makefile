@@ -136,5 +136,6 @@ engine-speed: model ## Prefill and decode tokens/s of the engine and llama.cpp o
 		--engine target/release/examples/speed --python $(LLAMA_VENV)/bin/python \
 		--out engine/results/speed-vs-llama-cpp.md
 
-engine-bench: model engine-speed ## The engine's measurements (engine/README.md): fit, time budget, replay vs engine, TBT (about 20 min of runs on SmolLM2, 5 on the small model, after a release build)
+engine-bench: model engine-speed ## The engine's measurements (engine/README.md): exactness up to 2,000-token prompts, fit, time budget, replay vs engine, TBT, speed against llama.cpp (about 30 min on SmolLM2, after release builds)
+	ENGINE_EXACTNESS_PROMPTS=300,1000,2000 $(CARGO) test --release -p mstar-engine --test real_model_exactness
 	engine/scripts/bench.sh

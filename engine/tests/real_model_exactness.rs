@@ -3,7 +3,8 @@
 //! the last position's logits of a whole-prompt prefill within 1e-4 absolute and the same 64
 //! greedy tokens; a step mixing decode rows beside chunks equals each row run alone.
 //! The model comes from `make model`; a missing file fails, it is never skipped.
-//! (2,000-token prompts run in `make engine-bench`: `engine/scripts/bench.sh`.)
+//! `ENGINE_EXACTNESS_PROMPTS=300,1000,2000` sets the prompt lengths: `make engine-bench` runs
+//! the 2,000-token case too (in release; it is too long for `make test`).
 
 use std::num::NonZeroU32;
 use std::sync::OnceLock;
@@ -32,6 +33,27 @@ the market along the quay is full of crates of mackerel, crab and mussels. Mrs. 
 sold bread here for 31 years, says the season of 2023 was the best she remembers: \"We sold \
 out every morning by ten.\" Visitors come for the cliffs, the lighthouse and the old chapel, \
 whose bell was cast in 1714. ";
+
+/// The prompt lengths: `ENGINE_EXACTNESS_PROMPTS` (comma-separated), else 300 and 1,000.
+fn prompt_lengths() -> Vec<usize> {
+    match std::env::var("ENGINE_EXACTNESS_PROMPTS") {
+        Ok(v) => v
+            .split(',')
+            .map(|n| {
+                let n: usize = n.trim().parse().unwrap_or_else(|e| {
+                    panic!("ENGINE_EXACTNESS_PROMPTS=`{v}`: `{n}` is not a length ({e})")
+                });
+                assert!(
+                    (17..=8000).contains(&n),
+                    "ENGINE_EXACTNESS_PROMPTS: {n} is outside 17..=8000 (more than one chunk, \
+                     room for the greedy tokens in the context)"
+                );
+                n
+            })
+            .collect(),
+        Err(_) => vec![300, 1000],
+    }
+}
 
 /// `n` tokens of English prose (the paragraph above, numbered and repeated).
 fn prompt(n: usize) -> Vec<u32> {
@@ -96,9 +118,9 @@ async fn chunked_prefill(
 #[test]
 fn chunked_prefill_matches_whole_prefill_on_smollm2() {
     let model = model();
-    let refs: Vec<_> = [300usize, 1000]
-        .iter()
-        .map(|&n| {
+    let refs: Vec<_> = prompt_lengths()
+        .into_iter()
+        .map(|n| {
             let p = prompt(n);
             let (mut cache, logits) = model.prefill(&p).unwrap();
             let greedy = model.greedy(&mut cache, &logits, GREEDY).unwrap();
