@@ -76,6 +76,8 @@ fuzz: ## cargo fuzz each target for FUZZ_SECONDS (stable toolchain, no sanitizer
 			-- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
 	done
 
+# Where cargo puts binaries (CARGO_TARGET_DIR when set).
+BIN_DIR := $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 PY_VENV ?= target/py-venv
 # The replay binary is the debug build `make test` already made (same features), which the engine
 # loop test runs against the Python example. The wheel is a debug build: the tests check
@@ -97,7 +99,7 @@ test-python: ## The Python package: a venv under target/, maturin + pytest + myp
 	$(PY_VENV)/bin/maturin build -m python/Cargo.toml -i $(PY_VENV)/bin/python --out target/py-wheels
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/py-wheels/mstar_chunking-*.whl
 	$(CARGO) build --all-features --bin mstar-chunking
-	MSTAR_CHUNKING_BIN=target/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
+	MSTAR_CHUNKING_BIN=$(BIN_DIR)/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
 	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py
 
 RAY_VENV ?= target/ray-venv
@@ -112,7 +114,7 @@ test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under t
 	$(CARGO) build --all-features --bin mstar-chunking
 	# In a network namespace of its own with only loopback: Ray's services bind the interfaces
 	# they find, and there is none but 127.0.0.1 to find.
-	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=target/debug/mstar-chunking \
+	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=$(BIN_DIR)/debug/mstar-chunking \
 		unshare --net --map-root-user sh -c 'ip link set lo up && exec $(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy'
 
 test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
@@ -133,7 +135,7 @@ engine-speed: model ## Prefill and decode tokens/s of the engine and llama.cpp o
 	$(LLAMA_VENV)/bin/pip install -q --disable-pip-version-check "llama-cpp-python==0.3.36"
 	$(CARGO) build --release -p mstar-engine --example speed
 	python3 engine/scripts/speed_vs_llama_cpp.py --gguf "$$(python3 engine/scripts/fetch-model.py --check)" \
-		--engine target/release/examples/speed --python $(LLAMA_VENV)/bin/python \
+		--engine $(BIN_DIR)/release/examples/speed --python $(LLAMA_VENV)/bin/python \
 		--out engine/results/speed-vs-llama-cpp.md
 
 engine-bench: model engine-speed ## The engine's measurements (engine/README.md): exactness up to 2,000-token prompts, fit, time budget, replay vs engine, TBT, speed against llama.cpp (about 30 min on SmolLM2, after release builds)
