@@ -34,7 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(f) => WeightFormat::by_name(f).ok_or(format!("unknown format `{f}`"))?,
         None => DEFAULT_FORMAT,
     };
-    let model = gguf::load(std::path::Path::new(path), &Device::Cpu, format)?;
+    let model =
+        gguf::load(std::path::Path::new(path), &Device::Cpu, format).map_err(|e| e.to_string())?;
     // The prompt llama.cpp's side uses too: ids 300..555, away from the special tokens.
     let prompt: Vec<u32> = (0..PREFILL as u32)
         .map(|i| (i * 7 + 3) % 256 + 300)

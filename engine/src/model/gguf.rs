@@ -146,8 +146,8 @@ impl GgufFile {
             return Err(err("changed while opening".into()));
         }
         let mut reader = BufReader::new(file);
-        let content =
-            Content::read(&mut reader).map_err(|e| err(format!("reading the header: {e}")))?;
+        let content = Content::read(&mut reader)
+            .map_err(|e| err(format!("reading the header: {}", message(&e))))?;
         let arch = content
             .metadata
             .get("general.architecture")
@@ -218,7 +218,7 @@ impl GgufFile {
 
     fn read(&mut self, name: &str, device: &Device) -> Result<QTensor, ModelError> {
         let r = self.content.tensor(&mut self.reader, name, device);
-        r.map_err(|e| self.err(format!("tensor `{name}`: {e}")))
+        r.map_err(|e| self.err(format!("tensor `{name}`: {}", message(&e))))
     }
 
     /// Builds the model, its weights kept as `format` says, and its tokenizer.
@@ -389,6 +389,15 @@ fn linear(
             let storage = QStorage::from_data(Cow::Owned(bytes), device, dtype)?;
             Ok(Linear::quantized(QTensor::new(storage, (rows, cols))?)?)
         }
+    }
+}
+
+/// A candle error's message without the backtrace candle appends under `RUST_BACKTRACE`: an
+/// operator reads which file and tensor, not candle's call stack.
+fn message(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => message(inner),
+        e => e.to_string(),
     }
 }
 
