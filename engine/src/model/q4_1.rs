@@ -87,11 +87,6 @@ impl Q4_1Matrix {
         Ok(Self { rows, cols, blocks })
     }
 
-    /// Output features.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     /// `x W^T` for `x` `[t, cols]` (row-major): `[t, rows]`, row-major.
     ///
     /// # Panics
