@@ -102,7 +102,8 @@ pub(crate) mod text;
 
 pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{
-    BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, DEFAULT_MIN_CHUNK_TOKENS,
+    BudgetSettings, BudgetTable, BudgetValue, NodeBudget, TimeBudget, TimeFloor,
+    DEFAULT_MIN_CHUNK_TOKENS,
 };
 pub use error::{ChunkingError, ErrorKind};
 pub use latency::presets::preset_model;

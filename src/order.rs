@@ -157,6 +157,21 @@ impl Wait {
     }
 }
 
+impl Wait {
+    /// How long `row` has waited for a chunk at `clock`: since its admission, or since the
+    /// step that ran its last completed chunk (the clock the time budget's floor yields by).
+    pub fn for_chunk(row: &PrefillRow, clock: StepClock) -> Self {
+        let ms = match (row.wait_from_ms, clock.now_ms) {
+            (Some(from), Some(now)) => Some((now - from).max(0.0)),
+            _ => None,
+        };
+        Self {
+            steps: clock.step.saturating_sub(row.wait_from_step),
+            ms,
+        }
+    }
+}
+
 impl WaitBound {
     /// Whether a prompt that waited `wait` is past the bound: at or over either limit.
     pub fn starved(&self, wait: Wait) -> bool {

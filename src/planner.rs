@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::latency::{ChunkBounds, LatencyModel, StepFeatures};
-use crate::order::NodeOrder;
+use crate::order::{NodeOrder, StepClock, Wait, WaitBound};
 use crate::overrun::TimeOverrunReason;
 use crate::policy::Name;
 use crate::range::ChunkRange;
@@ -46,15 +46,23 @@ pub struct StepParams {
     /// The node's order of waiting prompts and its starvation bound (`chunking.order`,
     /// `chunking.max_wait_*`): [`plan_ranked`]'s walk when it is not `fcfs`.
     pub order: NodeOrder,
+    /// Under a time limit, whether the first prefill row's floor chunk yields to the time
+    /// budget (`chunking.time_floor`, `docs/cost-model.md#time-budgets`): `Some(bound)` when
+    /// it waits beside continuing rows it does not fit with, until its wait for a chunk
+    /// reaches `bound`; `None` when it always runs (`time_floor = "run"`).
+    pub floor_yield: Option<WaitBound>,
 }
 
-/// A step's time limit: the latency model it is planned with and its time budget.
+/// A step's time limit: the latency model it is planned with, its time budget, and when the
+/// step is planned (for the wait the floor yields by).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimeLimit {
     /// The model predicting the step's time.
     pub model: LatencyModel,
     /// The time budget, in ms.
     pub max_step_ms: f64,
+    /// The node's planned steps before this one and the step's time, if the engine gave one.
+    pub clock: StepClock,
 }
 
 impl StepParams {
@@ -156,6 +164,10 @@ pub struct StepPlan {
     pub time: Option<TimeLimit>,
     /// Why the plan knowingly goes over its time budget (its liveness cases), if it does.
     pub time_over: Option<TimeOverrunReason>,
+    /// The first prefill row in order waits because even its floor chunk does not fit in time
+    /// beside the step's other rows, and it has not waited out the starvation bound
+    /// ([`StepParams::floor_yield`]).
+    pub floor_yielded: bool,
 }
 
 impl StepPlan {
@@ -177,6 +189,7 @@ impl StepPlan {
         self.features = StepFeatures::EMPTY;
         self.time = None;
         self.time_over = None;
+        self.floor_yielded = false;
     }
 
     /// A prefill row runs over the time budget by a liveness rule (`floor`, `uncut_row`): that
@@ -241,7 +254,11 @@ pub fn plan(params: &StepParams, cont: &[ContRow], prefill: &[PrefillRow], out: 
     let time = params
         .max_step_ms
         .zip(params.cost)
-        .map(|(max_step_ms, model)| TimeLimit { model, max_step_ms });
+        .map(|(max_step_ms, model)| TimeLimit {
+            model,
+            max_step_ms,
+            clock: StepClock::default(),
+        });
     plan_timed(params, time, cont, prefill, out);
 }
 
@@ -671,6 +688,10 @@ fn timed_end(
         .filter(|&end| end == total || !partial_full);
     match fitted {
         Some(end) if end == total || end - progress >= floor => Some(end),
+        _ if first_in_order && floor_yields(params, r, time, out) => {
+            out.floor_yielded = true;
+            None
+        }
         _ if first_in_order => {
             // Liveness: the first row is never held below the floor by time alone.
             let align = u64::from(params.align.max(1));
@@ -681,6 +702,15 @@ fn timed_end(
         }
         _ => None,
     }
+}
+
+/// Whether the first prefill row, whose floor chunk does not fit in time, waits: the floor
+/// yields ([`StepParams::floor_yield`]), the step has other rows to run (a row alone in its
+/// step always runs), and the row's wait for a chunk has not reached the bound.
+fn floor_yields(params: &StepParams, r: &PrefillRow, time: TimeLimit, out: &StepPlan) -> bool {
+    params
+        .floor_yield
+        .is_some_and(|bound| !out.rows.is_empty() && !bound.starved(Wait::for_chunk(r, time.clock)))
 }
 
 /// The most tokens one row may run in a step (`max_row_tokens`), or unlimited.
@@ -918,6 +948,7 @@ mod tests {
             learn_cost: false,
             margin_quantile: None,
             order: NodeOrder::default(),
+            floor_yield: None,
         }
     }
 
@@ -943,6 +974,8 @@ mod tests {
             priority: 0,
             arrival_ms: None,
             admitted_step: 0,
+            wait_from_step: 0,
+            wait_from_ms: None,
         }
     }
 
@@ -1343,6 +1376,127 @@ mod tests {
         assert_eq!(out.time_over, Some(TimeOverrunReason::UncutRow));
     }
 
+    /// Plans under `p`'s configured model and time budget at `clock`.
+    fn run_at(
+        p: &StepParams,
+        clock: StepClock,
+        cont: &[ContRow],
+        prefill: &[PrefillRow],
+    ) -> StepPlan {
+        let time = p
+            .max_step_ms
+            .zip(p.cost)
+            .map(|(max_step_ms, model)| TimeLimit {
+                model,
+                max_step_ms,
+                clock,
+            });
+        let mut out = StepPlan::default();
+        plan_timed(p, time, cont, prefill, &mut out);
+        out
+    }
+
+    fn at(step: u64, now_ms: Option<f64>) -> StepClock {
+        StepClock { step, now_ms }
+    }
+
+    #[test]
+    fn a_floor_that_yields_runs_the_continuing_rows_alone_until_the_prompt_waited_out_its_bound() {
+        // Nine decode rows are predicted at 5.9 ms of a 6 ms budget: a 64-token floor chunk
+        // (6.4 ms more) does not fit beside them.
+        let bound = WaitBound {
+            max_wait_ms: None,
+            max_wait_steps: Some(3),
+        };
+        let p = StepParams {
+            floor_yield: Some(bound),
+            ..timed(4096, 64, 6.0)
+        };
+        let cont: Vec<ContRow> = (1..=9).map(|i| decode(i, 1)).collect();
+        let row = PrefillRow {
+            wait_from_step: 10,
+            ..prompt(20, 1000)
+        };
+        for step in 10..13 {
+            let out = run_at(&p, at(step, None), &cont, std::slice::from_ref(&row));
+            assert_eq!(out.rows.len(), 9, "step {step}: the decode rows alone");
+            assert!(out.floor_yielded, "step {step}");
+            assert_eq!((out.time_over, out.waiting), (None, 1), "step {step}");
+            assert!(predicted(&p, &out) <= 6.0);
+        }
+        // Three steps waited: the bound is reached, and the floor runs as it always did.
+        let out = run_at(&p, at(13, None), &cont, std::slice::from_ref(&row));
+        assert_eq!(shape(&out).last(), Some(&(20, 64, false)));
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
+        assert!(!out.floor_yielded);
+        // With `time_floor = "run"` (no yield) it runs at once.
+        let run_now = StepParams {
+            floor_yield: None,
+            ..p.clone()
+        };
+        let out = run_at(&run_now, at(10, None), &cont, std::slice::from_ref(&row));
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
+        assert_eq!(out.rows.len(), 10);
+    }
+
+    #[test]
+    fn a_yielding_floor_counts_its_wait_in_ms_when_the_engine_gives_times() {
+        let p = StepParams {
+            floor_yield: Some(WaitBound {
+                max_wait_ms: Some(50.0),
+                max_wait_steps: None,
+            }),
+            ..timed(4096, 64, 6.0)
+        };
+        let cont: Vec<ContRow> = (1..=9).map(|i| decode(i, 1)).collect();
+        let row = PrefillRow {
+            wait_from_ms: Some(100.0),
+            ..mid(20, 1000, 128)
+        };
+        let out = run_at(&p, at(1000, Some(149.0)), &cont, std::slice::from_ref(&row));
+        assert!(out.floor_yielded, "49 ms waited, whatever the steps");
+        let out = run_at(&p, at(0, Some(150.0)), &cont, std::slice::from_ref(&row));
+        assert_eq!(
+            out.time_over,
+            Some(TimeOverrunReason::Floor),
+            "50 ms waited"
+        );
+        // Without the engine's time, no wait in ms is known: it keeps waiting.
+        let out = run_at(&p, at(1000, None), &cont, std::slice::from_ref(&row));
+        assert!(out.floor_yielded);
+    }
+
+    #[test]
+    fn a_yielding_floor_still_runs_a_row_alone_and_lets_later_rows_that_fit_run() {
+        let p = StepParams {
+            floor_yield: Some(WaitBound {
+                max_wait_ms: None,
+                max_wait_steps: Some(100),
+            }),
+            ..timed(4096, 64, 6.0)
+        };
+        // Alone in its step, the prompt runs the floor over the budget: nothing else would run.
+        let out = run_at(&p, at(0, None), &[], &[prompt(1, 1000)]);
+        assert_eq!(shape(&out), vec![(1, 64, false)]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
+        assert!(!out.floor_yielded);
+        // Beside five decode rows (5.5 ms), the first prompt yields; a 4-token prompt behind
+        // it (0.4 ms, 5.9 ms in all) fits and runs whole.
+        let cont: Vec<ContRow> = (1..=5).map(|i| decode(i, 1)).collect();
+        let out = run_at(&p, at(0, None), &cont, &[prompt(6, 1000), prompt(7, 4)]);
+        assert!(out.floor_yielded);
+        assert_eq!(shape(&out).last(), Some(&(7, 4, true)));
+        assert_eq!((out.time_over, out.waiting), (None, 1));
+        // A step that plans no time limit has nothing to yield to.
+        let untimed = StepParams {
+            max_step_ms: None,
+            ..p.clone()
+        };
+        let out = run_at(&untimed, at(0, None), &cont, &[prompt(6, 1000)]);
+        assert_eq!(shape(&out).last(), Some(&(6, 1000, true)));
+        assert!(!out.floor_yielded);
+    }
+
     #[test]
     fn an_uncut_row_over_the_time_budget_runs_first_and_waits_otherwise() {
         let p = StepParams {
@@ -1440,6 +1594,7 @@ mod tests {
         let time = Some(TimeLimit {
             model,
             max_step_ms: 25.5,
+            clock: StepClock::default(),
         });
         plan_timed_with(&p, time, &[], &rows, &mut reference, false);
         assert_eq!(out, reference);
@@ -1606,6 +1761,7 @@ mod tests {
             let time = Some(TimeLimit {
                 model: LatencyModel::try_new(b, t, k, a).unwrap(),
                 max_step_ms,
+                clock: StepClock::default(),
             });
             let (mut fast, mut reference) = (StepPlan::default(), StepPlan::default());
             plan_timed_with(&p, time, &cont, &prefill, &mut fast, true);

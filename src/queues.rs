@@ -175,6 +175,8 @@ impl NodeQueues {
             priority: options.priority,
             arrival_ms: options.arrival_ms,
             admitted_step: self.steps,
+            wait_from_step: self.steps,
+            wait_from_ms: options.arrival_ms,
         };
         let at = self.prefill.partition_point(|r| r.seq < seq);
         self.prefill.insert(at, row);
@@ -304,6 +306,9 @@ impl NodeQueues {
             self.mid_prefill += 1;
         }
         r.progress = range.end;
+        // It ran in the step last planned: its next wait starts with the step after it.
+        r.wait_from_step = self.steps;
+        r.wait_from_ms = self.last_now_ms;
         Advance::Progressed
     }
 

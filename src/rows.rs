@@ -44,4 +44,11 @@ pub struct PrefillRow {
     pub arrival_ms: Option<f64>,
     /// How many steps its node had planned when it was admitted: the start of its wait in steps.
     pub admitted_step: u64,
+    /// Where its current wait for a chunk began, in its node's planned steps: its admission,
+    /// then the step after each completed chunk (the time budget's floor yields until this wait
+    /// reaches the starvation bound, `docs/cost-model.md#time-budgets`).
+    pub wait_from_step: u64,
+    /// The same in ms on the engine's clock: its arrival, then the time of the step that ran its
+    /// last completed chunk; `None` when the engine gave no time.
+    pub wait_from_ms: Option<f64>,
 }

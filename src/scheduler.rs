@@ -14,7 +14,7 @@ use crate::error::ChunkingError;
 use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
-use crate::order::AdmitOptions;
+use crate::order::{AdmitOptions, StepClock};
 use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
 use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
@@ -896,10 +896,15 @@ impl SchedulerState {
             .map(|(max_step_ms, model)| TimeLimit {
                 model,
                 max_step_ms: max_step_ms / margin,
+                clock: StepClock::default(),
             });
         let mut step_plan = std::mem::take(&mut self.spare);
         match self.nodes.get_mut(node) {
             Some(q) => {
+                let time = time.map(|t| TimeLimit {
+                    clock: q.clock(now_ms),
+                    ..t
+                });
                 let view = q.view(params.order, now_ms);
                 match view.rank {
                     None => plan_timed(&params, time, view.cont, view.prefill, &mut step_plan),

@@ -111,5 +111,6 @@ fn step_params(
         learn_cost: settings.time.learn,
         margin_quantile: settings.time.margin_quantile,
         order: table.order(node),
+        floor_yield: settings.time.floor_yield(&settings.order),
     }
 }

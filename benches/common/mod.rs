@@ -149,6 +149,7 @@ pub fn time_limit(w: Workload) -> TimeLimit {
     TimeLimit {
         model,
         max_step_ms: full / 2.0,
+        clock: Default::default(),
     }
 }
 

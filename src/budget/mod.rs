@@ -17,7 +17,9 @@ mod settings;
 mod value;
 
 pub use error::{BudgetError, BudgetErrors, Rule, SettingKey, Subject};
-pub use settings::{BudgetSettings, OrderSettings, TimeSettings};
+pub use settings::{
+    BudgetSettings, OrderSettings, TimeFloor, TimeSettings, DEFAULT_FLOOR_WAIT_STEPS,
+};
 #[cfg(feature = "config")]
 pub(crate) use value::BUDGET_VALUE_EXPECTED;
 pub use value::{

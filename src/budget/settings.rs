@@ -45,6 +45,54 @@ pub struct TimeSettings {
     /// times, each node's timed steps are planned against their time budget divided by this
     /// quantile of its recent measured ÷ predicted ratios. `None`: planned against the budget.
     pub margin_quantile: Option<f64>,
+    /// What the first prefill row's floor chunk does when it does not fit in time beside the
+    /// step's continuing rows (`chunking.time_floor`).
+    pub floor: TimeFloor,
+}
+
+/// What the first prefill row in order does when even a chunk of the floor does not fit in
+/// time beside the step's other rows (`chunking.time_floor`, `docs/cost-model.md#time-budgets`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TimeFloor {
+    /// It waits, and the step runs its other rows inside the time budget, until the row has
+    /// waited for a chunk as long as the starvation bound (`chunking.max_wait_ms` /
+    /// `chunking.max_wait_steps`, else [`DEFAULT_FLOOR_WAIT_STEPS`] steps); then it runs a
+    /// chunk of the floor, counted as a `floor` time overrun. The default.
+    #[default]
+    Yield,
+    /// It runs a chunk of the floor at once, counted as a `floor` time overrun.
+    Run,
+}
+
+impl TimeFloor {
+    /// The value as written in `chunking.time_floor`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Yield => "yield",
+            Self::Run => "run",
+        }
+    }
+}
+
+/// The starvation bound of a floor that yields when `chunking.max_wait_ms` and
+/// `chunking.max_wait_steps` are both unset: a prompt waits through at most this many of its
+/// node's steps, so a node that is never free runs at most one step in 101 over its time budget
+/// by the floor.
+pub const DEFAULT_FLOOR_WAIT_STEPS: u64 = 100;
+
+impl TimeSettings {
+    /// The bound a yielding floor waits for, or `None` when the floor always runs.
+    pub fn floor_yield(&self, order: &OrderSettings) -> Option<WaitBound> {
+        match self.floor {
+            TimeFloor::Run => None,
+            TimeFloor::Yield if order.bound.is_off() => Some(WaitBound {
+                max_wait_ms: None,
+                max_wait_steps: Some(DEFAULT_FLOOR_WAIT_STEPS),
+            }),
+            TimeFloor::Yield => Some(order.bound),
+        }
+    }
 }
 
 /// The arguments of `set_budgets`: a serving config applied on top of the model's policies.
@@ -216,6 +264,13 @@ impl BudgetSettings {
     /// `quantile` is in `(0, 1]` and some node has a time budget.
     pub fn time_margin(mut self, quantile: f64) -> Self {
         self.time.margin_quantile = Some(quantile);
+        self
+    }
+
+    /// `chunking.time_floor`: what the first prefill row's floor chunk does when it does not
+    /// fit in time beside the step's continuing rows ([`TimeFloor`]).
+    pub fn time_floor(mut self, floor: TimeFloor) -> Self {
+        self.time.floor = floor;
         self
     }
 

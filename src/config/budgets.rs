@@ -74,6 +74,7 @@ impl Manifest {
                     .collect(),
                 learn: chunking.learn_cost,
                 margin_quantile: chunking.time_margin,
+                floor: chunking.time_floor,
             },
             order: OrderSettings {
                 all: match &chunking.order {

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use super::cost::CostSetting;
 use super::spelling::{NodeBudgetSetting, NodeTimeSetting, OrderSetting};
-use crate::budget::DEFAULT_MIN_CHUNK_TOKENS;
+use crate::budget::{TimeFloor, DEFAULT_MIN_CHUNK_TOKENS};
 
 /// The whole serving config.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -50,6 +50,10 @@ pub struct ChunkingSection {
     /// Plan timed steps with a margin at this quantile of the recent measured ÷ predicted
     /// step times (`docs/cost-model.md#the-time-margin`); unset: no margin.
     pub time_margin: Option<f64>,
+    /// What the first prompt's floor chunk does when it does not fit in time beside the
+    /// step's continuing rows: `"yield"` (wait, up to the starvation bound; the default) or
+    /// `"run"` (`docs/cost-model.md#time-budgets`).
+    pub time_floor: TimeFloor,
     /// The order of waiting prompts, for every node or per node
     /// (`docs/scheduling.md#the-order-of-waiting-prompts`); default `fcfs`.
     pub order: OrderSetting,
@@ -71,6 +75,7 @@ impl Default for ChunkingSection {
             cost: BTreeMap::new(),
             learn_cost: false,
             time_margin: None,
+            time_floor: TimeFloor::default(),
             order: OrderSetting::default(),
             max_wait_ms: None,
             max_wait_steps: None,

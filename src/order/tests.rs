@@ -13,6 +13,8 @@ fn prompt(seq: u64, total: u32) -> PrefillRow {
         priority: 0,
         arrival_ms: None,
         admitted_step: 0,
+        wait_from_step: 0,
+        wait_from_ms: None,
     }
 }
 

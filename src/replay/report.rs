@@ -467,6 +467,10 @@ pub struct PlannerLabel {
     /// `chunking.time_margin`: the quantile of measured ÷ predicted step times timed steps are
     /// planned with (`None`: no margin).
     pub time_margin: Option<f64>,
+    /// `chunking.time_floor`, only when it is not the default `yield` (so labels and reports
+    /// of default runs read as before).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_floor: Option<String>,
     /// `chunking.order` for the node (`fcfs`, `priority`, `shortest_first`, `longest_prefix`).
     pub order: String,
     /// `chunking.max_wait_ms`: the starvation bound in ms (`None`: none).
@@ -488,6 +492,8 @@ impl PlannerLabel {
             cost: budgets.time.cost.get(node).map(|m| m.coefficients()),
             learn_cost: budgets.time.learn,
             time_margin: budgets.time.margin_quantile,
+            time_floor: (budgets.time.floor != crate::budget::TimeFloor::default())
+                .then(|| budgets.time.floor.as_str().to_owned()),
             order: budgets.order.of(node).order.as_str().to_owned(),
             max_wait_ms: budgets.order.bound.max_wait_ms,
             max_wait_steps: budgets.order.bound.max_wait_steps,
@@ -527,6 +533,9 @@ impl fmt::Display for PlannerLabel {
         match self.time_margin {
             Some(q) => write!(f, "; time margin q{q}")?,
             None => f.write_str("; time margin none")?,
+        }
+        if let Some(floor) = &self.time_floor {
+            write!(f, "; time floor {floor}")?;
         }
         // The order and what feeds it only where they are not the default (first come, first
         // served, no bound), so a default run's label reads as it always has.

@@ -242,6 +242,7 @@ proptest! {
             learn_cost: false,
             margin_quantile: None,
             order: Default::default(),
+            floor_yield: None,
         };
         let cont: Vec<ContRow> = c.cont.iter().enumerate().map(|(i, &(estimate, context))| ContRow {
             seq: i as u64, rid: i as u64, walk: n("decode"), estimate, context,
@@ -249,9 +250,11 @@ proptest! {
         let prefill: Vec<PrefillRow> = c.prefill.iter().enumerate().map(|(i, &(total, progress, started))| PrefillRow {
             seq: 100 + i as u64, rid: 100 + i as u64, walk: n("prefill"), total, cached: 0, progress, started,
             priority: 0, arrival_ms: None, admitted_step: 0,
+        wait_from_step: 0,
+        wait_from_ms: None,
         }).collect();
         let mut out = StepPlan::default();
-        let time = TimeLimit { model, max_step_ms: c.max_step_ms };
+        let time = TimeLimit { model, max_step_ms: c.max_step_ms, clock: Default::default() };
         plan_timed(&params, Some(time), &cont, &prefill, &mut out);
 
         let predicted = out.predicted_ms(&model);
