@@ -589,8 +589,9 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
 /// Whether a step is full in time for every row that is not first in order. `timed_end`
 /// refuses such a row when even its least chunk, `l = min(total − progress, F)` tokens from its
 /// progress `p`, is predicted over the time budget; that chunk has `l` tokens and
-/// `l(2p + l + 1)/2 >= l(l + 1)/2` attention pairs. With `m` the least `l` of every prefill row
-/// of the node, a step whose features plus `m` tokens and `m(m + 1)/2` pairs are predicted over
+/// `l(2p + l + 1)/2 >= l(l + 1)/2` attention pairs (and one row). With `m` the least `l` of every
+/// prefill row of the node, a step whose features plus `m` tokens, `m(m + 1)/2` pairs and a row
+/// are predicted over
 /// the budget refuses every later row (the prediction is monotone in the features): the
 /// planner counts them as waiting without planning them one by one. Found once, it holds for
 /// the rest of the step (features only grow); checked again only after a row was added.
@@ -626,6 +627,7 @@ impl TimeFull {
             attention_pairs: features
                 .attention_pairs
                 .saturating_add(u128::from(m) * u128::from(m + 1) / 2),
+            rows: features.rows.saturating_add(1),
         };
         self.full = time.model.predict_ms(&least) > time.max_step_ms;
         if !self.full {

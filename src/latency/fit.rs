@@ -14,7 +14,7 @@
 
 use serde::Serialize;
 
-use crate::latency::{LatencyModel, StepFeatures};
+use crate::latency::{LatencyModel, StepFeatures, TERMS};
 
 /// A refused measurement, fit setting or fit input.
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
@@ -73,6 +73,9 @@ fn check_measurement(ms: f64) -> Result<f64, FitError> {
 
 // === impl Sample ===
 
+/// How many regressors the fit has: one per coefficient ([`TERM_KEYS`]).
+const N: usize = TERMS;
+
 /// One completed step: its features and its measured milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
@@ -82,6 +85,8 @@ pub struct Sample {
     pub kv_tokens: f64,
     /// `A`: causal attention pairs of its chunks.
     pub attention_pairs: f64,
+    /// `R`: rows it ran (continuing rows and chunks).
+    pub rows: f64,
     /// The measured step time, milliseconds.
     pub ms: f64,
 }
@@ -92,23 +97,23 @@ impl Sample {
     /// # Errors
     /// [`FitError::BadMeasurement`] when `ms` is negative, NaN or infinite.
     pub fn new(features: &StepFeatures, ms: f64) -> Result<Self, FitError> {
-        let [tokens, kv_tokens, attention_pairs] = features.to_f64();
+        let [tokens, kv_tokens, attention_pairs, rows] = features.to_f64();
         Ok(Self {
             tokens,
             kv_tokens,
             attention_pairs,
+            rows,
             ms: check_measurement(ms)?,
         })
     }
 
     /// The regressors, once the measurement and every feature are checked finite and `>= 0`.
-    fn checked(&self) -> Result<[f64; 4], FitError> {
+    fn checked(&self) -> Result<[f64; N], FitError> {
         check_measurement(self.ms)?;
-        for (key, value) in ["tokens", "kv_tokens", "attention_pairs"].into_iter().zip([
-            self.tokens,
-            self.kv_tokens,
-            self.attention_pairs,
-        ]) {
+        for (key, value) in ["tokens", "kv_tokens", "attention_pairs", "rows"]
+            .into_iter()
+            .zip([self.tokens, self.kv_tokens, self.attention_pairs, self.rows])
+        {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(FitError::BadFeature { key, value });
             }
@@ -116,16 +121,22 @@ impl Sample {
         Ok(self.x())
     }
 
-    /// The regressors `[1, T, K, A]`, in the order of the coefficients.
-    fn x(&self) -> [f64; 4] {
-        [1.0, self.tokens, self.kv_tokens, self.attention_pairs]
+    /// The regressors `[1, T, K, A, R]`, in the order of the coefficients.
+    fn x(&self) -> [f64; N] {
+        [
+            1.0,
+            self.tokens,
+            self.kv_tokens,
+            self.attention_pairs,
+            self.rows,
+        ]
     }
 }
 
-/// The model's prediction for `x = [1, T, K, A]`, in the same order of operations as
+/// The model's prediction for `x = [1, T, K, A, R]`, in the same order of operations as
 /// [`LatencyModel::predict_ms`].
-fn predict(c: &[f64; 4], x: &[f64; 4]) -> f64 {
-    c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3]
+fn predict(c: &[f64; N], x: &[f64; N]) -> f64 {
+    c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3] + c[4] * x[4]
 }
 
 // === impl Normal ===
@@ -134,20 +145,31 @@ fn predict(c: &[f64; 4], x: &[f64; 4]) -> f64 {
 /// error needs. Constant size, whatever the number of samples.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Normal {
-    g: [[f64; 4]; 4],
-    h: [f64; 4],
+    g: [[f64; N]; N],
+    h: [f64; N],
     /// `Σ w·y²`.
     yy: f64,
     /// `Σ w·y`.
     sy: f64,
     /// `Σ w`.
     sw: f64,
+    /// The samples, each counted 1 and decayed like the weights: what the per-row term's
+    /// test of significance counts as degrees of freedom.
+    count: f64,
 }
 
 /// A pivot below this (on the unit-diagonal scaled matrix: `1 − R²` of a column regressed on
 /// the others of its subset) marks the subset's columns as collinear; a smaller subset then
 /// reaches the same fit.
 const MIN_PIVOT: f64 = 1e-11;
+
+/// The index of the rows column (`R`) among the regressors.
+const ROWS: usize = 4;
+
+/// How many times the residual variance the per-row term must take off the residual sum of
+/// squares to be kept: an F statistic of one added term, above its 0.2% point for the sample
+/// counts a fit sees.
+const ROWS_F: f64 = 10.0;
 
 impl Normal {
     /// Multiplies every past weight by `lambda`.
@@ -163,6 +185,7 @@ impl Normal {
         self.yy *= lambda;
         self.sy *= lambda;
         self.sw *= lambda;
+        self.count *= lambda;
     }
 
     /// Whether every sum is finite.
@@ -177,35 +200,48 @@ impl Normal {
             && self.sw.is_finite()
     }
 
-    fn add(&mut self, x: &[f64; 4], y: f64) {
-        for i in 0..4 {
-            for j in 0..4 {
-                self.g[i][j] += x[i] * x[j];
-            }
-            self.h[i] += x[i] * y;
-        }
-        self.yy += y * y;
-        self.sy += y;
-        self.sw += 1.0;
+    fn add(&mut self, x: &[f64; N], y: f64) {
+        self.add_weighted(x, y, 1.0);
     }
 
-    /// The non-negative least-squares coefficients: `argmin Σ w·(xᵀc − y)²` over `c >= 0`.
-    ///
-    /// Exact, by enumeration: an optimum has a support whose columns are independent, and on
-    /// its support it solves the normal equations restricted to it. So the best feasible
-    /// restricted solution over the 16 subsets of the 4 columns is the optimum. Columns are
-    /// scaled to unit diagonal first: `A` runs to 1e9 and more where the intercept is 1, and
-    /// unscaled pivots would be meaningless.
-    /// `(rank, observed)` of the design the sums hold: `observed` counts the terms that are not
-    /// 0 in every sample, `rank` how many of those are linearly independent (pivots of the
-    /// unit-diagonal scaled matrix above [`MIN_PIVOT`]). `rank < observed` means several models
-    /// fit the samples equally well.
+    fn add_weighted(&mut self, x: &[f64; N], y: f64, w: f64) {
+        for i in 0..N {
+            for j in 0..N {
+                self.g[i][j] += w * x[i] * x[j];
+            }
+            self.h[i] += w * x[i] * y;
+        }
+        self.yy += w * y * y;
+        self.sy += w * y;
+        self.sw += w;
+        self.count += 1.0;
+    }
+
+    /// The columns the fit may use: those not 0 in every sample, less the rows column when it
+    /// is the same in every sample (every step ran as many rows): it is then the constant
+    /// column over again, which `base_ms` already carries, and `per_row_ms` is fitted as 0.
+    fn usable(&self) -> [bool; N] {
+        let mut usable = [false; N];
+        for (j, u) in usable.iter_mut().enumerate() {
+            *u = self.g[j][j].is_finite() && self.g[j][j] > 0.0;
+        }
+        // `Σw·R² · Σw − (Σw·R)²` is `(Σw)²` times the variance of `R`.
+        let (r2, r1, w) = (self.g[ROWS][ROWS], self.g[0][ROWS], self.g[0][0]);
+        if usable[ROWS] && r2 * w - r1 * r1 <= 1e-9 * r2 * w {
+            usable[ROWS] = false;
+        }
+        usable
+    }
+
+    /// `(rank, observed)` of the design the sums hold: `observed` counts the terms the fit may
+    /// use ([`Normal::usable`]), `rank` how many of those are linearly independent (pivots of
+    /// the unit-diagonal scaled matrix above [`MIN_PIVOT`]). `rank < observed` means several
+    /// models fit the samples equally well.
     fn rank(&self) -> (usize, usize) {
-        let observed: Vec<usize> = (0..4)
-            .filter(|&j| self.g[j][j].is_finite() && self.g[j][j] > 0.0)
-            .collect();
+        let usable = self.usable();
+        let observed: Vec<usize> = (0..N).filter(|&j| usable[j]).collect();
         let n = observed.len();
-        let mut m = [[0.0f64; 4]; 4];
+        let mut m = [[0.0f64; N]; N];
         for (a, &i) in observed.iter().enumerate() {
             for (b, &j) in observed.iter().enumerate() {
                 m[a][b] = self.g[i][j] / (self.g[i][i].sqrt() * self.g[j][j].sqrt());
@@ -214,7 +250,7 @@ impl Normal {
         // Gaussian elimination with full pivoting on the diagonal (the matrix is symmetric
         // positive semi-definite, so its largest entries sit on the diagonal).
         let mut rank = 0;
-        let mut used = [false; 4];
+        let mut used = [false; N];
         for _ in 0..n {
             let Some(p) = (0..n)
                 .filter(|&k| !used[k])
@@ -239,46 +275,85 @@ impl Normal {
         (rank, n)
     }
 
-    fn solve(&self) -> [f64; 4] {
-        let mut scale = [0.0; 4];
+    /// The non-negative least-squares coefficients: `argmin Σ w·(xᵀc − y)²` over `c >= 0`,
+    /// with `per_row_ms` only where the steps call for it.
+    ///
+    /// Exact, by enumeration: an optimum has a support whose columns are independent, and on
+    /// its support it solves the normal equations restricted to it. So the best feasible
+    /// restricted solution over the subsets of the columns is the optimum. Columns are
+    /// scaled to unit diagonal first: `A` runs to 1e9 and more where the intercept is 1, and
+    /// unscaled pivots would be meaningless.
+    ///
+    /// The rows column is nearly the constant and the token columns over again in most steps,
+    /// so a free per-row term trades its noise against `base_ms`. It is kept only when it
+    /// explains the steps: the optimum with it must lower the residual sum of squares by
+    /// more than [`ROWS_F`] times the residual variance (an F test of one added term);
+    /// otherwise the four-term optimum stands, exactly as without the term.
+    fn solve(&self) -> [f64; N] {
+        let usable = self.usable();
+        let mut scale = [0.0; N];
         for (j, s) in scale.iter_mut().enumerate() {
             let d = self.g[j][j].sqrt();
             // A column that is zero in every sample (no decode rows, say) gets coefficient 0.
-            *s = if d.is_finite() && d > 0.0 { d } else { 0.0 };
+            *s = if usable[j] && d.is_finite() && d > 0.0 {
+                d
+            } else {
+                0.0
+            };
         }
-        let mut gs = [[0.0; 4]; 4];
-        let mut hs = [0.0; 4];
-        for i in 0..4 {
+        let mut gs = [[0.0; N]; N];
+        let mut hs = [0.0; N];
+        for i in 0..N {
             if scale[i] == 0.0 {
                 continue;
             }
-            for j in 0..4 {
+            for j in 0..N {
                 if scale[j] != 0.0 {
                     gs[i][j] = self.g[i][j] / (scale[i] * scale[j]);
                 }
             }
             hs[i] = self.h[i] / scale[i];
         }
-        let mut best = [0.0; 4];
-        let mut best_obj = 0.0; // the objective of c = 0, less the constant Σ w·y²
-        for mask in 1u8..16 {
-            if (0..4).any(|j| mask & (1 << j) != 0 && scale[j] == 0.0) {
-                continue;
+        let best_of = |with_rows: bool| {
+            let mut best = [0.0; N];
+            let mut best_obj = 0.0; // the objective of c = 0, less the constant Σ w·y²
+            for mask in 1u8..(1 << N) {
+                if (0..N).any(|j| mask & (1 << j) != 0 && scale[j] == 0.0)
+                    || (!with_rows && mask & (1 << ROWS) != 0)
+                {
+                    continue;
+                }
+                let Some(c) = solve_subset(&gs, &hs, mask) else {
+                    continue;
+                };
+                if c.iter().any(|&v| !(v >= 0.0 && v.is_finite())) {
+                    continue;
+                }
+                let obj = quadratic(&gs, &c) - 2.0 * dot(&hs, &c);
+                if obj < best_obj {
+                    best_obj = obj;
+                    best = c;
+                }
             }
-            let Some(c) = solve_subset(&gs, &hs, mask) else {
-                continue;
-            };
-            if c.iter().any(|&v| !(v >= 0.0 && v.is_finite())) {
-                continue;
+            (best, best_obj)
+        };
+        let (without, obj_without) = best_of(false);
+        let best = if scale[ROWS] == 0.0 {
+            without
+        } else {
+            let (with, obj_with) = best_of(true);
+            let support = with.iter().filter(|&&v| v != 0.0).count() as f64;
+            let residual = (self.yy + obj_with).max(0.0);
+            let variance = residual / (self.count - support).max(1.0);
+            let gain = obj_without - obj_with;
+            if with[ROWS] > 0.0 && gain > ROWS_F * variance {
+                with
+            } else {
+                without
             }
-            let obj = quadratic(&gs, &c) - 2.0 * dot(&hs, &c);
-            if obj < best_obj {
-                best_obj = obj;
-                best = c;
-            }
-        }
-        let mut out = [0.0; 4];
-        for j in 0..4 {
+        };
+        let mut out = [0.0; N];
+        for j in 0..N {
             if scale[j] != 0.0 {
                 out[j] = best[j] / scale[j];
             }
@@ -287,12 +362,12 @@ impl Normal {
     }
 
     /// `Σ w·(xᵀc − y)²` from the sums, never negative.
-    fn residual_ss(&self, c: &[f64; 4]) -> f64 {
+    fn residual_ss(&self, c: &[f64; N]) -> f64 {
         (self.yy - 2.0 * dot(&self.h, c) + quadratic(&self.g, c)).max(0.0)
     }
 
     /// The root mean square error over the mean measurement.
-    fn relative_rms(&self, c: &[f64; 4]) -> f64 {
+    fn relative_rms(&self, c: &[f64; N]) -> f64 {
         relative_rms(self.residual_ss(c), self.sy, self.sw)
     }
 }
@@ -307,19 +382,19 @@ fn relative_rms(residual_ss: f64, sum_y: f64, sum_w: f64) -> f64 {
     (residual_ss / sum_w).sqrt() / (sum_y / sum_w)
 }
 
-fn dot(a: &[f64; 4], b: &[f64; 4]) -> f64 {
-    a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3]
+fn dot(a: &[f64; N], b: &[f64; N]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// `Σ_{p < n} a[p]·b[p]`.
-fn dot_prefix(a: &[f64; 4], b: &[f64; 4], n: usize) -> f64 {
+fn dot_prefix(a: &[f64; N], b: &[f64; N], n: usize) -> f64 {
     a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum()
 }
 
-fn quadratic(g: &[[f64; 4]; 4], c: &[f64; 4]) -> f64 {
+fn quadratic(g: &[[f64; N]; N], c: &[f64; N]) -> f64 {
     let mut s = 0.0;
-    for i in 0..4 {
-        for j in 0..4 {
+    for i in 0..N {
+        for j in 0..N {
             s += c[i] * g[i][j] * c[j];
         }
     }
@@ -328,17 +403,17 @@ fn quadratic(g: &[[f64; 4]; 4], c: &[f64; 4]) -> f64 {
 
 /// Solves `G_SS·c_S = h_S` for the columns in `mask` by Cholesky; the other coefficients are 0.
 /// `None` when the subset's columns are (numerically) collinear.
-fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
-    let mut idx = [0usize; 4];
+fn solve_subset(g: &[[f64; N]; N], h: &[f64; N], mask: u8) -> Option<[f64; N]> {
+    let mut idx = [0usize; N];
     let mut n = 0;
-    for j in 0..4 {
+    for j in 0..N {
         if mask & (1 << j) != 0 {
             idx[n] = j;
             n += 1;
         }
     }
     // Lower-triangular factor L with L·Lᵀ = G_SS.
-    let mut l = [[0.0f64; 4]; 4];
+    let mut l = [[0.0f64; N]; N];
     for a in 0..n {
         for b in 0..=a {
             let s = g[idx[a]][idx[b]] - dot_prefix(&l[a], &l[b], b);
@@ -354,7 +429,7 @@ fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
         }
     }
     // Forward then back substitution.
-    let mut z = [0.0f64; 4];
+    let mut z = [0.0f64; N];
     for a in 0..n {
         let mut s = h[idx[a]];
         for p in 0..a {
@@ -362,7 +437,7 @@ fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
         }
         z[a] = s / l[a][a];
     }
-    let mut sol = [0.0f64; 4];
+    let mut sol = [0.0f64; N];
     for a in (0..n).rev() {
         let mut s = z[a];
         for p in a + 1..n {
@@ -370,7 +445,7 @@ fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
         }
         sol[a] = s / l[a][a];
     }
-    let mut c = [0.0f64; 4];
+    let mut c = [0.0f64; N];
     for a in 0..n {
         c[idx[a]] = sol[a];
     }
@@ -379,12 +454,28 @@ fn solve_subset(g: &[[f64; 4]; 4], h: &[f64; 4], mask: u8) -> Option<[f64; 4]> {
 
 /// Coefficients from the solver as a model: finite and `>= 0` by construction; a tiny negative
 /// from rounding is clamped to 0.
-fn to_model(c: [f64; 4]) -> LatencyModel {
+fn to_model(c: [f64; N]) -> LatencyModel {
     let c = c.map(|v| if v.is_finite() { v.max(0.0) } else { 0.0 });
-    LatencyModel::from_coefficients(c).unwrap_or(LatencyModel::ZERO)
+    LatencyModel::from_terms(c).unwrap_or(LatencyModel::ZERO)
 }
 
 // === impl OnlineFit ===
+
+/// How the online fit weighs the steps it learns from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Estimator {
+    /// Robust (the default): relative errors, Huber-weighted (`docs/cost-model.md#online`). A
+    /// step far off the fit (a pause, a page fault) counts for little; each step's error is
+    /// taken relative to its predicted time, as an engine's noise is; the scale of the errors
+    /// is learned, so a lasting change (a slower engine) is followed within a bounded number
+    /// of steps.
+    #[default]
+    Huber,
+    /// Plain recursive least squares on milliseconds: every step counts alike, however far off.
+    /// Kept for comparison.
+    LeastSquares,
+}
 
 /// The online fit's settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -393,21 +484,26 @@ pub struct OnlineFitConfig {
     /// sample `n` steps old weighs `λⁿ` and the fit remembers about `1 / (1 − λ)` steps.
     /// 1 forgets nothing.
     pub forgetting: f64,
-    /// Samples (steps observed since the start) needed before the fit is trusted.
+    /// Samples (steps observed since the start) needed before the fit is trusted. The robust
+    /// fit's warm-up is as long (at most [`MAX_WARMUP`] steps).
     pub min_samples: u64,
-    /// The largest relative RMS error (RMS of the weighted residuals over the weighted mean
-    /// measurement) at which the fit is trusted.
+    /// The largest relative RMS error at which the fit is trusted (robust: the smaller of the
+    /// RMS of the Huber-weighted relative errors and the learned scale of new steps' relative
+    /// errors; least squares: the RMS of the residuals over the mean measurement).
     pub max_relative_rms: f64,
+    /// How steps are weighed.
+    pub estimator: Estimator,
 }
 
 impl Default for OnlineFitConfig {
     /// `λ = 0.995` (about 200 steps of memory, 1% weight left after ~920 steps), 50 samples,
-    /// 10% relative RMS error.
+    /// 10% relative RMS error, robust.
     fn default() -> Self {
         Self {
             forgetting: DEFAULT_FORGETTING,
             min_samples: DEFAULT_MIN_SAMPLES,
             max_relative_rms: DEFAULT_MAX_RELATIVE_RMS,
+            estimator: Estimator::default(),
         }
     }
 }
@@ -418,6 +514,24 @@ pub const DEFAULT_FORGETTING: f64 = 0.995;
 pub const DEFAULT_MIN_SAMPLES: u64 = 50;
 /// The default largest relative RMS error of a trusted fit.
 pub const DEFAULT_MAX_RELATIVE_RMS: f64 = 0.10;
+/// The robust fit's longest warm-up: the steps it keeps and fits as a batch before it goes on
+/// step by step.
+pub const MAX_WARMUP: usize = 256;
+
+/// Huber's constant, in units of the error scale: errors up to it weigh fully, larger ones
+/// weigh `HUBER_K · scale / |error|` (their pull on the fit stays bounded).
+const HUBER_K: f64 = 2.0;
+/// The least error scale (relative): noiseless steps would otherwise drive it to 0 and make
+/// every later step an outlier.
+const MIN_SCALE: f64 = 0.005;
+/// How fast the error scale follows the errors per step: `scale ← (1 − r)·scale + r·1.25·|e|`,
+/// with `|e|` clipped to `SCALE_CLIP · scale`. A lasting change of the engine grows the scale
+/// by `1 + r·(1.25·SCALE_CLIP − 1)` (8%) a step until the new errors weigh fully again; a
+/// lone outlier raises it by that much once.
+const SCALE_RATE: f64 = 0.02;
+const SCALE_CLIP: f64 = 4.0;
+/// Iterations of the warm-up's batch fit (reweighted least squares).
+const WARMUP_ITERATIONS: usize = 8;
 
 /// What the online fit says now.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -433,14 +547,24 @@ pub struct OnlineEstimate {
     pub trusted: bool,
 }
 
-/// A node's online latency fit: recursive non-negative least squares with a forgetting factor.
-/// Constant memory (the 4×4 normal equations), O(1) per observed step; the 4-variable NNLS is
-/// solved when [`OnlineFit::estimate`] is asked (16 Cholesky solves of at most 4×4).
+/// A node's online latency fit: recursive non-negative least squares with a forgetting factor,
+/// robust by default ([`Estimator`]). Constant memory (the 5×5 normal equations; the robust
+/// fit also keeps its warm-up's steps until the warm-up ends), O(1) per observed step; the
+/// coefficients are solved once per observed step (32 Cholesky solves of at most 5×5) and kept,
+/// so [`OnlineFit::estimate`] costs nothing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OnlineFit {
     config: OnlineFitConfig,
     normal: Normal,
     samples: u64,
+    /// The robust fit's warm-up steps (emptied, its allocation freed, when it ends).
+    warmup: Vec<[f64; N + 1]>,
+    /// The robust fit's error scale (relative).
+    scale: f64,
+    /// `Σ` of the decayed Huber weights (the robust error's denominator).
+    huber_weight: f64,
+    /// The coefficients solved after the last observed step, and their error.
+    solved: Option<([f64; N], f64)>,
 }
 
 impl OnlineFit {
@@ -475,6 +599,10 @@ impl OnlineFit {
             config,
             normal: Normal::default(),
             samples: 0,
+            warmup: Vec::new(),
+            scale: MIN_SCALE,
+            huber_weight: 0.0,
+            solved: None,
         })
     }
 
@@ -486,6 +614,11 @@ impl OnlineFit {
     /// Steps observed since the start (or the last reset).
     pub fn samples(&self) -> u64 {
         self.samples
+    }
+
+    /// The robust fit's warm-up length: `min_samples`, at most [`MAX_WARMUP`].
+    fn warmup_len(&self) -> usize {
+        usize::try_from(self.config.min_samples).map_or(MAX_WARMUP, |n| n.min(MAX_WARMUP))
     }
 
     /// Learns from one completed step: its features (as planned, with the tokens it ran) and
@@ -506,20 +639,107 @@ impl OnlineFit {
     /// negative or not finite.
     pub fn observe_sample(&mut self, s: &Sample) -> Result<(), FitError> {
         let x = s.checked()?;
-        self.normal.decay(self.config.forgetting);
-        self.normal.add(&x, s.ms);
         self.samples = self.samples.saturating_add(1);
+        match self.config.estimator {
+            Estimator::LeastSquares => {
+                self.normal.decay(self.config.forgetting);
+                self.normal.add(&x, s.ms);
+                let c = self.normal.solve();
+                self.solved = Some((c, self.normal.relative_rms(&c)));
+            }
+            Estimator::Huber
+                if self.warmup.len() < self.warmup_len() && self.solved_is_warmup() =>
+            {
+                let mut row = [0.0; N + 1];
+                row[..N].copy_from_slice(&x);
+                row[N] = s.ms;
+                self.warmup.push(row);
+                self.fit_warmup();
+            }
+            Estimator::Huber => self.observe_robust(&x, s.ms),
+        }
         Ok(())
+    }
+
+    /// Whether the robust fit is still in its warm-up (it has not gone on step by step).
+    fn solved_is_warmup(&self) -> bool {
+        self.normal.sw == 0.0
+    }
+
+    /// The warm-up's batch fit: reweighted least squares over the steps kept, Huber weights on
+    /// relative errors whose scale is the median absolute error (× 1.4826, the normal
+    /// distribution's factor). When the warm-up is complete, its steps become the normal
+    /// equations the fit goes on from, each weighted as the last iteration weighed it and
+    /// decayed by its age.
+    fn fit_warmup(&mut self) {
+        let rows = &self.warmup;
+        let mut c = {
+            let mut n = Normal::default();
+            for r in rows {
+                n.add_weighted(row_x(r), r[N], relative_weight(r[N]));
+            }
+            n.solve()
+        };
+        let mut weights = vec![1.0; rows.len()];
+        let mut errors = vec![0.0; rows.len()];
+        let mut scale = MIN_SCALE;
+        for _ in 0..WARMUP_ITERATIONS {
+            for (e, r) in errors.iter_mut().zip(rows) {
+                *e = relative_error(&c, r);
+            }
+            scale = (1.4826 * median_abs(&errors)).max(MIN_SCALE);
+            let mut n = Normal::default();
+            for ((w, e), r) in weights.iter_mut().zip(&errors).zip(rows) {
+                let (huber, by) = huber_weight(*e, scale, &c, r);
+                *w = huber;
+                n.add_weighted(row_x(r), r[N], huber / (by * by));
+            }
+            c = n.solve();
+        }
+        let mut normal = Normal::default();
+        let mut huber_total = 0.0;
+        let lambda = self.config.forgetting;
+        for (w, r) in weights.iter().zip(rows) {
+            normal.decay(lambda);
+            huber_total *= lambda;
+            let by = scale_of(&c, r);
+            normal.add_weighted(row_x(r), r[N], w / (by * by));
+            huber_total += w;
+        }
+        let rms = robust_rms(&normal, &c, huber_total).min(scale);
+        self.solved = Some((c, rms));
+        if self.warmup.len() >= self.warmup_len() {
+            self.normal = normal;
+            self.huber_weight = huber_total;
+            self.scale = scale;
+            self.warmup = Vec::new();
+        }
+    }
+
+    /// One step of the robust fit after its warm-up: its relative error against the current
+    /// fit gives its Huber weight, and updates the error scale.
+    fn observe_robust(&mut self, x: &[f64; N], ms: f64) {
+        let c = self.solved.map_or([0.0; N], |(c, _)| c);
+        let mut row = [0.0; N + 1];
+        row[..N].copy_from_slice(x);
+        row[N] = ms;
+        let e = relative_error(&c, &row);
+        let (huber, by) = huber_weight(e, self.scale, &c, &row);
+        let clipped = e.abs().min(SCALE_CLIP * self.scale);
+        self.scale = ((1.0 - SCALE_RATE) * self.scale + SCALE_RATE * 1.25 * clipped).max(MIN_SCALE);
+        let lambda = self.config.forgetting;
+        self.normal.decay(lambda);
+        self.normal.add_weighted(x, ms, huber / (by * by));
+        self.huber_weight = self.huber_weight * lambda + huber;
+        let c = self.normal.solve();
+        let rms = robust_rms(&self.normal, &c, self.huber_weight).min(self.scale);
+        self.solved = Some((c, rms));
     }
 
     /// The fitted coefficients, their error and whether they are trusted; `None` before the
     /// first sample.
     pub fn estimate(&self) -> Option<OnlineEstimate> {
-        if self.samples == 0 {
-            return None;
-        }
-        let c = self.normal.solve();
-        let relative_rms = self.normal.relative_rms(&c);
+        let (c, relative_rms) = self.solved.filter(|_| self.samples > 0)?;
         Some(OnlineEstimate {
             model: to_model(c),
             samples: self.samples,
@@ -539,7 +759,69 @@ impl OnlineFit {
     pub fn reset(&mut self) {
         self.normal = Normal::default();
         self.samples = 0;
+        self.warmup = Vec::new();
+        self.scale = MIN_SCALE;
+        self.huber_weight = 0.0;
+        self.solved = None;
     }
+}
+
+/// The regressors of a kept warm-up step.
+fn row_x(r: &[f64; N + 1]) -> &[f64; N] {
+    r[..N].try_into().expect("N regressors")
+}
+
+/// What a step's error is relative to: its predicted time under `c`, or (with no prediction
+/// yet) its measured time, or 1 ms when both are 0.
+fn scale_of(c: &[f64; N], r: &[f64; N + 1]) -> f64 {
+    let predicted = predict(c, row_x(r));
+    if predicted > 0.0 && predicted.is_finite() {
+        predicted
+    } else if r[N] > 0.0 {
+        r[N]
+    } else {
+        1.0
+    }
+}
+
+/// `1 / y²` (or 1 for a step of 0 ms): the weight of a relative error on the first pass.
+fn relative_weight(ms: f64) -> f64 {
+    if ms > 0.0 {
+        1.0 / (ms * ms)
+    } else {
+        1.0
+    }
+}
+
+/// `(measured − predicted) / predicted` under `c`.
+fn relative_error(c: &[f64; N], r: &[f64; N + 1]) -> f64 {
+    (r[N] - predict(c, row_x(r))) / scale_of(c, r)
+}
+
+/// A step's Huber weight for relative error `e` at `scale`, and what its error is relative to.
+fn huber_weight(e: f64, scale: f64, c: &[f64; N], r: &[f64; N + 1]) -> (f64, f64) {
+    let u = e.abs() / scale;
+    let w = if u <= HUBER_K { 1.0 } else { HUBER_K / u };
+    (w, scale_of(c, r))
+}
+
+/// The robust fit's error: the root of the Huber-weighted mean squared relative error.
+fn robust_rms(normal: &Normal, c: &[f64; N], huber_weight: f64) -> f64 {
+    let ss = normal.residual_ss(c);
+    if ss == 0.0 {
+        return 0.0;
+    }
+    if huber_weight <= 0.0 {
+        return f64::INFINITY;
+    }
+    (ss / huber_weight).sqrt()
+}
+
+/// The median of `|v|` (nearest rank from below).
+fn median_abs(v: &[f64]) -> f64 {
+    let mut a: Vec<f64> = v.iter().map(|x| x.abs()).collect();
+    a.sort_by(f64::total_cmp);
+    a.get(a.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
 }
 
 // === the offline fit ===
@@ -572,8 +854,8 @@ pub struct FitReport {
     /// Absolute errors, milliseconds.
     pub abs_error_ms: ErrorQuantiles,
     /// How many of the model's terms the steps determine: the rank of the design (a constant,
-    /// tokens, context tokens, attention pairs, over the steps), counting only terms not 0 in
-    /// every step.
+    /// tokens, context tokens, attention pairs, rows, over the steps), counting only terms not 0
+    /// in every step (and rows only where their number varies).
     pub rank: usize,
     /// The terms not 0 in every step (a term that is, e.g. context tokens in a log without
     /// decode rows, is fitted as 0 and says nothing).
@@ -616,8 +898,8 @@ pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
         });
     }
     let model = to_model(solved);
-    let c = model.coefficients();
-    if c == [0.0; 4] {
+    let c = model.terms();
+    if c == [0.0; N] {
         return Err(FitError::AllZero);
     }
     // Residuals straight from the samples: exact, unlike the sums' cancellation.

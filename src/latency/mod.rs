@@ -3,10 +3,12 @@
 //!
 //! ```text
 //! predicted_ms = base_ms + per_token_ms·T + per_kv_token_ms·K + per_attention_pair_ms·A
+//!              + per_row_ms·R
 //! ```
 //!
 //! over the step's [`StepFeatures`]: `T` tokens run, `K` context tokens its continuing rows
-//! read, `A` causal attention pairs of its prefill chunks. Every coefficient is finite and
+//! read, `A` causal attention pairs of its prefill chunks, `R` rows (each continuing row and
+//! each chunk). Every coefficient is finite and
 //! `>= 0`, so the prediction never decreases when a row or a token is added: the planner can
 //! take rows greedily and [`LatencyModel::max_chunk_end`] can search for an end by bisection
 //! without ever missing a better one.
@@ -23,13 +25,27 @@ pub mod fit_file;
 pub mod margin;
 pub mod presets;
 
-/// The configuration keys of the four coefficients, in the order of
+/// The configuration keys of the four original coefficients, in the order of
 /// [`LatencyModel::coefficients`] (`chunking.cost.<node>` and the replay report use them).
 pub const COEFFICIENT_KEYS: [&str; 4] = [
     "base_ms",
     "per_token_ms",
     "per_kv_token_ms",
     "per_attention_pair_ms",
+];
+
+/// How many terms the model has: the four of [`COEFFICIENT_KEYS`] and `per_row_ms`.
+pub const TERMS: usize = 5;
+
+/// The configuration keys of every coefficient, in the order of [`LatencyModel::terms`]:
+/// [`COEFFICIENT_KEYS`], then `per_row_ms` (optional in a table: 0 when absent, so a
+/// four-coefficient table reads as before).
+pub const TERM_KEYS: [&str; TERMS] = [
+    "base_ms",
+    "per_token_ms",
+    "per_kv_token_ms",
+    "per_attention_pair_ms",
+    "per_row_ms",
 ];
 
 /// The most milliseconds a configured latency model's coefficient may be
@@ -135,6 +151,9 @@ pub struct StepFeatures {
     /// `A`: causal attention pairs of the step's chunks: Σ over chunks `[s, e)` of
     /// `(e·(e+1) − s·(s+1)) / 2`.
     pub attention_pairs: u128,
+    /// `R`: rows the step runs, each continuing row and each chunk (what a step pays per row
+    /// whatever its tokens: its attention set up head by head, its logits and sampling).
+    pub rows: u64,
 }
 
 impl StepFeatures {
@@ -143,6 +162,7 @@ impl StepFeatures {
         tokens: 0,
         kv_tokens: 0,
         attention_pairs: 0,
+        rows: 0,
     };
 
     /// Counts a continuing row (decode, speculative verify) that runs `estimate` tokens over a
@@ -150,6 +170,7 @@ impl StepFeatures {
     pub fn add_continuing(&mut self, estimate: u32, context: u64) {
         self.tokens = self.tokens.saturating_add(u64::from(estimate));
         self.kv_tokens = self.kv_tokens.saturating_add(context);
+        self.rows = self.rows.saturating_add(1);
     }
 
     /// Counts a chunk `[start, end)` of a prompt. An empty or reversed range counts nothing.
@@ -161,6 +182,14 @@ impl StepFeatures {
         self.attention_pairs = self
             .attention_pairs
             .saturating_add(chunk_attention_pairs(start, end));
+        self.rows = self.rows.saturating_add(1);
+    }
+
+    /// These features with one more row that runs nothing yet: the least any chunk adds.
+    #[must_use]
+    pub fn with_row(mut self) -> Self {
+        self.rows = self.rows.saturating_add(1);
+        self
     }
 
     /// These features with a chunk `[start, end)` added.
@@ -170,8 +199,8 @@ impl StepFeatures {
         self
     }
 
-    /// The features as `f64`s `[T, K, A]`, as the prediction and the fits use them.
-    pub fn to_f64(&self) -> [f64; 3] {
+    /// The features as `f64`s `[T, K, A, R]`, as the prediction and the fits use them.
+    pub fn to_f64(&self) -> [f64; 4] {
         // `as` rounds to the nearest `f64`; exact below 2^53, monotone everywhere. A `u128`
         // below 2^64 converts through `u64`: the same value, so the same nearest `f64`, without
         // the software conversion of a `u128`.
@@ -179,7 +208,12 @@ impl StepFeatures {
             Ok(small) => small as f64,
             Err(_) => u128_to_f64(self.attention_pairs),
         };
-        [self.tokens as f64, self.kv_tokens as f64, pairs]
+        [
+            self.tokens as f64,
+            self.kv_tokens as f64,
+            pairs,
+            self.rows as f64,
+        ]
     }
 }
 
@@ -207,12 +241,13 @@ pub fn chunk_attention_pairs(start: u32, end: u32) -> u128 {
 
 // === impl LatencyModel ===
 
-/// A node's latency model: four coefficients, each finite and `>= 0` (checked by
-/// [`LatencyModel::try_new`], the only way to build one, and by deserialisation).
+/// A node's latency model: five coefficients, each finite and `>= 0` (checked by
+/// [`LatencyModel::try_new`] and [`LatencyModel::from_terms`], the only ways to build one,
+/// and by deserialisation).
 ///
 /// Serialises as, and deserialises from, the table `chunking.cost.<node>` uses:
-/// `{ base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms }` (every key required,
-/// unknown keys refused).
+/// `{ base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms, per_row_ms }` (the first
+/// four required, `per_row_ms` 0 when absent and left out when 0, unknown keys refused).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "LatencyModelTable")]
 pub struct LatencyModel {
@@ -220,6 +255,12 @@ pub struct LatencyModel {
     per_token_ms: f64,
     per_kv_token_ms: f64,
     per_attention_pair_ms: f64,
+    #[serde(skip_serializing_if = "is_zero")]
+    per_row_ms: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// The serialised form, checked on the way in.
@@ -230,18 +271,21 @@ struct LatencyModelTable {
     per_token_ms: f64,
     per_kv_token_ms: f64,
     per_attention_pair_ms: f64,
+    #[serde(default)]
+    per_row_ms: f64,
 }
 
 impl TryFrom<LatencyModelTable> for LatencyModel {
     type Error = LatencyError;
 
     fn try_from(t: LatencyModelTable) -> Result<Self, Self::Error> {
-        Self::try_new(
+        Self::from_terms([
             t.base_ms,
             t.per_token_ms,
             t.per_kv_token_ms,
             t.per_attention_pair_ms,
-        )
+            t.per_row_ms,
+        ])
     }
 }
 
@@ -252,10 +296,11 @@ impl LatencyModel {
         per_token_ms: 0.0,
         per_kv_token_ms: 0.0,
         per_attention_pair_ms: 0.0,
+        per_row_ms: 0.0,
     };
 
-    /// Builds a model from its four coefficients (milliseconds per step, per token, per
-    /// context token, per attention pair).
+    /// Builds a model from its four original coefficients (milliseconds per step, per token,
+    /// per context token, per attention pair); `per_row_ms` is 0.
     ///
     /// # Errors
     /// [`LatencyError::BadCoefficient`] naming the first coefficient that is negative, NaN or
@@ -274,12 +319,22 @@ impl LatencyModel {
         ])
     }
 
-    /// Builds a model from its coefficients in the order of [`COEFFICIENT_KEYS`].
+    /// Builds a model from its four original coefficients in the order of
+    /// [`COEFFICIENT_KEYS`]; `per_row_ms` is 0.
     ///
     /// # Errors
     /// As [`LatencyModel::try_new`].
     pub fn from_coefficients(c: [f64; 4]) -> Result<Self, LatencyError> {
-        for (key, value) in COEFFICIENT_KEYS.into_iter().zip(c) {
+        Self::from_terms([c[0], c[1], c[2], c[3], 0.0])
+    }
+
+    /// Builds a model from every coefficient, in the order of [`TERM_KEYS`].
+    ///
+    /// # Errors
+    /// [`LatencyError::BadCoefficient`] naming the first coefficient that is negative, NaN or
+    /// infinite.
+    pub fn from_terms(c: [f64; TERMS]) -> Result<Self, LatencyError> {
+        for (key, value) in TERM_KEYS.into_iter().zip(c) {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(LatencyError::BadCoefficient { key, value });
             }
@@ -290,7 +345,18 @@ impl LatencyModel {
             per_token_ms: c[1] + 0.0,
             per_kv_token_ms: c[2] + 0.0,
             per_attention_pair_ms: c[3] + 0.0,
+            per_row_ms: c[4] + 0.0,
         })
+    }
+
+    /// This model with `per_row_ms` set.
+    ///
+    /// # Errors
+    /// [`LatencyError::BadCoefficient`] when `per_row_ms` is negative, NaN or infinite.
+    pub fn with_per_row_ms(self, per_row_ms: f64) -> Result<Self, LatencyError> {
+        let mut c = self.terms();
+        c[4] = per_row_ms;
+        Self::from_terms(c)
     }
 
     /// For the presets, derived from constants: the caller guarantees every value is finite
@@ -302,10 +368,12 @@ impl LatencyModel {
             per_token_ms: c[1],
             per_kv_token_ms: c[2],
             per_attention_pair_ms: c[3],
+            per_row_ms: 0.0,
         }
     }
 
-    /// The coefficients in the order of [`COEFFICIENT_KEYS`].
+    /// The four original coefficients in the order of [`COEFFICIENT_KEYS`] (see
+    /// [`LatencyModel::terms`] for all five).
     pub fn coefficients(&self) -> [f64; 4] {
         [
             self.base_ms,
@@ -313,6 +381,22 @@ impl LatencyModel {
             self.per_kv_token_ms,
             self.per_attention_pair_ms,
         ]
+    }
+
+    /// Every coefficient, in the order of [`TERM_KEYS`].
+    pub fn terms(&self) -> [f64; TERMS] {
+        [
+            self.base_ms,
+            self.per_token_ms,
+            self.per_kv_token_ms,
+            self.per_attention_pair_ms,
+            self.per_row_ms,
+        ]
+    }
+
+    /// Milliseconds per row the step runs (each continuing row and each chunk).
+    pub fn per_row_ms(&self) -> f64 {
+        self.per_row_ms
     }
 
     /// Milliseconds every step costs, whatever it runs.
@@ -339,13 +423,15 @@ impl LatencyModel {
     /// `base_ms`, and never smaller for features that are larger in every field (each term is a
     /// non-negative product, and `f64` rounding is monotone); `+∞` only for absurd inputs.
     pub fn predict_ms(&self, f: &StepFeatures) -> f64 {
-        let [t, k, a] = f.to_f64();
+        let [t, k, a, r] = f.to_f64();
         // One fixed order of operations: every caller gets the same bits for the same features.
-        // A product of 0 and a finite feature is 0, so a zero coefficient never makes NaN.
+        // A product of 0 and a finite feature is 0, so a zero coefficient never makes NaN, and
+        // a `per_row_ms` of 0 adds exactly 0: four-coefficient models predict as before.
         self.base_ms
             + self.per_token_ms * t
             + self.per_kv_token_ms * k
             + self.per_attention_pair_ms * a
+            + self.per_row_ms * r
     }
 
     /// The largest end `e` for a chunk starting at `bounds.start` such that the step, with the
@@ -379,7 +465,8 @@ impl LatencyModel {
         if upper <= start || max_step_ms.is_nan() {
             return None;
         }
-        let before = self.predict_ms(step);
+        // Any chunk adds a row: the step with that row and no tokens is the least it can be.
+        let before = self.predict_ms(&step.with_row());
         if before > max_step_ms {
             // Monotone: no chunk can make the step shorter.
             return None;
@@ -603,6 +690,7 @@ mod tests {
         assert_eq!(
             f,
             StepFeatures {
+                rows: 3,
                 tokens: 1 + 4 + 2048,
                 kv_tokens: 5100,
                 attention_pairs: (4096 * 4097 - 2048 * 2049) / 2,
@@ -610,6 +698,7 @@ mod tests {
         );
         // Saturates instead of wrapping.
         let mut big = StepFeatures {
+            rows: 0,
             tokens: u64::MAX - 1,
             kv_tokens: u64::MAX,
             attention_pairs: u128::MAX - 1,
@@ -677,6 +766,7 @@ mod tests {
     fn predict_sums_the_four_terms() {
         let m = model([5.0, 0.5, 0.25, 0.125]);
         let f = StepFeatures {
+            rows: 0,
             tokens: 10,
             kv_tokens: 8,
             attention_pairs: 16,
@@ -685,6 +775,7 @@ mod tests {
         assert_eq!(m.predict_ms(&StepFeatures::EMPTY), 5.0);
         // Zero coefficients over huge features stay 0, never NaN.
         let huge = StepFeatures {
+            rows: 0,
             tokens: u64::MAX,
             kv_tokens: u64::MAX,
             attention_pairs: u128::MAX,
@@ -963,10 +1054,13 @@ mod tests {
     }
 
     fn features() -> impl Strategy<Value = StepFeatures> {
-        (0u64..5000, 0u64..200_000, 0u128..50_000_000).prop_map(|(t, k, a)| StepFeatures {
-            tokens: t,
-            kv_tokens: k,
-            attention_pairs: a,
+        (0u64..5000, 0u64..200_000, 0u128..50_000_000, 0u64..300).prop_map(|(t, k, a, r)| {
+            StepFeatures {
+                tokens: t,
+                kv_tokens: k,
+                attention_pairs: a,
+                rows: r,
+            }
         })
     }
 

@@ -75,6 +75,14 @@ pub(crate) const LIGHT: Workload = Workload {
     chunk_len: 256,
 };
 
+/// Between the two: every term carries a few ms to tens of ms of a step.
+pub(crate) const MEDIUM: Workload = Workload {
+    decode_rows: 16,
+    context: 8000,
+    chunk_start: 8000,
+    chunk_len: 512,
+};
+
 /// A random step as the planner makes them: some decode rows, maybe a chunk somewhere in a
 /// prompt.
 pub(crate) fn random_step(rng: &mut TestRng) -> StepFeatures {
@@ -163,7 +171,7 @@ fn recovers_coefficients_within_a_few_percent_under_5_percent_noise() {
         let fresh = samples(seed + 100, 1000, TRUE, 0.0);
         let err = fresh
             .iter()
-            .map(|s| ((predict(&c, &s.x()) - s.ms) / s.ms).powi(2))
+            .map(|s| ((predict(&heavy.model.terms(), &s.x()) - s.ms) / s.ms).powi(2))
             .sum::<f64>()
             / fresh.len() as f64;
         assert!(err.sqrt() < 0.02, "{}", err.sqrt());
@@ -196,7 +204,7 @@ fn coefficients_stay_non_negative_when_the_data_prefers_a_negative_one() {
     let s: Vec<Sample> = (0..400)
         .map(|_| {
             let f = random_step(&mut rng);
-            let [t, k, a] = f.to_f64();
+            let [t, k, a, _] = f.to_f64();
             let ms = (10.0 + 0.1 * t - 1e-5 * k + 2e-6 * a).max(0.0);
             Sample::new(&f, ms).unwrap()
         })
@@ -229,19 +237,22 @@ fn only_a_base_when_time_is_constant() {
 }
 
 /// The KKT conditions of `min Σ (xᵀc − y)²` over `c >= 0`: an independent check of optimality.
-fn assert_kkt(s: &[Sample], c: [f64; 4]) {
-    let mut grad = [0.0f64; 4];
-    let mut scale = [0.0f64; 4];
+fn assert_kkt(s: &[Sample], c: [f64; N]) {
+    let mut grad = [0.0f64; N];
+    let mut scale = [0.0f64; N];
     for x in s {
         let xs = x.x();
         let r = predict(&c, &xs) - x.ms;
-        for j in 0..4 {
+        for j in 0..N {
             grad[j] += xs[j] * r;
             scale[j] += xs[j] * xs[j];
         }
     }
     let y_norm = s.iter().map(|x| x.ms * x.ms).sum::<f64>().sqrt();
-    for j in 0..4 {
+    // A per-row term of 0 is the four-term optimum (the term is kept only where the steps
+    // call for it, `Normal::solve`): optimal over the other columns.
+    let columns = if c[ROWS] > 0.0 { N } else { ROWS };
+    for j in 0..columns {
         // The gradient per unit of a scaled column, relative to the measurements' size. A zero
         // gradient is 0 however small the scale (an all-zero column or all-zero measurements
         // would otherwise give 0/0); a non-zero one over a zero scale is infinite, and fails.
@@ -271,24 +282,25 @@ fn all_zero_measurements_are_the_all_zero_optimum() {
     let s: Vec<Sample> = (1..6)
         .map(|i| {
             let f = StepFeatures::EMPTY.with_chunk(0, 100 * i);
-            let [t, k, a] = f.to_f64();
+            let [t, k, a, rows] = f.to_f64();
             assert_eq!(k, 0.0);
             Sample {
                 tokens: t,
                 kv_tokens: k,
                 attention_pairs: a,
+                rows,
                 ms: 0.0,
             }
         })
         .collect();
     assert!(matches!(fit_samples(&s), Err(FitError::AllZero)));
-    assert_kkt(&s, [0.0; 4]);
+    assert_kkt(&s, [0.0; N]);
     // The same column of zeros under measurements that are not 0.
     let mut s = s;
     for (i, x) in s.iter_mut().enumerate() {
         x.ms = 5.0 + i as f64;
     }
-    assert_kkt(&s, fit_samples(&s).unwrap().model.coefficients());
+    assert_kkt(&s, fit_samples(&s).unwrap().model.terms());
 }
 
 proptest! {
@@ -312,17 +324,17 @@ proptest! {
         let s: Vec<Sample> = (0..n)
             .map(|_| {
                 let f = random_step(&mut rng);
-                let [t, k, a] = f.to_f64();
+                let [t, k, a, rows] = f.to_f64();
                 let y = truth[0] + truth[1] * t + truth[2] * k + truth[3] * a;
                 let y = (y * rng.uniform(1.0 - noise, 1.0 + noise)).max(0.0);
-                Sample { tokens: t, kv_tokens: k, attention_pairs: a, ms: y }
+                Sample { tokens: t, kv_tokens: k, attention_pairs: a, rows, ms: y }
             })
             .collect();
         // An all-zero optimum (every truth clamped away) is refused, not returned: it must
         // then be the optimum.
         match fit_samples(&s) {
-            Ok(r) => assert_kkt(&s, r.model.coefficients()),
-            Err(FitError::AllZero) => assert_kkt(&s, [0.0; 4]),
+            Ok(r) => assert_kkt(&s, r.model.terms()),
+            Err(FitError::AllZero) => assert_kkt(&s, [0.0; N]),
             Err(e) => panic!("{e}"),
         }
     }
@@ -413,6 +425,7 @@ fn bad_measurements_are_refused_and_change_nothing() {
         tokens: -1.0,
         kv_tokens: 0.0,
         attention_pairs: 0.0,
+        rows: 0.0,
         ms: 1.0,
     };
     let err = fit.observe_sample(&neg).unwrap_err();
@@ -450,6 +463,7 @@ fn settings_are_checked() {
             forgetting,
             min_samples,
             max_relative_rms,
+            ..OnlineFitConfig::default()
         })
         .unwrap_err();
         assert!(
@@ -460,7 +474,8 @@ fn settings_are_checked() {
     assert!(OnlineFit::try_new(OnlineFitConfig {
         forgetting: 1.0,
         min_samples: 1,
-        max_relative_rms: 1e-9
+        max_relative_rms: 1e-9,
+        ..OnlineFitConfig::default()
     })
     .is_ok());
 }
@@ -507,12 +522,13 @@ fn collinear_columns_give_one_of_the_optimal_fits() {
     );
     assert!((c[0] - 4.0).abs() < 1e-6, "{c:?}");
     assert!(r.abs_error_ms.max < 1e-6, "{r:?}");
-    assert_kkt(&s, c);
+    assert_kkt(&s, r.model.terms());
 }
 
 #[test]
 fn overflowing_sums_an_all_zero_fit_and_non_finite_fits_are_refused() {
     let sample = |t: f64, k: f64, a: f64, ms: f64| Sample {
+        rows: 0.0,
         tokens: t,
         kv_tokens: k,
         attention_pairs: a,
@@ -567,4 +583,195 @@ fn too_few_or_collinear_steps_leave_the_fit_underdetermined() {
         "a constant, and tokens and pairs that are constant too"
     );
     assert!(r.underdetermined());
+}
+
+// === the robust online fit against plain least squares ===
+
+/// A four-term truth with a real intercept: steps of ~10–40 ms, where `base_ms` carries weight.
+const FOUR: [f64; 4] = [8.0, 0.05, 2e-4, 2e-6];
+
+/// `n` light steps of `truth` with ±`noise` uniform noise; every `every`-th step (from
+/// `first`) takes 10 times as long (a pause, a page fault).
+fn noisy_with_outliers(
+    seed: u64,
+    n: usize,
+    truth: [f64; 4],
+    noise: f64,
+    every: Option<usize>,
+) -> Vec<Sample> {
+    let mut s = samples_of(seed, n, truth, noise, MEDIUM);
+    if let Some(every) = every {
+        for x in s.iter_mut().skip(every / 2).step_by(every) {
+            x.ms *= 10.0;
+        }
+    }
+    s
+}
+
+fn fit_online(estimator: Estimator, s: &[Sample]) -> OnlineEstimate {
+    let mut fit = online(OnlineFitConfig {
+        estimator,
+        ..OnlineFitConfig::default()
+    });
+    for x in s {
+        fit.observe_sample(x).unwrap();
+    }
+    fit.estimate().unwrap()
+}
+
+fn max_relative_gap(a: [f64; 4], b: [f64; 4]) -> f64 {
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_robust_fit_is_within_10_percent_at_5_percent_noise_and_unmoved_by_outliers() {
+    for seed in [31, 32, 33, 34] {
+        let clean = noisy_with_outliers(seed, 3000, FOUR, 0.05, None);
+        let dirty = noisy_with_outliers(seed, 3000, FOUR, 0.05, Some(100));
+        let robust = fit_online(Estimator::Huber, &clean);
+        let c = robust.model.coefficients();
+        assert_close(c, FOUR, 0.10);
+        assert_eq!(
+            robust.model.per_row_ms(),
+            0.0,
+            "seed {seed}: {:?}",
+            robust.model
+        );
+        assert!(robust.trusted, "{robust:?}");
+        // 1% of the steps 10× as long: every coefficient within 2% of the fit without them,
+        // and still trusted.
+        let with_outliers = fit_online(Estimator::Huber, &dirty);
+        let gap = max_relative_gap(with_outliers.model.coefficients(), c);
+        assert!(
+            gap <= 0.02,
+            "seed {seed}: moved {gap} by outliers: {with_outliers:?} vs {robust:?}"
+        );
+        assert!(with_outliers.trusted, "{with_outliers:?}");
+    }
+}
+
+#[test]
+fn plain_least_squares_fails_the_same_test() {
+    // The figures docs/cost-model.md quotes: `cargo test --lib plain_least_squares -- --nocapture`.
+    for seed in [31, 32, 33, 34] {
+        let clean = noisy_with_outliers(seed, 3000, FOUR, 0.05, None);
+        let dirty = noisy_with_outliers(seed, 3000, FOUR, 0.05, Some(100));
+        let [ls, ls_dirty, robust, robust_dirty] = [
+            (Estimator::LeastSquares, &clean),
+            (Estimator::LeastSquares, &dirty),
+            (Estimator::Huber, &clean),
+            (Estimator::Huber, &dirty),
+        ]
+        .map(|(e, s)| fit_online(e, s).model.coefficients());
+        let moved = max_relative_gap(ls_dirty, ls);
+        eprintln!(
+            "seed {seed}: off the truth at 5% noise: least squares {:.3}, robust {:.3}; moved by 1% of 10x outliers: least squares {moved:.3}, robust {:.4}; base_ms with outliers: least squares {:.2}, robust {:.2}",
+            max_relative_gap(ls, FOUR),
+            max_relative_gap(robust, FOUR),
+            max_relative_gap(robust_dirty, robust),
+            ls_dirty[0],
+            robust_dirty[0],
+        );
+        // Outliers move least squares far past 2% (and past 10% of the truth) on every seed.
+        assert!(
+            moved > 0.02,
+            "seed {seed}: least squares moved only {moved}"
+        );
+        assert!(
+            max_relative_gap(ls_dirty, FOUR) > 0.10,
+            "seed {seed}: {ls_dirty:?}"
+        );
+    }
+}
+
+#[test]
+fn the_robust_fit_follows_a_slower_engine_within_a_bounded_number_of_steps_and_says_when_it_is_not_trusted(
+) {
+    // After 2,000 steps every coefficient doubles (a slower engine after a model swap).
+    let slower = FOUR.map(|c| 2.0 * c);
+    let before = noisy_with_outliers(41, 2000, FOUR, 0.05, Some(100));
+    let after = noisy_with_outliers(42, 1000, slower, 0.05, Some(100));
+    let mut fit = online(OnlineFitConfig::default());
+    for x in &before {
+        fit.observe_sample(x).unwrap();
+    }
+    assert!(fit.estimate().unwrap().trusted);
+    let mut untrusted = 0;
+    let mut tracked_at = None;
+    for (i, x) in after.iter().enumerate() {
+        fit.observe_sample(x).unwrap();
+        let e = fit.estimate().unwrap();
+        untrusted += usize::from(!e.trusted);
+        let gap = max_relative_gap(e.model.coefficients(), slower);
+        if tracked_at.is_none() && gap <= 0.10 && e.trusted {
+            tracked_at = Some(i + 1);
+        }
+    }
+    let tracked_at = tracked_at.expect("the fit never followed the slower engine");
+    eprintln!("followed after {tracked_at} steps, {untrusted} untrusted");
+    assert!(tracked_at <= 800, "followed after {tracked_at} steps");
+    assert!(
+        untrusted > 0,
+        "the fit never said it was off while the engine changed"
+    );
+    let e = fit.estimate().unwrap();
+    assert_close(e.model.coefficients(), slower, 0.10);
+    assert!(e.trusted);
+}
+
+#[test]
+fn the_warm_up_is_robust_too_and_trust_waits_for_it() {
+    // Outliers among the first steps (one in ten): the warm-up's batch fit is not pulled by
+    // them.
+    let s = noisy_with_outliers(51, 50, FOUR, 0.05, Some(10));
+    let mut fit = online(OnlineFitConfig::default());
+    for (i, x) in s.iter().enumerate() {
+        fit.observe_sample(x).unwrap();
+        if i + 1 < 50 {
+            assert!(!fit.estimate().unwrap().trusted, "trusted in its warm-up");
+        }
+    }
+    let e = fit.estimate().unwrap();
+    let pred = |c: [f64; 5]| {
+        let f = StepFeatures::EMPTY.with_chunk(0, 100);
+        LatencyModel::from_terms(c).unwrap().predict_ms(&f)
+    };
+    let truth = pred([FOUR[0], FOUR[1], FOUR[2], FOUR[3], 0.0]);
+    let got = pred(e.model.terms());
+    assert!(
+        (got - truth).abs() <= 0.05 * truth,
+        "{got} vs {truth}: {e:?}"
+    );
+    let ls = fit_online(Estimator::LeastSquares, &s);
+    let got_ls = pred(ls.model.terms());
+    assert!(
+        (got_ls - truth).abs() > 0.05 * truth,
+        "least squares {got_ls} vs {truth}"
+    );
+}
+
+#[test]
+fn a_per_row_cost_is_learned_where_steps_pay_one_and_left_at_zero_where_they_do_not() {
+    // Each row costs 3 ms on top of its tokens (logits, attention set up head by head).
+    let truth = LatencyModel::from_terms([8.0, 0.05, 2e-4, 2e-6, 3.0]).unwrap();
+    let mut rng = TestRng::new(61);
+    let s: Vec<Sample> = (0..3000)
+        .map(|_| {
+            let f = random_step_of(&mut rng, LIGHT);
+            Sample::new(&f, truth.predict_ms(&f) * rng.uniform(0.95, 1.05)).unwrap()
+        })
+        .collect();
+    let offline = fit_samples(&s).unwrap();
+    let c = offline.model.terms();
+    assert!((c[4] - 3.0).abs() <= 0.3, "{c:?}");
+    let online_fit = fit_online(Estimator::Huber, &s);
+    let c = online_fit.model.terms();
+    assert!((c[4] - 3.0).abs() <= 0.3, "{c:?}");
+    assert!((c[0] - 8.0).abs() <= 0.8, "{c:?}");
+    // The same steps priced without a per-row cost: none is fitted.
+    let four = fit_samples(&samples_of(61, 3000, FOUR, 0.05, LIGHT)).unwrap();
+    assert_eq!(four.model.per_row_ms(), 0.0, "{:?}", four.model);
 }
