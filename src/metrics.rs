@@ -16,7 +16,7 @@ use metrics::{
     SharedString, Unit,
 };
 
-use crate::latency::{LatencyModel, ModelSource, COEFFICIENT_KEYS};
+use crate::latency::{LatencyModel, ModelSource, TERMS, TERM_KEYS};
 use crate::order::Wait;
 use crate::overrun::OverrunReason;
 use crate::overrun::TimeOverrunReason;
@@ -120,7 +120,7 @@ pub const LABEL_REASON: &str = "reason";
 pub const LABEL_FINAL: &str = "final";
 /// On [`CONFIG_RELOADS_TOTAL`]: [`RESULT_OK`] or [`RESULT_ERROR`].
 pub const LABEL_RESULT: &str = "result";
-/// On [`LATENCY_MODEL_COEFFICIENT`]: one of [`crate::latency::COEFFICIENT_KEYS`].
+/// On [`LATENCY_MODEL_COEFFICIENT`]: one of [`crate::latency::TERM_KEYS`].
 pub const LABEL_COEFFICIENT: &str = "coefficient";
 /// On [`LATENCY_MODEL_SOURCE`]: a [`ModelSource::as_str`].
 pub const LABEL_SOURCE: &str = "source";
@@ -555,7 +555,7 @@ impl Instance {
     /// The latency-model gauges of `node`.
     pub(crate) fn model(&self, node: &Name) -> ModelGauges {
         ModelGauges {
-            coefficients: COEFFICIENT_KEYS.map(|c| {
+            coefficients: TERM_KEYS.map(|c| {
                 metrics::gauge!(
                     LATENCY_MODEL_COEFFICIENT,
                     self.labels([
@@ -788,7 +788,7 @@ impl OverrunMetrics {
 /// model changes rarely, steps come often).
 #[derive(Clone)]
 pub(crate) struct ModelGauges {
-    coefficients: [Gauge; 4],
+    coefficients: [Gauge; TERMS],
     sources: [Gauge; 3],
     shown: Option<(Option<LatencyModel>, ModelSource)>,
     margin: Gauge,
@@ -801,7 +801,7 @@ impl ModelGauges {
             return;
         }
         self.shown = Some((model, source));
-        let c = model.map_or([0.0; 4], |m| m.coefficients());
+        let c = model.map_or([0.0; TERMS], |m| m.terms());
         for (gauge, value) in self.coefficients.iter().zip(c) {
             gauge.set(value);
         }

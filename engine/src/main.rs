@@ -170,11 +170,16 @@ fn settings(a: &EngineArgs, name: &str) -> Result<EngineSettings, String> {
                 .map(|x| x.trim().parse::<f64>())
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("--cost `{s}`: {e}"))?;
-            let c: [f64; 4] = v
-                .try_into()
-                .map_err(|_| format!("--cost `{s}`: four comma-separated numbers"))?;
+            // Four coefficients, or five with `per_row_ms`.
+            let mut c = [0.0; mstar_chunking::latency::TERMS];
+            if !(v.len() == 4 || v.len() == c.len()) {
+                return Err(format!(
+                    "--cost `{s}`: four comma-separated numbers (base_ms,per_token_ms,per_kv_token_ms,per_attention_pair_ms), or five with per_row_ms"
+                ));
+            }
+            c[..v.len()].copy_from_slice(&v);
             Some(
-                mstar_chunking::latency::LatencyModel::from_coefficients(c)
+                mstar_chunking::latency::LatencyModel::from_terms(c)
                     .map_err(|e| format!("--cost `{s}`: {e}"))?,
             )
         }

@@ -191,17 +191,18 @@ def _ms(value: Any, node: str, walk: Optional[str], key: str) -> Optional[float]
     return ms
 
 
-_COST_SPELLING = "a preset's name (see preset_names()) or (base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms)"
+_COST_SPELLING = "a preset's name (see preset_names()) or (base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms[, per_row_ms])"
 
 
-def _cost(value: Any, node: str, key: str) -> Union[str, Tuple[float, float, float, float]]:
-    """A latency model: a preset's name, or four coefficients (checked by the core)."""
+def _cost(value: Any, node: str, key: str) -> Union[str, Tuple[float, ...]]:
+    """A latency model: a preset's name, or four coefficients, or five with ``per_row_ms``
+    (checked by the core)."""
     if isinstance(value, str):
         return value
-    if isinstance(value, (tuple, list)) and len(value) == 4:
+    if isinstance(value, (tuple, list)) and len(value) in (4, 5):
         c = [_number(x) for x in value]
         if all(x is not None for x in c):
-            return (c[0], c[1], c[2], c[3])  # type: ignore[return-value]
+            return tuple(c)  # type: ignore[arg-type]
     raise _refuse_time("cost", node, None, key, f"must be {_COST_SPELLING}, got {value!r}")
 
 

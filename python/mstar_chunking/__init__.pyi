@@ -56,7 +56,10 @@ class LatencyModel(NamedTuple):
     per_token_ms: float
     per_kv_token_ms: float
     per_attention_pair_ms: float
-    def predict_ms(self, tokens: int = 0, kv_tokens: int = 0, attention_pairs: int = 0) -> float: ...
+    per_row_ms: float = 0.0
+    def predict_ms(
+        self, tokens: int = 0, kv_tokens: int = 0, attention_pairs: int = 0, rows: int = 0
+    ) -> float: ...
     @staticmethod
     def attention_pairs(start: int, end: int) -> int: ...
 

@@ -102,23 +102,29 @@ class Overrun(NamedTuple):
 
 class LatencyModel(NamedTuple):
     """A node's latency model: a step's predicted milliseconds are ``base_ms + per_token_ms *
-    tokens + per_kv_token_ms * kv_tokens + per_attention_pair_ms * attention_pairs``
-    (``docs/cost-model.md`` of the repository). Each coefficient is a finite number >= 0."""
+    tokens + per_kv_token_ms * kv_tokens + per_attention_pair_ms * attention_pairs +
+    per_row_ms * rows`` (``docs/cost-model.md`` of the repository). Each coefficient is a finite
+    number >= 0; ``per_row_ms`` is 0 unless given."""
 
     base_ms: float
     per_token_ms: float
     per_kv_token_ms: float
     per_attention_pair_ms: float
+    per_row_ms: float = 0.0
 
-    def predict_ms(self, tokens: int = 0, kv_tokens: int = 0, attention_pairs: int = 0) -> float:
+    def predict_ms(
+        self, tokens: int = 0, kv_tokens: int = 0, attention_pairs: int = 0, rows: int = 0
+    ) -> float:
         """The predicted milliseconds of a step running ``tokens`` tokens, its continuing rows
-        reading ``kv_tokens`` context tokens, its chunks ``attention_pairs`` causal pairs (in
-        the crate's order of operations, so the same features give the same float)."""
+        reading ``kv_tokens`` context tokens, its chunks ``attention_pairs`` causal pairs, in
+        ``rows`` rows (in the crate's order of operations, so the same features give the same
+        float)."""
         return (
             self.base_ms
             + self.per_token_ms * float(tokens)
             + self.per_kv_token_ms * float(kv_tokens)
             + self.per_attention_pair_ms * float(attention_pairs)
+            + self.per_row_ms * float(rows)
         )
 
     @staticmethod

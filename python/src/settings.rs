@@ -16,12 +16,14 @@ use crate::boundary::error;
 /// Per node, `walk -> value` (`None`: off), as the package passes per-walk settings.
 pub(crate) type PerWalk<V> = Vec<(String, Vec<(String, Option<V>)>)>;
 
-/// A latency model as `set_budgets` takes it: a preset's name or the four coefficients
-/// `(base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms)`.
+/// A latency model as `set_budgets` takes it: a preset's name, the four coefficients
+/// `(base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms)` or those and
+/// `per_row_ms`.
 #[derive(FromPyObject)]
 pub(crate) enum CostArg {
     Preset(String),
     Coefficients(f64, f64, f64, f64),
+    Terms(f64, f64, f64, f64, f64),
 }
 
 /// A `TimeSettingsError` (a refused time budget, latency model or margin) naming `argument`
@@ -71,6 +73,8 @@ impl CostArg {
                 )
             }),
             CostArg::Coefficients(a, b, c, d) => LatencyModel::try_new(*a, *b, *c, *d)
+                .map_err(|e| time_error(py, "cost", Some(node), format!("cost[{node:?}]: {e}"))),
+            CostArg::Terms(a, b, c, d, r) => LatencyModel::from_terms([*a, *b, *c, *d, *r])
                 .map_err(|e| time_error(py, "cost", Some(node), format!("cost[{node:?}]: {e}"))),
         }
     }
@@ -208,6 +212,7 @@ pub(crate) fn model_to_py<'py>(py: Python<'py>, m: &LatencyModel) -> PyResult<Bo
         m.per_token_ms(),
         m.per_kv_token_ms(),
         m.per_attention_pair_ms(),
+        m.per_row_ms(),
     ))
 }
 

@@ -311,13 +311,13 @@ impl BudgetTable {
             }
         }
         for (node, m) in &time.cost {
-            if m.coefficients() == [0.0; 4] {
+            if m.terms() == [0.0; crate::latency::TERMS] {
                 errors.push(BudgetError::ZeroLatencyModel { node: node.clone() });
             }
-            let keys = crate::latency::COEFFICIENT_KEYS;
+            let keys = crate::latency::TERM_KEYS;
             if let Some((key, value)) = keys
                 .into_iter()
-                .zip(m.coefficients())
+                .zip(m.terms())
                 .find(|&(_, v)| v > crate::latency::MAX_COEFFICIENT_MS)
             {
                 errors.push(BudgetError::LatencyModelTooLarge {

@@ -61,6 +61,13 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     {
         out.push_str(&format!("  {k:<24} {}\n", crate::text::plain_decimal(v)));
     }
+    if fit.model.per_row_ms() > 0.0 {
+        out.push_str(&format!(
+            "  {:<24} {}\n",
+            "per_row_ms",
+            crate::text::plain_decimal(fit.model.per_row_ms())
+        ));
+    }
     let underdetermined = fit.underdetermined();
     out.push_str(&format!(
         "  {:<24} {}\n",

@@ -154,9 +154,11 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
                     .map(|caps| caps.into_iter().map(|(w, c)| (w.to_string(), c)).collect()),
                 max_step_ms: table.max_step_ms(node, walk),
                 cost: table.settings().time.cost.get(node.as_str()).map(|m| {
-                    crate::latency::COEFFICIENT_KEYS
+                    crate::latency::TERM_KEYS
                         .into_iter()
-                        .zip(m.coefficients())
+                        .zip(m.terms())
+                        // `per_row_ms` only when set, so a four-term model prints as before.
+                        .filter(|&(k, v)| k != "per_row_ms" || v > 0.0)
                         .collect()
                 }),
                 learn_cost: table.settings().time.learn,

@@ -21,13 +21,25 @@ pub const FLAGS_LAYER: &str = "command-line flags";
 /// manifest's first node).
 const NODE: &str = "{node}";
 
-/// The coefficients of a latency model, in the order `a,b,c,d` gives them.
-const COEFFICIENTS: [&str; 4] = [
+/// The coefficients of a latency model, in the order `a,b,c,d[,e]` gives them (the fifth,
+/// `per_row_ms`, optional).
+const COEFFICIENTS: [&str; 5] = [
     "base_ms",
     "per_token_ms",
     "per_kv_token_ms",
     "per_attention_pair_ms",
+    "per_row_ms",
 ];
+
+/// A latency model's coefficients as a flag gives them: four, or five with `per_row_ms`.
+fn split_cost(value: &str) -> Result<Option<Vec<&str>>, String> {
+    match split_list(value, &COEFFICIENTS[..4]) {
+        Err(_) if value.split(',').count() == COEFFICIENTS.len() => {
+            split_list(value, &COEFFICIENTS)
+        }
+        other => other,
+    }
+}
 
 /// The keys of `replay.kv` that size the pool (one way at a time).
 const KV_SIZING: [&str; 5] = [
@@ -132,7 +144,7 @@ impl FlagSetting {
     /// # Errors
     /// A list of other than four numbers.
     pub fn cost(value: &str) -> Result<Self, String> {
-        let v = match split_list(value, &COEFFICIENTS)? {
+        let v = match split_cost(value)? {
             None => Value::String(value.to_owned()),
             Some(parts) => Value::Object(table(&COEFFICIENTS, &parts)),
         };
@@ -158,14 +170,14 @@ impl FlagSetting {
         )
     }
 
-    /// `--sim-cost PRESET|a,b,c,d`: `replay.cost`'s preset or its four coefficients (its
-    /// `noise` and `learn` kept).
+    /// `--sim-cost PRESET|a,b,c,d[,e]`: `replay.cost`'s preset or its coefficients (its
+    /// `noise` and `learn` kept; `per_row_ms` 0 unless given).
     ///
     /// # Errors
-    /// A list of other than four numbers.
+    /// A list of other than four or five numbers.
     pub fn sim_cost(value: &str) -> Result<Self, String> {
         let mut edits = Vec::new();
-        match split_list(value, &COEFFICIENTS)? {
+        match split_cost(value)? {
             None => {
                 edits.extend(
                     COEFFICIENTS
@@ -179,6 +191,9 @@ impl FlagSetting {
             }
             Some(parts) => {
                 edits.push(Edit::Remove("replay.cost.preset".into()));
+                if parts.len() < COEFFICIENTS.len() {
+                    edits.push(Edit::Remove("replay.cost.per_row_ms".into()));
+                }
                 edits.extend(
                     table(&COEFFICIENTS, &parts)
                         .into_iter()

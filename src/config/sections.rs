@@ -182,7 +182,7 @@ pub struct ReplaySection {
 }
 
 /// A step's simulated duration (`docs/cost-model.md`): `base_ms + per_token_ms·T +
-/// per_kv_token_ms·K + per_attention_pair_ms·A`, from the coefficients or a preset, times a
+/// per_kv_token_ms·K + per_attention_pair_ms·A + per_row_ms·R`, from the coefficients or a preset, times a
 /// noise factor. Written as a table, or as a preset's name (`cost = "llama2-7b-a100"`).
 /// Unset coefficients are the built-in ones (8 ms + 0.02 ms a token, no KV or attention term);
 /// [`crate::replay::settings`] checks every value.
@@ -198,6 +198,8 @@ pub struct CostSection {
     pub per_kv_token_ms: Option<f64>,
     /// Milliseconds each causal attention pair of a chunk adds.
     pub per_attention_pair_ms: Option<f64>,
+    /// Milliseconds each row of a step (a continuing row or a chunk) adds.
+    pub per_row_ms: Option<f64>,
     /// Each simulated step time is multiplied by a factor drawn from `[1 - noise, 1 + noise]`.
     pub noise: f64,
     /// The component learns the coefficients online from the simulated times instead of being
@@ -214,6 +216,7 @@ struct CostTable {
     per_token_ms: Option<f64>,
     per_kv_token_ms: Option<f64>,
     per_attention_pair_ms: Option<f64>,
+    per_row_ms: Option<f64>,
     #[serde(default)]
     noise: f64,
     #[serde(default)]
@@ -245,6 +248,7 @@ impl<'de> Deserialize<'de> for CostSection {
                     per_token_ms: t.per_token_ms,
                     per_kv_token_ms: t.per_kv_token_ms,
                     per_attention_pair_ms: t.per_attention_pair_ms,
+                    per_row_ms: t.per_row_ms,
                     noise: t.noise,
                     learn: t.learn,
                 })

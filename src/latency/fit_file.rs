@@ -98,8 +98,8 @@ pub enum FitFileError {
 pub enum FitInput {
     /// A replay step log (JSON Lines; the first non-blank byte is `{`).
     StepLog,
-    /// A CSV with the header `tokens,kv_tokens,attention_pairs,ms` (any order; other columns
-    /// are ignored).
+    /// A CSV with the header `tokens,kv_tokens,attention_pairs,ms` (any order; an optional
+    /// `rows` column; other columns are ignored).
     Csv,
 }
 
@@ -295,6 +295,7 @@ fn step_sample(step: &LogStep) -> Result<Sample, String> {
                 })?;
                 f.tokens = f.tokens.saturating_add(tokens);
                 f.kv_tokens = f.kv_tokens.saturating_add(context);
+                f.rows = f.rows.saturating_add(1);
             }
             LogRow::Chunk { tokens, start, end } => {
                 if end <= start || u64::from(end - start) != tokens {
@@ -306,6 +307,7 @@ fn step_sample(step: &LogStep) -> Result<Sample, String> {
                 f.attention_pairs = f
                     .attention_pairs
                     .saturating_add(chunk_attention_pairs(start, end));
+                f.rows = f.rows.saturating_add(1);
             }
         }
     }
@@ -327,6 +329,9 @@ struct CsvStep {
     kv_tokens: f64,
     attention_pairs: f64,
     ms: f64,
+    /// Optional: the rows the step ran (0 when the column is absent, so `per_row_ms` is 0).
+    #[serde(default)]
+    rows: f64,
 }
 
 fn read_csv<R: Read>(
@@ -371,11 +376,12 @@ fn read_csv<R: Read>(
         let step: CsvStep = record
             .deserialize(Some(&header))
             .map_err(|e| bad_line(path, line, e.to_string()))?;
-        for (key, value) in CSV_COLUMNS.into_iter().zip([
+        for (key, value) in CSV_COLUMNS.into_iter().chain(["rows"]).zip([
             step.tokens,
             step.kv_tokens,
             step.attention_pairs,
             step.ms,
+            step.rows,
         ]) {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(bad_line(
@@ -392,6 +398,7 @@ fn read_csv<R: Read>(
             tokens: step.tokens,
             kv_tokens: step.kv_tokens,
             attention_pairs: step.attention_pairs,
+            rows: step.rows,
             ms: step.ms,
         });
         lines.push(line);
@@ -402,7 +409,8 @@ fn read_csv<R: Read>(
 // === rendering ===
 
 /// Renders a fit as a TOML snippet for the serving config: comment lines with its quality, then
-/// `[chunking.cost.<node>]` and the four coefficients (6 significant digits). `source` names
+/// `[chunking.cost.<node>]` and the four coefficients (6 significant digits), then `per_row_ms`
+/// when the fit kept one. `source` names
 /// what was fitted (a file name), in the comment only.
 pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
     let mut out = String::new();
@@ -430,6 +438,13 @@ pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
         .zip(report.model.coefficients())
     {
         let _ = writeln!(out, "{key} = {}", toml_float(value));
+    }
+    if report.model.per_row_ms() > 0.0 {
+        let _ = writeln!(
+            out,
+            "per_row_ms = {}",
+            toml_float(report.model.per_row_ms())
+        );
     }
     out
 }

@@ -268,6 +268,17 @@ pub struct LatencyModelReport {
     pub per_kv_token_ms: Option<f64>,
     /// Milliseconds a causal attention pair adds.
     pub per_attention_pair_ms: Option<f64>,
+    /// Milliseconds a row adds; left out when 0 or without a model.
+    #[serde(skip_serializing_if = "no_per_row")]
+    pub per_row_ms: Option<f64>,
+}
+
+fn no_per_row(v: &Option<f64>) -> bool {
+    v.is_none_or(|v| v == 0.0)
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl Default for LatencyModelReport {
@@ -295,6 +306,7 @@ impl
             per_token_ms: c.map(|c| c[1]),
             per_kv_token_ms: c.map(|c| c[2]),
             per_attention_pair_ms: c.map(|c| c[3]),
+            per_row_ms: model.map(|m| m.per_row_ms()),
         }
     }
 }
@@ -390,6 +402,9 @@ pub struct CostLabel {
     pub per_kv_token_ms: f64,
     /// Milliseconds each causal attention pair adds.
     pub per_attention_pair_ms: f64,
+    /// Milliseconds each row adds (left out when 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub per_row_ms: f64,
     /// The noise fraction on each step's time.
     pub noise: f64,
     /// Whether the component learned the model online.
@@ -407,6 +422,7 @@ impl CostLabel {
             per_token_ms,
             per_kv_token_ms,
             per_attention_pair_ms,
+            per_row_ms: setup.cost.per_row_ms(),
             noise: setup.noise,
             learn: setup.learn,
         }
@@ -437,6 +453,9 @@ impl fmt::Display for CostLabel {
                 coefficient(self.per_attention_pair_ms)
             )?;
         }
+        if self.per_row_ms > 0.0 {
+            write!(f, " + {} ms per row", coefficient(self.per_row_ms))?;
+        }
         if let Some(p) = &self.preset {
             write!(f, " ({p})")?;
         }
@@ -462,6 +481,9 @@ pub struct PlannerLabel {
     pub max_partial_prefills: Option<u32>,
     /// `chunking.cost.<node>`: the latency model given to the planner (`None`: none given).
     pub cost: Option<[f64; 4]>,
+    /// Its `per_row_ms`, left out when 0 or without a model.
+    #[serde(skip_serializing_if = "no_per_row")]
+    pub cost_per_row_ms: Option<f64>,
     /// `chunking.learn_cost`: the planner fits its latency model online.
     pub learn_cost: bool,
     /// `chunking.time_margin`: the quantile of measured ÷ predicted step times timed steps are
@@ -490,6 +512,7 @@ impl PlannerLabel {
             max_row_tokens: budgets.max_row_tokens,
             max_partial_prefills: budgets.max_partial_prefills,
             cost: budgets.time.cost.get(node).map(|m| m.coefficients()),
+            cost_per_row_ms: budgets.time.cost.get(node).map(|m| m.per_row_ms()),
             learn_cost: budgets.time.learn,
             time_margin: budgets.time.margin_quantile,
             time_floor: (budgets.time.floor != crate::budget::TimeFloor::default())
@@ -520,11 +543,15 @@ impl fmt::Display for PlannerLabel {
         match (self.cost, self.learn_cost) {
             (Some(c), learn) => write!(
                 f,
-                "{} ms + {} ms per token + {} ms per context token + {} ms per attention pair{}",
+                "{} ms + {} ms per token + {} ms per context token + {} ms per attention pair{}{}",
                 coefficient(c[0]),
                 coefficient(c[1]),
                 coefficient(c[2]),
                 coefficient(c[3]),
+                match self.cost_per_row_ms {
+                    Some(r) if r > 0.0 => format!(" + {} ms per row", coefficient(r)),
+                    _ => String::new(),
+                },
                 if learn { ", then learned online" } else { "" }
             )?,
             (None, true) => f.write_str("learned online")?,
@@ -912,14 +939,19 @@ impl fmt::Display for ReplayReport {
             f,
             "latency model",
             match m.base_ms {
-                Some(base) => format!(
+                Some(base) => {
+                    format!(
                     "{}: base_ms {}, per_token_ms {}, per_kv_token_ms {}, per_attention_pair_ms {}",
                     m.source.as_str(),
                     coefficient(base),
                     coefficient(m.per_token_ms.unwrap_or(0.0)),
                     coefficient(m.per_kv_token_ms.unwrap_or(0.0)),
                     coefficient(m.per_attention_pair_ms.unwrap_or(0.0))
-                ),
+                ) + &match m.per_row_ms {
+                        Some(r) if r > 0.0 => format!(", per_row_ms {}", coefficient(r)),
+                        _ => String::new(),
+                    }
+                }
                 None => "none".into(),
             },
         )?;

@@ -4,7 +4,7 @@
 
 use crate::config::ReplaySection;
 use crate::latency::presets;
-use crate::latency::LatencyModel;
+use crate::latency::{LatencyModel, TERMS};
 use crate::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
@@ -265,6 +265,7 @@ fn check_cost(
         ("replay.cost.per_token_ms", c.per_token_ms),
         ("replay.cost.per_kv_token_ms", c.per_kv_token_ms),
         ("replay.cost.per_attention_pair_ms", c.per_attention_pair_ms),
+        ("replay.cost.per_row_ms", c.per_row_ms),
     ];
     if let Some(name) = &c.preset {
         if given.iter().any(|(_, v)| v.is_some()) {
@@ -289,7 +290,8 @@ fn check_cost(
         }
         return model;
     }
-    let mut coefficients = DEFAULT_COST;
+    let mut coefficients = [0.0; TERMS];
+    coefficients[..4].copy_from_slice(&DEFAULT_COST);
     let mut ok = true;
     for (i, (key, v)) in given.into_iter().enumerate() {
         let Some(v) = v else { continue };
@@ -311,7 +313,7 @@ fn check_cost(
         );
         ok = false;
     }
-    ok.then(|| LatencyModel::from_coefficients(coefficients).ok())
+    ok.then(|| LatencyModel::from_terms(coefficients).ok())
         .flatten()
 }
 
