@@ -1579,6 +1579,43 @@ mod tests {
     }
 
     #[test]
+    fn a_yielding_floor_waits_its_bound_from_admission_then_from_each_chunk_it_ran() {
+        // 1 ms a step and a token: five continuing rows take 6 ms of a 10 ms budget, and a
+        // 64-token floor chunk never fits beside them.
+        let model = LatencyModel::try_new(1.0, 1.0, 0.0, 0.0).unwrap();
+        let mut s = state_with(|b| {
+            b.cost("llm", model)
+                .max_step_ms("llm", 10.0)
+                .max_wait_steps(std::num::NonZeroU32::new(3).unwrap())
+        });
+        for rid in 1..=5 {
+            s.continue_row(rid, "llm", "prefill", 1, Some(10)).unwrap();
+        }
+        s.admit(9, "llm", "prefill", 1000, 0).unwrap();
+        let mut shapes = Vec::new();
+        for _ in 0..8 {
+            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
+            shapes.push(b.rows.iter().find(|r| r.rid == 9).map(chunk));
+            s.complete(b.step, &ran, None).unwrap();
+        }
+        assert_eq!(
+            shapes,
+            [
+                None,
+                None,
+                None,
+                Some((0, 64)),
+                None,
+                None,
+                None,
+                Some((64, 128))
+            ],
+            "three steps waited, then the floor; the wait starts again after each chunk"
+        );
+    }
+
+    #[test]
     fn a_time_measured_after_the_completion_is_read_as_one_given_with_it() {
         let truth = LatencyModel::try_new(2.0, 0.5, 0.0, 0.001).unwrap();
         let model = LatencyModel::try_new(1.0, 0.5, 0.0, 0.0).unwrap();

@@ -33,8 +33,12 @@ def decode_ms(path, factor):
 def fit_coefficients(fit_txt):
     text = Path(fit_txt).read_text()
     c = {}
-    for key in ("base_ms", "per_token_ms", "per_kv_token_ms", "per_attention_pair_ms"):
+    for key in ("base_ms", "per_token_ms", "per_kv_token_ms", "per_attention_pair_ms", "per_row_ms"):
         m = re.search(rf"^{key}\s*=\s*([-0-9.eE+]+)", text, re.M)
+        if not m and key == "per_row_ms":
+            # Printed only when the fit kept a per-row cost.
+            c[key] = 0.0
+            continue
         if not m:
             sys.exit(f"{fit_txt}: no `{key} = ...` line in the fit output")
         c[key] = float(m.group(1))

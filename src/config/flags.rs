@@ -37,6 +37,7 @@ fn split_cost(value: &str) -> Result<Option<Vec<&str>>, String> {
         Err(_) if value.split(',').count() == COEFFICIENTS.len() => {
             split_list(value, &COEFFICIENTS)
         }
+        Err(e) => Err(format!("{e} (or 5, the fifth per_row_ms)")),
         other => other,
     }
 }
@@ -390,7 +391,11 @@ mod tests {
     #[test]
     fn lists_have_as_many_parts_as_keys_and_values_are_typed_as_environment_values() {
         assert!(FlagSetting::cost("1,2,3").is_err());
-        assert!(FlagSetting::sim_cost("1,2,3,4,5").is_err());
+        // Four coefficients, or five with `per_row_ms`; no other count.
+        assert!(FlagSetting::sim_cost("1,2,3,4,5,6").is_err());
+        assert!(FlagSetting::sim_cost("1,2,3,4,5").is_ok());
+        let e = FlagSetting::cost("1,2,3,4,5,6").unwrap_err();
+        assert!(e.contains("4 comma-separated numbers"), "{e}");
         let e = FlagSetting::kv_memory("80,1").unwrap_err();
         assert!(
             e.contains("gpu_memory_gb,weights_gb,kv_bytes_per_token"),

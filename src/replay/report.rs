@@ -1111,6 +1111,7 @@ mod tests {
             per_token_ms,
             per_kv_token_ms,
             per_attention_pair_ms,
+            per_row_ms: 0.0,
             noise: 0.0,
             learn: false,
         };

@@ -111,6 +111,7 @@ fn a_step_log_counts_what_the_step_ran() {
             tokens: 70.0, // ran_tokens, not the 68 scheduled
             kv_tokens: 520.0,
             attention_pairs: chunk_attention_pairs(100, 164) as f64,
+            rows: 3.0,
             ms: 9.0
         }
     );
