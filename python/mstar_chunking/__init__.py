@@ -206,6 +206,13 @@ def _cost(value: Any, node: str, key: str) -> Union[str, Tuple[float, ...]]:
     raise _refuse_time("cost", node, None, key, f"must be {_COST_SPELLING}, got {value!r}")
 
 
+def _time_floor(value: Any) -> str:
+    """``time_floor``: ``"yield"`` or ``"run"`` (the core names anything else)."""
+    if not isinstance(value, str):
+        raise _refuse_time("time_floor", None, None, "time_floor", f'must be "yield" or "run", got {value!r}')
+    return value
+
+
 def _names(value: Any, key: str) -> list:
     if isinstance(value, str):
         raise TypeError(f"{key} is a collection of names, not one string: {value!r}")
@@ -403,6 +410,7 @@ class ChunkingManagement:
         order: Union[str, None, Mapping[str, str]] = None,
         max_wait_ms: Optional[float] = None,
         max_wait_steps: Optional[int] = None,
+        time_floor: str = "yield",
     ) -> None:
         """Apply a serving config's ``max_batch_tokens`` and ``min_chunk_tokens`` to this
         engine's nodes, over the budgets ``set_policies`` declared (so it runs after it).
@@ -419,10 +427,13 @@ class ChunkingManagement:
         budget in ms for every node, or per node one value or a mapping walk -> ms (``None``:
         off); each step's predicted time stays within it. A node with a time budget needs a
         latency model: ``cost`` (a preset's name, ``(base_ms, per_token_ms, per_kv_token_ms,
-        per_attention_pair_ms)``, one for every node or a mapping node -> model), or
-        ``learn_cost=True`` (fitted from the ``measured_ms`` steps report). ``time_margin``, a
+        per_attention_pair_ms[, per_row_ms])``, one for every node or a mapping node -> model),
+        or ``learn_cost=True`` (fitted from the ``measured_ms`` steps report). ``time_margin``, a
         quantile in (0, 1], plans against the budget divided by that quantile of recent
-        measured / predicted ratios. Refusals (a budget not finite or below the model's
+        measured / predicted ratios. ``time_floor``: when even a floor chunk of the first
+        waiting prompt does not fit beside the step's continuing rows, ``"yield"`` (the default)
+        runs them alone and the prompt waits up to ``max_wait_ms`` / ``max_wait_steps`` (100
+        steps when neither is given), ``"run"`` runs the floor at once. Refusals (a budget not finite or below the model's
         ``base_ms``, an all-zero model, a margin without a time budget, ...) raise
         ``TimeSettingsError`` naming the argument, node and walk.
 
@@ -515,6 +526,7 @@ class ChunkingManagement:
             order_per_node=order_per_node,
             max_wait_ms=wait_ms,
             max_wait_steps=max_wait_steps,
+            time_floor=_time_floor(time_floor),
         )
 
     def _all_nodes(self) -> list:

@@ -491,7 +491,7 @@ impl Engine {
 
     /// The arguments of `set_budgets`, normalised by the package (keywords only).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None))]
+    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None, time_floor=None))]
     fn set_budgets(
         &self,
         py: Python<'_>,
@@ -513,6 +513,7 @@ impl Engine {
         order_per_node: Vec<(String, String)>,
         max_wait_ms: Option<f64>,
         max_wait_steps: Option<u64>,
+        time_floor: Option<String>,
     ) -> PyResult<()> {
         let cm = self.cm(py)?;
         let settings = BudgetArgs {
@@ -534,6 +535,7 @@ impl Engine {
             order_per_node,
             max_wait_ms,
             max_wait_steps,
+            time_floor,
         }
         .settings(py)?;
         let orders = settings.order.clone();

@@ -96,6 +96,8 @@ pub(crate) struct BudgetArgs {
     pub(crate) cost: Vec<(String, CostArg)>,
     pub(crate) learn_cost: bool,
     pub(crate) time_margin: Option<f64>,
+    /// `time_floor=`: `"yield"` (the default) or `"run"`.
+    pub(crate) time_floor: Option<String>,
     /// `order=` for every node, or `None` for `fcfs`.
     pub(crate) order: Option<String>,
     /// `order=` per node.
@@ -189,6 +191,18 @@ impl BudgetArgs {
         }
         s.time.learn = self.learn_cost;
         s.time.margin_quantile = self.time_margin;
+        match self.time_floor.as_deref() {
+            None | Some("yield") => s.time.floor = mstar_chunking::TimeFloor::Yield,
+            Some("run") => s.time.floor = mstar_chunking::TimeFloor::Run,
+            Some(other) => {
+                return Err(time_error(
+                    py,
+                    "time_floor",
+                    None,
+                    format!("time_floor must be \"yield\" or \"run\", got {other:?}"),
+                ))
+            }
+        }
         if let Some(name) = &self.order {
             s.order.all = order_of(py, "order", None, name)?;
         }

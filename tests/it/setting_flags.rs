@@ -242,10 +242,10 @@ fn a_flag_is_refused_as_its_key_is_naming_the_flag() {
             "{flags:?} against\n{toml}"
         );
     }
-    // The flag's own syntax (a preset or a list of four, of three) is the flag's to refuse.
+    // The flag's own syntax (a preset or a list of four or five, of three) is the flag's to refuse.
     for bad in [
         &["--cost", "1,2,3"][..],
-        &["--sim-cost", "1,2,3,4,5"],
+        &["--sim-cost", "1,2,3,4,5,6"],
         &["--kv-memory", "80,1"],
         &["--kv-blocks", "10", "--kv-memory", "llama2-7b-a100"],
         &["--max-step-ms", "50", "--watch-config"],
