@@ -1451,6 +1451,34 @@ mod tests {
     }
 
     #[test]
+    fn a_ranked_walk_plans_the_prompts_in_its_order_with_the_same_rules() {
+        // Room for 10 tokens after the decode row: the ranked walk puts the 8-token prompt
+        // first, so it runs whole and the 20-token one waits (it would be cut below the floor).
+        let p = params(Some(11), 4);
+        let prompts = [prompt(1, 20), prompt(2, 8)];
+        let mut out = StepPlan::default();
+        plan_ranked(&p, None, &[decode(9, 1)], &prompts, &[1, 0], &mut out);
+        assert_eq!(shape(&out), vec![(9, 1, false), (2, 8, true)]);
+        assert_eq!(out.waiting, 1);
+        // Admission order cuts the first prompt to the room instead.
+        let fcfs = run(&p, &[decode(9, 1)], &prompts);
+        assert_eq!(shape(&fcfs), vec![(9, 1, false), (1, 10, false)]);
+        // The time rules follow the ranked order too: the 8-token prompt fits in 6 ms whole, and
+        // the other, no longer first, waits (20 more tokens do not fit).
+        let timed = StepParams {
+            floor_yield: None,
+            ..timed(4096, 64, 6.0)
+        };
+        let time = Some(TimeLimit {
+            model: timed.cost.unwrap(),
+            max_step_ms: 6.0,
+            clock: StepClock::default(),
+        });
+        plan_ranked(&timed, time, &[], &prompts, &[1, 0], &mut out);
+        assert_eq!(shape(&out), vec![(2, 8, true)]);
+    }
+
+    #[test]
     fn a_yielding_floor_counts_its_wait_in_ms_when_the_engine_gives_times() {
         let p = StepParams {
             floor_yield: Some(WaitBound {

@@ -8,10 +8,13 @@
 #   C  chunking off            -> TBT p99 "off"
 #   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients -> vs A
 #
-# Knobs (environment): MODEL, KV_TOKENS, X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT.
+# Knobs (environment): MODEL, KV_TOKENS, X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT,
+# OUT (the directory written; `make engine-bench` runs one per load), RUNS (a subset of "A B C R";
+# B and R need A's files in OUT).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=target/engine-bench
+OUT=${OUT:-target/engine-bench}
+RUNS=${RUNS:-A B C R}
 mkdir -p "$OUT"
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_conv.head500.csv}
 REQUESTS=${REQUESTS:-40}
@@ -59,22 +62,34 @@ run() {
   wait "$pid"
 }
 
-echo "== A: token budget 256"
-run A --budget 256 --align 16 --min-chunk-tokens 16
-"$CHUNKING" fit "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
+wants() { [[ " $RUNS " == *" $1 "* ]]; }
+
+if wants A; then
+  echo "== A: token budget 256"
+  run A --budget 256 --align 16 --min-chunk-tokens 16
+  "$CHUNKING" fit "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
+fi
 
 X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl" "$X_FACTOR")
 COST=$(python3 engine/scripts/analyze.py cost "$OUT/A.fit.txt")
-echo "== B: time budget ${X} ms (${X_FACTOR} x the decode-only step), A's fit refined online"
-run B --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms "$X" --cost "$COST" --learn-cost \
-  --time-margin "$TIME_MARGIN"
+if wants B; then
+  echo "== B: time budget ${X} ms (${X_FACTOR} x the decode-only step), A's fit refined online"
+  run B --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms "$X" --cost "$COST" --learn-cost \
+    --time-margin "$TIME_MARGIN"
+fi
 
-echo "== C: chunking off"
-run C --budget off
+if wants C; then
+  echo "== C: chunking off"
+  run C --budget off
+fi
 
-echo "== R: replay with A's fitted coefficients"
-python3 engine/scripts/analyze.py replay-config "$OUT/A.fit.txt" >"$OUT/replay.toml"
-"$CHUNKING" replay --model engine/scripts/engine-model.toml --config "$OUT/replay.toml" \
-  --trace "$OUT/scaled.csv" --format generic --report-json "$OUT/R.replay.json" --no-progress >/dev/null
+if wants R; then
+  echo "== R: replay with A's fitted coefficients"
+  python3 engine/scripts/analyze.py replay-config "$OUT/A.fit.txt" >"$OUT/replay.toml"
+  "$CHUNKING" replay --model engine/scripts/engine-model.toml --config "$OUT/replay.toml" \
+    --trace "$OUT/scaled.csv" --format generic --report-json "$OUT/R.replay.json" --no-progress >/dev/null
+fi
 
-python3 engine/scripts/analyze.py summary "$OUT" "$X" | tee "$OUT/summary.md"
+if wants A && wants B && wants C && wants R; then
+  python3 engine/scripts/analyze.py summary "$OUT" "$X" | tee "$OUT/summary.md"
+fi

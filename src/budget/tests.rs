@@ -805,3 +805,41 @@ fn a_latency_model_coefficient_above_the_bound_is_refused() {
     let at = LatencyModel::try_new(crate::latency::MAX_COEFFICIENT_MS, 0.0, 0.0, 0.0).unwrap();
     assert!(BudgetTable::build(omni(), settings().cost("llm", at)).is_ok());
 }
+
+#[test]
+fn a_yielding_floor_waits_for_the_starvation_bound_or_a_hundred_steps() {
+    let order = |bound| OrderSettings {
+        bound,
+        ..OrderSettings::default()
+    };
+    let time = TimeSettings::default();
+    assert_eq!(time.floor, TimeFloor::Yield, "the default");
+    assert_eq!(
+        time.floor_yield(&OrderSettings::default()),
+        Some(crate::order::WaitBound {
+            max_wait_ms: None,
+            max_wait_steps: Some(DEFAULT_FLOOR_WAIT_STEPS),
+        })
+    );
+    let bound = crate::order::WaitBound {
+        max_wait_ms: Some(250.0),
+        max_wait_steps: None,
+    };
+    assert_eq!(time.floor_yield(&order(bound)), Some(bound));
+    let run = TimeSettings {
+        floor: TimeFloor::Run,
+        ..TimeSettings::default()
+    };
+    assert_eq!(run.floor_yield(&order(bound)), None);
+    assert_eq!(
+        (TimeFloor::Yield.as_str(), TimeFloor::Run.as_str()),
+        ("yield", "run")
+    );
+    assert_eq!(
+        BudgetSettings::new(["prefill"])
+            .time_floor(TimeFloor::Run)
+            .time
+            .floor,
+        TimeFloor::Run
+    );
+}

@@ -681,6 +681,62 @@ mod tests {
     }
 
     #[test]
+    fn the_per_row_term_counts_every_row_and_prices_it() {
+        assert_eq!(StepFeatures::EMPTY.with_row().rows, 1);
+        let f = StepFeatures {
+            tokens: 7,
+            ..StepFeatures::EMPTY
+        };
+        assert_eq!(f.with_row(), StepFeatures { rows: 1, ..f });
+        let m = LatencyModel::try_new(1.0, 2.0, 0.0, 0.0)
+            .unwrap()
+            .with_per_row_ms(3.0)
+            .unwrap();
+        assert_eq!(m.per_row_ms(), 3.0);
+        assert_eq!(m.terms(), [1.0, 2.0, 0.0, 0.0, 3.0]);
+        assert_eq!(m.coefficients(), [1.0, 2.0, 0.0, 0.0]);
+        // Two rows of one token: 1 + 2·2 + 3·2.
+        let mut two = StepFeatures::EMPTY;
+        two.add_continuing(1, 0);
+        two.add_chunk(0, 1);
+        assert_eq!(m.predict_ms(&two), 11.0);
+        // A -0 per-row cost is stored as 0, as the other coefficients are.
+        let neg = LatencyModel::from_terms([1.0, 0.0, 0.0, 0.0, -0.0]).unwrap();
+        assert!(neg.per_row_ms().is_sign_positive());
+        let err = m.with_per_row_ms(-1.0).unwrap_err();
+        assert_eq!(
+            err,
+            LatencyError::BadCoefficient {
+                key: "per_row_ms",
+                value: -1.0
+            }
+        );
+        // The chunk solver prices a chunk's row: with 1 ms base and 3 ms a row, nothing fits
+        // in 3.5 ms, and 2 tokens (1 + 3 + 2·0.25) fit in 4.5 ms.
+        let m = LatencyModel::from_terms([1.0, 0.25, 0.0, 0.0, 3.0]).unwrap();
+        let bounds = ChunkBounds {
+            start: 0,
+            upper: 100,
+            total: 100,
+            align: 1,
+        };
+        assert_eq!(m.max_chunk_end(&StepFeatures::EMPTY, bounds, 3.5), None);
+        assert_eq!(m.max_chunk_end(&StepFeatures::EMPTY, bounds, 4.5), Some(2));
+    }
+
+    #[test]
+    fn a_model_serialises_its_per_row_term_only_when_it_has_one() {
+        let four = LatencyModel::try_new(1.0, 2.0, 3.0, 4.0).unwrap();
+        let v = serde_json::to_value(four).unwrap();
+        assert_eq!(v.get("per_row_ms"), None, "{v}");
+        let five = four.with_per_row_ms(5.0).unwrap();
+        let v5 = serde_json::to_value(five).unwrap();
+        assert_eq!(v5["per_row_ms"], 5.0);
+        assert_eq!(serde_json::from_value::<LatencyModel>(v5).unwrap(), five);
+        assert_eq!(serde_json::from_value::<LatencyModel>(v).unwrap(), four);
+    }
+
+    #[test]
     fn features_accumulate_per_row() {
         let mut f = StepFeatures::EMPTY;
         f.add_continuing(1, 5000);
