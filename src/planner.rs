@@ -215,7 +215,9 @@ impl StepPlan {
                 );
                 self.continuing += 1;
                 self.continue_estimate += tokens;
-                self.features.add_continuing(estimate, context);
+                // Rows are counted once the continuing rows are in ([`Self::count_continuing`]):
+                // one store for the step instead of one sum a row.
+                self.features.add_continuing_work(estimate, context);
             }
             RowWork::Chunk { range, .. } => self.features.add_chunk(range.start, range.end),
         }
@@ -226,6 +228,12 @@ impl StepPlan {
             work,
             context,
         });
+    }
+
+    /// Counts the continuing rows pushed so far in the step's features (`R`): called once their
+    /// loop ends, before any chunk is pushed or any prediction made.
+    fn count_continuing(&mut self) {
+        self.features.rows = self.continuing as u64;
     }
 
     fn push_continuing(&mut self, r: &ContRow, walk: usize) {
@@ -497,12 +505,14 @@ fn plan_continuing(
             // or it would never run.
             out.uncut_over_budget = true;
             out.push_continuing(r, walk);
+            out.count_continuing();
             out.waiting += count_u32(eligible);
             return Continuing::RanAlone;
         }
         out.waiting += 1;
         break;
     }
+    out.count_continuing();
     out.waiting += count_u32(eligible);
     Continuing::Fitted
 }
@@ -784,6 +794,7 @@ fn plan_unbudgeted<'a>(
         };
         out.push_continuing(r, walk);
     }
+    out.count_continuing();
     for r in prefill {
         let Some(walk) = walks.of(&r.walk) else {
             continue;
@@ -1305,6 +1316,33 @@ mod tests {
 
     fn predicted(p: &StepParams, out: &StepPlan) -> f64 {
         out.predicted_ms(&p.cost.unwrap())
+    }
+
+    #[test]
+    fn every_row_the_plan_runs_is_priced_by_the_per_row_term() {
+        // 1 ms a row and 0.1 ms a token: five decode rows (5.5 ms) leave 4.5 ms of 10 ms, which
+        // the prompt's chunk row (1 ms) and 35 tokens (3.5 ms) fill exactly.
+        let p = StepParams {
+            max_step_ms: Some(10.0),
+            cost: Some(
+                LatencyModel::try_new(0.0, 0.1, 0.0, 0.0)
+                    .and_then(|m| m.with_per_row_ms(1.0))
+                    .unwrap(),
+            ),
+            ..params(Some(4096), 4)
+        };
+        let cont: Vec<ContRow> = (1..=5).map(|i| decode(i, 1)).collect();
+        let out = run(&p, &cont, &[prompt(9, 1000)]);
+        assert_eq!(shape(&out).last(), Some(&(9, 35, false)));
+        assert_eq!(out.features.rows, 6);
+        assert!((predicted(&p, &out) - 10.0).abs() < 1e-9);
+        // Without a budget every row runs, and each is counted.
+        let all = run(&params(None, 0), &cont, &[prompt(9, 1000)]);
+        assert_eq!(all.features.rows, 6);
+        // A first row over the budget runs alone, counted.
+        let big = [decode(1, 5000)];
+        let alone = run(&params(Some(4096), 4), &big, &[]);
+        assert_eq!((alone.rows.len(), alone.features.rows), (1, 1));
     }
 
     #[test]

@@ -168,9 +168,15 @@ impl StepFeatures {
     /// Counts a continuing row (decode, speculative verify) that runs `estimate` tokens over a
     /// context of `context` tokens (its prompt total plus the tokens it ran in completed steps).
     pub fn add_continuing(&mut self, estimate: u32, context: u64) {
+        self.add_continuing_work(estimate, context);
+        self.rows = self.rows.saturating_add(1);
+    }
+
+    /// [`Self::add_continuing`] without counting the row: for a caller that counts its rows
+    /// itself (the planner sets `rows` once its continuing rows are in).
+    pub(crate) fn add_continuing_work(&mut self, estimate: u32, context: u64) {
         self.tokens = self.tokens.saturating_add(u64::from(estimate));
         self.kv_tokens = self.kv_tokens.saturating_add(context);
-        self.rows = self.rows.saturating_add(1);
     }
 
     /// Counts a chunk `[start, end)` of a prompt. An empty or reversed range counts nothing.
