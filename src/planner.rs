@@ -569,7 +569,9 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
             let end = match (token_end, out.time) {
                 (Some(end), Some(time)) => {
                     let end = timed_end(params, r, end, time, first_in_order, partial_full, out);
-                    if end.is_none() && !first_in_order {
+                    if end.is_none() {
+                        // A refused row (the first in order only when its floor yields): no
+                        // later row may fit either.
                         time_full.check(params, prefill, out);
                     }
                     end
@@ -1316,6 +1318,26 @@ mod tests {
 
     fn predicted(p: &StepParams, out: &StepPlan) -> f64 {
         out.predicted_ms(&p.cost.unwrap())
+    }
+
+    #[test]
+    fn a_prompt_with_no_room_left_waits_whatever_the_floor() {
+        // The decode rows fill the budget: the prompt gets no chunk, not an empty one, even
+        // under a hand-built floor of 0 (configurations refuse it; the planner needs no floor
+        // to keep a chunk from being empty).
+        for floor in [0, 1, 4] {
+            let out = run(
+                &params(Some(2), floor),
+                &[decode(1, 1), decode(2, 1)],
+                &[prompt(3, 50)],
+            );
+            assert_eq!(
+                shape(&out),
+                vec![(1, 1, false), (2, 1, false)],
+                "floor {floor}"
+            );
+            assert_eq!(out.waiting, 1, "floor {floor}");
+        }
     }
 
     #[test]
