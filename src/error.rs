@@ -106,6 +106,19 @@ pub enum ChunkingError {
         /// The combined walk it runs inside.
         combined: Name,
     },
+    /// `assemble` of `node`/`walk` came out empty twice in a row, with no other walk of the
+    /// node assembled between, while rows of the node wait on walks its steps do not take:
+    /// the settings leave those rows stranded, typically a combined walk (`mixed` =
+    /// `prefill` + `decode`) forgotten (docs/failures.md#stranded-rows).
+    #[error("no step of `{node}`/`{walk}` takes the rows of `{node}` waiting on walk(s) {}: run them inside `{walk}` (`BudgetSettings::combined(\"{walk}\", [..])`, `combined_walk_of`, or the model manifest's `combined` table) or assemble `{node}` on those walks too", quoted(.waiting))]
+    StrandedRows {
+        /// The node.
+        node: Name,
+        /// The walk assembled.
+        walk: Name,
+        /// The walks rows wait on, in queue order: prompt rows', then continuing rows'.
+        waiting: Vec<Name>,
+    },
     /// A call that needs the model's policies before `set_policies`.
     #[error("no model policies are bound yet: call `set_policies` first")]
     PoliciesNotSet,
@@ -226,7 +239,8 @@ pub enum ErrorKind {
     /// The call conflicts with the component's state (a row already queued, a step in flight,
     /// policies not bound yet): it can succeed after the state changes.
     Conflict,
-    /// Settings or policies refused whole; the previous ones stay in force.
+    /// Settings or policies refused whole (the previous ones stay in force), or settings in
+    /// force that leave rows no step takes ([`ChunkingError::StrandedRows`]).
     RefusedSettings,
     /// A transient failure (a timeout, an actor restarted after a panic, an input forgotten
     /// while a step was cut): retrying the call may succeed.
@@ -255,7 +269,9 @@ impl ChunkingError {
             | Self::PoliciesNotSet
             | Self::StepInFlight { .. }
             | Self::CompletedDifferently { .. } => ErrorKind::Conflict,
-            Self::Budget(_) | Self::Policy(_) => ErrorKind::RefusedSettings,
+            Self::Budget(_) | Self::Policy(_) | Self::StrandedRows { .. } => {
+                ErrorKind::RefusedSettings
+            }
             Self::MissingPreparedInput { .. }
             | Self::ActorPanicked { .. }
             | Self::Timeout { .. } => ErrorKind::Transient,
@@ -287,4 +303,13 @@ impl ChunkingError {
             _ => None,
         }
     }
+}
+
+/// Walk names as `` `a`, `b` `` for a message.
+fn quoted(walks: &[Name]) -> String {
+    walks
+        .iter()
+        .map(|w| format!("`{w}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

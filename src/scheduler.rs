@@ -623,6 +623,10 @@ pub struct SchedulerState {
     /// Every `(node, waiting walk, assembled walk)` said once as stranded
     /// (`serving::StepHooks::stranded`).
     stranded_said: rustc_hash::FxHashSet<(Name, Name, Name)>,
+    /// Per node, the walk whose last step came out empty while rows waited on walks it does
+    /// not take (`serving::SchedulerState::assemble_step_at`): a second such step of the same
+    /// walk in a row is refused.
+    stranded_last: FxHashMap<Name, Name>,
 }
 
 impl SchedulerState {

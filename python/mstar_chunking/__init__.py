@@ -663,7 +663,7 @@ class ChunkingManagement:
         ran: Union[Sequence[int], Batch],
         measured_ms: Optional[float] = None,
         *,
-        next: Union[NextStep, Tuple[str, str]],
+        next: Optional[Union[NextStep, Tuple[str, str]]] = None,
         at_ms: Optional[float] = None,
     ) -> Completed:
         """Complete step ``step`` (as ``complete``), apply ``next``'s row changes (a
@@ -671,8 +671,9 @@ class ChunkingManagement:
         the node's next step, in one round trip. Answers a ``Completed``: ``outcome`` and
         ``next`` (the next ``Batch``; reading it raises what its assembly failed with). A
         repeat of a call whose answer was lost gets the same outcome and the batch in flight:
-        the completion and the changes are applied once. ``at_ms`` (else ``next.at_ms``) is
-        the next step's time on the engine's clock, as ``assemble``'s."""
+        the completion and the changes are applied once. Without ``next``, the next step is
+        the same node and walk as step ``step``'s, with no row changes. ``at_ms`` (else
+        ``next.at_ms``) is the next step's time on the engine's clock, as ``assemble``'s."""
         return self._engine.complete_and_assemble(step, ran, measured_ms, next=next, at_ms=at_ms)
 
     def abandon(self, step: int) -> None:  # type: ignore[no-redef]

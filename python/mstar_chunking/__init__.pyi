@@ -288,7 +288,7 @@ class ChunkingManagement:
         ran: Union[Sequence[int], Batch],
         measured_ms: Optional[float] = None,
         *,
-        next: Union[NextStep, Tuple[str, str]],
+        next: Optional[Union[NextStep, Tuple[str, str]]] = None,
         at_ms: Optional[float] = None,
     ) -> Completed: ...
     def abandon(self, step: int) -> None: ...

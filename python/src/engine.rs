@@ -758,14 +758,14 @@ impl Engine {
     /// trip. A repeat of the call whose answer was lost gets the same outcome and the batch
     /// in flight; the completion is applied once. `at_ms` (else `next`'s own) is the next
     /// step's time on the engine's clock.
-    #[pyo3(signature = (step, ran, measured_ms=None, *, next, at_ms=None))]
+    #[pyo3(signature = (step, ran, measured_ms=None, *, next=None, at_ms=None))]
     fn complete_and_assemble(
         &self,
         py: Python<'_>,
         step: &Bound<'_, PyAny>,
         ran: &Bound<'_, PyAny>,
         measured_ms: Option<&Bound<'_, PyAny>>,
-        next: &Bound<'_, PyAny>,
+        next: Option<&Bound<'_, PyAny>>,
         at_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Completed> {
         let cm = self.cm(py)?;
@@ -773,6 +773,24 @@ impl Engine {
         let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
         let at_ms = clock_arg(py, "at_ms", at_ms)?;
+        let Some(next) = next.filter(|n| !n.is_none()) else {
+            // The same node and walk as the step's, no row changes.
+            let (done, count) = self.call(py, || async {
+                let done = match at_ms {
+                    None => {
+                        cm.complete_and_assemble_same(step, ran, measured_ms)
+                            .await?
+                    }
+                    Some(ms) => {
+                        cm.complete_and_assemble_same_at(step, ran, measured_ms, ms)
+                            .await?
+                    }
+                };
+                let count = overrun_count_of(cm, &done.outcome).await?;
+                Ok((done, count))
+            })?;
+            return one_trip_answer(py, done, count);
+        };
         let (mut next, own_at_ms) = if let Ok(n) = next.downcast::<PyNextStep>() {
             let n = n.borrow();
             (n.next.clone(), n.at_ms)
@@ -808,18 +826,13 @@ impl Engine {
             let count = overrun_count_of(cm, &done.outcome).await?;
             Ok((done, count))
         })?;
-        Self::finish_step(py, &done.outcome, count);
         if !admits.is_empty() {
             let mut admitted = lock(&self.admitted);
             for (rid, _) in admits {
                 admitted.insert(rid, node.clone());
             }
         }
-        let next = match done.next {
-            Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
-            Err(e) => Err(e),
-        };
-        Ok(Completed::new(done.outcome, next))
+        one_trip_answer(py, done, count)
     }
 
     /// The step ran nothing: no row advances, the node can assemble again.
@@ -1095,4 +1108,18 @@ impl PyNextStep {
             self.next.changes()
         )
     }
+}
+
+/// A one-trip step's answer: the completion logged and counted, the next batch wrapped.
+fn one_trip_answer(
+    py: Python<'_>,
+    done: mstar_chunking::Completed,
+    count: u64,
+) -> PyResult<Completed> {
+    Engine::finish_step(py, &done.outcome, count);
+    let next = match done.next {
+        Ok(batch) => Ok(Py::new(py, StepBatch { batch })?),
+        Err(e) => Err(e),
+    };
+    Ok(Completed::new(done.outcome, next))
 }

@@ -41,6 +41,24 @@ def test_a_step_completes_and_the_next_is_assembled_with_its_row_changes(cm):
     assert [r.rid for r in done2.next.rows] == [1]
 
 
+def test_without_a_next_step_the_same_node_and_walk_follow_with_no_row_changes(cm):
+    cm.admit(1, "llm", "prefill", [1] * 600)
+    cm.continue_row(7, "llm", "decode")
+    b = cm.assemble("llm", "mixed")
+    done = cm.complete_and_assemble(b.step, b.planned(), 3.0)
+    assert (done.next.node, done.next.walk) == ("llm", "mixed")
+    assert [(r.rid, r.kind) for r in done.next.rows] == [(7, "continue"), (1, "chunk")]
+    assert done.next.rows[1].range.start == b.rows[1].range.end
+    assert cm.queue_stats()["continuing_rows"] == 1
+    # Its repeat answers the batch in flight; a time for the next step is taken as `at_ms`.
+    again = cm.complete_and_assemble(b.step, b.planned(), 3.0)
+    assert again.next.step == done.next.step
+    last = cm.complete_and_assemble(done.next.step, done.next.planned(), at_ms=50.0)
+    assert (last.next.node, last.next.walk) == ("llm", "mixed")
+    with pytest.raises(ChunkingError):
+        cm.complete_and_assemble(last.next.step + 100, [1])
+
+
 def test_a_repeat_whose_answer_was_lost_gets_the_same_outcome_and_batch(cm):
     cm.admit(1, "llm", "prefill", [1] * 600)
     b = cm.assemble("llm", "mixed")

@@ -14,7 +14,7 @@ use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
     Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
-    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, Measured,
+    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, Measured, Next,
     QueueStats, Scheduler, SchedulerStats,
 };
 #[cfg(any(test, feature = "test-hooks"))]
@@ -554,6 +554,74 @@ impl ChunkingManagement {
         ran: Vec<u32>,
         measured_ms: Option<f64>,
         next: NextStep,
+    ) -> Result<Completed, ChunkingError> {
+        self.ask_complete_and_assemble(step, ran, measured_ms, Next::Named(next))
+            .await
+    }
+
+    /// As [`complete_and_assemble`](Self::complete_and_assemble), the next step being the
+    /// completed step's own node and walk, with no row changes: the engine's loop when nothing
+    /// joined or left the batch. A repeat of the call whose answer was lost assembles the walk
+    /// the first call did.
+    ///
+    /// ```
+    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 600]), 0).await?;
+    /// let mut batch = cm.assemble("llm", "prefill").await?;
+    /// let mut steps = 1;
+    /// while !batch.rows.is_empty() {
+    ///     let ran = batch.rows.iter().map(|r| r.tokens()).collect();
+    ///     batch = cm.complete_and_assemble_same(batch.step, ran, None).await?.next?;
+    ///     steps += 1;
+    /// }
+    /// assert_eq!(steps, 4, "256 + 256 + 88 tokens, then an empty step");
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As `complete_and_assemble`; [`ChunkingError::UnknownStep`] when `step` is neither in
+    /// flight nor the step last completed on its node.
+    pub async fn complete_and_assemble_same(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+    ) -> Result<Completed, ChunkingError> {
+        let next = Next::Same { now_ms: None };
+        self.ask_complete_and_assemble(step, ran, measured_ms, next)
+            .await
+    }
+
+    /// As [`complete_and_assemble_same`](Self::complete_and_assemble_same), the next step
+    /// planned at `now_ms` on the engine's clock (as [`assemble_at`](Self::assemble_at)).
+    ///
+    /// # Errors
+    /// As `complete_and_assemble_same`.
+    pub async fn complete_and_assemble_same_at(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        now_ms: f64,
+    ) -> Result<Completed, ChunkingError> {
+        let next = Next::Same {
+            now_ms: Some(now_ms),
+        };
+        self.ask_complete_and_assemble(step, ran, measured_ms, next)
+            .await
+    }
+
+    async fn ask_complete_and_assemble(
+        &self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        next: Next,
     ) -> Result<Completed, ChunkingError> {
         let msg = CompleteAndAssemble {
             step,

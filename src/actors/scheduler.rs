@@ -263,16 +263,30 @@ pub(crate) struct CompleteAndAssemble {
     pub(crate) step: u64,
     pub(crate) ran: Vec<u32>,
     pub(crate) measured_ms: Option<f64>,
-    pub(crate) next: NextStep,
+    pub(crate) next: Next,
+}
+
+/// The step a [`CompleteAndAssemble`] assembles after the completion.
+pub(crate) enum Next {
+    /// As the engine names it, with its row changes.
+    Named(NextStep),
+    /// The completed step's node and walk, no row changes, at this time if given.
+    Same { now_ms: Option<f64> },
 }
 
 impl Handler<CompleteAndAssemble> for Scheduler {
     type Result = Result<Box<Completed>, ChunkingError>;
 
     fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
-        let done =
-            self.state
-                .complete_and_assemble(m.step, m.ran, m.measured_ms, m.next, &mut self.shell);
+        let (state, shell) = (&mut self.state, &mut self.shell);
+        let done = match m.next {
+            Next::Named(next) => {
+                state.complete_and_assemble(m.step, m.ran, m.measured_ms, next, shell)
+            }
+            Next::Same { now_ms } => {
+                state.complete_and_assemble_same(m.step, m.ran, m.measured_ms, now_ms, shell)
+            }
+        };
         self.send_input_changes();
         done.map(Box::new)
     }
@@ -557,7 +571,7 @@ mod tests {
             step,
             ran,
             measured_ms: ms,
-            next,
+            next: Next::Named(next),
         })
     }
 

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Assembled, Batch, Completed, NextStep, RowChange, SchedulerState, StepOutcome};
+use super::{
+    Assembled, Batch, Completed, InFlight, NextStep, RowChange, SchedulerState, StepOutcome,
+};
 use crate::error::ChunkingError;
 use crate::order::AdmitOptions;
 use crate::policy::Name;
@@ -72,6 +74,8 @@ pub(crate) struct LastCompleted {
     outcome: StepOutcome,
     /// The row change refused after the completion, if one was.
     refused: Option<ChunkingError>,
+    /// The walk of the step assembled after it, for a repeat that names no next step.
+    next_walk: Name,
 }
 
 /// What a drain dropped (`ChunkingManagement::drain`); all zero when the engine completed or
@@ -278,6 +282,11 @@ impl SchedulerState {
             Assembled::Planned(batch) => batch,
         };
         let took = started.elapsed();
+        if batch.rows.is_empty() {
+            self.check_stranded(&batch)?;
+        } else if !self.stranded_last.is_empty() {
+            self.stranded_last.remove(&batch.node);
+        }
         hooks.assembled(&batch, took, &|step| self.node_of_step(step).is_some());
         if batch.rows.is_empty() {
             self.say_stranded(&batch, hooks);
@@ -295,6 +304,45 @@ impl SchedulerState {
         let batch = Arc::new(batch);
         self.hold(batch.clone());
         Ok(batch)
+    }
+
+    /// On an empty step: refuses it when the node's previous step was an empty one of the same
+    /// walk with rows waiting on walks it does not take, and rows still wait so
+    /// (`StrandedRows`, naming those walks; the empty step is dropped). An engine that
+    /// assembles the rows' walks between, or changes the settings, is never refused.
+    fn check_stranded(&mut self, batch: &Batch) -> Result<(), ChunkingError> {
+        let waiting = self.stranded_walks(batch);
+        if waiting.is_empty() {
+            self.stranded_last.remove(&batch.node);
+            return Ok(());
+        }
+        if self.stranded_last.get(&batch.node) == Some(&batch.walk) {
+            self.empty.remove(&batch.node);
+            return Err(ChunkingError::StrandedRows {
+                node: batch.node.clone(),
+                walk: batch.walk.clone(),
+                waiting,
+            });
+        }
+        self.stranded_last
+            .insert(batch.node.clone(), batch.walk.clone());
+        Ok(())
+    }
+
+    /// The walks rows of the node wait on that `batch`'s step does not take, each once:
+    /// prompt rows' in queue order, then continuing rows'.
+    fn stranded_walks(&self, batch: &Batch) -> Vec<Name> {
+        let Some(queues) = self.nodes.get(&batch.node) else {
+            return Vec::new();
+        };
+        let rows = queues.prefill().iter().map(|r| &r.walk);
+        let mut waiting: Vec<Name> = Vec::new();
+        for walk in rows.chain(queues.cont().iter().map(|r| &r.walk)) {
+            if !batch.walks.contains(walk) && !waiting.contains(walk) {
+                waiting.push(walk.clone());
+            }
+        }
+        waiting
     }
 
     /// On an empty step: the first prompt row of the node waiting on a walk the step does not
@@ -393,7 +441,7 @@ impl SchedulerState {
                 if let Some(e) = &refused {
                     hooks.change_refused(step, e);
                 }
-                self.remember_completed(step, ran, measured_ms, &mut outcome, &refused);
+                self.remember_completed(step, ran, measured_ms, &walk, &mut outcome, &refused);
                 (outcome, refused)
             }
         };
@@ -404,12 +452,55 @@ impl SchedulerState {
         Ok(Completed { outcome, next })
     }
 
+    /// As [`SchedulerState::complete_and_assemble`], the next step being the same node and
+    /// walk as step `step`'s, with no row changes, at `now_ms` on the engine's clock if given.
+    /// A repeat of a step completed last on its node assembles the walk its first call did.
+    ///
+    /// # Errors
+    /// As `complete_and_assemble`; `UnknownStep` when `step` is neither in flight nor the last
+    /// step completed on its node.
+    pub(crate) fn complete_and_assemble_same(
+        &mut self,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        now_ms: Option<f64>,
+        hooks: &mut impl StepHooks,
+    ) -> Result<Completed, ChunkingError> {
+        let next = self.same_next(step, now_ms)?;
+        self.complete_and_assemble(step, ran, measured_ms, next, hooks)
+    }
+
+    /// The next step of step `step`'s node and walk, with no row changes.
+    fn same_next(&self, step: u64, now_ms: Option<f64>) -> Result<NextStep, ChunkingError> {
+        let of_step = |f: &InFlight| (f.params.node.clone(), f.params.walk.clone());
+        let (node, walk) = [&self.in_flight, &self.empty]
+            .into_iter()
+            .flat_map(|steps| steps.values())
+            .find(|f| f.step == step)
+            .map(of_step)
+            .or_else(|| {
+                self.completed
+                    .iter()
+                    .find(|(_, last)| last.step == step)
+                    .map(|(node, last)| (node.clone(), last.next_walk.clone()))
+            })
+            .ok_or(ChunkingError::UnknownStep { step })?;
+        Ok(NextStep {
+            node,
+            walk,
+            changes: Vec::new(),
+            now_ms,
+        })
+    }
+
     /// Keeps what step `step` was completed with and what came out, for a repeat of it.
     fn remember_completed(
         &mut self,
         step: u64,
         ran: Vec<u32>,
         measured_ms: Option<f64>,
+        next_walk: &Name,
         outcome: &mut StepOutcome,
         refused: &Option<ChunkingError>,
     ) {
@@ -428,6 +519,9 @@ impl SchedulerState {
                 last.outcome.finished = room;
                 outcome.finished = finished;
                 last.refused.clone_from(refused);
+                if !Arc::ptr_eq(&last.next_walk, next_walk) {
+                    last.next_walk = next_walk.clone();
+                }
             }
             None => {
                 let last = LastCompleted {
@@ -436,6 +530,7 @@ impl SchedulerState {
                     measured_ms,
                     outcome: outcome.clone(),
                     refused: refused.clone(),
+                    next_walk: next_walk.clone(),
                 };
                 self.completed.insert(outcome.node.clone(), last);
             }
@@ -838,6 +933,40 @@ mod tests {
     }
 
     #[test]
+    fn a_one_trip_step_without_a_next_step_assembles_the_same_node_and_walk() {
+        let mut s = state();
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(20, 1), 0, &mut ())
+            .unwrap();
+        let first = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let mut h = Recorded::default();
+        let done = s
+            .complete_and_assemble_same(first.step, vec![8], None, Some(5.0), &mut h)
+            .unwrap();
+        let second = done.next.unwrap();
+        assert_eq!((&*second.node, &*second.walk), ("llm", "prefill"));
+        assert_eq!(second.rows[0].work.tokens(), 8, "the chunk after the first");
+        assert_eq!(s.stats().prefill_rows, 1, "no row changed");
+        // A repeat is answered with the batch in flight.
+        let again = s
+            .complete_and_assemble_same(first.step, vec![8], None, None, &mut h)
+            .unwrap();
+        assert!(Arc::ptr_eq(&again.next.unwrap(), &second));
+        // A step neither in flight nor last completed is unknown, and changes nothing.
+        let err = s
+            .complete_and_assemble_same(second.step + 7, vec![8], None, None, &mut h)
+            .unwrap_err();
+        assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
+        assert_eq!(s.stats().steps_in_flight, 1);
+        let done = s
+            .complete_and_assemble_same(second.step, vec![8], None, None, &mut h)
+            .unwrap();
+        let third = done.next.unwrap();
+        assert_eq!(third.rows[0].work.tokens(), 4, "the last 4 tokens");
+        assert_eq!(third.walk, second.walk);
+    }
+
+    #[test]
     fn a_refused_row_change_keeps_the_ones_before_it_and_is_the_next_steps_answer() {
         let mut s = state();
         let (node, walk) = llm();
@@ -950,15 +1079,47 @@ mod tests {
         s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
             .unwrap();
         h.0.clear();
+        // Alternating with the prompt's walk, the empty `decode` steps are answered; the
+        // prompt is said stranded once.
         for _ in 0..3 {
             assert!(s
                 .assemble_step("llm", "decode", &mut h)
                 .unwrap()
                 .rows
                 .is_empty());
+            let p = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+            s.abandon(p.step, &[]).unwrap();
         }
         let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
         assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
+        // Twice in a row with nothing else assembled between, it is refused, naming the walks.
+        assert!(s
+            .assemble_step("llm", "decode", &mut h)
+            .unwrap()
+            .rows
+            .is_empty());
+        let err = s.assemble_step("llm", "decode", &mut h).unwrap_err();
+        assert_eq!(err.kind(), crate::error::ErrorKind::RefusedSettings);
+        assert!(
+            matches!(&err, ChunkingError::StrandedRows { waiting, .. } if waiting.len() == 1),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "no step of `llm`/`decode` takes the rows of `llm` waiting on walk(s) `prefill`: run \
+             them inside `decode` (`BudgetSettings::combined(\"decode\", [..])`, \
+             `combined_walk_of`, or the model manifest's `combined` table) or assemble `llm` on \
+             those walks too"
+        );
+        assert_eq!(
+            s.stats().steps_in_flight,
+            0,
+            "no step stays behind the refusal"
+        );
+        assert!(
+            s.assemble_step("llm", "decode", &mut h).is_err(),
+            "while it holds"
+        );
         assert_eq!(
             stranded_message("llm", "prefill", "decode"),
             "prompt rows of `llm` wait on walk `prefill`, which no step of `llm`/`decode` takes: \
