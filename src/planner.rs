@@ -535,7 +535,9 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
     let mut first_in_order = true;
     let mut time_full = TimeFull {
         shortcut,
-        ..TimeFull::default()
+        full: false,
+        least: None,
+        not_full_at: None,
     };
     let mut walks = WalkIndex::new(params);
     for (group_mid, group) in groups {
@@ -607,7 +609,6 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
 /// the budget refuses every later row (the prediction is monotone in the features): the
 /// planner counts them as waiting without planning them one by one. Found once, it holds for
 /// the rest of the step (features only grow); checked again only after a row was added.
-#[derive(Default)]
 struct TimeFull {
     /// Off only in the test that the shortcut changes no plan.
     shortcut: bool,
