@@ -67,7 +67,7 @@ wants() { [[ " $RUNS " == *" $1 "* ]]; }
 if wants A; then
   echo "== A: token budget 256"
   run A --budget 256 --align 16 --min-chunk-tokens 16
-  "$CHUNKING" fit "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
+  "$CHUNKING" fit --errors relative "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
 fi
 
 X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl" "$X_FACTOR")

@@ -38,7 +38,7 @@ pub fn fit(args: &FitArgs) -> ExitCode {
             }
         },
     };
-    let (input, fit) = match crate::latency::fit_file::fit_file(&args.file) {
+    let (input, fit) = match crate::latency::fit_file::fit_file_with(&args.file, args.errors) {
         Ok(r) => r,
         Err(e) => {
             say(&format!("error: cannot fit the latency model: {e}"));
@@ -49,6 +49,10 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     let kind = match input {
         crate::latency::fit_file::FitInput::StepLog => "a replay step log",
         crate::latency::fit_file::FitInput::Csv => "a CSV of step features",
+    };
+    let kind = match args.errors {
+        crate::latency::fit::FitErrors::Absolute => kind.to_owned(),
+        crate::latency::fit::FitErrors::Relative => format!("{kind}, relative errors"),
     };
     let mut out = format!(
         "fit of {} ({kind}): {}\n",

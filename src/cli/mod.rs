@@ -395,9 +395,22 @@ pub struct FitArgs {
     /// The node the `[chunking.cost.<node>]` table is for [default: the model's first node]
     #[arg(long, value_name = "NODE")]
     pub node: Option<String>,
+    /// The errors the fit minimises: `absolute` (ms: long steps weigh the most) or `relative`
+    /// (each step's error over its time, as the online fit: short decode steps count as much)
+    #[arg(long, value_name = "WHICH", default_value = "absolute", value_parser = fit_errors)]
+    pub errors: crate::latency::fit::FitErrors,
     /// Where the model (for `--node`'s default) and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
+}
+
+/// `--errors`: `absolute` or `relative`.
+fn fit_errors(s: &str) -> Result<crate::latency::fit::FitErrors, String> {
+    match s {
+        "absolute" => Ok(crate::latency::fit::FitErrors::Absolute),
+        "relative" => Ok(crate::latency::fit::FitErrors::Relative),
+        _ => Err(format!("expected `absolute` or `relative`, got {s:?}")),
+    }
 }
 
 /// `--budget`: a budget value (its one `FromStr`) of at most the sweep grid's largest budget.

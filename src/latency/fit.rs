@@ -871,6 +871,18 @@ impl FitReport {
     }
 }
 
+/// Which errors an offline fit minimises (`fit --errors`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FitErrors {
+    /// The sum of squared errors in ms: long steps weigh the most.
+    #[default]
+    Absolute,
+    /// The sum of squared errors relative to each step's measured time, as the online fit
+    /// weighs them: a 20 ms decode step counts as much as a 2 s chunk step. A step under 1% of
+    /// the mean measurement is weighed as one of 1% (a 0 ms step has no relative error).
+    Relative,
+}
+
 /// Fits the model to `samples`, all weighted alike.
 ///
 /// # Errors
@@ -879,13 +891,38 @@ impl FitReport {
 /// naming the first sample at which the sums overflow; [`FitError::NotFinite`] when the
 /// coefficients or errors are not finite; [`FitError::AllZero`] when every coefficient is 0.
 pub fn fit_samples(samples: &[Sample]) -> Result<FitReport, FitError> {
+    fit_samples_with(samples, FitErrors::Absolute)
+}
+
+/// [`fit_samples`], minimising `errors`.
+///
+/// # Errors
+/// As [`fit_samples`].
+pub fn fit_samples_with(samples: &[Sample], errors: FitErrors) -> Result<FitReport, FitError> {
     if samples.is_empty() {
         return Err(FitError::NoSamples);
     }
+    let floor_ms = match errors {
+        FitErrors::Absolute => None,
+        FitErrors::Relative => {
+            Some(0.01 * samples.iter().map(|s| s.ms).sum::<f64>() / samples.len() as f64)
+        }
+    };
     let mut normal = Normal::default();
     for (index, s) in samples.iter().enumerate() {
         let x = s.checked()?;
-        normal.add(&x, s.ms);
+        match floor_ms {
+            None => normal.add(&x, s.ms),
+            Some(floor) => {
+                let scale = s.ms.max(floor);
+                let w = if scale > 0.0 {
+                    (scale * scale).recip()
+                } else {
+                    1.0
+                };
+                normal.add_weighted(&x, s.ms, w);
+            }
+        }
         if !normal.is_finite() {
             return Err(FitError::SumsOverflow { index });
         }

@@ -1,5 +1,5 @@
 //! The offline fit behind `mstar-chunking fit FILE` (`docs/cost-model.md#offline`): reads a
-//! replay step log or a CSV of step features, fits the latency model ([`fit_samples`]) and
+//! replay step log or a CSV of step features, fits the latency model ([`fit_samples`](crate::latency::fit::fit_samples)) and
 //! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
 //!
 //! Input is bounded (a regular file, [`MAX_FIT_FILE_BYTES`], [`MAX_FIT_LINE_BYTES`],
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::input::{self, InputError};
-use crate::latency::fit::{fit_samples, FitError, FitReport, Sample};
+use crate::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
 use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
@@ -108,13 +108,24 @@ pub enum FitInput {
 /// # Errors
 /// As [`read_samples`]; [`FitFileError::EmptyFile`] when the file holds no step.
 pub fn fit_file(path: &Path) -> Result<(FitInput, FitReport), FitFileError> {
+    fit_file_with(path, FitErrors::Absolute)
+}
+
+/// [`fit_file`], minimising `errors` (`fit --errors`).
+///
+/// # Errors
+/// As [`fit_file`].
+pub fn fit_file_with(
+    path: &Path,
+    errors: FitErrors,
+) -> Result<(FitInput, FitReport), FitFileError> {
     let (input, samples, lines) = read_samples_with(path, LIMITS)?;
     if samples.is_empty() {
         return Err(FitFileError::EmptyFile {
             path: path.to_owned(),
         });
     }
-    let report = fit_samples(&samples).map_err(|source| match source {
+    let report = fit_samples_with(&samples, errors).map_err(|source| match source {
         // The sample that overflowed is named by its line.
         FitError::SumsOverflow { index } => bad_line(
             path,

@@ -775,3 +775,44 @@ fn a_per_row_cost_is_learned_where_steps_pay_one_and_left_at_zero_where_they_do_
     let four = fit_samples(&samples_of(61, 3000, FOUR, 0.05, LIGHT)).unwrap();
     assert_eq!(four.model.per_row_ms(), 0.0, "{:?}", four.model);
 }
+
+#[test]
+fn a_relative_fit_weighs_short_steps_as_much_as_long_ones() {
+    // Short steps cost 10 ms + 1 ms a token; long steps 2 ms a token more than that line: the
+    // absolute fit follows the long steps, the relative one the many short ones.
+    let mut samples = Vec::new();
+    for t in 1..=20u64 {
+        samples.push(Sample {
+            tokens: t as f64,
+            kv_tokens: 0.0,
+            attention_pairs: 0.0,
+            rows: 1.0,
+            ms: 10.0 + t as f64,
+        });
+    }
+    for t in [1000u64, 2000] {
+        samples.push(Sample {
+            tokens: t as f64,
+            kv_tokens: 0.0,
+            attention_pairs: 0.0,
+            rows: 1.0,
+            ms: 10.0 + 3.0 * t as f64,
+        });
+    }
+    let abs = fit_samples_with(&samples, FitErrors::Absolute)
+        .unwrap()
+        .model
+        .terms();
+    let rel = fit_samples_with(&samples, FitErrors::Relative)
+        .unwrap()
+        .model
+        .terms();
+    assert!((abs[1] - 3.0).abs() < 0.05, "{abs:?}");
+    assert!((rel[0] - 10.0).abs() < 2.0 && rel[1] < 1.5, "{rel:?}");
+    assert_eq!(
+        fit_samples(&samples).unwrap().model,
+        fit_samples_with(&samples, FitErrors::Absolute)
+            .unwrap()
+            .model
+    );
+}
