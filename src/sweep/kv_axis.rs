@@ -4,24 +4,21 @@
 //! budget's capacity and TTFT p90 per pool size.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
-use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
-use super::output::write_whole;
+use super::axis::{budget_points, files, parse_list, rate_of, Axis, AxisRun, Comparison};
+use super::grid::{Budget, GridError};
 use super::plots::{render_figure, series_color, text_style, Figure};
-use super::{Sweep, SweepError};
+use super::SweepError;
+use crate::config::{KvSection, LoadedConfig, Settings};
+use crate::replay::{ReplaySetup, Trace};
 use crate::text::fmt_rate;
 
 /// The most blocks `--kv-blocks` takes (as `replay.kv.blocks`).
 pub const MAX_KV_BLOCKS: u64 = 1 << 40;
-/// The comparison's CSV file.
-pub const KV_CSV: &str = "kv.csv";
-/// The comparison as JSON.
-pub const KV_JSON: &str = "kv.json";
 
 /// One pool size of the axis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,49 +59,100 @@ impl KvBlocks {
 /// each at most once, returned in ascending order with `unlimited` last.
 ///
 /// # Errors
-/// An empty entry, a bad or repeated value, or more than [`MAX_AXIS_VALUES`].
+/// An empty entry, a bad or repeated value, or more than [`super::grid::MAX_AXIS_VALUES`].
 pub fn parse_kv_blocks(list: &str) -> Result<Vec<KvBlocks>, GridError> {
-    let bad = |problem: String| GridError {
-        flag: "--kv-blocks",
-        problem,
-    };
-    let items: Vec<&str> = list.split(',').map(str::trim).collect();
-    if items.iter().any(|i| i.is_empty()) {
-        return Err(bad(format!(
-            "takes a comma-separated list without empty entries, got {list:?}"
-        )));
-    }
-    if items.len() > MAX_AXIS_VALUES {
-        return Err(bad(format!(
-            "takes at most {MAX_AXIS_VALUES} values, got {}",
-            items.len()
-        )));
-    }
-    let mut out: Vec<KvBlocks> = Vec::new();
-    for item in items {
-        let v = if item.eq_ignore_ascii_case("unlimited") || item.eq_ignore_ascii_case("off") {
-            KvBlocks::Unlimited
-        } else {
-            item.parse::<u64>()
-                .ok()
-                .filter(|n| (1..=MAX_KV_BLOCKS).contains(n))
-                .map(KvBlocks::Blocks)
-                .ok_or_else(|| {
-                    bad(format!(
-                        "takes whole numbers of KV blocks from 1 to {MAX_KV_BLOCKS}, or `unlimited`; got {item:?}"
-                    ))
-                })?
-        };
-        if out.contains(&v) {
-            return Err(bad(format!("names {v} twice")));
+    let mut out = parse_list("--kv-blocks", list, |item| {
+        if item.eq_ignore_ascii_case("unlimited") || item.eq_ignore_ascii_case("off") {
+            return Ok(KvBlocks::Unlimited);
         }
-        out.push(v);
-    }
+        item.parse::<u64>()
+            .ok()
+            .filter(|n| (1..=MAX_KV_BLOCKS).contains(n))
+            .map(KvBlocks::Blocks)
+            .ok_or_else(|| {
+                format!(
+                    "takes whole numbers of KV blocks from 1 to {MAX_KV_BLOCKS}, or `unlimited`; got {item:?}"
+                )
+            })
+    })?;
     out.sort_by_key(|v| match v {
         KvBlocks::Blocks(n) => *n,
         KvBlocks::Unlimited => u64::MAX,
     });
     Ok(out)
+}
+
+/// `settings` with the replay's KV pool of `kv` blocks (the configured block size and
+/// watermark kept), and how the sweep's settings label it.
+pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+    let mut out = settings.clone();
+    let given = &settings.replay.kv;
+    out.replay.kv = KvSection {
+        blocks: match kv {
+            KvBlocks::Blocks(n) => Some(n),
+            KvBlocks::Unlimited => None,
+        },
+        block_tokens: given.block_tokens,
+        watermark: given.watermark,
+        ..Default::default()
+    };
+    let label = match kv {
+        KvBlocks::Blocks(n) => format!(
+            "{n} blocks of {} tokens (--kv-blocks)",
+            given
+                .block_tokens
+                .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
+        ),
+        KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
+    };
+    (out, label)
+}
+
+/// `--kv-blocks`: the grid once per KV pool size, each into `OUT/kv-<blocks>/`, then their
+/// comparison (`OUT/kv.*`); no combined `sweep.csv`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvAxis(pub Vec<KvBlocks>);
+
+impl Axis for KvAxis {
+    type Value = KvBlocks;
+    const SETTING: &'static str = "KV memory";
+    const DIR_PREFIX: &'static str = "kv";
+    const COLUMNS: Option<&'static [&'static str]> = None;
+
+    fn values(&self) -> Vec<KvBlocks> {
+        self.0.clone()
+    }
+    fn apply(&self, settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+        with_kv(settings, kv)
+    }
+    fn dir_name(kv: KvBlocks) -> String {
+        kv.dir_name()
+    }
+    fn heading(kv: KvBlocks) -> String {
+        format!("KV blocks: {kv}")
+    }
+    fn failure(kv: KvBlocks) -> String {
+        format!("with {kv} KV blocks")
+    }
+    /// Refuses a pool the replay would refuse: its `[replay]` settings, or a request of the
+    /// trace that could never fit in it.
+    fn check(&self, loaded: &LoadedConfig, trace: &Trace) -> Result<(), String> {
+        for kv in &self.0 {
+            let (settings, _) = with_kv(&loaded.settings, *kv);
+            ReplaySetup::resolve(&loaded.manifest, &settings)
+                .and_then(|setup| crate::replay::check_kv_fits(&setup, trace))
+                .map_err(|e| format!("`--kv-blocks` names {kv}: {e} (no replay ran)"))?;
+        }
+        Ok(())
+    }
+    fn compare(runs: &[AxisRun<KvBlocks>]) -> Result<Comparison, SweepError> {
+        let cmp = KvComparison::of(runs);
+        let plot = render_figure("kv", cmp.title(), &cmp)?;
+        Ok(Comparison {
+            table: cmp.table(),
+            files: files("kv", cmp.to_csv(), &cmp, Some(plot))?,
+        })
+    }
 }
 
 /// One budget under one pool size.
@@ -146,28 +194,23 @@ pub struct KvComparison {
 
 impl KvComparison {
     /// Compares the sweeps run under each pool size (same budgets and rates in each).
-    pub fn of(runs: &[(KvBlocks, Sweep)]) -> Self {
-        let rate_scale = runs.first().map_or(1.0, |(_, s)| s.step_time_rate);
-        let mut rows = Vec::new();
-        for (kv, sweep) in runs {
-            for b in &sweep.budgets {
-                let cap = sweep.capacity.iter().find(|c| c.budget == *b);
-                let cell = sweep.cell(*b, rate_scale).map(|c| &c.summary);
-                rows.push(KvRow {
-                    kv_blocks: *kv,
-                    budget: *b,
-                    capacity: cap.map(super::Capacity::label),
-                    capacity_rate: cap.and_then(|c| c.search.rate_scale),
-                    ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
-                    ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
-                    tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
-                });
-            }
-        }
+    pub fn of(runs: &[AxisRun<KvBlocks>]) -> Self {
+        let rate_scale = rate_of(runs);
+        let rows = budget_points(runs, rate_scale)
+            .map(|(kv, p)| KvRow {
+                kv_blocks: kv,
+                budget: p.budget,
+                capacity: p.capacity,
+                capacity_rate: p.capacity_rate,
+                ttft_p90_ms: p.cell.and_then(|s| s.ttft_p90_ms),
+                ttft_p99_ms: p.cell.and_then(|s| s.ttft_p99_ms),
+                tbt_p99_ms: p.cell.and_then(|s| s.tbt_p99_ms),
+            })
+            .collect();
         Self {
             rate_scale,
-            slo: runs.first().and_then(|(_, s)| s.slo),
-            kv_blocks: runs.iter().map(|(k, _)| *k).collect(),
+            slo: runs.first().and_then(|r| r.sweep.slo),
+            kv_blocks: runs.iter().map(|r| r.value).collect(),
             rows,
         }
     }
@@ -227,39 +270,6 @@ impl KvComparison {
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
-    }
-
-    /// Writes `kv.csv`, `kv.json`, `kv.svg` and `kv.png` into `dir`; answers their paths.
-    ///
-    /// # Errors
-    /// A file could not be written or the plot drawn.
-    pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
-        let plot = render_figure("kv", self.title(), self)?;
-        let csv = self.to_csv().map_err(|e| SweepError::Write {
-            path: dir.join(KV_CSV),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let mut json = serde_json::to_vec_pretty(self).map_err(|e| SweepError::Write {
-            path: dir.join(KV_JSON),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        json.push(b'\n');
-        let files: [(&str, &[u8]); 4] = [
-            (KV_CSV, &csv),
-            (KV_JSON, &json),
-            ("kv.svg", plot.svg.as_bytes()),
-            ("kv.png", &plot.png),
-        ];
-        let mut paths = Vec::new();
-        for (name, bytes) in files {
-            let path = dir.join(name);
-            write_whole(&path, bytes).map_err(|source| SweepError::Write {
-                path: path.clone(),
-                source,
-            })?;
-            paths.push(path);
-        }
-        Ok(paths)
     }
 
     fn title(&self) -> String {

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
+pub mod axis;
 pub mod capacity;
 pub(crate) mod cells;
 pub mod fleet_axis;
