@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::axis::{files, parse_list, with_combined, Axis, AxisRun, Comparison};
 use super::grid::{split, Budget, GridError};
-use super::plots::{render_figure, series_color, text_style, Figure};
+use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
 use super::SweepError;
 use crate::config::Settings;
 use crate::replay::fleet::MAX_WORKERS;
@@ -433,24 +433,14 @@ impl Figure for FleetComparison {
             } else {
                 (*router).to_string()
             };
-            chart
-                .draw_series(LineSeries::new(met.clone(), c.stroke_width(2)))?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-            chart.draw_series(met.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            marked_line(&mut chart, met, c, Some(name))?;
             chart.draw_series(
                 rows.iter()
                     .filter(|r| r.fewest_workers.is_none())
                     .map(|r| Circle::new((x(r.rate_scale) + shift, over), 5, c.stroke_width(2))),
             )?;
         }
-        chart
-            .configure_series_labels()
-            .label_font(text_style(13))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
+        legend(&mut chart, 13, SeriesLabelPosition::UpperLeft)?;
         Ok(())
     }
 }

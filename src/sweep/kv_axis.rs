@@ -11,7 +11,7 @@ use serde::{Serialize, Serializer};
 
 use super::axis::{budget_points, files, parse_list, rate_of, Axis, AxisRun, Comparison};
 use super::grid::{Budget, GridError};
-use super::plots::{render_figure, series_color, text_style, Figure};
+use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
 use super::SweepError;
 use crate::config::{KvSection, LoadedConfig, Settings};
 use crate::replay::{ReplaySetup, Trace};
@@ -297,6 +297,15 @@ impl KvComparison {
     fn x(&self, kv: KvBlocks) -> i32 {
         self.kv_blocks.iter().position(|k| *k == kv).unwrap_or(0) as i32
     }
+
+    /// `budget`'s figure `y` at each pool size that has one.
+    fn points(&self, budget: Budget, y: impl Fn(&KvRow) -> Option<f64>) -> Vec<(i32, f64)> {
+        self.rows
+            .iter()
+            .filter(|r| r.budget == budget)
+            .filter_map(|r| Some((self.x(r.kv_blocks), y(r)?)))
+            .collect()
+    }
 }
 
 type Drawn = Result<(), Box<dyn std::error::Error>>;
@@ -346,27 +355,11 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts: Vec<(i32, f64)> = self
-                .rows
-                .iter()
-                .filter(|r| r.budget == *b)
-                .filter_map(|r| Some((self.x(r.kv_blocks), r.capacity_rate?)))
-                .collect();
-            let c = series_color(k);
-            chart
-                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-                .label(format!("budget {b}"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            let pts = self.points(*b, |r| r.capacity_rate);
+            marked_line(&mut chart, pts, series_color(k), Some(format!("budget {b}")))?;
         }
         if !budgets.is_empty() {
-            chart
-                .configure_series_labels()
-                .label_font(text_style(13))
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::LowerRight)
-                .draw()?;
+            legend(&mut chart, 13, SeriesLabelPosition::LowerRight)?;
         }
         // TTFT p90, log axis.
         let (lo, hi) = self
@@ -401,15 +394,8 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts: Vec<(i32, f64)> = self
-                .rows
-                .iter()
-                .filter(|r| r.budget == *b)
-                .filter_map(|r| Some((self.x(r.kv_blocks), r.ttft_p90_ms?)))
-                .collect();
-            let c = series_color(k);
-            chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            let pts = self.points(*b, |r| r.ttft_p90_ms);
+            marked_line(&mut chart, pts, series_color(k), None)?;
         }
         Ok(())
     }

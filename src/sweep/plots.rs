@@ -293,13 +293,7 @@ where
             .label(format!("SLO: TTFT p90 <= {t} ms"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
     }
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
+    legend(&mut chart, 14, SeriesLabelPosition::UpperLeft)?;
     Ok(())
 }
 
@@ -377,13 +371,7 @@ where
         ))?
         .label("1x: the trace's own rate")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
+    legend(&mut chart, 14, SeriesLabelPosition::UpperRight)?;
     Ok(())
 }
 
@@ -447,13 +435,7 @@ where
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
+    legend(&mut chart, 14, SeriesLabelPosition::LowerRight)?;
     Ok(())
 }
 
@@ -502,6 +484,53 @@ pub(crate) fn render_figure(
         svg,
         png,
     })
+}
+
+/// Draws the legend of `chart`'s labelled series at `at`, in text of `size`, as every plot of
+/// a sweep does.
+pub(crate) fn legend<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    size: u32,
+    at: SeriesLabelPosition,
+) -> Drawn
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .label_font(font_of(size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(at)
+        .draw()?;
+    Ok(())
+}
+
+/// Draws `pts` as a line of colour `c` with a dot at each point; with a label, the line is in
+/// the legend under it.
+pub(crate) fn marked_line<'a, DB, X, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+    pts: Vec<(X::ValueType, Y::ValueType)>,
+    c: RGBAColor,
+    label: Option<String>,
+) -> Drawn
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    X: Ranged,
+    Y: Ranged,
+    X::ValueType: Clone + 'static,
+    Y::ValueType: Clone + 'static,
+{
+    let line = chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
+    if let Some(name) = label {
+        line.label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
+    Ok(())
 }
 
 /// The palette and fonts of the sweep's plots, for [`Figure`]s.
