@@ -356,7 +356,12 @@ impl Figure for KvComparison {
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
             let pts = self.points(*b, |r| r.capacity_rate);
-            marked_line(&mut chart, pts, series_color(k), Some(format!("budget {b}")))?;
+            marked_line(
+                &mut chart,
+                pts,
+                series_color(k),
+                Some(format!("budget {b}")),
+            )?;
         }
         if !budgets.is_empty() {
             legend(&mut chart, 13, SeriesLabelPosition::LowerRight)?;
