@@ -196,15 +196,49 @@ pub fn rate_of<V>(runs: &[AxisRun<V>]) -> f64 {
     runs.first().map_or(1.0, |r| r.sweep.step_time_rate)
 }
 
-/// One budget of one run, as a comparison shows it: its capacity and its cell at one rate.
-#[derive(Debug, Clone)]
-pub struct BudgetPoint<'a> {
+/// A budget and its capacity under the SLO, as a comparison's row shows them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct BudgetCapacity {
     /// The budget.
     pub budget: Budget,
     /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
     pub capacity: Option<String>,
     /// The capacity's rate scale (`None`: none, or no SLO).
+    #[serde(serialize_with = "super::output::ser_opt_round")]
     pub capacity_rate: Option<f64>,
+}
+
+/// The tail latencies a comparison's row shows of a cell: TTFT p90 and p99 and TBT p99 at
+/// the comparison's rate scale, simulated ms (`None`: no cell, or no samples).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Tail {
+    /// TTFT p90.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p90_ms: Option<f64>,
+    /// TTFT p99.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p99_ms: Option<f64>,
+    /// TBT p99.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub tbt_p99_ms: Option<f64>,
+}
+
+impl Tail {
+    /// The tail of `cell`.
+    pub fn of(cell: Option<&RunSummary>) -> Self {
+        Self {
+            ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
+            ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
+            tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
+        }
+    }
+}
+
+/// One budget of one run, as a comparison shows it: its capacity and its cell at one rate.
+#[derive(Debug, Clone)]
+pub struct BudgetPoint<'a> {
+    /// The budget and its capacity.
+    pub at: BudgetCapacity,
     /// The cell at the comparison's rate, if it ran.
     pub cell: Option<&'a RunSummary>,
 }
@@ -217,10 +251,13 @@ pub fn budget_points<V: Copy>(
     runs.iter().flat_map(move |run| {
         run.sweep.budgets.iter().map(move |b| {
             let cap = run.sweep.capacity.iter().find(|c| c.budget == *b);
-            let point = BudgetPoint {
+            let at = BudgetCapacity {
                 budget: *b,
                 capacity: cap.map(super::Capacity::label),
                 capacity_rate: cap.and_then(|c| c.search.rate_scale),
+            };
+            let point = BudgetPoint {
+                at,
                 cell: run.sweep.cell(*b, rate).map(|c| &c.summary),
             };
             (run.value, point)

@@ -9,7 +9,9 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
-use super::axis::{budget_points, files, parse_list, rate_of, Axis, AxisRun, Comparison};
+use super::axis::{
+    budget_points, files, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+};
 use super::grid::{Budget, GridError};
 use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
 use super::SweepError;
@@ -160,22 +162,12 @@ impl Axis for KvAxis {
 pub struct KvRow {
     /// The pool size.
     pub kv_blocks: KvBlocks,
-    /// The budget.
-    pub budget: Budget,
-    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
-    pub capacity: Option<String>,
-    /// The capacity's rate scale (`None`: none, or no SLO).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub capacity_rate: Option<f64>,
-    /// TTFT p90 and p99 and TBT p99 at the comparison's rate scale, simulated ms.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p90_ms: Option<f64>,
-    /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p99_ms: Option<f64>,
-    /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub tbt_p99_ms: Option<f64>,
+    /// The budget and its capacity.
+    #[serde(flatten)]
+    pub at: BudgetCapacity,
+    /// Its cell's tail latencies at the comparison's rate scale.
+    #[serde(flatten)]
+    pub tail: Tail,
 }
 
 /// The comparison of the pool sizes.
@@ -199,12 +191,8 @@ impl KvComparison {
         let rows = budget_points(runs, rate_scale)
             .map(|(kv, p)| KvRow {
                 kv_blocks: kv,
-                budget: p.budget,
-                capacity: p.capacity,
-                capacity_rate: p.capacity_rate,
-                ttft_p90_ms: p.cell.and_then(|s| s.ttft_p90_ms),
-                ttft_p99_ms: p.cell.and_then(|s| s.ttft_p99_ms),
-                tbt_p99_ms: p.cell.and_then(|s| s.tbt_p99_ms),
+                at: p.at,
+                tail: Tail::of(p.cell),
             })
             .collect();
         Self {
@@ -232,11 +220,11 @@ impl KvComparison {
             out.push_str(&format!(
                 "  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
                 r.kv_blocks.to_string(),
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_else(|| "-".into()),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms)
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms)
             ));
         }
         out
@@ -261,12 +249,12 @@ impl KvComparison {
         for r in &self.rows {
             w.write_record([
                 r.kv_blocks.to_string(),
-                r.budget.to_string(),
-                f(r.capacity_rate),
-                r.capacity.clone().unwrap_or_default(),
-                f(r.ttft_p90_ms),
-                f(r.ttft_p99_ms),
-                f(r.tbt_p99_ms),
+                r.at.budget.to_string(),
+                f(r.at.capacity_rate),
+                r.at.capacity.clone().unwrap_or_default(),
+                f(r.tail.ttft_p90_ms),
+                f(r.tail.ttft_p99_ms),
+                f(r.tail.tbt_p99_ms),
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
@@ -287,8 +275,8 @@ impl KvComparison {
     fn budgets(&self) -> Vec<Budget> {
         let mut v: Vec<Budget> = Vec::new();
         for r in &self.rows {
-            if !v.contains(&r.budget) {
-                v.push(r.budget);
+            if !v.contains(&r.at.budget) {
+                v.push(r.at.budget);
             }
         }
         v
@@ -302,7 +290,7 @@ impl KvComparison {
     fn points(&self, budget: Budget, y: impl Fn(&KvRow) -> Option<f64>) -> Vec<(i32, f64)> {
         self.rows
             .iter()
-            .filter(|r| r.budget == budget)
+            .filter(|r| r.at.budget == budget)
             .filter_map(|r| Some((self.x(r.kv_blocks), y(r)?)))
             .collect()
     }
@@ -332,7 +320,7 @@ impl Figure for KvComparison {
         let top = self
             .rows
             .iter()
-            .filter_map(|r| r.capacity_rate)
+            .filter_map(|r| r.at.capacity_rate)
             .fold(0.0_f64, f64::max)
             .max(0.001)
             * 1.2;
@@ -355,7 +343,7 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts = self.points(*b, |r| r.capacity_rate);
+            let pts = self.points(*b, |r| r.at.capacity_rate);
             marked_line(
                 &mut chart,
                 pts,
@@ -370,7 +358,7 @@ impl Figure for KvComparison {
         let (lo, hi) = self
             .rows
             .iter()
-            .filter_map(|r| r.ttft_p90_ms)
+            .filter_map(|r| r.tail.ttft_p90_ms)
             .filter(|v| v.is_finite() && *v > 0.0)
             .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
                 (lo.min(v), hi.max(v))
@@ -399,7 +387,7 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts = self.points(*b, |r| r.ttft_p90_ms);
+            let pts = self.points(*b, |r| r.tail.ttft_p90_ms);
             marked_line(&mut chart, pts, series_color(k), None)?;
         }
         Ok(())

@@ -7,9 +7,10 @@
 use serde::Serialize;
 
 use super::axis::{
-    budget_points, files, parse_list, rate_of, with_combined, Axis, AxisRun, Comparison,
+    budget_points, files, parse_list, rate_of, with_combined, Axis, AxisRun, BudgetCapacity,
+    Comparison, Tail,
 };
-use super::grid::{Budget, GridError};
+use super::grid::GridError;
 use super::SweepError;
 use crate::config::spelling::OrderSetting;
 use crate::config::Settings;
@@ -89,25 +90,15 @@ impl Axis for OrderAxis {
 pub struct OrderRow {
     /// The order.
     pub order: &'static str,
-    /// The budget.
-    pub budget: Budget,
-    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
-    pub capacity: Option<String>,
-    /// The capacity's rate scale (`None`: none, or no SLO).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub capacity_rate: Option<f64>,
+    /// The budget and its capacity.
+    #[serde(flatten)]
+    pub at: BudgetCapacity,
     /// TTFT p50, p90, p99 and TBT p99 at the comparison's rate scale, simulated ms.
     #[serde(serialize_with = "super::output::ser_opt_round")]
     pub ttft_p50_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p90_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p99_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub tbt_p99_ms: Option<f64>,
+    /// Its cell's tail latencies at the comparison's rate scale.
+    #[serde(flatten)]
+    pub tail: Tail,
 }
 
 /// The comparison of the orders.
@@ -129,13 +120,9 @@ impl OrderComparison {
         let rows = budget_points(runs, rate_scale)
             .map(|(order, p)| OrderRow {
                 order: order.as_str(),
-                budget: p.budget,
-                capacity: p.capacity,
-                capacity_rate: p.capacity_rate,
+                at: p.at,
                 ttft_p50_ms: p.cell.and_then(|s| s.ttft_p50_ms),
-                ttft_p90_ms: p.cell.and_then(|s| s.ttft_p90_ms),
-                ttft_p99_ms: p.cell.and_then(|s| s.ttft_p99_ms),
-                tbt_p99_ms: p.cell.and_then(|s| s.tbt_p99_ms),
+                tail: Tail::of(p.cell),
             })
             .collect();
         Self {
@@ -163,12 +150,12 @@ impl OrderComparison {
             out.push_str(&format!(
                 "  {:<16} {:<8} {:>12} {:>14} {:>14} {:>14} {:>12}\n",
                 r.order,
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_else(|| "-".into()),
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
                 opt(r.ttft_p50_ms),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms)
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms)
             ));
         }
         out
@@ -191,13 +178,13 @@ impl OrderComparison {
         for r in &self.rows {
             w.write_record([
                 r.order.to_string(),
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_default(),
-                opt(r.capacity_rate),
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_default(),
+                opt(r.at.capacity_rate),
                 opt(r.ttft_p50_ms),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms),
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms),
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))

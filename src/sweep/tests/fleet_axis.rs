@@ -120,10 +120,7 @@ fn the_fewest_workers_are_the_smallest_fleet_whose_cell_meets_the_objective() {
     assert_eq!(csv.lines().count(), 19);
     let dir = tempfile::tempdir().unwrap();
     let paths = write_files(dir.path(), &FleetAxis::compare(&runs).unwrap().files).unwrap();
-    let names: Vec<String> = paths
-        .iter()
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
+    let names = crate::sweep::tests::names(&paths);
     assert_eq!(
         names,
         [

@@ -45,3 +45,11 @@ pub(crate) fn sample_sweep() -> Sweep {
     let slo = Slo::new(Some(60.0), Some(5000.0)).unwrap();
     run_sweep(&options(Some(slo)), fake).unwrap()
 }
+
+/// The file names of `paths`, in order.
+pub(crate) fn names(paths: &[std::path::PathBuf]) -> Vec<String> {
+    paths
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect()
+}

@@ -115,11 +115,7 @@ fn outputs_are_written_whole_and_never_over_a_file_or_an_input() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let w = write_outputs(&s, &out, &[]).unwrap();
-    let names: Vec<String> = w
-        .paths
-        .iter()
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
+    let names = crate::sweep::tests::names(&w.paths);
     assert_eq!(
         names,
         [
