@@ -105,19 +105,36 @@ pub fn combined_csv<A: Axis>(runs: &[AxisRun<A::Value>]) -> Result<Vec<u8>, csv:
     w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
 
-/// The comparison's files with the combined `sweep.csv` first, when the axis writes one.
+/// An axis's comparison: its `table`, then its files: the combined `sweep.csv` of `runs` (when
+/// the axis writes one), `{stem}.csv`, `{stem}.json` (`json`, pretty, with a final newline) and
+/// the plot, if any, as `{stem}.svg` and `{stem}.png`.
 ///
 /// # Errors
-/// The combined CSV cannot be made.
-pub fn with_combined<A: Axis>(
+/// A CSV or the JSON cannot be written.
+pub fn comparison<A: Axis>(
     runs: &[AxisRun<A::Value>],
-    mut cmp: Comparison,
+    stem: &str,
+    table: String,
+    csv: Result<Vec<u8>, csv::Error>,
+    json: &impl serde::Serialize,
+    plot: Option<Plot>,
 ) -> Result<Comparison, SweepError> {
+    let mut files = Vec::new();
     if A::COLUMNS.is_some() {
-        let csv = combined_csv::<A>(runs).map_err(|e| failed(CSV_FILE, e))?;
-        cmp.files.insert(0, (CSV_FILE.to_owned(), csv));
+        let cells = combined_csv::<A>(runs).map_err(|e| failed(CSV_FILE, e))?;
+        files.push((CSV_FILE.to_owned(), cells));
     }
-    Ok(cmp)
+    let csv_name = format!("{stem}.csv");
+    let json_name = format!("{stem}.json");
+    let csv = csv.map_err(|e| failed(&csv_name, e))?;
+    let mut json = serde_json::to_vec_pretty(json).map_err(|e| failed(&json_name, e))?;
+    json.push(b'\n');
+    files.extend([(csv_name, csv), (json_name, json)]);
+    if let Some(p) = plot {
+        files.push((format!("{stem}.svg"), p.svg.into_bytes()));
+        files.push((format!("{stem}.png"), p.png));
+    }
+    Ok(Comparison { table, files })
 }
 
 /// A file of a comparison that could not be made.
@@ -126,30 +143,6 @@ pub fn failed(name: &str, e: impl std::fmt::Display) -> SweepError {
         path: PathBuf::from(name),
         source: std::io::Error::other(e.to_string()),
     }
-}
-
-/// A comparison's CSV, its JSON (pretty, with a final newline) and its plot, if any, as files
-/// `{stem}.csv`, `{stem}.json`, `{stem}.svg`, `{stem}.png`.
-///
-/// # Errors
-/// The CSV or JSON cannot be written.
-pub fn files(
-    stem: &str,
-    csv: Result<Vec<u8>, csv::Error>,
-    json: &impl serde::Serialize,
-    plot: Option<Plot>,
-) -> Result<Vec<(String, Vec<u8>)>, SweepError> {
-    let csv_name = format!("{stem}.csv");
-    let json_name = format!("{stem}.json");
-    let csv = csv.map_err(|e| failed(&csv_name, e))?;
-    let mut json = serde_json::to_vec_pretty(json).map_err(|e| failed(&json_name, e))?;
-    json.push(b'\n');
-    let mut out = vec![(csv_name, csv), (json_name, json)];
-    if let Some(p) = plot {
-        out.push((format!("{stem}.svg"), p.svg.into_bytes()));
-        out.push((format!("{stem}.png"), p.png));
-    }
-    Ok(out)
 }
 
 /// Writes each file whole into `dir`; answers their paths, in order.

@@ -10,7 +10,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use super::axis::{files, parse_list, with_combined, Axis, AxisRun, Comparison};
+use super::axis::{comparison, parse_list, Axis, AxisRun, Comparison};
 use super::grid::{split, Budget, GridError};
 use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
 use super::SweepError;
@@ -177,14 +177,7 @@ impl Axis for FleetAxis {
         } else {
             Some(render_figure("fleet", cmp.title(), &cmp)?)
         };
-        let files = files(FLEET, cmp.to_csv(), &cmp, plot)?;
-        with_combined::<Self>(
-            runs,
-            Comparison {
-                table: cmp.table(),
-                files,
-            },
-        )
+        comparison::<Self>(runs, FLEET, cmp.table(), cmp.to_csv(), &cmp, plot)
     }
 }
 

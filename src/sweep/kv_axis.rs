@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
 use super::axis::{
-    budget_points, files, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
 };
 use super::grid::{Budget, GridError};
 use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
@@ -150,10 +150,7 @@ impl Axis for KvAxis {
     fn compare(runs: &[AxisRun<KvBlocks>]) -> Result<Comparison, SweepError> {
         let cmp = KvComparison::of(runs);
         let plot = render_figure("kv", cmp.title(), &cmp)?;
-        Ok(Comparison {
-            table: cmp.table(),
-            files: files("kv", cmp.to_csv(), &cmp, Some(plot))?,
-        })
+        comparison::<Self>(runs, "kv", cmp.table(), cmp.to_csv(), &cmp, Some(plot))
     }
 }
 

@@ -7,8 +7,7 @@
 use serde::Serialize;
 
 use super::axis::{
-    budget_points, files, parse_list, rate_of, with_combined, Axis, AxisRun, BudgetCapacity,
-    Comparison, Tail,
+    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
 };
 use super::grid::GridError;
 use super::SweepError;
@@ -74,14 +73,7 @@ impl Axis for OrderAxis {
     }
     fn compare(runs: &[AxisRun<Order>]) -> Result<Comparison, SweepError> {
         let cmp = OrderComparison::of(runs);
-        let files = files(ORDERS, cmp.to_csv(), &cmp, None)?;
-        with_combined::<Self>(
-            runs,
-            Comparison {
-                table: cmp.table(),
-                files,
-            },
-        )
+        comparison::<Self>(runs, ORDERS, cmp.table(), cmp.to_csv(), &cmp, None)
     }
 }
 
