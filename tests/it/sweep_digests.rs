@@ -63,8 +63,11 @@ fn differs(name: &str, flags: &[&str], pinned: &[(&str, &str)]) -> Option<String
     })
 }
 
-/// Fails naming every case whose digests changed.
-fn check(cases: &[(&str, Vec<&str>, &[(&str, &str)])]) {
+/// Files and their digests, as pinned below.
+type Pinned = &'static [(&'static str, &'static str)];
+
+/// Fails naming every case (name, flags, pinned digests) whose digests changed.
+fn check(cases: &[(&str, Vec<&str>, Pinned)]) {
     let changed: Vec<String> = cases
         .iter()
         .filter_map(|(name, flags, pinned)| differs(name, flags, pinned))
