@@ -18,12 +18,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import BIN, PLAIN_GRID, TIMEOUT, assert_merge_is_local
 
 MANIFEST = Path(__file__).resolve().parent / "sweep-job.yaml"
-BIN = os.path.abspath(os.environ.get("MSTAR_CHUNKING_BIN", "target/debug/mstar-chunking"))
-TIMEOUT = 120
 # The sweep the manifest's completions are written for: 4 cells, no objective (one wave).
-GRID = ["--requests", "40", "--budgets", "1024,off", "--rates", "0.5,1"]
+GRID = PLAIN_GRID
 
 
 def documents() -> list[dict[str, Any]]:
@@ -97,5 +96,4 @@ def test_its_pods_commands_merge_into_the_local_sweep(tmp_path: Path) -> None:
     for i in range(job_spec["completions"]):
         run(command, {"JOB_COMPLETION_INDEX": str(i)})
     run([BIN, "sweep", "--merge", str(jobs), "--out", str(merged)])
-    run([BIN, "sweep", "--no-progress", "--out", str(local), *GRID])
-    assert (merged / "sweep.csv").read_bytes() == (local / "sweep.csv").read_bytes()
+    assert_merge_is_local(merged, local, GRID)

@@ -7,7 +7,6 @@ cell or merge fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,24 +20,8 @@ import ray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_ray  # noqa: E402
-
-BIN = os.environ.get("MSTAR_CHUNKING_BIN", "target/debug/mstar-chunking")
-TIMEOUT = 120
-# Two budgets, two rates and an objective: the capacity searches add waves of probe cells.
-GRID = [
-    "--requests", "40",
-    "--budgets", "1024,off",
-    "--rates", "0.5,1",
-    "--slo-tbt-p99", "60",
-    "--slo-ttft-p90", "3000",
-]
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([os.path.abspath(BIN), *args], capture_output=True, text=True,
-                       timeout=TIMEOUT, check=False)
-    assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return r
+from conftest import BIN, GRID, TIMEOUT, assert_merge_is_local, cells  # noqa: E402
+from conftest import run_ok as run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +29,6 @@ def local_ray():  # type: ignore[no-untyped-def]
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
-
-
-def cells(jobs: Path) -> list[dict[str, object]]:
-    return json.loads((jobs / "jobs.json").read_text())["body"]["cells"]  # type: ignore[no-any-return]
 
 
 def test_the_ray_driver_merges_the_local_sweep(local_ray, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -68,8 +47,7 @@ def test_the_ray_driver_merges_the_local_sweep(local_ray, tmp_path: Path) -> Non
     for c in done:
         assert (jobs / "results" / f"cell-{int(c['index']):06d}.json").is_file(), c  # type: ignore[call-overload]
 
-    run("sweep", "--no-progress", "--out", str(local), *GRID)
-    assert (merged / "sweep.csv").read_bytes() == (local / "sweep.csv").read_bytes()
+    assert_merge_is_local(merged, local, GRID)
 
 
 def test_a_failing_cell_fails_the_driver(local_ray, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -96,5 +74,4 @@ def test_the_driver_as_a_command_joins_a_running_cluster(local_ray, tmp_path: Pa
     assert r.returncode == 0, r.stderr
     assert "Connecting to existing Ray cluster" in r.stderr, r.stderr
     assert "more cells (wave 2)" in r.stderr, r.stderr
-    run("sweep", "--no-progress", "--out", str(local), *GRID)
-    assert (merged / "sweep.csv").read_bytes() == (local / "sweep.csv").read_bytes()
+    assert_merge_is_local(merged, local, GRID)

@@ -8,22 +8,13 @@ Every command has a timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
+from conftest import BIN, GRID, TIMEOUT, assert_merge_is_local, cells, merge_waves, run, run_ok
+
 SCRIPT = Path(__file__).resolve().parent / "sweep-cell.sh"
-BIN = os.path.abspath(os.environ.get("MSTAR_CHUNKING_BIN", "target/debug/mstar-chunking"))
-TIMEOUT = 120
-# Two budgets, two rates and an objective: the capacity searches add waves of probe cells.
-GRID = [
-    "--requests", "40",
-    "--budgets", "1024,off",
-    "--rates", "0.5,1",
-    "--slo-tbt-p99", "60",
-    "--slo-ttft-p90", "3000",
-]
 
 
 def script(*args: str, task: str | None) -> subprocess.CompletedProcess[str]:
@@ -35,35 +26,19 @@ def script(*args: str, task: str | None) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=TIMEOUT, check=False)
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=TIMEOUT,
-                          check=False)
-
-
-def cells(jobs: Path) -> int:
-    return len(json.loads((jobs / "jobs.json").read_text())["body"]["cells"])
-
-
 def test_every_array_task_then_merges_into_the_local_sweep(tmp_path: Path) -> None:
     jobs, merged, local = tmp_path / "jobs", tmp_path / "merged", tmp_path / "local"
-    r = run("sweep", "--emit-jobs", str(jobs), *GRID)
-    assert r.returncode == 0, r.stderr
-    waves = 0
-    while True:
+    run_ok("sweep", "--emit-jobs", str(jobs), *GRID)
+
+    def wave(n: int) -> None:
         # sbatch --array=0-(N-1): every index; the cells done in earlier waves return at once.
-        for i in range(cells(jobs)):
+        for i in range(n):
             r = script(str(jobs), task=str(i))
             assert r.returncode == 0, f"task {i}: {r.stderr}"
-        r = run("sweep", "--merge", str(jobs), "--out", str(merged))
-        if r.returncode == 0:
-            break
-        assert r.returncode == 3, r.stderr
-        waves += 1
-        assert waves < 30, r.stderr
+
+    waves = merge_waves(jobs, merged, wave)
     assert waves >= 2, f"the capacity searches took {waves} waves"
-    r = run("sweep", "--no-progress", "--out", str(local), *GRID)
-    assert r.returncode == 0, r.stderr
-    assert (merged / "sweep.csv").read_bytes() == (local / "sweep.csv").read_bytes()
+    assert_merge_is_local(merged, local, GRID)
 
 
 def test_it_refuses_to_run_outside_a_job_array(tmp_path: Path) -> None:
@@ -74,6 +49,6 @@ def test_it_refuses_to_run_outside_a_job_array(tmp_path: Path) -> None:
     r = script(task="0")
     assert r.returncode == 2 and "usage:" in r.stderr, r
     # An index outside the cells is refused by the binary (exit 2), nothing written.
-    r = script(str(jobs), task=str(cells(jobs)))
+    r = script(str(jobs), task=str(len(cells(jobs))))
     assert r.returncode == 2, r
     assert not any((jobs / "results").iterdir())

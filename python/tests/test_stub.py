@@ -51,3 +51,50 @@ def test_every_public_member_of_every_class_is_in_the_stub():
             public -= {"get", "items", "keys", "values"}
         missing = sorted(public - members.get(name, set()))
         assert missing == [], (name, missing)
+
+
+SOURCE = STUB.with_suffix(".py")
+
+
+def _defs(path: Path) -> dict[str, ast.AST]:
+    """The module's functions and its classes' methods, by `name` or `Class.name` (the last of
+    a name defined twice), with their docstrings' owners."""
+    out: dict[str, ast.AST] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            out[node.name] = node
+            for n in node.body:
+                if isinstance(n, ast.FunctionDef):
+                    out[f"{node.name}.{n.name}"] = n
+    return out
+
+
+def _params(f: ast.FunctionDef) -> list[str]:
+    a = f.args
+    return [p.arg for p in [*a.posonlyargs, *a.args]] + [
+        f"*{a.vararg.arg}" if a.vararg else ""
+    ] + [p.arg for p in a.kwonlyargs] + [f"**{a.kwarg.arg}" if a.kwarg else ""]
+
+
+def test_the_docstrings_have_one_source_and_the_stub_matches_its_signatures():
+    # The docstrings are written once, in `__init__.py`; the stub carries only the types.
+    stub, source = _defs(STUB), _defs(SOURCE)
+    documented = [name for name, node in stub.items() if ast.get_docstring(node) is not None]  # type: ignore[arg-type]
+    assert documented == [], f"docstrings belong in {SOURCE.name}, not the stub: {documented}"
+    # Every function and method defined in Python takes the parameters its stub names.
+    shared = [n for n in stub if n in source and isinstance(stub[n], ast.FunctionDef)]
+    assert "ChunkingManagement.set_budgets" in shared, shared
+    differ = {
+        n: (_params(stub[n]), _params(source[n]))  # type: ignore[arg-type]
+        for n in shared
+        if _params(stub[n]) != _params(source[n])  # type: ignore[arg-type]
+    }
+    assert differ == {}, differ
+    # And every public one the stub names is documented there.
+    undocumented = [
+        n for n in shared
+        if not n.rsplit(".", 1)[-1].startswith("_") and ast.get_docstring(source[n]) is None  # type: ignore[arg-type]
+    ]
+    assert undocumented == [], undocumented

@@ -27,7 +27,6 @@ mod config_cmd;
 mod fit_cmd;
 mod replay_cmd;
 mod sweep_cmd;
-mod sweep_fleet;
 mod sweep_jobs;
 
 pub use config_cmd::{budgets, check, render_table, rows_json};

@@ -1,11 +1,16 @@
-//! `sweep` (`docs/replay.md#sweeps`): the grid of replays, the capacity search, the KV axis,
-//! their outputs, and stopping on a signal. Each cell's replay is `crate::sweep::cells`'.
+//! `sweep` (`docs/replay.md#sweeps`): the grid of replays, the capacity search, the axes (each
+//! run through [`sweep_axis`]), their outputs, and stopping on a signal. Each cell's replay is
+//! `crate::sweep::cells`'; each axis is a file of `crate::sweep` ([`axes`] lists them).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use super::replay_cmd::{is_usage, load_for_replay};
 use super::*;
+use crate::sweep::axis::{write_files, Axis, AxisRun};
+use crate::sweep::fleet_axis::{Fleet, FleetAxis};
+use crate::sweep::kv_axis::{parse_kv_blocks, KvAxis};
+use crate::sweep::order_axis::{parse_orders, OrderAxis};
 
 /// `sweep` (`docs/replay.md#sweeps`): reads the trace once, replays it for every budget x rate
 /// scale of the grid (and the capacity search's probes) on `--jobs` threads, each replay in its
@@ -36,9 +41,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     let Grid {
         budgets,
         rates,
-        kv_axis,
-        order_axis,
-        fleet_axis,
+        axis,
         slo,
     } = match parse_grid(args, &setup) {
         Ok(g) => g,
@@ -80,10 +83,10 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     for w in crate::replay::trace_warnings(&setup, &trace) {
         say(&format!("warning: {w}"));
     }
-    // Every pool of the KV axis is checked as the replay checks its own, before anything is
+    // Every value of the axis is checked as the replay checks its settings, before anything is
     // created or run: a refusal is usage (exit 2) and leaves `--out` as it was.
-    if let Some(axis) = &kv_axis {
-        if let Err(e) = check_kv_axis(&loaded, &trace, axis) {
+    if let Some(axis) = &axis {
+        if let Err(e) = axis.check(&loaded, &trace) {
             return usage(&e);
         }
     }
@@ -129,16 +132,16 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         stop: Some(stop.clone()),
     };
     let (manifest, settings) = (&loaded.manifest, &loaded.settings);
-    if let Some(axis) = kv_axis {
-        return sweep_kv_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
-    }
-    if let Some(axis) = order_axis {
-        return sweep_order_axis(args, &opts, &loaded, &base, &trace, &inputs, &axis);
-    }
-    if let Some(axis) = fleet_axis {
-        return super::sweep_fleet::sweep_fleet_axis(
-            args, &opts, &loaded, &base, &trace, &inputs, &axis,
-        );
+    if let Some(axis) = axis {
+        let cx = AxisContext {
+            out: &args.out,
+            opts: &opts,
+            loaded: &loaded,
+            base: &base,
+            trace: &trace,
+            inputs: &inputs,
+        };
+        return axis.run(&cx);
     }
     let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
         sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
@@ -170,12 +173,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
                 crate::text::plural(written.paths.len() as u64, "file"),
                 config::problem::escape(&args.out.display().to_string()),
                 wall.elapsed().as_secs_f64(),
-                written
-                    .paths
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                file_names(&written.paths)
             ));
             code
         }
@@ -199,32 +197,54 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
 struct Grid {
     budgets: Vec<crate::sweep::Budget>,
     rates: Vec<f64>,
-    kv_axis: Option<Vec<crate::sweep::kv_axis::KvBlocks>>,
-    order_axis: Option<Vec<crate::order::Order>>,
-    fleet_axis: Option<super::sweep_fleet::FleetAxis>,
+    axis: Option<Box<dyn AnyAxis>>,
     slo: Option<crate::sweep::Slo>,
 }
 
-/// `--budgets`, `--rates`, `--kv-blocks`, `--orders`, `--workers` and `--routers` (the
-/// config's fleet filling in the one not given), the SLO flags and `--step-time-rate`, or the
-/// first refused one.
+/// The axes of a sweep, each parsed from its flags (the arguments let at most one be given):
+/// adding an axis is its file in `src/sweep/`, its flag in [`SweepArgs`] and one line here.
+fn axes(
+    args: &SweepArgs,
+    setup: &crate::replay::ReplaySetup,
+) -> Result<Vec<Option<Box<dyn AnyAxis>>>, crate::sweep::GridError> {
+    let config = Fleet {
+        router: setup.fleet.router,
+        workers: setup.fleet.workers,
+    };
+    Ok(vec![
+        boxed(
+            args.kv_blocks
+                .as_deref()
+                .map(parse_kv_blocks)
+                .transpose()?
+                .map(KvAxis),
+        ),
+        boxed(
+            args.orders
+                .as_deref()
+                .map(parse_orders)
+                .transpose()?
+                .map(OrderAxis),
+        ),
+        boxed(FleetAxis::parse(
+            args.workers.as_deref(),
+            args.routers.as_deref(),
+            config,
+        )?),
+    ])
+}
+
+/// `--budgets`, `--rates`, the axes' flags, the SLO flags and `--step-time-rate`, or the first
+/// refused one.
 fn parse_grid(args: &SweepArgs, setup: &crate::replay::ReplaySetup) -> Result<Grid, String> {
     use crate::sweep;
     let budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
     let rates = sweep::parse_rates(&args.rates).map_err(|e| e.to_string())?;
-    let kv_axis = args
-        .kv_blocks
-        .as_deref()
-        .map(sweep::kv_axis::parse_kv_blocks)
-        .transpose()
-        .map_err(|e| e.to_string())?;
-    let order_axis = args
-        .orders
-        .as_deref()
-        .map(sweep::order_axis::parse_orders)
-        .transpose()
-        .map_err(|e| e.to_string())?;
-    let fleet_axis = super::sweep_fleet::parse_fleet_axis(args, setup)?;
+    let axis = axes(args, setup)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .flatten()
+        .next();
     let slo = if args.slo_tbt_p99.is_some() || args.slo_ttft_p90.is_some() {
         Some(sweep::Slo::new(args.slo_tbt_p99, args.slo_ttft_p90).map_err(|e| e.to_string())?)
     } else {
@@ -239,9 +259,7 @@ fn parse_grid(args: &SweepArgs, setup: &crate::replay::ReplaySetup) -> Result<Gr
     Ok(Grid {
         budgets,
         rates,
-        kv_axis,
-        order_axis,
-        fleet_axis,
+        axis,
         slo,
     })
 }
@@ -304,45 +322,62 @@ fn sweep_signals(stop: std::sync::Arc<std::sync::atomic::AtomicI32>) -> Option<(
     }
 }
 
-/// Refuses a pool of the KV axis that the replay would refuse: its `[replay]` settings, or a
-/// request of the trace that could never fit in it.
-fn check_kv_axis(
-    loaded: &LoadedConfig,
-    trace: &crate::replay::Trace,
-    axis: &[crate::sweep::kv_axis::KvBlocks],
-) -> Result<(), String> {
-    for kv in axis {
-        let (settings, _) = crate::sweep::cells::with_kv(&loaded.settings, *kv);
-        crate::replay::ReplaySetup::resolve(&loaded.manifest, &settings)
-            .and_then(|setup| crate::replay::check_kv_fits(&setup, trace))
-            .map_err(|e| format!("`--kv-blocks` names {kv}: {e} (no replay ran)"))?;
-    }
-    Ok(())
+/// What every run of an axis shares: the base options, config, trace and where they go.
+struct AxisContext<'a> {
+    out: &'a Path,
+    opts: &'a crate::sweep::SweepOptions,
+    loaded: &'a LoadedConfig,
+    base: &'a crate::replay::ReplayOptions,
+    trace: &'a crate::replay::Trace,
+    inputs: &'a [PathBuf],
 }
 
-/// `sweep --orders` (`docs/sweep.md#orders`): the grid once per order, each written into
-/// `OUT/order-<order>/`, then the cells together (`OUT/sweep.csv`, with an `order` column) and
-/// their comparison (`OUT/orders.*`).
-fn sweep_order_axis(
-    args: &SweepArgs,
-    opts: &crate::sweep::SweepOptions,
-    loaded: &LoadedConfig,
-    base: &crate::replay::ReplayOptions,
-    trace: &crate::replay::Trace,
-    inputs: &[PathBuf],
-    axis: &[crate::order::Order],
-) -> ExitCode {
+/// An axis, whichever it is.
+trait AnyAxis {
+    /// [`Axis::check`].
+    fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String>;
+    /// [`sweep_axis`].
+    fn run(&self, cx: &AxisContext<'_>) -> ExitCode;
+}
+
+impl<A: Axis> AnyAxis for A {
+    fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String> {
+        Axis::check(self, loaded, trace)
+    }
+    fn run(&self, cx: &AxisContext<'_>) -> ExitCode {
+        sweep_axis(self, cx)
+    }
+}
+
+fn boxed<A: Axis + 'static>(axis: Option<A>) -> Option<Box<dyn AnyAxis>> {
+    axis.map(|a| Box::new(a) as Box<dyn AnyAxis>)
+}
+
+/// The files' names of `paths`, comma-separated.
+pub(super) fn file_names(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A sweep along `axis`: the grid once per value, each written into `OUT/<dir>/` with the
+/// usual files, then the axis's comparison into `OUT/`. A signal ends it after the run it
+/// interrupted; the comparison covers the runs that finished.
+fn sweep_axis<A: Axis>(axis: &A, cx: &AxisContext<'_>) -> ExitCode {
     use crate::sweep;
-    use crate::sweep::order_axis;
     let wall = std::time::Instant::now();
-    let stop = opts.stop.clone().unwrap_or_default();
+    let stop = cx.opts.stop.clone().unwrap_or_default();
     let mut runs = Vec::new();
     let mut code = ExitCode::SUCCESS;
-    for &order in axis {
-        let (settings, label) = order_axis::with_order(&loaded.settings, order);
-        let mut o = opts.clone();
-        o.settings.push(("order".into(), label));
-        let dir = args.out.join(order_axis::dir_name(order));
+    for value in axis.values() {
+        let (settings, label) = axis.apply(&cx.loaded.settings, value);
+        let mut o = cx.opts.clone();
+        // The axis's value, over the config's.
+        o.settings.retain(|(k, _)| k != A::SETTING);
+        o.settings.push((A::SETTING.into(), label));
+        let dir = cx.out.join(A::dir_name(value));
         if let Err(e) = std::fs::create_dir_all(&dir) {
             say(&format!(
                 "error: cannot create the output directory `{}`: {e}",
@@ -350,109 +385,50 @@ fn sweep_order_axis(
             ));
             return ExitCode::from(EXIT_CONFIG);
         }
+        let manifest = &cx.loaded.manifest;
         let result = match sweep::run_sweep(&o, |b, r| {
-            sweep::cells::run_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
+            sweep::cells::run_cell(manifest, &settings, cx.base, cx.trace, b, r, &stop)
         }) {
             Ok(r) => r,
             Err(e) => {
-                say(&format!("error: under order {order}: {e}"));
+                say(&format!("error: {}: {e}", A::failure(value)));
                 return ExitCode::FAILURE;
             }
         };
         code = print_stdout(&format!(
-            "order: {order}\n{}",
+            "{}\n{}",
+            A::heading(value),
             sweep::output::table(&result)
         ));
-        if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
+        if let Err(e) = sweep::write_outputs(&result, &dir, cx.inputs) {
             say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
-        runs.push((order, result));
+        let interrupted = result.interrupted.clone();
+        runs.push(AxisRun {
+            value,
+            sweep: result,
+        });
+        if let Some(signal) = interrupted {
+            say(&format!(
+                "interrupted by {signal}: the outputs cover the replays that finished"
+            ));
+            code = ExitCode::from(crate::replay::signal_exit_code(&signal));
+            break;
+        }
     }
-    let cmp = order_axis::OrderComparison::of(&runs);
-    let _ = print_stdout(&cmp.table());
-    match cmp.write(&runs, &args.out) {
+    let written = A::compare(&runs).and_then(|cmp| {
+        let _ = print_stdout(&cmp.table);
+        write_files(cx.out, &cmp.files)
+    });
+    match written {
         Ok(paths) => {
             say(&format!(
-                "wrote {} runs into {}/order-*/ and {} in {:.1} s",
+                "wrote {} runs into {}/{}-*/ and {} in {:.1} s",
                 runs.len(),
-                config::problem::escape(&args.out.display().to_string()),
-                paths
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                wall.elapsed().as_secs_f64()
-            ));
-            code
-        }
-        Err(e) => {
-            say(&format!("error: {e}"));
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `sweep --kv-blocks` (`docs/kv-memory.md#in-a-sweep`): the grid once per KV pool size, each
-/// written into `OUT/kv-<blocks>/`, then their comparison (`OUT/kv.*`).
-fn sweep_kv_axis(
-    args: &SweepArgs,
-    opts: &crate::sweep::SweepOptions,
-    loaded: &LoadedConfig,
-    base: &crate::replay::ReplayOptions,
-    trace: &crate::replay::Trace,
-    inputs: &[PathBuf],
-    axis: &[crate::sweep::kv_axis::KvBlocks],
-) -> ExitCode {
-    use crate::sweep;
-    let wall = std::time::Instant::now();
-    let stop = opts.stop.clone().unwrap_or_default();
-    let mut runs = Vec::new();
-    let mut code = ExitCode::SUCCESS;
-    for kv in axis {
-        let (settings, label) = sweep::cells::with_kv(&loaded.settings, *kv);
-        let mut o = opts.clone();
-        o.settings.push(("KV memory".into(), label));
-        let dir = args.out.join(kv.dir_name());
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            say(&format!(
-                "error: cannot create the output directory `{}`: {e}",
-                config::problem::escape(&dir.display().to_string())
-            ));
-            return ExitCode::from(EXIT_CONFIG);
-        }
-        let result = match sweep::run_sweep(&o, |b, r| {
-            sweep::cells::run_cell(&loaded.manifest, &settings, base, trace, b, r, &stop)
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                say(&format!("error: with {kv} KV blocks: {e}"));
-                return ExitCode::FAILURE;
-            }
-        };
-        code = print_stdout(&format!(
-            "KV blocks: {kv}\n{}",
-            sweep::output::table(&result)
-        ));
-        if let Err(e) = sweep::write_outputs(&result, &dir, inputs) {
-            say(&format!("error: {e}"));
-            return ExitCode::FAILURE;
-        }
-        runs.push((*kv, result));
-    }
-    let cmp = sweep::kv_axis::KvComparison::of(&runs);
-    let _ = print_stdout(&cmp.table());
-    match cmp.write(&args.out) {
-        Ok(paths) => {
-            say(&format!(
-                "wrote {} runs into {}/kv-*/ and {} in {:.1} s",
-                runs.len(),
-                config::problem::escape(&args.out.display().to_string()),
-                paths
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                config::problem::escape(&cx.out.display().to_string()),
+                A::DIR_PREFIX,
+                file_names(&paths),
                 wall.elapsed().as_secs_f64()
             ));
             code

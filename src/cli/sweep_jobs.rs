@@ -494,12 +494,7 @@ pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
                 manifest.body.cells.len(),
                 config::problem::escape(&dir.display().to_string()),
                 config::problem::escape(&args.out.display().to_string()),
-                written
-                    .paths
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                super::sweep_cmd::file_names(&written.paths)
             ));
             code
         }

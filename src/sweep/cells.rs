@@ -1,14 +1,13 @@
 //! How a sweep runs its cells: each one a replay (`crate::replay`) of the shared trace at one
-//! budget and rate; the grid's budgets checked as the config would refuse them, the settings
-//! every cell shares as labels, and the config of one point of the KV axis.
+//! budget and rate; the grid's budgets checked as the config would refuse them, and the
+//! settings every cell shares as labels.
 
 use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 
-use super::kv_axis::KvBlocks;
 use super::{Budget, RunSummary};
 use crate::config::problem::{escape, escape_join};
-use crate::config::{KvSection, LoadedConfig, Settings};
+use crate::config::{LoadedConfig, Settings};
 use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
 
@@ -64,32 +63,6 @@ pub fn run_cell(
             None => Ok(RunSummary::from(&r)),
         }
     })
-}
-
-/// `settings` with the replay's KV pool of `kv` blocks (the configured block size and
-/// watermark kept), and how the sweep's settings label it.
-pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
-    let mut out = settings.clone();
-    let given = &settings.replay.kv;
-    out.replay.kv = KvSection {
-        blocks: match kv {
-            KvBlocks::Blocks(n) => Some(n),
-            KvBlocks::Unlimited => None,
-        },
-        block_tokens: given.block_tokens,
-        watermark: given.watermark,
-        ..Default::default()
-    };
-    let label = match kv {
-        KvBlocks::Blocks(n) => format!(
-            "{n} blocks of {} tokens (--kv-blocks)",
-            given
-                .block_tokens
-                .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
-        ),
-        KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
-    };
-    (out, label)
 }
 
 /// The settings every replay of a sweep shares, as label and value.

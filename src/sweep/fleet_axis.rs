@@ -6,47 +6,25 @@
 //! scale, the fewest workers whose fleet meets the objective. A sweep without either flag writes
 //! `sweep.csv` as before, without the columns.
 
-use std::path::{Path, PathBuf};
-
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
-use super::output::{to_csv, write_whole};
-use super::plots::{render_figure, series_color, text_style, Figure};
-use super::{Sweep, SweepError};
+use super::axis::{comparison, parse_list, Axis, AxisRun, Comparison};
+use super::grid::{split, Budget, GridError};
+use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
+use super::SweepError;
 use crate::config::Settings;
 use crate::replay::fleet::MAX_WORKERS;
 use crate::replay::RouterKind;
 use crate::text::{fmt_rate, round3};
 
-/// The comparison's CSV file.
-pub const FLEET_CSV: &str = "fleet.csv";
-/// The comparison as JSON.
-pub const FLEET_JSON: &str = "fleet.json";
+/// The stem of the comparison's files: `fleet.csv`, `fleet.json`, `fleet.svg`, `fleet.png`.
+pub const FLEET: &str = "fleet";
 /// The plot of the fewest workers, SVG and PNG.
 pub const FLEET_SVG: &str = "fleet.svg";
 /// See [`FLEET_SVG`].
 pub const FLEET_PNG: &str = "fleet.png";
-
-/// Splits a comma-separated list, refusing empty entries and more than [`MAX_AXIS_VALUES`].
-fn items<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
-    let bad = |problem: String| GridError { flag, problem };
-    let items: Vec<&str> = list.split(',').map(str::trim).collect();
-    if items.iter().any(|i| i.is_empty()) {
-        return Err(bad(format!(
-            "takes a comma-separated list without empty entries, got {list:?}"
-        )));
-    }
-    if items.len() > MAX_AXIS_VALUES {
-        return Err(bad(format!(
-            "takes at most {MAX_AXIS_VALUES} values, got {}",
-            items.len()
-        )));
-    }
-    Ok(items)
-}
 
 /// Parses `--workers`: fleet sizes from 1 to [`MAX_WORKERS`], ascending, each once.
 ///
@@ -58,7 +36,7 @@ pub fn parse_workers(list: &str) -> Result<Vec<u32>, GridError> {
         problem,
     };
     let mut out: Vec<u32> = Vec::new();
-    for item in items("--workers", list)? {
+    for item in split("--workers", list)? {
         let n = item
             .parse::<u32>()
             .ok()
@@ -85,19 +63,9 @@ pub fn parse_workers(list: &str) -> Result<Vec<u32>, GridError> {
 /// # Errors
 /// An empty entry, an unknown or repeated router.
 pub fn parse_routers(list: &str) -> Result<Vec<RouterKind>, GridError> {
-    let bad = |problem: String| GridError {
-        flag: "--routers",
-        problem,
-    };
-    let mut out = Vec::new();
-    for item in items("--routers", list)? {
-        let r: RouterKind = item.parse().map_err(|e| bad(format!("{e}")))?;
-        if out.contains(&r) {
-            return Err(bad(format!("names {r} twice")));
-        }
-        out.push(r);
-    }
-    Ok(out)
+    parse_list("--routers", list, |item| {
+        item.parse::<RouterKind>().map_err(|e| e.to_string())
+    })
 }
 
 /// `settings` with a fleet of `workers` behind `router` (over the config's `replay.fleet`),
@@ -108,10 +76,7 @@ pub fn with_fleet(settings: &Settings, router: RouterKind, workers: u32) -> (Set
     out.replay.fleet.workers = workers;
     (
         out,
-        format!(
-            "{} behind {router} (--workers, --routers)",
-            crate::text::plural(u64::from(workers), "worker")
-        ),
+        format!("{} (--workers, --routers)", Fleet { router, workers }),
     )
 }
 
@@ -120,15 +85,100 @@ pub fn dir_name(router: RouterKind, workers: u32) -> String {
     format!("fleet-{router}-{workers}")
 }
 
-/// One fleet's sweep.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FleetRun {
+/// One fleet of the axes: a number of workers behind a router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fleet {
     /// The router.
     pub router: RouterKind,
     /// The workers.
     pub workers: u32,
-    /// The grid, run on that fleet.
-    pub sweep: Sweep,
+}
+
+impl std::fmt::Display for Fleet {
+    /// `2 workers behind least_kv`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = crate::text::plural(u64::from(self.workers), "worker");
+        write!(f, "{n} behind {}", self.router)
+    }
+}
+
+/// One fleet's sweep.
+pub type FleetRun = AxisRun<Fleet>;
+
+/// `--workers` and `--routers`: the grid once per router and fleet size (routers in the order
+/// given, sizes ascending), each into `OUT/fleet-<router>-<n>/`, then the cells together
+/// (`OUT/sweep.csv`, with `router` and `workers` columns) and the fewest workers that meet the
+/// objective (`OUT/fleet.*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetAxis {
+    /// The routers, in the order given.
+    pub routers: Vec<RouterKind>,
+    /// The fleet sizes, ascending.
+    pub workers: Vec<u32>,
+}
+
+impl FleetAxis {
+    /// `--workers` and `--routers`, the one not given taken from the config's fleet
+    /// (`workers`, `router`); `None` when neither is given.
+    ///
+    /// # Errors
+    /// A refused list, naming its flag.
+    pub fn parse(
+        workers: Option<&str>,
+        routers: Option<&str>,
+        config: Fleet,
+    ) -> Result<Option<Self>, GridError> {
+        if workers.is_none() && routers.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            workers: workers.map_or(Ok(vec![config.workers]), parse_workers)?,
+            routers: routers.map_or(Ok(vec![config.router]), parse_routers)?,
+        }))
+    }
+}
+
+impl Axis for FleetAxis {
+    type Value = Fleet;
+    const SETTING: &'static str = "fleet";
+    const DIR_PREFIX: &'static str = "fleet";
+    const COLUMNS: Option<&'static [&'static str]> = Some(&["router", "workers"]);
+
+    fn values(&self) -> Vec<Fleet> {
+        self.routers
+            .iter()
+            .flat_map(|&router| {
+                self.workers
+                    .iter()
+                    .map(move |&workers| Fleet { router, workers })
+            })
+            .collect()
+    }
+    fn apply(&self, settings: &Settings, f: Fleet) -> (Settings, String) {
+        with_fleet(settings, f.router, f.workers)
+    }
+    fn dir_name(f: Fleet) -> String {
+        dir_name(f.router, f.workers)
+    }
+    fn heading(f: Fleet) -> String {
+        format!("fleet: {f}")
+    }
+    fn failure(f: Fleet) -> String {
+        format!("with {f}")
+    }
+    fn cells(f: Fleet) -> Vec<String> {
+        vec![f.router.as_str().to_owned(), f.workers.to_string()]
+    }
+    fn compare(runs: &[FleetRun]) -> Result<Comparison, SweepError> {
+        let cmp = FleetComparison::of(runs);
+        // Without an objective there is nothing to plot.
+        let plot = if cmp.fewest.is_empty() {
+            None
+        } else {
+            Some(render_figure("fleet", cmp.title(), &cmp)?)
+        };
+        comparison::<Self>(runs, FLEET, cmp.table(), cmp.to_csv(), &cmp, plot)
+    }
 }
 
 /// Under one router, one budget and one rate scale: the fewest workers that meet the objective.
@@ -188,12 +238,12 @@ impl FleetComparison {
     pub fn of(runs: &[FleetRun]) -> Self {
         let mut routers: Vec<RouterKind> = Vec::new();
         let mut workers: Vec<u32> = Vec::new();
-        for r in runs {
-            if !routers.contains(&r.router) {
-                routers.push(r.router);
+        for Fleet { router, workers: n } in runs.iter().map(|r| r.value) {
+            if !routers.contains(&router) {
+                routers.push(router);
             }
-            if !workers.contains(&r.workers) {
-                workers.push(r.workers);
+            if !workers.contains(&n) {
+                workers.push(n);
             }
         }
         workers.sort_unstable();
@@ -202,7 +252,8 @@ impl FleetComparison {
         let mut capacity = Vec::new();
         if with_slo {
             for &router in &routers {
-                let mine: Vec<&FleetRun> = runs.iter().filter(|r| r.router == router).collect();
+                let mine: Vec<&FleetRun> =
+                    runs.iter().filter(|r| r.value.router == router).collect();
                 let Some(first) = mine.first() else { continue };
                 for &budget in &first.sweep.budgets {
                     for &rate in &first.sweep.rates {
@@ -213,7 +264,7 @@ impl FleetComparison {
                     for c in &run.sweep.capacity {
                         capacity.push(FleetCapacity {
                             router: router.as_str(),
-                            workers: run.workers,
+                            workers: run.value.workers,
                             budget: c.budget,
                             capacity: c.label(),
                             capacity_rate: c.search.rate_scale,
@@ -288,47 +339,6 @@ impl FleetComparison {
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
-    }
-
-    /// Writes `fleet.csv`, `fleet.json`, the plot (`fleet.svg`, `fleet.png`, with an objective)
-    /// and the combined `sweep.csv` of `runs` into `dir`.
-    ///
-    /// # Errors
-    /// A file cannot be written or the plot drawn.
-    pub fn write(&self, runs: &[FleetRun], dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
-        let fail = |name: &str, e: String| SweepError::Write {
-            path: dir.join(name),
-            source: std::io::Error::other(e),
-        };
-        let csv = self.to_csv().map_err(|e| fail(FLEET_CSV, e.to_string()))?;
-        let mut json =
-            serde_json::to_vec_pretty(self).map_err(|e| fail(FLEET_JSON, e.to_string()))?;
-        json.push(b'\n');
-        let cells = combined_csv(runs).map_err(|e| fail(super::output::CSV_FILE, e.to_string()))?;
-        let plot = if self.fewest.is_empty() {
-            None
-        } else {
-            Some(render_figure("fleet", self.title(), self)?)
-        };
-        let mut files: Vec<(&str, &[u8])> = vec![
-            (super::output::CSV_FILE, &cells),
-            (FLEET_CSV, &csv),
-            (FLEET_JSON, &json),
-        ];
-        if let Some(p) = &plot {
-            files.push((FLEET_SVG, p.svg.as_bytes()));
-            files.push((FLEET_PNG, &p.png));
-        }
-        let mut paths = Vec::new();
-        for (name, bytes) in files {
-            let path = dir.join(name);
-            write_whole(&path, bytes).map_err(|source| SweepError::Write {
-                path: path.clone(),
-                source,
-            })?;
-            paths.push(path);
-        }
-        Ok(paths)
     }
 }
 
@@ -416,24 +426,14 @@ impl Figure for FleetComparison {
             } else {
                 (*router).to_string()
             };
-            chart
-                .draw_series(LineSeries::new(met.clone(), c.stroke_width(2)))?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-            chart.draw_series(met.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            marked_line(&mut chart, met, c, Some(name))?;
             chart.draw_series(
                 rows.iter()
                     .filter(|r| r.fewest_workers.is_none())
                     .map(|r| Circle::new((x(r.rate_scale) + shift, over), 5, c.stroke_width(2))),
             )?;
         }
-        chart
-            .configure_series_labels()
-            .label_font(text_style(13))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
+        legend(&mut chart, 13, SeriesLabelPosition::UpperLeft)?;
         Ok(())
     }
 }
@@ -443,7 +443,7 @@ impl Figure for FleetComparison {
 fn fewest_row(runs: &[&FleetRun], router: RouterKind, budget: Budget, rate: f64) -> FewestRow {
     let met = runs.iter().find_map(|r| {
         let c = r.sweep.cell(budget, rate)?;
-        (c.meets_slo == Some(true)).then_some((r.workers, c))
+        (c.meets_slo == Some(true)).then_some((r.value.workers, c))
     });
     FewestRow {
         router: router.as_str(),
@@ -455,204 +455,6 @@ fn fewest_row(runs: &[&FleetRun], router: RouterKind, budget: Budget, rate: f64)
     }
 }
 
-/// Every run's `sweep.csv` rows, each with its router and workers first, under one header:
-/// `router`, `workers`, then the columns of a sweep without the axes.
-///
-/// # Errors
-/// None in practice (written to memory).
-pub fn combined_csv(runs: &[FleetRun]) -> Result<Vec<u8>, csv::Error> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    let mut header_written = false;
-    for run in runs {
-        let one = to_csv(&run.sweep)?;
-        let mut r = csv::Reader::from_reader(one.as_slice());
-        if !header_written {
-            let mut h = vec!["router".to_string(), "workers".to_string()];
-            h.extend(r.headers()?.iter().map(str::to_owned));
-            w.write_record(&h)?;
-            header_written = true;
-        }
-        for rec in r.records() {
-            let rec = rec?;
-            let mut row = vec![run.router.as_str().to_string(), run.workers.to_string()];
-            row.extend(rec.iter().map(str::to_owned));
-            w.write_record(&row)?;
-        }
-    }
-    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sweep::tests::options;
-    use crate::sweep::{run_sweep, Slo};
-
-    #[test]
-    fn fleet_sizes_parse_ascending_and_routers_in_the_order_given() {
-        assert_eq!(parse_workers("1, 2,4,8").unwrap(), [1, 2, 4, 8]);
-        for (bad, says) in [
-            ("0", "from 1 to 256"),
-            ("257", "from 1 to 256"),
-            ("two", "\"two\""),
-            ("4,2", "got 2 after 4"),
-            ("2,2", "got 2 after 2"),
-            ("1,", "without empty entries"),
-        ] {
-            let e = parse_workers(bad).unwrap_err().to_string();
-            assert!(e.starts_with("`--workers`"), "{bad}: {e}");
-            assert!(e.contains(says), "{bad}: {e}");
-        }
-        assert_eq!(
-            parse_routers("prefix_affinity,round_robin").unwrap(),
-            [RouterKind::PrefixAffinity, RouterKind::RoundRobin]
-        );
-        let e = parse_routers("random").unwrap_err().to_string();
-        assert!(
-            e.starts_with("`--routers` unknown router \"random\""),
-            "{e}"
-        );
-        assert!(parse_routers("least_kv,least_kv")
-            .unwrap_err()
-            .to_string()
-            .contains("names least_kv twice"));
-    }
-
-    #[test]
-    fn a_fleet_overrides_the_configs_and_names_its_directory() {
-        let mut s = Settings::default();
-        s.replay.fleet.workers = 3;
-        let (out, label) = with_fleet(&s, RouterKind::LeastKv, 8);
-        assert_eq!(
-            (out.replay.fleet.workers, out.replay.fleet.router.as_str()),
-            (8, "least_kv")
-        );
-        assert_eq!(label, "8 workers behind least_kv (--workers, --routers)");
-        assert_eq!(
-            dir_name(RouterKind::PrefixAffinity, 4),
-            "fleet-prefix_affinity-4"
-        );
-    }
-
-    /// A fake fleet: latency falls as workers share the load (rate / workers), more slowly
-    /// behind round robin than behind least outstanding.
-    fn run(router: RouterKind, workers: u32) -> FleetRun {
-        let slo = Slo::new(Some(60.0), Some(5000.0)).unwrap();
-        let share = match router {
-            RouterKind::RoundRobin => 1.0,
-            _ => 0.8,
-        };
-        let sweep = run_sweep(&options(Some(slo)), |b, r| {
-            crate::sweep::tests::fake(b, r * share / f64::from(workers))
-        })
-        .unwrap();
-        FleetRun {
-            router,
-            workers,
-            sweep,
-        }
-    }
-
-    #[test]
-    fn the_fewest_workers_are_the_smallest_fleet_whose_cell_meets_the_objective() {
-        let mut runs = Vec::new();
-        for router in [RouterKind::RoundRobin, RouterKind::LeastOutstanding] {
-            for n in [1, 2, 4] {
-                runs.push(run(router, n));
-            }
-        }
-        let cmp = FleetComparison::of(&runs);
-        assert_eq!(cmp.routers, ["round_robin", "least_outstanding"]);
-        assert_eq!(cmp.workers, [1, 2, 4]);
-        // 2 routers × 3 budgets × 3 rates.
-        assert_eq!(cmp.fewest.len(), 18);
-        for row in &cmp.fewest {
-            let mine: Vec<&FleetRun> = runs
-                .iter()
-                .filter(|r| r.router.as_str() == row.router)
-                .collect();
-            let meets = |n: u32| {
-                mine.iter()
-                    .find(|r| r.workers == n)
-                    .and_then(|r| r.sweep.cell(row.budget, row.rate_scale))
-                    .and_then(|c| c.meets_slo)
-                    == Some(true)
-            };
-            match row.fewest_workers {
-                Some(n) => {
-                    assert!(meets(n), "{row:?}");
-                    assert!([1, 2, 4].iter().filter(|&&m| m < n).all(|&m| !meets(m)));
-                }
-                None => assert!([1, 2, 4].iter().all(|&m| !meets(m)), "{row:?}"),
-            }
-        }
-        // Least outstanding spreads better, so it never needs more workers.
-        for (rr, lo) in cmp.fewest[..9].iter().zip(&cmp.fewest[9..]) {
-            assert!(
-                lo.fewest_workers.unwrap_or(u32::MAX) <= rr.fewest_workers.unwrap_or(u32::MAX),
-                "{rr:?} vs {lo:?}"
-            );
-        }
-        // Some rate needs more than one worker, and somewhere the fleet sizes make a difference.
-        assert!(cmp.fewest.iter().any(|r| r.fewest_workers > Some(1)));
-        assert_eq!(cmp.capacity.len(), 2 * 3 * 3);
-        let table = cmp.table();
-        assert!(table.contains("fewest workers"), "{table}");
-        let csv = String::from_utf8(cmp.to_csv().unwrap()).unwrap();
-        assert!(csv.starts_with("router,budget,rate_scale,fewest_workers,ttft_p90_ms,tbt_p99_ms\n"));
-        assert_eq!(csv.lines().count(), 19);
-        let dir = tempfile::tempdir().unwrap();
-        let paths = cmp.write(&runs, dir.path()).unwrap();
-        let names: Vec<String> = paths
-            .iter()
-            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "sweep.csv",
-                "fleet.csv",
-                "fleet.json",
-                "fleet.svg",
-                "fleet.png"
-            ]
-        );
-        let svg = std::fs::read_to_string(dir.path().join(FLEET_SVG)).unwrap();
-        for router in ["round_robin", "least_outstanding"] {
-            assert!(svg.contains(&format!("{router}, budget 512")), "{router}");
-        }
-        let png = std::fs::read(dir.path().join(FLEET_PNG)).unwrap();
-        assert_eq!(png[..4], [0x89, b'P', b'N', b'G']);
-    }
-
-    #[test]
-    fn the_combined_csv_is_each_runs_csv_with_router_and_workers_first() {
-        let runs = [
-            run(RouterKind::RoundRobin, 1),
-            run(RouterKind::PrefixAffinity, 2),
-        ];
-        let all = String::from_utf8(combined_csv(&runs).unwrap()).unwrap();
-        let one = String::from_utf8(to_csv(&runs[0].sweep).unwrap()).unwrap();
-        let header = one.lines().next().unwrap();
-        assert_eq!(
-            all.lines().next().unwrap(),
-            format!("router,workers,{header}")
-        );
-        for (a, b) in all.lines().skip(1).zip(one.lines().skip(1)) {
-            assert_eq!(a, format!("round_robin,1,{b}"));
-        }
-        assert!(all
-            .lines()
-            .last()
-            .unwrap()
-            .starts_with("prefix_affinity,2,"));
-        // Without an objective there is nothing to find.
-        let plain = run_sweep(&options(None), crate::sweep::tests::fake).unwrap();
-        let cmp = FleetComparison::of(&[FleetRun {
-            router: RouterKind::RoundRobin,
-            workers: 1,
-            sweep: plain,
-        }]);
-        assert!(cmp.fewest.is_empty() && cmp.capacity.is_empty());
-    }
-}
+#[path = "tests/fleet_axis.rs"]
+mod tests;

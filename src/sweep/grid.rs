@@ -39,7 +39,9 @@ fn grid_budget(s: &str) -> Result<Budget, GridError> {
         })
 }
 
-fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
+/// Splits an axis's comma-separated list, refusing empty entries and more than
+/// [`MAX_AXIS_VALUES`].
+pub(crate) fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str>, GridError> {
     let items: Vec<&str> = list.split(',').map(str::trim).collect();
     if items.iter().any(|i| i.is_empty()) {
         return Err(GridError {

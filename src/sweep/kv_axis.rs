@@ -4,24 +4,23 @@
 //! budget's capacity and TTFT p90 per pool size.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
-use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
-use super::output::write_whole;
-use super::plots::{render_figure, series_color, text_style, Figure};
-use super::{Sweep, SweepError};
+use super::axis::{
+    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+};
+use super::grid::{Budget, GridError};
+use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
+use super::SweepError;
+use crate::config::{KvSection, LoadedConfig, Settings};
+use crate::replay::{ReplaySetup, Trace};
 use crate::text::fmt_rate;
 
 /// The most blocks `--kv-blocks` takes (as `replay.kv.blocks`).
 pub const MAX_KV_BLOCKS: u64 = 1 << 40;
-/// The comparison's CSV file.
-pub const KV_CSV: &str = "kv.csv";
-/// The comparison as JSON.
-pub const KV_JSON: &str = "kv.json";
 
 /// One pool size of the axis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,44 +61,22 @@ impl KvBlocks {
 /// each at most once, returned in ascending order with `unlimited` last.
 ///
 /// # Errors
-/// An empty entry, a bad or repeated value, or more than [`MAX_AXIS_VALUES`].
+/// An empty entry, a bad or repeated value, or more than [`super::grid::MAX_AXIS_VALUES`].
 pub fn parse_kv_blocks(list: &str) -> Result<Vec<KvBlocks>, GridError> {
-    let bad = |problem: String| GridError {
-        flag: "--kv-blocks",
-        problem,
-    };
-    let items: Vec<&str> = list.split(',').map(str::trim).collect();
-    if items.iter().any(|i| i.is_empty()) {
-        return Err(bad(format!(
-            "takes a comma-separated list without empty entries, got {list:?}"
-        )));
-    }
-    if items.len() > MAX_AXIS_VALUES {
-        return Err(bad(format!(
-            "takes at most {MAX_AXIS_VALUES} values, got {}",
-            items.len()
-        )));
-    }
-    let mut out: Vec<KvBlocks> = Vec::new();
-    for item in items {
-        let v = if item.eq_ignore_ascii_case("unlimited") || item.eq_ignore_ascii_case("off") {
-            KvBlocks::Unlimited
-        } else {
-            item.parse::<u64>()
-                .ok()
-                .filter(|n| (1..=MAX_KV_BLOCKS).contains(n))
-                .map(KvBlocks::Blocks)
-                .ok_or_else(|| {
-                    bad(format!(
-                        "takes whole numbers of KV blocks from 1 to {MAX_KV_BLOCKS}, or `unlimited`; got {item:?}"
-                    ))
-                })?
-        };
-        if out.contains(&v) {
-            return Err(bad(format!("names {v} twice")));
+    let mut out = parse_list("--kv-blocks", list, |item| {
+        if item.eq_ignore_ascii_case("unlimited") || item.eq_ignore_ascii_case("off") {
+            return Ok(KvBlocks::Unlimited);
         }
-        out.push(v);
-    }
+        item.parse::<u64>()
+            .ok()
+            .filter(|n| (1..=MAX_KV_BLOCKS).contains(n))
+            .map(KvBlocks::Blocks)
+            .ok_or_else(|| {
+                format!(
+                    "takes whole numbers of KV blocks from 1 to {MAX_KV_BLOCKS}, or `unlimited`; got {item:?}"
+                )
+            })
+    })?;
     out.sort_by_key(|v| match v {
         KvBlocks::Blocks(n) => *n,
         KvBlocks::Unlimited => u64::MAX,
@@ -107,27 +84,87 @@ pub fn parse_kv_blocks(list: &str) -> Result<Vec<KvBlocks>, GridError> {
     Ok(out)
 }
 
+/// `settings` with the replay's KV pool of `kv` blocks (the configured block size and
+/// watermark kept), and how the sweep's settings label it.
+pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+    let mut out = settings.clone();
+    let given = &settings.replay.kv;
+    out.replay.kv = KvSection {
+        blocks: match kv {
+            KvBlocks::Blocks(n) => Some(n),
+            KvBlocks::Unlimited => None,
+        },
+        block_tokens: given.block_tokens,
+        watermark: given.watermark,
+        ..Default::default()
+    };
+    let label = match kv {
+        KvBlocks::Blocks(n) => format!(
+            "{n} blocks of {} tokens (--kv-blocks)",
+            given
+                .block_tokens
+                .unwrap_or(crate::replay::settings::DEFAULT_KV_BLOCK_TOKENS)
+        ),
+        KvBlocks::Unlimited => "unlimited (--kv-blocks)".into(),
+    };
+    (out, label)
+}
+
+/// `--kv-blocks`: the grid once per KV pool size, each into `OUT/kv-<blocks>/`, then their
+/// comparison (`OUT/kv.*`); no combined `sweep.csv`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvAxis(pub Vec<KvBlocks>);
+
+impl Axis for KvAxis {
+    type Value = KvBlocks;
+    const SETTING: &'static str = "KV memory";
+    const DIR_PREFIX: &'static str = "kv";
+    const COLUMNS: Option<&'static [&'static str]> = None;
+
+    fn values(&self) -> Vec<KvBlocks> {
+        self.0.clone()
+    }
+    fn apply(&self, settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+        with_kv(settings, kv)
+    }
+    fn dir_name(kv: KvBlocks) -> String {
+        kv.dir_name()
+    }
+    fn heading(kv: KvBlocks) -> String {
+        format!("KV blocks: {kv}")
+    }
+    fn failure(kv: KvBlocks) -> String {
+        format!("with {kv} KV blocks")
+    }
+    /// Refuses a pool the replay would refuse: its `[replay]` settings, or a request of the
+    /// trace that could never fit in it.
+    fn check(&self, loaded: &LoadedConfig, trace: &Trace) -> Result<(), String> {
+        for kv in &self.0 {
+            let (settings, _) = with_kv(&loaded.settings, *kv);
+            ReplaySetup::resolve(&loaded.manifest, &settings)
+                .and_then(|setup| crate::replay::check_kv_fits(&setup, trace))
+                .map_err(|e| format!("`--kv-blocks` names {kv}: {e} (no replay ran)"))?;
+        }
+        Ok(())
+    }
+    fn compare(runs: &[AxisRun<KvBlocks>]) -> Result<Comparison, SweepError> {
+        let cmp = KvComparison::of(runs);
+        let plot = render_figure("kv", cmp.title(), &cmp)?;
+        comparison::<Self>(runs, "kv", cmp.table(), cmp.to_csv(), &cmp, Some(plot))
+    }
+}
+
 /// One budget under one pool size.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KvRow {
     /// The pool size.
     pub kv_blocks: KvBlocks,
-    /// The budget.
-    pub budget: Budget,
-    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
-    pub capacity: Option<String>,
-    /// The capacity's rate scale (`None`: none, or no SLO).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub capacity_rate: Option<f64>,
-    /// TTFT p90 and p99 and TBT p99 at the comparison's rate scale, simulated ms.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p90_ms: Option<f64>,
-    /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p99_ms: Option<f64>,
-    /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub tbt_p99_ms: Option<f64>,
+    /// The budget and its capacity.
+    #[serde(flatten)]
+    pub at: BudgetCapacity,
+    /// Its cell's tail latencies at the comparison's rate scale.
+    #[serde(flatten)]
+    pub tail: Tail,
 }
 
 /// The comparison of the pool sizes.
@@ -146,28 +183,19 @@ pub struct KvComparison {
 
 impl KvComparison {
     /// Compares the sweeps run under each pool size (same budgets and rates in each).
-    pub fn of(runs: &[(KvBlocks, Sweep)]) -> Self {
-        let rate_scale = runs.first().map_or(1.0, |(_, s)| s.step_time_rate);
-        let mut rows = Vec::new();
-        for (kv, sweep) in runs {
-            for b in &sweep.budgets {
-                let cap = sweep.capacity.iter().find(|c| c.budget == *b);
-                let cell = sweep.cell(*b, rate_scale).map(|c| &c.summary);
-                rows.push(KvRow {
-                    kv_blocks: *kv,
-                    budget: *b,
-                    capacity: cap.map(super::Capacity::label),
-                    capacity_rate: cap.and_then(|c| c.search.rate_scale),
-                    ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
-                    ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
-                    tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
-                });
-            }
-        }
+    pub fn of(runs: &[AxisRun<KvBlocks>]) -> Self {
+        let rate_scale = rate_of(runs);
+        let rows = budget_points(runs, rate_scale)
+            .map(|(kv, p)| KvRow {
+                kv_blocks: kv,
+                at: p.at,
+                tail: Tail::of(p.cell),
+            })
+            .collect();
         Self {
             rate_scale,
-            slo: runs.first().and_then(|(_, s)| s.slo),
-            kv_blocks: runs.iter().map(|(k, _)| *k).collect(),
+            slo: runs.first().and_then(|r| r.sweep.slo),
+            kv_blocks: runs.iter().map(|r| r.value).collect(),
             rows,
         }
     }
@@ -189,11 +217,11 @@ impl KvComparison {
             out.push_str(&format!(
                 "  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
                 r.kv_blocks.to_string(),
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_else(|| "-".into()),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms)
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms)
             ));
         }
         out
@@ -218,48 +246,15 @@ impl KvComparison {
         for r in &self.rows {
             w.write_record([
                 r.kv_blocks.to_string(),
-                r.budget.to_string(),
-                f(r.capacity_rate),
-                r.capacity.clone().unwrap_or_default(),
-                f(r.ttft_p90_ms),
-                f(r.ttft_p99_ms),
-                f(r.tbt_p99_ms),
+                r.at.budget.to_string(),
+                f(r.at.capacity_rate),
+                r.at.capacity.clone().unwrap_or_default(),
+                f(r.tail.ttft_p90_ms),
+                f(r.tail.ttft_p99_ms),
+                f(r.tail.tbt_p99_ms),
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
-    }
-
-    /// Writes `kv.csv`, `kv.json`, `kv.svg` and `kv.png` into `dir`; answers their paths.
-    ///
-    /// # Errors
-    /// A file could not be written or the plot drawn.
-    pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
-        let plot = render_figure("kv", self.title(), self)?;
-        let csv = self.to_csv().map_err(|e| SweepError::Write {
-            path: dir.join(KV_CSV),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let mut json = serde_json::to_vec_pretty(self).map_err(|e| SweepError::Write {
-            path: dir.join(KV_JSON),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        json.push(b'\n');
-        let files: [(&str, &[u8]); 4] = [
-            (KV_CSV, &csv),
-            (KV_JSON, &json),
-            ("kv.svg", plot.svg.as_bytes()),
-            ("kv.png", &plot.png),
-        ];
-        let mut paths = Vec::new();
-        for (name, bytes) in files {
-            let path = dir.join(name);
-            write_whole(&path, bytes).map_err(|source| SweepError::Write {
-                path: path.clone(),
-                source,
-            })?;
-            paths.push(path);
-        }
-        Ok(paths)
     }
 
     fn title(&self) -> String {
@@ -277,8 +272,8 @@ impl KvComparison {
     fn budgets(&self) -> Vec<Budget> {
         let mut v: Vec<Budget> = Vec::new();
         for r in &self.rows {
-            if !v.contains(&r.budget) {
-                v.push(r.budget);
+            if !v.contains(&r.at.budget) {
+                v.push(r.at.budget);
             }
         }
         v
@@ -286,6 +281,15 @@ impl KvComparison {
 
     fn x(&self, kv: KvBlocks) -> i32 {
         self.kv_blocks.iter().position(|k| *k == kv).unwrap_or(0) as i32
+    }
+
+    /// `budget`'s figure `y` at each pool size that has one.
+    fn points(&self, budget: Budget, y: impl Fn(&KvRow) -> Option<f64>) -> Vec<(i32, f64)> {
+        self.rows
+            .iter()
+            .filter(|r| r.at.budget == budget)
+            .filter_map(|r| Some((self.x(r.kv_blocks), y(r)?)))
+            .collect()
     }
 }
 
@@ -313,7 +317,7 @@ impl Figure for KvComparison {
         let top = self
             .rows
             .iter()
-            .filter_map(|r| r.capacity_rate)
+            .filter_map(|r| r.at.capacity_rate)
             .fold(0.0_f64, f64::max)
             .max(0.001)
             * 1.2;
@@ -336,33 +340,22 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts: Vec<(i32, f64)> = self
-                .rows
-                .iter()
-                .filter(|r| r.budget == *b)
-                .filter_map(|r| Some((self.x(r.kv_blocks), r.capacity_rate?)))
-                .collect();
-            let c = series_color(k);
-            chart
-                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-                .label(format!("budget {b}"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            let pts = self.points(*b, |r| r.at.capacity_rate);
+            marked_line(
+                &mut chart,
+                pts,
+                series_color(k),
+                Some(format!("budget {b}")),
+            )?;
         }
         if !budgets.is_empty() {
-            chart
-                .configure_series_labels()
-                .label_font(text_style(13))
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::LowerRight)
-                .draw()?;
+            legend(&mut chart, 13, SeriesLabelPosition::LowerRight)?;
         }
         // TTFT p90, log axis.
         let (lo, hi) = self
             .rows
             .iter()
-            .filter_map(|r| r.ttft_p90_ms)
+            .filter_map(|r| r.tail.ttft_p90_ms)
             .filter(|v| v.is_finite() && *v > 0.0)
             .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
                 (lo.min(v), hi.max(v))
@@ -391,15 +384,8 @@ impl Figure for KvComparison {
             .axis_desc_style(text_style(14))
             .draw()?;
         for (k, b) in budgets.iter().enumerate() {
-            let pts: Vec<(i32, f64)> = self
-                .rows
-                .iter()
-                .filter(|r| r.budget == *b)
-                .filter_map(|r| Some((self.x(r.kv_blocks), r.ttft_p90_ms?)))
-                .collect();
-            let c = series_color(k);
-            chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))?;
+            let pts = self.points(*b, |r| r.tail.ttft_p90_ms);
+            marked_line(&mut chart, pts, series_color(k), None)?;
         }
         Ok(())
     }

@@ -4,53 +4,29 @@
 //! `OUT/orders.csv`/`orders.json`, each budget's capacity and latency per order. A sweep
 //! without `--orders` writes `sweep.csv` as before, without the column.
 
-use std::path::{Path, PathBuf};
-
 use serde::Serialize;
 
-use super::grid::{Budget, GridError, MAX_AXIS_VALUES};
-use super::output::{to_csv, write_whole};
-use super::{Sweep, SweepError};
+use super::axis::{
+    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+};
+use super::grid::GridError;
+use super::SweepError;
 use crate::config::spelling::OrderSetting;
 use crate::config::Settings;
 use crate::order::Order;
 use crate::text::fmt_rate;
 
-/// The comparison's CSV file.
-pub const ORDERS_CSV: &str = "orders.csv";
-/// The comparison as JSON.
-pub const ORDERS_JSON: &str = "orders.json";
+/// The stem of the comparison's files: `orders.csv`, `orders.json`.
+pub const ORDERS: &str = "orders";
 
 /// Parses `--orders`: order names, each at most once, in the order given.
 ///
 /// # Errors
 /// An empty entry, an unknown or repeated order.
 pub fn parse_orders(list: &str) -> Result<Vec<Order>, GridError> {
-    let bad = |problem: String| GridError {
-        flag: "--orders",
-        problem,
-    };
-    let items: Vec<&str> = list.split(',').map(str::trim).collect();
-    if items.iter().any(|i| i.is_empty()) {
-        return Err(bad(format!(
-            "takes a comma-separated list without empty entries, got {list:?}"
-        )));
-    }
-    if items.len() > MAX_AXIS_VALUES {
-        return Err(bad(format!(
-            "takes at most {MAX_AXIS_VALUES} values, got {}",
-            items.len()
-        )));
-    }
-    let mut out = Vec::new();
-    for item in items {
-        let o: Order = item.parse().map_err(|e| bad(format!("{e}")))?;
-        if out.contains(&o) {
-            return Err(bad(format!("names {o} twice")));
-        }
-        out.push(o);
-    }
-    Ok(out)
+    parse_list("--orders", list, |item| {
+        item.parse::<Order>().map_err(|e| e.to_string())
+    })
 }
 
 /// `settings` with `order` for every node (over any `chunking.order` of the config), and the
@@ -66,30 +42,55 @@ pub fn dir_name(order: Order) -> String {
     format!("order-{order}")
 }
 
+/// `--orders`: the grid once per order, each into `OUT/order-<order>/`, then the cells together
+/// (`OUT/sweep.csv`, with an `order` column) and their comparison (`OUT/orders.*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderAxis(pub Vec<Order>);
+
+impl Axis for OrderAxis {
+    type Value = Order;
+    const SETTING: &'static str = "order";
+    const DIR_PREFIX: &'static str = "order";
+    const COLUMNS: Option<&'static [&'static str]> = Some(&["order"]);
+
+    fn values(&self) -> Vec<Order> {
+        self.0.clone()
+    }
+    fn apply(&self, settings: &Settings, order: Order) -> (Settings, String) {
+        with_order(settings, order)
+    }
+    fn dir_name(order: Order) -> String {
+        dir_name(order)
+    }
+    fn heading(order: Order) -> String {
+        format!("order: {order}")
+    }
+    fn failure(order: Order) -> String {
+        format!("under order {order}")
+    }
+    fn cells(order: Order) -> Vec<String> {
+        vec![order.as_str().to_owned()]
+    }
+    fn compare(runs: &[AxisRun<Order>]) -> Result<Comparison, SweepError> {
+        let cmp = OrderComparison::of(runs);
+        comparison::<Self>(runs, ORDERS, cmp.table(), cmp.to_csv(), &cmp, None)
+    }
+}
+
 /// One budget under one order.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OrderRow {
     /// The order.
     pub order: &'static str,
-    /// The budget.
-    pub budget: Budget,
-    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
-    pub capacity: Option<String>,
-    /// The capacity's rate scale (`None`: none, or no SLO).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub capacity_rate: Option<f64>,
+    /// The budget and its capacity.
+    #[serde(flatten)]
+    pub at: BudgetCapacity,
     /// TTFT p50, p90, p99 and TBT p99 at the comparison's rate scale, simulated ms.
     #[serde(serialize_with = "super::output::ser_opt_round")]
     pub ttft_p50_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p90_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub ttft_p99_ms: Option<f64>,
-    /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
-    pub tbt_p99_ms: Option<f64>,
+    /// Its cell's tail latencies at the comparison's rate scale.
+    #[serde(flatten)]
+    pub tail: Tail,
 }
 
 /// The comparison of the orders.
@@ -106,28 +107,19 @@ pub struct OrderComparison {
 
 impl OrderComparison {
     /// Compares the sweeps run under each order (same budgets and rates in each).
-    pub fn of(runs: &[(Order, Sweep)]) -> Self {
-        let rate_scale = runs.first().map_or(1.0, |(_, s)| s.step_time_rate);
-        let mut rows = Vec::new();
-        for (order, sweep) in runs {
-            for b in &sweep.budgets {
-                let cap = sweep.capacity.iter().find(|c| c.budget == *b);
-                let cell = sweep.cell(*b, rate_scale).map(|c| &c.summary);
-                rows.push(OrderRow {
-                    order: order.as_str(),
-                    budget: *b,
-                    capacity: cap.map(super::Capacity::label),
-                    capacity_rate: cap.and_then(|c| c.search.rate_scale),
-                    ttft_p50_ms: cell.and_then(|s| s.ttft_p50_ms),
-                    ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
-                    ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
-                    tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
-                });
-            }
-        }
+    pub fn of(runs: &[AxisRun<Order>]) -> Self {
+        let rate_scale = rate_of(runs);
+        let rows = budget_points(runs, rate_scale)
+            .map(|(order, p)| OrderRow {
+                order: order.as_str(),
+                at: p.at,
+                ttft_p50_ms: p.cell.and_then(|s| s.ttft_p50_ms),
+                tail: Tail::of(p.cell),
+            })
+            .collect();
         Self {
             rate_scale,
-            orders: runs.iter().map(|(o, _)| o.as_str()).collect(),
+            orders: runs.iter().map(|r| r.value.as_str()).collect(),
             rows,
         }
     }
@@ -150,12 +142,12 @@ impl OrderComparison {
             out.push_str(&format!(
                 "  {:<16} {:<8} {:>12} {:>14} {:>14} {:>14} {:>12}\n",
                 r.order,
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_else(|| "-".into()),
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
                 opt(r.ttft_p50_ms),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms)
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms)
             ));
         }
         out
@@ -178,75 +170,17 @@ impl OrderComparison {
         for r in &self.rows {
             w.write_record([
                 r.order.to_string(),
-                r.budget.to_string(),
-                r.capacity.clone().unwrap_or_default(),
-                opt(r.capacity_rate),
+                r.at.budget.to_string(),
+                r.at.capacity.clone().unwrap_or_default(),
+                opt(r.at.capacity_rate),
                 opt(r.ttft_p50_ms),
-                opt(r.ttft_p90_ms),
-                opt(r.ttft_p99_ms),
-                opt(r.tbt_p99_ms),
+                opt(r.tail.ttft_p90_ms),
+                opt(r.tail.ttft_p99_ms),
+                opt(r.tail.tbt_p99_ms),
             ])?;
         }
         w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
     }
-
-    /// Writes `orders.csv`, `orders.json` and the combined `sweep.csv` of `runs` into `dir`.
-    ///
-    /// # Errors
-    /// A file cannot be written.
-    pub fn write(&self, runs: &[(Order, Sweep)], dir: &Path) -> Result<Vec<PathBuf>, SweepError> {
-        let fail = |name: &str, e: String| SweepError::Write {
-            path: dir.join(name),
-            source: std::io::Error::other(e),
-        };
-        let csv = self.to_csv().map_err(|e| fail(ORDERS_CSV, e.to_string()))?;
-        let mut json =
-            serde_json::to_vec_pretty(self).map_err(|e| fail(ORDERS_JSON, e.to_string()))?;
-        json.push(b'\n');
-        let cells = combined_csv(runs).map_err(|e| fail(super::output::CSV_FILE, e.to_string()))?;
-        let files: [(&str, &[u8]); 3] = [
-            (super::output::CSV_FILE, &cells),
-            (ORDERS_CSV, &csv),
-            (ORDERS_JSON, &json),
-        ];
-        let mut paths = Vec::new();
-        for (name, bytes) in files {
-            let path = dir.join(name);
-            write_whole(&path, bytes).map_err(|source| SweepError::Write {
-                path: path.clone(),
-                source,
-            })?;
-            paths.push(path);
-        }
-        Ok(paths)
-    }
-}
-
-/// Every run's `sweep.csv` rows, each with its order first, under one header: `order`, then
-/// the columns of a sweep without the axis.
-///
-/// # Errors
-/// None in practice (written to memory).
-pub fn combined_csv(runs: &[(Order, Sweep)]) -> Result<Vec<u8>, csv::Error> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    let mut header_written = false;
-    for (order, sweep) in runs {
-        let one = to_csv(sweep)?;
-        let mut r = csv::Reader::from_reader(one.as_slice());
-        if !header_written {
-            let mut h = vec!["order".to_string()];
-            h.extend(r.headers()?.iter().map(str::to_owned));
-            w.write_record(&h)?;
-            header_written = true;
-        }
-        for rec in r.records() {
-            let rec = rec?;
-            let mut row = vec![order.as_str().to_string()];
-            row.extend(rec.iter().map(str::to_owned));
-            w.write_record(&row)?;
-        }
-    }
-    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
 
 #[cfg(test)]

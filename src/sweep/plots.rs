@@ -8,15 +8,13 @@
 use std::error::Error;
 use std::sync::OnceLock;
 
-use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle, RGBAColor};
 
-use super::capacity::slo_text;
+use super::charts::Chart;
 use super::raster::PngBackend;
-use super::{Bound, Sweep, SweepError};
-use crate::text::fmt_rate;
+use super::{Sweep, SweepError};
 
 /// Width of every plot, in pixels.
 pub const WIDTH: u32 = 960;
@@ -45,40 +43,6 @@ pub struct Plot {
 
 type Drawn = Result<(), Box<dyn Error>>;
 
-/// A budget's points on the trade-off plot: (TTFT p90, TBT p99, rate scale, meets the SLO).
-type Curve = Vec<(f64, f64, f64, bool)>;
-
-#[derive(Debug, Clone, Copy)]
-enum Kind {
-    Tradeoff,
-    Capacity,
-    StepTimes,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Tradeoff => "tradeoff",
-            Self::Capacity => "capacity",
-            Self::StepTimes => "step_times",
-        }
-    }
-
-    fn title(self, sweep: &Sweep) -> String {
-        match self {
-            Self::Tradeoff => "Time between tokens vs time to first token, by budget".into(),
-            Self::Capacity => match &sweep.slo {
-                Some(slo) => format!("Capacity under the SLO ({})", slo_text(slo)),
-                None => "Capacity under the SLO".into(),
-            },
-            Self::StepTimes => format!(
-                "Step-time distribution by budget at rate scale {}",
-                fmt_rate(sweep.step_time_rate)
-            ),
-        }
-    }
-}
-
 /// Registers the bundled font once per process (`plotters` keeps fonts in a global table).
 fn font() -> Result<(), SweepError> {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
@@ -100,41 +64,10 @@ fn font() -> Result<(), SweepError> {
 /// A plot cannot be drawn or encoded.
 pub fn draw_all(sweep: &Sweep) -> Result<Vec<Plot>, SweepError> {
     font()?;
-    let mut kinds = vec![Kind::Tradeoff];
-    if sweep.slo.is_some() {
-        kinds.push(Kind::Capacity);
-    }
-    kinds.push(Kind::StepTimes);
-    kinds.into_iter().map(|k| render(k, sweep)).collect()
-}
-
-fn render(kind: Kind, sweep: &Sweep) -> Result<Plot, SweepError> {
-    let err = |e: Box<dyn Error>| SweepError::Plot {
-        plot: kind.name(),
-        message: e.to_string(),
-    };
-    let title = kind.title(sweep);
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        draw(kind, &root, sweep, &title).map_err(err)?;
-        root.present().map_err(|e| err(e.into()))?;
-    }
-    let mut rgb = vec![0u8; WIDTH as usize * HEIGHT as usize * 3];
-    {
-        let backend =
-            PngBackend::new(&mut rgb, (WIDTH, HEIGHT), FONT).map_err(|e| err(e.into()))?;
-        let root = backend.into_drawing_area();
-        draw(kind, &root, sweep, &title).map_err(err)?;
-        root.present().map_err(|e| err(e.into()))?;
-    }
-    let png = encode_png(&rgb).map_err(|e| err(e.into()))?;
-    Ok(Plot {
-        name: kind.name(),
-        title,
-        svg,
-        png,
-    })
+    Chart::all(sweep)
+        .iter()
+        .map(|c| render_figure(c.name(), c.title(), c))
+        .collect()
 }
 
 fn encode_png(rgb: &[u8]) -> Result<Vec<u8>, png::EncodingError> {
@@ -148,23 +81,6 @@ fn encode_png(rgb: &[u8]) -> Result<Vec<u8>, png::EncodingError> {
     Ok(out)
 }
 
-fn draw<DB: DrawingBackend>(
-    kind: Kind,
-    root: &DrawingArea<DB, Shift>,
-    sweep: &Sweep,
-    title: &str,
-) -> Drawn
-where
-    DB::ErrorType: 'static,
-{
-    root.fill(&WHITE)?;
-    match kind {
-        Kind::Tradeoff => tradeoff(root, sweep, title),
-        Kind::Capacity => capacity(root, sweep, title),
-        Kind::StepTimes => step_times(root, sweep, title),
-    }
-}
-
 fn color(i: usize) -> RGBAColor {
     Palette99::pick(i).to_rgba()
 }
@@ -173,291 +89,7 @@ fn font_of(size: u32) -> TextStyle<'static> {
     (FAMILY, size).into_font().color(&BLACK)
 }
 
-/// `[lo, hi]` of positive values on a log scale: from the power of ten at or below `lo / 1.3`
-/// (so the axis is labelled from its start) to `hi * pad`; `None` without values.
-fn log_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
-    let (lo, hi) = values
-        .filter(|v| v.is_finite() && *v > 0.0)
-        .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
-            (lo.min(v), hi.max(v))
-        });
-    (hi > 0.0).then(|| (10f64.powf((lo / 1.3).log10().floor()), hi * pad))
-}
-
-/// A log-axis label: only at 1, 2 and 5 times a power of ten, where `plotters` puts a tick at
-/// every multiple and the labels of 6 to 9 would run into each other.
-fn fmt_log_ms(v: &f64) -> String {
-    if !(v.is_finite() && *v > 0.0) {
-        return String::new();
-    }
-    let lead = (v / 10f64.powf(v.log10().floor())).round();
-    if lead == 1.0 || lead == 2.0 || lead == 5.0 {
-        crate::text::fmt_ms(*v)
-    } else {
-        String::new()
-    }
-}
-
-fn no_data<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, why: &str) -> Drawn
-where
-    DB::ErrorType: 'static,
-{
-    root.draw(&Text::new(title.to_owned(), (20, 20), font_of(22)))?;
-    root.draw(&Text::new(why.to_owned(), (20, 60), font_of(16)))?;
-    Ok(())
-}
-
-/// TBT p99 against TTFT p90 (the percentiles the objective bounds), one line per budget through
-/// its rates (log-log); the objective's bounds as lines, and each point filled when its run
-/// meets the objective, hollow when it misses (with no objective, every point is filled).
-fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweep: &Sweep, title: &str) -> Drawn
-where
-    DB::ErrorType: 'static,
-{
-    let series: Vec<(String, Curve)> = sweep
-        .budgets
-        .iter()
-        .map(|b| {
-            let pts = sweep
-                .cells_of(*b)
-                .filter_map(|c| {
-                    let (x, y) = (c.summary.ttft_p90_ms?, c.summary.tbt_p99_ms?);
-                    let meets = sweep.slo.is_none_or(|slo| slo.meets(&c.summary));
-                    (x.is_finite() && y.is_finite() && x > 0.0 && y > 0.0).then_some((
-                        x,
-                        y,
-                        c.rate_scale,
-                        meets,
-                    ))
-                })
-                .collect();
-            (format!("budget {b}"), pts)
-        })
-        .collect();
-    let slo_tbt = sweep.slo.and_then(|s| s.tbt_p99_ms);
-    let slo_ttft = sweep.slo.and_then(|s| s.ttft_p90_ms);
-    let xs = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.0));
-    let ys = || series.iter().flat_map(|(_, p)| p.iter().map(|p| p.1));
-    // The y range is padded more: room above the highest point for the legend.
-    let (Some((x0, x1)), Some((y0, y1))) = (
-        log_range(xs().chain(slo_ttft), 1.3),
-        log_range(ys().chain(slo_tbt), 2.5),
-    ) else {
-        return no_data(root, title, "No run has both TTFT and TBT samples.");
-    };
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, font_of(22))
-        .margin(16)
-        .x_label_area_size(50)
-        .y_label_area_size(70)
-        .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())?;
-    chart
-        .configure_mesh()
-        .x_desc("TTFT p90 (simulated ms, log scale)")
-        .y_desc("TBT p99 (simulated ms, log scale)")
-        .x_label_formatter(&fmt_log_ms)
-        .y_label_formatter(&fmt_log_ms)
-        // Light lines crowd near each power of ten on a log axis.
-        .max_light_lines(0)
-        .label_style(font_of(14))
-        .axis_desc_style(font_of(16))
-        .draw()?;
-    for (i, (label, pts)) in series.iter().enumerate() {
-        let c = color(i);
-        chart
-            .draw_series(LineSeries::new(
-                pts.iter().map(|p| (p.0, p.1)),
-                c.stroke_width(2),
-            ))?
-            .label(label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        // Filled: the run meets the objective; hollow: it misses.
-        chart.draw_series(pts.iter().map(|p| {
-            let style = if p.3 { c.filled() } else { c.stroke_width(2) };
-            Circle::new((p.0, p.1), 4, style)
-        }))?;
-        chart.draw_series(pts.iter().map(|p| {
-            EmptyElement::at((p.0, p.1))
-                + Text::new(format!("{}x", fmt_rate(p.2)), (6, -16), font_of(12))
-        }))?;
-    }
-    if let Some(t) = slo_tbt {
-        chart
-            .draw_series(LineSeries::new([(x0, t), (x1, t)], RED.stroke_width(1)))?
-            .label(format!("SLO: TBT p99 <= {t} ms"))
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
-    }
-    if let Some(t) = slo_ttft {
-        chart
-            .draw_series(LineSeries::new([(t, y0), (t, y1)], BLUE.stroke_width(1)))?
-            .label(format!("SLO: TTFT p90 <= {t} ms"))
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
-    }
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    Ok(())
-}
-
-/// The capacity of each budget as a bar, the trace's own rate (1x) as a line.
-fn capacity<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweep: &Sweep, title: &str) -> Drawn
-where
-    DB::ErrorType: 'static,
-{
-    let caps = &sweep.capacity;
-    if caps.is_empty() {
-        return no_data(root, title, "No capacity was searched.");
-    }
-    let n = caps.len() as i32;
-    let top = caps
-        .iter()
-        .filter_map(|c| c.search.rate_scale)
-        .fold(1.0_f64, f64::max)
-        * 1.25;
-    let names: Vec<String> = caps.iter().map(|c| c.budget.to_string()).collect();
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, font_of(22))
-        .margin(16)
-        .x_label_area_size(50)
-        .y_label_area_size(70)
-        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..top)?;
-    // The left edge of bar `i`; the last bar ends at the axis' end.
-    let edge = |i: i32| {
-        if i >= n {
-            SegmentValue::Last
-        } else {
-            SegmentValue::Exact(i)
-        }
-    };
-    let label = |v: &SegmentValue<i32>| match v {
-        SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => usize::try_from(*i)
-            .ok()
-            .and_then(|i| names.get(i).cloned())
-            .unwrap_or_default(),
-        SegmentValue::Last => String::new(),
-    };
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(caps.len())
-        .x_label_formatter(&label)
-        .x_desc("token budget")
-        .y_desc("highest rate scale meeting the SLO")
-        .label_style(font_of(14))
-        .axis_desc_style(font_of(16))
-        .draw()?;
-    for (i, c) in caps.iter().enumerate() {
-        let x = i as i32;
-        let height = c.search.rate_scale.unwrap_or(0.0);
-        let fill = color(i);
-        let mut bar = Rectangle::new(
-            [
-                (SegmentValue::Exact(x), 0.0),
-                (SegmentValue::Exact(x + 1), height),
-            ],
-            fill.filled(),
-        );
-        bar.set_margin(0, 0, 20, 20);
-        chart.draw_series([bar])?;
-        let text = match c.search.bound {
-            Bound::BelowMin => "none".to_owned(),
-            _ => c.label(),
-        };
-        chart.draw_series([EmptyElement::at((SegmentValue::CenterOf(x), height))
-            + Text::new(text, (-24, -20), font_of(14))])?;
-    }
-    chart
-        .draw_series(LineSeries::new(
-            [(edge(0), 1.0), (edge(n), 1.0)],
-            BLACK.stroke_width(1),
-        ))?
-        .label("1x: the trace's own rate")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
-    Ok(())
-}
-
-/// The step-time CDF of each budget at the sweep's step-time rate.
-fn step_times<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    sweep: &Sweep,
-    title: &str,
-) -> Drawn
-where
-    DB::ErrorType: 'static,
-{
-    let series: Vec<(String, &[f64])> = sweep
-        .budgets
-        .iter()
-        .filter_map(|b| {
-            let c = sweep.cell(*b, sweep.step_time_rate)?;
-            let p = c.summary.step_ms.percentiles_ms.as_slice();
-            (!p.is_empty()).then(|| (format!("budget {b}"), p))
-        })
-        .collect();
-    let top = series
-        .iter()
-        .flat_map(|(_, p)| p.iter().copied())
-        .filter(|v| v.is_finite())
-        .fold(0.0_f64, f64::max);
-    if series.is_empty() || top <= 0.0 {
-        return no_data(root, title, "No run at this rate scale has step times.");
-    }
-    // A log axis: a budget's steps cluster at a few tens of ms while an unbudgeted run's
-    // longest prompt takes seconds; a linear axis would squash every curve against the left.
-    let bottom = series
-        .iter()
-        .flat_map(|(_, p)| p.iter().copied())
-        .filter(|v| v.is_finite() && *v > 0.0)
-        .fold(top, f64::min);
-    let (x0, x1) = (bottom / 1.2, top * 1.2);
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, font_of(22))
-        .margin(16)
-        .x_label_area_size(50)
-        .y_label_area_size(70)
-        .build_cartesian_2d((x0..x1).log_scale(), 0.0..1.0)?;
-    chart
-        .configure_mesh()
-        .x_desc("step time (simulated ms, log scale)")
-        .y_desc("fraction of steps at or below")
-        .label_style(font_of(14))
-        .axis_desc_style(font_of(16))
-        .draw()?;
-    for (i, (label, p)) in series.iter().enumerate() {
-        let c = color(i);
-        let last = (p.len().max(2) - 1) as f64;
-        chart
-            .draw_series(LineSeries::new(
-                p.iter()
-                    .enumerate()
-                    .map(|(k, v)| (v.max(x0), k as f64 / last)),
-                c.stroke_width(2),
-            ))?
-            .label(label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .label_font(font_of(14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
-    Ok(())
-}
-
-/// A plot drawn outside this module (the KV axis, `kv_axis.rs`), on any backend.
+/// A plot, on any backend: the sweep's own (`charts.rs`) and each axis's comparison.
 pub(crate) trait Figure {
     /// Draws the plot on `root`, already filled white.
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Drawn
@@ -504,6 +136,53 @@ pub(crate) fn render_figure(
     })
 }
 
+/// Draws the legend of `chart`'s labelled series at `at`, in text of `size`, as every plot of
+/// a sweep does.
+pub(crate) fn legend<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    size: u32,
+    at: SeriesLabelPosition,
+) -> Drawn
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .label_font(font_of(size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(at)
+        .draw()?;
+    Ok(())
+}
+
+/// Draws `pts` as a line of colour `c` with a dot at each point; with a label, the line is in
+/// the legend under it.
+pub(crate) fn marked_line<'a, DB, X, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+    pts: Vec<(X::ValueType, Y::ValueType)>,
+    c: RGBAColor,
+    label: Option<String>,
+) -> Drawn
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    X: Ranged,
+    Y: Ranged,
+    X::ValueType: Clone + 'static,
+    Y::ValueType: Clone + 'static,
+{
+    let line = chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
+    if let Some(name) = label {
+        line.label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
+    Ok(())
+}
+
 /// The palette and fonts of the sweep's plots, for [`Figure`]s.
 pub(crate) fn series_color(i: usize) -> RGBAColor {
     color(i)
@@ -516,6 +195,7 @@ pub(crate) fn text_style(size: u32) -> TextStyle<'static> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::charts::{fmt_log_ms, log_range};
     use super::super::tests::{options, sample_sweep};
     use super::super::{run_sweep, RunSummary};
     use super::*;

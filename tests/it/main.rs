@@ -24,6 +24,7 @@ mod setting_flags;
 mod sim_truth;
 mod state_machine;
 mod sweep_cli;
+mod sweep_digests;
 mod time_budget;
 mod trusted_sweep;
 mod truth_cli;

@@ -7,6 +7,13 @@ use super::memory::KvState;
 use crate::replay::priority::ByClass;
 use crate::replay::report::{Latency, ReplayReport, StepDurations};
 
+/// Adds each named count of `$from` into `$into`.
+macro_rules! add_counts {
+    ($into:expr, $from:expr; $($field:ident),+ $(,)?) => {
+        $( $into.$field += $from.$field; )+
+    };
+}
+
 /// One simulation's (or a fleet's pooled) counts and samples.
 pub(crate) struct Tally {
     /// The report with every count filled in; percentiles and ratios are computed by
@@ -35,32 +42,14 @@ impl Tally {
     /// largest peaks, the latest end. The latency model kept is this tally's.
     pub fn absorb(&mut self, other: Tally) {
         let (a, b) = (&mut self.report, other.report);
-        a.steps += b.steps;
-        a.budgeted_steps += b.budgeted_steps;
-        let (t, u) = (&mut a.tokens, b.tokens);
-        t.scheduled += u.scheduled;
-        t.ran += u.ran;
-        t.prefill += u.prefill;
-        t.cached += u.cached;
-        t.decode += u.decode;
-        t.generated += u.generated;
-        a.cut_steps += b.cut_steps;
-        let (c, d) = (&mut a.chunks, b.chunks);
-        c.total += d.total;
-        c.final_chunks += d.final_chunks;
-        c.prompts_cut += d.prompts_cut;
-        c.prefix_cache_hits += d.prefix_cache_hits;
-        let (o, p) = (&mut a.overruns, b.overruns);
-        o.total += p.total;
-        o.uncut_row += p.uncut_row;
-        o.speculation_estimate += p.speculation_estimate;
-        o.other += p.other;
-        let (o, p) = (&mut a.time_overruns, b.time_overruns);
-        o.total += p.total;
-        o.floor += p.floor;
-        o.uncut_row += p.uncut_row;
-        o.continuing += p.continuing;
-        o.misprediction += p.misprediction;
+        add_counts!(a, b; steps, budgeted_steps, cut_steps, decode_row_waits);
+        add_counts!(a.tokens, b.tokens; scheduled, ran, prefill, cached, decode, generated);
+        add_counts!(a.chunks, b.chunks; total, final_chunks, prompts_cut, prefix_cache_hits);
+        add_counts!(a.overruns, b.overruns; total, uncut_row, speculation_estimate, other);
+        add_counts!(
+            a.time_overruns, b.time_overruns;
+            total, floor, uncut_row, continuing, misprediction
+        );
         if let Some(u) = b.time_budget {
             let t = a.time_budget.get_or_insert_with(Default::default);
             t.steps += u.steps;
@@ -69,7 +58,6 @@ impl Tally {
                 t.inactive_reason = u.inactive_reason;
             }
         }
-        a.decode_row_waits += b.decode_row_waits;
         a.step_ms.absorb(&b.step_ms);
         for w in b.warnings {
             if !a.warnings.contains(&w) {
@@ -78,10 +66,7 @@ impl Tally {
         }
         a.peak_prepared_rows = a.peak_prepared_rows.max(b.peak_prepared_rows);
         a.peak_prepared_tokens = a.peak_prepared_tokens.max(b.peak_prepared_tokens);
-        self.budget_sum += other.budget_sum;
-        self.budget_used += other.budget_used;
-        self.cut_budget_sum += other.cut_budget_sum;
-        self.cut_budget_used += other.cut_budget_used;
+        add_counts!(self, other; budget_sum, budget_used, cut_budget_sum, cut_budget_used);
         self.ttft.extend(other.ttft);
         self.tbt.absorb(&other.tbt);
         self.by_class.absorb(other.by_class);

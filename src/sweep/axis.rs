@@ -1,0 +1,259 @@
+//! What every axis of a sweep shares (`docs/layout.md#adding-a-sweep-axis`): an axis is a list
+//! of values, each changing the settings every cell runs under; the grid runs once per value,
+//! each run into `OUT/<dir>/` with the usual files, then the axis compares the runs.
+//!
+//! An axis file describes only what is particular to it by implementing [`Axis`]: how a value
+//! changes the settings and is named, the columns it adds to the combined `sweep.csv` (if it
+//! writes one), and its comparison's table and files. The runner (`cli::sweep_cmd`), the
+//! combined CSV ([`combined_csv`]) and the writing of the files ([`write_files`]) are here,
+//! once for every axis.
+
+use std::path::{Path, PathBuf};
+
+use super::output::{to_csv, write_whole, CSV_FILE};
+use super::plots::Plot;
+use super::{Budget, RunSummary, Sweep, SweepError};
+use crate::config::{LoadedConfig, Settings};
+use crate::replay::Trace;
+
+/// One run of the grid under one value of an axis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AxisRun<V> {
+    /// The value.
+    pub value: V,
+    /// The grid, run under it.
+    pub sweep: Sweep,
+}
+
+/// What an axis compares across its runs: the terminal table and the files, in the order they
+/// are written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Comparison {
+    /// The table printed after the runs.
+    pub table: String,
+    /// Each file's name in the output directory, and its bytes.
+    pub files: Vec<(String, Vec<u8>)>,
+}
+
+/// One axis of a sweep: its values and what is particular to it.
+pub trait Axis {
+    /// One value of the axis.
+    type Value: Copy + Send + Sync;
+    /// The label its value is shown under among the settings (`order`, `KV memory`, `fleet`);
+    /// it replaces the config's own label of that name.
+    const SETTING: &'static str;
+    /// The prefix of its runs' directories (`order` for `OUT/order-*/`).
+    const DIR_PREFIX: &'static str;
+    /// The columns each value adds before a sweep's own in the combined `sweep.csv`; `None`:
+    /// the axis writes no combined `sweep.csv`.
+    const COLUMNS: Option<&'static [&'static str]>;
+
+    /// The values, in the order they run.
+    fn values(&self) -> Vec<Self::Value>;
+    /// `settings` under `value`, and the label the run's settings show.
+    fn apply(&self, settings: &Settings, value: Self::Value) -> (Settings, String);
+    /// The subdirectory a run under `value` is written to (starts with `DIR_PREFIX-`).
+    fn dir_name(value: Self::Value) -> String;
+    /// The heading of its run's table (`order: fcfs`).
+    fn heading(value: Self::Value) -> String;
+    /// The run's name in an error (`under order fcfs`).
+    fn failure(value: Self::Value) -> String;
+    /// Its cells of the [`Axis::COLUMNS`], in order.
+    fn cells(value: Self::Value) -> Vec<String> {
+        let _ = value;
+        Vec::new()
+    }
+    /// Refuses, before anything runs, a value the replay would refuse.
+    ///
+    /// # Errors
+    /// The first refused value, naming its flag.
+    fn check(&self, loaded: &LoadedConfig, trace: &Trace) -> Result<(), String> {
+        let _ = (loaded, trace);
+        Ok(())
+    }
+    /// The comparison of the runs (each under one value, in the order run).
+    ///
+    /// # Errors
+    /// A file cannot be made (a plot drawn, a CSV or JSON written).
+    fn compare(runs: &[AxisRun<Self::Value>]) -> Result<Comparison, SweepError>;
+}
+
+/// Every run's `sweep.csv` rows, each with its value's [`Axis::cells`] first, under one header:
+/// the axis's columns, then the columns of a sweep without the axis.
+///
+/// # Errors
+/// None in practice (written to memory).
+pub fn combined_csv<A: Axis>(runs: &[AxisRun<A::Value>]) -> Result<Vec<u8>, csv::Error> {
+    let columns = A::COLUMNS.unwrap_or_default();
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let mut header_written = false;
+    for run in runs {
+        let one = to_csv(&run.sweep)?;
+        let mut r = csv::Reader::from_reader(one.as_slice());
+        if !header_written {
+            let mut h: Vec<String> = columns.iter().map(|c| (*c).to_owned()).collect();
+            h.extend(r.headers()?.iter().map(str::to_owned));
+            w.write_record(&h)?;
+            header_written = true;
+        }
+        for rec in r.records() {
+            let mut row = A::cells(run.value);
+            row.extend(rec?.iter().map(str::to_owned));
+            w.write_record(&row)?;
+        }
+    }
+    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+}
+
+/// An axis's comparison: its `table`, then its files: the combined `sweep.csv` of `runs` (when
+/// the axis writes one), `{stem}.csv`, `{stem}.json` (`json`, pretty, with a final newline) and
+/// the plot, if any, as `{stem}.svg` and `{stem}.png`.
+///
+/// # Errors
+/// A CSV or the JSON cannot be written.
+pub fn comparison<A: Axis>(
+    runs: &[AxisRun<A::Value>],
+    stem: &str,
+    table: String,
+    csv: Result<Vec<u8>, csv::Error>,
+    json: &impl serde::Serialize,
+    plot: Option<Plot>,
+) -> Result<Comparison, SweepError> {
+    let mut files = Vec::new();
+    if A::COLUMNS.is_some() {
+        let cells = combined_csv::<A>(runs).map_err(|e| failed(CSV_FILE, e))?;
+        files.push((CSV_FILE.to_owned(), cells));
+    }
+    let csv_name = format!("{stem}.csv");
+    let json_name = format!("{stem}.json");
+    let csv = csv.map_err(|e| failed(&csv_name, e))?;
+    let mut json = serde_json::to_vec_pretty(json).map_err(|e| failed(&json_name, e))?;
+    json.push(b'\n');
+    files.extend([(csv_name, csv), (json_name, json)]);
+    if let Some(p) = plot {
+        files.push((format!("{stem}.svg"), p.svg.into_bytes()));
+        files.push((format!("{stem}.png"), p.png));
+    }
+    Ok(Comparison { table, files })
+}
+
+/// A file of a comparison that could not be made.
+pub fn failed(name: &str, e: impl std::fmt::Display) -> SweepError {
+    SweepError::Write {
+        path: PathBuf::from(name),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// Writes each file whole into `dir`; answers their paths, in order.
+///
+/// # Errors
+/// A file cannot be written.
+pub fn write_files(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<Vec<PathBuf>, SweepError> {
+    let mut paths = Vec::with_capacity(files.len());
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        write_whole(&path, bytes).map_err(|source| SweepError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
+/// Splits an axis's comma-separated list, refusing empty entries and more than
+/// [`super::grid::MAX_AXIS_VALUES`], and refuses a value named twice.
+///
+/// # Errors
+/// An empty entry, too many, a value `parse` refuses, or a repeated one.
+pub fn parse_list<T: PartialEq + std::fmt::Display>(
+    flag: &'static str,
+    list: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, super::GridError> {
+    let bad = |problem: String| super::GridError { flag, problem };
+    let mut out: Vec<T> = Vec::new();
+    for item in super::grid::split(flag, list)? {
+        let v = parse(item).map_err(bad)?;
+        if out.contains(&v) {
+            return Err(bad(format!("names {v} twice")));
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// The rate scale a comparison takes its latencies at: the sweep's step-time rate.
+pub fn rate_of<V>(runs: &[AxisRun<V>]) -> f64 {
+    runs.first().map_or(1.0, |r| r.sweep.step_time_rate)
+}
+
+/// A budget and its capacity under the SLO, as a comparison's row shows them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct BudgetCapacity {
+    /// The budget.
+    pub budget: Budget,
+    /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
+    pub capacity: Option<String>,
+    /// The capacity's rate scale (`None`: none, or no SLO).
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub capacity_rate: Option<f64>,
+}
+
+/// The tail latencies a comparison's row shows of a cell: TTFT p90 and p99 and TBT p99 at
+/// the comparison's rate scale, simulated ms (`None`: no cell, or no samples).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Tail {
+    /// TTFT p90.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p90_ms: Option<f64>,
+    /// TTFT p99.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub ttft_p99_ms: Option<f64>,
+    /// TBT p99.
+    #[serde(serialize_with = "super::output::ser_opt_round")]
+    pub tbt_p99_ms: Option<f64>,
+}
+
+impl Tail {
+    /// The tail of `cell`.
+    pub fn of(cell: Option<&RunSummary>) -> Self {
+        Self {
+            ttft_p90_ms: cell.and_then(|s| s.ttft_p90_ms),
+            ttft_p99_ms: cell.and_then(|s| s.ttft_p99_ms),
+            tbt_p99_ms: cell.and_then(|s| s.tbt_p99_ms),
+        }
+    }
+}
+
+/// One budget of one run, as a comparison shows it: its capacity and its cell at one rate.
+#[derive(Debug, Clone)]
+pub struct BudgetPoint<'a> {
+    /// The budget and its capacity.
+    pub at: BudgetCapacity,
+    /// The cell at the comparison's rate, if it ran.
+    pub cell: Option<&'a RunSummary>,
+}
+
+/// Every run's budgets, in order, with the run's value, at `rate`.
+pub fn budget_points<V: Copy>(
+    runs: &[AxisRun<V>],
+    rate: f64,
+) -> impl Iterator<Item = (V, BudgetPoint<'_>)> {
+    runs.iter().flat_map(move |run| {
+        run.sweep.budgets.iter().map(move |b| {
+            let cap = run.sweep.capacity.iter().find(|c| c.budget == *b);
+            let at = BudgetCapacity {
+                budget: *b,
+                capacity: cap.map(super::Capacity::label),
+                capacity_rate: cap.and_then(|c| c.search.rate_scale),
+            };
+            let point = BudgetPoint {
+                at,
+                cell: run.sweep.cell(*b, rate).map(|c| &c.summary),
+            };
+            (run.value, point)
+        })
+    })
+}

@@ -1,0 +1,137 @@
+//! What one replay tells a sweep: its latencies and its step times as percentiles.
+
+use serde::Serialize;
+
+use super::output;
+
+/// Percentiles kept of a run's step times: p0, p1, …, p100.
+pub const STEP_QUANTILES: usize = 100;
+
+/// What one replay tells a sweep.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RunSummary {
+    /// Requests replayed.
+    pub requests: usize,
+    /// Steps run.
+    pub steps: u64,
+    /// Steps that ran over their token budget.
+    pub overruns: u64,
+    /// Budget utilisation of the budgeted steps, in `[0, 1]`; `None` without a budgeted step.
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub budget_utilisation: Option<f64>,
+    /// Time between tokens, simulated ms: p50 and p99 (`None` without samples).
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub tbt_p50_ms: Option<f64>,
+    /// See `tbt_p50_ms`.
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub tbt_p99_ms: Option<f64>,
+    /// Time to first token, simulated ms: p50, p90 and p99 (`None` without samples).
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub ttft_p50_ms: Option<f64>,
+    /// See `ttft_p50_ms`.
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub ttft_p90_ms: Option<f64>,
+    /// See `ttft_p50_ms`.
+    #[serde(serialize_with = "output::ser_opt_round")]
+    pub ttft_p99_ms: Option<f64>,
+    /// The distribution of step durations.
+    pub step_ms: StepTimes,
+}
+
+/// The distribution of a run's step durations, as its percentiles p0 … p100 (nearest rank), in
+/// simulated ms; empty without steps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StepTimes {
+    /// `STEP_QUANTILES + 1` values, non-decreasing, or none.
+    #[serde(serialize_with = "output::ser_vec_round")]
+    pub percentiles_ms: Vec<f64>,
+}
+
+impl StepTimes {
+    /// The percentiles of `samples` (non-finite ones left out; reordered in place).
+    pub fn from_samples(samples: &mut Vec<f64>) -> Self {
+        samples.retain(|s| s.is_finite());
+        samples.sort_by(f64::total_cmp);
+        let percentiles_ms = if samples.is_empty() {
+            Vec::new()
+        } else {
+            (0..=STEP_QUANTILES)
+                .filter_map(|i| nearest_rank(samples, i as f64 / STEP_QUANTILES as f64))
+                .collect()
+        };
+        Self { percentiles_ms }
+    }
+
+    /// The `p`-th percentile (`p` in 0..=100), if there were steps.
+    pub fn percentile(&self, p: usize) -> Option<f64> {
+        self.percentiles_ms.get(p).copied()
+    }
+}
+
+/// What a sweep keeps of one replay: its latencies, and its step durations as the
+/// percentiles of the report's histogram.
+#[cfg(feature = "replay")]
+impl From<&crate::replay::ReplayReport> for RunSummary {
+    fn from(r: &crate::replay::ReplayReport) -> Self {
+        let step_ms = StepTimes {
+            percentiles_ms: if r.step_ms.is_empty() {
+                Vec::new()
+            } else {
+                (0..=STEP_QUANTILES)
+                    .filter_map(|i| r.step_ms.quantile(i as f64 / STEP_QUANTILES as f64))
+                    .collect()
+            },
+        };
+        Self {
+            requests: r.requests,
+            steps: r.steps,
+            overruns: r.overruns.total,
+            budget_utilisation: r.budget_utilisation,
+            tbt_p50_ms: r.tbt_ms.map(|l| l.p50),
+            tbt_p99_ms: r.tbt_ms.map(|l| l.p99),
+            ttft_p50_ms: r.ttft_ms.map(|l| l.p50),
+            ttft_p90_ms: r.ttft_ms.map(|l| l.p90),
+            ttft_p99_ms: r.ttft_ms.map(|l| l.p99),
+            step_ms,
+        }
+    }
+}
+
+/// The nearest-rank quantile `p` (in `[0, 1]`) of `sorted` (ascending): the smallest value with
+/// at least `p` of the samples at or below it; the minimum for `p = 0`. `None` when empty.
+pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
+    let n = sorted.len();
+    if n == 0 || !p.is_finite() {
+        return None;
+    }
+    let k = ((p.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n) - 1;
+    sorted.get(k).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_times_keep_nearest_rank_percentiles() {
+        let mut v: Vec<f64> = (1..=1000).rev().map(f64::from).collect();
+        v.push(f64::NAN);
+        let s = StepTimes::from_samples(&mut v);
+        assert_eq!(s.percentiles_ms.len(), 101);
+        assert_eq!(
+            (
+                s.percentile(0),
+                s.percentile(50),
+                s.percentile(99),
+                s.percentile(100)
+            ),
+            (Some(1.0), Some(500.0), Some(990.0), Some(1000.0))
+        );
+        assert_eq!(
+            StepTimes::from_samples(&mut Vec::new()).percentile(50),
+            None
+        );
+        assert_eq!(nearest_rank(&[], 0.5), None);
+        assert_eq!(nearest_rank(&[3.0], f64::NAN), None);
+    }
+}
