@@ -1,6 +1,7 @@
 use std::io::Write as _;
 
 use super::*;
+use crate::latency::fit::fit_samples;
 use crate::latency::fit::tests::{assert_close, model, samples, TestRng, TRUE};
 use crate::latency::{LatencyModel, ModelSource};
 use crate::overrun::TimeOverrunReason;
