@@ -902,21 +902,23 @@ pub fn fit_samples_with(samples: &[Sample], errors: FitErrors) -> Result<FitRepo
     if samples.is_empty() {
         return Err(FitError::NoSamples);
     }
-    let floor_ms = match errors {
+    // Relative weights as `(mean / ms)²`: the same fit as `1 / ms²` (a constant factor), in
+    // [0, 10⁴] whatever the scale of the times, so none underflows to 0. The mean is summed
+    // over `n` term by term, so it does not overflow either.
+    let n = samples.len() as f64;
+    let mean_ms = match errors {
         FitErrors::Absolute => None,
-        FitErrors::Relative => {
-            Some(0.01 * samples.iter().map(|s| s.ms).sum::<f64>() / samples.len() as f64)
-        }
+        FitErrors::Relative => Some(samples.iter().map(|s| s.ms / n).sum::<f64>()),
     };
     let mut normal = Normal::default();
     for (index, s) in samples.iter().enumerate() {
         let x = s.checked()?;
-        match floor_ms {
+        match mean_ms {
             None => normal.add(&x, s.ms),
-            Some(floor) => {
-                let scale = s.ms.max(floor);
+            Some(mean) => {
+                let scale = s.ms.max(0.01 * mean);
                 let w = if scale > 0.0 {
-                    (scale * scale).recip()
+                    (mean / scale).powi(2)
                 } else {
                     1.0
                 };
@@ -940,7 +942,6 @@ pub fn fit_samples_with(samples: &[Sample], errors: FitErrors) -> Result<FitRepo
         return Err(FitError::AllZero);
     }
     // Residuals straight from the samples: exact, unlike the sums' cancellation.
-    let n = samples.len() as f64;
     let mean = samples.iter().map(|s| s.ms).sum::<f64>() / n;
     let mut errors: Vec<f64> = Vec::with_capacity(samples.len());
     let (mut ss_res, mut ss_tot) = (0.0, 0.0);
