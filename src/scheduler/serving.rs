@@ -967,6 +967,38 @@ mod tests {
     }
 
     #[test]
+    fn a_repeat_without_a_next_step_assembles_the_walk_its_first_call_did() {
+        let mut s = state_of(
+            &[("llm", SubmoduleCaps::new(["prefill"], false))],
+            &[("llm", "prefill", 8), ("llm", "decode", 4)],
+            crate::budget::BudgetSettings::new(["prefill", "decode"]),
+        );
+        let (node, walk) = llm();
+        s.admit_prepared(1, &node, &walk, tokens(20, 1), 0, &mut ())
+            .unwrap();
+        let s1 = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let prefill = NextStep::new("llm", "prefill");
+        let s2 = s
+            .complete_and_assemble(s1.step, vec![8], None, prefill, &mut ())
+            .unwrap()
+            .next
+            .unwrap();
+        let decode = NextStep::new("llm", "decode").continue_row(9, "decode", 1);
+        let s3 = s
+            .complete_and_assemble(s2.step, vec![8], None, decode, &mut ())
+            .unwrap()
+            .next
+            .unwrap();
+        assert_eq!(&*s3.walk, "decode");
+        // The repeat of the second completion answers the `decode` step in flight, not a
+        // `prefill` one (the walk the node's first completion named).
+        let again = s
+            .complete_and_assemble_same(s2.step, vec![8], None, None, &mut ())
+            .unwrap();
+        assert!(Arc::ptr_eq(&again.next.unwrap(), &s3));
+    }
+
+    #[test]
     fn a_refused_row_change_keeps_the_ones_before_it_and_is_the_next_steps_answer() {
         let mut s = state();
         let (node, walk) = llm();
@@ -1092,7 +1124,10 @@ mod tests {
         }
         let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
         assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
-        // Twice in a row with nothing else assembled between, it is refused, naming the walks.
+        // Twice in a row with nothing else assembled between, it is refused, naming the walks
+        // (each once: two prompts wait on `prefill`).
+        s.admit_prepared(2, &node, &walk, tokens(10, 0), 0, &mut ())
+            .unwrap();
         assert!(s
             .assemble_step("llm", "decode", &mut h)
             .unwrap()
