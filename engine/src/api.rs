@@ -255,11 +255,11 @@ pub enum Neutral {
 /// The OpenAI request fields this server does not implement, and the value of each it accepts.
 /// Any other field, and any other value of these, is refused with a 400 naming it.
 pub const NEUTRAL_FIELDS: &[(&str, Neutral)] = &[
-    ("n", Neutral::Number(1.0)),
-    ("best_of", Neutral::Number(1.0)),
-    ("presence_penalty", Neutral::Number(0.0)),
-    ("frequency_penalty", Neutral::Number(0.0)),
     ("echo", Neutral::Bool(false)),
+    ("skip_special_tokens", Neutral::Bool(true)),
+    ("spaces_between_special_tokens", Neutral::Bool(true)),
+    ("include_stop_str_in_output", Neutral::Bool(false)),
+    ("continue_final_message", Neutral::Bool(false)),
     ("logit_bias", Neutral::EmptyObject),
     ("user", Neutral::AnyString),
 ];
@@ -543,8 +543,51 @@ pub struct ModelLimits {
 pub const MAX_STOPS: usize = 4;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
-/// The most alternatives `logprobs` / `top_logprobs` may ask for (as OpenAI).
+/// The most alternatives a completion's `logprobs` may ask for (as OpenAI's legacy API).
 pub const MAX_LOGPROBS: u8 = 5;
+/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI: 0 to 20).
+pub const MAX_TOP_LOGPROBS: u8 = crate::engine::MAX_TOP_LOGPROBS;
+/// The most choices (`n`) a request may ask for.
+pub const MAX_N: u8 = 8;
+
+/// A number field within `range` (both ends included unless said), or a 400 naming it.
+fn number_in(
+    f: &mut Fields<'_>,
+    key: &str,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+) -> Result<Option<f32>, ApiError> {
+    let must = if lo_open {
+        format!("a number above {lo}, at most {hi}")
+    } else {
+        format!("a number from {lo} to {hi}")
+    };
+    let Some(v) = f.take::<f64>(key, &must)? else {
+        return Ok(None);
+    };
+    let above = if lo_open { v > lo } else { v >= lo };
+    if !(above && v <= hi) {
+        return Err(ApiError::bad(
+            Some(key),
+            format!("`{key}` is {v}: it must be {must}"),
+        ));
+    }
+    Ok(Some(v as f32))
+}
+
+/// `seed`: any int64 (OpenAI's range) or uint64.
+fn seed(raw: &RawValue) -> Result<u64, ApiError> {
+    let v = raw.get();
+    v.parse::<u64>()
+        .or_else(|_| v.parse::<i64>().map(|i| i as u64))
+        .map_err(|_| {
+            ApiError::bad(
+                Some("seed"),
+                format!("`seed` must be a whole number (an int64), not {}", excerpt(raw)),
+            )
+        })
+}
 
 /// The generation settings both endpoints share, parsed and checked.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -557,7 +600,23 @@ pub struct Sampling {
     pub temperature: Option<f32>,
     /// Nucleus mass, (0, 1] (default 1).
     pub top_p: Option<f32>,
-    /// Sampling seed (absent: a fresh one per request).
+    /// The most likely tokens sampled from (`top_k`; -1 and 0 are off, as 0 here).
+    pub top_k: u32,
+    /// `min_p`, 0 to 1 (0 is off).
+    pub min_p: f32,
+    /// `repetition_penalty`, above 0 (1 is off).
+    pub repetition_penalty: f32,
+    /// `presence_penalty`, -2 to 2 (0 is off).
+    pub presence_penalty: f32,
+    /// `frequency_penalty`, -2 to 2 (0 is off).
+    pub frequency_penalty: f32,
+    /// `min_tokens`: tokens generated before EOS, a stop token or a stop string ends the
+    /// request (0 is off; at most `max_tokens`).
+    pub min_tokens: u32,
+    /// Choices generated for the prompt (`n`, 1 to [`MAX_N`]).
+    pub n: u8,
+    /// Sampling seed (absent: a fresh one per request); a negative int64 is taken as its
+    /// two's-complement bits, so every int64 seeds a different draw.
     pub seed: Option<u64>,
     /// Stop strings (at most [`MAX_STOPS`], none empty).
     pub stop: Vec<String>,
@@ -623,12 +682,63 @@ impl Sampling {
             }
             Some(u) => u,
         };
+        let top_k = match f.take::<i64>("top_k", "a whole number: -1 or 0 (off), or at least 1")? {
+            None | Some(-1 | 0) => 0,
+            Some(k) if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
+            Some(k) => {
+                return Err(ApiError::bad(
+                    Some("top_k"),
+                    format!("`top_k` is {k}: it must be -1 or 0 (off), or at least 1"),
+                ))
+            }
+        };
+        let min_p = number_in(f, "min_p", 0.0, 1.0, false)?.unwrap_or(0.0);
+        let repetition_penalty =
+            number_in(f, "repetition_penalty", 0.0, f64::from(f32::MAX), true)?.unwrap_or(1.0);
+        let presence_penalty = number_in(f, "presence_penalty", -2.0, 2.0, false)?.unwrap_or(0.0);
+        let frequency_penalty =
+            number_in(f, "frequency_penalty", -2.0, 2.0, false)?.unwrap_or(0.0);
+        let min_tokens: u32 = f
+            .take("min_tokens", "a whole number of tokens ≥ 0")?
+            .unwrap_or(0);
+        if let Some(m) = max_tokens.filter(|&m| min_tokens > m) {
+            return Err(ApiError::bad(
+                Some("min_tokens"),
+                format!("`min_tokens` is {min_tokens}: at most `{max_tokens_field}` ({m})"),
+            ));
+        }
+        let n: u8 = match f.take::<u64>("n", "a whole number from 1 to 8")? {
+            None => 1,
+            Some(n) if (1..=u64::from(MAX_N)).contains(&n) => n as u8,
+            Some(n) => {
+                return Err(ApiError::bad(
+                    Some("n"),
+                    format!("`n` is {n}: this server generates 1 to {MAX_N} choices"),
+                ))
+            }
+        };
+        // `best_of` n returns every one of n choices: the same as `n` alone.
+        if let Some(b) = f.take::<f64>("best_of", "a whole number")? {
+            if b != f64::from(n) {
+                return Err(ApiError::bad(
+                    Some("best_of"),
+                    format!("`best_of` is {b}: only `n` ({n}) is supported by this server, which returns every choice it generates"),
+                ));
+            }
+        }
         Ok(Sampling {
             max_tokens,
             max_tokens_field,
             temperature: temperature.map(|t| t as f32),
             top_p: top_p.map(|p| p as f32),
-            seed: f.take("seed", "a whole number from 0 to 2^64 - 1")?,
+            top_k,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            min_tokens,
+            n,
+            seed: f.take_with("seed", seed)?,
             stop: f.take_with("stop", stops)?.unwrap_or_default(),
             stream,
             include_usage,
@@ -758,8 +868,21 @@ impl CompletionBody {
             })?
             .ok_or_else(|| ApiError::bad(Some("prompt"), "`prompt` is required"))?;
         let sampling = Sampling::take(&mut f)?;
+        // `false` is no logprobs, as a chat's `logprobs: false`.
         let logprobs: Option<u8> = f
-            .take::<u8>("logprobs", "a whole number from 0 to 5")?
+            .take_with("logprobs", |raw| match raw.get() {
+                "false" => Ok(None),
+                v => v.parse::<u8>().map(Some).map_err(|_| {
+                    ApiError::bad(
+                        Some("logprobs"),
+                        format!(
+                            "`logprobs` must be a whole number from 0 to {MAX_LOGPROBS}, not {}",
+                            excerpt(raw)
+                        ),
+                    )
+                }),
+            })?
+            .flatten()
             .map(|n| {
                 if n > MAX_LOGPROBS {
                     Err(ApiError::bad(
@@ -793,7 +916,7 @@ pub struct ChatBody {
     pub messages: Vec<crate::chat::Message>,
     /// The generation settings.
     pub sampling: Sampling,
-    /// `logprobs: true` with `top_logprobs` alternatives (0 to 5); `None` without logprobs.
+    /// `logprobs: true` with `top_logprobs` alternatives (0 to 20); `None` without logprobs.
     pub logprobs: Option<u8>,
 }
 
@@ -810,12 +933,12 @@ impl ChatBody {
             .ok_or_else(|| ApiError::bad(Some("messages"), "`messages` is required"))?;
         let sampling = Sampling::take(&mut f)?;
         let logprobs: bool = f.take("logprobs", "a boolean")?.unwrap_or(false);
-        let top: Option<u8> = f.take("top_logprobs", "a whole number from 0 to 5")?;
+        let top: Option<u8> = f.take("top_logprobs", "a whole number from 0 to 20")?;
         if let Some(n) = top {
-            if n > MAX_LOGPROBS {
+            if n > MAX_TOP_LOGPROBS {
                 return Err(ApiError::bad(
                     Some("top_logprobs"),
-                    format!("`top_logprobs` is {n}: at most {MAX_LOGPROBS}"),
+                    format!("`top_logprobs` is {n}: at most {MAX_TOP_LOGPROBS}"),
                 ));
             }
             if !logprobs {
@@ -912,6 +1035,10 @@ fn message(i: usize, raw: &RawValue) -> Result<crate::chat::Message, ApiError> {
                 format!("`messages[{i}].content` is required"),
             )
         })?;
+    // The participant's name: given to the template, as vLLM does.
+    let name: Option<String> = f
+        .take("name", "a string")
+        .map_err(|e| renamed(e, "name"))?;
     if let Some((key, _)) = f.fields.first() {
         let name = at(&shown(key));
         return Err(ApiError::bad(
@@ -919,7 +1046,11 @@ fn message(i: usize, raw: &RawValue) -> Result<crate::chat::Message, ApiError> {
             format!("`{name}` is not supported by this server"),
         ));
     }
-    Ok(crate::chat::Message { role, content })
+    Ok(crate::chat::Message {
+        role,
+        content,
+        name,
+    })
 }
 
 fn content(i: usize, raw: &RawValue) -> Result<String, ApiError> {
@@ -975,13 +1106,18 @@ pub enum TokenizeInput {
     },
 }
 
-/// The body of `POST /tokenize`: `prompt` or `messages` (vLLM's API).
+/// The body of `POST /tokenize`: `prompt` or `messages` (vLLM's API), with vLLM's options.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenizeBody {
     /// The model's name (optional).
     pub model: Option<String>,
     /// What to encode.
     pub input: TokenizeInput,
+    /// `add_special_tokens`: the BOS the vocabulary asks for (absent: as a completion's prompt
+    /// or a chat's rendered text is encoded, so the count is what a request would use).
+    pub add_special_tokens: Option<bool>,
+    /// `return_token_strs`: each token's text besides its id.
+    pub return_token_strs: bool,
 }
 
 impl TokenizeBody {
@@ -1024,6 +1160,8 @@ impl TokenizeBody {
         let body = TokenizeBody {
             model: f.take("model", "a string")?,
             input,
+            add_special_tokens: f.take("add_special_tokens", "a boolean")?,
+            return_token_strs: f.take("return_token_strs", "a boolean")?.unwrap_or(false),
         };
         f.finish()?;
         Ok(body)

@@ -19,21 +19,28 @@ pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + messa
 /// for a conversation filling the context, far below what would hold a worker for long.
 pub const FUEL: u64 = 50_000_000;
 
-/// The roles a message may have.
-pub const ROLES: &[&str] = &["system", "user", "assistant"];
+/// The roles a message may have. `developer` (OpenAI's newer name for system text) is given
+/// to a template that never names it as `system`.
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 
 /// One message of a conversation, as the template sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
-    /// `system`, `user` or `assistant`.
+    /// One of [`ROLES`].
     pub role: String,
     /// The text.
     pub content: String,
+    /// The participant's name, when the client gives one (absent from the template's view
+    /// otherwise, as in vLLM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A compiled chat template with the special tokens it is given.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template names the `developer` role: its messages are given as they are.
+    knows_developer: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -63,6 +70,7 @@ impl ChatTemplate {
             .map_err(|e| format!("the chat template does not compile: {}", describe(&e)))?;
         Ok(ChatTemplate {
             env,
+            knows_developer: source.contains("developer"),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })
@@ -81,6 +89,24 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| format!("the chat template: {}", describe(&e)))?;
+        let renamed: Vec<Message>;
+        let messages = if !self.knows_developer && messages.iter().any(|m| m.role == "developer")
+        {
+            renamed = messages
+                .iter()
+                .map(|m| Message {
+                    role: if m.role == "developer" {
+                        "system".to_owned()
+                    } else {
+                        m.role.clone()
+                    },
+                    ..m.clone()
+                })
+                .collect();
+            &renamed
+        } else {
+            messages
+        };
         t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,

@@ -36,6 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::api::ModelLimits;
 use crate::metrics::{self as em, Outcome};
 use crate::model::{KvCache, Model, Sampler, StepRow};
+use crate::sampling::SamplingParams;
 
 /// The longest grace a drain may be given (`--grace-secs`): one day.
 pub const MAX_GRACE: Duration = Duration::from_secs(86_400);
@@ -141,7 +142,7 @@ impl Default for EngineSettings {
 }
 
 /// A generation request, tokenised.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct GenRequest {
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
@@ -151,6 +152,18 @@ pub struct GenRequest {
     pub temperature: f32,
     /// Nucleus sampling mass.
     pub top_p: f32,
+    /// The most likely tokens sampled from (0: all).
+    pub top_k: u32,
+    /// Tokens below this fraction of the most likely one's probability are not drawn (0: off).
+    pub min_p: f32,
+    /// vLLM's repetition penalty over the prompt and the output (1: off).
+    pub repetition_penalty: f32,
+    /// OpenAI's presence penalty over the output (0: off).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty over the output (0: off).
+    pub frequency_penalty: f32,
+    /// Tokens generated before EOS or a stop token may be drawn (0: off).
+    pub min_tokens: u32,
     /// Sampling seed.
     pub seed: u64,
     /// Keep generating past EOS.
@@ -162,8 +175,50 @@ pub struct GenRequest {
     pub logprobs: Option<u8>,
 }
 
-/// The most alternatives a token's log-probabilities list.
-pub const MAX_TOP_LOGPROBS: u8 = 5;
+impl Default for GenRequest {
+    /// An empty prompt sampled at temperature 1 with every other setting off.
+    fn default() -> Self {
+        let p = SamplingParams::default();
+        GenRequest {
+            prompt: Vec::new(),
+            max_tokens: 0,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            min_tokens: p.min_tokens,
+            seed: 0,
+            ignore_eos: false,
+            stop_tokens: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+impl GenRequest {
+    /// The sampler's settings; `eos` and the stop tokens are what `min_tokens` holds back.
+    pub fn sampling(&self, eos: u32) -> SamplingParams {
+        let mut stop_tokens = vec![eos];
+        stop_tokens.extend(&self.stop_tokens);
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            min_tokens: if self.ignore_eos { 0 } else { self.min_tokens },
+            stop_tokens,
+        }
+    }
+}
+
+/// The most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
 
 /// A generated token's log-probability under the model (the softmax of its logits, before
 /// temperature and top-p), and the most likely tokens at its position with theirs.
@@ -872,7 +927,8 @@ impl Engine {
             self.kv_reserved += need;
             let input = PreparedInput::tokens(w.req.prompt.clone());
             self.changes.admit.push((w.rid, input));
-            let sampler = Sampler::new(w.req.seed, w.req.temperature, w.req.top_p);
+            let eos = self.model.tokenizer().eos();
+            let sampler = Sampler::with(w.req.seed, w.req.sampling(eos), &w.req.prompt);
             self.running.insert(
                 w.rid,
                 Running {

@@ -64,18 +64,24 @@ struct ServeArgs {
     /// The device: `cpu`, or `cuda` / `cuda:N` (needs the `cuda` build feature; untested here).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// The model name the API serves.
-    #[arg(long, default_value = "mstar-engine")]
-    served_name: String,
+    /// The model name the API serves (default: the model's own, `SmolLM2-135M-Instruct`, a
+    /// GGUF file's name without `.gguf`, or `tiny` / `small`).
+    #[arg(long, alias = "served-name")]
+    served_model_name: Option<String>,
     #[command(flatten)]
     engine: EngineArgs,
     /// Seconds running requests get to finish after SIGTERM or SIGINT before they are aborted
     /// (0 to 86400); a second signal stops at once.
     #[arg(long, default_value = "10", value_parser = parse_grace, allow_negative_numbers = true)]
     grace_secs: Duration,
-    /// Connections served at once; further clients wait in the listen queue.
+    /// Connections open at once, idle ones included; further clients wait in the listen
+    /// queue (default: what the descriptor limit allows, which the server raises to its hard
+    /// limit at start).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    max_connections: Option<u32>,
+    /// Requests whose bodies are read at once; more wait for a slot within their body deadline.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
-    max_connections: u32,
+    max_active_requests: u32,
     /// Seconds a client may take to send a request's body.
     #[arg(long, default_value = "10", value_parser = parse_body_timeout)]
     body_timeout_secs: Duration,
@@ -217,19 +223,27 @@ fn device(s: &str) -> Result<candle_core::Device, String> {
     candle_core::Device::new_cuda(ordinal).map_err(|e| format!("--device `{s}`: {e}"))
 }
 
-fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, String), String> {
+/// The model, how the start-up line shows it, and its own name (the default served name).
+fn load_model(
+    a: &ServeArgs,
+    device: &candle_core::Device,
+) -> Result<(Model, String, String), String> {
     use mstar_engine::model::gguf;
     let from_gguf =
         |p: &std::path::Path| gguf::load(p, device, a.weight_format).map_err(|e| e.to_string());
     if let Some(p) = &a.gguf {
-        return Ok((from_gguf(p)?, p.display().to_string()));
+        let own = p
+            .file_stem()
+            .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned());
+        return Ok((from_gguf(p)?, p.display().to_string(), own));
     }
     if a.model == "smollm2" {
         if a.weights.is_some() {
             return Err("--weights goes with `--model tiny` or `small`".into());
         }
         let p = gguf::smollm2_path()?;
-        return Ok((from_gguf(&p)?, "SmolLM2-135M-Instruct".into()));
+        let name = gguf::SMOLLM2_NAME.to_owned();
+        return Ok((from_gguf(&p)?, name.clone(), name));
     }
     let config = Config::by_name(&a.model)
         .map_err(|_| format!("--model `{}`: smollm2, tiny or small", a.model))?;
@@ -245,7 +259,7 @@ fn load_model(a: &ServeArgs, device: &candle_core::Device) -> Result<(Model, Str
         None => Model::random(config, a.seed, device),
     }
     .map_err(|e| e.to_string())?;
-    Ok((model, a.model.clone()))
+    Ok((model, a.model.clone(), a.model.clone()))
 }
 
 fn serve(a: ServeArgs) -> Result<(), String> {
@@ -258,18 +272,25 @@ fn serve(a: ServeArgs) -> Result<(), String> {
         files::check_output(p, "--step-log", &inputs)?;
     }
     let device = device(&a.device)?;
-    let (model, shown) = load_model(&a, &device)?;
+    let (model, shown, own_name) = load_model(&a, &device)?;
+    let served = a.served_model_name.clone().unwrap_or(own_name);
     let config = model.config;
-    let s = settings(&a.engine, &a.served_name)?;
+    let s = settings(&a.engine, &served)?;
     let (handle, thread) = engine::start(model, s)?;
     let grace = a.grace_secs;
+    if let Some(n) = server::raise_descriptor_limit() {
+        tracing::debug!(descriptors = n, "open-descriptor limit");
+    }
     let limits = server::ServerLimits {
-        max_connections: a.max_connections as usize,
+        max_connections: a
+            .max_connections
+            .map_or_else(server::default_max_connections, |n| n as usize),
+        max_active_requests: a.max_active_requests as usize,
         body_timeout: a.body_timeout_secs,
         ..server::ServerLimits::default()
     };
     actix_web::rt::System::new().block_on(async move {
-        let srv = server::Server::start_with(handle, &a.served_name, &a.listen, limits)
+        let srv = server::Server::start_with(handle, &served, &a.listen, limits)
             .map_err(|e| format!("listening on {}: {e}", a.listen))?;
         println!(
             "mstar-engine listening on http://{} (model {shown}, {} layers, d = {}, vocabulary {})",

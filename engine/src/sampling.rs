@@ -1,4 +1,20 @@
-//! Choosing the next token from a row's logits: greedy, or seeded temperature and top-p sampling.
+//! Choosing the next token from a row's logits, with vLLM's sampling rules and in its order:
+//!
+//! 1. `min_tokens`: until that many tokens are generated, the stop tokens (EOS, a chat's
+//!    `<|im_end|>`) cannot be drawn;
+//! 2. the penalties, on the raw logits: `repetition_penalty` divides a positive logit (and
+//!    multiplies a negative one) of every token seen in the prompt or the output so far;
+//!    `frequency_penalty` subtracts itself times the token's count in the output;
+//!    `presence_penalty` subtracts itself once from every token in the output;
+//! 3. greedy (the first largest logit) at temperature 0; else softmax at `temperature`, then
+//!    `min_p` (tokens less likely than `min_p` times the most likely one are dropped), then
+//!    `top_k` (the `k` most likely kept), then `top_p` (the smallest set, most likely first,
+//!    whose renormalised mass reaches `top_p`), and a seeded draw from what is left.
+//!
+//! A neutral setting (`top_k` 0, `min_p` 0, penalties 1 / 0 / 0, `min_tokens` 0) changes
+//! nothing, and then the logits are not even copied.
+
+use std::collections::HashMap;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -14,44 +30,175 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Seeded sampling: greedy at temperature 0, else softmax at `temperature` restricted to the
-/// smallest set of tokens whose probability reaches `top_p`.
+/// A request's sampling settings (vLLM's `SamplingParams` for what the engine implements).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 or less is greedy.
+    pub temperature: f32,
+    /// Nucleus mass, (0, 1]; 1 keeps every token.
+    pub top_p: f32,
+    /// The most likely tokens kept; 0 keeps every token.
+    pub top_k: u32,
+    /// Tokens below this fraction of the most likely token's probability are dropped; 0 is off.
+    pub min_p: f32,
+    /// Above 1 discourages, below 1 encourages tokens of the prompt and the output; 1 is off.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated; 0 is off.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit per time it was generated; 0 is off.
+    pub frequency_penalty: f32,
+    /// Tokens generated before a stop token may be drawn; 0 is off.
+    pub min_tokens: u32,
+    /// The tokens `min_tokens` holds back (EOS and the request's stop tokens).
+    pub stop_tokens: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            min_tokens: 0,
+            stop_tokens: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    fn penalised(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+/// Seeded sampling of one request's tokens; it remembers what it drew for the penalties.
 pub struct Sampler {
     rng: SmallRng,
-    temperature: f32,
-    top_p: f32,
+    params: SamplingParams,
+    /// Tokens of the prompt (only kept with a repetition penalty).
+    prompt: Vec<bool>,
+    /// How often each generated token was drawn (only kept with a penalty).
+    counts: HashMap<u32, u32>,
+    generated: u32,
 }
 
 impl Sampler {
-    /// A sampler; `seed` makes its draws repeatable.
+    /// A sampler at `temperature` and `top_p`, nothing else; `seed` makes its draws repeatable.
     pub fn new(seed: u64, temperature: f32, top_p: f32) -> Self {
+        Self::with(
+            seed,
+            SamplingParams {
+                temperature,
+                top_p,
+                ..SamplingParams::default()
+            },
+            &[],
+        )
+    }
+
+    /// A sampler with every setting of `params`; `prompt` is what the repetition penalty
+    /// counts besides the output.
+    pub fn with(seed: u64, params: SamplingParams, prompt: &[u32]) -> Self {
+        let mut seen = Vec::new();
+        if params.repetition_penalty != 1.0 {
+            for &t in prompt {
+                let t = t as usize;
+                if t >= seen.len() {
+                    seen.resize(t + 1, false);
+                }
+                seen[t] = true;
+            }
+        }
         Sampler {
             rng: SmallRng::seed_from_u64(seed),
-            temperature,
-            top_p,
+            params,
+            prompt: seen,
+            counts: HashMap::new(),
+            generated: 0,
         }
     }
 
-    /// The next token from `logits`.
+    /// The next token from `logits` (the model's, unchanged); it counts as generated.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.temperature <= 0.0 || logits.is_empty() {
+        let p = &self.params;
+        let masked = self.generated < p.min_tokens && !p.stop_tokens.is_empty();
+        let tok = if masked || p.penalised() {
+            let mut l = logits.to_vec();
+            self.adjust(&mut l, masked);
+            self.draw(&l)
+        } else {
+            self.draw(logits)
+        };
+        self.generated += 1;
+        if self.params.penalised() {
+            *self.counts.entry(tok).or_default() += 1;
+        }
+        tok
+    }
+
+    /// Steps 1 and 2: the stop tokens held back, the penalties applied.
+    fn adjust(&self, l: &mut [f32], masked: bool) {
+        let p = &self.params;
+        if masked {
+            for &t in &p.stop_tokens {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty;
+            let in_prompt = |t: usize| self.prompt.get(t).copied().unwrap_or(false);
+            for (t, x) in l.iter_mut().enumerate() {
+                if in_prompt(t) || self.counts.contains_key(&(t as u32)) {
+                    *x = if *x > 0.0 { *x / r } else { *x * r };
+                }
+            }
+        }
+        for (&t, &n) in &self.counts {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+    }
+
+    /// Step 3: greedy, or the filtered softmax's seeded draw.
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let s = &self.params;
+        if s.temperature <= 0.0 || logits.is_empty() {
             return argmax(logits);
         }
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut p: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
-            .map(|(i, &l)| (i as u32, ((l - max) / self.temperature).exp()))
+            .map(|(i, &l)| (i as u32, ((l - max) / s.temperature).exp()))
             .collect();
         let sum: f32 = p.iter().map(|x| x.1).sum();
         p.iter_mut().for_each(|x| x.1 /= sum);
+        if s.min_p > 0.0 {
+            // The most likely token has probability exp(0) / sum.
+            let floor = s.min_p / sum;
+            p.retain(|x| x.1 >= floor);
+        }
         p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if s.top_k > 0 {
+            p.truncate(s.top_k as usize);
+        }
+        if s.min_p > 0.0 || s.top_k > 0 {
+            let kept: f32 = p.iter().map(|x| x.1).sum();
+            p.iter_mut().for_each(|x| x.1 /= kept);
+        }
         let mut keep = 0;
         let mut acc = 0.0;
         for x in &p {
             keep += 1;
             acc += x.1;
-            if acc >= self.top_p {
+            if acc >= s.top_p {
                 break;
             }
         }
@@ -64,5 +211,161 @@ impl Sampler {
             u -= x.1;
         }
         p[p.len() - 1].0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SamplingParams {
+        SamplingParams::default()
+    }
+
+    /// Every token `s` draws in `n` tries.
+    fn support(mut s: Sampler, logits: &[f32], n: usize) -> Vec<u32> {
+        let mut d: Vec<u32> = (0..n).map(|_| s.sample(logits)).collect();
+        d.sort_unstable();
+        d.dedup();
+        d
+    }
+
+    #[test]
+    fn neutral_settings_draw_what_temperature_and_top_p_alone_draw() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let neutral = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            stop_tokens: vec![3],
+            ..params()
+        };
+        let mut a = Sampler::with(7, neutral, &[1, 2, 3]);
+        let mut b = Sampler::new(7, 0.8, 0.9);
+        for _ in 0..200 {
+            assert_eq!(a.sample(&logits), b.sample(&logits));
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_most_likely() {
+        let logits = [0.0, 3.0, 1.0, 2.0, 2.5, -1.0];
+        let s = Sampler::with(1, SamplingParams { top_k: 2, ..params() }, &[]);
+        assert_eq!(support(s, &logits, 500), vec![1, 4]);
+        // k of the vocabulary or more keeps everything.
+        let s = Sampler::with(1, SamplingParams { top_k: 6, ..params() }, &[]);
+        assert_eq!(support(s, &logits, 3000).len(), 6);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_its_fraction_of_the_most_likely() {
+        // Probabilities in proportion to e^l: e^0 / e^2 = 0.135 of the top token.
+        let logits = [2.0, 0.0, 2.0_f32.ln() + 0.0, 1.9];
+        let s = Sampler::with(3, SamplingParams { min_p: 0.2, ..params() }, &[]);
+        assert_eq!(support(s, &logits, 2000), vec![0, 2, 3]);
+        let s = Sampler::with(3, SamplingParams { min_p: 0.1, ..params() }, &[]);
+        assert_eq!(support(s, &logits, 2000), vec![0, 1, 2, 3]);
+        // Applied after temperature: at 0.5 token 1 is e^-4 = 0.018 of the top token.
+        let s = Sampler::with(
+            3,
+            SamplingParams {
+                min_p: 0.1,
+                temperature: 0.5,
+                ..params()
+            },
+            &[],
+        );
+        assert!(!support(s, &logits, 2000).contains(&1));
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() {
+        let greedy = |r: f32, prompt: &[u32], logits: &[f32]| {
+            let mut s = Sampler::with(
+                0,
+                SamplingParams {
+                    temperature: 0.0,
+                    repetition_penalty: r,
+                    ..params()
+                },
+                prompt,
+            );
+            s.sample(logits)
+        };
+        // 3.0 / 2 = 1.5 < 2.0: the prompt's token loses to token 1.
+        assert_eq!(greedy(2.0, &[0], &[3.0, 2.0]), 1);
+        assert_eq!(greedy(1.4, &[0], &[3.0, 2.0]), 0);
+        // -1.0 * 2 = -2.0 < -1.5.
+        assert_eq!(greedy(2.0, &[0], &[-1.0, -1.5]), 1);
+        // Below 1 it favours seen tokens.
+        assert_eq!(greedy(0.5, &[1], &[3.0, 2.0]), 1);
+        // Output tokens count too: once both were drawn, both are penalised (1.5 against 1.0).
+        let mut s = Sampler::with(
+            0,
+            SamplingParams {
+                temperature: 0.0,
+                repetition_penalty: 2.0,
+                ..params()
+            },
+            &[],
+        );
+        let l = [3.0, 2.0];
+        assert_eq!((s.sample(&l), s.sample(&l), s.sample(&l)), (0, 1, 0));
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_the_output_only() {
+        let run = |presence: f32, frequency: f32, prompt: &[u32]| {
+            let mut s = Sampler::with(
+                0,
+                SamplingParams {
+                    temperature: 0.0,
+                    presence_penalty: presence,
+                    frequency_penalty: frequency,
+                    ..params()
+                },
+                prompt,
+            );
+            let l = [1.0, 0.4, 0.0];
+            (0..6).map(|_| s.sample(&l)).collect::<Vec<_>>()
+        };
+        // Frequency 0.25 a use: token 0 leads by 0.6 until it was drawn 3 times.
+        assert_eq!(run(0.0, 0.25, &[0, 0, 0]), vec![0, 0, 0, 1, 0, 1]);
+        // Presence 0.7 once: token 0 (0.3) drops below token 1 (0.4), which then drops to -0.3.
+        assert_eq!(run(0.7, 0.0, &[]), vec![0, 1, 0, 0, 0, 0]);
+        // A negative penalty encourages repeating.
+        assert_eq!(run(-1.0, 0.0, &[]), vec![0; 6]);
+    }
+
+    #[test]
+    fn min_tokens_holds_the_stop_tokens_back_that_long() {
+        let mut s = Sampler::with(
+            0,
+            SamplingParams {
+                temperature: 0.0,
+                min_tokens: 3,
+                stop_tokens: vec![0, 2],
+                ..params()
+            },
+            &[],
+        );
+        let l = [5.0, 1.0, 4.0];
+        let d: Vec<u32> = (0..5).map(|_| s.sample(&l)).collect();
+        assert_eq!(d, vec![1, 1, 1, 0, 0]);
+    }
+
+    #[test]
+    fn top_p_after_top_k_renormalises_over_the_kept_tokens() {
+        // Two equal tokens and a tail: top_k 2 leaves {0, 1} at 0.5 each; top_p 0.5 keeps 0.
+        let logits = [1.0, 1.0, 0.9, 0.9, 0.9];
+        let s = Sampler::with(
+            2,
+            SamplingParams {
+                top_k: 2,
+                top_p: 0.5,
+                ..params()
+            },
+            &[],
+        );
+        assert_eq!(support(s, &logits, 500), vec![0]);
     }
 }

@@ -22,13 +22,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use actix_web::http::StatusCode;
+use actix_web::dev::Service;
+use actix_web::http::{header, StatusCode};
 use actix_web::web::{Bytes, BytesMut};
-use actix_web::{web, App, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use futures_util::{stream, StreamExt};
 use metrics_exporter_prometheus::PrometheusHandle;
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::api::{
     body_limit, check_model, model_not_found, ApiError, ChatBody, CompletionBody, DetokenizeBody,
@@ -41,22 +44,81 @@ use crate::tokenizer::{Tokenizer, Utf8Decoder};
 /// How the server bounds its clients.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ServerLimits {
-    /// Connections served at once, over all workers.
+    /// Connections open at once, over all workers (idle ones included); further clients wait
+    /// in the kernel's listen queue. The default is what the descriptor limit allows
+    /// ([`default_max_connections`]): an idle connection costs a socket and a few kilobytes,
+    /// and is closed after `header_timeout`.
     pub max_connections: usize,
-    /// How long a client may take to send a request's headers.
+    /// Requests whose bodies are read at once (the memory of bodies in flight: each at most
+    /// [`crate::api::body_limit`] bytes); a request beyond waits for a slot within its body
+    /// deadline. `GET` routes (`/health`, `/metrics`, ...) never wait for one.
+    pub max_active_requests: usize,
+    /// How long a client may take to send a request's headers, and how long a connection may
+    /// stay idle between requests.
     pub header_timeout: Duration,
-    /// How long a client may take to send a request's body, from its headers.
+    /// How long a client may take to send a request's body, counted from its headers however
+    /// slowly it trickles.
     pub body_timeout: Duration,
 }
 
 impl Default for ServerLimits {
     fn default() -> Self {
         ServerLimits {
-            max_connections: 256,
+            max_connections: default_max_connections(),
+            max_active_requests: 256,
             header_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(10),
         }
     }
+}
+
+/// Descriptors kept free of connections: the listening socket, the model's and the step log's
+/// files, the runtime's own, the standard streams, with room to spare.
+pub const RESERVED_DESCRIPTORS: u64 = 64;
+
+/// The process's soft limit on open descriptors (`RLIMIT_NOFILE`), if it can be read.
+pub fn descriptor_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given and nothing else.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    ok.then_some(r.rlim_cur as u64)
+}
+
+/// Raises the soft descriptor limit to the hard one (as servers do at start: service managers
+/// often set a soft limit of 1,024, or less, below a hard limit many times that). Answers
+/// the soft limit now in force.
+pub fn raise_descriptor_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write only the struct they are given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return None;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: r.rlim_max,
+                rlim_max: r.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+    }
+    Some(r.rlim_cur as u64)
+}
+
+/// Connections the descriptor limit allows, less [`RESERVED_DESCRIPTORS`] (at least 16, at
+/// most 65,536): at the cap the server stops accepting, and a new client waits in the listen
+/// queue until a connection closes, instead of the accept failing for want of a descriptor.
+pub fn default_max_connections() -> usize {
+    let limit = descriptor_limit().unwrap_or(1024);
+    limit.saturating_sub(RESERVED_DESCRIPTORS).clamp(16, 65_536) as usize
 }
 
 /// The HTTP worker threads.
@@ -76,6 +138,8 @@ pub struct AppState {
     pub limits: ServerLimits,
     /// The chat template, compiled; or why it does not compile (chats are then refused).
     pub chat: Result<ChatTemplate, String>,
+    /// Slots for requests whose bodies are being read ([`ServerLimits::max_active_requests`]).
+    pub reading: Arc<Semaphore>,
 }
 
 impl From<SubmitError> for ApiError {
@@ -127,14 +191,26 @@ pub fn chat_tokens(
     add_generation_prompt: bool,
     tok: &Tokenizer,
 ) -> Result<Vec<u32>, ApiError> {
+    let text = chat_text(chat, messages, add_generation_prompt)?;
+    tok.encode(&text)
+        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))
+}
+
+/// A chat's prompt text: `messages` rendered with the template.
+///
+/// # Errors
+/// As [`chat_tokens`].
+pub fn chat_text(
+    chat: &Result<ChatTemplate, String>,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
     let template = chat
         .as_ref()
         .map_err(|e| ApiError::bad(Some("messages"), e.clone()))?;
-    let text = template
+    template
         .render(messages, add_generation_prompt)
-        .map_err(|e| ApiError::bad(Some("messages"), e))?;
-    tok.encode(&text)
-        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))
+        .map_err(|e| ApiError::bad(Some("messages"), e))
 }
 
 /// A completion's `max_tokens` when it gives none (OpenAI's default).
@@ -193,11 +269,26 @@ fn gen_request(
             ),
         ));
     }
+    if u64::from(sampling.min_tokens) > max_tokens {
+        return Err(ApiError::bad(
+            Some("min_tokens"),
+            format!(
+                "`min_tokens` is {}: at most the {max_tokens} tokens the request may generate",
+                sampling.min_tokens
+            ),
+        ));
+    }
     Ok(GenRequest {
         prompt,
         max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
         temperature: sampling.temperature.unwrap_or(1.0),
         top_p: sampling.top_p.unwrap_or(1.0),
+        top_k: sampling.top_k,
+        min_p: sampling.min_p,
+        repetition_penalty: sampling.repetition_penalty,
+        presence_penalty: sampling.presence_penalty,
+        frequency_penalty: sampling.frequency_penalty,
+        min_tokens: sampling.min_tokens,
         // Without a seed every request samples differently.
         seed: sampling.seed.unwrap_or_else(rand::random),
         ignore_eos: sampling.ignore_eos,
@@ -211,24 +302,46 @@ fn gen_request(
 /// # Errors
 /// 413 past `limit`, 408 past `timeout`, 400 for a body that broke off.
 pub async fn read_body(
-    mut payload: web::Payload,
+    payload: web::Payload,
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, ApiError> {
-    let deadline = tokio::time::Instant::now() + timeout;
+    read_body_by(payload, limit, tokio::time::Instant::now() + timeout, timeout).await
+}
+
+fn too_slow(timeout: Duration) -> ApiError {
+    ApiError::with_status(
+        StatusCode::REQUEST_TIMEOUT,
+        "invalid_request_error",
+        format!(
+            "the request body did not arrive within {} s",
+            timeout.as_secs_f64()
+        ),
+    )
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::with_status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        format!("the request body exceeds {limit} bytes, the most a prompt that fills the model's context needs"),
+    )
+}
+
+/// Reads a request body of at most `limit` bytes by `deadline` (`timeout` from the headers).
+///
+/// # Errors
+/// 413 past `limit`, 408 past `deadline`, 400 for a body that broke off.
+async fn read_body_by(
+    mut payload: web::Payload,
+    limit: usize,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
     let mut body = BytesMut::new();
     loop {
         let chunk = match tokio::time::timeout_at(deadline, payload.next()).await {
-            Err(_) => {
-                return Err(ApiError::with_status(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    format!(
-                        "the request body did not arrive within {} s",
-                        timeout.as_secs_f64()
-                    ),
-                ))
-            }
+            Err(_) => return Err(too_slow(timeout)),
             Ok(None) => return Ok(body.freeze()),
             Ok(Some(Err(e))) => {
                 return Err(ApiError::bad(
@@ -239,11 +352,7 @@ pub async fn read_body(
             Ok(Some(Ok(c))) => c,
         };
         if body.len() + chunk.len() > limit {
-            return Err(ApiError::with_status(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!("the request body exceeds {limit} bytes, the most a prompt that fills the model's context needs"),
-            ));
+            return Err(too_large(limit));
         }
         body.extend_from_slice(&chunk);
     }
@@ -253,18 +362,33 @@ fn model_limits(state: &AppState) -> ModelLimits {
     state.engine.limits
 }
 
-/// Reads a body of the request's limit, refusing while shutting down.
-async fn body_of(state: &AppState, payload: web::Payload) -> Result<Bytes, ApiError> {
+/// Reads a body of the request's limit, refusing while shutting down. The deadline counts
+/// from now (the handler runs once the headers are in): waiting for a reading slot and the
+/// body's arrival both fall within it. A `Content-Length` past the limit is refused at once,
+/// before a byte of the body is read (the connection then closes).
+async fn body_of(
+    state: &AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<Bytes, ApiError> {
+    let timeout = state.limits.body_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     if state.draining.load(Ordering::Relaxed) {
         return Err(SubmitError::Draining.into());
     }
-    let limits = model_limits(state);
-    read_body(
-        payload,
-        body_limit(limits.max_positions),
-        state.limits.body_timeout,
-    )
-    .await
+    let limit = body_limit(model_limits(state).max_positions);
+    if let Some(v) = req.headers().get(header::CONTENT_LENGTH) {
+        // actix has already refused a malformed Content-Length (400).
+        let announced = v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok());
+        if announced.is_some_and(|n| n > limit as u64) {
+            return Err(too_large(limit));
+        }
+    }
+    let _slot = tokio::time::timeout_at(deadline, state.reading.acquire())
+        .await
+        .map_err(|_| too_slow(timeout))?
+        .map_err(|_| ApiError::from(SubmitError::Draining))?;
+    read_body_by(payload, limit, deadline, timeout).await
 }
 
 /// Turns tokens into text as they arrive, holding back an incomplete UTF-8 sequence; control
@@ -352,6 +476,17 @@ impl StopText {
         (out, false)
     }
 
+    /// Adds text without looking for stop strings in it (the first `min_tokens` tokens'):
+    /// returns it with whatever was held; later text is matched from after it.
+    pub fn pass(&mut self, text: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut out = std::mem::take(&mut self.held);
+        out.push_str(text);
+        out
+    }
+
     /// The text held at the end of the generation (it began a stop string that never came).
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
@@ -373,7 +508,11 @@ struct TokenLp {
     text: String,
     bytes: Vec<u8>,
     logprob: f32,
+    /// The most likely tokens, most likely first.
     top: Vec<(String, Vec<u8>, f32)>,
+    /// Where the token's text begins in the choice's text, in characters (OpenAI's
+    /// `text_offset`).
+    offset: usize,
 }
 
 /// What a generation's events become: text decided so far, logprobs of the tokens it came from,
@@ -383,6 +522,8 @@ struct Piece {
     text: String,
     logprobs: Vec<TokenLp>,
     finish: Option<Finish>,
+    /// Tokens the piece came from (1 for a token, 0 for the end).
+    tokens: u32,
 }
 
 /// A running generation as the HTTP side sees it: the engine's events turned into text, cut
@@ -397,8 +538,11 @@ struct Generation {
     /// Tokens whose logprobs are not sent: the token that ends the request.
     ends: Vec<u32>,
     ignore_eos: bool,
-    prompt_tokens: u32,
+    /// Stop strings are not looked for in the text of the first `min_tokens` tokens (vLLM).
+    min_tokens: u32,
     completion_tokens: u32,
+    /// Characters of the logprobs' token texts so far (the next `text_offset`).
+    offset: usize,
     done: bool,
 }
 
@@ -412,7 +556,7 @@ impl Generation {
         let mut ends = req.stop_tokens.clone();
         ends.push(tok.eos());
         let ignore_eos = req.ignore_eos;
-        let prompt_tokens = req.prompt.len() as u32;
+        let min_tokens = req.min_tokens;
         let (rid, rx) = state.engine.submit(req).await?;
         Ok(Generation {
             rid,
@@ -423,14 +567,36 @@ impl Generation {
             stop: StopText::new(stops),
             ends,
             ignore_eos,
-            prompt_tokens,
+            min_tokens,
             completion_tokens: 0,
+            offset: 0,
             done: false,
         })
     }
 
-    fn usage(&self) -> Value {
-        usage(self.prompt_tokens, self.completion_tokens)
+    /// `n` generations of `req`, seeded `seed`, `seed + 1`, ... when it has a seed. Each is
+    /// a request of its own to the engine (it prefills the prompt itself); if one is refused,
+    /// those started are dropped, and the engine aborts them at its next turn.
+    async fn start_n(
+        state: &AppState,
+        req: GenRequest,
+        seeded: bool,
+        stops: Vec<String>,
+        n: u8,
+    ) -> Result<Vec<Self>, ApiError> {
+        let mut out = Vec::with_capacity(n.into());
+        for i in 0..u64::from(n) {
+            let mut r = req.clone();
+            if i > 0 {
+                r.seed = if seeded {
+                    req.seed.wrapping_add(i)
+                } else {
+                    rand::random()
+                };
+            }
+            out.push(Self::start(state, r, stops.clone()).await?);
+        }
+        Ok(out)
     }
 
     fn shown(&self, t: u32) -> (String, Vec<u8>) {
@@ -450,10 +616,15 @@ impl Generation {
         match self.rx.recv().await {
             Some(Event::Token { id, logprobs }) => {
                 self.completion_tokens += 1;
-                let mut p = Piece::default();
+                let mut p = Piece {
+                    tokens: 1,
+                    ..Piece::default()
+                };
                 let ending = !self.ignore_eos && self.ends.contains(&id);
                 if let (Some(lp), false) = (logprobs, ending) {
                     let (text, bytes) = self.shown(id);
+                    let offset = self.offset;
+                    self.offset += text.chars().count();
                     p.logprobs.push(TokenLp {
                         text,
                         bytes,
@@ -466,9 +637,15 @@ impl Generation {
                                 (s, b, l)
                             })
                             .collect(),
+                        offset,
                     });
                 }
-                let (text, stopped) = self.stop.push(&self.utf8.push(id));
+                let text = self.utf8.push(id);
+                let (text, stopped) = if self.completion_tokens <= self.min_tokens {
+                    (self.stop.pass(&text), false)
+                } else {
+                    self.stop.push(&text)
+                };
                 p.text = text;
                 if stopped {
                     // A stop string: the request ends here; the engine frees it at its next
@@ -489,6 +666,7 @@ impl Generation {
                     text,
                     logprobs: Vec::new(),
                     finish: Some(if stopped { Finish::Stop } else { finish }),
+                    tokens: 0,
                 })
             }
             None => {
@@ -497,17 +675,57 @@ impl Generation {
             }
         }
     }
+
+    /// The whole generation: its text, logprobs and why it finished (`None`: the engine
+    /// stopped).
+    async fn collect(mut self) -> Option<(String, Vec<TokenLp>, Finish, u32)> {
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        while let Some(p) = self.next().await {
+            text.push_str(&p.text);
+            lps.extend(p.logprobs);
+            if let Some(f) = p.finish {
+                return Some((text, lps, f, self.completion_tokens));
+            }
+        }
+        None
+    }
 }
 
-/// The legacy completions' `logprobs` object for `lps`.
-fn completion_logprobs(lps: &[TokenLp]) -> Value {
-    json!({
-        "tokens": lps.iter().map(|l| l.text.as_str()).collect::<Vec<_>>(),
-        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "top_logprobs": lps.iter().map(|l| {
-            l.top.iter().map(|(s, _, p)| (s.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
-    })
+// === the response bodies ===
+
+/// A top-logprobs map of the legacy completions, serialised in rank order (most likely first)
+/// rather than by token text.
+struct Ranked<'a>(&'a [(String, Vec<u8>, f32)]);
+
+impl Serialize for Ranked<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (text, _, lp) in self.0 {
+            m.serialize_entry(text, lp)?;
+        }
+        m.end()
+    }
+}
+
+/// The legacy completions' `logprobs` object.
+#[derive(Serialize)]
+struct CompletionLogprobs<'a> {
+    tokens: Vec<&'a str>,
+    token_logprobs: Vec<f32>,
+    top_logprobs: Vec<Ranked<'a>>,
+    text_offset: Vec<usize>,
+}
+
+impl<'a> CompletionLogprobs<'a> {
+    fn of(lps: &'a [TokenLp]) -> Self {
+        CompletionLogprobs {
+            tokens: lps.iter().map(|l| l.text.as_str()).collect(),
+            token_logprobs: lps.iter().map(|l| l.logprob).collect(),
+            top_logprobs: lps.iter().map(|l| Ranked(&l.top)).collect(),
+            text_offset: lps.iter().map(|l| l.offset).collect(),
+        }
+    }
 }
 
 /// The chat completions' `logprobs` object for `lps`.
@@ -518,6 +736,69 @@ fn chat_logprobs(lps: &[TokenLp]) -> Value {
             "top_logprobs": l.top.iter().map(|(s, b, p)| json!({"token": s, "logprob": p, "bytes": b})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
+}
+
+/// One choice of a response or chunk.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum ChoiceOut<'a> {
+    Completion {
+        text: &'a str,
+        index: usize,
+        logprobs: Option<CompletionLogprobs<'a>>,
+        finish_reason: Option<&'static str>,
+    },
+    /// A whole chat answer (`message`) or a chunk of one (`delta`).
+    Chat {
+        index: usize,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        message: Option<Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        delta: Option<Value>,
+        logprobs: Option<Value>,
+        finish_reason: Option<&'static str>,
+    },
+}
+
+/// A response's `usage`: absent, `null` (a chunk before `include_usage`'s last), or counts.
+enum Usage {
+    Absent,
+    Null,
+    Counts(Value),
+}
+
+impl Serialize for Usage {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Usage::Counts(v) => v.serialize(s),
+            Usage::Absent | Usage::Null => s.serialize_none(),
+        }
+    }
+}
+
+/// A response or a streamed chunk.
+#[derive(Serialize)]
+struct Body<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<ChoiceOut<'a>>,
+    #[serde(skip_serializing_if = "Usage::is_absent")]
+    usage: Usage,
+}
+
+impl Usage {
+    fn is_absent(&self) -> bool {
+        matches!(self, Usage::Absent)
+    }
+}
+
+impl Body<'_> {
+    fn text(&self) -> String {
+        // Serialising plain strings, numbers and maps with string keys cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
 }
 
 /// Which API a response is shaped for.
@@ -552,14 +833,6 @@ impl Writer {
         }
     }
 
-    fn logprobs_of(&self, lps: &[TokenLp]) -> Value {
-        match (self.logprobs, self.shape) {
-            (false, _) => Value::Null,
-            (true, Shape::Completion) => completion_logprobs(lps),
-            (true, Shape::Chat) => chat_logprobs(lps),
-        }
-    }
-
     fn object(&self, streamed: bool) -> &'static str {
         match (self.shape, streamed) {
             (Shape::Completion, _) => "text_completion",
@@ -568,148 +841,213 @@ impl Writer {
         }
     }
 
-    /// A streamed chunk of one piece; `usage` on the last unless it goes in a chunk of its own.
-    fn chunk(&self, p: &Piece, usage: Option<Value>) -> Value {
-        let finish = p.finish.map(Finish::as_str);
-        let choice = match self.shape {
-            Shape::Completion => json!({
-                "text": p.text, "index": 0, "logprobs": self.logprobs_of(&p.logprobs), "finish_reason": finish,
-            }),
-            Shape::Chat => {
-                let delta = if p.text.is_empty() && p.finish.is_some() {
-                    json!({})
-                } else {
-                    json!({"content": p.text})
-                };
-                json!({"index": 0, "delta": delta, "logprobs": self.logprobs_of(&p.logprobs), "finish_reason": finish})
-            }
-        };
-        let mut v = json!({
-            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
-            "choices": [choice],
-        });
-        if self.include_usage {
-            v["usage"] = Value::Null;
-        } else if let Some(u) = usage {
-            v["usage"] = u;
+    fn body<'a>(&'a self, streamed: bool, choices: Vec<ChoiceOut<'a>>, usage: Usage) -> Body<'a> {
+        Body {
+            id: &self.id,
+            object: self.object(streamed),
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
         }
-        v
     }
 
-    /// The chat's first chunk: the assistant's role.
-    fn role_chunk(&self) -> Value {
-        let mut v = json!({
-            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
-        });
-        if self.include_usage {
-            v["usage"] = Value::Null;
+    /// Choice `index` holding `text` and the logprobs of its tokens; a chat's is a `message`
+    /// (whole) or a `delta` (streamed).
+    fn choice<'a>(
+        &self,
+        index: usize,
+        text: &'a str,
+        lps: &'a [TokenLp],
+        finish: Option<Finish>,
+        streamed: bool,
+    ) -> ChoiceOut<'a> {
+        let finish_reason = finish.map(Finish::as_str);
+        match self.shape {
+            Shape::Completion => ChoiceOut::Completion {
+                text,
+                index,
+                logprobs: self.logprobs.then(|| CompletionLogprobs::of(lps)),
+                finish_reason,
+            },
+            Shape::Chat => {
+                let logprobs = self.logprobs.then(|| chat_logprobs(lps));
+                let (message, delta) = if !streamed {
+                    (Some(json!({"role": "assistant", "content": text})), None)
+                } else if text.is_empty() && finish.is_some() {
+                    (None, Some(json!({})))
+                } else {
+                    (None, Some(json!({"content": text})))
+                };
+                ChoiceOut::Chat {
+                    index,
+                    message,
+                    delta,
+                    logprobs,
+                    finish_reason,
+                }
+            }
         }
-        v
+    }
+
+    /// A streamed chunk of choice `index`'s piece; `usage` on the last unless it goes in a
+    /// chunk of its own.
+    fn chunk(&self, index: usize, p: &Piece, usage: Option<Value>) -> String {
+        let usage = match usage {
+            _ if self.include_usage => Usage::Null,
+            Some(u) => Usage::Counts(u),
+            None => Usage::Absent,
+        };
+        let c = self.choice(index, &p.text, &p.logprobs, p.finish, true);
+        self.body(true, vec![c], usage).text()
+    }
+
+    /// A chat choice's first chunk: the assistant's role.
+    fn role_chunk(&self, index: usize) -> String {
+        let c = ChoiceOut::Chat {
+            index,
+            message: None,
+            delta: Some(json!({"role": "assistant", "content": ""})),
+            logprobs: None,
+            finish_reason: None,
+        };
+        let usage = if self.include_usage {
+            Usage::Null
+        } else {
+            Usage::Absent
+        };
+        self.body(true, vec![c], usage).text()
     }
 
     /// `stream_options.include_usage`'s last chunk: no choice, the usage.
-    fn usage_chunk(&self, usage: Value) -> Value {
-        json!({
-            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
-            "choices": [], "usage": usage,
-        })
-    }
-
-    /// The whole (non-streamed) answer.
-    fn whole(&self, text: &str, lps: &[TokenLp], finish: Finish, usage: Value) -> Value {
-        let choice = match self.shape {
-            Shape::Completion => json!({
-                "text": text, "index": 0, "logprobs": self.logprobs_of(lps), "finish_reason": finish.as_str(),
-            }),
-            Shape::Chat => json!({
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs_of(lps), "finish_reason": finish.as_str(),
-            }),
-        };
-        json!({
-            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
-            "choices": [choice], "usage": usage,
-        })
+    fn usage_chunk(&self, usage: Value) -> String {
+        self.body(true, Vec::new(), Usage::Counts(usage)).text()
     }
 }
 
-fn sse(v: &Value) -> String {
-    format!("data: {v}\n\n")
+fn sse(body: &str) -> String {
+    format!("data: {body}\n\n")
 }
 
-/// Answers a generation: whole, or streamed as server-sent events (one event per token, whose
-/// text may be empty while it is held back; a chat's first event carries the role; the last
-/// carries `finish_reason`, then `usage` in its own event with `include_usage`, then
-/// `data: [DONE]`).
-async fn respond(mut g: Generation, w: Writer, streamed: bool) -> Result<HttpResponse, ApiError> {
+/// The merged stream's state: choices not finished yet, tokens generated over all.
+struct Merged {
+    live: usize,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+}
+
+/// Answers a request's generations (its `n` choices): whole, or streamed as server-sent events
+/// (one event per token of any choice, each naming its choice's `index`, whose text may be
+/// empty while it is held back; a chat choice's first event carries the role; a choice's last
+/// carries its `finish_reason`; the last choice's last carries `usage`, or with
+/// `include_usage` a chunk of its own follows; then `data: [DONE]`).
+async fn respond(
+    gens: Vec<Generation>,
+    prompt_tokens: u32,
+    w: Writer,
+    streamed: bool,
+) -> Result<HttpResponse, ApiError> {
     if streamed {
-        let first = (w.shape == Shape::Chat).then(|| sse(&w.role_chunk()));
-        let s = stream::unfold((g, w, first), |(mut g, w, first)| async move {
-            if let Some(f) = first {
-                return Some((Ok::<_, actix_web::Error>(Bytes::from(f)), (g, w, None)));
+        let n = gens.len();
+        let first: String = match w.shape {
+            Shape::Chat => (0..n).map(|i| sse(&w.role_chunk(i))).collect(),
+            Shape::Completion => String::new(),
+        };
+        let pieces = stream::select_all(gens.into_iter().enumerate().map(|(i, g)| {
+            Box::pin(stream::unfold(g, move |mut g| async move {
+                g.next().await.map(|p| ((i, p), g))
+            }))
+        }));
+        let state = Merged {
+            live: n,
+            prompt_tokens,
+            completion_tokens: 0,
+        };
+        let events = pieces.scan(state, move |m, (i, p)| {
+            m.completion_tokens += p.tokens;
+            if p.finish.is_some() {
+                m.live -= 1;
             }
-            let p = g.next().await?;
-            let out = if p.finish.is_some() {
-                let mut out = sse(&w.chunk(&p, Some(g.usage())));
+            let out = if m.live == 0 {
+                let u = usage(m.prompt_tokens, m.completion_tokens);
+                let mut out = sse(&w.chunk(i, &p, Some(u.clone())));
                 if w.include_usage {
-                    out.push_str(&sse(&w.usage_chunk(g.usage())));
+                    out.push_str(&sse(&w.usage_chunk(u)));
                 }
                 out.push_str("data: [DONE]\n\n");
                 out
             } else {
-                sse(&w.chunk(&p, None))
+                sse(&w.chunk(i, &p, None))
             };
-            Some((Ok(Bytes::from(out)), (g, w, None)))
+            std::future::ready(Some(Ok::<_, actix_web::Error>(Bytes::from(out))))
         });
+        let s = stream::iter((!first.is_empty()).then(|| Ok(Bytes::from(first)))).chain(events);
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
             .streaming(s));
     }
-    let mut text = String::new();
-    let mut lps = Vec::new();
-    while let Some(p) = g.next().await {
-        text.push_str(&p.text);
-        lps.extend(p.logprobs);
-        if let Some(f) = p.finish {
-            return Ok(HttpResponse::Ok().json(w.whole(&text, &lps, f, g.usage())));
-        }
+    let done = futures_util::future::join_all(gens.into_iter().map(Generation::collect)).await;
+    let done: Vec<_> = done
+        .into_iter()
+        .collect::<Option<_>>()
+        .ok_or(ApiError::from(SubmitError::Stopped))?;
+    let completion_tokens = done.iter().map(|d| d.3).sum();
+    let choices = done
+        .iter()
+        .enumerate()
+        .map(|(i, (text, lps, f, _))| w.choice(i, text, lps, Some(*f), false))
+        .collect();
+    let body = w
+        .body(
+            false,
+            choices,
+            Usage::Counts(usage(prompt_tokens, completion_tokens)),
+        )
+        .text();
+    Ok(HttpResponse::Ok()
+        .content_type("application/json")
+        .body(body))
+}
+
+/// The settings of a request's generations.
+fn gen_plan(s: &Sampling, max_tokens_default: bool, stop_tokens: Vec<u32>, logprobs: Option<u8>) -> Plan {
+    Plan {
+        max_tokens: s.max_tokens,
+        to_context: max_tokens_default,
+        stop_tokens,
+        logprobs,
     }
-    Err(SubmitError::Stopped.into())
 }
 
 async fn completions(
     state: web::Data<AppState>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let raw = body_of(&state, payload).await?;
+    let raw = body_of(&state, &req, payload).await?;
     let body = CompletionBody::parse(&raw, model_limits(&state))?;
     drop(raw);
     check_model(body.model.as_deref(), &state.model_name)?;
     let prompt = prompt_tokens(body.prompt, &state.engine.tokenizer)?;
     let s = body.sampling;
-    let req = gen_request(
+    let r = gen_request(
         &state,
         prompt,
         "prompt",
         &s,
-        Plan {
-            max_tokens: s.max_tokens,
-            to_context: false,
-            stop_tokens: Vec::new(),
-            logprobs: body.logprobs,
-        },
+        gen_plan(&s, false, Vec::new(), body.logprobs),
     )?;
-    let g = Generation::start(&state, req, s.stop).await?;
+    let prompt_len = r.prompt.len() as u32;
+    let gens = Generation::start_n(&state, r, s.seed.is_some(), s.stop, s.n).await?;
     let w = Writer::new(
         Shape::Completion,
-        g.rid,
+        gens[0].rid,
         &state.model_name,
         body.logprobs.is_some(),
         s.include_usage,
     );
-    respond(g, w, s.stream).await
+    respond(gens, prompt_len, w, s.stream).await
 }
 
 /// The token that ends an assistant's turn in ChatML.
@@ -717,67 +1055,87 @@ pub const IM_END: &str = "<|im_end|>";
 
 async fn chat_completions(
     state: web::Data<AppState>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let raw = body_of(&state, payload).await?;
+    let raw = body_of(&state, &req, payload).await?;
     let body = ChatBody::parse(&raw, model_limits(&state))?;
     drop(raw);
     check_model(body.model.as_deref(), &state.model_name)?;
     let tok = &state.engine.tokenizer;
     let prompt = chat_tokens(&state.chat, &body.messages, true, tok)?;
     let s = body.sampling;
-    let req = gen_request(
+    let r = gen_request(
         &state,
         prompt,
         "messages",
         &s,
-        Plan {
-            max_tokens: s.max_tokens,
-            to_context: true,
-            stop_tokens: tok.token_id(IM_END).into_iter().collect(),
-            logprobs: body.logprobs,
-        },
+        gen_plan(
+            &s,
+            true,
+            tok.token_id(IM_END).into_iter().collect(),
+            body.logprobs,
+        ),
     )?;
-    let g = Generation::start(&state, req, s.stop).await?;
+    let prompt_len = r.prompt.len() as u32;
+    let gens = Generation::start_n(&state, r, s.seed.is_some(), s.stop, s.n).await?;
     let w = Writer::new(
         Shape::Chat,
-        g.rid,
+        gens[0].rid,
         &state.model_name,
         body.logprobs.is_some(),
         s.include_usage,
     );
-    respond(g, w, s.stream).await
+    respond(gens, prompt_len, w, s.stream).await
 }
 
 /// `POST /tokenize`: a prompt's (or a conversation's) token ids, as vLLM answers.
 async fn tokenize(
     state: web::Data<AppState>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let raw = body_of(&state, payload).await?;
+    let raw = body_of(&state, &req, payload).await?;
     let limits = model_limits(&state);
     let body = TokenizeBody::parse(&raw, limits)?;
     drop(raw);
     check_model(body.model.as_deref(), &state.model_name)?;
     let tok = &state.engine.tokenizer;
-    let tokens = match body.input {
-        TokenizeInput::Prompt(p) => prompt_tokens(Prompt::Text(p), tok)?,
+    // `add_special_tokens` (absent: true, as a completion's prompt and a chat's rendered text
+    // are encoded) adds the BOS the vocabulary asks for, as a Hugging Face tokenizer does.
+    let add = body.add_special_tokens.unwrap_or(true);
+    let (text, field) = match body.input {
+        TokenizeInput::Prompt(p) => (p, "prompt"),
         TokenizeInput::Messages {
             messages,
             add_generation_prompt,
-        } => chat_tokens(&state.chat, &messages, add_generation_prompt, tok)?,
+        } => (
+            chat_text(&state.chat, &messages, add_generation_prompt)?,
+            "messages",
+        ),
     };
+    let tokens = tok
+        .encode_with(&text, add)
+        .map_err(|e| ApiError::bad(Some(field), e.to_string()))?;
+    let strs = body.return_token_strs.then(|| {
+        tokens
+            .iter()
+            .map(|&t| tok.token_text(t).unwrap_or_default())
+            .collect::<Vec<_>>()
+    });
     Ok(HttpResponse::Ok().json(json!({
         "count": tokens.len(), "max_model_len": limits.max_positions, "tokens": tokens,
+        "token_strs": strs,
     })))
 }
 
 /// `POST /detokenize`: the text of token ids (control tokens written out), as vLLM answers.
 async fn detokenize(
     state: web::Data<AppState>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let raw = body_of(&state, payload).await?;
+    let raw = body_of(&state, &req, payload).await?;
     let body = DetokenizeBody::parse(&raw, model_limits(&state))?;
     drop(raw);
     check_model(body.model.as_deref(), &state.model_name)?;
@@ -824,6 +1182,40 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// `/ping` (GET or POST, as vLLM and SageMaker probe): 200 with no body while serving, 503
+/// while shutting down.
+async fn ping(state: web::Data<AppState>) -> HttpResponse {
+    if state.draining.load(Ordering::Relaxed) {
+        HttpResponse::ServiceUnavailable().finish()
+    } else {
+        HttpResponse::Ok().finish()
+    }
+}
+
+/// `/version`: the engine's version, in vLLM's shape.
+async fn version() -> HttpResponse {
+    HttpResponse::Ok().json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+/// The header naming a request, echoed on its response.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// The most bytes of a client's `x-request-id` echoed; a longer one, or one with other than
+/// visible ASCII, is replaced by a new id.
+pub const MAX_REQUEST_ID: usize = 256;
+
+/// The client's `x-request-id` when it is a sensible one, else a new random id (32 hex digits).
+pub fn request_id(given: Option<&header::HeaderValue>) -> header::HeaderValue {
+    if let Some(v) = given {
+        let b = v.as_bytes();
+        if !b.is_empty() && b.len() <= MAX_REQUEST_ID && b.iter().all(|c| c.is_ascii_graphic()) {
+            return v.clone();
+        }
+    }
+    let id = format!("{:032x}", rand::random::<u128>());
+    header::HeaderValue::from_str(&id).expect("hex digits are a valid header value")
+}
+
 /// `/metrics`: renders what the engine and the component last published; never asks the
 /// engine, so a long step does not hold it up.
 async fn metrics_page(state: web::Data<AppState>) -> HttpResponse {
@@ -842,6 +1234,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/tokenize", web::post().to(tokenize))
         .route("/detokenize", web::post().to(detokenize))
         .route("/health", web::get().to(health))
+        .route("/ping", web::get().to(ping))
+        .route("/ping", web::post().to(ping))
+        .route("/version", web::get().to(version))
         .route("/metrics", web::get().to(metrics_page));
 }
 
@@ -902,13 +1297,31 @@ impl Server {
             draining: AtomicBool::new(false),
             limits,
             chat,
+            reading: Arc::new(Semaphore::new(limits.max_active_requests.max(1))),
         });
         let s2 = state.clone();
         let per_worker = limits.max_connections.div_ceil(WORKERS).max(1);
-        let server = HttpServer::new(move || App::new().app_data(s2.clone()).configure(routes))
-            .workers(WORKERS)
-            .max_connections(per_worker)
-            .client_request_timeout(limits.header_timeout)
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(s2.clone())
+                // Every answer (errors and 404s too) names its request: the client's
+                // `x-request-id`, else a new one.
+                .wrap_fn(|req, srv| {
+                    let id = request_id(req.headers().get(REQUEST_ID));
+                    let fut = srv.call(req);
+                    async move {
+                        let mut res = fut.await?;
+                        res.headers_mut()
+                            .insert(header::HeaderName::from_static(REQUEST_ID), id);
+                        Ok(res)
+                    }
+                })
+                .configure(routes)
+        })
+        .workers(WORKERS)
+        .max_connections(per_worker)
+        .client_request_timeout(limits.header_timeout)
+        .keep_alive(limits.header_timeout)
             // A client that closes its side has gone: end its handler (a plain request is then
             // aborted like a dropped stream) instead of computing an answer nobody reads.
             .h1_allow_half_closed(false)

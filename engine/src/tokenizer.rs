@@ -338,15 +338,29 @@ impl Tokenizer {
     /// # Errors
     /// The BPE fails (it does not on valid UTF-8, but the crate's error is passed on).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, true)
+    }
+
+    /// As [`encode`](Self::encode); without `add_special_tokens` no BOS is added whatever the
+    /// vocabulary asks (vLLM's `/tokenize` option).
+    ///
+    /// # Errors
+    /// As [`encode`](Self::encode).
+    pub fn encode_with(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         match self {
-            Tokenizer::Bytes => Ok(encode(text)),
+            Tokenizer::Bytes if add_special_tokens => Ok(encode(text)),
+            Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Tokenizer::Bpe(b) => {
                 let enc = b
                     .inner
                     .encode_fast(text, false)
                     .map_err(|e| TokenizerError(e.to_string()))?;
                 let mut out = Vec::with_capacity(enc.len() + 1);
-                if b.add_bos {
+                if b.add_bos && add_special_tokens {
                     out.extend(b.bos);
                 }
                 out.extend_from_slice(enc.get_ids());

@@ -292,7 +292,7 @@ async fn bad_chats_are_400s_naming_the_field() {
             json!({"messages": france(), "max_completion_tokens": 9000}),
             "max_completion_tokens",
         ),
-        (json!({"messages": france(), "n": 2}), "n"),
+        (json!({"messages": france(), "n": 9}), "n"),
         (json!({"messages": france(), "tools": []}), "tools"),
         (json!({"messages": france(), "model": "gpt-4"}), "model"),
     ];

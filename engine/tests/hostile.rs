@@ -443,7 +443,7 @@ async fn unsupported_fields_are_refused_by_name_and_neutral_ones_accepted() {
         }
     };
     for (field, value) in [
-        ("n", json!(3)),
+        ("n", json!(9)),
         ("stop", json!(["a", "b", "c", "d", "e"])),
         ("stop", json!("")),
         ("logprobs", json!(6)),
@@ -452,8 +452,8 @@ async fn unsupported_fields_are_refused_by_name_and_neutral_ones_accepted() {
         ("tools", json!([])),
         ("response_format", json!({"type": "json_object"})),
         ("echo", json!(true)),
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1)),
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3)),
         ("best_of", json!(2)),
         ("logit_bias", json!({"65": 10})),
         ("suffix", json!("end")),

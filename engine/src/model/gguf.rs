@@ -86,6 +86,9 @@ pub fn cache_dir() -> Result<PathBuf, String> {
     Ok(base.join("mstar-chunking"))
 }
 
+/// The default model's own name (the API serves it under this name unless told otherwise).
+pub const SMOLLM2_NAME: &str = "SmolLM2-135M-Instruct";
+
 /// The default model's path in the cache, checked to be a regular file of its pinned size.
 ///
 /// # Errors
