@@ -584,7 +584,10 @@ fn seed(raw: &RawValue) -> Result<u64, ApiError> {
         .map_err(|_| {
             ApiError::bad(
                 Some("seed"),
-                format!("`seed` must be a whole number (an int64), not {}", excerpt(raw)),
+                format!(
+                    "`seed` must be a whole number (an int64), not {}",
+                    excerpt(raw)
+                ),
             )
         })
 }
@@ -696,8 +699,7 @@ impl Sampling {
         let repetition_penalty =
             number_in(f, "repetition_penalty", 0.0, f64::from(f32::MAX), true)?.unwrap_or(1.0);
         let presence_penalty = number_in(f, "presence_penalty", -2.0, 2.0, false)?.unwrap_or(0.0);
-        let frequency_penalty =
-            number_in(f, "frequency_penalty", -2.0, 2.0, false)?.unwrap_or(0.0);
+        let frequency_penalty = number_in(f, "frequency_penalty", -2.0, 2.0, false)?.unwrap_or(0.0);
         let min_tokens: u32 = f
             .take("min_tokens", "a whole number of tokens ≥ 0")?
             .unwrap_or(0);
@@ -1036,9 +1038,7 @@ fn message(i: usize, raw: &RawValue) -> Result<crate::chat::Message, ApiError> {
             )
         })?;
     // The participant's name: given to the template, as vLLM does.
-    let name: Option<String> = f
-        .take("name", "a string")
-        .map_err(|e| renamed(e, "name"))?;
+    let name: Option<String> = f.take("name", "a string").map_err(|e| renamed(e, "name"))?;
     if let Some((key, _)) = f.fields.first() {
         let name = at(&shown(key));
         return Err(ApiError::bad(

@@ -90,8 +90,7 @@ impl ChatTemplate {
             .get_template(NAME)
             .map_err(|e| format!("the chat template: {}", describe(&e)))?;
         let renamed: Vec<Message>;
-        let messages = if !self.knows_developer && messages.iter().any(|m| m.role == "developer")
-        {
+        let messages = if !self.knows_developer && messages.iter().any(|m| m.role == "developer") {
             renamed = messages
                 .iter()
                 .map(|m| Message {

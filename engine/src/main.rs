@@ -232,9 +232,10 @@ fn load_model(
     let from_gguf =
         |p: &std::path::Path| gguf::load(p, device, a.weight_format).map_err(|e| e.to_string());
     if let Some(p) = &a.gguf {
-        let own = p
-            .file_stem()
-            .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned());
+        let own = p.file_stem().map_or_else(
+            || p.display().to_string(),
+            |s| s.to_string_lossy().into_owned(),
+        );
         return Ok((from_gguf(p)?, p.display().to_string(), own));
     }
     if a.model == "smollm2" {

@@ -71,7 +71,9 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     fn penalised(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
     }
 }
 
@@ -249,10 +251,24 @@ mod tests {
     #[test]
     fn top_k_keeps_the_k_most_likely() {
         let logits = [0.0, 3.0, 1.0, 2.0, 2.5, -1.0];
-        let s = Sampler::with(1, SamplingParams { top_k: 2, ..params() }, &[]);
+        let s = Sampler::with(
+            1,
+            SamplingParams {
+                top_k: 2,
+                ..params()
+            },
+            &[],
+        );
         assert_eq!(support(s, &logits, 500), vec![1, 4]);
         // k of the vocabulary or more keeps everything.
-        let s = Sampler::with(1, SamplingParams { top_k: 6, ..params() }, &[]);
+        let s = Sampler::with(
+            1,
+            SamplingParams {
+                top_k: 6,
+                ..params()
+            },
+            &[],
+        );
         assert_eq!(support(s, &logits, 3000).len(), 6);
     }
 
@@ -260,9 +276,23 @@ mod tests {
     fn min_p_drops_tokens_below_its_fraction_of_the_most_likely() {
         // Probabilities in proportion to e^l: e^0 / e^2 = 0.135 of the top token.
         let logits = [2.0, 0.0, 2.0_f32.ln() + 0.0, 1.9];
-        let s = Sampler::with(3, SamplingParams { min_p: 0.2, ..params() }, &[]);
+        let s = Sampler::with(
+            3,
+            SamplingParams {
+                min_p: 0.2,
+                ..params()
+            },
+            &[],
+        );
         assert_eq!(support(s, &logits, 2000), vec![0, 2, 3]);
-        let s = Sampler::with(3, SamplingParams { min_p: 0.1, ..params() }, &[]);
+        let s = Sampler::with(
+            3,
+            SamplingParams {
+                min_p: 0.1,
+                ..params()
+            },
+            &[],
+        );
         assert_eq!(support(s, &logits, 2000), vec![0, 1, 2, 3]);
         // Applied after temperature: at 0.5 token 1 is e^-4 = 0.018 of the top token.
         let s = Sampler::with(

@@ -84,6 +84,8 @@ pub fn descriptor_limit() -> Option<u64> {
     };
     // SAFETY: getrlimit writes the struct it is given and nothing else.
     let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    // rlim_t is u32 on some 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
     ok.then_some(r.rlim_cur as u64)
 }
 
@@ -110,6 +112,7 @@ pub fn raise_descriptor_limit() -> Option<u64> {
             }
         }
     }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u32 on some 32-bit targets
     Some(r.rlim_cur as u64)
 }
 
@@ -306,7 +309,13 @@ pub async fn read_body(
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, ApiError> {
-    read_body_by(payload, limit, tokio::time::Instant::now() + timeout, timeout).await
+    read_body_by(
+        payload,
+        limit,
+        tokio::time::Instant::now() + timeout,
+        timeout,
+    )
+    .await
 }
 
 fn too_slow(timeout: Duration) -> ApiError {
@@ -1011,7 +1020,12 @@ async fn respond(
 }
 
 /// The settings of a request's generations.
-fn gen_plan(s: &Sampling, max_tokens_default: bool, stop_tokens: Vec<u32>, logprobs: Option<u8>) -> Plan {
+fn gen_plan(
+    s: &Sampling,
+    max_tokens_default: bool,
+    stop_tokens: Vec<u32>,
+    logprobs: Option<u8>,
+) -> Plan {
     Plan {
         max_tokens: s.max_tokens,
         to_context: max_tokens_default,
@@ -1322,12 +1336,12 @@ impl Server {
         .max_connections(per_worker)
         .client_request_timeout(limits.header_timeout)
         .keep_alive(limits.header_timeout)
-            // A client that closes its side has gone: end its handler (a plain request is then
-            // aborted like a dropped stream) instead of computing an answer nobody reads.
-            .h1_allow_half_closed(false)
-            .disable_signals()
-            .shutdown_timeout(5)
-            .bind(addr)?;
+        // A client that closes its side has gone: end its handler (a plain request is then
+        // aborted like a dropped stream) instead of computing an answer nobody reads.
+        .h1_allow_half_closed(false)
+        .disable_signals()
+        .shutdown_timeout(5)
+        .bind(addr)?;
         let addr = server.addrs()[0];
         let server = server.run();
         let handle = server.handle();
