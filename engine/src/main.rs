@@ -36,6 +36,23 @@ enum Cmd {
     Serve(ServeArgs),
     /// Replay a trace in real time against a server with streaming clients.
     Bench(bench::BenchArgs),
+    /// Write a GGUF model's tokenizer as a Hugging Face tokenizer directory (`tokenizer.json`,
+    /// `tokenizer_config.json`), offline, for clients that need one (`vllm bench serve
+    /// --tokenizer DIR`).
+    ExportTokenizer(ExportTokenizerArgs),
+}
+
+#[derive(Args)]
+struct ExportTokenizerArgs {
+    /// `smollm2` (SmolLM2-135M-Instruct from the cache `make model` fills).
+    #[arg(long, default_value = "smollm2", conflicts_with = "gguf")]
+    model: String,
+    /// This llama-architecture GGUF file's tokenizer instead of `--model`'s.
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// The directory written (created if missing); its two files are replaced whole.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -329,6 +346,49 @@ fn serve(a: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// `export-tokenizer`: the GGUF's tokenizer read without its weights, written as Hugging
+/// Face's two files, each through a temporary file renamed over it (a reader never sees half
+/// a file; an interrupted run leaves the previous file).
+fn export_tokenizer(a: &ExportTokenizerArgs) -> Result<(), String> {
+    use mstar_engine::model::gguf;
+    let path = match &a.gguf {
+        Some(p) => p.clone(),
+        None if a.model == "smollm2" => gguf::smollm2_path()?,
+        None => {
+            return Err(format!(
+                "--model `{}`: only `smollm2` has a tokenizer to export (or give --gguf)",
+                a.model
+            ))
+        }
+    };
+    let file = gguf::GgufFile::open(&path).map_err(|e| e.to_string())?;
+    let hf = file
+        .tokenizer()
+        .map_err(|e| e.to_string())?
+        .hugging_face(file.config.max_positions)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let shown = a.out.display();
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(format!("--out {shown}: exists and is not a directory"));
+    }
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("--out {shown}: {e}"))?;
+    for (name, body) in [
+        ("tokenizer.json", &hf.tokenizer_json),
+        ("tokenizer_config.json", &hf.tokenizer_config_json),
+    ] {
+        let target = a.out.join(name);
+        files::check_output(&target, "--out", &[("--gguf", &path)])?;
+        let tmp = a.out.join(format!(".{name}.{}.tmp", std::process::id()));
+        let written = std::fs::write(&tmp, body).and_then(|()| std::fs::rename(&tmp, &target));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!("--out {}: {e}", target.display()));
+        }
+    }
+    println!("{}", a.out.display());
+    Ok(())
+}
+
 /// Logs to stderr, as the component's binary does: `RUST_LOG` when set (a bad filter is said,
 /// and `info` used), else `info`; colour only at a terminal without `NO_COLOR`.
 fn init_logging() {
@@ -359,6 +419,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::ExportTokenizer(a) => export_tokenizer(&a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

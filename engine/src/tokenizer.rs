@@ -15,6 +15,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::AddedToken;
 
 /// A tokenizer that cannot be built from a file's metadata, or text it cannot encode.
@@ -413,6 +414,67 @@ impl Tokenizer {
             bytes.extend_from_slice(b.ok_or((i, t))?);
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
+/// A Hugging Face tokenizer directory's files, as `transformers`' `AutoTokenizer` loads them
+/// (a fast tokenizer: `tokenizer.json`, with `tokenizer_config.json` for the chat template and
+/// the special tokens).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfTokenizer {
+    /// `tokenizer.json`: the BPE, its pre-tokenizer, decoder and control tokens, and BOS as a
+    /// post-processor where the vocabulary adds one.
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json`.
+    pub tokenizer_config_json: String,
+}
+
+impl Tokenizer {
+    /// The tokenizer in Hugging Face's form, encoding every text to the ids [`encode`]
+    /// gives (`add_special_tokens` as [`encode_with`]), for clients that tokenize on their side
+    /// (load generators measuring prompt lengths). `model_max_length` is the context.
+    ///
+    /// [`encode`]: Self::encode
+    /// [`encode_with`]: Self::encode_with
+    ///
+    /// # Errors
+    /// The byte vocabulary of the random models, which has no such form.
+    pub fn hugging_face(&self, model_max_length: usize) -> Result<HfTokenizer, TokenizerError> {
+        let Tokenizer::Bpe(b) = self else {
+            return Err(TokenizerError(
+                "the random models' byte vocabulary has no Hugging Face tokenizer".into(),
+            ));
+        };
+        let text = |t: u32| String::from_utf8_lossy(&b.bytes[t as usize]).into_owned();
+        let mut inner = b.inner.clone();
+        if let (true, Some(bos)) = (b.add_bos, b.bos) {
+            let processor = TemplateProcessing::builder()
+                .try_single(format!("{} $A", text(bos)))
+                .and_then(|t| t.try_pair(format!("{} $A {} $B", text(bos), text(bos))))
+                .map_err(|e| TokenizerError(format!("BOS post-processor: {e}")))?
+                .special_tokens(vec![(text(bos), bos)])
+                .build()
+                .map_err(|e| TokenizerError(format!("BOS post-processor: {e}")))?;
+            inner.with_post_processor(Some(processor));
+        }
+        let tokenizer_json = inner
+            .to_string(true)
+            .map_err(|e| TokenizerError(format!("tokenizer.json: {e}")))?;
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": false,
+            "bos_token": b.bos.map(text),
+            "eos_token": text(b.eos),
+            "add_bos_token": b.add_bos,
+            "chat_template": b.chat_template,
+        });
+        let tokenizer_config_json = serde_json::to_string_pretty(&config)
+            .map_err(|e| TokenizerError(format!("tokenizer_config.json: {e}")))?;
+        Ok(HfTokenizer {
+            tokenizer_json,
+            tokenizer_config_json,
+        })
     }
 }
 

@@ -347,3 +347,63 @@ fn an_unknown_weight_format_or_device_is_refused() {
     refused(&["--weight-format", "q4_k"], "--weight-format");
     refused(&["--device", "tpu"], "--device");
 }
+
+/// `export-tokenizer` writes its two files into a new or existing directory (again over them),
+/// leaves no temporary file, and refuses an `--out` that is a file, a FIFO where a file goes,
+/// an output that is the GGUF itself, a bad `--gguf` and a model without a tokenizer.
+#[test]
+fn export_tokenizer_follows_the_file_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tok");
+    let o = out.to_str().unwrap();
+    for _ in 0..2 {
+        let r = run(&["export-tokenizer", "--out", o]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let mut names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["tokenizer.json", "tokenizer_config.json"]);
+    }
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let f = file.to_str().unwrap();
+    refused_run(&["export-tokenizer", "--out", f], &[f], "not a directory");
+    refused_run(
+        &["export-tokenizer", "--model", "tiny", "--out", o],
+        &["tiny"],
+        "--model `tiny`",
+    );
+    refused_run(
+        &["export-tokenizer", "--gguf", "/dev/zero", "--out", o],
+        &["/dev/zero"],
+        "not a regular file",
+    );
+    let fifo_dir = dir.path().join("fifo");
+    std::fs::create_dir(&fifo_dir).unwrap();
+    mkfifo(&fifo_dir.join("tokenizer.json"));
+    let fd = fifo_dir.to_str().unwrap();
+    refused_run(
+        &["export-tokenizer", "--out", fd],
+        &[fd],
+        "not a regular file",
+    );
+    // tokenizer.json a link to the GGUF given: writing it would replace the model.
+    let real = mstar_engine::model::gguf::smollm2_path().unwrap_or_else(|e| panic!("{e}"));
+    let copy = dir.path().join("model.gguf");
+    std::fs::copy(&real, &copy).unwrap();
+    let alias_dir = dir.path().join("alias");
+    std::fs::create_dir(&alias_dir).unwrap();
+    std::os::unix::fs::symlink(&copy, alias_dir.join("tokenizer.json")).unwrap();
+    let (c, a) = (copy.to_str().unwrap(), alias_dir.to_str().unwrap());
+    refused_run(
+        &["export-tokenizer", "--gguf", c, "--out", a],
+        &[a],
+        "would be overwritten",
+    );
+    assert_eq!(
+        std::fs::metadata(&copy).unwrap().len(),
+        std::fs::metadata(&real).unwrap().len()
+    );
+}

@@ -112,3 +112,35 @@ fn greedy_continuations_match_llama_cpp_on_at_least_four_of_five_prompts() {
         "{matched} of 5 greedy continuations match llama.cpp's"
     );
 }
+
+/// `export-tokenizer`'s files, loaded back by the `tokenizers` crate as `transformers` loads
+/// them, encode the fixture's 20 strings to llama.cpp's ids, and name the chat template, EOS
+/// and the context; the random models' byte vocabulary has no such form.
+#[test]
+fn the_hugging_face_tokenizer_encodes_as_the_engine_does() {
+    let m = smollm2(DEFAULT_FORMAT);
+    let hf = m.tokenizer().hugging_face(8192).unwrap();
+    let back: tokenizers::Tokenizer = hf.tokenizer_json.parse().unwrap();
+    let fx = llama_cpp_fixture();
+    for c in fx["tokenize"].as_array().unwrap() {
+        let text = c["text"].as_str().unwrap();
+        let got = back.encode(text, true).unwrap();
+        assert_eq!(got.get_ids(), ids(&c["ids"]).as_slice(), "{text:?}");
+    }
+    let config: serde_json::Value = serde_json::from_str(&hf.tokenizer_config_json).unwrap();
+    assert_eq!(config["eos_token"], "<|im_end|>");
+    assert_eq!(config["model_max_length"], 8192);
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(
+        config["chat_template"].as_str(),
+        m.tokenizer().chat_template()
+    );
+    let tiny = mstar_engine::model::Model::random(
+        mstar_engine::model::Config::tiny(),
+        1,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let err = tiny.tokenizer().hugging_face(64).unwrap_err();
+    assert!(err.to_string().contains("byte vocabulary"), "{err}");
+}

@@ -176,6 +176,14 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    /// The file's tokenizer alone, without reading a weight.
+    ///
+    /// # Errors
+    /// A tokenizer that cannot be built from the metadata (named).
+    pub fn tokenizer(&self) -> Result<Tokenizer, ModelError> {
+        Tokenizer::from_gguf(&self.content).map_err(|e| self.err(e.to_string()))
+    }
+
     fn err(&self, what: String) -> ModelError {
         ModelError::Gguf {
             path: self.path.display().to_string(),
