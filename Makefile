@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-engine serve engine-bench engine-speed
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -32,6 +32,7 @@ test: test-deps lint check-core ## Install what the tests need, lint, then the w
 	$(MAKE) test-python
 	$(MAKE) test-ray
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-bench
 	$(MAKE) bench-check
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
@@ -116,6 +117,31 @@ test-ray: ## The cluster recipes: shellcheck on the Slurm script, a venv under t
 	# they find, and there is none but 127.0.0.1 to find.
 	RAY_USAGE_STATS_ENABLED=0 MSTAR_CHUNKING_BIN=$(BIN_DIR)/debug/mstar-chunking \
 		unshare --net --map-root-user sh -c 'ip link set lo up && exec $(RAY_VENV)/bin/pytest -q -p no:cacheprovider deploy'
+
+# vLLM's load generator needs the model's tokenizer as a Hugging Face directory: the engine
+# writes one from the GGUF (export-tokenizer), offline.
+VLLM_BENCH_TOKENIZER := target/smollm2-tokenizer
+test-vllm-bench: model ## vLLM's `vllm bench serve` (backends openai and openai-chat, random dataset) against the debug engine on SmolLM2: every request succeeds, with its /tokenize alignment
+	venv="$$(python/scripts/install-vllm.sh | tail -n 1)" && \
+	$(CARGO) build -p mstar-engine --bin mstar-engine && \
+	$(BIN_DIR)/debug/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
+	python3 engine/scripts/vllm_bench_serve.py --engine $(BIN_DIR)/debug/mstar-engine \
+		--vllm "$$venv/bin/vllm" --tokenizer $(VLLM_BENCH_TOKENIZER)
+
+# The engine README's vLLM load-generator table: the release engine, 40 prompts of 256 tokens
+# answered with 64, without and with a time budget (the cost fitted on SmolLM2 at a tenth of the
+# trace's rate, engine/results/loads/, refined online).
+VLLM_BENCH_TIMED ?= --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms 150 \
+	--cost 0,4.79221,0.0082098,0.00463106,2.78037 --learn-cost --time-margin 0.99
+vllm-bench: model ## The engine README's `vllm bench serve` table (release engine; about 10 min): TTFT, TPOT, ITL without and with a time budget
+	venv="$$(python/scripts/install-vllm.sh | tail -n 1)" && \
+	$(CARGO) build --release -p mstar-engine --bin mstar-engine && \
+	$(BIN_DIR)/release/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
+	python3 engine/scripts/vllm_bench_serve.py --engine $(BIN_DIR)/release/mstar-engine \
+		--vllm "$$venv/bin/vllm" --tokenizer $(VLLM_BENCH_TOKENIZER) \
+		--num-prompts 40 --request-rate 1 --input-len 256 --output-len 64 \
+		--setting "token budget 256=--budget 256" --setting "time budget 150 ms=$(VLLM_BENCH_TIMED)" \
+		--out engine/results/vllm-bench-serve.md --json target/vllm-bench-serve.json
 
 test-engine: model ## The reference engine's tests (tiny model and SmolLM2): exactness, tokenizer, serving, load generator
 	$(CARGO) test -p mstar-engine

@@ -37,7 +37,7 @@ enum Cmd {
     /// Replay a trace in real time against a server with streaming clients.
     Bench(bench::BenchArgs),
     /// Write a GGUF model's tokenizer as a Hugging Face tokenizer directory (`tokenizer.json`,
-    /// `tokenizer_config.json`), offline, for clients that need one (`vllm bench serve
+    /// `tokenizer_config.json`, and the model's shape in `config.json`), offline, for clients that need one (`vllm bench serve
     /// --tokenizer DIR`).
     ExportTokenizer(ExportTokenizerArgs),
 }
@@ -50,7 +50,7 @@ struct ExportTokenizerArgs {
     /// This llama-architecture GGUF file's tokenizer instead of `--model`'s.
     #[arg(long)]
     gguf: Option<PathBuf>,
-    /// The directory written (created if missing); its two files are replaced whole.
+    /// The directory written (created if missing); its three files are replaced whole.
     #[arg(long)]
     out: PathBuf,
 }
@@ -152,7 +152,8 @@ struct EngineArgs {
     /// Time budget per step in ms.
     #[arg(long)]
     max_step_ms: Option<f64>,
-    /// Latency model to plan with: `base_ms,per_token_ms,per_kv_token_ms,per_attention_pair_ms`.
+    /// Latency model to plan with: `base_ms,per_token_ms,per_kv_token_ms,per_attention_pair_ms`,
+    /// and optionally `,per_row_ms`.
     #[arg(long)]
     cost: Option<String>,
     /// Fit the latency model online from measured step times.
@@ -347,7 +348,8 @@ fn serve(a: ServeArgs) -> Result<(), String> {
 }
 
 /// `export-tokenizer`: the GGUF's tokenizer read without its weights, written as Hugging
-/// Face's two files, each through a temporary file renamed over it (a reader never sees half
+/// Face's two files and a `config.json` of the model's shape (what tools read to learn the
+/// model's kind and context; no weights are written), each through a temporary file renamed over it (a reader never sees half
 /// a file; an interrupted run leaves the previous file).
 fn export_tokenizer(a: &ExportTokenizerArgs) -> Result<(), String> {
     use mstar_engine::model::gguf;
@@ -362,17 +364,35 @@ fn export_tokenizer(a: &ExportTokenizerArgs) -> Result<(), String> {
         }
     };
     let file = gguf::GgufFile::open(&path).map_err(|e| e.to_string())?;
-    let hf = file
-        .tokenizer()
-        .map_err(|e| e.to_string())?
+    let tokenizer = file.tokenizer().map_err(|e| e.to_string())?;
+    let hf = tokenizer
         .hugging_face(file.config.max_positions)
         .map_err(|e| format!("{}: {e}", path.display()))?;
+    let c = file.config;
+    let config_json = serde_json::to_string_pretty(&serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden,
+        "intermediate_size": c.ffn,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads,
+        "max_position_embeddings": c.max_positions,
+        "rms_norm_eps": c.eps as f32,
+        "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab,
+        "bos_token_id": tokenizer.bos(),
+        "eos_token_id": tokenizer.eos(),
+        "tie_word_embeddings": file.tied_head(),
+    }))
+    .map_err(|e| format!("config.json: {e}"))?;
     let shown = a.out.display();
     if a.out.exists() && !a.out.is_dir() {
         return Err(format!("--out {shown}: exists and is not a directory"));
     }
     std::fs::create_dir_all(&a.out).map_err(|e| format!("--out {shown}: {e}"))?;
     for (name, body) in [
+        ("config.json", &config_json),
         ("tokenizer.json", &hf.tokenizer_json),
         ("tokenizer_config.json", &hf.tokenizer_config_json),
     ] {

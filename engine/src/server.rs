@@ -1166,9 +1166,12 @@ async fn detokenize(
     Ok(HttpResponse::Ok().json(json!({ "prompt": text })))
 }
 
+/// The served model in vLLM's model card: `root` (the model it is, here its served name) and
+/// `parent` (null: not an adapter) are read by vLLM's load generator.
 fn model_object(state: &AppState) -> Value {
     json!({
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "mstar-engine",
+        "root": state.model_name, "parent": null,
         "max_model_len": state.engine.limits.max_positions,
     })
 }

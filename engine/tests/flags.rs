@@ -348,7 +348,7 @@ fn an_unknown_weight_format_or_device_is_refused() {
     refused(&["--device", "tpu"], "--device");
 }
 
-/// `export-tokenizer` writes its two files into a new or existing directory (again over them),
+/// `export-tokenizer` writes its three files into a new or existing directory (again over them),
 /// leaves no temporary file, and refuses an `--out` that is a file, a FIFO where a file goes,
 /// an output that is the GGUF itself, a bad `--gguf` and a model without a tokenizer.
 #[test]
@@ -364,7 +364,10 @@ fn export_tokenizer_follows_the_file_rules() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
-        assert_eq!(names, ["tokenizer.json", "tokenizer_config.json"]);
+        assert_eq!(
+            names,
+            ["config.json", "tokenizer.json", "tokenizer_config.json"]
+        );
     }
     let file = dir.path().join("file");
     std::fs::write(&file, b"x").unwrap();

@@ -96,6 +96,9 @@ async fn streaming_completion_end_to_end() {
         .await
         .unwrap();
     assert_eq!(m["data"][0]["id"], "tiny");
+    // vLLM's model card: its load generator reads `root`.
+    assert_eq!(m["data"][0]["root"], "tiny");
+    assert_eq!(m["data"][0]["parent"], Value::Null);
     let h = c.get(url(&srv, "/health")).send().await.unwrap();
     assert_eq!(h.status(), 200);
     let text = c

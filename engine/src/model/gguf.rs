@@ -176,6 +176,11 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    /// Whether the LM head is the token embedding (no `output.weight` in the file).
+    pub fn tied_head(&self) -> bool {
+        !self.content.tensor_infos.contains_key("output.weight")
+    }
+
     /// The file's tokenizer alone, without reading a weight.
     ///
     /// # Errors
