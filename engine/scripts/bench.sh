@@ -29,7 +29,7 @@ KV_TOKENS=${KV_TOKENS:-65536}
 # so a time budget of 2 x the decode-only step leaves a long-context chunk no room at all.
 X_FACTOR=${X_FACTOR:-3}
 # B plans against X over this quantile of its recent measured / predicted step times.
-TIME_MARGIN=${TIME_MARGIN:-0.98}
+TIME_MARGIN=${TIME_MARGIN:-0.99}
 CARGO=${CARGO:-cargo}
 # The model's matrix products run on ENGINE_THREADS threads (candle reads RAYON_NUM_THREADS);
 # on a 2-core machine one core computes and the other serves HTTP and runs the load generator,
