@@ -14,23 +14,14 @@ use mstar_engine::engine::{self, EngineSettings};
 use mstar_engine::model::{Config, Model};
 use mstar_engine::server::{raise_descriptor_limit, Server, ServerLimits};
 
+mod common;
+use common::status_within;
+
 fn start_with(limits: ServerLimits) -> (Server, std::thread::JoinHandle<Result<(), String>>) {
     let model = Model::random(Config::tiny(), 5, &Device::Cpu).unwrap();
     let (handle, thread) = engine::start(model, EngineSettings::default()).unwrap();
     let srv = Server::start_with(handle, "tiny", "127.0.0.1:0", limits).unwrap();
     (srv, thread)
-}
-
-/// Reads a response's status line from a raw connection within `wait` ("" on EOF or timeout).
-fn status_within(conn: &mut TcpStream, wait: Duration) -> String {
-    conn.set_read_timeout(Some(wait)).unwrap();
-    let mut buf = [0u8; 512];
-    let n = conn.read(&mut buf).unwrap_or(0);
-    String::from_utf8_lossy(&buf[..n])
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_owned()
 }
 
 /// A POST whose headers announce `len` body bytes, with none of them sent.

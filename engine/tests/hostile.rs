@@ -2,7 +2,7 @@
 //! fields it does not implement, and `/metrics` during a long step. A long step is a stand-in:
 //! the engine's `before_step` hook blocks until the test hands it a permit.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,6 +12,8 @@ use mstar_engine::engine::{self, EngineSettings, EngineStats, GenRequest, StepHo
 use mstar_engine::model::{Config, Model};
 use mstar_engine::server::{Server, ServerLimits};
 use serde_json::{json, Value};
+
+mod common;
 
 /// Steps wait for permits: `permit()` lets one step run; dropping the gate lets every step run.
 struct Gate {
@@ -194,15 +196,7 @@ async fn metrics_answer_during_a_long_step() {
 
 /// Reads an HTTP response's status line from a raw connection, within 10 s.
 fn status_of(conn: &mut TcpStream) -> String {
-    conn.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut buf = [0u8; 512];
-    let n = conn.read(&mut buf).unwrap_or(0);
-    String::from_utf8_lossy(&buf[..n])
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_owned()
+    common::status_within(conn, Duration::from_secs(10))
 }
 
 /// Clients that send a body slowly are cut at the body deadline (408), and the connection cap

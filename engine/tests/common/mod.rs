@@ -138,3 +138,16 @@ pub fn idle_stats(s: &EngineStats) {
         "everything released: {s:?}"
     );
 }
+
+/// Reads a response's status line from a raw connection within `wait` ("" on EOF or timeout).
+pub fn status_within(conn: &mut std::net::TcpStream, wait: Duration) -> String {
+    use std::io::Read;
+    conn.set_read_timeout(Some(wait)).unwrap();
+    let mut buf = [0u8; 512];
+    let n = conn.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
