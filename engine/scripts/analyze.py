@@ -47,9 +47,17 @@ def fit_coefficients(fit_txt):
 
 
 def replay_config(fit_txt):
+    """The replay's config: run A's chunking floor and the `[replay.cost]` table of
+    `fit --for replay` (the fitted coefficients, each step drawn from A's measured ÷ predicted
+    spread), or, from a plain `fit` output, the coefficients without noise."""
+    text = Path(fit_txt).read_text()
+    print("[chunking]\nmin_chunk_tokens = 16\n")
+    at = text.find("[replay.cost]")
+    if at >= 0:
+        print(text[at:], end="")
+        return
     c, _ = fit_coefficients(fit_txt)
     body = ", ".join(f"{k} = {v!r}" for k, v in c.items())
-    print("[chunking]\nmin_chunk_tokens = 16\n")
     print(f"[replay]\ncost = {{ {body}, noise = 0.0 }}")
 
 

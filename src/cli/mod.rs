@@ -398,6 +398,11 @@ pub struct FitArgs {
     /// (each step's error over its time, as the online fit: short decode steps count as much)
     #[arg(long, value_name = "WHICH", default_value = "absolute", value_parser = fit_errors)]
     pub errors: crate::latency::fit::FitErrors,
+    /// The table printed: `serve`, `[chunking.cost.<node>]` for the serving config; `replay`,
+    /// `[replay.cost]` for a replay priced like these steps, their spread around the fit as
+    /// `noise_ratios`
+    #[arg(long = "for", value_name = "WHAT", default_value = "serve", value_parser = fit_for)]
+    pub table: FitFor,
     /// Where the model (for `--node`'s default) and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
@@ -409,6 +414,24 @@ fn fit_errors(s: &str) -> Result<crate::latency::fit::FitErrors, String> {
         "absolute" => Ok(crate::latency::fit::FitErrors::Absolute),
         "relative" => Ok(crate::latency::fit::FitErrors::Relative),
         _ => Err(format!("expected `absolute` or `relative`, got {s:?}")),
+    }
+}
+
+/// Which config table `fit` prints (`--for`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FitFor {
+    /// `[chunking.cost.<node>]`, for the serving config.
+    Serve,
+    /// `[replay.cost]` with `noise_ratios`, for a replay priced like the fitted steps.
+    Replay,
+}
+
+/// `--for`: `serve` or `replay`.
+fn fit_for(s: &str) -> Result<FitFor, String> {
+    match s {
+        "serve" => Ok(FitFor::Serve),
+        "replay" => Ok(FitFor::Replay),
+        _ => Err(format!("expected `serve` or `replay`, got {s:?}")),
     }
 }
 
