@@ -288,7 +288,7 @@ pub struct BudgetCapacity {
     /// The capacity under the SLO, as text (`1.23x`, `none`); `None` without an SLO.
     pub capacity: Option<String>,
     /// The capacity's rate scale (`None`: none, or no SLO).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub capacity_rate: Option<f64>,
 }
 
@@ -310,13 +310,13 @@ impl BudgetCapacity {
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Tail {
     /// TTFT p90.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p90_ms: Option<f64>,
     /// TTFT p99.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p99_ms: Option<f64>,
     /// TBT p99.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub tbt_p99_ms: Option<f64>,
 }
 

@@ -176,16 +176,16 @@ pub struct FewestRow {
     /// The budget.
     pub budget: Budget,
     /// The rate scale.
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// The fewest workers of `--workers` whose fleet met the objective at this rate; `None`:
     /// none of them did (or no objective, or the cell did not run).
     pub fewest_workers: Option<u32>,
     /// That fleet's TTFT p90 and TBT p99, simulated ms (the figures the objective bounds).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p90_ms: Option<f64>,
     /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub tbt_p99_ms: Option<f64>,
 }
 
@@ -201,7 +201,7 @@ pub struct FleetCapacity {
     /// The capacity as text (`1.23x`, `>= 1024x`, `none`).
     pub capacity: String,
     /// Its rate scale (`None`: none).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub capacity_rate: Option<f64>,
 }
 

@@ -160,7 +160,7 @@ pub struct KvRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KvComparison {
     /// The rate scale the latencies are taken at (the sweep's step-time rate).
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// Whether the runs had an SLO (and so capacities).
     pub slo: Option<super::Slo>,

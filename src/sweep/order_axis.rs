@@ -72,7 +72,7 @@ pub struct OrderRow {
     #[serde(flatten)]
     pub at: BudgetCapacity,
     /// TTFT p50, p90, p99 and TBT p99 at the comparison's rate scale, simulated ms.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p50_ms: Option<f64>,
     /// Its cell's tail latencies at the comparison's rate scale.
     #[serde(flatten)]
@@ -83,7 +83,7 @@ pub struct OrderRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OrderComparison {
     /// The rate scale the latencies are taken at (the sweep's step-time rate).
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// The orders, in the order given.
     pub orders: Vec<&'static str>,

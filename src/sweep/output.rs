@@ -22,28 +22,6 @@ pub const JSON_FILE: &str = "sweep.json";
 /// The self-contained HTML report.
 pub const HTML_FILE: &str = "report.html";
 
-/// Serialises a float rounded to 0.001 (a non-finite one as null).
-pub(crate) fn ser_round<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if x.is_finite() {
-        s.serialize_f64(round3(*x))
-    } else {
-        s.serialize_none()
-    }
-}
-
-/// [`ser_round`] for an optional float.
-pub(crate) fn ser_opt_round<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
-    match x {
-        Some(x) => ser_round(x, s),
-        None => s.serialize_none(),
-    }
-}
-
-/// [`ser_round`] for every float of a list.
-pub(crate) fn ser_vec_round<S: Serializer>(v: &[f64], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
-}
-
 /// Label/value pairs as a JSON object, in order.
 pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
     let mut m = s.serialize_map(Some(v.len()))?;

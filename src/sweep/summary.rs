@@ -3,8 +3,6 @@
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
-use super::output;
-
 /// Percentiles kept of a run's step times: p0, p1, …, p100.
 pub const STEP_QUANTILES: usize = 100;
 
@@ -48,7 +46,7 @@ struct Rounded(Option<f64>);
 
 impl Serialize for Rounded {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        output::ser_opt_round(&self.0, s)
+        crate::text::ser_opt_round(&self.0, s)
     }
 }
 
@@ -86,7 +84,7 @@ impl RunSummary {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct StepTimes {
     /// `STEP_QUANTILES + 1` values, non-decreasing, or none.
-    #[serde(serialize_with = "output::ser_vec_round")]
+    #[serde(serialize_with = "crate::text::ser_vec_round")]
     pub percentiles_ms: Vec<f64>,
 }
 
