@@ -232,8 +232,8 @@ pub fn text_table(
 
 /// The terminal table of a comparison by value and budget (the KV and order axes): under the
 /// title `<name>: capacity and latency at rate scale <rate>`, a row per value and budget with
-/// the value (in column `value`), the budget and its capacity, its `figures` (in the `columns`
-/// after the value's) and the tail of its cell, each in ms.
+/// the value (in column `value`), the budget and its capacity, its `figures` (in `columns`,
+/// after the capacity) and the tail of its cell, each in ms.
 pub fn budget_table<'r>(
     name: &str,
     rate_scale: f64,
@@ -387,4 +387,52 @@ pub fn budget_rows<V: Copy, R>(
         .map(|(v, p)| row(v, p))
         .collect();
     (rate_scale, rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_comparison_table_pads_each_cell_to_its_columns_width_one_space_apart() {
+        let columns = [("value", Align::Left, 8), ("ms", Align::Right, 6)];
+        let rows = [
+            vec!["a".to_owned(), "1.5".into()],
+            vec!["long value".into(), "-".into()],
+        ];
+        let want = format!(
+            "title\n  {:<8} {:>6}\n  {:<8} {:>6}\n  {:<8} {:>6}\n",
+            "value", "ms", "a", "1.5", "long value", "-"
+        );
+        assert_eq!(text_table("title", &columns, rows), want);
+        assert_eq!(want.lines().nth(3), Some("  long value      -"));
+    }
+
+    #[test]
+    fn a_budget_row_shows_the_value_the_capacity_the_figures_then_the_tail() {
+        let at = BudgetCapacity {
+            budget: Budget::Off,
+            capacity: None,
+            capacity_rate: None,
+        };
+        let tail = Tail {
+            ttft_p90_ms: Some(12.34),
+            ttft_p99_ms: None,
+            tbt_p99_ms: Some(5.0),
+        };
+        let rows = [("x".to_owned(), &at, vec![Some(1.06)], &tail)].into_iter();
+        let t = budget_table(
+            "things",
+            2.0,
+            ("thing", Align::Left, 5),
+            &[("p50", Align::Right, 4)],
+            rows,
+        );
+        let want = format!(
+            "things: capacity and latency at rate scale 2\n  {:<5} {:<8} {:>12} {:>4} {:>14} {:>14} {:>12}\n  {:<5} {:<8} {:>12} {:>4} {:>14} {:>14} {:>12}\n",
+            "thing", "budget", "capacity", "p50", "TTFT p90 ms", "TTFT p99 ms", "TBT p99 ms",
+            "x", "off", "-", "1.1", "12.3", "-", "5.0"
+        );
+        assert_eq!(t, want);
+    }
 }
