@@ -181,16 +181,17 @@ impl SettingArgs {
     /// The flags given, as config edits, in a fixed order.
     pub fn flags(&self) -> Vec<config::FlagSetting> {
         use config::FlagSetting as F;
-        let mut v = Vec::new();
-        v.extend(self.max_step_ms.as_deref().map(F::max_step_ms));
-        // Checked by clap's parser already (`cost_flag`): a list of four.
-        v.extend(self.cost.as_deref().and_then(|c| F::cost(c).ok()));
-        if self.learn_cost {
-            v.push(F::learn_cost());
-        }
-        v.extend(self.sim_cost.as_deref().and_then(|c| F::sim_cost(c).ok()));
-        v.extend(self.time_margin.as_deref().map(F::time_margin));
-        v
+        // `--cost` and `--sim-cost` are checked by clap's parser already (`cost_flag`).
+        [
+            self.max_step_ms.as_deref().map(F::max_step_ms),
+            self.cost.as_deref().and_then(|c| F::cost(c).ok()),
+            self.learn_cost.then(F::learn_cost),
+            self.sim_cost.as_deref().and_then(|c| F::sim_cost(c).ok()),
+            self.time_margin.as_deref().map(F::time_margin),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 }
 
@@ -215,10 +216,10 @@ impl KvArgs {
     /// The flags given, as config edits.
     pub fn flags(&self) -> Vec<config::FlagSetting> {
         use config::FlagSetting as F;
-        let mut v = Vec::new();
-        v.extend(self.kv_blocks.as_deref().map(F::kv_blocks));
-        v.extend(self.kv_memory.as_deref().and_then(|m| F::kv_memory(m).ok()));
-        v
+        let blocks = self.kv_blocks.as_deref().map(F::kv_blocks);
+        // Checked by clap's parser already (`kv_memory_flag`).
+        let memory = self.kv_memory.as_deref().and_then(|m| F::kv_memory(m).ok());
+        blocks.into_iter().chain(memory).collect()
     }
 }
 

@@ -54,19 +54,27 @@ fn sweep_capacity_matches_replays_run_one_by_one() {
         &[],
     );
     ok(&r);
-    for name in [
-        "sweep.csv",
-        "sweep.json",
-        "tradeoff.svg",
-        "tradeoff.png",
-        "capacity.svg",
-        "capacity.png",
-        "step_times.svg",
-        "step_times.png",
-        "report.html",
-    ] {
-        assert!(out.join(name).is_file(), "{name} missing: {r:?}");
-    }
+    // Every output, and nothing else.
+    let mut written: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    written.sort();
+    assert_eq!(
+        written,
+        [
+            "capacity.png",
+            "capacity.svg",
+            "report.html",
+            "step_times.png",
+            "step_times.svg",
+            "sweep.csv",
+            "sweep.json",
+            "tradeoff.png",
+            "tradeoff.svg"
+        ],
+        "{r:?}"
+    );
     let s = json(&out.join("sweep.json"));
     let cap = &s["capacity"][0];
     assert_eq!(cap["budget"], 1024);
