@@ -26,19 +26,25 @@ doc: ## Build the API docs
 
 # The vLLM venv (about 9.5 GB, most of it a download) installs in the background while the code
 # is linted and built; test-vllm and test-vllm-bench wait for it (install-vllm.sh takes a lock)
-# and, should it have failed, install again in the foreground with its errors shown.
-test: test-deps ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package, vLLM scheduler)
-	mkdir -p target && (python/scripts/install-vllm.sh >target/vllm-install.log 2>&1 &)
-	$(MAKE) lint check-core
-	$(CARGO) test --all-features --all-targets
-	$(CARGO) test --all-features --doc
-	$(CARGO) test --no-default-features --lib --tests
-	$(MAKE) test-engine
-	$(MAKE) test-python
-	$(MAKE) test-ray
-	$(MAKE) test-vllm
-	$(MAKE) test-vllm-bench
-	$(MAKE) bench-check
+# and, should it have failed, install again in the foreground with its errors shown. Each part is
+# timed (scripts/timed.sh, target/test-times.tsv) and the times are printed at the end.
+TIMED := scripts/timed.sh
+test: ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package, vLLM scheduler), each part timed
+	mkdir -p target && rm -f target/test-times.tsv
+	$(TIMED) test-deps $(MAKE) test-deps
+	(python/scripts/install-vllm.sh >target/vllm-install.log 2>&1 &)
+	$(TIMED) lint $(MAKE) lint
+	$(TIMED) check-core $(MAKE) check-core
+	$(TIMED) test-all-features $(CARGO) test --all-features --all-targets
+	$(TIMED) doc-tests $(CARGO) test --all-features --doc
+	$(TIMED) test-core $(CARGO) test --no-default-features --lib --tests
+	$(TIMED) test-engine $(MAKE) test-engine
+	$(TIMED) test-python $(MAKE) test-python
+	$(TIMED) test-ray $(MAKE) test-ray
+	$(TIMED) test-vllm $(MAKE) test-vllm
+	$(TIMED) test-vllm-bench $(MAKE) test-vllm-bench
+	$(TIMED) bench-check $(MAKE) bench-check
+	$(TIMED) --report
 
 check-core: ## The core's promises: <= 50 crates without default features, rust-version, a clean package
 	scripts/check-core.sh
