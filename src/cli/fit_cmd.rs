@@ -121,7 +121,8 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     out.push_str(&match args.table {
         FitFor::Serve => crate::latency::fit_file::render_toml(&fit, &node, &source),
         FitFor::Replay => {
-            crate::latency::fit_file::render_replay_toml(&fit, ratios.as_deref(), &source)
+            let bands = crate::latency::fit_file::noise_bands(&fit.model, &samples);
+            crate::latency::fit_file::render_replay_toml(&fit, bands.as_deref(), &source)
         }
     });
     print_stdout(&out)

@@ -400,8 +400,8 @@ pub struct FitArgs {
     #[arg(long, value_name = "WHICH", default_value = "absolute", value_parser = fit_errors)]
     pub errors: crate::latency::fit::FitErrors,
     /// The table printed: `serve`, `[chunking.cost.<node>]` for the serving config; `replay`,
-    /// `[replay.cost]` for a replay priced like these steps, their spread around the fit as
-    /// `noise_ratios`
+    /// `[replay.cost]` for a replay priced like these steps, their spread around the fit by
+    /// price as `noise_bands`
     #[arg(long = "for", value_name = "WHAT", default_value = "serve", value_parser = fit_for)]
     pub table: FitFor,
     /// Where the model (for `--node`'s default) and config layers come from.
@@ -423,7 +423,7 @@ fn fit_errors(s: &str) -> Result<crate::latency::fit::FitErrors, String> {
 pub enum FitFor {
     /// `[chunking.cost.<node>]`, for the serving config.
     Serve,
-    /// `[replay.cost]` with `noise_ratios`, for a replay priced like the fitted steps.
+    /// `[replay.cost]` with `noise_bands`, for a replay priced like the fitted steps.
     Replay,
 }
 

@@ -34,7 +34,7 @@ pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{
     ChunkingSection, CostSection, FleetSection, KvSection, Listen, LogFormat, LogSection,
-    MetricsSection, PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
+    MetricsSection, NoiseBand, PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
 };
 pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
 

@@ -202,13 +202,26 @@ pub struct CostSection {
     pub per_row_ms: Option<f64>,
     /// Each simulated step time is multiplied by a factor drawn from `[1 - noise, 1 + noise]`.
     pub noise: f64,
-    /// Each simulated step time is multiplied by a factor drawn from these measured ÷ predicted
-    /// ratios, read as evenly spaced quantiles from the least to the largest (`fit --for
-    /// replay` writes them from an engine's step log); unset: no such factor.
-    pub noise_ratios: Option<Vec<f64>>,
+    /// Each simulated step time is multiplied by a factor drawn from the measured ÷ predicted
+    /// ratios of the band its price falls in (`fit --for replay` writes them from an engine's
+    /// step log); unset: no such factor.
+    pub noise_bands: Option<Vec<NoiseBand>>,
     /// The component learns the coefficients online from the simulated times instead of being
     /// given them.
     pub learn: bool,
+}
+
+/// One band of `replay.cost.noise_bands`: the measured ÷ predicted ratios of an engine's steps
+/// priced below `up_to_ms` (and at or above the band before it), as evenly spaced quantiles from
+/// the least to the largest. The last band names no `up_to_ms` and holds the rest.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoiseBand {
+    /// The band's steps are priced below this many milliseconds; `None` for the last band.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub up_to_ms: Option<f64>,
+    /// Measured ÷ predicted ratios, quantiles from the least to the largest.
+    pub ratios: Vec<f64>,
 }
 
 /// The table form of `[replay] cost`.
@@ -223,7 +236,7 @@ struct CostTable {
     per_row_ms: Option<f64>,
     #[serde(default)]
     noise: f64,
-    noise_ratios: Option<Vec<f64>>,
+    noise_bands: Option<Vec<NoiseBand>>,
     #[serde(default)]
     learn: bool,
 }
@@ -255,7 +268,7 @@ impl<'de> Deserialize<'de> for CostSection {
                     per_attention_pair_ms: t.per_attention_pair_ms,
                     per_row_ms: t.per_row_ms,
                     noise: t.noise,
-                    noise_ratios: t.noise_ratios,
+                    noise_bands: t.noise_bands,
                     learn: t.learn,
                 })
             }

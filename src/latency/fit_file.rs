@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::config::NoiseBand;
 use crate::input::{self, InputError};
 use crate::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
 use crate::latency::{chunk_attention_pairs, LatencyModel, StepFeatures, COEFFICIENT_KEYS};
@@ -122,7 +123,7 @@ pub fn fit_file_with(
     fit_file_samples(path, errors).map(|(input, report, _)| (input, report))
 }
 
-/// [`fit_file_with`], answering the samples fitted too (for [`noise_ratios`]).
+/// [`fit_file_with`], answering the samples fitted too (for [`noise_bands`]).
 ///
 /// # Errors
 /// As [`fit_file`].
@@ -151,19 +152,19 @@ pub fn fit_file_samples(
     Ok((input, report, samples))
 }
 
-/// How many measured ÷ predicted ratios [`noise_ratios`] gives for `fit --for replay`: one a
-/// percentile, from the least (0) to the largest (100).
+/// How many measured ÷ predicted ratios a band of `fit --for replay` holds: one a percentile,
+/// from the least (0) to the largest (100).
 pub const NOISE_RATIO_POINTS: usize = 101;
+/// The fewest steps a band of [`noise_bands`] holds: fewer would say little of a tail.
+pub const MIN_BAND_STEPS: usize = 50;
+/// The most bands [`noise_bands`] makes.
+pub const MAX_FIT_BANDS: usize = 16;
 
-/// Each step's measured time over the time `model` predicts for it, at `points` (at least 2)
-/// evenly spaced quantiles from the least to the largest (nearest rank), each rounded to 4
-/// significant digits and held in the range `replay.cost.noise_ratios` takes: the engine's own
-/// spread around the fitted line, for a replay to draw its steps' noise from. Steps measured or
-/// predicted at 0 ms say nothing of a ratio and are left out; `None` when fewer than two steps
-/// remain.
-pub fn noise_ratios(model: &LatencyModel, samples: &[Sample], points: usize) -> Option<Vec<f64>> {
+/// Each step's price under `model` and its measured time over that price, ordered by price.
+/// Steps measured or priced at 0 ms say nothing of a ratio and are left out.
+fn priced_ratios(model: &LatencyModel, samples: &[Sample]) -> Vec<(f64, f64)> {
     let c = model.terms();
-    let mut ratios: Vec<f64> = samples
+    let mut out: Vec<(f64, f64)> = samples
         .iter()
         .filter_map(|s| {
             let predicted = c[0]
@@ -172,25 +173,82 @@ pub fn noise_ratios(model: &LatencyModel, samples: &[Sample], points: usize) -> 
                 + c[3] * s.attention_pairs
                 + c[4] * s.rows;
             let r = s.ms / predicted;
-            (s.ms > 0.0 && predicted > 0.0 && r.is_finite()).then_some(r)
+            (s.ms > 0.0 && predicted > 0.0 && r.is_finite()).then_some((predicted, r))
         })
         .collect();
-    if ratios.len() < 2 || points < 2 {
-        return None;
-    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// `points` (at least 2) evenly spaced quantiles (nearest rank) of `ratios` (at least one, in
+/// any order), each rounded to 4 significant digits and held in the range the replay takes.
+fn ratio_quantiles(mut ratios: Vec<f64>, points: usize) -> Vec<f64> {
     ratios.sort_by(f64::total_cmp);
     let n = ratios.len();
     let range = crate::replay::settings::NOISE_RATIO_RANGE;
-    Some(
-        (0..points)
-            .map(|i| {
-                // The nearest rank ⌈n·i/(points − 1)⌉, in integers so that no rounding of
-                // the quantile moves it.
-                let rank = (i * n).div_ceil(points - 1).clamp(1, n);
-                round_significant(ratios[rank - 1], 4).clamp(*range.start(), *range.end())
-            })
-            .collect(),
-    )
+    (0..points)
+        .map(|i| {
+            // The nearest rank ⌈n·i/(points − 1)⌉, in integers so that no rounding of the
+            // quantile moves it.
+            let rank = (i * n).div_ceil(points - 1).clamp(1, n);
+            round_significant(ratios[rank - 1], 4).clamp(*range.start(), *range.end())
+        })
+        .collect()
+}
+
+/// Each step's measured time over the time `model` predicts for it, at `points` (at least 2)
+/// evenly spaced quantiles from the least to the largest (nearest rank, 4 significant digits):
+/// the engine's spread around the fitted line over every step. `None` when fewer than two steps
+/// have a ratio (see [`priced_ratios`]).
+pub fn noise_ratios(model: &LatencyModel, samples: &[Sample], points: usize) -> Option<Vec<f64>> {
+    let priced = priced_ratios(model, samples);
+    if priced.len() < 2 || points < 2 {
+        return None;
+    }
+    Some(ratio_quantiles(
+        priced.into_iter().map(|(_, r)| r).collect(),
+        points,
+    ))
+}
+
+/// The engine's spread around the fitted line by the price of a step, for a replay to draw
+/// each step's noise from the steps priced like it (`replay.cost.noise_bands`): an engine's
+/// short steps scatter by their hiccups (a page fault doubles a 10 ms step), its long ones by a
+/// few percent, so one spread for all would stretch the long steps by the short ones' tail.
+///
+/// The steps, ordered by price, are cut into bands each priced from its first step up to twice
+/// that (doubled again until the band holds [`MIN_BAND_STEPS`]); steps left over too few for a
+/// band of their own, or past [`MAX_FIT_BANDS`], join the last band, which names no `up_to_ms`.
+/// Each band holds [`NOISE_RATIO_POINTS`] quantiles of its steps' ratios. `None` when fewer
+/// than two steps have a ratio.
+pub fn noise_bands(model: &LatencyModel, samples: &[Sample]) -> Option<Vec<NoiseBand>> {
+    let priced = priced_ratios(model, samples);
+    let n = priced.len();
+    if n < 2 {
+        return None;
+    }
+    let mut bands = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let mut up_to = 2.0 * priced[start].0;
+        let mut end = start + priced[start..].partition_point(|p| p.0 < up_to);
+        while end - start < MIN_BAND_STEPS && end < n {
+            up_to *= 2.0;
+            end = start + priced[start..].partition_point(|p| p.0 < up_to);
+        }
+        // A bound rounded to 4 digits, then the band cut where the replay will cut it.
+        let rounded = round_significant(up_to, 4);
+        end = start + priced[start..].partition_point(|p| p.0 < rounded);
+        let last = n - end < MIN_BAND_STEPS || bands.len() + 1 == MAX_FIT_BANDS || end == start;
+        let end = if last { n } else { end };
+        let ratios = priced[start..end].iter().map(|p| p.1).collect();
+        bands.push(NoiseBand {
+            up_to_ms: (!last).then_some(rounded),
+            ratios: ratio_quantiles(ratios, NOISE_RATIO_POINTS),
+        });
+        start = end;
+    }
+    Some(bands)
 }
 
 /// `v` rounded to `digits` significant digits.
@@ -522,9 +580,8 @@ pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
 
 /// Renders a fit as the `[replay.cost]` table of a replay config priced like the fitted steps:
 /// the comment lines of [`render_toml`], the coefficients (`per_row_ms` when the fit kept one)
-/// and `noise_ratios`, the measured ÷ predicted ratios of [`noise_ratios`] (left out when
-/// `ratios` is `None`).
-pub fn render_replay_toml(report: &FitReport, ratios: Option<&[f64]>, source: &str) -> String {
+/// and the `noise_bands` of [`noise_bands`] (left out when `bands` is `None`).
+pub fn render_replay_toml(report: &FitReport, bands: Option<&[NoiseBand]>, source: &str) -> String {
     let serving = render_toml(report, "", source);
     let mut out: String = serving
         .lines()
@@ -545,14 +602,20 @@ pub fn render_replay_toml(report: &FitReport, ratios: Option<&[f64]>, source: &s
             toml_float(report.model.per_row_ms())
         );
     }
-    if let Some(ratios) = ratios {
-        let _ = writeln!(
-            out,
-            "# each step's time is drawn from these measured ÷ predicted ratios, at {} evenly spaced quantiles from the least to the largest",
-            ratios.len()
-        );
-        let list: Vec<String> = ratios.iter().map(|&r| toml_float(r)).collect();
-        let _ = writeln!(out, "noise_ratios = [{}]", list.join(", "));
+    let Some(bands) = bands else { return out };
+    let _ = writeln!(
+        out,
+        "# each step's time is drawn from the measured ÷ predicted ratios of the fitted steps priced like it: {}, each of {} quantiles from the least to the largest",
+        if bands.len() == 1 { "one band".to_owned() } else { format!("{} bands of price", bands.len()) },
+        NOISE_RATIO_POINTS
+    );
+    for band in bands {
+        out.push_str("[[replay.cost.noise_bands]]\n");
+        if let Some(up) = band.up_to_ms {
+            let _ = writeln!(out, "up_to_ms = {}", toml_float(up));
+        }
+        let list: Vec<String> = band.ratios.iter().map(|&r| toml_float(r)).collect();
+        let _ = writeln!(out, "ratios = [{}]", list.join(", "));
     }
     out
 }

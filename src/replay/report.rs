@@ -407,9 +407,9 @@ pub struct CostLabel {
     pub per_row_ms: f64,
     /// The noise fraction on each step's time.
     pub noise: f64,
-    /// The measured ÷ predicted ratios each step's time was drawn from, when given.
+    /// The measured ÷ predicted ratios each step's time was drawn from, by band, when given.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub noise_ratios: Option<Vec<f64>>,
+    pub noise_bands: Option<Vec<crate::config::NoiseBand>>,
     /// Whether the component learned the model online.
     pub learn: bool,
 }
@@ -427,7 +427,7 @@ impl CostLabel {
             per_attention_pair_ms,
             per_row_ms: setup.cost.per_row_ms(),
             noise: setup.noise,
-            noise_ratios: setup.noise_ratios.as_deref().map(<[f64]>::to_vec),
+            noise_bands: setup.noise_bands.as_deref().map(<[_]>::to_vec),
             learn: setup.learn,
         }
     }
@@ -466,14 +466,11 @@ impl fmt::Display for CostLabel {
         if self.noise > 0.0 {
             write!(f, ", noise ±{}%", self.noise * 100.0)?;
         }
-        if let Some(r) = &self.noise_ratios {
-            use super::settings::ratio_at;
+        if let Some(bands) = &self.noise_bands {
             write!(
                 f,
-                ", noise drawn from measured ratios (p1 ×{:.2}, p50 ×{:.2}, p99 ×{:.2})",
-                ratio_at(r, 0.01),
-                ratio_at(r, 0.5),
-                ratio_at(r, 0.99)
+                ", noise drawn from measured ratios ({})",
+                crate::text::plural(bands.len() as u64, "band")
             )?;
         }
         if self.learn {
@@ -1127,7 +1124,7 @@ mod tests {
             per_attention_pair_ms,
             per_row_ms: 0.0,
             noise: 0.0,
-            noise_ratios: None,
+            noise_bands: None,
             learn: false,
         };
         let line = label.to_string();

@@ -15,12 +15,14 @@ use super::{trace, DECODE_WALK, PREFILL_WALK};
 pub const MAX_COST_MS: f64 = crate::latency::MAX_COEFFICIENT_MS;
 /// `replay.cost.noise` lies in `[0, MAX_NOISE]`: a step always takes some time.
 pub const MAX_NOISE: f64 = 0.9;
-/// Each of `replay.cost.noise_ratios` lies in this range: a step takes some time, and at most
-/// a hundred times its price.
+/// Each ratio of `replay.cost.noise_bands` lies in this range: a step takes some time, and at
+/// most a hundred times its price.
 pub const NOISE_RATIO_RANGE: std::ops::RangeInclusive<f64> = 0.01..=100.0;
-/// `replay.cost.noise_ratios` holds from 2 to this many values (`fit --for replay` writes 101,
-/// one a percentile).
+/// A band of `replay.cost.noise_bands` holds from 2 to this many ratios (`fit --for replay`
+/// writes 101, one a percentile).
 pub const MAX_NOISE_RATIOS: usize = 1001;
+/// `replay.cost.noise_bands` holds from 1 to this many bands.
+pub const MAX_NOISE_BANDS: usize = 64;
 /// The built-in step cost: 8 ms a step, 0.02 ms a token, no KV or attention term.
 pub const DEFAULT_COST: [f64; 4] = [8.0, 0.02, 0.0, 0.0];
 /// The most speculative tokens per decode row.
@@ -42,9 +44,9 @@ pub struct ReplaySetup {
     pub cost_preset: Option<String>,
     /// Simulated step times are multiplied by a factor from `[1 - noise, 1 + noise]`.
     pub noise: f64,
-    /// Or by a factor drawn from these measured ÷ predicted ratios (evenly spaced quantiles,
-    /// non-decreasing, checked against [`NOISE_RATIO_RANGE`] and [`MAX_NOISE_RATIOS`]).
-    pub noise_ratios: Option<std::sync::Arc<[f64]>>,
+    /// Or by a factor drawn from the measured ÷ predicted ratios of the band a step's price
+    /// falls in ([`noise_factor`]; checked by [`check`]).
+    pub noise_bands: Option<std::sync::Arc<[crate::config::NoiseBand]>>,
     /// Whether the component learns the cost online instead of being given it.
     pub learn: bool,
     /// Speculative tokens per decode row (0: plain decode).
@@ -242,7 +244,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
             cost: cost.expect("checked: no problem"),
             cost_preset: r.cost.preset.clone(),
             noise: r.cost.noise,
-            noise_ratios: r.cost.noise_ratios.as_deref().map(std::sync::Arc::from),
+            noise_bands: r.cost.noise_bands.as_deref().map(std::sync::Arc::from),
             learn: r.cost.learn,
             spec_tokens: s.tokens,
             overshoot_rate: s.overshoot_rate,
@@ -266,49 +268,33 @@ pub(crate) fn ratio_at(ratios: &[f64], u: f64) -> f64 {
     ratios[i] + (ratios[i + 1] - ratios[i]) * frac
 }
 
-/// Checks `replay.cost.noise_ratios`: 2 to [`MAX_NOISE_RATIOS`] finite ratios in
-/// [`NOISE_RATIO_RANGE`], non-decreasing (they are quantiles), and no `noise` band beside them.
-fn check_noise_ratios(
-    ratios: &[f64],
+/// The factor a step priced at `predicted_ms` takes from `bands` for the uniform draw `u`: the
+/// ratio at `u` of the first band whose `up_to_ms` is above the price (else the last band's).
+pub(crate) fn noise_factor(bands: &[crate::config::NoiseBand], predicted_ms: f64, u: f64) -> f64 {
+    let band = bands
+        .iter()
+        .find(|b| b.up_to_ms.is_some_and(|up| predicted_ms < up))
+        .or(bands.last());
+    band.map_or(1.0, |b| ratio_at(&b.ratios, u))
+}
+
+/// Checks `replay.cost.noise_bands`: 1 to [`MAX_NOISE_BANDS`] bands, each but the last with an
+/// `up_to_ms` above the one before (finite, above 0), the last with none; each band 2 to
+/// [`MAX_NOISE_RATIOS`] finite ratios in [`NOISE_RATIO_RANGE`], non-decreasing (they are
+/// quantiles); and no `noise` band beside them.
+fn check_noise_bands(
+    bands: &[crate::config::NoiseBand],
     noise: f64,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) {
-    const KEY: &str = "replay.cost.noise_ratios";
-    if !(2..=MAX_NOISE_RATIOS).contains(&ratios.len()) {
+    const KEY: &str = "replay.cost.noise_bands";
+    if !(1..=MAX_NOISE_BANDS).contains(&bands.len()) {
         refuse(
             KEY,
-            Some(format!("{} values", ratios.len())),
-            format!("must hold from 2 to {MAX_NOISE_RATIOS} ratios (quantiles from the least to the largest)"),
+            Some(format!("{} bands", bands.len())),
+            format!("must hold from 1 to {MAX_NOISE_BANDS} bands"),
         );
         return;
-    }
-    if let Some((i, &v)) = ratios
-        .iter()
-        .enumerate()
-        .find(|(_, v)| !(v.is_finite() && NOISE_RATIO_RANGE.contains(v)))
-    {
-        refuse(
-            KEY,
-            Some(float(v)),
-            format!(
-                "value {} (from 1) must be a finite ratio from {} to {}",
-                i + 1,
-                NOISE_RATIO_RANGE.start(),
-                NOISE_RATIO_RANGE.end()
-            ),
-        );
-        return;
-    }
-    if let Some(i) = ratios.windows(2).position(|w| w[1] < w[0]) {
-        refuse(
-            KEY,
-            Some(float(ratios[i + 1])),
-            format!(
-                "value {} (from 1) is less than the one before it ({}): the ratios are quantiles, least first",
-                i + 2,
-                float(ratios[i])
-            ),
-        );
     }
     if noise > 0.0 {
         refuse(
@@ -316,6 +302,67 @@ fn check_noise_ratios(
             None,
             "cannot go with `replay.cost.noise`: a step's time has one noise factor; set one of them".into(),
         );
+    }
+    let mut below = 0.0;
+    for (b, band) in bands.iter().enumerate() {
+        let name = format!("band {} (from 1)", b + 1);
+        let last = b + 1 == bands.len();
+        match (band.up_to_ms, last) {
+            (Some(up), false) if up.is_finite() && up > below => below = up,
+            (Some(up), false) => refuse(
+                KEY,
+                Some(float(up)),
+                format!("{name}: `up_to_ms` must be a finite number of ms above the band before it ({})", float(below)),
+            ),
+            (None, false) => refuse(
+                KEY,
+                None,
+                format!("{name}: every band but the last names its `up_to_ms`"),
+            ),
+            (Some(up), true) => refuse(
+                KEY,
+                Some(float(up)),
+                format!("{name}: the last band holds every step priced above the ones before it, so it names no `up_to_ms`"),
+            ),
+            (None, true) => {}
+        }
+        let ratios = &band.ratios;
+        if !(2..=MAX_NOISE_RATIOS).contains(&ratios.len()) {
+            refuse(
+                KEY,
+                Some(format!("{} ratios", ratios.len())),
+                format!("{name}: must hold from 2 to {MAX_NOISE_RATIOS} ratios (quantiles from the least to the largest)"),
+            );
+            continue;
+        }
+        if let Some((i, &v)) = ratios
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !(v.is_finite() && NOISE_RATIO_RANGE.contains(v)))
+        {
+            refuse(
+                KEY,
+                Some(float(v)),
+                format!(
+                    "{name}: ratio {} (from 1) must be a finite ratio from {} to {}",
+                    i + 1,
+                    NOISE_RATIO_RANGE.start(),
+                    NOISE_RATIO_RANGE.end()
+                ),
+            );
+            continue;
+        }
+        if let Some(i) = ratios.windows(2).position(|w| w[1] < w[0]) {
+            refuse(
+                KEY,
+                Some(float(ratios[i + 1])),
+                format!(
+                    "{name}: ratio {} (from 1) is less than the one before it ({}): the ratios are quantiles, least first",
+                    i + 2,
+                    float(ratios[i])
+                ),
+            );
+        }
     }
 }
 
@@ -333,8 +380,8 @@ fn check_cost(
             format!("must be a fraction from 0 to {MAX_NOISE}"),
         );
     }
-    if let Some(ratios) = &c.noise_ratios {
-        check_noise_ratios(ratios, c.noise, refuse);
+    if let Some(bands) = &c.noise_bands {
+        check_noise_bands(bands, c.noise, refuse);
     }
     let given = [
         ("replay.cost.base_ms", c.base_ms),
@@ -706,49 +753,113 @@ mod tests {
         assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.noise");
     }
 
+    fn band(up_to_ms: Option<f64>, ratios: &[f64]) -> crate::config::NoiseBand {
+        crate::config::NoiseBand {
+            up_to_ms,
+            ratios: ratios.to_vec(),
+        }
+    }
+
     #[test]
-    fn noise_ratios_are_quantiles_in_range_and_exclude_the_noise_band() {
+    fn noise_bands_rise_hold_quantiles_in_range_and_exclude_the_noise_band() {
         let m = model();
-        let mut r = Settings::default().replay;
-        r.cost.noise_ratios = Some(vec![0.5, 1.0, 1.0, 4.0]);
-        let s = check(&m, &r).unwrap();
-        assert_eq!(s.noise_ratios.as_deref(), Some(&[0.5, 1.0, 1.0, 4.0][..]));
+        let with = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
+            let mut r = Settings::default().replay;
+            r.cost.noise_bands = Some(bands);
+            r.cost.noise = noise;
+            check(&m, &r)
+        };
+        let bands = vec![
+            band(Some(40.0), &[0.5, 1.0, 1.0, 4.0]),
+            band(None, &[0.9, 1.1]),
+        ];
+        let s = with(bands.clone(), 0.0).unwrap();
+        assert_eq!(s.noise_bands.as_deref(), Some(&bands[..]));
         assert_eq!(
-            check(&m, &Settings::default().replay).unwrap().noise_ratios,
+            check(&m, &Settings::default().replay).unwrap().noise_bands,
             None
         );
-        let refused = |ratios: Vec<f64>, noise: f64| {
-            let mut r = Settings::default().replay;
-            r.cost.noise_ratios = Some(ratios);
-            r.cost.noise = noise;
-            let problems = check(&m, &r).unwrap_err();
+        assert!(with(vec![band(None, &[0.01, 100.0])], 0.0).is_ok());
+        assert!(with(vec![band(None, &vec![1.0; MAX_NOISE_RATIOS])], 0.0).is_ok());
+        let refused = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
+            let problems = with(bands, noise).unwrap_err();
             assert_eq!(problems.len(), 1, "{problems:?}");
-            assert_eq!(problems[0].key, "replay.cost.noise_ratios");
+            assert_eq!(problems[0].key, "replay.cost.noise_bands");
             problems[0].reason.clone()
         };
-        assert!(refused(vec![1.0], 0.0).contains("from 2 to 1001"));
-        assert!(refused(vec![1.0; MAX_NOISE_RATIOS + 1], 0.0).contains("from 2 to 1001"));
-        assert!(check(&m, &{
-            let mut r = Settings::default().replay;
-            r.cost.noise_ratios = Some(vec![1.0; MAX_NOISE_RATIOS]);
-            r
-        })
-        .is_ok());
-        assert!(refused(vec![1.0, f64::NAN], 0.0).contains("value 2 "));
-        assert!(refused(vec![0.0, 1.0], 0.0).contains("value 1 "));
-        assert!(refused(vec![1.0, 100.5], 0.0).contains("value 2 "));
-        assert!(check(&m, &{
-            let mut r = Settings::default().replay;
-            r.cost.noise_ratios = Some(vec![0.01, 100.0]);
-            r
-        })
-        .is_ok());
-        let why = refused(vec![1.0, 2.0, 1.5], 0.0);
+        assert!(refused(vec![], 0.0).contains("from 1 to 64 bands"));
         assert!(
-            why.contains("value 3 ") && why.contains("least first"),
+            refused(vec![band(None, &[1.0, 1.0]); MAX_NOISE_BANDS + 1], 0.0)
+                .contains("from 1 to 64 bands")
+        );
+        assert!(refused(vec![band(None, &[1.0])], 0.0)
+            .contains("band 1 (from 1): must hold from 2 to 1001"));
+        assert!(
+            refused(vec![band(None, &vec![1.0; MAX_NOISE_RATIOS + 1])], 0.0)
+                .contains("from 2 to 1001")
+        );
+        assert!(refused(vec![band(None, &[1.0, f64::NAN])], 0.0).contains("ratio 2 "));
+        assert!(refused(vec![band(None, &[0.0, 1.0])], 0.0).contains("ratio 1 "));
+        assert!(refused(vec![band(None, &[1.0, 100.5])], 0.0).contains("ratio 2 "));
+        let why = refused(
+            vec![band(Some(9.0), &[1.0, 2.0]), band(None, &[1.0, 2.0, 1.5])],
+            0.0,
+        );
+        assert!(
+            why.starts_with("band 2 (from 1): ratio 3 ") && why.contains("least first"),
             "{why}"
         );
-        assert!(refused(vec![1.0, 2.0], 0.1).contains("replay.cost.noise"));
+        assert!(refused(vec![band(None, &[1.0, 2.0])], 0.1).contains("replay.cost.noise"));
+        // Every band but the last names a rising `up_to_ms`; the last names none.
+        let why = refused(vec![band(None, &[1.0, 2.0]), band(None, &[1.0, 2.0])], 0.0);
+        assert!(
+            why.starts_with("band 1 (from 1): every band but the last"),
+            "{why}"
+        );
+        let why = refused(vec![band(Some(5.0), &[1.0, 2.0])], 0.0);
+        assert!(why.contains("the last band"), "{why}");
+        for up in [0.0, -1.0, f64::INFINITY, f64::NAN] {
+            let why = refused(
+                vec![band(Some(up), &[1.0, 2.0]), band(None, &[1.0, 2.0])],
+                0.0,
+            );
+            assert!(
+                why.starts_with("band 1 (from 1): `up_to_ms` must be"),
+                "{up}: {why}"
+            );
+        }
+        let why = refused(
+            vec![
+                band(Some(5.0), &[1.0, 2.0]),
+                band(Some(5.0), &[1.0, 2.0]),
+                band(None, &[1.0, 2.0]),
+            ],
+            0.0,
+        );
+        assert!(
+            why.starts_with("band 2 (from 1): `up_to_ms`") && why.contains("(5)"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_step_takes_its_factor_from_the_band_its_price_falls_in() {
+        let bands = [
+            band(Some(10.0), &[2.0, 2.0]),
+            band(Some(100.0), &[3.0, 5.0]),
+            band(None, &[0.5, 0.5]),
+        ];
+        assert_eq!(noise_factor(&bands, 0.5, 0.3), 2.0);
+        assert_eq!(noise_factor(&bands, 9.99, 0.3), 2.0);
+        assert_eq!(
+            noise_factor(&bands, 10.0, 0.5),
+            4.0,
+            "at up_to_ms: the next band"
+        );
+        assert_eq!(noise_factor(&bands, 99.0, 1.0), 5.0);
+        assert_eq!(noise_factor(&bands, 100.0, 0.9), 0.5);
+        assert_eq!(noise_factor(&bands, 1e9, 0.1), 0.5);
+        assert_eq!(noise_factor(&[], 5.0, 0.5), 1.0, "no band: no factor");
     }
 
     #[test]

@@ -447,7 +447,10 @@ fn fit_for_a_replay_writes_a_replay_cost_table_with_the_measured_spread() {
     let table = &r.stdout[r.stdout.find("# fitted by").expect("the table")..];
     let doc: toml::Table = toml::from_str(table).unwrap();
     let cost = doc["replay"]["cost"].as_table().unwrap();
-    let ratios: Vec<f64> = cost["noise_ratios"]
+    // Steps of every price alike: one band.
+    let bands = cost["noise_bands"].as_array().unwrap();
+    assert_eq!(bands.len(), 1, "{bands:?}");
+    let ratios: Vec<f64> = bands[0]["ratios"]
         .as_array()
         .unwrap()
         .iter()

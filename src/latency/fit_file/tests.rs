@@ -445,21 +445,16 @@ fn noise_ratios_are_the_quantiles_of_measured_over_predicted() {
 fn renders_a_replay_cost_table_that_the_replay_settings_take() {
     let s = samples(64, 300, TRUE, 0.05);
     let r = fit_samples(&s).unwrap();
-    let ratios = noise_ratios(&r.model, &s, NOISE_RATIO_POINTS).unwrap();
-    let text = render_replay_toml(&r, Some(&ratios), "odd\nname.csv");
+    let bands = noise_bands(&r.model, &s).unwrap();
+    let text = render_replay_toml(&r, Some(&bands), "odd\nname.csv");
     assert!(
         text.starts_with("# fitted by `mstar-chunking fit` from \"odd\\nname.csv\": 300 steps"),
-        "{text}"
-    );
-    assert_eq!(
-        text.lines().filter(|l| l.starts_with('[')).count(),
-        1,
         "{text}"
     );
     let doc: toml::Table = toml::from_str(&text).unwrap();
     let cost = &doc["replay"]["cost"];
     let parsed: crate::config::CostSection = cost.clone().try_into().unwrap();
-    assert_eq!(parsed.noise_ratios.as_deref(), Some(&ratios[..]));
+    assert_eq!(parsed.noise_bands.as_deref(), Some(&bands[..]));
     assert_close(
         [
             parsed.base_ms.unwrap(),
@@ -470,10 +465,71 @@ fn renders_a_replay_cost_table_that_the_replay_settings_take() {
         r.model.coefficients(),
         1e-5,
     );
-    // 5% noise: the middle of the spread is near 1 and its ends near 0.95 and 1.05.
-    assert!((ratios[50] - 1.0).abs() < 0.02, "{ratios:?}");
-    assert!(ratios[0] > 0.9 && ratios[100] < 1.1, "{ratios:?}");
+    // The replay's own check takes the table as written.
+    let mut replay = crate::config::Settings::default().replay;
+    replay.cost = parsed;
+    let manifest = crate::manifest::Manifest::from_toml(
+        "name = \"m\"\nwalks = [\"prefill\", \"decode\", \"mixed\"]\n[combined_walks]\nmixed = [\"prefill\", \"decode\"]\n[nodes.llm]\n",
+        "m.toml",
+    )
+    .unwrap();
+    let setup = crate::replay::settings::check(&manifest, &replay).unwrap();
+    assert_eq!(setup.noise_bands.as_deref(), Some(&bands[..]));
+    // 5% noise: every band's middle is near 1 and its ends within 5% of it.
+    for b in &bands {
+        assert_eq!(b.ratios.len(), NOISE_RATIO_POINTS);
+        assert!((b.ratios[50] - 1.0).abs() < 0.03, "{b:?}");
+        assert!(b.ratios[0] > 0.9 && b.ratios[100] < 1.1, "{b:?}");
+    }
     let bare = render_replay_toml(&r, None, "steps.csv");
-    assert!(!bare.contains("noise_ratios"), "{bare}");
+    assert!(!bare.contains("noise_bands"), "{bare}");
     assert!(bare.contains("\n[replay.cost]\nbase_ms = "), "{bare}");
+}
+
+#[test]
+fn noise_bands_keep_the_short_steps_tail_off_the_long_steps() {
+    // Steps of 10 ms (200 of them, 1 in 20 at 5 times its price) and of 1 s (100, within 2%).
+    let per_token = LatencyModel::from_coefficients([0.0, 1.0, 0.0, 0.0]).unwrap();
+    let step = |tokens: f64, ms: f64| Sample {
+        tokens,
+        kv_tokens: 0.0,
+        attention_pairs: 0.0,
+        rows: 1.0,
+        ms,
+    };
+    let mut s: Vec<Sample> = (0..200)
+        .map(|i| step(10.0, if i % 20 == 0 { 50.0 } else { 10.0 }))
+        .collect();
+    s.extend((0..100).map(|i| step(1000.0, 1000.0 * (0.98 + 0.0004 * f64::from(i)))));
+    let bands = noise_bands(&per_token, &s).unwrap();
+    assert_eq!(bands.len(), 2, "{bands:?}");
+    assert_eq!(bands[0].up_to_ms, Some(20.0));
+    assert_eq!(bands[1].up_to_ms, None);
+    assert_eq!(
+        (bands[0].ratios[0], bands[0].ratios[94], bands[0].ratios[96]),
+        (1.0, 1.0, 5.0)
+    );
+    assert!(
+        bands[1].ratios[100] <= 1.02 && bands[1].ratios[0] >= 0.98,
+        "{bands:?}"
+    );
+    // The single spread would put the short steps' 5x on the long ones too.
+    let all = noise_ratios(&per_token, &s, NOISE_RATIO_POINTS).unwrap();
+    assert_eq!(all[100], 5.0);
+    // Too few long steps for a band of their own: they join the short ones.
+    let few = &s[..200 + MIN_BAND_STEPS - 1];
+    assert_eq!(noise_bands(&per_token, few).unwrap().len(), 1);
+    // A band doubles its reach until it holds MIN_BAND_STEPS steps.
+    let spread: Vec<Sample> = (0..400)
+        .map(|i| step(f64::from(1 + i), f64::from(1 + i)))
+        .collect();
+    let bands = noise_bands(&per_token, &spread).unwrap();
+    let ups: Vec<Option<f64>> = bands.iter().map(|b| b.up_to_ms).collect();
+    assert_eq!(
+        ups,
+        [Some(64.0), Some(128.0), Some(256.0), None],
+        "{bands:?}"
+    );
+    assert_eq!(noise_bands(&per_token, &spread[..1]), None);
+    assert_eq!(noise_bands(&per_token, &spread[..2]).unwrap().len(), 1);
 }
