@@ -1012,6 +1012,10 @@ impl Engine {
         // not run: it reports 0 tokens, and is forgotten with this completion.
         let mut states: Vec<(usize, u64, Running)> = Vec::with_capacity(batch.rows.len());
         let mut ran = vec![0u32; batch.rows.len()];
+        // Each continuing row's true context for the step log: the KV it reads, its cache and
+        // the token it runs (the component's `context` is an estimate it keeps only when a
+        // latency model reads it).
+        let mut contexts = vec![None; batch.rows.len()];
         let mut tokens: Vec<Vec<u32>> = Vec::with_capacity(batch.rows.len());
         let mut wants = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter().enumerate() {
@@ -1033,6 +1037,7 @@ impl Engine {
                     tokens.push(vec![t]);
                     wants.push(true);
                     ran[i] = 1;
+                    contexts[i] = Some(state.cache.len() as u64 + 1);
                 }
                 (RowWork::Chunk { .. }, None) => {
                     self.running.insert(row.rid, state);
@@ -1135,7 +1140,7 @@ impl Engine {
                 return Err(format!("complete: {e}"));
             }
         };
-        self.write_log(t_ms, ms, &batch, &done.outcome);
+        self.write_log(t_ms, ms, &batch, &done.outcome, &contexts);
         match done.next {
             Ok(next) if next.rows.is_empty() => {}
             Ok(next) => self.in_flight = Some(next),
@@ -1201,9 +1206,16 @@ impl Engine {
         }
     }
 
-    fn write_log(&mut self, t_ms: f64, ms: f64, batch: &Batch, outcome: &StepOutcome) {
+    fn write_log(
+        &mut self,
+        t_ms: f64,
+        ms: f64,
+        batch: &Batch,
+        outcome: &StepOutcome,
+        contexts: &[Option<u64>],
+    ) {
         let Some(log) = self.log.as_mut() else { return };
-        log.write(&step_log_line(t_ms, ms, batch, outcome));
+        log.write(&step_log_line(t_ms, ms, batch, outcome, contexts));
     }
 }
 
@@ -1218,21 +1230,26 @@ fn round_ms(v: f64) -> f64 {
 }
 
 /// One step-log line in the shape of `replay --step-log` (docs/replay.md#the-step-log of the
-/// component), with `ms` the measured wall time of the model step.
+/// component), with `ms` the measured wall time of the model step and each continuing row's
+/// `context` the KV it read (`contexts`, by row; the batch's estimate where a row has none), as
+/// a replay logs its simulated engine's, so that `fit` prices what the model really read.
 pub fn step_log_line(
     t_ms: f64,
     ms: f64,
     batch: &Batch,
     outcome: &StepOutcome,
+    contexts: &[Option<u64>],
 ) -> serde_json::Value {
     use serde_json::json;
     let rows: Vec<serde_json::Value> = batch
         .rows
         .iter()
-        .map(|r| match r.work {
+        .enumerate()
+        .map(|(i, r)| match r.work {
             RowWork::Continue { estimate } => json!({
                 "rid": r.rid, "walk": batch.walk_of(r), "kind": "continue",
-                "tokens": estimate, "context": r.context,
+                "tokens": estimate,
+                "context": contexts.get(i).copied().flatten().unwrap_or(r.context),
             }),
             RowWork::Chunk { range, cached } => {
                 let first = range.stride == range.end;

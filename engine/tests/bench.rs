@@ -150,6 +150,11 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
     // The step log has the replay step log's shape, with measured `ms`.
     let text = std::fs::read_to_string(&log).unwrap();
     let mut chunk_tokens = 0;
+    // Each continuing row's `context` is the KV it read: its prompt, then one more for each
+    // token generated before (the first generated token runs at prompt + 1), as the replay's
+    // simulated engine logs it, whether or not the component kept its own estimate.
+    let mut contexts: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    let mut totals: std::collections::BTreeMap<u64, u64> = Default::default();
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         for key in [
@@ -175,9 +180,16 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
         assert!(v["ms"].as_f64().unwrap() >= 0.0);
         assert_eq!(v["walk"], "mixed");
         for r in v["rows"].as_array().unwrap() {
+            let rid = r["rid"].as_u64().unwrap();
             if r["kind"] == "chunk" {
                 chunk_tokens += r["tokens"].as_u64().unwrap();
                 assert!(r["tokens"].as_u64().unwrap() <= 64);
+                totals.insert(rid, r["total"].as_u64().unwrap());
+            } else {
+                contexts
+                    .entry(rid)
+                    .or_default()
+                    .push(r["context"].as_u64().unwrap());
             }
         }
     }
@@ -186,4 +198,11 @@ async fn a_short_run_reports_latencies_and_writes_the_scaled_trace() {
         300 + 40 + 500 + 10,
         "every prompt token ran once"
     );
+    assert_eq!(contexts.len(), 4, "{contexts:?}");
+    for (rid, seen) in &contexts {
+        let prompt = totals[rid];
+        // 8 tokens: the first from the final chunk, 7 from continuing rows.
+        let want: Vec<u64> = (1..=7).map(|k| prompt + k).collect();
+        assert_eq!(seen, &want, "request {rid}");
+    }
 }

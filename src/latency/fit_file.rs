@@ -152,9 +152,11 @@ pub fn fit_file_samples(
     Ok((input, report, samples))
 }
 
-/// How many measured ÷ predicted ratios a band of `fit --for replay` holds: one a percentile,
-/// from the least (0) to the largest (100).
-pub const NOISE_RATIO_POINTS: usize = 101;
+/// How many measured ÷ predicted ratios a band of `fit --for replay` holds: one a permille,
+/// from the least (0) to the largest (1000). A replay draws between neighbouring quantiles, so
+/// the top percent of its draws, which set a p99, must come from the top percent of the steps,
+/// not from a straight line between the 99th percentile and the largest step.
+pub const NOISE_RATIO_POINTS: usize = 1001;
 /// The fewest steps a band of [`noise_bands`] holds: fewer would say little of a tail.
 pub const MIN_BAND_STEPS: usize = 50;
 /// The most bands [`noise_bands`] makes.

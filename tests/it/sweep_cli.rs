@@ -456,13 +456,13 @@ fn fit_for_a_replay_writes_a_replay_cost_table_with_the_measured_spread() {
         .iter()
         .map(|v| v.as_float().unwrap())
         .collect();
-    assert_eq!(ratios.len(), 101);
+    assert_eq!(ratios.len(), 1001);
     // A third of the steps at each factor, around the fitted line (which the three factors
     // bend a little, hence the tolerance).
-    let (low, mid, high) = (ratios[10], ratios[50], ratios[90]);
+    let (low, mid, high) = (ratios[100], ratios[500], ratios[900]);
     assert!((mid / low - 1.25).abs() < 0.05, "{ratios:?}");
     assert!((high / mid - 1.6).abs() < 0.05, "{ratios:?}");
-    assert!(ratios[33] < 0.9 && ratios[34] > 0.9 && ratios[66] < 1.5 && ratios[67] > 1.5);
+    assert!(ratios[333] < 0.9 && ratios[334] > 0.9 && ratios[666] < 1.5 && ratios[667] > 1.5);
     // The table is a config layer a replay takes as it is.
     let layer = dir.path().join("replay-cost.toml");
     std::fs::write(&layer, table).unwrap();
