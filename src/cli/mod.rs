@@ -222,7 +222,8 @@ impl KvArgs {
     }
 }
 
-/// `replay`'s fleet as flags: `replay.fleet.workers` and `replay.fleet.router`.
+/// `replay`'s fleet as flags: `replay.fleet.workers`, `router`, and a disaggregated fleet's
+/// pools and KV link.
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct FleetArgs {
     /// Component instances replayed side by side behind the router, 1 to 256:
@@ -237,6 +238,24 @@ pub struct FleetArgs {
         help_heading = "Settings (each a config key)"
     )]
     pub router: Option<String>,
+    /// Workers that only prefill, 1 to 256, with --decode-workers instead of --workers
+    /// (docs/fleet.md#disaggregated-prefill): `replay.fleet.prefill_workers`
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    pub prefill_workers: Option<String>,
+    /// Workers that only decode, each request's KV moved to one once its prompt is done:
+    /// `replay.fleet.decode_workers`
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    pub decode_workers: Option<String>,
+    /// A prefill worker's KV link, Gbit/s: `replay.fleet.kv_link_gbps`
+    #[arg(
+        long,
+        value_name = "GBPS",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub kv_link_gbps: Option<String>,
+    /// A KV transfer's fixed latency, ms: `replay.fleet.kv_link_latency_ms`
+    #[arg(long, value_name = "MS", help_heading = "Settings (each a config key)")]
+    pub kv_link_latency_ms: Option<String>,
 }
 
 impl FleetArgs {
@@ -246,6 +265,14 @@ impl FleetArgs {
         let mut v = Vec::new();
         v.extend(self.workers.as_deref().map(F::workers));
         v.extend(self.router.as_deref().map(F::router));
+        v.extend(self.prefill_workers.as_deref().map(F::prefill_workers));
+        v.extend(self.decode_workers.as_deref().map(F::decode_workers));
+        v.extend(self.kv_link_gbps.as_deref().map(F::kv_link_gbps));
+        v.extend(
+            self.kv_link_latency_ms
+                .as_deref()
+                .map(F::kv_link_latency_ms),
+        );
         v
     }
 }
@@ -298,7 +325,7 @@ pub struct ReplayArgs {
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying (a reload
     /// reads the layers again without the flags, so none may be given)
-    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router"])]
+    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router", "prefill_workers", "decode_workers", "kv_link_gbps", "kv_link_latency_ms"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]

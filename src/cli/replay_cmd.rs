@@ -97,7 +97,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         Ok((l, setup)) => {
             init_logging(&l);
             note_built_in_copies(&l);
-            (l, setup.fleet.workers)
+            (l, setup.fleet.size())
         }
         Err(errors) => {
             report(&errors);
@@ -133,8 +133,12 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
     };
     if args.watch_config && workers > 1 {
         say(&format!(
-            "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.workers` is {workers} (from {}): replay a fleet without it",
-            loaded.origins.of("replay.fleet.workers")
+            "error: `--watch-config` reloads one worker's budgets, and the fleet (`replay.fleet.workers`, or `prefill_workers` and `decode_workers`) has {workers} (from {}): replay a fleet without it",
+            loaded.origins.of(if loaded.settings.replay.fleet.prefill_workers.is_some() {
+                "replay.fleet.prefill_workers"
+            } else {
+                "replay.fleet.workers"
+            })
         ));
         return ExitCode::from(EXIT_CONFIG);
     }
