@@ -24,7 +24,12 @@ fmt: ## Format the code
 doc: ## Build the API docs
 	$(CARGO) doc --no-deps --all-features
 
-test: test-deps lint check-core ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package, vLLM scheduler)
+# The vLLM venv (about 9.5 GB, most of it a download) installs in the background while the code
+# is linted and built; test-vllm and test-vllm-bench wait for it (install-vllm.sh takes a lock)
+# and, should it have failed, install again in the foreground with its errors shown.
+test: test-deps ## Install what the tests need, lint, then the whole test suite (crate, engine, Python package, vLLM scheduler)
+	mkdir -p target && (python/scripts/install-vllm.sh >target/vllm-install.log 2>&1 &)
+	$(MAKE) lint check-core
 	$(CARGO) test --all-features --all-targets
 	$(CARGO) test --all-features --doc
 	$(CARGO) test --no-default-features --lib --tests

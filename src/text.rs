@@ -1,5 +1,5 @@
-//! How numbers and counts read in the crate's messages, tables and plots, in one place so
-//! that every report says `2.5` and `1 token` the same way.
+//! How numbers and counts read in the crate's messages, tables, plots and JSON files, in one
+//! place so that every report says `2.5` and `1 token` the same way.
 
 /// `n thing` or `n things`: "1 token", "2 tokens".
 pub fn plural(n: u64, thing: &str) -> String {
@@ -13,6 +13,32 @@ pub fn plural(n: u64, thing: &str) -> String {
 /// Rounds to 0.001, the precision a simulated ms (or a rate scale) means.
 pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
+}
+
+/// Serialises a float rounded to 0.001 ([`round3`]; a non-finite one as null).
+pub(crate) fn ser_round<S: serde::Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if x.is_finite() {
+        s.serialize_f64(round3(*x))
+    } else {
+        s.serialize_none()
+    }
+}
+
+/// [`ser_round`] for an optional float.
+pub(crate) fn ser_opt_round<S: serde::Serializer>(
+    x: &Option<f64>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => ser_round(x, s),
+        None => s.serialize_none(),
+    }
+}
+
+/// [`ser_round`] for every float of a list (the sweep's step-time percentiles).
+#[cfg(feature = "sweep")]
+pub(crate) fn ser_vec_round<S: serde::Serializer>(v: &[f64], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
 }
 
 /// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).

@@ -47,10 +47,37 @@ def fit_coefficients(fit_txt):
 
 
 def replay_config(fit_txt):
+    """The replay's config: run A's chunking floor and the `[replay.cost]` table of
+    `fit --for replay` (the fitted coefficients, each step drawn from A's measured ÷ predicted
+    spread), or, from a plain `fit` output, the coefficients without noise."""
+    text = Path(fit_txt).read_text()
+    print("[chunking]\nmin_chunk_tokens = 16\n")
+    at = text.find("[replay.cost]")
+    if at >= 0:
+        print(text[at:], end="")
+        return
     c, _ = fit_coefficients(fit_txt)
     body = ", ".join(f"{k} = {v!r}" for k, v in c.items())
-    print("[chunking]\nmin_chunk_tokens = 16\n")
     print(f"[replay]\ncost = {{ {body}, noise = 0.0 }}")
+
+
+def replay_table(a, r):
+    """The replay's TTFT and TBT p50/p99 beside the engine's run A, as table lines."""
+    lines = ["| metric | engine | replay | replay/engine |", "|---|---|---|---|"]
+    for m in ("ttft_ms", "tbt_ms"):
+        for q in ("p50", "p99"):
+            e, s = a[m][q], (r.get(m) or {}).get(q)
+            ratio = f"{s / e:.3f}" if s is not None and e else "-"
+            lines.append(f"| {m} {q} | {e:.2f} | {s if s is None else round(s, 2)} | {ratio} |")
+    return lines
+
+
+def replay_vs_engine(out, replay_json):
+    """`replay-vs-engine OUT [REPLAY_JSON]`: run A's engine figures beside a replay's report."""
+    out = Path(out)
+    a = json.loads((out / "A.bench.json").read_text())
+    r = json.loads(Path(replay_json or out / "R.replay.json").read_text())
+    print("\n".join(replay_table(a, r)))
 
 
 def summary(out, x):
@@ -73,13 +100,8 @@ def summary(out, x):
     lines.append(f"steps {len(ms)}, p50 {quantile(ms, 0.5):.2f} ms, p99 {p99:.2f} ms = {p99 / x:.3f} X "
                  f"(target: <= 1.1 X: {'holds' if p99 <= 1.1 * x else 'MISSES'}); "
                  f"completed {b['completed']}/{b['requests']}; time overruns by reason {reasons or '{}'}")
-    lines += ["", "## Replay vs engine (run A, same scaled trace and rate)", "",
-              "| metric | engine | replay | replay/engine |", "|---|---|---|---|"]
-    for m in ("ttft_ms", "tbt_ms"):
-        for q in ("p50", "p99"):
-            e, s = a[m][q], (r.get(m) or {}).get(q)
-            ratio = f"{s / e:.3f}" if s is not None and e else "-"
-            lines.append(f"| {m} {q} | {e:.2f} | {s if s is None else round(s, 2)} | {ratio} |")
+    lines += ["", "## Replay vs engine (run A, same scaled trace and rate)", ""]
+    lines += replay_table(a, r)
     lines += ["", "## TBT p99 by chunking mode (same workload)", "",
               "| mode | TBT p50 ms | TBT p99 ms | TTFT p99 ms | p99 ratio to off |", "|---|---|---|---|---|"]
     off = c["tbt_ms"]["p99"]
@@ -98,6 +120,8 @@ if __name__ == "__main__":
         print(",".join(repr(v) for v in c.values()))
     elif cmd == "replay-config":
         replay_config(sys.argv[2])
+    elif cmd == "replay-vs-engine":
+        replay_vs_engine(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
     elif cmd == "summary":
         summary(sys.argv[2], sys.argv[3])
     else:

@@ -6,9 +6,10 @@
 #   B  time budget X (X = X_FACTOR x the median decode-only step of A; A's fit to start, then
 #      the online fit) -> p99 step vs 1.2 X, time overruns by reason
 #   C  chunking off            -> TBT p99 "off"
-#   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients -> vs A
+#   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients, each step drawn
+#      from A's measured ÷ predicted spread (`fit --for replay`) -> vs A
 #
-# Knobs (environment): MODEL, KV_TOKENS, X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT,
+# Knobs (environment): MODEL, KV_TOKENS, REPLAY_NOISE (measured or none), X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT,
 # OUT (the directory written; `make engine-bench` runs one per load), RUNS (a subset of "A B C R";
 # B and R need A's files in OUT).
 set -euo pipefail
@@ -68,6 +69,9 @@ if wants A; then
   echo "== A: token budget 256"
   run A --budget 256 --align 16 --min-chunk-tokens 16
   "$CHUNKING" fit --errors relative "$OUT/A.steps.jsonl" --node llm | tee "$OUT/A.fit.txt"
+  # The same fit as a replay's cost: each simulated step drawn from A's measured ÷ predicted
+  # spread (REPLAY_NOISE=none replays the fitted line alone).
+  "$CHUNKING" fit --errors relative --for replay "$OUT/A.steps.jsonl" >"$OUT/A.replay-cost.txt"
 fi
 
 X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl" "$X_FACTOR")
@@ -85,7 +89,11 @@ fi
 
 if wants R; then
   echo "== R: replay with A's fitted coefficients"
-  python3 engine/scripts/analyze.py replay-config "$OUT/A.fit.txt" >"$OUT/replay.toml"
+  if [[ "${REPLAY_NOISE:-measured}" == measured ]]; then
+    python3 engine/scripts/analyze.py replay-config "$OUT/A.replay-cost.txt" >"$OUT/replay.toml"
+  else
+    python3 engine/scripts/analyze.py replay-config "$OUT/A.fit.txt" >"$OUT/replay.toml"
+  fi
   "$CHUNKING" replay --model engine/scripts/engine-model.toml --config "$OUT/replay.toml" \
     --trace "$OUT/scaled.csv" --format generic --report-json "$OUT/R.replay.json" --no-progress >/dev/null
 fi

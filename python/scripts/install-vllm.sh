@@ -14,6 +14,12 @@ VENV="${MSTAR_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mstar-chunking/vllm-ven
 PY="${MSTAR_VLLM_PYTHON:-python3}"
 STAMP="$VENV/.mstar-vllm-$VLLM_VERSION"
 
+# One install at a time: `make test` starts one in the background while it builds, and a vLLM
+# target waits here for it to end, then finds the venv complete (or installs what is missing).
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+
 if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
 	echo "vLLM $VLLM_VERSION already installed" >&2
 	echo "$VENV"
@@ -23,7 +29,6 @@ fi
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
 	{ echo "install-vllm: $PY is older than 3.11, which vLLM $VLLM_VERSION needs (set MSTAR_VLLM_PYTHON)" >&2; exit 1; }
 
-mkdir -p "$(dirname "$VENV")"
 # An interrupted install leaves the venv without its stamp: pip resumes over it.
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip

@@ -38,13 +38,14 @@ pub fn fit(args: &FitArgs) -> ExitCode {
             }
         },
     };
-    let (input, fit) = match crate::latency::fit_file::fit_file_with(&args.file, args.errors) {
-        Ok(r) => r,
-        Err(e) => {
-            say(&format!("error: cannot fit the latency model: {e}"));
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
+    let (input, fit, samples) =
+        match crate::latency::fit_file::fit_file_samples(&args.file, args.errors) {
+            Ok(r) => r,
+            Err(e) => {
+                say(&format!("error: cannot fit the latency model: {e}"));
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        };
     let source = args.file.display().to_string();
     let kind = match input {
         crate::latency::fit_file::FitInput::StepLog => "a replay step log",
@@ -97,9 +98,31 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     ));
     let e = &fit.abs_error_ms;
     out.push_str(&format!(
-        "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n\n",
+        "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n",
         "|error| ms", e.p50, e.p90, e.p99, e.max
     ));
-    out.push_str(&crate::latency::fit_file::render_toml(&fit, &node, &source));
+    let ratios = crate::latency::fit_file::noise_ratios(
+        &fit.model,
+        &samples,
+        crate::latency::fit_file::NOISE_RATIO_POINTS,
+    );
+    if let Some(r) = &ratios {
+        let at = |u| crate::replay::settings::ratio_at(r, u);
+        out.push_str(&format!(
+            "  {:<24} p1 {:.3}, p50 {:.3}, p99 {:.3}, max {:.3}\n",
+            "measured ÷ predicted",
+            at(0.01),
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        ));
+    }
+    out.push('\n');
+    out.push_str(&match args.table {
+        FitFor::Serve => crate::latency::fit_file::render_toml(&fit, &node, &source),
+        FitFor::Replay => {
+            crate::latency::fit_file::render_replay_toml(&fit, ratios.as_deref(), &source)
+        }
+    });
     print_stdout(&out)
 }

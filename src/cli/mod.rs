@@ -181,16 +181,17 @@ impl SettingArgs {
     /// The flags given, as config edits, in a fixed order.
     pub fn flags(&self) -> Vec<config::FlagSetting> {
         use config::FlagSetting as F;
-        let mut v = Vec::new();
-        v.extend(self.max_step_ms.as_deref().map(F::max_step_ms));
-        // Checked by clap's parser already (`cost_flag`): a list of four.
-        v.extend(self.cost.as_deref().and_then(|c| F::cost(c).ok()));
-        if self.learn_cost {
-            v.push(F::learn_cost());
-        }
-        v.extend(self.sim_cost.as_deref().and_then(|c| F::sim_cost(c).ok()));
-        v.extend(self.time_margin.as_deref().map(F::time_margin));
-        v
+        // `--cost` and `--sim-cost` are checked by clap's parser already (`cost_flag`).
+        [
+            self.max_step_ms.as_deref().map(F::max_step_ms),
+            self.cost.as_deref().and_then(|c| F::cost(c).ok()),
+            self.learn_cost.then(F::learn_cost),
+            self.sim_cost.as_deref().and_then(|c| F::sim_cost(c).ok()),
+            self.time_margin.as_deref().map(F::time_margin),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 }
 
@@ -215,10 +216,10 @@ impl KvArgs {
     /// The flags given, as config edits.
     pub fn flags(&self) -> Vec<config::FlagSetting> {
         use config::FlagSetting as F;
-        let mut v = Vec::new();
-        v.extend(self.kv_blocks.as_deref().map(F::kv_blocks));
-        v.extend(self.kv_memory.as_deref().and_then(|m| F::kv_memory(m).ok()));
-        v
+        let blocks = self.kv_blocks.as_deref().map(F::kv_blocks);
+        // Checked by clap's parser already (`kv_memory_flag`).
+        let memory = self.kv_memory.as_deref().and_then(|m| F::kv_memory(m).ok());
+        blocks.into_iter().chain(memory).collect()
     }
 }
 
@@ -425,6 +426,11 @@ pub struct FitArgs {
     /// (each step's error over its time, as the online fit: short decode steps count as much)
     #[arg(long, value_name = "WHICH", default_value = "absolute", value_parser = fit_errors)]
     pub errors: crate::latency::fit::FitErrors,
+    /// The table printed: `serve`, `[chunking.cost.<node>]` for the serving config; `replay`,
+    /// `[replay.cost]` for a replay priced like these steps, their spread around the fit as
+    /// `noise_ratios`
+    #[arg(long = "for", value_name = "WHAT", default_value = "serve", value_parser = fit_for)]
+    pub table: FitFor,
     /// Where the model (for `--node`'s default) and config layers come from.
     #[command(flatten)]
     pub config: ConfigArgs,
@@ -436,6 +442,24 @@ fn fit_errors(s: &str) -> Result<crate::latency::fit::FitErrors, String> {
         "absolute" => Ok(crate::latency::fit::FitErrors::Absolute),
         "relative" => Ok(crate::latency::fit::FitErrors::Relative),
         _ => Err(format!("expected `absolute` or `relative`, got {s:?}")),
+    }
+}
+
+/// Which config table `fit` prints (`--for`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FitFor {
+    /// `[chunking.cost.<node>]`, for the serving config.
+    Serve,
+    /// `[replay.cost]` with `noise_ratios`, for a replay priced like the fitted steps.
+    Replay,
+}
+
+/// `--for`: `serve` or `replay`.
+fn fit_for(s: &str) -> Result<FitFor, String> {
+    match s {
+        "serve" => Ok(FitFor::Serve),
+        "replay" => Ok(FitFor::Replay),
+        _ => Err(format!("expected `serve` or `replay`, got {s:?}")),
     }
 }
 

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use super::replay_cmd::{is_usage, load_for_replay};
 use super::*;
 use crate::sweep::axis::{write_files, Axis, AxisRun};
-use crate::sweep::fleet_axis::{Fleet, FleetAxis};
+use crate::sweep::fleet_axis::{parse_fleets, Fleet, FleetAxis};
 use crate::sweep::kv_axis::{parse_kv_blocks, KvAxis};
 use crate::sweep::order_axis::{parse_orders, OrderAxis};
 
@@ -211,26 +211,11 @@ fn axes(
         router: setup.fleet.router,
         workers: setup.fleet.workers,
     };
+    let (workers, routers) = (args.workers.as_deref(), args.routers.as_deref());
     Ok(vec![
-        boxed(
-            args.kv_blocks
-                .as_deref()
-                .map(parse_kv_blocks)
-                .transpose()?
-                .map(KvAxis),
-        ),
-        boxed(
-            args.orders
-                .as_deref()
-                .map(parse_orders)
-                .transpose()?
-                .map(OrderAxis),
-        ),
-        boxed(FleetAxis::parse(
-            args.workers.as_deref(),
-            args.routers.as_deref(),
-            config,
-        )?),
+        along::<KvAxis>(args.kv_blocks.as_deref().map(parse_kv_blocks).transpose()?),
+        along::<OrderAxis>(args.orders.as_deref().map(parse_orders).transpose()?),
+        along::<FleetAxis>(parse_fleets(workers, routers, config)?),
     ])
 }
 
@@ -332,7 +317,7 @@ struct AxisContext<'a> {
     inputs: &'a [PathBuf],
 }
 
-/// An axis, whichever it is.
+/// An axis, whichever it is, with its values.
 trait AnyAxis {
     /// [`Axis::check`].
     fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String>;
@@ -340,17 +325,21 @@ trait AnyAxis {
     fn run(&self, cx: &AxisContext<'_>) -> ExitCode;
 }
 
-impl<A: Axis> AnyAxis for A {
+/// The values of axis `A`, in the order they run.
+struct Along<A: Axis>(Vec<A::Value>);
+
+impl<A: Axis> AnyAxis for Along<A> {
     fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String> {
-        Axis::check(self, loaded, trace)
+        A::check(&self.0, loaded, trace)
     }
     fn run(&self, cx: &AxisContext<'_>) -> ExitCode {
-        sweep_axis(self, cx)
+        sweep_axis::<A>(&self.0, cx)
     }
 }
 
-fn boxed<A: Axis + 'static>(axis: Option<A>) -> Option<Box<dyn AnyAxis>> {
-    axis.map(|a| Box::new(a) as Box<dyn AnyAxis>)
+/// The values of axis `A`, if its flag was given, as an axis to run.
+fn along<A: Axis + 'static>(values: Option<Vec<A::Value>>) -> Option<Box<dyn AnyAxis>> {
+    values.map(|v| Box::new(Along::<A>(v)) as Box<dyn AnyAxis>)
 }
 
 /// The files' names of `paths`, comma-separated.
@@ -362,17 +351,17 @@ pub(super) fn file_names(paths: &[PathBuf]) -> String {
         .join(", ")
 }
 
-/// A sweep along `axis`: the grid once per value, each written into `OUT/<dir>/` with the
-/// usual files, then the axis's comparison into `OUT/`. A signal ends it after the run it
-/// interrupted; the comparison covers the runs that finished.
-fn sweep_axis<A: Axis>(axis: &A, cx: &AxisContext<'_>) -> ExitCode {
+/// A sweep along axis `A`: the grid once per value of `values`, each written into `OUT/<dir>/`
+/// with the usual files, then the axis's comparison into `OUT/`. A signal ends it after the run
+/// it interrupted; the comparison covers the runs that finished.
+fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
     use crate::sweep;
     let wall = std::time::Instant::now();
     let stop = cx.opts.stop.clone().unwrap_or_default();
     let mut runs = Vec::new();
     let mut code = ExitCode::SUCCESS;
-    for value in axis.values() {
-        let (settings, label) = axis.apply(&cx.loaded.settings, value);
+    for &value in values {
+        let (settings, label) = A::apply(&cx.loaded.settings, value);
         let mut o = cx.opts.clone();
         // The axis's value, over the config's.
         o.settings.retain(|(k, _)| k != A::SETTING);

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use super::*;
-use crate::sweep::jobs::{self, Body, Inputs, JobCell, JobError, Manifest, Merged};
+use crate::sweep::jobs::{
+    self, Body, Inputs, JobCell, JobError, Manifest, Merged, SettingFlags, TraceFlags,
+};
 
 /// The exit code of a merge that added a wave of cells to run before the next merge.
 pub const EXIT_MORE_CELLS: u8 = 3;
@@ -99,16 +101,20 @@ fn copy_inputs(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> Result<Inputs, 
         model,
         env: env_overrides(),
         trace,
-        format: args.source.format.map(|f| f.name().to_owned()),
-        arrivals: args.source.arrivals.map(|a| a.to_string()),
-        requests: args.source.requests,
-        skip_bad_lines: args.source.skip_bad_lines,
-        priority_by: args.source.priority_by.map(|p| p.to_string()),
-        max_step_ms: s.max_step_ms.clone(),
-        cost: s.cost.clone(),
-        learn_cost: s.learn_cost,
-        sim_cost: s.sim_cost.clone(),
-        time_margin: s.time_margin.clone(),
+        trace_flags: TraceFlags {
+            format: args.source.format.map(|f| f.name().to_owned()),
+            arrivals: args.source.arrivals.map(|a| a.to_string()),
+            requests: args.source.requests,
+            skip_bad_lines: args.source.skip_bad_lines,
+            priority_by: args.source.priority_by.map(|p| p.to_string()),
+        },
+        setting_flags: SettingFlags {
+            max_step_ms: s.max_step_ms.clone(),
+            cost: s.cost.clone(),
+            learn_cost: s.learn_cost,
+            sim_cost: s.sim_cost.clone(),
+            time_margin: s.time_margin.clone(),
+        },
     })
 }
 
@@ -293,13 +299,15 @@ fn run_job_cell(dir: &Path, manifest: &Manifest, cell: &JobCell) -> Result<(), C
         mstar_env: i.mstar_env.clone(),
         env: Some(i.env.clone().into_iter().collect()),
     };
+    let flags = i.setting_flags.clone();
     let settings = SettingArgs {
-        max_step_ms: i.max_step_ms.clone(),
-        cost: i.cost.clone(),
-        learn_cost: i.learn_cost,
-        sim_cost: i.sim_cost.clone(),
-        time_margin: i.time_margin.clone(),
+        max_step_ms: flags.max_step_ms,
+        cost: flags.cost,
+        learn_cost: flags.learn_cost,
+        sim_cost: flags.sim_cost,
+        time_margin: flags.time_margin,
     };
+    let t = &i.trace_flags;
     let usage =
         |what: &str, e: String| CellFailure::Usage(format!("{what} of the job directory: {e}"));
     let (loaded, setup) = load_for_replay(&load, &settings.flags()).map_err(|errors| {
@@ -310,18 +318,18 @@ fn run_job_cell(dir: &Path, manifest: &Manifest, cell: &JobCell) -> Result<(), C
     })?;
     let base = crate::replay::ReplayOptions {
         trace: i.trace.as_ref().map(|t| dir.join(t)),
-        requests: i.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        format: i
+        requests: t.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        format: t
             .format
             .as_deref()
             .map(str::parse)
             .transpose()
             .map_err(|e: crate::replay::TraceError| usage("the trace format", e.to_string()))?,
-        arrivals: i.arrivals.as_deref().map(str::parse).transpose().map_err(
+        arrivals: t.arrivals.as_deref().map(str::parse).transpose().map_err(
             |e: crate::replay::arrivals::ArrivalsError| usage("the arrivals", e.to_string()),
         )?,
-        skip_bad_lines: i.skip_bad_lines,
-        priority_by: i
+        skip_bad_lines: t.skip_bad_lines,
+        priority_by: t
             .priority_by
             .as_deref()
             .map(str::parse)

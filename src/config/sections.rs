@@ -202,6 +202,10 @@ pub struct CostSection {
     pub per_row_ms: Option<f64>,
     /// Each simulated step time is multiplied by a factor drawn from `[1 - noise, 1 + noise]`.
     pub noise: f64,
+    /// Each simulated step time is multiplied by a factor drawn from these measured ÷ predicted
+    /// ratios, read as evenly spaced quantiles from the least to the largest (`fit --for
+    /// replay` writes them from an engine's step log); unset: no such factor.
+    pub noise_ratios: Option<Vec<f64>>,
     /// The component learns the coefficients online from the simulated times instead of being
     /// given them.
     pub learn: bool,
@@ -219,6 +223,7 @@ struct CostTable {
     per_row_ms: Option<f64>,
     #[serde(default)]
     noise: f64,
+    noise_ratios: Option<Vec<f64>>,
     #[serde(default)]
     learn: bool,
 }
@@ -250,6 +255,7 @@ impl<'de> Deserialize<'de> for CostSection {
                     per_attention_pair_ms: t.per_attention_pair_ms,
                     per_row_ms: t.per_row_ms,
                     noise: t.noise,
+                    noise_ratios: t.noise_ratios,
                     learn: t.learn,
                 })
             }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::input::{self, InputError};
 use crate::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
-use crate::latency::{chunk_attention_pairs, StepFeatures, COEFFICIENT_KEYS};
+use crate::latency::{chunk_attention_pairs, LatencyModel, StepFeatures, COEFFICIENT_KEYS};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
 pub const MAX_FIT_FILE_BYTES: u64 = 512 << 20;
@@ -119,6 +119,17 @@ pub fn fit_file_with(
     path: &Path,
     errors: FitErrors,
 ) -> Result<(FitInput, FitReport), FitFileError> {
+    fit_file_samples(path, errors).map(|(input, report, _)| (input, report))
+}
+
+/// [`fit_file_with`], answering the samples fitted too (for [`noise_ratios`]).
+///
+/// # Errors
+/// As [`fit_file`].
+pub fn fit_file_samples(
+    path: &Path,
+    errors: FitErrors,
+) -> Result<(FitInput, FitReport, Vec<Sample>), FitFileError> {
     let (input, samples, lines) = read_samples_with(path, LIMITS)?;
     if samples.is_empty() {
         return Err(FitFileError::EmptyFile {
@@ -137,7 +148,56 @@ pub fn fit_file_with(
             source,
         },
     })?;
-    Ok((input, report))
+    Ok((input, report, samples))
+}
+
+/// How many measured ÷ predicted ratios [`noise_ratios`] gives for `fit --for replay`: one a
+/// percentile, from the least (0) to the largest (100).
+pub const NOISE_RATIO_POINTS: usize = 101;
+
+/// Each step's measured time over the time `model` predicts for it, at `points` (at least 2)
+/// evenly spaced quantiles from the least to the largest (nearest rank), each rounded to 4
+/// significant digits and held in the range `replay.cost.noise_ratios` takes: the engine's own
+/// spread around the fitted line, for a replay to draw its steps' noise from. Steps measured or
+/// predicted at 0 ms say nothing of a ratio and are left out; `None` when fewer than two steps
+/// remain.
+pub fn noise_ratios(model: &LatencyModel, samples: &[Sample], points: usize) -> Option<Vec<f64>> {
+    let c = model.terms();
+    let mut ratios: Vec<f64> = samples
+        .iter()
+        .filter_map(|s| {
+            let predicted = c[0]
+                + c[1] * s.tokens
+                + c[2] * s.kv_tokens
+                + c[3] * s.attention_pairs
+                + c[4] * s.rows;
+            let r = s.ms / predicted;
+            (s.ms > 0.0 && predicted > 0.0 && r.is_finite()).then_some(r)
+        })
+        .collect();
+    if ratios.len() < 2 || points < 2 {
+        return None;
+    }
+    ratios.sort_by(f64::total_cmp);
+    let n = ratios.len();
+    let range = crate::replay::settings::NOISE_RATIO_RANGE;
+    Some(
+        (0..points)
+            .map(|i| {
+                // The nearest rank ⌈n·i/(points − 1)⌉, in integers so that no rounding of
+                // the quantile moves it.
+                let rank = (i * n).div_ceil(points - 1).clamp(1, n);
+                round_significant(ratios[rank - 1], 4).clamp(*range.start(), *range.end())
+            })
+            .collect(),
+    )
+}
+
+/// `v` rounded to `digits` significant digits.
+fn round_significant(v: f64, digits: usize) -> f64 {
+    format!("{v:.*e}", digits.saturating_sub(1))
+        .parse()
+        .unwrap_or(v)
 }
 
 /// The limits a read runs under; the public functions use the documented constants.
@@ -456,6 +516,43 @@ pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
             "per_row_ms = {}",
             toml_float(report.model.per_row_ms())
         );
+    }
+    out
+}
+
+/// Renders a fit as the `[replay.cost]` table of a replay config priced like the fitted steps:
+/// the comment lines of [`render_toml`], the coefficients (`per_row_ms` when the fit kept one)
+/// and `noise_ratios`, the measured ÷ predicted ratios of [`noise_ratios`] (left out when
+/// `ratios` is `None`).
+pub fn render_replay_toml(report: &FitReport, ratios: Option<&[f64]>, source: &str) -> String {
+    let serving = render_toml(report, "", source);
+    let mut out: String = serving
+        .lines()
+        .take_while(|l| l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    out.push_str("[replay.cost]\n");
+    for (key, value) in COEFFICIENT_KEYS
+        .into_iter()
+        .zip(report.model.coefficients())
+    {
+        let _ = writeln!(out, "{key} = {}", toml_float(value));
+    }
+    if report.model.per_row_ms() > 0.0 {
+        let _ = writeln!(
+            out,
+            "per_row_ms = {}",
+            toml_float(report.model.per_row_ms())
+        );
+    }
+    if let Some(ratios) = ratios {
+        let _ = writeln!(
+            out,
+            "# each step's time is drawn from these measured ÷ predicted ratios, at {} evenly spaced quantiles from the least to the largest",
+            ratios.len()
+        );
+        let list: Vec<String> = ratios.iter().map(|&r| toml_float(r)).collect();
+        let _ = writeln!(out, "noise_ratios = [{}]", list.join(", "));
     }
     out
 }

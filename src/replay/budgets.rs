@@ -182,6 +182,7 @@ mod tests {
             .unwrap(),
             cost_preset: None,
             noise: 0.0,
+            noise_ratios: None,
             learn: false,
             spec_tokens: 0,
             overshoot_rate: 0.0,

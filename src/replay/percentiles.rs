@@ -1,22 +1,25 @@
 //! Latency percentiles as the reports give them ([`Latency`], nearest rank, in simulated ms)
-//! and the rounding of simulated milliseconds in the JSON reports.
+//! and [`round_ms`], a simulated ms rounded as the JSON reports give it (their serialisers are
+//! `crate::text`'s, shared with the sweep).
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
+
+use crate::text::ser_round;
 
 /// Percentiles of a latency, in simulated ms (nearest rank).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Latency {
     /// The median.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub p50: f64,
     /// The 90th percentile (the sweep's TTFT objective uses it).
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub p90: f64,
     /// The 99th percentile.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub p99: f64,
     /// The largest sample.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub max: f64,
     /// How many samples.
     pub samples: usize,
@@ -50,20 +53,5 @@ impl Latency {
 
 /// Rounds to 0.001, the precision a simulated ms means.
 pub fn round_ms(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
-pub(crate) fn ser_ms<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if x.is_finite() {
-        s.serialize_f64(round_ms(*x))
-    } else {
-        s.serialize_none()
-    }
-}
-
-pub(crate) fn ser_opt_ms<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
-    match x {
-        Some(x) => ser_ms(x, s),
-        None => s.serialize_none(),
-    }
+    crate::text::round3(x)
 }

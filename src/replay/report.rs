@@ -9,10 +9,10 @@ use std::fmt;
 use serde::{Serialize, Serializer};
 
 pub use super::percentiles::{round_ms, Latency};
-use super::percentiles::{ser_ms, ser_opt_ms};
 use super::trace::TraceFormat;
 use crate::config::problem::escape;
 use crate::text::{coefficient, plural};
+use crate::text::{ser_opt_round, ser_round};
 
 /// The outcome of a replay. Serialised as is by `--report-json`; `Display` is the summary table.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -92,13 +92,13 @@ pub struct ReplayReport {
     /// Their tokens.
     pub prepared_left_tokens: u64,
     /// The simulated time the replay covered, from the first arrival to the last step's end.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub simulated_ms: f64,
     /// Wall time of the replay (trace reading included), and steps per wall second.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub wall_ms: f64,
     /// Steps per wall-clock second.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub steps_per_second: f64,
     /// Where the step log went, if one was written.
     pub step_log: Option<String>,
@@ -145,7 +145,7 @@ pub struct KvReport {
     /// Prefix-cache blocks evicted to make room.
     pub cache_evictions: u64,
     /// The time requests spent waiting for memory, summed over admissions, simulated ms.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(serialize_with = "ser_round")]
     pub memory_wait_total_ms: f64,
     /// Admissions that waited for memory at all.
     pub admissions_waited: usize,
@@ -384,7 +384,7 @@ pub struct WalkBudget {
     /// The effective token budget (`None`: off or none).
     pub max_batch_tokens: Option<u32>,
     /// The effective time budget, ms (`chunking.max_step_ms`; `None`: none).
-    #[serde(serialize_with = "ser_opt_ms")]
+    #[serde(serialize_with = "ser_opt_round")]
     pub max_step_ms: Option<f64>,
 }
 
@@ -407,6 +407,9 @@ pub struct CostLabel {
     pub per_row_ms: f64,
     /// The noise fraction on each step's time.
     pub noise: f64,
+    /// The measured ÷ predicted ratios each step's time was drawn from, when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_ratios: Option<Vec<f64>>,
     /// Whether the component learned the model online.
     pub learn: bool,
 }
@@ -424,6 +427,7 @@ impl CostLabel {
             per_attention_pair_ms,
             per_row_ms: setup.cost.per_row_ms(),
             noise: setup.noise,
+            noise_ratios: setup.noise_ratios.as_deref().map(<[f64]>::to_vec),
             learn: setup.learn,
         }
     }
@@ -461,6 +465,16 @@ impl fmt::Display for CostLabel {
         }
         if self.noise > 0.0 {
             write!(f, ", noise ±{}%", self.noise * 100.0)?;
+        }
+        if let Some(r) = &self.noise_ratios {
+            use super::settings::ratio_at;
+            write!(
+                f,
+                ", noise drawn from measured ratios (p1 ×{:.2}, p50 ×{:.2}, p99 ×{:.2})",
+                ratio_at(r, 0.01),
+                ratio_at(r, 0.5),
+                ratio_at(r, 0.99)
+            )?;
         }
         if self.learn {
             f.write_str(", learned online")?;
@@ -1113,6 +1127,7 @@ mod tests {
             per_attention_pair_ms,
             per_row_ms: 0.0,
             noise: 0.0,
+            noise_ratios: None,
             learn: false,
         };
         let line = label.to_string();

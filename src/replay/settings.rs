@@ -15,6 +15,12 @@ use super::{trace, DECODE_WALK, PREFILL_WALK};
 pub const MAX_COST_MS: f64 = crate::latency::MAX_COEFFICIENT_MS;
 /// `replay.cost.noise` lies in `[0, MAX_NOISE]`: a step always takes some time.
 pub const MAX_NOISE: f64 = 0.9;
+/// Each of `replay.cost.noise_ratios` lies in this range: a step takes some time, and at most
+/// a hundred times its price.
+pub const NOISE_RATIO_RANGE: std::ops::RangeInclusive<f64> = 0.01..=100.0;
+/// `replay.cost.noise_ratios` holds from 2 to this many values (`fit --for replay` writes 101,
+/// one a percentile).
+pub const MAX_NOISE_RATIOS: usize = 1001;
 /// The built-in step cost: 8 ms a step, 0.02 ms a token, no KV or attention term.
 pub const DEFAULT_COST: [f64; 4] = [8.0, 0.02, 0.0, 0.0];
 /// The most speculative tokens per decode row.
@@ -36,6 +42,9 @@ pub struct ReplaySetup {
     pub cost_preset: Option<String>,
     /// Simulated step times are multiplied by a factor from `[1 - noise, 1 + noise]`.
     pub noise: f64,
+    /// Or by a factor drawn from these measured ÷ predicted ratios (evenly spaced quantiles,
+    /// non-decreasing, checked against [`NOISE_RATIO_RANGE`] and [`MAX_NOISE_RATIOS`]).
+    pub noise_ratios: Option<std::sync::Arc<[f64]>>,
     /// Whether the component learns the cost online instead of being given it.
     pub learn: bool,
     /// Speculative tokens per decode row (0: plain decode).
@@ -236,6 +245,7 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
             cost: cost.expect("checked: no problem"),
             cost_preset: r.cost.preset.clone(),
             noise: r.cost.noise,
+            noise_ratios: r.cost.noise_ratios.as_deref().map(std::sync::Arc::from),
             learn: r.cost.learn,
             spec_tokens: s.tokens,
             overshoot_rate: s.overshoot_rate,
@@ -246,6 +256,69 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
             fleet,
         }),
         _ => Err(problems),
+    }
+}
+
+/// The ratio at `u` (in `[0, 1)`) of the quantiles `ratios` (at least two, evenly spaced from
+/// the least to the largest): linear between the two quantiles around it, so a uniform `u`
+/// draws from the distribution they describe.
+pub(crate) fn ratio_at(ratios: &[f64], u: f64) -> f64 {
+    let at = u.clamp(0.0, 1.0) * (ratios.len() - 1) as f64;
+    let i = (at.floor() as usize).min(ratios.len() - 2);
+    let frac = at - i as f64;
+    ratios[i] + (ratios[i + 1] - ratios[i]) * frac
+}
+
+/// Checks `replay.cost.noise_ratios`: 2 to [`MAX_NOISE_RATIOS`] finite ratios in
+/// [`NOISE_RATIO_RANGE`], non-decreasing (they are quantiles), and no `noise` band beside them.
+fn check_noise_ratios(
+    ratios: &[f64],
+    noise: f64,
+    refuse: &mut impl FnMut(&'static str, Option<String>, String),
+) {
+    const KEY: &str = "replay.cost.noise_ratios";
+    if !(2..=MAX_NOISE_RATIOS).contains(&ratios.len()) {
+        refuse(
+            KEY,
+            Some(format!("{} values", ratios.len())),
+            format!("must hold from 2 to {MAX_NOISE_RATIOS} ratios (quantiles from the least to the largest)"),
+        );
+        return;
+    }
+    if let Some((i, &v)) = ratios
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !(v.is_finite() && NOISE_RATIO_RANGE.contains(v)))
+    {
+        refuse(
+            KEY,
+            Some(float(v)),
+            format!(
+                "value {} (from 1) must be a finite ratio from {} to {}",
+                i + 1,
+                NOISE_RATIO_RANGE.start(),
+                NOISE_RATIO_RANGE.end()
+            ),
+        );
+        return;
+    }
+    if let Some(i) = ratios.windows(2).position(|w| w[1] < w[0]) {
+        refuse(
+            KEY,
+            Some(float(ratios[i + 1])),
+            format!(
+                "value {} (from 1) is less than the one before it ({}): the ratios are quantiles, least first",
+                i + 2,
+                float(ratios[i])
+            ),
+        );
+    }
+    if noise > 0.0 {
+        refuse(
+            KEY,
+            None,
+            "cannot go with `replay.cost.noise`: a step's time has one noise factor; set one of them".into(),
+        );
     }
 }
 
@@ -262,6 +335,9 @@ fn check_cost(
             Some(float(c.noise)),
             format!("must be a fraction from 0 to {MAX_NOISE}"),
         );
+    }
+    if let Some(ratios) = &c.noise_ratios {
+        check_noise_ratios(ratios, c.noise, refuse);
     }
     let given = [
         ("replay.cost.base_ms", c.base_ms),
@@ -631,6 +707,64 @@ mod tests {
         assert!(check(&model(), &r).is_ok());
         r.cost.noise = 1.0;
         assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.noise");
+    }
+
+    #[test]
+    fn noise_ratios_are_quantiles_in_range_and_exclude_the_noise_band() {
+        let m = model();
+        let mut r = Settings::default().replay;
+        r.cost.noise_ratios = Some(vec![0.5, 1.0, 1.0, 4.0]);
+        let s = check(&m, &r).unwrap();
+        assert_eq!(s.noise_ratios.as_deref(), Some(&[0.5, 1.0, 1.0, 4.0][..]));
+        assert_eq!(
+            check(&m, &Settings::default().replay).unwrap().noise_ratios,
+            None
+        );
+        let refused = |ratios: Vec<f64>, noise: f64| {
+            let mut r = Settings::default().replay;
+            r.cost.noise_ratios = Some(ratios);
+            r.cost.noise = noise;
+            let problems = check(&m, &r).unwrap_err();
+            assert_eq!(problems.len(), 1, "{problems:?}");
+            assert_eq!(problems[0].key, "replay.cost.noise_ratios");
+            problems[0].reason.clone()
+        };
+        assert!(refused(vec![1.0], 0.0).contains("from 2 to 1001"));
+        assert!(refused(vec![1.0; MAX_NOISE_RATIOS + 1], 0.0).contains("from 2 to 1001"));
+        assert!(check(&m, &{
+            let mut r = Settings::default().replay;
+            r.cost.noise_ratios = Some(vec![1.0; MAX_NOISE_RATIOS]);
+            r
+        })
+        .is_ok());
+        assert!(refused(vec![1.0, f64::NAN], 0.0).contains("value 2 "));
+        assert!(refused(vec![0.0, 1.0], 0.0).contains("value 1 "));
+        assert!(refused(vec![1.0, 100.5], 0.0).contains("value 2 "));
+        assert!(check(&m, &{
+            let mut r = Settings::default().replay;
+            r.cost.noise_ratios = Some(vec![0.01, 100.0]);
+            r
+        })
+        .is_ok());
+        let why = refused(vec![1.0, 2.0, 1.5], 0.0);
+        assert!(
+            why.contains("value 3 ") && why.contains("least first"),
+            "{why}"
+        );
+        assert!(refused(vec![1.0, 2.0], 0.1).contains("replay.cost.noise"));
+    }
+
+    #[test]
+    fn a_ratio_is_drawn_between_the_quantiles_around_it() {
+        let r = [0.5, 1.0, 3.0];
+        assert_eq!(ratio_at(&r, 0.0), 0.5);
+        assert_eq!(ratio_at(&r, 0.25), 0.75);
+        assert_eq!(ratio_at(&r, 0.5), 1.0);
+        assert_eq!(ratio_at(&r, 0.75), 2.0);
+        assert_eq!(ratio_at(&r, 1.0), 3.0);
+        assert_eq!(ratio_at(&r, 7.0), 3.0, "clamped above");
+        assert_eq!(ratio_at(&r, -1.0), 0.5, "clamped below");
+        assert_eq!(ratio_at(&[2.0, 4.0], 0.5), 3.0);
     }
 
     #[test]

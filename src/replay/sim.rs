@@ -735,7 +735,8 @@ impl<'a> Sim<'a> {
     }
 
     /// The simulated duration of `batch` as it ran (`self.ran`): the replay cost over what it
-    /// ran (`docs/cost-model.md`), times a noise factor from `[1 - noise, 1 + noise]`.
+    /// ran (`docs/cost-model.md`), times a noise factor from `[1 - noise, 1 + noise]` or drawn
+    /// from `noise_ratios`.
     ///
     /// Priced from the simulated engine's own truth only: continuing rows at the contexts in
     /// `self.true_contexts`, never at `row.context`, the component's estimate, which it keeps
@@ -749,7 +750,9 @@ impl<'a> Sim<'a> {
             }
         }
         let ms = self.setup.cost.predict_ms(&features);
-        if self.setup.noise > 0.0 {
+        if let Some(ratios) = &self.setup.noise_ratios {
+            ms * super::settings::ratio_at(ratios, self.noise_rng.gen::<f64>())
+        } else if self.setup.noise > 0.0 {
             let r = self.setup.noise;
             ms * self.noise_rng.gen_range(1.0 - r..=1.0 + r)
         } else {
@@ -1024,6 +1027,8 @@ fn inactive_reason(setup: &super::ReplaySetup) -> String {
             " (the replay's cost noise is ±{}%)",
             setup.noise * 100.0
         ));
+    } else if setup.noise_ratios.is_some() {
+        why.push_str(" (the replay's cost noise is drawn from `noise_ratios`)");
     }
     why
 }

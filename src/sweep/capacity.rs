@@ -115,7 +115,7 @@ pub enum Bound {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Probe {
     /// The rate scale run.
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// Whether it met the SLO.
     pub meets: bool,
@@ -126,10 +126,10 @@ pub struct Probe {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct NonMonotone {
     /// The lowest rate the grid measured to miss the SLO.
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub misses_at: f64,
     /// The highest rate above it that meets the SLO.
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub meets_at: f64,
 }
 
@@ -137,10 +137,10 @@ pub struct NonMonotone {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Search {
     /// The highest rate scale found to meet the SLO (`None` when none does).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub rate_scale: Option<f64>,
     /// The lowest rate scale found to miss it (`None` when none does).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub misses_at: Option<f64>,
     /// How the search ended.
     pub bound: Bound,

@@ -118,26 +118,16 @@ pub fn labels(
         ),
         (
             "speculation".to_string(),
-            if setup.spec_tokens == 0 {
-                "off".to_string()
-            } else {
-                format!(
-                    "{}, overshoot rate {}",
-                    crate::text::plural(u64::from(setup.spec_tokens), "token"),
-                    setup.overshoot_rate
-                )
-            },
+            off_or(u64::from(setup.spec_tokens), |n| {
+                let tokens = crate::text::plural(n, "token");
+                format!("{tokens}, overshoot rate {}", setup.overshoot_rate)
+            }),
         ),
         (
             "prefix cache".to_string(),
-            if setup.cache_blocks == 0 {
-                "off".to_string()
-            } else {
-                format!(
-                    "{} blocks of {} tokens",
-                    setup.cache_blocks, setup.cache_block_tokens
-                )
-            },
+            off_or(setup.cache_blocks as u64, |n| {
+                format!("{n} blocks of {} tokens", setup.cache_block_tokens)
+            }),
         ),
         ("seed".to_string(), setup.seed.to_string()),
         (
@@ -187,4 +177,13 @@ pub fn labels(
         },
     ));
     v
+}
+
+/// `off` for a count of 0 (a feature turned off), else `label` of the count.
+fn off_or(n: u64, label: impl FnOnce(u64) -> String) -> String {
+    if n == 0 {
+        "off".to_owned()
+    } else {
+        label(n)
+    }
 }

@@ -7,11 +7,9 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::capacity::slo_text;
-use super::plots::{legend, series_color, text_style, Figure};
+use super::plots::{legend, series_color, text_style, Drawn, Figure};
 use super::{Bound, Sweep};
 use crate::text::fmt_rate;
-
-type Drawn = Result<(), Box<dyn std::error::Error>>;
 
 /// One of the sweep's plots of one sweep.
 pub(crate) struct Chart<'a> {

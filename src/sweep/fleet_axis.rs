@@ -10,9 +10,14 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use super::axis::{comparison, parse_list, Axis, AxisRun, Comparison};
+use super::axis::{
+    comparison, csv_table, parse_list, text_table, Align, Axis, AxisRun, Comparison,
+};
 use super::grid::{split, Budget, GridError};
-use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
+use super::plots::{
+    distinct, legend, marked_line, render_figure, series_color, text_style, Drawn, Figure,
+};
+use super::tables::ms;
 use super::SweepError;
 use crate::config::Settings;
 use crate::replay::fleet::MAX_WORKERS;
@@ -105,38 +110,33 @@ impl std::fmt::Display for Fleet {
 /// One fleet's sweep.
 pub type FleetRun = AxisRun<Fleet>;
 
-/// `--workers` and `--routers`: the grid once per router and fleet size (routers in the order
-/// given, sizes ascending), each into `OUT/fleet-<router>-<n>/`, then the cells together
-/// (`OUT/sweep.csv`, with `router` and `workers` columns) and the fewest workers that meet the
-/// objective (`OUT/fleet.*`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FleetAxis {
-    /// The routers, in the order given.
-    pub routers: Vec<RouterKind>,
-    /// The fleet sizes, ascending.
-    pub workers: Vec<u32>,
+/// Parses `--workers` and `--routers` into the fleets to run: per router (in the order given),
+/// each fleet size (ascending); the flag not given takes the config's fleet (`workers`,
+/// `router`). `None` when neither is given.
+///
+/// # Errors
+/// A refused list, naming its flag.
+pub fn parse_fleets(
+    workers: Option<&str>,
+    routers: Option<&str>,
+    config: Fleet,
+) -> Result<Option<Vec<Fleet>>, GridError> {
+    if workers.is_none() && routers.is_none() {
+        return Ok(None);
+    }
+    let workers = workers.map_or(Ok(vec![config.workers]), parse_workers)?;
+    let routers = routers.map_or(Ok(vec![config.router]), parse_routers)?;
+    let fleets = routers.iter().flat_map(|&router| {
+        let fleet = move |&workers: &u32| Fleet { router, workers };
+        workers.iter().map(fleet)
+    });
+    Ok(Some(fleets.collect()))
 }
 
-impl FleetAxis {
-    /// `--workers` and `--routers`, the one not given taken from the config's fleet
-    /// (`workers`, `router`); `None` when neither is given.
-    ///
-    /// # Errors
-    /// A refused list, naming its flag.
-    pub fn parse(
-        workers: Option<&str>,
-        routers: Option<&str>,
-        config: Fleet,
-    ) -> Result<Option<Self>, GridError> {
-        if workers.is_none() && routers.is_none() {
-            return Ok(None);
-        }
-        Ok(Some(Self {
-            workers: workers.map_or(Ok(vec![config.workers]), parse_workers)?,
-            routers: routers.map_or(Ok(vec![config.router]), parse_routers)?,
-        }))
-    }
-}
+/// `--workers` and `--routers`: the grid once per fleet ([`parse_fleets`]), each into
+/// `OUT/fleet-<router>-<n>/`, then the cells together (`OUT/sweep.csv`, with `router` and
+/// `workers` columns) and the fewest workers that meet the objective (`OUT/fleet.*`).
+pub struct FleetAxis;
 
 impl Axis for FleetAxis {
     type Value = Fleet;
@@ -144,24 +144,11 @@ impl Axis for FleetAxis {
     const DIR_PREFIX: &'static str = "fleet";
     const COLUMNS: Option<&'static [&'static str]> = Some(&["router", "workers"]);
 
-    fn values(&self) -> Vec<Fleet> {
-        self.routers
-            .iter()
-            .flat_map(|&router| {
-                self.workers
-                    .iter()
-                    .map(move |&workers| Fleet { router, workers })
-            })
-            .collect()
-    }
-    fn apply(&self, settings: &Settings, f: Fleet) -> (Settings, String) {
+    fn apply(settings: &Settings, f: Fleet) -> (Settings, String) {
         with_fleet(settings, f.router, f.workers)
     }
     fn dir_name(f: Fleet) -> String {
         dir_name(f.router, f.workers)
-    }
-    fn heading(f: Fleet) -> String {
-        format!("fleet: {f}")
     }
     fn failure(f: Fleet) -> String {
         format!("with {f}")
@@ -189,16 +176,16 @@ pub struct FewestRow {
     /// The budget.
     pub budget: Budget,
     /// The rate scale.
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// The fewest workers of `--workers` whose fleet met the objective at this rate; `None`:
     /// none of them did (or no objective, or the cell did not run).
     pub fewest_workers: Option<u32>,
     /// That fleet's TTFT p90 and TBT p99, simulated ms (the figures the objective bounds).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p90_ms: Option<f64>,
     /// See `ttft_p90_ms`.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub tbt_p99_ms: Option<f64>,
 }
 
@@ -214,7 +201,7 @@ pub struct FleetCapacity {
     /// The capacity as text (`1.23x`, `>= 1024x`, `none`).
     pub capacity: String,
     /// Its rate scale (`None`: none).
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub capacity_rate: Option<f64>,
 }
 
@@ -236,16 +223,8 @@ impl FleetComparison {
     /// Compares the sweeps of each fleet (same budgets and rates in each), runs ordered by
     /// router, then workers ascending.
     pub fn of(runs: &[FleetRun]) -> Self {
-        let mut routers: Vec<RouterKind> = Vec::new();
-        let mut workers: Vec<u32> = Vec::new();
-        for Fleet { router, workers: n } in runs.iter().map(|r| r.value) {
-            if !routers.contains(&router) {
-                routers.push(router);
-            }
-            if !workers.contains(&n) {
-                workers.push(n);
-            }
-        }
+        let routers = distinct(runs.iter().map(|r| r.value.router));
+        let mut workers = distinct(runs.iter().map(|r| r.value.workers));
         workers.sort_unstable();
         let with_slo = runs.first().is_some_and(|r| r.sweep.slo.is_some());
         let mut fewest = Vec::new();
@@ -286,59 +265,55 @@ impl FleetComparison {
         if self.fewest.is_empty() {
             return "fleets: no objective (`--slo-tbt-p99`, `--slo-ttft-p90`), so no fewest workers to find\n".into();
         }
-        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
         let most = self.workers.last().copied().unwrap_or(0);
-        let mut out = format!(
-            "fleets: the fewest workers (of {}) that meet the objective\n  {:<18} {:<8} {:>10} {:>14} {:>14} {:>12}\n",
-            self.workers
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            "router",
-            "budget",
-            "rate",
-            "fewest workers",
-            "TTFT p90 ms",
-            "TBT p99 ms"
+        let sizes: Vec<String> = self.workers.iter().map(ToString::to_string).collect();
+        let title = format!(
+            "fleets: the fewest workers (of {}) that meet the objective",
+            sizes.join(", ")
         );
-        for r in &self.fewest {
-            out.push_str(&format!(
-                "  {:<18} {:<8} {:>10} {:>14} {:>14} {:>12}\n",
-                r.router,
+        let columns = [
+            ("router", Align::Left, 18),
+            ("budget", Align::Left, 8),
+            ("rate", Align::Right, 10),
+            ("fewest workers", Align::Right, 14),
+            ("TTFT p90 ms", Align::Right, 14),
+            ("TBT p99 ms", Align::Right, 12),
+        ];
+        let rows = self.fewest.iter().map(|r| {
+            vec![
+                r.router.to_owned(),
                 r.budget.to_string(),
                 format!("{}x", fmt_rate(r.rate_scale)),
                 r.fewest_workers
                     .map_or_else(|| format!("> {most}"), |n| n.to_string()),
-                opt(r.ttft_p90_ms),
-                opt(r.tbt_p99_ms)
-            ));
-        }
-        out
+                ms(r.ttft_p90_ms),
+                ms(r.tbt_p99_ms),
+            ]
+        });
+        text_table(&title, &columns, rows)
     }
 
     fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
-        let mut w = csv::Writer::from_writer(Vec::new());
-        w.write_record([
+        let header = [
             "router",
             "budget",
             "rate_scale",
             "fewest_workers",
             "ttft_p90_ms",
             "tbt_p99_ms",
-        ])?;
+        ];
         let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
-        for r in &self.fewest {
-            w.write_record([
-                r.router.to_string(),
+        let rows = self.fewest.iter().map(|r| {
+            vec![
+                r.router.to_owned(),
                 r.budget.to_string(),
                 fmt_rate(r.rate_scale),
                 r.fewest_workers.map_or_else(String::new, |n| n.to_string()),
                 opt(r.ttft_p90_ms),
                 opt(r.tbt_p99_ms),
-            ])?;
-        }
-        w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+            ]
+        });
+        csv_table(&header, rows)
     }
 }
 
@@ -349,17 +324,9 @@ impl FleetComparison {
 
     /// The series of the plot: one per router and budget, in the rows' order.
     fn series(&self) -> Vec<(&'static str, Budget)> {
-        let mut v: Vec<(&'static str, Budget)> = Vec::new();
-        for r in &self.fewest {
-            if !v.contains(&(r.router, r.budget)) {
-                v.push((r.router, r.budget));
-            }
-        }
-        v
+        distinct(self.fewest.iter().map(|r| (r.router, r.budget)))
     }
 }
-
-type Drawn = Result<(), Box<dyn std::error::Error>>;
 
 impl Figure for FleetComparison {
     /// The rate scales across (spread evenly, in order), the fewest workers up (a log axis),
@@ -371,12 +338,7 @@ impl Figure for FleetComparison {
         DB::ErrorType: 'static,
     {
         let root = root.titled(&self.title(), text_style(20))?;
-        let mut rates: Vec<f64> = Vec::new();
-        for r in &self.fewest {
-            if !rates.contains(&r.rate_scale) {
-                rates.push(r.rate_scale);
-            }
-        }
+        let mut rates = distinct(self.fewest.iter().map(|r| r.rate_scale));
         rates.sort_by(f64::total_cmp);
         let x = |rate: f64| rates.iter().position(|r| *r == rate).unwrap_or(0) as f64;
         let n = rates.len().max(1) as f64;

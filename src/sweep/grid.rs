@@ -125,6 +125,21 @@ pub fn parse_rates(list: &str) -> Result<Vec<f64>, GridError> {
     Ok(out)
 }
 
+/// Asserts that `parse` refuses each list of `cases` with an error that names `flag` first and
+/// says the case's words.
+#[cfg(test)]
+pub(crate) fn assert_refused<T: std::fmt::Debug>(
+    flag: &str,
+    parse: impl Fn(&str) -> Result<T, GridError>,
+    cases: &[(&str, &str)],
+) {
+    for (list, words) in cases {
+        let e = parse(list).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("`{flag}` ")), "{list}: {e}");
+        assert!(e.contains(words), "{list}: {e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,7 +161,7 @@ mod tests {
 
     #[test]
     fn bad_budgets_are_refused_with_the_value() {
-        for (list, words) in [
+        let cases = [
             ("0", "got \"0\""),
             ("-5", "got \"-5\""),
             ("16777217", "between 1 and 16777216"),
@@ -155,11 +170,8 @@ mod tests {
             ("512,512", "names 512 twice"),
             ("off,Off", "names off twice"),
             ("1.5", "got \"1.5\""),
-        ] {
-            let e = parse_budgets(list).unwrap_err().to_string();
-            assert!(e.starts_with("`--budgets` "), "{e}");
-            assert!(e.contains(words), "{list}: {e}");
-        }
+        ];
+        assert_refused("--budgets", parse_budgets, &cases);
         let many = (1..=65)
             .map(|i| i.to_string())
             .collect::<Vec<_>>()

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use super::capacity::slo_text;
 use super::capacity::TOLERANCE;
 use super::plots::{Plot, HEIGHT, WIDTH};
-use super::tables::{capacity_table, cell_table, notes};
+use super::tables::{budget_list, capacity_table, cell_table, notes, replays};
 use super::Sweep;
 use crate::text::fmt_rate;
 
@@ -85,7 +85,6 @@ fn plot(out: &mut String, plots: &[Plot], name: &str, read: &str) {
 /// The whole page for `sweep` with its drawn `plots`.
 pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
     let mut out = String::new();
-    let budgets: Vec<String> = sweep.budgets.iter().map(ToString::to_string).collect();
     let rates: Vec<String> = sweep
         .rates
         .iter()
@@ -94,12 +93,8 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
     let _ = write!(
         out,
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>mstar-chunking sweep</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<h1>Chunking sweep: {}</h1>\n<p>Every token budget ({}) was replayed at every rate scale ({}) on a simulated clock. A rate scale of 2x makes requests arrive twice as densely as the trace's own arrivals; all times are simulated milliseconds. Made by mstar-chunking {}.</p>\n",
-        if sweep.cells.len() == 1 {
-            "1 replay".to_string()
-        } else {
-            format!("{} replays", sweep.cells.len())
-        },
-        escape(&budgets.join(", ")),
+        replays(sweep),
+        escape(&budget_list(sweep)),
         escape(&rates.join(", ")),
         escape(sweep.version),
     );
@@ -114,7 +109,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
 
     out.push_str("<h2>Settings</h2>\n<table>\n");
     let mut settings: Vec<(String, String)> = sweep.settings.clone();
-    settings.push(("budgets".into(), budgets.join(", ")));
+    settings.push(("budgets".into(), budget_list(sweep)));
     settings.push(("rate scales".into(), rates.join(", ")));
     settings.push((
         "SLO".into(),

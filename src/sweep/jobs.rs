@@ -116,26 +116,43 @@ pub struct Inputs {
     pub env: BTreeMap<String, String>,
     /// The trace's copy under the job directory; `None`: the bundled trace.
     pub trace: Option<String>,
-    /// `--format`, `--arrivals`, `--requests`, `--skip-bad-lines`, `--priority-by`, as given.
+    /// How the trace is read.
+    #[serde(flatten)]
+    pub trace_flags: TraceFlags,
+    /// The settings given as flags.
+    #[serde(flatten)]
+    pub setting_flags: SettingFlags,
+}
+
+/// How the emitting sweep read its trace: `--format`, `--arrivals`, `--requests`,
+/// `--skip-bad-lines` and `--priority-by`, as given (the manifest holds them among the inputs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceFlags {
+    /// `--format`.
     pub format: Option<String>,
-    /// See `format`.
+    /// `--arrivals`.
     pub arrivals: Option<String>,
-    /// See `format`.
+    /// `--requests`.
     pub requests: Option<u64>,
-    /// See `format`.
+    /// `--skip-bad-lines`.
     pub skip_bad_lines: bool,
-    /// See `format`.
+    /// `--priority-by`.
     pub priority_by: Option<String>,
-    /// The setting flags (`--max-step-ms`, `--cost`, `--learn-cost`, `--sim-cost`,
-    /// `--time-margin`), as given.
+}
+
+/// The emitting sweep's setting flags: `--max-step-ms`, `--cost`, `--learn-cost`, `--sim-cost`
+/// and `--time-margin`, as given (the manifest holds them among the inputs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettingFlags {
+    /// `--max-step-ms`.
     pub max_step_ms: Option<String>,
-    /// See `max_step_ms`.
+    /// `--cost`.
     pub cost: Option<String>,
-    /// See `max_step_ms`.
+    /// `--learn-cost`.
     pub learn_cost: bool,
-    /// See `max_step_ms`.
+    /// `--sim-cost`.
     pub sim_cost: Option<String>,
-    /// See `max_step_ms`.
+    /// `--time-margin`.
     pub time_margin: Option<String>,
 }
 

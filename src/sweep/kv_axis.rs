@@ -10,10 +10,13 @@ use plotters::prelude::*;
 use serde::{Serialize, Serializer};
 
 use super::axis::{
-    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+    budget_rows, budget_table, comparison, csv_table, parse_list, Align, Axis, AxisRun,
+    BudgetCapacity, Comparison, Tail,
 };
 use super::grid::{Budget, GridError};
-use super::plots::{legend, marked_line, render_figure, series_color, text_style, Figure};
+use super::plots::{
+    distinct, legend, marked_line, render_figure, series_color, text_style, Drawn, Figure,
+};
 use super::SweepError;
 use crate::config::{KvSection, LoadedConfig, Settings};
 use crate::replay::{ReplaySetup, Trace};
@@ -47,13 +50,6 @@ impl Serialize for KvBlocks {
             Self::Blocks(n) => s.serialize_u64(*n),
             Self::Unlimited => s.serialize_str("unlimited"),
         }
-    }
-}
-
-impl KvBlocks {
-    /// The subdirectory its run is written to: `kv-7609`, `kv-unlimited`.
-    pub fn dir_name(self) -> String {
-        format!("kv-{self}")
     }
 }
 
@@ -110,10 +106,9 @@ pub fn with_kv(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
     (out, label)
 }
 
-/// `--kv-blocks`: the grid once per KV pool size, each into `OUT/kv-<blocks>/`, then their
-/// comparison (`OUT/kv.*`); no combined `sweep.csv`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvAxis(pub Vec<KvBlocks>);
+/// `--kv-blocks`: the grid once per KV pool size, each into `OUT/kv-<blocks>/` (`kv-7609`,
+/// `kv-unlimited`), then their comparison (`OUT/kv.*`); no combined `sweep.csv`.
+pub struct KvAxis;
 
 impl Axis for KvAxis {
     type Value = KvBlocks;
@@ -121,14 +116,8 @@ impl Axis for KvAxis {
     const DIR_PREFIX: &'static str = "kv";
     const COLUMNS: Option<&'static [&'static str]> = None;
 
-    fn values(&self) -> Vec<KvBlocks> {
-        self.0.clone()
-    }
-    fn apply(&self, settings: &Settings, kv: KvBlocks) -> (Settings, String) {
+    fn apply(settings: &Settings, kv: KvBlocks) -> (Settings, String) {
         with_kv(settings, kv)
-    }
-    fn dir_name(kv: KvBlocks) -> String {
-        kv.dir_name()
     }
     fn heading(kv: KvBlocks) -> String {
         format!("KV blocks: {kv}")
@@ -138,8 +127,8 @@ impl Axis for KvAxis {
     }
     /// Refuses a pool the replay would refuse: its `[replay]` settings, or a request of the
     /// trace that could never fit in it.
-    fn check(&self, loaded: &LoadedConfig, trace: &Trace) -> Result<(), String> {
-        for kv in &self.0 {
+    fn check(pools: &[KvBlocks], loaded: &LoadedConfig, trace: &Trace) -> Result<(), String> {
+        for kv in pools {
             let (settings, _) = with_kv(&loaded.settings, *kv);
             ReplaySetup::resolve(&loaded.manifest, &settings)
                 .and_then(|setup| crate::replay::check_kv_fits(&setup, trace))
@@ -171,7 +160,7 @@ pub struct KvRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KvComparison {
     /// The rate scale the latencies are taken at (the sweep's step-time rate).
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// Whether the runs had an SLO (and so capacities).
     pub slo: Option<super::Slo>,
@@ -184,14 +173,11 @@ pub struct KvComparison {
 impl KvComparison {
     /// Compares the sweeps run under each pool size (same budgets and rates in each).
     pub fn of(runs: &[AxisRun<KvBlocks>]) -> Self {
-        let rate_scale = rate_of(runs);
-        let rows = budget_points(runs, rate_scale)
-            .map(|(kv, p)| KvRow {
-                kv_blocks: kv,
-                at: p.at,
-                tail: Tail::of(p.cell),
-            })
-            .collect();
+        let (rate_scale, rows) = budget_rows(runs, |kv_blocks, p| KvRow {
+            kv_blocks,
+            at: p.at,
+            tail: Tail::of(p.cell),
+        });
         Self {
             rate_scale,
             slo: runs.first().and_then(|r| r.sweep.slo),
@@ -202,29 +188,10 @@ impl KvComparison {
 
     /// The table on the terminal.
     pub fn table(&self) -> String {
-        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
-        let mut out = format!(
-            "KV memory: capacity and latency at rate scale {}\n  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
-            fmt_rate(self.rate_scale),
-            "kv blocks",
-            "budget",
-            "capacity",
-            "TTFT p90 ms",
-            "TTFT p99 ms",
-            "TBT p99 ms"
-        );
-        for r in &self.rows {
-            out.push_str(&format!(
-                "  {:<12} {:<8} {:>12} {:>14} {:>14} {:>12}\n",
-                r.kv_blocks.to_string(),
-                r.at.budget.to_string(),
-                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
-                opt(r.tail.ttft_p90_ms),
-                opt(r.tail.ttft_p99_ms),
-                opt(r.tail.tbt_p99_ms)
-            ));
-        }
-        out
+        let rows = self.rows.iter();
+        let rows = rows.map(|r| (r.kv_blocks.to_string(), &r.at, vec![], &r.tail));
+        let value = ("kv blocks", Align::Left, 12);
+        budget_table("KV memory", self.rate_scale, value, &[], rows)
     }
 
     /// The rows as CSV.
@@ -232,29 +199,17 @@ impl KvComparison {
     /// # Errors
     /// The CSV writer failed.
     pub fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
-        let mut w = csv::Writer::from_writer(Vec::new());
-        w.write_record([
-            "kv_blocks",
-            "budget",
-            "capacity_rate",
-            "capacity",
-            "ttft_p90_ms",
-            "ttft_p99_ms",
-            "tbt_p99_ms",
-        ])?;
+        let mut header = vec!["kv_blocks", "budget", "capacity_rate", "capacity"];
+        header.extend(Tail::CSV_COLUMNS);
         let f = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{:.3}", v));
-        for r in &self.rows {
-            w.write_record([
-                r.kv_blocks.to_string(),
-                r.at.budget.to_string(),
-                f(r.at.capacity_rate),
-                r.at.capacity.clone().unwrap_or_default(),
-                f(r.tail.ttft_p90_ms),
-                f(r.tail.ttft_p99_ms),
-                f(r.tail.tbt_p99_ms),
-            ])?;
-        }
-        w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+        let rows = self.rows.iter().map(|r| {
+            let (kv, at) = (r.kv_blocks.to_string(), &r.at);
+            let capacity = at.capacity.clone().unwrap_or_default();
+            let mut row = vec![kv, at.budget.to_string(), f(at.capacity_rate), capacity];
+            row.extend(r.tail.cells(f));
+            row
+        });
+        csv_table(&header, rows)
     }
 
     fn title(&self) -> String {
@@ -270,13 +225,7 @@ impl KvComparison {
     }
 
     fn budgets(&self) -> Vec<Budget> {
-        let mut v: Vec<Budget> = Vec::new();
-        for r in &self.rows {
-            if !v.contains(&r.at.budget) {
-                v.push(r.at.budget);
-            }
-        }
-        v
+        distinct(self.rows.iter().map(|r| r.at.budget))
     }
 
     fn x(&self, kv: KvBlocks) -> i32 {
@@ -292,8 +241,6 @@ impl KvComparison {
             .collect()
     }
 }
-
-type Drawn = Result<(), Box<dyn std::error::Error>>;
 
 impl Figure for KvComparison {
     /// Left: each budget's capacity against the pool size; right: its TTFT p90 (log axis).
@@ -407,12 +354,13 @@ mod tests {
             ]
         );
         assert_eq!(parse_kv_blocks("OFF").unwrap(), [KvBlocks::Unlimited]);
-        assert_eq!(KvBlocks::Blocks(7609).dir_name(), "kv-7609");
+        assert_eq!(KvAxis::dir_name(KvBlocks::Blocks(7609)), "kv-7609");
+        assert_eq!(KvAxis::dir_name(KvBlocks::Unlimited), "kv-unlimited");
         assert_eq!(
             serde_json::to_string(&[KvBlocks::Blocks(3), KvBlocks::Unlimited]).unwrap(),
             r#"[3,"unlimited"]"#
         );
-        for (list, words) in [
+        let cases = [
             ("0", "from 1 to"),
             ("-3", "got \"-3\""),
             ("1099511627777", "from 1 to"),
@@ -420,10 +368,7 @@ mod tests {
             ("10,10", "names 10 twice"),
             ("off,unlimited", "names unlimited twice"),
             ("1.5", "got \"1.5\""),
-        ] {
-            let e = parse_kv_blocks(list).unwrap_err().to_string();
-            assert!(e.starts_with("`--kv-blocks` "), "{e}");
-            assert!(e.contains(words), "{list}: {e}");
-        }
+        ];
+        crate::sweep::grid::assert_refused("--kv-blocks", parse_kv_blocks, &cases);
     }
 }

@@ -142,7 +142,7 @@ pub struct NotRun {
     /// Its budget.
     pub budget: Budget,
     /// Its rate scale.
-    #[serde(serialize_with = "output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
 }
 
@@ -152,7 +152,7 @@ pub struct Cell {
     /// Its budget.
     pub budget: Budget,
     /// Its rate scale.
-    #[serde(serialize_with = "output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// Whether it met the SLO (`None` without one).
     pub meets_slo: Option<bool>,
@@ -193,12 +193,12 @@ pub struct Sweep {
     /// The budgets, in the order given.
     pub budgets: Vec<Budget>,
     /// The rate scales, ascending.
-    #[serde(serialize_with = "output::ser_vec_round")]
+    #[serde(serialize_with = "crate::text::ser_vec_round")]
     pub rates: Vec<f64>,
     /// The latency objective, if any.
     pub slo: Option<Slo>,
     /// The rate scale whose step-time distributions are plotted.
-    #[serde(serialize_with = "output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub step_time_rate: f64,
     /// Every cell, budget by budget, each budget's rates ascending.
     pub cells: Vec<Cell>,

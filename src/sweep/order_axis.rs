@@ -7,14 +7,15 @@
 use serde::Serialize;
 
 use super::axis::{
-    budget_points, comparison, parse_list, rate_of, Axis, AxisRun, BudgetCapacity, Comparison, Tail,
+    budget_rows, budget_table, comparison, csv_table, parse_list, Align, Axis, AxisRun,
+    BudgetCapacity, Comparison, Tail,
 };
 use super::grid::GridError;
 use super::SweepError;
 use crate::config::spelling::OrderSetting;
 use crate::config::Settings;
 use crate::order::Order;
-use crate::text::fmt_rate;
+use crate::text::round3;
 
 /// The stem of the comparison's files: `orders.csv`, `orders.json`.
 pub const ORDERS: &str = "orders";
@@ -37,15 +38,9 @@ pub fn with_order(settings: &Settings, order: Order) -> (Settings, String) {
     (out, format!("{order} (--orders)"))
 }
 
-/// The subdirectory a run of `order` is written to.
-pub fn dir_name(order: Order) -> String {
-    format!("order-{order}")
-}
-
 /// `--orders`: the grid once per order, each into `OUT/order-<order>/`, then the cells together
 /// (`OUT/sweep.csv`, with an `order` column) and their comparison (`OUT/orders.*`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OrderAxis(pub Vec<Order>);
+pub struct OrderAxis;
 
 impl Axis for OrderAxis {
     type Value = Order;
@@ -53,17 +48,8 @@ impl Axis for OrderAxis {
     const DIR_PREFIX: &'static str = "order";
     const COLUMNS: Option<&'static [&'static str]> = Some(&["order"]);
 
-    fn values(&self) -> Vec<Order> {
-        self.0.clone()
-    }
-    fn apply(&self, settings: &Settings, order: Order) -> (Settings, String) {
+    fn apply(settings: &Settings, order: Order) -> (Settings, String) {
         with_order(settings, order)
-    }
-    fn dir_name(order: Order) -> String {
-        dir_name(order)
-    }
-    fn heading(order: Order) -> String {
-        format!("order: {order}")
     }
     fn failure(order: Order) -> String {
         format!("under order {order}")
@@ -86,7 +72,7 @@ pub struct OrderRow {
     #[serde(flatten)]
     pub at: BudgetCapacity,
     /// TTFT p50, p90, p99 and TBT p99 at the comparison's rate scale, simulated ms.
-    #[serde(serialize_with = "super::output::ser_opt_round")]
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub ttft_p50_ms: Option<f64>,
     /// Its cell's tail latencies at the comparison's rate scale.
     #[serde(flatten)]
@@ -97,7 +83,7 @@ pub struct OrderRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OrderComparison {
     /// The rate scale the latencies are taken at (the sweep's step-time rate).
-    #[serde(serialize_with = "super::output::ser_round")]
+    #[serde(serialize_with = "crate::text::ser_round")]
     pub rate_scale: f64,
     /// The orders, in the order given.
     pub orders: Vec<&'static str>,
@@ -108,15 +94,12 @@ pub struct OrderComparison {
 impl OrderComparison {
     /// Compares the sweeps run under each order (same budgets and rates in each).
     pub fn of(runs: &[AxisRun<Order>]) -> Self {
-        let rate_scale = rate_of(runs);
-        let rows = budget_points(runs, rate_scale)
-            .map(|(order, p)| OrderRow {
-                order: order.as_str(),
-                at: p.at,
-                ttft_p50_ms: p.cell.and_then(|s| s.ttft_p50_ms),
-                tail: Tail::of(p.cell),
-            })
-            .collect();
+        let (rate_scale, rows) = budget_rows(runs, |order, p| OrderRow {
+            order: order.as_str(),
+            at: p.at,
+            ttft_p50_ms: p.cell.and_then(|s| s.ttft_p50_ms),
+            tail: Tail::of(p.cell),
+        });
         Self {
             rate_scale,
             orders: runs.iter().map(|r| r.value.as_str()).collect(),
@@ -126,60 +109,33 @@ impl OrderComparison {
 
     /// The table on the terminal.
     pub fn table(&self) -> String {
-        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
-        let mut out = format!(
-            "orders: capacity and latency at rate scale {}\n  {:<16} {:<8} {:>12} {:>14} {:>14} {:>14} {:>12}\n",
-            fmt_rate(self.rate_scale),
-            "order",
-            "budget",
-            "capacity",
-            "TTFT p50 ms",
-            "TTFT p90 ms",
-            "TTFT p99 ms",
-            "TBT p99 ms"
+        let rows = self.rows.iter();
+        let rows = rows.map(|r| (r.order.to_owned(), &r.at, vec![r.ttft_p50_ms], &r.tail));
+        let (value, p50) = (
+            ("order", Align::Left, 16),
+            ("TTFT p50 ms", Align::Right, 14),
         );
-        for r in &self.rows {
-            out.push_str(&format!(
-                "  {:<16} {:<8} {:>12} {:>14} {:>14} {:>14} {:>12}\n",
-                r.order,
-                r.at.budget.to_string(),
-                r.at.capacity.clone().unwrap_or_else(|| "-".into()),
-                opt(r.ttft_p50_ms),
-                opt(r.tail.ttft_p90_ms),
-                opt(r.tail.ttft_p99_ms),
-                opt(r.tail.tbt_p99_ms)
-            ));
-        }
-        out
+        budget_table("orders", self.rate_scale, value, &[p50], rows)
     }
 
     fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
-        let mut w = csv::Writer::from_writer(Vec::new());
-        w.write_record([
+        let mut header = vec![
             "order",
             "budget",
             "capacity",
             "capacity_rate",
             "ttft_p50_ms",
-            "ttft_p90_ms",
-            "ttft_p99_ms",
-            "tbt_p99_ms",
-        ])?;
-        let opt =
-            |v: Option<f64>| v.map_or_else(String::new, |v| crate::text::round3(v).to_string());
-        for r in &self.rows {
-            w.write_record([
-                r.order.to_string(),
-                r.at.budget.to_string(),
-                r.at.capacity.clone().unwrap_or_default(),
-                opt(r.at.capacity_rate),
-                opt(r.ttft_p50_ms),
-                opt(r.tail.ttft_p90_ms),
-                opt(r.tail.ttft_p99_ms),
-                opt(r.tail.tbt_p99_ms),
-            ])?;
-        }
-        w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
+        ];
+        header.extend(Tail::CSV_COLUMNS);
+        let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
+        let rows = self.rows.iter().map(|r| {
+            let capacity = r.at.capacity.clone().unwrap_or_default();
+            let mut row = vec![r.order.to_owned(), r.at.budget.to_string(), capacity];
+            row.extend([r.at.capacity_rate, r.ttft_p50_ms].map(opt));
+            row.extend(r.tail.cells(opt));
+            row
+        });
+        csv_table(&header, rows)
     }
 }
 
@@ -208,6 +164,9 @@ mod tests {
         let (out, label) = with_order(&s, Order::ShortestFirst);
         assert_eq!(out.chunking.order, OrderSetting::All(Order::ShortestFirst));
         assert_eq!(label, "shortest_first (--orders)");
-        assert_eq!(dir_name(Order::LongestPrefix), "order-longest_prefix");
+        assert_eq!(
+            OrderAxis::dir_name(Order::LongestPrefix),
+            "order-longest_prefix"
+        );
     }
 }

@@ -10,7 +10,8 @@ use serde::ser::SerializeMap;
 use serde::Serializer;
 
 use super::capacity::slo_text;
-use super::tables::{capacity_table, cell_table, notes};
+use super::summary::LATENCIES;
+use super::tables::{budget_list, capacity_table, cell_table, notes, replays};
 use super::{capacity, html, plots, Sweep, SweepError};
 use crate::text::{fmt_rate, round3};
 
@@ -20,28 +21,6 @@ pub const CSV_FILE: &str = "sweep.csv";
 pub const JSON_FILE: &str = "sweep.json";
 /// The self-contained HTML report.
 pub const HTML_FILE: &str = "report.html";
-
-/// Serialises a float rounded to 0.001 (a non-finite one as null).
-pub(crate) fn ser_round<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if x.is_finite() {
-        s.serialize_f64(round3(*x))
-    } else {
-        s.serialize_none()
-    }
-}
-
-/// [`ser_round`] for an optional float.
-pub(crate) fn ser_opt_round<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
-    match x {
-        Some(x) => ser_round(x, s),
-        None => s.serialize_none(),
-    }
-}
-
-/// [`ser_round`] for every float of a list.
-pub(crate) fn ser_vec_round<S: Serializer>(v: &[f64], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
-}
 
 /// Label/value pairs as a JSON object, in order.
 pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
@@ -76,17 +55,12 @@ fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
 /// The terminal table: the settings, the cells, and the capacities under the SLO.
 pub fn table(sweep: &Sweep) -> String {
     let mut out = String::new();
-    let budgets: Vec<String> = sweep.budgets.iter().map(ToString::to_string).collect();
     let rates: Vec<String> = sweep.rates.iter().map(|r| fmt_rate(*r)).collect();
     let _ = writeln!(
         out,
         "sweep of {}: budgets {} x rate scales {}",
-        if sweep.cells.len() == 1 {
-            "1 replay".to_string()
-        } else {
-            format!("{} replays", sweep.cells.len())
-        },
-        budgets.join(", "),
+        replays(sweep),
+        budget_list(sweep),
         rates.join(", ")
     );
     for (k, v) in &sweep.settings {
@@ -120,51 +94,44 @@ fn opt(v: Option<f64>) -> String {
 /// None in practice (the CSV is written to memory).
 pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     let mut w = csv::Writer::from_writer(Vec::new());
-    w.write_record([
+    let mut header = vec![
         "budget",
         "rate_scale",
         "requests",
         "steps",
         "overruns",
         "budget_utilisation",
-        "tbt_p50_ms",
-        "tbt_p99_ms",
-        "ttft_p50_ms",
-        "ttft_p90_ms",
-        "ttft_p99_ms",
+    ];
+    header.extend(LATENCIES);
+    header.extend([
         "step_p50_ms",
         "step_p90_ms",
         "step_p99_ms",
         "step_max_ms",
         "meets_slo",
         "status",
-    ])?;
+    ]);
+    w.write_record(&header)?;
     for c in &sweep.cells {
         let s = &c.summary;
-        w.write_record([
+        let mut row = vec![
             c.budget.to_string(),
             opt(Some(c.rate_scale)),
             s.requests.to_string(),
             s.steps.to_string(),
             s.overruns.to_string(),
             opt(s.budget_utilisation),
-            opt(s.tbt_p50_ms),
-            opt(s.tbt_p99_ms),
-            opt(s.ttft_p50_ms),
-            opt(s.ttft_p90_ms),
-            opt(s.ttft_p99_ms),
-            opt(s.step_ms.percentile(50)),
-            opt(s.step_ms.percentile(90)),
-            opt(s.step_ms.percentile(99)),
-            opt(s.step_ms.percentile(100)),
-            c.meets_slo.map_or_else(String::new, |m| m.to_string()),
-            "done".to_owned(),
-        ])?;
+        ];
+        row.extend(s.latencies().map(opt));
+        row.extend(s.step_ms.percentiles([50, 90, 99, 100]).map(opt));
+        row.push(c.meets_slo.map_or_else(String::new, |m| m.to_string()));
+        row.push("done".to_owned());
+        w.write_record(row)?;
     }
     // An interrupted sweep's cells that did not run: their figures empty.
     for c in &sweep.not_run {
         let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
-        row.resize(16, String::new());
+        row.resize(header.len() - 1, String::new());
         row.push("interrupted".to_owned());
         w.write_record(row)?;
     }

@@ -41,7 +41,20 @@ pub struct Plot {
     pub png: Vec<u8>,
 }
 
-type Drawn = Result<(), Box<dyn Error>>;
+/// What drawing a plot answers.
+pub(crate) type Drawn = Result<(), Box<dyn Error>>;
+
+/// `items` without repeats, in the order of their first appearance (a plot's series, its
+/// points along an axis).
+pub(crate) fn distinct<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for item in items {
+        if !out.contains(&item) {
+            out.push(item);
+        }
+    }
+    out
+}
 
 /// Registers the bundled font once per process (`plotters` keeps fonts in a global table).
 fn font() -> Result<(), SweepError> {

@@ -38,6 +38,16 @@ impl<'a> PngBackend<'a> {
     }
 }
 
+/// Trait methods that hand their arguments to the bitmap backend as they are (generics in
+/// brackets): one line each, where a function cannot stand for a method of a trait.
+macro_rules! delegate {
+    ($failed:ty; $(fn $name:ident $([$($g:tt)*])? ($($arg:ident: $ty:ty),*);)*) => {
+        $(fn $name $(<$($g)*>)? (&mut self, $($arg: $ty),*) -> Result<(), $failed> {
+            self.inner.$name($($arg),*)
+        })*
+    };
+}
+
 impl<'a> DrawingBackend for PngBackend<'a> {
     type ErrorType = <BitMapBackend<'a> as DrawingBackend>::ErrorType;
 
@@ -45,70 +55,17 @@ impl<'a> DrawingBackend for PngBackend<'a> {
         self.inner.get_size()
     }
 
-    fn ensure_prepared(&mut self) -> Result<(), Failed<'a>> {
-        self.inner.ensure_prepared()
-    }
-
-    fn present(&mut self) -> Result<(), Failed<'a>> {
-        self.inner.present()
-    }
-
-    fn draw_pixel(&mut self, point: BackendCoord, color: BackendColor) -> Result<(), Failed<'a>> {
-        self.inner.draw_pixel(point, color)
-    }
-
-    fn draw_line<S: BackendStyle>(
-        &mut self,
-        from: BackendCoord,
-        to: BackendCoord,
-        style: &S,
-    ) -> Result<(), Failed<'a>> {
-        self.inner.draw_line(from, to, style)
-    }
-
-    fn draw_rect<S: BackendStyle>(
-        &mut self,
-        upper_left: BackendCoord,
-        bottom_right: BackendCoord,
-        style: &S,
-        fill: bool,
-    ) -> Result<(), Failed<'a>> {
-        self.inner.draw_rect(upper_left, bottom_right, style, fill)
-    }
-
-    fn draw_path<S: BackendStyle, I: IntoIterator<Item = BackendCoord>>(
-        &mut self,
-        path: I,
-        style: &S,
-    ) -> Result<(), Failed<'a>> {
-        self.inner.draw_path(path, style)
-    }
-
-    fn draw_circle<S: BackendStyle>(
-        &mut self,
-        center: BackendCoord,
-        radius: u32,
-        style: &S,
-        fill: bool,
-    ) -> Result<(), Failed<'a>> {
-        self.inner.draw_circle(center, radius, style, fill)
-    }
-
-    fn fill_polygon<S: BackendStyle, I: IntoIterator<Item = BackendCoord>>(
-        &mut self,
-        vert: I,
-        style: &S,
-    ) -> Result<(), Failed<'a>> {
-        self.inner.fill_polygon(vert, style)
-    }
-
-    fn blit_bitmap(
-        &mut self,
-        pos: BackendCoord,
-        size: (u32, u32),
-        src: &[u8],
-    ) -> Result<(), Failed<'a>> {
-        self.inner.blit_bitmap(pos, size, src)
+    delegate! {
+        Failed<'a>;
+        fn ensure_prepared();
+        fn present();
+        fn draw_pixel(point: BackendCoord, color: BackendColor);
+        fn draw_line[S: BackendStyle](from: BackendCoord, to: BackendCoord, style: &S);
+        fn draw_rect[S: BackendStyle](ul: BackendCoord, br: BackendCoord, style: &S, fill: bool);
+        fn draw_path[S: BackendStyle, I: IntoIterator<Item = BackendCoord>](path: I, style: &S);
+        fn draw_circle[S: BackendStyle](c: BackendCoord, r: u32, style: &S, fill: bool);
+        fn fill_polygon[S: BackendStyle, I: IntoIterator<Item = BackendCoord>](v: I, style: &S);
+        fn blit_bitmap(pos: BackendCoord, size: (u32, u32), src: &[u8]);
     }
 
     fn draw_text<TStyle: BackendTextStyle>(

@@ -1,14 +1,14 @@
 //! What one replay tells a sweep: its latencies and its step times as percentiles.
 
-use serde::Serialize;
-
-use super::output;
+use serde::ser::SerializeStruct;
+use serde::{Serialize, Serializer};
 
 /// Percentiles kept of a run's step times: p0, p1, …, p100.
 pub const STEP_QUANTILES: usize = 100;
 
-/// What one replay tells a sweep.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+/// What one replay tells a sweep. Serialised with its figures rounded to 0.001 (`null` for
+/// none), in the order of its fields.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunSummary {
     /// Requests replayed.
     pub requests: usize,
@@ -17,25 +17,66 @@ pub struct RunSummary {
     /// Steps that ran over their token budget.
     pub overruns: u64,
     /// Budget utilisation of the budgeted steps, in `[0, 1]`; `None` without a budgeted step.
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub budget_utilisation: Option<f64>,
     /// Time between tokens, simulated ms: p50 and p99 (`None` without samples).
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub tbt_p50_ms: Option<f64>,
     /// See `tbt_p50_ms`.
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub tbt_p99_ms: Option<f64>,
     /// Time to first token, simulated ms: p50, p90 and p99 (`None` without samples).
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub ttft_p50_ms: Option<f64>,
     /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub ttft_p90_ms: Option<f64>,
     /// See `ttft_p50_ms`.
-    #[serde(serialize_with = "output::ser_opt_round")]
     pub ttft_p99_ms: Option<f64>,
     /// The distribution of step durations.
     pub step_ms: StepTimes,
+}
+
+/// The names of [`RunSummary::latencies`], as `sweep.csv` and `sweep.json` spell them.
+pub const LATENCIES: [&str; 5] = [
+    "tbt_p50_ms",
+    "tbt_p99_ms",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+];
+
+/// A figure serialised rounded to 0.001.
+struct Rounded(Option<f64>);
+
+impl Serialize for Rounded {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        crate::text::ser_opt_round(&self.0, s)
+    }
+}
+
+impl Serialize for RunSummary {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_struct("RunSummary", 10)?;
+        m.serialize_field("requests", &self.requests)?;
+        m.serialize_field("steps", &self.steps)?;
+        m.serialize_field("overruns", &self.overruns)?;
+        m.serialize_field("budget_utilisation", &Rounded(self.budget_utilisation))?;
+        for (name, v) in LATENCIES.into_iter().zip(self.latencies()) {
+            m.serialize_field(name, &Rounded(v))?;
+        }
+        m.serialize_field("step_ms", &self.step_ms)?;
+        m.end()
+    }
+}
+
+impl RunSummary {
+    /// Its latencies in the order every table shows them ([`LATENCIES`]): TBT p50 and p99, TTFT
+    /// p50, p90 and p99.
+    pub fn latencies(&self) -> [Option<f64>; 5] {
+        [
+            self.tbt_p50_ms,
+            self.tbt_p99_ms,
+            self.ttft_p50_ms,
+            self.ttft_p90_ms,
+            self.ttft_p99_ms,
+        ]
+    }
 }
 
 /// The distribution of a run's step durations, as its percentiles p0 … p100 (nearest rank), in
@@ -43,7 +84,7 @@ pub struct RunSummary {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct StepTimes {
     /// `STEP_QUANTILES + 1` values, non-decreasing, or none.
-    #[serde(serialize_with = "output::ser_vec_round")]
+    #[serde(serialize_with = "crate::text::ser_vec_round")]
     pub percentiles_ms: Vec<f64>,
 }
 
@@ -65,6 +106,11 @@ impl StepTimes {
     /// The `p`-th percentile (`p` in 0..=100), if there were steps.
     pub fn percentile(&self, p: usize) -> Option<f64> {
         self.percentiles_ms.get(p).copied()
+    }
+
+    /// The percentiles `ps`, in order.
+    pub fn percentiles<const N: usize>(&self, ps: [usize; N]) -> [Option<f64>; N] {
+        ps.map(|p| self.percentile(p))
     }
 }
 

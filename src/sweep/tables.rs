@@ -4,8 +4,20 @@
 use super::{Bound, Sweep};
 use crate::text::fmt_rate;
 
-fn ms(v: Option<f64>) -> String {
+/// A figure in ms as the terminal tables show it: one decimal, `-` for none.
+pub(crate) fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
+}
+
+/// How many replays the grid ran: `1 replay`, `12 replays`.
+pub fn replays(sweep: &Sweep) -> String {
+    crate::text::plural(sweep.cells.len() as u64, "replay")
+}
+
+/// The budgets, as given: `512, 1024, off`.
+pub fn budget_list(sweep: &Sweep) -> String {
+    let budgets: Vec<String> = sweep.budgets.iter().map(ToString::to_string).collect();
+    budgets.join(", ")
 }
 
 /// What a reader must know before trusting the figures, one sentence each: that the sweep was
@@ -71,27 +83,28 @@ pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
         .iter()
         .map(|c| {
             let s = &c.summary;
-            vec![
+            let mut row = vec![
                 c.budget.to_string(),
                 fmt_rate(c.rate_scale),
                 s.requests.to_string(),
                 s.steps.to_string(),
-                ms(s.tbt_p50_ms),
-                ms(s.tbt_p99_ms),
-                ms(s.ttft_p50_ms),
-                ms(s.ttft_p90_ms),
-                ms(s.ttft_p99_ms),
-                ms(s.step_ms.percentile(50)),
-                ms(s.step_ms.percentile(99)),
-                s.overruns.to_string(),
+            ];
+            row.extend(s.latencies().map(ms));
+            row.extend(s.step_ms.percentiles([50, 99]).map(ms));
+            row.push(s.overruns.to_string());
+            row.push(
                 s.budget_utilisation
                     .map_or_else(|| "-".into(), |u| format!("{:.1}%", u * 100.0)),
+            );
+            row.push(
                 match c.meets_slo {
-                    None => "-".into(),
-                    Some(true) => "meets".into(),
-                    Some(false) => "misses".into(),
-                },
-            ]
+                    None => "-",
+                    Some(true) => "meets",
+                    Some(false) => "misses",
+                }
+                .into(),
+            );
+            row
         })
         .collect();
     (header, rows)

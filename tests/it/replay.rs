@@ -657,3 +657,56 @@ fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
     assert!(mean.abs() < 1e-5, "predicted {mean} ms short on average");
     assert_eq!(r.time_overruns.total, 0, "{r}");
 }
+
+/// `replay.cost.noise_ratios` multiplies each step's price by a draw from the quantiles it
+/// lists: every step's measured ÷ predicted lies between the least and the largest, and the
+/// share of steps below each quantile is that quantile's (the planner prices with the same
+/// model, so `predicted_ms` is the noise-free price).
+#[test]
+fn a_step_time_is_its_price_times_a_ratio_drawn_from_noise_ratios() {
+    let ratios_of = |noise_ratios: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("steps.jsonl");
+        let s = demo_settings(&format!(
+            "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay.cost]\npreset = \"llama2-7b-a100\"\nnoise_ratios = {noise_ratios}\n"
+        ));
+        let r = replay(
+            &crate::helpers::model_fixture("mixed_override"),
+            &s,
+            &ReplayOptions {
+                trace: Some(shared(
+                    "traces/mooncake_fast25_synthetic_trace.head2000.jsonl",
+                )),
+                requests: Some(200),
+                rate_scale: 0.1,
+                step_log: Some(log.clone()),
+                ..ReplayOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            r.to_string().contains("noise drawn from measured ratios"),
+            "{r}"
+        );
+        read_log(&log)
+            .iter()
+            .map(|step| step["ms"].as_f64().unwrap() / step["predicted_ms"].as_f64().unwrap())
+            .collect::<Vec<f64>>()
+    };
+    let doubled = ratios_of("[2.0, 2.0]");
+    assert!(doubled.len() > 1000, "{}", doubled.len());
+    assert!(
+        doubled.iter().all(|r| (r - 2.0).abs() < 1e-3),
+        "{doubled:?}"
+    );
+    let spread = ratios_of("[0.5, 1.0, 3.0]");
+    let share = |f: &dyn Fn(f64) -> bool| {
+        spread.iter().filter(|&&r| f(r)).count() as f64 / spread.len() as f64
+    };
+    assert!(share(&|r| (0.499..=3.001).contains(&r)) == 1.0);
+    // Half the draws lie below the middle quantile, a quarter above 2 (halfway from 1 to 3).
+    let below_1 = share(&|r| r < 1.0);
+    let above_2 = share(&|r| r > 2.0);
+    assert!((below_1 - 0.5).abs() < 0.05, "{below_1}");
+    assert!((above_2 - 0.25).abs() < 0.05, "{above_2}");
+}

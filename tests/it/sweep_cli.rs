@@ -54,19 +54,27 @@ fn sweep_capacity_matches_replays_run_one_by_one() {
         &[],
     );
     ok(&r);
-    for name in [
-        "sweep.csv",
-        "sweep.json",
-        "tradeoff.svg",
-        "tradeoff.png",
-        "capacity.svg",
-        "capacity.png",
-        "step_times.svg",
-        "step_times.png",
-        "report.html",
-    ] {
-        assert!(out.join(name).is_file(), "{name} missing: {r:?}");
-    }
+    // Every output, and nothing else.
+    let mut written: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    written.sort();
+    assert_eq!(
+        written,
+        [
+            "capacity.png",
+            "capacity.svg",
+            "report.html",
+            "step_times.png",
+            "step_times.svg",
+            "sweep.csv",
+            "sweep.json",
+            "tradeoff.png",
+            "tradeoff.svg"
+        ],
+        "{r:?}"
+    );
     let s = json(&out.join("sweep.json"));
     let cap = &s["capacity"][0];
     assert_eq!(cap["budget"], 1024);
@@ -409,6 +417,72 @@ fn fit_prints_the_model_and_refuses_bad_files() {
         assert!(r.stderr.starts_with("error: cannot fit"), "{}", r.stderr);
         assert!(r.stdout.is_empty());
     }
+}
+
+#[test]
+fn fit_for_a_replay_writes_a_replay_cost_table_with_the_measured_spread() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("steps.csv");
+    // ms = (5 + 0.05 T) times 0.8, 1.0 or 1.6 in turn.
+    let mut text = String::from("tokens,kv_tokens,attention_pairs,ms\n");
+    for i in 0..90u64 {
+        let t = 64 + i * 29 % 2000;
+        let factor = [0.8, 1.0, 1.6][(i % 3) as usize];
+        text.push_str(&format!("{t},0,0,{}\n", (5.0 + 0.05 * t as f64) * factor));
+    }
+    std::fs::write(&csv, text).unwrap();
+    let r = run(
+        &[
+            "fit",
+            csv.to_str().unwrap(),
+            "--for",
+            "replay",
+            "--errors",
+            "relative",
+        ],
+        &[],
+    );
+    ok(&r);
+    assert!(r.stdout.contains("measured ÷ predicted"), "{}", r.stdout);
+    let table = &r.stdout[r.stdout.find("# fitted by").expect("the table")..];
+    let doc: toml::Table = toml::from_str(table).unwrap();
+    let cost = doc["replay"]["cost"].as_table().unwrap();
+    let ratios: Vec<f64> = cost["noise_ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_float().unwrap())
+        .collect();
+    assert_eq!(ratios.len(), 101);
+    // A third of the steps at each factor, around the fitted line (which the three factors
+    // bend a little, hence the tolerance).
+    let (low, mid, high) = (ratios[10], ratios[50], ratios[90]);
+    assert!((mid / low - 1.25).abs() < 0.05, "{ratios:?}");
+    assert!((high / mid - 1.6).abs() < 0.05, "{ratios:?}");
+    assert!(ratios[33] < 0.9 && ratios[34] > 0.9 && ratios[66] < 1.5 && ratios[67] > 1.5);
+    // The table is a config layer a replay takes as it is.
+    let layer = dir.path().join("replay-cost.toml");
+    std::fs::write(&layer, table).unwrap();
+    let r = run(
+        &[
+            "replay",
+            "--no-progress",
+            "--requests",
+            "30",
+            "--config",
+            layer.to_str().unwrap(),
+        ],
+        &[],
+    );
+    ok(&r);
+    assert!(
+        r.stdout.contains("noise drawn from measured ratios"),
+        "{}",
+        r.stdout
+    );
+    let r = run(&["fit", csv.to_str().unwrap(), "--for", "serving"], &[]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("--for"), "{}", r.stderr);
 }
 
 #[test]

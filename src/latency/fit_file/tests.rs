@@ -388,3 +388,92 @@ fn coefficients_print_in_plain_decimals() {
         assert_eq!(plain_decimal(x), want, "{x}");
     }
 }
+
+// === the measured ÷ predicted spread for a replay ===
+
+#[test]
+fn noise_ratios_are_the_quantiles_of_measured_over_predicted() {
+    let truth = model(TRUE);
+    // Steps measured at exactly 1, 2, ..., 100 times their prediction, out of order.
+    let mut s = samples(61, 100, TRUE, 0.0);
+    for (i, x) in s.iter_mut().enumerate() {
+        x.ms *= ((i * 37) % 100 + 1) as f64;
+    }
+    let r = noise_ratios(&truth, &s, NOISE_RATIO_POINTS).unwrap();
+    assert_eq!(r.len(), 101);
+    // Nearest rank: the least at 0, the p-th step at p%, the largest at 100%.
+    assert_close([r[0], r[1], r[50], r[100]], [1.0, 1.0, 50.0, 100.0], 1e-9);
+    assert_close([r[99], r[10], r[2], r[3]], [99.0, 10.0, 2.0, 3.0], 1e-9);
+    assert!(r.windows(2).all(|w| w[0] <= w[1]), "{r:?}");
+    assert_eq!(
+        noise_ratios(&truth, &s, 2).unwrap(),
+        vec![1.0, 100.0],
+        "two points: the least and the largest"
+    );
+    // Rounded to 4 significant digits, and held in the range a replay takes.
+    let mut odd = samples(62, 3, TRUE, 0.0);
+    odd[0].ms *= 1.234_567;
+    odd[1].ms *= 1e-4;
+    odd[2].ms *= 1e4;
+    assert_eq!(
+        noise_ratios(&truth, &odd, 3).unwrap(),
+        vec![0.01, 1.235, 100.0]
+    );
+    // A step measured at 0 ms, or priced at 0, says nothing of a ratio.
+    let zero = LatencyModel::from_coefficients([0.0, 1.0, 0.0, 0.0]).unwrap();
+    let mut few = samples(63, 3, TRUE, 0.0);
+    few[0].ms = 0.0;
+    few[1].tokens = 0.0;
+    few[2].tokens = 4.0;
+    few[2].ms = 8.0;
+    assert_eq!(
+        noise_ratios(&zero, &few, 5),
+        None,
+        "one step left: no spread"
+    );
+    few[1].tokens = 2.0;
+    few[1].ms = 3.0;
+    assert_eq!(noise_ratios(&zero, &few, 3).unwrap(), vec![1.5, 1.5, 2.0]);
+    assert_eq!(
+        noise_ratios(&zero, &few, 1),
+        None,
+        "one point is no quantile range"
+    );
+}
+
+#[test]
+fn renders_a_replay_cost_table_that_the_replay_settings_take() {
+    let s = samples(64, 300, TRUE, 0.05);
+    let r = fit_samples(&s).unwrap();
+    let ratios = noise_ratios(&r.model, &s, NOISE_RATIO_POINTS).unwrap();
+    let text = render_replay_toml(&r, Some(&ratios), "odd\nname.csv");
+    assert!(
+        text.starts_with("# fitted by `mstar-chunking fit` from \"odd\\nname.csv\": 300 steps"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with('[')).count(),
+        1,
+        "{text}"
+    );
+    let doc: toml::Table = toml::from_str(&text).unwrap();
+    let cost = &doc["replay"]["cost"];
+    let parsed: crate::config::CostSection = cost.clone().try_into().unwrap();
+    assert_eq!(parsed.noise_ratios.as_deref(), Some(&ratios[..]));
+    assert_close(
+        [
+            parsed.base_ms.unwrap(),
+            parsed.per_token_ms.unwrap(),
+            parsed.per_kv_token_ms.unwrap(),
+            parsed.per_attention_pair_ms.unwrap(),
+        ],
+        r.model.coefficients(),
+        1e-5,
+    );
+    // 5% noise: the middle of the spread is near 1 and its ends near 0.95 and 1.05.
+    assert!((ratios[50] - 1.0).abs() < 0.02, "{ratios:?}");
+    assert!(ratios[0] > 0.9 && ratios[100] < 1.1, "{ratios:?}");
+    let bare = render_replay_toml(&r, None, "steps.csv");
+    assert!(!bare.contains("noise_ratios"), "{bare}");
+    assert!(bare.contains("\n[replay.cost]\nbase_ms = "), "{bare}");
+}

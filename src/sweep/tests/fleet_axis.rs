@@ -9,18 +9,15 @@ use crate::sweep::{run_sweep, Slo};
 #[test]
 fn fleet_sizes_parse_ascending_and_routers_in_the_order_given() {
     assert_eq!(parse_workers("1, 2,4,8").unwrap(), [1, 2, 4, 8]);
-    for (bad, says) in [
+    let cases = [
         ("0", "from 1 to 256"),
         ("257", "from 1 to 256"),
         ("two", "\"two\""),
         ("4,2", "got 2 after 4"),
         ("2,2", "got 2 after 2"),
         ("1,", "without empty entries"),
-    ] {
-        let e = parse_workers(bad).unwrap_err().to_string();
-        assert!(e.starts_with("`--workers`"), "{bad}: {e}");
-        assert!(e.contains(says), "{bad}: {e}");
-    }
+    ];
+    crate::sweep::grid::assert_refused("--workers", parse_workers, &cases);
     assert_eq!(
         parse_routers("prefix_affinity,round_robin").unwrap(),
         [RouterKind::PrefixAffinity, RouterKind::RoundRobin]
@@ -50,6 +47,38 @@ fn a_fleet_overrides_the_configs_and_names_its_directory() {
         dir_name(RouterKind::PrefixAffinity, 4),
         "fleet-prefix_affinity-4"
     );
+}
+
+#[test]
+fn fleets_run_per_router_in_the_order_given_then_sizes_ascending() {
+    let config = Fleet {
+        router: RouterKind::LeastKv,
+        workers: 3,
+    };
+    let fleets = |w, r| {
+        parse_fleets(w, r, config).unwrap().map(|v| {
+            v.iter()
+                .map(|f| FleetAxis::dir_name(*f))
+                .collect::<Vec<_>>()
+        })
+    };
+    assert_eq!(fleets(None, None), None);
+    assert_eq!(
+        fleets(Some("1,4"), Some("round_robin,least_kv")).unwrap(),
+        [
+            "fleet-round_robin-1",
+            "fleet-round_robin-4",
+            "fleet-least_kv-1",
+            "fleet-least_kv-4"
+        ]
+    );
+    assert_eq!(fleets(Some("2"), None).unwrap(), ["fleet-least_kv-2"]);
+    assert_eq!(
+        fleets(None, Some("prefix_affinity")).unwrap(),
+        ["fleet-prefix_affinity-3"]
+    );
+    let e = parse_fleets(Some("2"), Some("nope"), config).unwrap_err();
+    assert_eq!(e.flag, "--routers");
 }
 
 /// A fake fleet: latency falls as workers share the load (rate / workers), more slowly

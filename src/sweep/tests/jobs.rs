@@ -12,16 +12,11 @@ fn inputs() -> Inputs {
         model: "inputs/model.toml".into(),
         env: BTreeMap::new(),
         trace: None,
-        format: None,
-        arrivals: None,
-        requests: Some(100),
-        skip_bad_lines: false,
-        priority_by: None,
-        max_step_ms: None,
-        cost: None,
-        learn_cost: false,
-        sim_cost: None,
-        time_margin: None,
+        trace_flags: TraceFlags {
+            requests: Some(100),
+            ..TraceFlags::default()
+        },
+        setting_flags: SettingFlags::default(),
     }
 }
 
