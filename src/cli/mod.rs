@@ -389,15 +389,21 @@ pub struct SweepArgs {
     /// [default: the config's router]
     #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
     pub routers: Option<String>,
+    /// Prefill:decode splits (`1:3,1:1,3:1`) of each fleet size of `--workers`: the grid runs
+    /// on the colocated fleet and on each split (`replay.fleet.prefill_workers`,
+    /// `decode_workers`), each into OUT/pd-LAYOUT-N/; OUT/fleet.* gives the fewest workers of
+    /// each layout that meet the objective
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders", "routers"])]
+    pub pd: Option<String>,
     /// Write every cell of the grid as a job into DIR (its inputs copied in, a manifest naming
     /// each cell by index) instead of running it; run the cells with `sweep-cell DIR INDEX`
     /// anywhere, then `sweep --merge DIR`
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "merge"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "pd", "merge"])]
     pub emit_jobs: Option<PathBuf>,
     /// Build the sweep's outputs into --out from the results of a job directory's cells
     /// (everything else comes from the directory); exits 3 when the capacity searches need
     /// another wave of cells, which it adds to the directory
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "pd"])]
     pub merge: Option<PathBuf>,
 }
 

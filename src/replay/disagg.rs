@@ -446,8 +446,8 @@ fn route(
     router.pick(loads)
 }
 
-/// The fleet report's label of a disaggregated fleet.
-pub(super) fn label(pd: &PdSetup) -> String {
+/// A disaggregated fleet's workers, as the report and the sweep's settings name them.
+pub fn label(pd: &PdSetup) -> String {
     format!(
         "{} prefill + {} decode workers",
         pd.prefill_workers, pd.decode_workers

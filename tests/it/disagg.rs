@@ -436,3 +436,177 @@ fn each_workers_step_log_passes_the_checker() {
         }
     }
 }
+
+/// The rows of a CSV file (no quoted commas in these), the header first.
+fn csv_rows(path: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| l.split(',').map(str::to_owned).collect())
+        .collect()
+}
+
+#[test]
+fn a_pd_sweep_finds_each_layouts_fewest_workers_from_cells_that_are_disaggregated_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let grid = [
+        "--requests",
+        "200",
+        "--budgets",
+        "2048",
+        "--rates",
+        "1,4",
+        "--slo-tbt-p99",
+        "60",
+        "--slo-ttft-p90",
+        "1500",
+        "--no-progress",
+        "--jobs",
+        "2",
+    ];
+    // A fast link, so that a split can meet the objective at all (each prompt's KV is about a
+    // GB at Llama-2-7B's 512 KiB a token).
+    let env = [("MSTAR__REPLAY__FLEET__KV_LINK_GBPS", "20000")];
+    let mut args = vec!["sweep", "--out", out.to_str().unwrap()];
+    args.extend(grid);
+    args.extend(["--workers", "2,3,4", "--pd", "1:1,1:3"]);
+    let r = run(&args, &env);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stdout.contains("colocated or split prefill:decode"),
+        "{}",
+        r.stdout
+    );
+    // The combined cells: each run's own sweep.csv under the layout's columns.
+    let all = csv_rows(&out.join("sweep.csv"));
+    assert_eq!(
+        all[0][..5],
+        [
+            "layout",
+            "workers",
+            "prefill_workers",
+            "decode_workers",
+            "budget"
+        ]
+    );
+    assert_eq!(all.len(), 1 + 3 * 3 * 2);
+    for (layout, dir_layout) in [("colocated", "colocated"), ("1:1", "1x1"), ("1:3", "1x3")] {
+        for n in ["2", "3", "4"] {
+            let own = csv_rows(&out.join(format!("pd-{dir_layout}-{n}/sweep.csv")));
+            let mine: Vec<Vec<String>> = all
+                .iter()
+                .filter(|row| row[0] == layout && row[1] == n)
+                .map(|row| row[4..].to_vec())
+                .collect();
+            assert_eq!(mine, own[1..], "{layout} {n}");
+        }
+    }
+    // 1:3 of 3 workers is 1 prefill + 2 decode (0.75 rounds to 1); 1:1 of 3 is 2 + 1 (halves up).
+    let pools = |layout: &str| -> Vec<String> {
+        all.iter()
+            .find(|r| r[0] == layout && r[1] == "3")
+            .map(|r| r[2..4].join("+"))
+            .into_iter()
+            .collect()
+    };
+    assert_eq!(pools("1:3"), ["1+2"]);
+    assert_eq!(pools("1:1"), ["2+1"]);
+    // A split's cells are the disaggregated replays the config would run.
+    let plain = dir.path().join("plain");
+    let mut args = vec!["sweep", "--out", plain.to_str().unwrap()];
+    args.extend(grid);
+    let r = run(
+        &args,
+        &[
+            env[0],
+            ("MSTAR__REPLAY__FLEET__PREFILL_WORKERS", "1"),
+            ("MSTAR__REPLAY__FLEET__DECODE_WORKERS", "3"),
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stdout
+            .contains("1 prefill + 3 decode workers behind round_robin (replay.fleet)"),
+        "{}",
+        r.stdout
+    );
+    let by_config = std::fs::read_to_string(plain.join("sweep.csv")).unwrap();
+    let by_axis = std::fs::read_to_string(out.join("pd-1x3-4/sweep.csv")).unwrap();
+    assert_eq!(by_config, by_axis);
+    // The fewest workers of each layout: the smallest fleet whose cell met the objective.
+    let fewest = csv_rows(&out.join("fleet.csv"));
+    assert_eq!(
+        fewest[0],
+        [
+            "layout",
+            "budget",
+            "rate_scale",
+            "fewest_workers",
+            "prefill_workers",
+            "decode_workers",
+            "ttft_p90_ms",
+            "tbt_p99_ms"
+        ]
+    );
+    assert_eq!(fewest.len(), 1 + 3 * 2);
+    let meets = all[0].iter().position(|h| h == "meets_slo").unwrap();
+    for row in &fewest[1..] {
+        let met: Vec<&Vec<String>> = all
+            .iter()
+            .filter(|c| c[0] == row[0] && c[4] == row[1] && c[5] == row[2] && c[meets] == "true")
+            .collect();
+        let first = met.first();
+        assert_eq!(row[3], first.map_or("", |c| c[1].as_str()), "{row:?}");
+        assert_eq!(
+            row[4..6],
+            first.map_or(["", ""].map(String::from).to_vec(), |c| c[2..4].to_vec()),
+            "{row:?}"
+        );
+    }
+    assert!(
+        fewest[1..]
+            .iter()
+            .any(|r| r[0] != "colocated" && !r[3].is_empty()),
+        "some split meets the objective: {fewest:?}"
+    );
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("fleet.json")).unwrap()).unwrap();
+    assert_eq!(
+        json["layouts"],
+        serde_json::json!(["colocated", "1:1", "1:3"])
+    );
+    assert_eq!(json["workers"], serde_json::json!([2, 3, 4]));
+    assert_eq!(json["capacity"].as_array().unwrap().len(), 3 * 3);
+    assert!(out.join("fleet.svg").is_file() && out.join("fleet.png").is_file());
+}
+
+#[test]
+fn bad_pd_axes_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flags, says) in [
+        (vec!["--pd", "1:0", "--workers", "2"], "--pd"),
+        (vec!["--pd", "1:1,1:1", "--workers", "2"], "--pd"),
+        (vec!["--pd", "1:1", "--workers", "1,2"], "--workers"),
+        (vec!["--pd", "1:1"], "--workers"),
+        (
+            vec!["--pd", "1:1", "--workers", "2", "--routers", "least_kv"],
+            "--routers",
+        ),
+    ] {
+        let out = dir.path().join("out");
+        let mut args = vec![
+            "sweep",
+            "--no-progress",
+            "--requests",
+            "5",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(&flags);
+        let r = run(&args, &[]);
+        assert_eq!(r.code, 2, "{flags:?}: {r:?}");
+        assert!(r.stderr.contains(says), "{flags:?}: {}", r.stderr);
+        assert!(!out.exists(), "{flags:?}: nothing runs");
+    }
+}
