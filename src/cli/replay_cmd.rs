@@ -132,14 +132,18 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         ..args.source.options()
     };
     if args.watch_config && workers > 1 {
-        say(&format!(
-            "error: `--watch-config` reloads one worker's budgets, and the fleet (`replay.fleet.workers`, or `prefill_workers` and `decode_workers`) has {workers} (from {}): replay a fleet without it",
-            loaded.origins.of(if loaded.settings.replay.fleet.prefill_workers.is_some() {
-                "replay.fleet.prefill_workers"
-            } else {
-                "replay.fleet.workers"
-            })
-        ));
+        let split = loaded.settings.replay.fleet.prefill_workers.is_some();
+        say(&if split {
+            format!(
+                "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.prefill_workers` and `decode_workers` make a fleet of {workers} (from {}): replay a fleet without it",
+                loaded.origins.of("replay.fleet.prefill_workers")
+            )
+        } else {
+            format!(
+                "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.workers` is {workers} (from {}): replay a fleet without it",
+                loaded.origins.of("replay.fleet.workers")
+            )
+        });
         return ExitCode::from(EXIT_CONFIG);
     }
     actix::System::new().block_on(async {

@@ -361,6 +361,7 @@ async fn drive(
     let mut out = Transfers::default();
     let (mut next, mut steps, mut seq) = (0usize, 0u64, 0u64);
     let mut interrupted = None;
+    let progress = fleet::progress_bar(opts, arrivals.len());
     loop {
         if let Some(sig) = stop.map(|f| f.load(Ordering::SeqCst)).filter(|&s| s != 0) {
             interrupted = Some(super::signal_name(sig));
@@ -421,9 +422,19 @@ async fn drive(
         if let Some(hook) = &opts.on_step {
             hook.call(steps);
         }
+        if let Some(pb) = &progress {
+            if steps.is_multiple_of(fleet::PROGRESS_EVERY) {
+                // A prefill worker counts a handed-off request as done: it is not yet.
+                let done: usize = sims.iter().map(Sim::done).sum();
+                pb.set_position((done as u64).saturating_sub(seq));
+            }
+        }
     }
     for sim in sims.iter_mut() {
         sim.complete_last().await?;
+    }
+    if let Some(pb) = progress {
+        pb.finish_and_clear();
     }
     Ok((interrupted, out))
 }

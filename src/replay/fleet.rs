@@ -34,7 +34,7 @@ use crate::ChunkingManagement;
 pub const MAX_WORKERS: u32 = 256;
 
 /// Steps between progress bar updates.
-const PROGRESS_EVERY: u64 = 256;
+pub(super) const PROGRESS_EVERY: u64 = 256;
 
 /// `[replay.fleet]`, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -284,7 +284,7 @@ pub(super) fn soonest_step(starts: &[Option<f64>]) -> Option<(f64, usize)> {
         .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
 }
 
-fn progress_bar(opts: &ReplayOptions, requests: usize) -> Option<ProgressBar> {
+pub(super) fn progress_bar(opts: &ReplayOptions, requests: usize) -> Option<ProgressBar> {
     if !opts.progress || !std::io::stderr().is_terminal() {
         return None;
     }

@@ -354,6 +354,27 @@ fn empty_pools_and_a_fleet_sized_twice_are_refused_naming_the_flag_or_key() {
         r.stderr
     );
     assert!(r.stderr.contains(layer.to_str().unwrap()), "{}", r.stderr);
+    // A reload would reach one worker of the fleet.
+    let r = run(
+        &[
+            "replay",
+            "--no-progress",
+            "--watch-config",
+            "--requests",
+            "5",
+        ],
+        &[
+            ("MSTAR__REPLAY__FLEET__PREFILL_WORKERS", "1"),
+            ("MSTAR__REPLAY__FLEET__DECODE_WORKERS", "1"),
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("--watch-config"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("replay.fleet.prefill_workers"),
+        "{}",
+        r.stderr
+    );
     // `check` refuses what `replay` refuses.
     let r = run(&["check", "--config", layer.to_str().unwrap()], &[]);
     assert_eq!(r.code, 2, "{r:?}");
