@@ -223,7 +223,8 @@ impl KvArgs {
     }
 }
 
-/// `replay`'s fleet as flags: `replay.fleet.workers` and `replay.fleet.router`.
+/// `replay`'s fleet as flags: `replay.fleet.workers`, `router`, and a disaggregated fleet's
+/// pools and KV link.
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct FleetArgs {
     /// Component instances replayed side by side behind the router, 1 to 256:
@@ -238,6 +239,24 @@ pub struct FleetArgs {
         help_heading = "Settings (each a config key)"
     )]
     pub router: Option<String>,
+    /// Workers that only prefill, 1 to 256, with --decode-workers instead of --workers
+    /// (docs/fleet.md#disaggregated-prefill): `replay.fleet.prefill_workers`
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    pub prefill_workers: Option<String>,
+    /// Workers that only decode, each request's KV moved to one once its prompt is done:
+    /// `replay.fleet.decode_workers`
+    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    pub decode_workers: Option<String>,
+    /// A prefill worker's KV link, Gbit/s: `replay.fleet.kv_link_gbps`
+    #[arg(
+        long,
+        value_name = "GBPS",
+        help_heading = "Settings (each a config key)"
+    )]
+    pub kv_link_gbps: Option<String>,
+    /// A KV transfer's fixed latency, ms: `replay.fleet.kv_link_latency_ms`
+    #[arg(long, value_name = "MS", help_heading = "Settings (each a config key)")]
+    pub kv_link_latency_ms: Option<String>,
 }
 
 impl FleetArgs {
@@ -247,6 +266,14 @@ impl FleetArgs {
         let mut v = Vec::new();
         v.extend(self.workers.as_deref().map(F::workers));
         v.extend(self.router.as_deref().map(F::router));
+        v.extend(self.prefill_workers.as_deref().map(F::prefill_workers));
+        v.extend(self.decode_workers.as_deref().map(F::decode_workers));
+        v.extend(self.kv_link_gbps.as_deref().map(F::kv_link_gbps));
+        v.extend(
+            self.kv_link_latency_ms
+                .as_deref()
+                .map(F::kv_link_latency_ms),
+        );
         v
     }
 }
@@ -299,7 +326,7 @@ pub struct ReplayArgs {
     pub hold: bool,
     /// Reload the config files when they change (or on SIGHUP) while replaying (a reload
     /// reads the layers again without the flags, so none may be given)
-    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router"])]
+    #[arg(long, conflicts_with_all = ["budget_off", "budget", "max_step_ms", "cost", "learn_cost", "sim_cost", "time_margin", "kv_blocks", "kv_memory", "workers", "router", "prefill_workers", "decode_workers", "kv_link_gbps", "kv_link_latency_ms"])]
     pub watch_config: bool,
     /// No progress bar
     #[arg(long)]
@@ -362,15 +389,21 @@ pub struct SweepArgs {
     /// [default: the config's router]
     #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders"])]
     pub routers: Option<String>,
+    /// Prefill:decode splits (`1:3,1:1,3:1`) of each fleet size of `--workers`: the grid runs
+    /// on the colocated fleet and on each split (`replay.fleet.prefill_workers`,
+    /// `decode_workers`), each into OUT/pd-LAYOUT-N/; OUT/fleet.* gives the fewest workers of
+    /// each layout that meet the objective
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["kv_blocks", "orders", "routers"])]
+    pub pd: Option<String>,
     /// Write every cell of the grid as a job into DIR (its inputs copied in, a manifest naming
     /// each cell by index) instead of running it; run the cells with `sweep-cell DIR INDEX`
     /// anywhere, then `sweep --merge DIR`
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "merge"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "pd", "merge"])]
     pub emit_jobs: Option<PathBuf>,
     /// Build the sweep's outputs into --out from the results of a job directory's cells
     /// (everything else comes from the directory); exits 3 when the capacity searches need
     /// another wave of cells, which it adds to the directory
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kv_blocks", "orders", "workers", "routers", "pd"])]
     pub merge: Option<PathBuf>,
 }
 

@@ -97,7 +97,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         Ok((l, setup)) => {
             init_logging(&l);
             note_built_in_copies(&l);
-            (l, setup.fleet.workers)
+            (l, setup.fleet.size())
         }
         Err(errors) => {
             report(&errors);
@@ -132,10 +132,18 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
         ..args.source.options()
     };
     if args.watch_config && workers > 1 {
-        say(&format!(
-            "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.workers` is {workers} (from {}): replay a fleet without it",
-            loaded.origins.of("replay.fleet.workers")
-        ));
+        let split = loaded.settings.replay.fleet.prefill_workers.is_some();
+        say(&if split {
+            format!(
+                "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.prefill_workers` and `decode_workers` make a fleet of {workers} (from {}): replay a fleet without it",
+                loaded.origins.of("replay.fleet.prefill_workers")
+            )
+        } else {
+            format!(
+                "error: `--watch-config` reloads one worker's budgets, and `replay.fleet.workers` is {workers} (from {}): replay a fleet without it",
+                loaded.origins.of("replay.fleet.workers")
+            )
+        });
         return ExitCode::from(EXIT_CONFIG);
     }
     actix::System::new().block_on(async {

@@ -11,6 +11,7 @@ use crate::sweep::axis::{write_files, Axis, AxisRun};
 use crate::sweep::fleet_axis::{parse_fleets, Fleet, FleetAxis};
 use crate::sweep::kv_axis::{parse_kv_blocks, KvAxis};
 use crate::sweep::order_axis::{parse_orders, OrderAxis};
+use crate::sweep::pd_axis::{parse_layouts, PdAxis};
 
 /// `sweep` (`docs/replay.md#sweeps`): reads the trace once, replays it for every budget x rate
 /// scale of the grid (and the capacity search's probes) on `--jobs` threads, each replay in its
@@ -215,6 +216,7 @@ fn axes(
     Ok(vec![
         along::<KvAxis>(args.kv_blocks.as_deref().map(parse_kv_blocks).transpose()?),
         along::<OrderAxis>(args.orders.as_deref().map(parse_orders).transpose()?),
+        along::<PdAxis>(parse_layouts(args.pd.as_deref(), workers, config.workers)?),
         along::<FleetAxis>(parse_fleets(workers, routers, config)?),
     ])
 }

@@ -243,6 +243,48 @@ impl FlagSetting {
         )
     }
 
+    /// `--prefill-workers N`: `replay.fleet.prefill_workers`, the workers that only prefill.
+    pub fn prefill_workers(value: &str) -> Self {
+        Self::new(
+            "--prefill-workers",
+            vec![Edit::Set(
+                "replay.fleet.prefill_workers".into(),
+                typed(value),
+            )],
+        )
+    }
+
+    /// `--decode-workers N`: `replay.fleet.decode_workers`, the workers that only decode.
+    pub fn decode_workers(value: &str) -> Self {
+        Self::new(
+            "--decode-workers",
+            vec![Edit::Set(
+                "replay.fleet.decode_workers".into(),
+                typed(value),
+            )],
+        )
+    }
+
+    /// `--kv-link-gbps X`: `replay.fleet.kv_link_gbps`, a prefill worker's KV link.
+    pub fn kv_link_gbps(value: &str) -> Self {
+        Self::new(
+            "--kv-link-gbps",
+            vec![Edit::Set("replay.fleet.kv_link_gbps".into(), typed(value))],
+        )
+    }
+
+    /// `--kv-link-latency-ms MS`: `replay.fleet.kv_link_latency_ms`, a KV transfer's fixed
+    /// latency.
+    pub fn kv_link_latency_ms(value: &str) -> Self {
+        Self::new(
+            "--kv-link-latency-ms",
+            vec![Edit::Set(
+                "replay.fleet.kv_link_latency_ms".into(),
+                typed(value),
+            )],
+        )
+    }
+
     /// `--router NAME`: `replay.fleet.router`, how a request is sent to a worker.
     pub fn router(value: &str) -> Self {
         Self::new(

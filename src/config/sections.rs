@@ -322,7 +322,7 @@ impl Default for PrefixCacheSection {
 /// `[replay.fleet]`: how many instances of the component the replay runs side by side, and the
 /// router that sends each request to one of them (`docs/fleet.md`). Checked by
 /// [`crate::replay::settings`].
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FleetSection {
     /// Workers, each a component instance with its own queues, KV memory and prefix cache.
@@ -333,7 +333,21 @@ pub struct FleetSection {
     /// `prefix_affinity` follows a prefix only to a worker with at most this many outstanding
     /// requests more than the least loaded one.
     pub affinity_slack: u32,
+    /// Workers that only prefill (`docs/fleet.md#disaggregated-prefill`); set with
+    /// `decode_workers`, instead of `workers`. Unset: every worker prefills and decodes.
+    pub prefill_workers: Option<u32>,
+    /// Workers that only decode, each request's KV moved to one of them once its prompt is done.
+    pub decode_workers: Option<u32>,
+    /// The bandwidth a prefill worker sends KV at, Gbit/s.
+    pub kv_link_gbps: f64,
+    /// The fixed latency of a KV transfer, ms.
+    pub kv_link_latency_ms: f64,
 }
+
+/// `replay.fleet.kv_link_gbps` unset: one 200 Gbit/s InfiniBand link per GPU.
+pub const DEFAULT_KV_LINK_GBPS: f64 = 200.0;
+/// `replay.fleet.kv_link_latency_ms` unset.
+pub const DEFAULT_KV_LINK_LATENCY_MS: f64 = 1.0;
 
 impl Default for FleetSection {
     fn default() -> Self {
@@ -341,6 +355,10 @@ impl Default for FleetSection {
             workers: 1,
             router: "round_robin".into(),
             affinity_slack: 8,
+            prefill_workers: None,
+            decode_workers: None,
+            kv_link_gbps: DEFAULT_KV_LINK_GBPS,
+            kv_link_latency_ms: DEFAULT_KV_LINK_LATENCY_MS,
         }
     }
 }

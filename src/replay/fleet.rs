@@ -34,10 +34,10 @@ use crate::ChunkingManagement;
 pub const MAX_WORKERS: u32 = 256;
 
 /// Steps between progress bar updates.
-const PROGRESS_EVERY: u64 = 256;
+pub(super) const PROGRESS_EVERY: u64 = 256;
 
 /// `[replay.fleet]`, checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FleetSetup {
     /// Workers, from 1 to [`MAX_WORKERS`].
     pub workers: u32,
@@ -45,6 +45,16 @@ pub struct FleetSetup {
     pub router: RouterKind,
     /// `prefix_affinity`'s load guard, in outstanding requests.
     pub affinity_slack: u32,
+    /// A prefill pool and a decode pool instead of `workers` colocated ones
+    /// (`replay.fleet.prefill_workers` and `decode_workers`); `None`: colocated.
+    pub disagg: Option<super::disagg::PdSetup>,
+}
+
+impl FleetSetup {
+    /// Workers in the fleet: `workers`, or both pools of a disaggregated one.
+    pub fn size(&self) -> u32 {
+        self.disagg.as_ref().map_or(self.workers, |d| d.workers())
+    }
 }
 
 impl Default for FleetSetup {
@@ -53,6 +63,7 @@ impl Default for FleetSetup {
             workers: 1,
             router: RouterKind::RoundRobin,
             affinity_slack: FleetSection::default().affinity_slack,
+            disagg: None,
         }
     }
 }
@@ -84,6 +95,7 @@ pub(super) fn check(
             format!("is not a router (routers: {})", RouterKind::names()),
         ),
     }
+    setup.disagg = super::disagg::check(f, refuse);
     setup
 }
 
@@ -118,19 +130,7 @@ pub(super) async fn run(
     plan: WorkerPlan<'_>,
 ) -> Result<ReplayReport, ReplayError> {
     let n = setup.fleet.workers;
-    let mut others = Vec::with_capacity(n as usize - 1);
-    for w in 1..n {
-        let cm =
-            ChunkingManagement::start_worker(&manifest.name, &w.to_string(), manifest.submodules())
-                .map_err(ReplayError::chunking("starting a worker's actors"))?;
-        cm.set_policies(manifest.policies())
-            .await
-            .map_err(ReplayError::chunking("setting the model's policies"))?;
-        cm.set_budgets(plan.budgets.clone())
-            .await
-            .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
-        others.push(cm);
-    }
+    let others = start_workers(manifest, 1..n, plan.budgets).await?;
     let log = step_log.map(|l| Rc::new(RefCell::new(l)));
     let cms: Vec<&ChunkingManagement> = std::iter::once(first).chain(&others).collect();
     let mut sims: Vec<Sim<'_>> = cms
@@ -151,19 +151,7 @@ pub(super) async fn run(
     let routed: Vec<usize> = sims.iter().map(Sim::routed).collect();
     let tallies: Vec<Tally> = sims.into_iter().map(Sim::into_tally).collect();
     if let Some(log) = log {
-        let path = log.borrow().path().to_owned();
-        let log = Rc::try_unwrap(log)
-            .map_err(|_| ReplayError::Write {
-                what: "step log",
-                path: path.clone(),
-                source: std::io::Error::other("still written to by a worker"),
-            })?
-            .into_inner();
-        log.finish().map_err(|source| ReplayError::Write {
-            what: "step log",
-            path,
-            source,
-        })?;
+        finish_log(log)?;
     }
     let mut report = pool(tallies, &routed, setup);
     report.interrupted = interrupted;
@@ -176,6 +164,46 @@ pub(super) async fn run(
         report.prepared_left_tokens += tokens;
     }
     Ok(report)
+}
+
+/// Starts the actors of workers `range` (worker 0 is the caller's), each with the model's
+/// policies and `budgets`.
+pub(super) async fn start_workers(
+    manifest: &Manifest,
+    range: std::ops::Range<u32>,
+    budgets: &BudgetSettings,
+) -> Result<Vec<ChunkingManagement>, ReplayError> {
+    let mut others = Vec::with_capacity(range.len());
+    for w in range {
+        let cm =
+            ChunkingManagement::start_worker(&manifest.name, &w.to_string(), manifest.submodules())
+                .map_err(ReplayError::chunking("starting a worker's actors"))?;
+        cm.set_policies(manifest.policies())
+            .await
+            .map_err(ReplayError::chunking("setting the model's policies"))?;
+        cm.set_budgets(budgets.clone())
+            .await
+            .map_err(ReplayError::chunking("applying the `[chunking]` budgets"))?;
+        others.push(cm);
+    }
+    Ok(others)
+}
+
+/// Finishes the step log the workers shared, once every worker is done with it.
+pub(super) fn finish_log(log: Rc<RefCell<StepLog>>) -> Result<(), ReplayError> {
+    let path = log.borrow().path().to_owned();
+    let log = Rc::try_unwrap(log)
+        .map_err(|_| ReplayError::Write {
+            what: "step log",
+            path: path.clone(),
+            source: std::io::Error::other("still written to by a worker"),
+        })?
+        .into_inner();
+    log.finish().map_err(|source| ReplayError::Write {
+        what: "step log",
+        path,
+        source,
+    })
 }
 
 /// Runs the event loop until every request is done (or `stop` holds a signal), then completes
@@ -248,7 +276,7 @@ async fn drive(
 
 /// The worker whose next step starts first, and when (ties to the lower index), from each
 /// worker's next start (`None`: nothing to run).
-fn soonest_step(starts: &[Option<f64>]) -> Option<(f64, usize)> {
+pub(super) fn soonest_step(starts: &[Option<f64>]) -> Option<(f64, usize)> {
     starts
         .iter()
         .enumerate()
@@ -256,7 +284,7 @@ fn soonest_step(starts: &[Option<f64>]) -> Option<(f64, usize)> {
         .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
 }
 
-fn progress_bar(opts: &ReplayOptions, requests: usize) -> Option<ProgressBar> {
+pub(super) fn progress_bar(opts: &ReplayOptions, requests: usize) -> Option<ProgressBar> {
     if !opts.progress || !std::io::stderr().is_terminal() {
         return None;
     }
@@ -271,6 +299,35 @@ fn progress_bar(opts: &ReplayOptions, requests: usize) -> Option<ProgressBar> {
 
 /// The fleet's report: every worker's counts and samples pooled, and each worker's share.
 fn pool(tallies: Vec<Tally>, routed: &[usize], setup: &ReplaySetup) -> ReplayReport {
+    let pools = vec![None; routed.len()];
+    let (mut report, mut fleet) = pool_tallies(tallies, routed, &pools, setup);
+    fleet.request_imbalance = imbalance(routed);
+    // A fleet of one reports what a single replay does.
+    report.fleet = (setup.fleet.workers > 1).then_some(fleet);
+    report
+}
+
+/// The most requests one worker got over the mean (1 with none).
+pub(super) fn imbalance(routed: &[usize]) -> f64 {
+    let total: usize = routed.iter().sum();
+    let most = routed.iter().copied().max().unwrap_or(0);
+    let mean = total as f64 / routed.len().max(1) as f64;
+    if mean > 0.0 {
+        most as f64 / mean
+    } else {
+        1.0
+    }
+}
+
+/// Every worker's counts and samples pooled into one report, and the fleet's part of it: each
+/// worker's share (named by its pool, `pools[w]`, in a disaggregated fleet). The imbalance is
+/// left at 1 and the disaggregated part unset, for the caller.
+pub(super) fn pool_tallies(
+    tallies: Vec<Tally>,
+    routed: &[usize],
+    pools: &[Option<&'static str>],
+    setup: &ReplaySetup,
+) -> (ReplayReport, FleetReport) {
     let total_requests: usize = routed.iter().sum();
     let total_tokens: u64 = tallies.iter().map(|t| t.report.tokens.ran).sum();
     let mut per_worker = Vec::with_capacity(tallies.len());
@@ -280,6 +337,7 @@ fn pool(tallies: Vec<Tally>, routed: &[usize], setup: &ReplaySetup) -> ReplayRep
         let r = &tally.report;
         per_worker.push(WorkerFigures {
             worker: w as u32,
+            pool: pools.get(w).copied().flatten(),
             requests: routed[w],
             request_share: share(routed[w] as u64, total_requests as u64),
             tokens: r.tokens.ran,
@@ -294,22 +352,19 @@ fn pool(tallies: Vec<Tally>, routed: &[usize], setup: &ReplaySetup) -> ReplayRep
             Some(p) => p.absorb(tally),
         }
     }
-    let most = routed.iter().copied().max().unwrap_or(0);
-    let mean = total_requests as f64 / routed.len().max(1) as f64;
     let fleet = FleetReport {
-        workers: setup.fleet.workers,
+        workers: routed.len() as u32,
         router: setup.fleet.router,
         affinity_slack: (setup.fleet.router == RouterKind::PrefixAffinity)
             .then_some(setup.fleet.affinity_slack),
-        request_imbalance: if mean > 0.0 { most as f64 / mean } else { 1.0 },
+        request_imbalance: 1.0,
         per_worker,
+        disaggregated: None,
     };
-    let mut report = pooled
+    let report = pooled
         .map(Tally::finish)
         .expect("a fleet has at least one worker");
-    // A fleet of one reports what a single replay does.
-    report.fleet = (setup.fleet.workers > 1).then_some(fleet);
-    report
+    (report, fleet)
 }
 
 #[cfg(test)]
@@ -339,6 +394,7 @@ mod tests {
             workers: 0,
             router: "random".into(),
             affinity_slack: 8,
+            ..FleetSection::default()
         });
         assert_eq!(p.len(), 2, "{p:?}");
         assert_eq!(p[0].0, "replay.fleet.workers");
@@ -360,6 +416,7 @@ mod tests {
             workers: MAX_WORKERS,
             router: "prefix_affinity".into(),
             affinity_slack: 0,
+            ..FleetSection::default()
         });
         assert!(p.is_empty());
         assert_eq!(

@@ -26,6 +26,28 @@ pub struct FleetReport {
     pub request_imbalance: f64,
     /// Each worker's share of the work and its latencies, by worker.
     pub per_worker: Vec<WorkerFigures>,
+    /// A disaggregated fleet's pools, link and transfers (`docs/fleet.md#disaggregated-prefill`);
+    /// absent from a colocated fleet's report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregated: Option<PdReport>,
+}
+
+/// What a disaggregated fleet adds to the report: its pools and link, and the KV transfers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PdReport {
+    /// The pools and the link, as checked.
+    #[serde(flatten)]
+    pub setup: super::disagg::PdSetup,
+    /// KV transfers made: one per request that generated more than its first token.
+    pub transfers: usize,
+    /// Bytes they moved.
+    pub transfer_bytes: f64,
+    /// From a request's first token to its KV's arrival at a decode worker, simulated ms (its
+    /// wait for the prefill worker's link included).
+    pub transfer_ms: Option<Latency>,
+    /// KV blocks requests still held on any worker when the replay ended (0 once every
+    /// request is done; without a KV pool, always 0).
+    pub kv_blocks_left: u64,
 }
 
 /// One worker's share of a fleet's work.
@@ -33,6 +55,9 @@ pub struct FleetReport {
 pub struct WorkerFigures {
     /// The worker's index.
     pub worker: u32,
+    /// Its pool in a disaggregated fleet: `prefill` or `decode`; absent in a colocated one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<&'static str>,
     /// Requests the router sent it, and their share of all.
     pub requests: usize,
     /// `requests` over the fleet's.
@@ -77,15 +102,22 @@ pub(crate) fn share(part: u64, whole: u64) -> f64 {
 impl FleetReport {
     /// The report's `fleet` settings line: `4 workers behind least_outstanding`.
     pub fn label(&self) -> String {
-        let mut s = format!(
-            "{} behind {}",
-            plural(u64::from(self.workers), "worker"),
-            self.router
-        );
+        let workers = match &self.disaggregated {
+            None => plural(u64::from(self.workers), "worker"),
+            Some(pd) => super::disagg::label(&pd.setup),
+        };
+        let mut s = format!("{workers} behind {}", self.router);
         if let Some(slack) = self.affinity_slack {
             s.push_str(&format!(
                 " (load guard: {} over the least loaded)",
                 plural(u64::from(slack), "outstanding request")
+            ));
+        }
+        if let Some(pd) = &self.disaggregated {
+            let l = &pd.setup;
+            s.push_str(&format!(
+                "; KV link {} Gbit/s + {} ms, {} B a token ({})",
+                l.kv_link_gbps, l.kv_link_latency_ms, l.kv_bytes_per_token, l.kv_bytes_source
             ));
         }
         s
@@ -104,7 +136,26 @@ impl fmt::Display for FleetReport {
             "  {:<24} most requests on one worker {:.2}x the mean",
             "spread", self.request_imbalance
         )?;
+        if let Some(pd) = &self.disaggregated {
+            let ms = |q: fn(&Latency) -> f64| {
+                pd.transfer_ms
+                    .as_ref()
+                    .map_or_else(|| "-".into(), |l| format!("{:.1}", q(l)))
+            };
+            writeln!(
+                f,
+                "  {:<24} {} of {:.3} GB; first token to KV arrival p50 {} ms, p99 {} ms",
+                "kv transfers",
+                pd.transfers,
+                pd.transfer_bytes / 1e9,
+                ms(|l| l.p50),
+                ms(|l| l.p99)
+            )?;
+        }
         for w in &self.per_worker {
+            if let Some(pool) = w.pool {
+                write!(f, "    {pool:<7}")?;
+            }
             writeln!(
                 f,
                 "    worker {:<3} {:>6} requests ({:>5.1}%), {:>10} tokens ({:>5.1}%), {} cached, {} steps; TTFT p99 {} ms, TBT p99 {} ms",

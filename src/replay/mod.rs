@@ -6,7 +6,8 @@
 //! - `sim`: the simulation loop: arrivals, steps, decode rows, speculation, prefix cache;
 //! - `prefix_cache`: the LRU of prompt blocks keyed by a trace's block hashes;
 //! - [`fleet`], [`router`], [`fleet_report`]: several workers behind a router on one clock
-//!   (`replay.fleet`), the router's rules, and the fleet's part of the report;
+//!   (`replay.fleet`), the router's rules, and the fleet's part of the report; [`disagg`]: a
+//!   prefill pool and a decode pool with the KV transfer between them;
 //! - [`priority`]: `--priority-by`, and the TTFT/TBT per priority class;
 //! - [`settings`]: the `[replay]` section, checked once for `check` and `replay`;
 //! - `step_log`: the `--step-log` JSON Lines writer, and outputs written by rename;
@@ -21,6 +22,7 @@
 pub mod arrivals;
 mod budgets;
 mod checks;
+pub mod disagg;
 mod error;
 pub mod fleet;
 #[cfg(test)]

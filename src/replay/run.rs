@@ -12,7 +12,7 @@ use super::report::{self, ReplayReport};
 use super::settings::{self, ReplaySetup};
 use super::signals::watch_signals;
 use super::trace::{self, Trace, TraceError, TraceFormat};
-use super::{fleet, sim, step_log};
+use super::{disagg, fleet, sim, step_log};
 use crate::config::Settings;
 use crate::manifest::Manifest;
 use crate::order::Order;
@@ -183,10 +183,19 @@ pub(crate) async fn run_trace_on(
     tracing::debug!(
         requests = trace.requests.len(),
         node = %setup.node,
-        workers = setup.fleet.workers,
+        workers = setup.fleet.size(),
         "replay started"
     );
-    let mut report = if setup.fleet.workers > 1 || fleet_loop {
+    let mut report = if setup.fleet.disagg.is_some() {
+        let plan = fleet::WorkerPlan {
+            budgets: &budgets,
+            walk_budgets: &labels.budgets,
+            first_chunk_cap: cap,
+            priority_preemption,
+            stop,
+        };
+        disagg::run(cm, manifest, &setup, trace, opts, step_log, plan).await?
+    } else if setup.fleet.workers > 1 || fleet_loop {
         let plan = fleet::WorkerPlan {
             budgets: &budgets,
             walk_budgets: &labels.budgets,

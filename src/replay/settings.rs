@@ -236,7 +236,10 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
         );
     }
     let kv = check_kv(&r.kv, &mut refuse);
-    let fleet = super::fleet::check(&r.fleet, &mut refuse);
+    let mut fleet = super::fleet::check(&r.fleet, &mut refuse);
+    if let Some(pd) = &mut fleet.disagg {
+        (pd.kv_bytes_per_token, pd.kv_bytes_source) = super::disagg::resolve_kv_bytes(r);
+    }
     match node {
         Some(node) if problems.is_empty() => Ok(ReplaySetup {
             node,

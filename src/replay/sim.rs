@@ -45,6 +45,7 @@ mod worker;
 
 pub use memory::first_chunk_walk;
 pub(crate) use tally::Tally;
+pub(crate) use worker::{Handoff, Role};
 
 /// Steps between progress bar updates (drawing per step would cost more than the step).
 const PROGRESS_EVERY: u64 = 256;
@@ -166,6 +167,10 @@ pub struct Sim<'a> {
     /// Prompt and generated tokens of the requests whose last token is out.
     done_tokens: u64,
     in_step: worker::Load,
+    /// What this worker does in a fleet: everything, or one pool's part of a disaggregated one.
+    role: Role,
+    /// A prefill worker's prompts done since the fleet last took them, their KV to move.
+    handoffs: Vec<Handoff>,
 }
 
 /// The requests a simulation admits, in arrival order.
@@ -351,6 +356,8 @@ impl<'a> Sim<'a> {
             routed_tokens: 0,
             done_tokens: 0,
             in_step: worker::Load::default(),
+            role: Role::Colocated,
+            handoffs: Vec::new(),
         }
     }
 
@@ -672,6 +679,10 @@ impl<'a> Sim<'a> {
     /// Admits request `i` before the next step: its prompt (after a preemption, its prompt and
     /// the tokens it had generated) as a real prepared input, its cached prefix looked up.
     fn admit(&mut self, i: usize) {
+        if self.role == Role::Decode && self.state[i].attempt == 0 {
+            self.admit_transferred(i);
+            return;
+        }
         let r = &self.trace.requests[i];
         let s = &mut self.state[i];
         let n = r.input_tokens + s.generated;
@@ -961,6 +972,10 @@ impl<'a> Sim<'a> {
             s.phase = Phase::Done;
             self.done += 1;
             self.release_kv(i);
+            return;
+        }
+        if self.role == Role::Prefill {
+            self.hand_off(i, rid, t_end);
             return;
         }
         s.phase = Phase::Decoding;

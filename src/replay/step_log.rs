@@ -49,6 +49,9 @@ pub enum StepSink {
         /// The worker's index, written on each of its lines when the fleet has two workers or
         /// more (`None`: a fleet of one writes the lines of a single replay).
         worker: Option<u32>,
+        /// The worker's pool in a disaggregated fleet (`prefill` or `decode`), written after
+        /// `worker`; `None` in a colocated one.
+        pool: Option<&'static str>,
     },
 }
 
@@ -74,13 +77,25 @@ impl StepSink {
         kv: Option<&KvStepLine>,
     ) -> io::Result<()> {
         match self {
-            StepSink::Own(log) => log.write_line(None, t_ms, batch, contexts, outcome, kv),
-            StepSink::Shared { log, worker } => log
-                .borrow_mut()
-                .write_line(*worker, t_ms, batch, contexts, outcome, kv),
+            StepSink::Own(log) => {
+                log.write_line(Worker(None, None), t_ms, batch, contexts, outcome, kv)
+            }
+            StepSink::Shared { log, worker, pool } => log.borrow_mut().write_line(
+                Worker(*worker, *pool),
+                t_ms,
+                batch,
+                contexts,
+                outcome,
+                kv,
+            ),
         }
     }
 }
+
+/// Who ran a step, as a fleet's log line names it: the worker's index (`None`: no `worker` key)
+/// and its pool in a disaggregated fleet (`None`: no `pool` key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Worker(pub Option<u32>, pub Option<&'static str>);
 
 /// A file written under a temporary name in the same directory and renamed over its path when
 /// complete; dropped unfinished, the temporary file is removed and the path left as it was.
@@ -174,13 +189,13 @@ impl StepLog {
     /// memory of the step when the replay models it (a `kv` object; no such key without a KV
     /// limit).
     ///
-    /// The line names `worker` when there is one (a fleet's).
+    /// The line names `worker` when there is one (a fleet's), and its `pool` when it has one.
     ///
     /// # Errors
     /// The write failed.
     pub fn write_line(
         &mut self,
-        worker: Option<u32>,
+        worker: Worker,
         t_ms: f64,
         batch: &Batch,
         contexts: &[u64],
@@ -216,7 +231,7 @@ impl StepLog {
 }
 
 struct StepLine<'a> {
-    worker: Option<u32>,
+    worker: Worker,
     t_ms: f64,
     batch: &'a Batch,
     contexts: &'a [u64],
@@ -272,8 +287,11 @@ impl Serialize for StepLine<'_> {
         let (b, o) = (self.batch, self.outcome);
         let mut m = s.serialize_map(Some(16))?;
         m.serialize_entry("step", &b.step)?;
-        if let Some(w) = self.worker {
+        if let Some(w) = self.worker.0 {
             m.serialize_entry("worker", &w)?;
+        }
+        if let Some(p) = self.worker.1 {
+            m.serialize_entry("pool", p)?;
         }
         m.serialize_entry("t_ms", &ms(self.t_ms))?;
         m.serialize_entry("node", &*b.node)?;

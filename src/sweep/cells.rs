@@ -149,14 +149,14 @@ pub fn labels(
         ));
     }
     // A fleet set in the config makes every cell a fleet replay (`docs/fleet.md`).
-    if setup.fleet.workers > 1 {
+    if setup.fleet.size() > 1 {
+        let workers = match &setup.fleet.disagg {
+            Some(pd) => crate::replay::disagg::label(pd),
+            None => crate::text::plural(u64::from(setup.fleet.workers), "worker"),
+        };
         v.push((
             "fleet".to_string(),
-            format!(
-                "{} behind {} (replay.fleet)",
-                crate::text::plural(u64::from(setup.fleet.workers), "worker"),
-                setup.fleet.router
-            ),
+            format!("{workers} behind {} (replay.fleet)", setup.fleet.router),
         ));
     }
     // Time budgets are the config's, the same in every cell.

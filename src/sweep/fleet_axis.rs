@@ -171,8 +171,8 @@ impl Axis for FleetAxis {
 /// Under one router, one budget and one rate scale: the fewest workers that meet the objective.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FewestRow {
-    /// The router.
-    pub router: &'static str,
+    /// The router (or, in a [`super::pd_axis`] comparison's plot, the layout).
+    pub router: String,
     /// The budget.
     pub budget: Budget,
     /// The rate scale.
@@ -193,7 +193,7 @@ pub struct FewestRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FleetCapacity {
     /// The router.
-    pub router: &'static str,
+    pub router: String,
     /// The workers.
     pub workers: u32,
     /// The budget.
@@ -209,7 +209,7 @@ pub struct FleetCapacity {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FleetComparison {
     /// The routers, in the order given.
-    pub routers: Vec<&'static str>,
+    pub routers: Vec<String>,
     /// The fleet sizes, ascending.
     pub workers: Vec<u32>,
     /// Per router, budget and rate scale, the fewest workers that meet the objective (only with
@@ -242,7 +242,7 @@ impl FleetComparison {
                 for run in &mine {
                     for c in &run.sweep.capacity {
                         capacity.push(FleetCapacity {
-                            router: router.as_str(),
+                            router: router.as_str().to_owned(),
                             workers: run.value.workers,
                             budget: c.budget,
                             capacity: c.label(),
@@ -253,7 +253,7 @@ impl FleetComparison {
             }
         }
         Self {
-            routers: routers.iter().map(|r| r.as_str()).collect(),
+            routers: routers.iter().map(|r| r.as_str().to_owned()).collect(),
             workers,
             fewest,
             capacity,
@@ -281,7 +281,7 @@ impl FleetComparison {
         ];
         let rows = self.fewest.iter().map(|r| {
             vec![
-                r.router.to_owned(),
+                r.router.clone(),
                 r.budget.to_string(),
                 format!("{}x", fmt_rate(r.rate_scale)),
                 r.fewest_workers
@@ -305,7 +305,7 @@ impl FleetComparison {
         let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
         let rows = self.fewest.iter().map(|r| {
             vec![
-                r.router.to_owned(),
+                r.router.clone(),
                 r.budget.to_string(),
                 fmt_rate(r.rate_scale),
                 r.fewest_workers.map_or_else(String::new, |n| n.to_string()),
@@ -318,13 +318,29 @@ impl FleetComparison {
 }
 
 impl FleetComparison {
-    fn title(&self) -> String {
+    /// A comparison for its plot alone: `fewest` by series (named as routers are), over the
+    /// fleet sizes `workers`, without capacities.
+    pub(super) fn of_series(
+        routers: Vec<String>,
+        workers: Vec<u32>,
+        fewest: Vec<FewestRow>,
+    ) -> Self {
+        Self {
+            routers,
+            workers,
+            fewest,
+            capacity: Vec::new(),
+        }
+    }
+
+    /// The plot's title.
+    pub(super) fn title(&self) -> String {
         "The fewest workers that meet the objective, by rate scale".into()
     }
 
     /// The series of the plot: one per router and budget, in the rows' order.
-    fn series(&self) -> Vec<(&'static str, Budget)> {
-        distinct(self.fewest.iter().map(|r| (r.router, r.budget)))
+    fn series(&self) -> Vec<(&str, Budget)> {
+        distinct(self.fewest.iter().map(|r| (r.router.as_str(), r.budget)))
     }
 }
 
@@ -408,7 +424,7 @@ fn fewest_row(runs: &[&FleetRun], router: RouterKind, budget: Budget, rate: f64)
         (c.meets_slo == Some(true)).then_some((r.value.workers, c))
     });
     FewestRow {
-        router: router.as_str(),
+        router: router.as_str().to_owned(),
         budget,
         rate_scale: rate,
         fewest_workers: met.map(|(n, _)| n),

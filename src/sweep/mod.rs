@@ -36,6 +36,7 @@ pub mod jobs;
 pub mod kv_axis;
 pub mod order_axis;
 pub mod output;
+pub mod pd_axis;
 pub mod plots;
 mod raster;
 pub mod run;

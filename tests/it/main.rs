@@ -6,6 +6,7 @@ mod common;
 mod config_cli;
 mod core;
 mod default_log;
+mod disagg;
 mod doc_commands;
 mod drain;
 mod endpoint;

@@ -41,6 +41,19 @@ const SAME: &[(&[&str], &str)] = &[
         &["--kv-memory", "24,8,131072"],
         "[replay.kv]\ngpu_memory_gb = 24\nweights_gb = 8\nkv_bytes_per_token = 131072\n",
     ),
+    (
+        &[
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "2",
+            "--kv-link-gbps",
+            "25",
+            "--kv-link-latency-ms",
+            "0.5",
+        ],
+        "[replay.fleet]\nprefill_workers = 1\ndecode_workers = 2\nkv_link_gbps = 25\nkv_link_latency_ms = 0.5\n",
+    ),
 ];
 
 /// A replay's JSON report without what differs between any two runs (wall time) or names the

@@ -39,7 +39,7 @@ pub struct KvState {
     /// Requests waiting for memory, and since when (simulated ms); preempted ones in front.
     waiting: VecDeque<(usize, f64)>,
     /// Requests admitted to the component, in admission order (the last is the most recent).
-    running: Vec<usize>,
+    pub(super) running: Vec<usize>,
     source: String,
     watermark: f64,
     /// Preemptions since the last step line.
@@ -244,9 +244,20 @@ impl Sim<'_> {
                 kv.waiting.pop_front();
                 kv.waits.push(t - since);
             }
+            let transferred = self.arrives_decoding(i);
             self.admit(i);
             if let Some(kv) = &mut self.kv {
-                kv.pool.reserve(i, need);
+                if transferred {
+                    // Its prompt's KV arrived whole: held at once, not reserved.
+                    if kv.pool.grow(i, self.state[i].true_context - 1).is_err() {
+                        return Err(ReplayError::KvStuck {
+                            rid: self.trace.requests[i].rid,
+                            blocks: kv.pool.limit(),
+                        });
+                    }
+                } else {
+                    kv.pool.reserve(i, need);
+                }
                 kv.running.push(i);
             }
             any = true;
@@ -255,10 +266,15 @@ impl Sim<'_> {
     }
 
     /// The head of the memory queue, since when it waits, and the blocks its first chunk needs.
-    fn head_need(&self) -> Option<(usize, f64, u64)> {
+    pub(super) fn head_need(&self) -> Option<(usize, f64, u64)> {
         let kv = self.kv.as_ref()?;
         let &(i, since) = kv.waiting.front()?;
         let r = &self.trace.requests[i];
+        if self.arrives_decoding(i) {
+            // Its prompt's KV, moved from a prefill worker.
+            let held = self.state[i].true_context - 1;
+            return Some((i, since, kv.pool.blocks_for(held)));
+        }
         let total = r.input_tokens + self.state[i].generated;
         let cached = self
             .cache

@@ -16,8 +16,42 @@ use std::rc::Rc;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
-use super::{Inbox, Sim, StepLog, StepSink};
+use super::{memory, Change, Inbox, Phase, Sim, StepLog, StepSink};
 use crate::replay::router::WorkerLoad;
+
+/// What a worker does in a fleet (`docs/fleet.md#disaggregated-prefill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Prefills and decodes the requests routed to it.
+    Colocated,
+    /// Prefills prompts only: a prompt's final chunk yields its first token here, then its KV
+    /// stays held until the fleet has moved it ([`Sim::transfer_done`]).
+    Prefill,
+    /// Decodes requests whose prompt's KV arrives from a prefill worker ([`Sim::route_decoded`]);
+    /// a preempted one is recomputed here.
+    Decode,
+}
+
+impl Role {
+    /// The pool's name, as the step log and the report write it.
+    pub(crate) fn pool(self) -> Option<&'static str> {
+        match self {
+            Role::Colocated => None,
+            Role::Prefill => Some("prefill"),
+            Role::Decode => Some("decode"),
+        }
+    }
+}
+
+/// A prompt a prefill worker finished: its first token came out at `t_ms`, and its KV is to
+/// move to a decode worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Handoff {
+    /// The request's index in the trace.
+    pub i: usize,
+    /// When its first token came out (simulated ms).
+    pub t_ms: f64,
+}
 
 /// The figures behind a router's view of a worker, at one moment.
 #[derive(Debug, Clone, Copy, Default)]
@@ -52,7 +86,11 @@ impl Sim<'_> {
     ) -> Self {
         self.inbox = Inbox::Routed(VecDeque::new());
         let worker = (workers > 1).then_some(index);
-        self.step_log = log.map(|log| StepSink::Shared { log, worker });
+        self.step_log = log.map(|log| StepSink::Shared {
+            log,
+            worker,
+            pool: None,
+        });
         self.report.step_log = self
             .step_log
             .as_ref()
@@ -62,6 +100,111 @@ impl Sim<'_> {
         self.noise_rng = SmallRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
         self.cache = self.cache.take().map(|c| c.track_visibility());
         self
+    }
+
+    /// Makes this fleet worker one pool's part of a disaggregated fleet: a decode worker keeps no
+    /// prefix cache (prompts are cached where they are prefilled), and its step-log lines name
+    /// its pool.
+    #[must_use]
+    pub(crate) fn with_role(mut self, role: Role) -> Self {
+        self.role = role;
+        if role == Role::Decode {
+            self.cache = None;
+        }
+        if let Some(StepSink::Shared { pool, .. }) = &mut self.step_log {
+            *pool = role.pool();
+        }
+        self
+    }
+
+    /// Whether request `i`, once admitted here, decodes at once on the KV moved to it (a
+    /// decode worker's first admission of it; a recompute after a preemption prefills).
+    pub(super) fn arrives_decoding(&self, i: usize) -> bool {
+        self.role == Role::Decode && self.state[i].attempt == 0
+    }
+
+    /// A decode worker admits request `i`, its prompt's KV moved here: it continues on `decode`
+    /// at once, with the context its prefill worker left (its prompt and first token).
+    pub(super) fn admit_transferred(&mut self, i: usize) {
+        let rid = memory::component_rid(self.trace.requests[i].rid, 0);
+        let s = &mut self.state[i];
+        s.phase = Phase::Decoding;
+        let context = s.true_context;
+        self.changes.push(Change::Continue { rid, context });
+        self.decoding += 1;
+    }
+
+    /// A prefill worker's request `i` (component rid `rid`) got its first token at `t_end` and
+    /// generates more: it leaves this worker's component and counts as done here, and its KV
+    /// stays held (no longer preemptible) until [`Sim::transfer_done`].
+    pub(super) fn hand_off(&mut self, i: usize, rid: u64, t_end: f64) {
+        let s = &mut self.state[i];
+        s.phase = Phase::Done;
+        self.done += 1;
+        self.done_tokens += u64::from(self.trace.requests[i].input_tokens) + u64::from(s.generated);
+        self.changes.push(Change::Forget(rid));
+        if let Some(kv) = &mut self.kv {
+            kv.running.retain(|&r| r != i);
+        }
+        self.handoffs.push(Handoff { i, t_ms: t_end });
+    }
+
+    /// The prompts this prefill worker handed off since the last call, in the order their
+    /// first tokens came out.
+    pub(crate) fn take_handoffs(&mut self, into: &mut Vec<Handoff>) {
+        into.append(&mut self.handoffs);
+    }
+
+    /// Request `i`'s KV has left this prefill worker at `t_ms`: its blocks are free. A worker
+    /// that ran nothing while its memory queue waited on them resumes then.
+    pub(crate) fn transfer_done(&mut self, i: usize, t_ms: f64) {
+        if let Some(kv) = &mut self.kv {
+            kv.pool.release(i);
+        }
+        if self.prefilling == 0 && self.decoding == 0 && self.memory_waiting() > 0 {
+            self.t_ms = self.t_ms.max(t_ms);
+        }
+    }
+
+    /// Whether this prefill worker runs nothing and its memory queue's head does not fit even
+    /// alone: only a transfer done frees its blocks, so it has no step to take until then.
+    fn waits_on_transfers(&self) -> bool {
+        self.role == Role::Prefill
+            && self.prefilling == 0
+            && self.decoding == 0
+            && self.head_need().is_some_and(|(_, _, need)| {
+                self.kv
+                    .as_ref()
+                    .is_some_and(|k| !k.pool.can_admit(need, true))
+            })
+    }
+
+    /// The simulated time: the end of its last step.
+    pub(crate) fn now(&self) -> f64 {
+        self.t_ms
+    }
+
+    /// Sends request `i`, whose prompt was prefilled elsewhere (its first token out at
+    /// `first_token_ms`), to this decode worker at `t_ms`, when its KV has arrived: it waits for
+    /// memory (with a KV pool) and then decodes. Requests must be sent in order of `t_ms`.
+    pub(crate) fn route_decoded(&mut self, i: usize, t_ms: f64, first_token_ms: f64) {
+        self.arrivals[i] = t_ms;
+        let r = &self.trace.requests[i];
+        let s = &mut self.state[i];
+        s.last_token_ms = first_token_ms;
+        s.generated = 1;
+        s.remaining = r.output_tokens.saturating_sub(1);
+        s.true_context = u64::from(r.input_tokens) + 1;
+        self.route(i);
+        // The first token, generated on the prefill worker, is in flight here too.
+        self.routed_tokens += 1;
+    }
+
+    /// KV blocks requests still hold (the prefix cache's left out); 0 without a KV pool.
+    pub(crate) fn request_blocks(&self) -> u64 {
+        self.kv
+            .as_ref()
+            .map_or(0, |k| k.pool.used() - k.pool.cache_used())
     }
 
     /// Sends trace request `i` to this worker: it joins the first step that starts at or after
@@ -81,7 +224,7 @@ impl Sim<'_> {
     /// when it has none; `None` when it has neither.
     pub(crate) fn next_start(&self) -> Option<f64> {
         if self.prefilling > 0 || self.decoding > 0 || self.memory_waiting() > 0 {
-            return Some(self.t_ms);
+            return (!self.waits_on_transfers()).then_some(self.t_ms);
         }
         self.next_arrival().map(|i| self.t_ms.max(self.arrivals[i]))
     }
