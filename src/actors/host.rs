@@ -256,6 +256,23 @@ mod tests {
         assert_eq!(answers, [Ok(0), Ok(1), Ok(2)]);
     }
 
+    #[test]
+    fn stopped_actors_answer_that_they_stopped() {
+        let subs = [("llm", crate::SubmoduleCaps::new(["prefill"], false))];
+        let (cm, actors) = crate::ChunkingManagement::start_on_own_thread("t", subs).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        // Answered on the actors' thread within the deadline, then refused once it stopped.
+        assert!(rt.block_on(cm.queue_stats()).is_ok());
+        actors.stop();
+        let stopped = rt.block_on(cm.queue_stats());
+        assert_eq!(
+            stopped,
+            Err(ChunkingError::ActorStopped { actor: "Scheduler" })
+        );
+    }
+
     #[actix::test]
     async fn a_late_answer_in_time_is_answered_and_a_missing_one_times_out() {
         let addr = Answers.start();
