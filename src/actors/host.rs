@@ -273,6 +273,39 @@ mod tests {
         );
     }
 
+    #[test]
+    fn stop_returns_once_the_actors_thread_has_ended() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static ENDED: AtomicBool = AtomicBool::new(false);
+        /// Left in a thread-local of the actors' thread: dropped as that thread ends, slowly,
+        /// so that a `stop` that did not wait for the thread returns before it is dropped.
+        struct AtExit;
+        impl Drop for AtExit {
+            fn drop(&mut self) {
+                std::thread::sleep(Duration::from_millis(100));
+                ENDED.store(true, Ordering::SeqCst);
+            }
+        }
+        thread_local! {
+            static AT_EXIT: std::cell::RefCell<Option<AtExit>> = const { std::cell::RefCell::new(None) };
+        }
+        let subs = [("llm", crate::SubmoduleCaps::new(["prefill"], false))];
+        let (cm, actors) = crate::ChunkingManagement::start_on_own_thread("t", subs).unwrap();
+        let host = cm.timeout.host.clone().expect("the actors' own thread");
+        let (tx, rx) = std::sync::mpsc::channel();
+        assert!(host.spawn(async move {
+            AT_EXIT.with(|e| *e.borrow_mut() = Some(AtExit));
+            let _ = tx.send(());
+        }));
+        rx.recv().expect("the task ran on the actors' thread");
+        actors.stop();
+        assert!(
+            ENDED.load(Ordering::SeqCst),
+            "stop returned before the actors' thread ended"
+        );
+        drop(cm);
+    }
+
     #[actix::test]
     async fn a_late_answer_in_time_is_answered_and_a_missing_one_times_out() {
         let addr = Answers.start();
