@@ -273,37 +273,53 @@ mod tests {
         );
     }
 
-    #[test]
-    fn stop_returns_once_the_actors_thread_has_ended() {
+    /// Starts actors on their own thread and ends them with `end`; answers whether their
+    /// thread had ended when `end` returned. A value left in a thread-local of that thread is
+    /// dropped as it ends, slowly, so an `end` that does not wait for the thread returns first.
+    fn thread_ended_by(end: impl FnOnce(crate::ChunkingManagement, ActorThread)) -> bool {
         use std::sync::atomic::{AtomicBool, Ordering};
-        static ENDED: AtomicBool = AtomicBool::new(false);
-        /// Left in a thread-local of the actors' thread: dropped as that thread ends, slowly,
-        /// so that a `stop` that did not wait for the thread returns before it is dropped.
-        struct AtExit;
+        struct AtExit(Arc<AtomicBool>);
         impl Drop for AtExit {
             fn drop(&mut self) {
                 std::thread::sleep(Duration::from_millis(100));
-                ENDED.store(true, Ordering::SeqCst);
+                self.0.store(true, Ordering::SeqCst);
             }
         }
         thread_local! {
             static AT_EXIT: std::cell::RefCell<Option<AtExit>> = const { std::cell::RefCell::new(None) };
         }
+        let ended = Arc::new(AtomicBool::new(false));
         let subs = [("llm", crate::SubmoduleCaps::new(["prefill"], false))];
         let (cm, actors) = crate::ChunkingManagement::start_on_own_thread("t", subs).unwrap();
         let host = cm.timeout.host.clone().expect("the actors' own thread");
         let (tx, rx) = std::sync::mpsc::channel();
+        let at_exit = AtExit(ended.clone());
         assert!(host.spawn(async move {
-            AT_EXIT.with(|e| *e.borrow_mut() = Some(AtExit));
+            AT_EXIT.with(|e| *e.borrow_mut() = Some(at_exit));
             let _ = tx.send(());
         }));
         rx.recv().expect("the task ran on the actors' thread");
-        actors.stop();
-        assert!(
-            ENDED.load(Ordering::SeqCst),
-            "stop returned before the actors' thread ended"
-        );
-        drop(cm);
+        end(cm, actors);
+        ended.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn stop_returns_once_the_actors_thread_has_ended() {
+        let ended = thread_ended_by(|cm, actors| {
+            actors.stop();
+            std::mem::forget(cm);
+        });
+        assert!(ended, "stop returned before the actors' thread ended");
+    }
+
+    #[test]
+    fn the_actors_thread_ends_with_the_last_handle_and_guard() {
+        let ended = thread_ended_by(|cm, actors| {
+            drop(actors);
+            drop(cm.clone());
+            drop(cm);
+        });
+        assert!(ended, "the last handle dropped, the thread still ran");
     }
 
     #[actix::test]
