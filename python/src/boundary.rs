@@ -457,37 +457,26 @@ fn ran_list(ran: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
     // SAFETY: `list` is a live object (borrowed from `ran`, the GIL held). Once it is checked
     // to be exactly a `list`, `PyList_GetItem` answers a borrowed reference to item `i` for
     // every `i` below its length, which no code run here can change (only `PyLong_*` calls on
-    // exact `int`s, which run no Python code), and those items stay alive (the list holds
-    // them), so the last one is only compared by address. An error set by
-    // `PyLong_AsUnsignedLong` is cleared before answering `None`.
+    // exact `int`s, which run no Python code). An error set by `PyLong_AsUnsignedLong` is
+    // cleared before answering `None`.
     unsafe {
         if ffi::PyList_CheckExact(list) == 0 {
             return None;
         }
         let n = ffi::PyList_Size(list);
         let mut out = Vec::with_capacity(usize::try_from(n).ok()?);
-        // The item read last and its value: a run of the same `int` object (every decode row's
-        // 1 is CPython's one small int) is read once. An `int` is immutable: the same object is
-        // the same value.
-        let mut last: (*mut ffi::PyObject, u32) = (std::ptr::null_mut(), 0);
         for i in 0..n {
             let item = ffi::PyList_GetItem(list, i);
-            if item.is_null() {
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
                 ffi::PyErr_Clear();
                 return None;
             }
-            if item != last.0 {
-                if ffi::PyLong_CheckExact(item) == 0 {
-                    return None;
-                }
-                let v = ffi::PyLong_AsUnsignedLong(item);
-                if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
-                    ffi::PyErr_Clear();
-                    return None;
-                }
-                last = (item, u32::try_from(v).ok()?);
+            let v = ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
             }
-            out.push(last.1);
+            out.push(u32::try_from(v).ok()?);
         }
         Some(out)
     }

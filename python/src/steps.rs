@@ -268,29 +268,15 @@ fn int_list<'py>(
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
     // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
     // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
-    // the new reference `PyLong_FromUnsignedLong` answers, or a new reference (`Py_IncRef`) to
-    // the `int` an earlier slot holds, which that slot keeps alive. A failed conversion leaves
-    // the rest of the slots empty, which a list's deallocation accepts.
+    // the new reference `PyLong_FromUnsignedLong` answers. A failed conversion leaves the
+    // rest of the slots empty, which a list's deallocation accepts.
     unsafe {
         let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
-        // The value written last and its `int`: a run of one value (the decode rows' 1s) shares
-        // one object, as CPython's small ints are shared anyway; an `int` is immutable.
-        let mut last: Option<(u32, *mut ffi::PyObject)> = None;
         for (i, v) in (0..n).zip(items) {
-            let int = match last {
-                Some((value, int)) if value == v => {
-                    ffi::Py_IncRef(int);
-                    int
-                }
-                _ => {
-                    let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
-                    if int.is_null() {
-                        return Err(PyErr::fetch(py));
-                    }
-                    last = Some((v, int));
-                    int
-                }
-            };
+            let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
+            if int.is_null() {
+                return Err(PyErr::fetch(py));
+            }
             ffi::PyList_SetItem(list.as_ptr(), i, int);
         }
         Ok(list.downcast_into_unchecked())
