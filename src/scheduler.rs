@@ -484,6 +484,20 @@ struct InFlight {
 impl InFlight {
     /// The batch of the step as planned, without inputs.
     fn planned_batch(&self) -> Batch {
+        self.planned_batch_in(Vec::new())
+    }
+
+    /// [`InFlight::planned_batch`], its rows written into `rows` (emptied first): the room of
+    /// an earlier batch's rows.
+    fn planned_batch_in(&self, mut rows: Vec<BatchRow>) -> Batch {
+        rows.clear();
+        rows.extend(self.plan.rows.iter().map(|r| BatchRow {
+            rid: r.rid,
+            walk: r.walk,
+            work: r.work,
+            context: r.context,
+            input: None,
+        }));
         let params = &self.params;
         Batch {
             step: self.step,
@@ -493,18 +507,7 @@ impl InFlight {
             budget: params.budget,
             floor: params.budget.map(|_| params.floor),
             caps: (params.budget.is_some() && !params.caps.is_empty()).then(|| params.caps.clone()),
-            rows: self
-                .plan
-                .rows
-                .iter()
-                .map(|r| BatchRow {
-                    rid: r.rid,
-                    walk: r.walk,
-                    work: r.work,
-                    context: r.context,
-                    input: None,
-                })
-                .collect(),
+            rows,
             scheduled_tokens: self.plan.scheduled_tokens,
             uncut_over_budget: self.plan.uncut_over_budget,
             waiting: self.plan.waiting,
@@ -611,6 +614,10 @@ pub struct SchedulerState {
     next_step: u64,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
+    /// The batch of the last step completed or abandoned: once the engine holds it no more,
+    /// the next batch is written into its room (its `Arc` and its rows' vector), so a step
+    /// allocates no batch ([`SchedulerState::share`]).
+    spare_batch: Option<Arc<Batch>>,
     /// The whole prepared input of every queued prompt row: the one store of them, which each
     /// step's chunk views are cut from (PreparedInputs only counts them).
     pub(crate) inputs: PreparedStore,
@@ -929,7 +936,7 @@ impl SchedulerState {
             margin,
             batch: None,
         };
-        let batch = f.planned_batch();
+        let batch = f.planned_batch_in(self.spare_rows());
         // An empty batch is not a step in flight: nothing waits on its completion, and holding
         // the node for it would hide rows admitted before the engine completes it.
         if f.plan.rows.is_empty() {
@@ -938,6 +945,26 @@ impl SchedulerState {
             self.in_flight.insert(f.params.node.clone(), f);
         }
         Ok(Assembled::Planned(batch))
+    }
+
+    /// The rows' vector of the spare batch, when nobody else holds that batch (else a new one).
+    fn spare_rows(&mut self) -> Vec<BatchRow> {
+        self.spare_batch
+            .as_mut()
+            .and_then(Arc::get_mut)
+            .map(|b| std::mem::take(&mut b.rows))
+            .unwrap_or_default()
+    }
+
+    /// `batch` shared, in the `Arc` of the spare batch when nobody else holds that one.
+    pub(crate) fn share(&mut self, batch: Batch) -> Arc<Batch> {
+        if let Some(mut room) = self.spare_batch.take() {
+            if let Some(slot) = Arc::get_mut(&mut room) {
+                *slot = batch;
+                return room;
+            }
+        }
+        Arc::new(batch)
     }
 
     /// Keeps the batch of a step in flight as handed to the engine (its inputs cut), so that a
@@ -1019,6 +1046,9 @@ impl SchedulerState {
             self.forget_at(*rid, &node);
         }
         self.spare = f.plan;
+        if let Some(batch) = f.batch {
+            self.spare_batch = Some(batch);
+        }
         Ok(())
     }
 
@@ -1146,6 +1176,9 @@ impl SchedulerState {
         }
         let time_margin = margin.map(|_| f.margin);
         self.spare = f.plan;
+        if let Some(batch) = f.batch {
+            self.spare_batch = Some(batch);
+        }
         Ok(StepOutcome {
             step,
             node: f.params.node.clone(),

@@ -3,14 +3,16 @@
 //! exception classes of `mstar_chunking._errors`, and arguments checked with errors that name
 //! them.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::SettingKey;
+use mstar_chunking::policy::Name;
 use mstar_chunking::{ChunkingError, ErrorKind};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -63,6 +65,45 @@ fn block_on<F: Future>(fut: F, timeout: Option<Duration>) -> Option<F::Output> {
             }
         }
     })
+}
+
+/// The most names [`name`] keeps: an engine names a few nodes and walks; past this many, a
+/// name is allocated per call as before.
+const NAMES_KEPT: usize = 64;
+
+/// `s` as a [`Name`], the same `Arc` every time for the first [`NAMES_KEPT`] names seen: the
+/// node and walk a step names from Python (a `(node, walk)` pair, a `NextStep`) allocate no
+/// name per call.
+pub(crate) fn name(s: &str) -> Name {
+    static NAMES: Mutex<BTreeSet<Name>> = Mutex::new(BTreeSet::new());
+    let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(kept) = names.get(s) {
+        return kept.clone();
+    }
+    let new = Name::from(s);
+    if names.len() < NAMES_KEPT {
+        names.insert(new.clone());
+    }
+    new
+}
+
+/// `(node, walk)` from a pair of `str`s (a `tuple`, as `extract::<(String, String)>` takes),
+/// as kept names; `None` for anything else.
+pub(crate) fn name_pair(pair: &Bound<'_, PyAny>) -> Option<(Name, Name)> {
+    let pair = pair.downcast::<PyTuple>().ok()?;
+    if pair.len() != 2 {
+        return None;
+    }
+    let item = |i| -> Option<Name> {
+        let item = pair.get_borrowed_item(i).ok()?;
+        Some(name(
+            item.downcast::<pyo3::types::PyString>()
+                .ok()?
+                .to_str()
+                .ok()?,
+        ))
+    };
+    Some((item(0)?, item(1)?))
 }
 
 /// The actor a timeout names: the engine's calls time their whole wait for the actors (one

@@ -22,8 +22,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::boundary::{
-    block_within, call_within, clock_arg, invalid, measured_arg, panic_message, priority_arg,
-    py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
+    block_within, call_within, clock_arg, invalid, measured_arg, name, name_pair, panic_message,
+    priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -794,8 +794,8 @@ impl Engine {
         let (mut next, own_at_ms) = if let Ok(n) = next.downcast::<PyNextStep>() {
             let n = n.borrow();
             (n.next.clone(), n.at_ms)
-        } else if let Ok((node, walk)) = next.extract::<(String, String)>() {
-            (NextStep::new(node.as_str(), walk.as_str()), None)
+        } else if let Some((node, walk)) = name_pair(next) {
+            (NextStep::new(node, walk), None)
         } else {
             return Err(invalid(
                 py,
@@ -1003,7 +1003,7 @@ impl PyNextStep {
         at_ms: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         Ok(Self {
-            next: NextStep::new(node, walk),
+            next: NextStep::new(name(node), name(walk)),
             at_ms: clock_arg(py, "at_ms", at_ms)?,
         })
     }
@@ -1047,6 +1047,7 @@ impl PyNextStep {
             None => None,
             Some(c) => Some(whole::<u64>(py, "context", c)?),
         };
+        let walk = name(walk);
         slf.push(|n| match context {
             None => n.continue_row(rid, walk, estimate),
             Some(c) => n.continue_row_with_context(rid, walk, estimate, c),
@@ -1073,9 +1074,9 @@ impl PyNextStep {
             priority: priority_arg(py, priority)?,
             arrival_ms: clock_arg(py, "arrival_ms", arrival_ms)?,
         };
-        let node = slf.next.node().to_string();
+        let node = slf.next.node().clone();
         let input = PreparedInput::tokens(token_ids(py, rid, &node, tokens)?);
-        slf.push(|n| n.admit_with(rid, walk, input, options));
+        slf.push(|n| n.admit_with(rid, name(walk), input, options));
         Ok(slf)
     }
 

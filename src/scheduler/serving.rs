@@ -301,7 +301,7 @@ impl SchedulerState {
             hooks.abandoned(step, &e);
             return Err(e);
         }
-        let batch = Arc::new(batch);
+        let batch = self.share(batch);
         self.hold(batch.clone());
         Ok(batch)
     }
@@ -930,6 +930,44 @@ mod tests {
             matches!(stale, Err(ChunkingError::UnknownStep { .. })),
             "{stale:?}"
         );
+    }
+
+    #[test]
+    fn a_batch_the_engine_let_go_of_is_the_room_of_the_next_one() {
+        let mut s = state();
+        let (node, walk) = llm();
+        for rid in [1, 2] {
+            s.admit_prepared(rid, &node, &walk, tokens(24, rid as u32), 0, &mut ())
+                .unwrap();
+        }
+        let first = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let (room, rows_room) = (Arc::as_ptr(&first), first.rows.as_ptr());
+        let step = first.step;
+        drop(first);
+        let done = s
+            .complete_and_assemble_same(step, vec![8], None, None, &mut ())
+            .unwrap();
+        let second = done.next.unwrap();
+        assert_eq!(Arc::as_ptr(&second), room, "the same Arc");
+        assert_eq!(second.rows.as_ptr(), rows_room, "the same rows' vector");
+        assert_eq!(second.step, step + 1);
+        assert_eq!(second.rows[0].input.as_ref().unwrap().token_ids(), &[1; 8]);
+        // Kept by the engine, a batch is never written over: the next one has its own room.
+        let kept = (*second).clone();
+        let done = s
+            .complete_and_assemble_same(second.step, vec![8], None, None, &mut ())
+            .unwrap();
+        let third = done.next.unwrap();
+        assert!(!Arc::ptr_eq(&third, &second));
+        assert_eq!(*second, kept);
+        assert_eq!(third.step, second.step + 1);
+        // An abandoned step's batch is a room too.
+        let (room, step) = (Arc::as_ptr(&third), third.step);
+        drop((second, third));
+        s.abandon(step, &[]).unwrap();
+        let fourth = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        assert_eq!(Arc::as_ptr(&fourth), room);
+        assert_eq!(fourth.rows[0].input.as_ref().unwrap().token_ids(), &[1; 8]);
     }
 
     #[test]
