@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import vllm
 
-SUPPORTED_VLLM = ((0, 33), (0, 34))  # [lower, upper): the release whose internals this follows
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [lower, upper): the releases whose internals this follows
+SUPPORTED_NAME = "0.32.x and 0.33.x"
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -37,11 +38,15 @@ def _release(version: str) -> tuple[int, int]:
 
 if not SUPPORTED_VLLM[0] <= _release(vllm.__version__) < SUPPORTED_VLLM[1]:
     raise ImportError(
-        f"mstar_chunking.vllm supports vLLM 0.33.x (it overrides that release's scheduler "
-        f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins it."
+        f"mstar_chunking.vllm supports vLLM {SUPPORTED_NAME} (it overrides those releases' scheduler "
+        f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins them."
     )
 
-from vllm.outputs import RequestError  # noqa: E402
+try:  # vLLM 0.33: a per-request error carries its code and message
+    from vllm.outputs import RequestError  # noqa: E402
+except ImportError:  # vLLM 0.32: the request only finishes with an error
+    RequestError = None
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
@@ -257,10 +262,14 @@ class _Chunking:
             what = "streaming input"
         if what is not None and request.request_id in self.requests:  # type: ignore[attr-defined]
             self.mstar_stats.refused_requests += 1
-            self.grammar_compile_error_reqs[request.request_id] = RequestError(  # type: ignore[attr-defined]
-                code="validation_error",
-                message=f"{what} is not supported by mstar_chunking.vllm.Scheduler",
-            )
+            message = f"{what} is not supported by mstar_chunking.vllm.Scheduler"
+            errors = self.grammar_compile_error_reqs  # type: ignore[attr-defined]
+            if RequestError is not None:
+                errors[request.request_id] = RequestError(code="validation_error", message=message)
+            else:
+                # vLLM 0.32 finishes the request with an error but carries no message with it.
+                log.warning("request %s refused: %s", request.request_id, message)
+                errors.add(request.request_id)
 
     def _forget(self, req_id: str) -> None:
         """Ends the request in the component, with the next step's row changes."""
