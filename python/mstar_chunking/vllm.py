@@ -42,11 +42,7 @@ if not SUPPORTED_VLLM[0] <= _release(vllm.__version__) < SUPPORTED_VLLM[1]:
         f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins them."
     )
 
-try:  # vLLM 0.33: a per-request error carries its code and message
-    from vllm.outputs import RequestError  # noqa: E402
-except ImportError:  # vLLM 0.32: the request only finishes with an error
-    RequestError = None
-
+from vllm.outputs import RequestError  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
@@ -94,6 +90,7 @@ class ChunkingStats:
     start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
     ended_in_flight: int = 0  # async: forgotten once their last token was scheduled
     refused_requests: int = 0
+    readmitted: int = 0  # admitted again to follow vLLM's waiting order (after a preemption)
     unmeasured_steps: int = 0  # async: completed before their time was known
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
     late_outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -264,10 +261,10 @@ class _Chunking:
             self.mstar_stats.refused_requests += 1
             message = f"{what} is not supported by mstar_chunking.vllm.Scheduler"
             errors = self.grammar_compile_error_reqs  # type: ignore[attr-defined]
-            if RequestError is not None:
+            if isinstance(errors, dict):  # vLLM 0.33: the error carries its code and message
                 errors[request.request_id] = RequestError(code="validation_error", message=message)
             else:
-                # vLLM 0.32 finishes the request with an error but carries no message with it.
+                # vLLM 0.32 keeps the ids alone: the request finishes with an error, no message.
                 log.warning("request %s refused: %s", request.request_id, message)
                 errors.add(request.request_id)
 
@@ -294,13 +291,26 @@ class _Chunking:
         and a different answer makes the request be admitted again from there)."""
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         pending = 0
+        last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
         for request in self.waiting:  # type: ignore[attr-defined]
             if pending >= free:
                 break
             req_id = request.request_id
-            if req_id in self._rid_of:
-                pending += 1
-                continue
+            rid = self._rid_of.get(req_id)
+            if rid is not None:
+                if rid > last:
+                    last = rid
+                    pending += 1
+                    continue
+                # vLLM put it behind a request admitted after it (a preempted request goes back to
+                # the front of vLLM's queue): admitted again, so that the component plans the
+                # waiting requests in vLLM's order. (vLLM 0.32 stops at the first waiting request
+                # that gets no tokens, so a plan in another order would never run.)
+                self.mstar_stats.readmitted += 1
+                hint = self._start_hint.get(req_id)
+                self._forget(req_id)
+                if hint is not None:
+                    self._start_hint[req_id] = hint
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 continue
             if req_id in self.grammar_compile_error_reqs:  # type: ignore[attr-defined]
@@ -317,6 +327,7 @@ class _Chunking:
             self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
+            last = rid
             pending += 1
 
     # -- one step ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from harness import LLAVA, Driver, VllmScheduler, make_request, make_scheduler
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-from mstar_chunking.vllm import CONFIG_ENV, RequestError, Scheduler, UnsupportedVllmFeature, _refusals
+from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
 
 
 def test_other_vllm_releases_are_refused_at_import():
@@ -86,8 +86,18 @@ SET = [
 )
 def test_refused_at_start_by_name(how, name):
     if isinstance(how, dict):
-        with pytest.raises(UnsupportedVllmFeature) as e:
+        try:
             make_scheduler(Scheduler, **how)
+        except UnsupportedVllmFeature as refused:
+            message = str(refused)
+        except ValueError as config_error:
+            # vLLM's CPU build has no Triton, so no V2 model runner: its config refuses a
+            # diffusion model before any scheduler is built.
+            if "Model Runner V1 does not support: diffusion" not in str(config_error):
+                raise
+            pytest.skip(f"vLLM itself refuses the configuration: {config_error}")
+        else:
+            pytest.fail(f"the plugin started with {how}")
         try:
             theirs = make_scheduler(VllmScheduler, **how)
         except Exception as their_error:  # vLLM's own cannot start with it here (no tokenizer, ...)
@@ -102,7 +112,7 @@ def test_refused_at_start_by_name(how, name):
             object.__setattr__(getattr(cfg, how[0]), how[1], how[2])
         with pytest.raises(UnsupportedVllmFeature) as e:
             Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
-    message = str(e.value)
+        message = str(e.value)
     assert message.startswith("mstar_chunking.vllm.Scheduler does not support ") and name in message, message
     others = message.count(";")  # the features named besides: none, but what comes with it
     assert others == 0 or (name.startswith("encoder inputs") and "chunked prefill turned off" in message), message
@@ -154,7 +164,7 @@ def test_refused_per_request_by_name(make, name, caplog):
     run = d.drain(limit=200)
     assert run.finished["refused"] == "error" and run.outputs["refused"] == 0
     message = f"{name} is not supported by mstar_chunking.vllm.Scheduler"
-    if RequestError is not None:
+    if isinstance(s.grammar_compile_error_reqs, dict):
         error = run.errors["refused"]
         assert error.code == "validation_error"
         assert error.message == message, error

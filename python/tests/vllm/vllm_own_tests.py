@@ -133,7 +133,12 @@ def _mstar_class():
 
 def create_scheduler(*args, **kwargs):
     if _mstar_os.environ.get("MSTAR_OWN_TESTS") and kwargs.get("scheduler_cls") is None:
-        kwargs["scheduler_cls"] = _mstar_class()
+        from mstar_chunking.vllm import _async_variant
+
+        cls = _mstar_class()
+        # As the helper picks vLLM's AsyncScheduler by its argument (vLLM's CPU build turns the
+        # setting off in the config), the plugin's async variant is picked by it too.
+        kwargs["scheduler_cls"] = _async_variant(cls) if kwargs.get("async_scheduling") else cls
         s = _mstar_create_scheduler(*args, **kwargs)
         _mstar_built.append(s)
         return s
