@@ -135,6 +135,10 @@ def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
         out.append(f"scheduling policy {sc.policy!r} (only 'fcfs')")
     if sc.max_num_scheduled_tokens is not None and sc.max_num_scheduled_tokens != sc.max_num_batched_tokens:
         out.append("max_num_scheduled_tokens other than max_num_batched_tokens")
+    if getattr(sc, "long_prefill_token_threshold_adaptive", False):
+        # vLLM floors the threshold at a fair share of the budget each step; the component's
+        # per-row cap is fixed.
+        out.append("the adaptive long-prefill threshold (--long-prefill-token-threshold-adaptive)")
     return out
 
 
@@ -257,6 +261,10 @@ class _Chunking:
             what = "structured output"
         elif request.resumable:
             what = "streaming input"
+        elif request.has_encoder_inputs:
+            # Refused at start with the model that takes them; a request carrying them anyway
+            # would have its chunks cut at its inputs by vLLM, which the plan does not know.
+            what = "encoder inputs"
         if what is not None and request.request_id in self.requests:  # type: ignore[attr-defined]
             self.mstar_stats.refused_requests += 1
             message = f"{what} is not supported by mstar_chunking.vllm.Scheduler"

@@ -11,8 +11,9 @@ load each):
 1. `vllm`: vLLM's own scheduler, token budget `--budget`;
 2. `plugin`: `mstar_chunking.vllm.Scheduler` with vLLM's settings (the same token budget);
 3. `plugin-time`: the plugin with a time budget set in its settings (`chunking_settings()`:
-   `max_step_ms`, the latency model learned online), `--max-step-ms`, or, by default, half the
-   median of the `plugin` run's steps that ran more than half the token budget.
+   `max_step_ms`, `cost`, `learn_cost`): the latency model fitted to the `vllm` run's step times
+   (base and per-token terms, least squares), refined online; the budget `--max-step-ms`, or, by
+   default, what that model predicts for half the token budget.
 
 The same 20 prompts (windows of the repository's docs, 50 to 1,500 tokens, as token ids) go to
 each, all at once, greedy. Checked, each a failure naming the run and request: every request
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -115,7 +115,7 @@ class _Timing:
         return result
 
 
-def _scheduler_classes(kind: str, max_step_ms: Optional[float]) -> Any:
+def _scheduler_classes(kind: str, max_step_ms: Optional[float], cost: Optional[list[float]]) -> Any:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsync
     from vllm.v1.core.sched.scheduler import Scheduler as VllmSync
 
@@ -139,7 +139,7 @@ def _scheduler_classes(kind: str, max_step_ms: Optional[float]) -> Any:
         def chunking_settings(self) -> dict[str, Any]:
             settings = super().chunking_settings()
             if max_step_ms is not None:
-                settings.update(max_step_ms=max_step_ms, learn_cost=True)
+                settings.update(max_step_ms=max_step_ms, cost=tuple(cost), learn_cost=True)
             return settings
 
     return TimedPlugin
@@ -154,7 +154,8 @@ def child(args: argparse.Namespace) -> int:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(Path(args.prompts).read_text())
-    cls = _scheduler_classes(args.kind, args.max_step_ms)
+    cost = [float(x) for x in args.cost.split(",")] if args.cost else None
+    cls = _scheduler_classes(args.kind, args.max_step_ms, cost)
     t0 = time.perf_counter()
     llm = LLM(
         model=str(args.model),
@@ -205,8 +206,10 @@ def child(args: argparse.Namespace) -> int:
         result["component_held"] = len(s._rid_of) + len(s.chunking.prepared)
         result["handed_back"] = st.handed_back
         reasons: dict[int, Optional[str]] = {}
+        predicted: dict[int, Optional[float]] = {}
         for o in list(st.outcomes):
             reasons[o.step] = o.time_overrun
+            predicted[o.step] = o.predicted_ms
         for o in list(st.late_outcomes):
             step = o["step"] if isinstance(o, dict) else o.step
             reason = o["time_overrun"] if isinstance(o, dict) else o.time_overrun
@@ -215,6 +218,7 @@ def child(args: argparse.Namespace) -> int:
         for rec in s.real_steps:
             if "step" in rec:
                 rec["time_overrun"] = reasons.get(rec["step"])
+                rec["predicted_ms"] = predicted.get(rec["step"])
     Path(args.result).write_text(json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
     return 0
@@ -223,7 +227,9 @@ def child(args: argparse.Namespace) -> int:
 # -- in the parent: three runs, the checks, the figures --------------------------------------
 
 
-def run_child(args: argparse.Namespace, kind: str, prompts_file: Path, max_step_ms: Optional[float]) -> dict:
+def run_child(
+    args: argparse.Namespace, kind: str, prompts_file: Path, max_step_ms: Optional[float], cost: Optional[list[float]] = None
+) -> dict:
     out = Path(args.work) / f"{kind}.json"
     cmd = [
         sys.executable,
@@ -242,7 +248,7 @@ def run_child(args: argparse.Namespace, kind: str, prompts_file: Path, max_step_
         str(args.max_num_seqs),
     ]
     if max_step_ms is not None:
-        cmd += ["--max-step-ms", repr(max_step_ms)]
+        cmd += ["--max-step-ms", repr(max_step_ms), "--cost", ",".join(repr(c) for c in cost or ())]
     env = {**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = Path(args.work) / f"{kind}.log"
     t0 = time.perf_counter()
@@ -256,7 +262,20 @@ def run_child(args: argparse.Namespace, kind: str, prompts_file: Path, max_step_
     return r
 
 
-def step_figures(r: dict, max_step_ms: Optional[float]) -> dict:
+def fit_cost(r: dict) -> list[float]:
+    """(base_ms, per_token_ms, 0, 0): least squares of a run's step times on its tokens."""
+    pts = [(st["tokens"], st["ms"]) for st in r["steps"] if st["ms"] is not None and st["tokens"] > 0]
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    slope = max(slope, 1e-6)
+    base = max(my - slope * mx, 0.0)
+    return [round(base, 3), round(slope, 6), 0.0, 0.0]
+
+
+def step_figures(r: dict, max_step_ms: Optional[float], reasons: bool) -> dict:
     ms = [st["ms"] for st in r["steps"] if st["ms"] is not None]
     tbt = []
     for times in r["token_times"].values():
@@ -276,12 +295,12 @@ def step_figures(r: dict, max_step_ms: Optional[float]) -> dict:
     if max_step_ms is not None:
         over = [st for st in r["steps"] if st["ms"] is not None and st["ms"] > max_step_ms]
         fig["over_time_budget"] = len(over)
-        by: dict[str, int] = {}
-        for st in over:
-            reason = st.get("time_overrun", "n/a") if "step" in st else "n/a"
-            key = str(reason)
-            by[key] = by.get(key, 0) + 1
-        fig["over_by_reason"] = by
+        if reasons:
+            by: dict[str, int] = {}
+            for st in over:
+                key = str(st.get("time_overrun") or "not reported")
+                by[key] = by.get(key, 0) + 1
+            fig["over_by_reason"] = by
     return fig
 
 
@@ -318,7 +337,9 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
-def report(runs: dict[str, dict], figs: dict[str, dict], prompts: list[dict], max_step_ms: float, bad: list[str]) -> str:
+def report(
+    runs: dict[str, dict], figs: dict[str, dict], prompts: list[dict], max_step_ms: float, cost: list[float], bad: list[str]
+) -> str:
     v = runs["vllm"]
     lines = [
         "# vLLM's real engine with mstar_chunking.vllm.Scheduler (SmolLM2-135M-Instruct, CPU)",
@@ -331,8 +352,10 @@ def report(runs: dict[str, dict], figs: dict[str, dict], prompts: list[dict], ma
         f"- {len(prompts)} prompts of {min(len(p['tokens']) for p in prompts)}–"
         f"{max(len(p['tokens']) for p in prompts)} tokens ({sum(len(p['tokens']) for p in prompts)} in all), "
         f"{sum(p['max_tokens'] for p in prompts)} output tokens at most, all submitted at once, greedy.",
-        f"- Time budget of `plugin-time`: {max_step_ms:.1f} ms (`max_step_ms` and `learn_cost` in "
-        "`chunking_settings()`).",
+        f"- Time budget of `plugin-time`: {max_step_ms:.1f} ms, what the latency model predicts for half the "
+        f"token budget; the model (`cost`, base {cost[0]:.1f} ms + {cost[1]:.3f} ms a token) fitted by least "
+        "squares to the step times of the `vllm` run, refined online (`learn_cost`): all three in "
+        "`chunking_settings()`.",
         "",
         "| run | scheduler | steps | step ms p50 / p99 / max | TBT ms p50 / p99 | steps over "
         f"{max_step_ms:.0f} ms (by reason) | most tokens in a step | generate s |",
@@ -349,8 +372,8 @@ def report(runs: dict[str, dict], figs: dict[str, dict], prompts: list[dict], ma
         )
     lines += [
         "",
-        "Reasons: the component's `time_overrun` of the step (`n/a`: vLLM's own scheduler, which has no "
-        "time budget, or a step the component reported without one).",
+        "Steps over the time budget are counted in every run; under the time budget with the reason "
+        "the component gave (`time_overrun`).",
         "",
         "Checks: " + ("every one passed (every request finished, every completion's tokens and text equal "
                       "vLLM's own scheduler's, no step over the token budget, every KV block free and "
@@ -374,6 +397,7 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cost", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         args.kind = args.child
@@ -390,17 +414,17 @@ def main() -> int:
     runs: dict[str, dict] = {}
     runs["vllm"] = run_child(args, "vllm", prompts_file, None)
     runs["plugin"] = run_child(args, "plugin", prompts_file, None)
+    cost = fit_cost(runs["vllm"])
     max_step_ms = args.max_step_ms
     if max_step_ms is None:
-        big = [st["ms"] for st in runs["plugin"]["steps"] if st["ms"] is not None and st["tokens"] > args.budget // 2]
-        max_step_ms = round(0.5 * statistics.median(big), 1)
-    runs["plugin-time"] = run_child(args, "plugin-time", prompts_file, max_step_ms)
+        max_step_ms = round(cost[0] + cost[1] * args.budget / 2, 1)
+    runs["plugin-time"] = run_child(args, "plugin-time", prompts_file, max_step_ms, cost)
     for r in runs.values():
         r["vllm_version"] = vllm.__version__
         r["max_num_seqs"] = args.max_num_seqs
-    figs = {kind: step_figures(r, max_step_ms) for kind, r in runs.items()}
+    figs = {kind: step_figures(r, max_step_ms, kind == "plugin-time") for kind, r in runs.items()}
     bad = check(runs, prompts)
-    text = report(runs, figs, prompts, max_step_ms, bad)
+    text = report(runs, figs, prompts, max_step_ms, cost, bad)
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -62,6 +62,7 @@ SET = [
     (("kv_transfer_config",), "KV transfer"),
     (("ec_transfer_config",), "encoder-cache transfer"),
     (("parallel_config", "pipeline_parallel_size", 2), "pipeline parallelism"),
+    (("scheduler_config", "long_prefill_token_threshold_adaptive", True), "the adaptive long-prefill threshold"),
 ]
 
 
@@ -82,6 +83,7 @@ SET = [
         "kv-transfer",
         "ec-transfer",
         "pipeline-parallel",
+        "adaptive-threshold",
     ],
 )
 def test_refused_at_start_by_name(how, name):
@@ -144,13 +146,29 @@ def _structured(req):
     return req
 
 
+def _with_image(request):
+    """A text model's request carrying an image placeholder (as vLLM's own scheduler tests make)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+
+    request.mm_features = [
+        MultiModalFeatureSpec(
+            data=MultiModalKwargsItem.dummy(),
+            mm_position=PlaceholderRange(offset=4, length=16),
+            identifier="image-0",
+            modality="image",
+        )
+    ]
+    return request
+
+
 @pytest.mark.parametrize(
     "make, name",
     [
         (lambda: _structured(make_request("refused", [5] * 40, 8)), "structured output"),
         (lambda: make_request("refused", [5] * 40, 8, resumable=True), "streaming input"),
+        (lambda: _with_image(make_request("refused", [5] * 40, 8)), "encoder inputs"),
     ],
-    ids=["structured-output", "streaming-input"],
+    ids=["structured-output", "streaming-input", "encoder-inputs"],
 )
 def test_refused_per_request_by_name(make, name, caplog):
     """The request finishes with a validation error naming the feature (vLLM 0.32, whose errors
