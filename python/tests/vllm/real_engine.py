@@ -171,6 +171,7 @@ def child(args: argparse.Namespace) -> int:
     core = llm.llm_engine.engine_core.engine_core
     s = core.scheduler
     params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in prompts]
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p["tokens"]) for p in prompts], params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
@@ -191,6 +192,7 @@ def child(args: argparse.Namespace) -> int:
         "free_blocks": pool.get_num_free_blocks(),
         "blocks": pool.num_gpu_blocks - 1,  # less the null block
         "max_step_ms": args.max_step_ms,
+        "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # 1-minute, before and after
     }
     # vLLM's request ids in the outputs are the engine's; map them back through the order.
     for p, o in zip(prompts, outs):
@@ -291,6 +293,7 @@ def step_figures(r: dict, max_step_ms: Optional[float], reasons: bool) -> dict:
         "max_tokens_in_a_step": max((st["tokens"] for st in r["steps"]), default=0),
         "generate_s": r["generate_s"],
         "load_s": r["load_s"],
+        "loadavg": r["loadavg"],
     }
     if max_step_ms is not None:
         over = [st for st in r["steps"] if st["ms"] is not None and st["ms"] > max_step_ms]
@@ -358,8 +361,8 @@ def report(
         "`chunking_settings()`.",
         "",
         "| run | scheduler | steps | step ms p50 / p99 / max | TBT ms p50 / p99 | steps over "
-        f"{max_step_ms:.0f} ms (by reason) | most tokens in a step | generate s |",
-        "|---|---|---:|---|---|---|---:|---:|",
+        f"{max_step_ms:.0f} ms (by reason) | most tokens in a step | generate s | load average |",
+        "|---|---|---:|---|---|---|---:|---:|---|",
     ]
     for kind, f in figs.items():
         over = f.get("over_time_budget")
@@ -368,12 +371,14 @@ def report(
             f"| {kind} | `{runs[kind]['scheduler'].rsplit('.', 1)[-1]}` | {f['steps']} | "
             f"{fmt(f['step_ms_p50'])} / {fmt(f['step_ms_p99'])} / {fmt(f['step_ms_max'])} | "
             f"{fmt(f['tbt_ms_p50'])} / {fmt(f['tbt_ms_p99'])} | {fmt(over)}{f' ({reasons})' if reasons else ''} | "
-            f"{f['max_tokens_in_a_step']} | {f['generate_s']:.1f} |"
+            f"{f['max_tokens_in_a_step']} | {f['generate_s']:.1f} | {f['loadavg'][0]} → {f['loadavg'][1]} |"
         )
     lines += [
         "",
         "Steps over the time budget are counted in every run; under the time budget with the reason "
-        "the component gave (`time_overrun`).",
+        "the component gave (`time_overrun`). The load average (1 minute, before and after the run's "
+        "`generate`) is the machine's: the runs are one after the other, so their times compare only "
+        "where the load was alike.",
         "",
         "Checks: " + ("every one passed (every request finished, every completion's tokens and text equal "
                       "vLLM's own scheduler's, no step over the token budget, every KV block free and "

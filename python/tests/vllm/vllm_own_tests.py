@@ -9,6 +9,8 @@ distribution.
    downloaded from the package index's file list, its sha256 checked against the index's, and
    kept in `${XDG_CACHE_HOME:-$HOME/.cache}/mstar-chunking/vllm-sdist/`; only its `tests/` tree
    is extracted, into `--work`. Nothing is built.
+   The helper's `VllmConfig` is given the CPU as its device (vLLM's GPU build cannot infer one
+   on a machine without a GPU; its CPU build infers the CPU itself).
 2. The models the tests name (`facebook/opt-125m`, `llava-hf/llava-1.5-7b-hf`) are local
    directories in a Hugging Face cache of the run's own (`HF_HOME` under `--work`, offline): each
    the model's `config.json` (no weights) and the tokenizer files of `--tokenizer` (what
@@ -264,7 +266,14 @@ def extract_tests(sdist: Path, version: str, work: Path) -> Path:
         ]
         tar.extractall(work, members=members, filter="data")
     utils = root / "tests" / "v1" / "core" / "utils.py"
-    utils.write_text(utils.read_text() + HOOK)
+    text = utils.read_text()
+    # vLLM's GPU build on a machine without a GPU cannot infer its device: the helper's config
+    # names the CPU, as vLLM's CPU build infers it.
+    anchor = "    vllm_config = VllmConfig(\n"
+    if text.count(anchor) != 1:
+        raise SystemExit(f"vllm_own_tests: {utils}: no single `VllmConfig(` call in create_scheduler to give the device")
+    text = text.replace(anchor, anchor + '        device_config=__import__("vllm.config").config.DeviceConfig("cpu"),\n')
+    utils.write_text(text + HOOK)
     conftest = root / "tests" / "v1" / "core" / "conftest.py"
     conftest.write_text(CONFTEST)
     return root
