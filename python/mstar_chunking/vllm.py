@@ -327,7 +327,7 @@ class _Chunking:
             if start is None:
                 start = request.num_computed_tokens
                 if start == 0:
-                    start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
+                    start = self._prefix_hit(request)
             rid = self._next_rid
             self._next_rid += 1
             # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
@@ -337,6 +337,14 @@ class _Chunking:
             self._req_of[rid] = req_id
             last = rid
             pending += 1
+
+    def _prefix_hit(self, request: Request) -> int:
+        """The prefix-cache hit vLLM will find for a waiting request, looked up as vLLM does
+        (vLLM 0.33 caps it at the auxiliary outputs the aux-output connector retains)."""
+        aux = getattr(self, "aux_output_connector", None)
+        if aux is not None and hasattr(aux, "max_cache_hit"):
+            return self.kv_cache_manager.get_computed_blocks(request, aux.max_cache_hit(request))[1]  # type: ignore[attr-defined]
+        return self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
 
     # -- one step ---------------------------------------------------------------------------
 

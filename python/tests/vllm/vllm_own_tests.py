@@ -142,6 +142,16 @@ DIFFERENCES: dict[str, str] = {
         "requests waiting for remote KV, structured output and streaming input: KV transfer is refused "
         "at start with a real configuration, the other two per request"
     ),
+    "test_scheduler.py::test_drafter_lookahead_encoder_cache_cap_": (
+        "sets `num_prefill_lookahead` on the scheduler after it started (the drafter's lookahead comes "
+        "with a speculative config, refused at start) and gives a text model's request encoder inputs: "
+        "refused per request (an error naming them)"
+    ),
+    "test_scheduler.py::test_prefill_cadence_counts_executed_steps_not_schedule_calls": (
+        "calls `schedule()` three times and `update_from_output()` for the first output only; vLLM's "
+        "engine passes every output `schedule()` returned, empty ones too, to `update_from_output()` "
+        "in order, which the plugin requires (a RuntimeError names the step otherwise)"
+    ),
     "test_async_scheduler.py::test_prefix_caching_for_prefill_dedup": (
         "two identical prompts in one step: vLLM finds the second's prefix-cache hit on the blocks the "
         "first allocated in the same step and runs its last 4 tokens at once; the plugin admitted it "
