@@ -307,7 +307,6 @@ def run_pytest(root: Path, mode: Optional[str], args: argparse.Namespace, home: 
     tag = mode or "vllm"
     xml = args.work / f"junit-{tag}.xml"
     log = args.work / f"built-{tag}.jsonl"
-    log.unlink(missing_ok=True)
     env = {
         **os.environ,
         "HF_HOME": str(home),
@@ -324,11 +323,13 @@ def run_pytest(root: Path, mode: Optional[str], args: argparse.Namespace, home: 
     if args.k:
         cmd += ["-k", args.k]
     out = args.work / f"pytest-{tag}.log"
-    with open(out, "w") as f:
-        try:
-            subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            raise SystemExit(f"vllm_own_tests: the {tag} run passed {args.timeout} s (a hang?): {out}")
+    if not args.classify_only:
+        log.unlink(missing_ok=True)
+        with open(out, "w") as f:
+            try:
+                subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"vllm_own_tests: the {tag} run passed {args.timeout} s (a hang?): {out}")
     results: dict[str, dict] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         cls = case.get("classname", "")
@@ -437,15 +438,19 @@ def main() -> int:
     ap.add_argument("--defaults", action="store_true", help="the plugin with the component's defaults")
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one pytest run")
+    ap.add_argument("--classify-only", action="store_true", help="compare the last runs in --work again")
     args = ap.parse_args()
     import vllm
 
     version = vllm.__version__.split("+")[0]
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
-    sdist = fetch_sdist(version)
-    root = extract_tests(sdist, version, args.work)
-    home = hf_home(args.work, args.tokenizer)
+    if args.classify_only:
+        root, home = args.work / f"vllm-{version}", args.work / "hf-home"
+    else:
+        sdist = fetch_sdist(version)
+        root = extract_tests(sdist, version, args.work)
+        home = hf_home(args.work, args.tokenizer)
     mode = "defaults" if args.defaults else "vllm-rules"
     own = run_pytest(root, None, args, home)
     ours = run_pytest(root, mode, args, home)
