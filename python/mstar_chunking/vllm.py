@@ -15,6 +15,7 @@ read and what is refused are in docs/vllm.md.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -183,6 +184,11 @@ class _Chunking:
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self._async = isinstance(self, _VllmAsyncScheduler)
+        # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
+        # lookup takes the request alone.
+        self._capped_hits = "max_cache_hit_length" in inspect.signature(
+            self.kv_cache_manager.get_computed_blocks  # type: ignore[attr-defined]
+        ).parameters
         self.chunking = self._start_component(cfg)
 
     # -- settings ---------------------------------------------------------------------------
@@ -342,7 +348,7 @@ class _Chunking:
         """The prefix-cache hit vLLM will find for a waiting request, looked up as vLLM does
         (vLLM 0.33 caps it at the auxiliary outputs the aux-output connector retains)."""
         aux = getattr(self, "aux_output_connector", None)
-        if aux is not None and hasattr(aux, "max_cache_hit"):
+        if aux is not None and self._capped_hits:
             return self.kv_cache_manager.get_computed_blocks(request, aux.max_cache_hit(request))[1]  # type: ignore[attr-defined]
         return self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
 

