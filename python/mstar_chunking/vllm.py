@@ -15,6 +15,7 @@ read and what is refused are in docs/vllm.md.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -24,7 +25,8 @@ from typing import Any, Optional
 
 import vllm
 
-SUPPORTED_VLLM = ((0, 33), (0, 34))  # [lower, upper): the release whose internals this follows
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [lower, upper): the releases whose internals this follows
+SUPPORTED_NAME = "0.32.x and 0.33.x"
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -37,8 +39,8 @@ def _release(version: str) -> tuple[int, int]:
 
 if not SUPPORTED_VLLM[0] <= _release(vllm.__version__) < SUPPORTED_VLLM[1]:
     raise ImportError(
-        f"mstar_chunking.vllm supports vLLM 0.33.x (it overrides that release's scheduler "
-        f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins it."
+        f"mstar_chunking.vllm supports vLLM {SUPPORTED_NAME} (it overrides those releases' scheduler "
+        f"internals); found vLLM {vllm.__version__}. Install `mstar-chunking[vllm]`, which pins them."
     )
 
 from vllm.outputs import RequestError  # noqa: E402
@@ -89,6 +91,7 @@ class ChunkingStats:
     start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
     ended_in_flight: int = 0  # async: forgotten once their last token was scheduled
     refused_requests: int = 0
+    readmitted: int = 0  # admitted again to follow vLLM's waiting order (after a preemption)
     unmeasured_steps: int = 0  # async: completed before their time was known
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
     late_outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -133,6 +136,10 @@ def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
         out.append(f"scheduling policy {sc.policy!r} (only 'fcfs')")
     if sc.max_num_scheduled_tokens is not None and sc.max_num_scheduled_tokens != sc.max_num_batched_tokens:
         out.append("max_num_scheduled_tokens other than max_num_batched_tokens")
+    if getattr(sc, "long_prefill_token_threshold_adaptive", False):
+        # vLLM floors the threshold at a fair share of the budget each step; the component's
+        # per-row cap is fixed.
+        out.append("the adaptive long-prefill threshold (--long-prefill-token-threshold-adaptive)")
     return out
 
 
@@ -177,6 +184,11 @@ class _Chunking:
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self._async = isinstance(self, _VllmAsyncScheduler)
+        # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
+        # lookup takes the request alone.
+        self._capped_hits = "max_cache_hit_length" in inspect.signature(
+            self.kv_cache_manager.get_computed_blocks  # type: ignore[attr-defined]
+        ).parameters
         self.chunking = self._start_component(cfg)
 
     # -- settings ---------------------------------------------------------------------------
@@ -255,12 +267,20 @@ class _Chunking:
             what = "structured output"
         elif request.resumable:
             what = "streaming input"
+        elif request.has_encoder_inputs:
+            # Refused at start with the model that takes them; a request carrying them anyway
+            # would have its chunks cut at its inputs by vLLM, which the plan does not know.
+            what = "encoder inputs"
         if what is not None and request.request_id in self.requests:  # type: ignore[attr-defined]
             self.mstar_stats.refused_requests += 1
-            self.grammar_compile_error_reqs[request.request_id] = RequestError(  # type: ignore[attr-defined]
-                code="validation_error",
-                message=f"{what} is not supported by mstar_chunking.vllm.Scheduler",
-            )
+            message = f"{what} is not supported by mstar_chunking.vllm.Scheduler"
+            errors = self.grammar_compile_error_reqs  # type: ignore[attr-defined]
+            if isinstance(errors, dict):  # vLLM 0.33: the error carries its code and message
+                errors[request.request_id] = RequestError(code="validation_error", message=message)
+            else:
+                # vLLM 0.32 keeps the ids alone: the request finishes with an error, no message.
+                log.warning("request %s refused: %s", request.request_id, message)
+                errors.add(request.request_id)
 
     def _forget(self, req_id: str) -> None:
         """Ends the request in the component, with the next step's row changes."""
@@ -285,13 +305,26 @@ class _Chunking:
         and a different answer makes the request be admitted again from there)."""
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         pending = 0
+        last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
         for request in self.waiting:  # type: ignore[attr-defined]
             if pending >= free:
                 break
             req_id = request.request_id
-            if req_id in self._rid_of:
-                pending += 1
-                continue
+            rid = self._rid_of.get(req_id)
+            if rid is not None:
+                if rid > last:
+                    last = rid
+                    pending += 1
+                    continue
+                # vLLM put it behind a request admitted after it (a preempted request goes back to
+                # the front of vLLM's queue): admitted again, so that the component plans the
+                # waiting requests in vLLM's order. (vLLM 0.32 stops at the first waiting request
+                # that gets no tokens, so a plan in another order would never run.)
+                self.mstar_stats.readmitted += 1
+                hint = self._start_hint.get(req_id)
+                self._forget(req_id)
+                if hint is not None:
+                    self._start_hint[req_id] = hint
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 continue
             if req_id in self.grammar_compile_error_reqs:  # type: ignore[attr-defined]
@@ -300,7 +333,7 @@ class _Chunking:
             if start is None:
                 start = request.num_computed_tokens
                 if start == 0:
-                    start = self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
+                    start = self._prefix_hit(request)
             rid = self._next_rid
             self._next_rid += 1
             # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
@@ -308,7 +341,16 @@ class _Chunking:
             self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
+            last = rid
             pending += 1
+
+    def _prefix_hit(self, request: Request) -> int:
+        """The prefix-cache hit vLLM will find for a waiting request, looked up as vLLM does
+        (vLLM 0.33 caps it at the auxiliary outputs the aux-output connector retains)."""
+        aux = getattr(self, "aux_output_connector", None)
+        if aux is not None and self._capped_hits:
+            return self.kv_cache_manager.get_computed_blocks(request, aux.max_cache_hit(request))[1]  # type: ignore[attr-defined]
+        return self.kv_cache_manager.get_computed_blocks(request)[1]  # type: ignore[attr-defined]
 
     # -- one step ---------------------------------------------------------------------------
 

