@@ -153,27 +153,23 @@ impl TraceArgs {
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct SettingArgs {
     /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`
-    #[arg(
-        long,
-        value_name = "MS|off",
-        help_heading = "Settings (each a config key)"
-    )]
+    #[arg(long, value_name = "MS|off", help_heading = SETTINGS)]
     pub max_step_ms: Option<String>,
     /// The planner's latency model for the replayed node, a preset (llama2-7b-a100,
     /// llama2-7b-h100) or base_ms,per_token_ms,per_kv_token_ms,per_attention_pair_ms:
     /// `chunking.cost.<node>`
-    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = SETTINGS)]
     pub cost: Option<String>,
     /// Fit the planner's latency model online: `chunking.learn_cost = true`
-    #[arg(long, help_heading = "Settings (each a config key)")]
+    #[arg(long, help_heading = SETTINGS)]
     pub learn_cost: bool,
     /// The simulated engine's step cost, a preset or base_ms,per_token_ms,per_kv_token_ms,
     /// per_attention_pair_ms: `replay.cost` (its noise and learn kept)
-    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "PRESET|a,b,c,d", value_parser = cost_flag, help_heading = SETTINGS)]
     pub sim_cost: Option<String>,
     /// Plan timed steps with this quantile in (0, 1] of measured / predicted step times:
     /// `chunking.time_margin`
-    #[arg(long, value_name = "Q", help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "Q", help_heading = SETTINGS)]
     pub time_margin: Option<String>,
 }
 
@@ -203,12 +199,12 @@ pub struct KvArgs {
         long,
         value_name = "N",
         conflicts_with = "kv_memory",
-        help_heading = "Settings (each a config key)"
+        help_heading = SETTINGS
     )]
     pub kv_blocks: Option<String>,
     /// The KV pool from memory, a preset (llama2-7b-a100, llama2-7b-h100) or
     /// gpu_memory_gb,weights_gb,kv_bytes_per_token: `replay.kv.preset` or those keys
-    #[arg(long, value_name = "PRESET|GIB,GIB,BYTES", value_parser = kv_memory_flag, help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "PRESET|GIB,GIB,BYTES", value_parser = kv_memory_flag, help_heading = SETTINGS)]
     pub kv_memory: Option<String>,
 }
 
@@ -223,39 +219,34 @@ impl KvArgs {
     }
 }
 
+/// The help heading of the flags that each set one config key.
+const SETTINGS: &str = "Settings (each a config key)";
+
 /// `replay`'s fleet as flags: `replay.fleet.workers`, `router`, and a disaggregated fleet's
 /// pools and KV link.
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct FleetArgs {
     /// Component instances replayed side by side behind the router, 1 to 256:
     /// `replay.fleet.workers`
-    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "N", help_heading = SETTINGS)]
     pub workers: Option<String>,
     /// How each request is sent to a worker at its arrival: round_robin, least_outstanding,
     /// least_kv or prefix_affinity: `replay.fleet.router`
-    #[arg(
-        long,
-        value_name = "NAME",
-        help_heading = "Settings (each a config key)"
-    )]
+    #[arg(long, value_name = "NAME", help_heading = SETTINGS)]
     pub router: Option<String>,
     /// Workers that only prefill, 1 to 256, with --decode-workers instead of --workers
     /// (docs/fleet.md#disaggregated-prefill): `replay.fleet.prefill_workers`
-    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "N", help_heading = SETTINGS)]
     pub prefill_workers: Option<String>,
     /// Workers that only decode, each request's KV moved to one once its prompt is done:
     /// `replay.fleet.decode_workers`
-    #[arg(long, value_name = "N", help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "N", help_heading = SETTINGS)]
     pub decode_workers: Option<String>,
     /// A prefill worker's KV link, Gbit/s: `replay.fleet.kv_link_gbps`
-    #[arg(
-        long,
-        value_name = "GBPS",
-        help_heading = "Settings (each a config key)"
-    )]
+    #[arg(long, value_name = "GBPS", help_heading = SETTINGS)]
     pub kv_link_gbps: Option<String>,
     /// A KV transfer's fixed latency, ms: `replay.fleet.kv_link_latency_ms`
-    #[arg(long, value_name = "MS", help_heading = "Settings (each a config key)")]
+    #[arg(long, value_name = "MS", help_heading = SETTINGS)]
     pub kv_link_latency_ms: Option<String>,
 }
 

@@ -189,11 +189,61 @@ pub struct FewestRow {
     pub tbt_p99_ms: Option<f64>,
 }
 
+/// Fleets compared by group (a router, a layout), as each comparison of fleets tabulates them:
+/// the groups in the order first run, the fleet sizes ascending, and, only with an objective,
+/// per group, budget and rate scale the row `fewest` makes of the group's runs (sizes
+/// ascending), and per run and budget the capacity row `capacity` makes.
+#[allow(clippy::type_complexity)]
+pub(crate) fn compare_groups<V, K: Copy + PartialEq, F, G>(
+    runs: &[AxisRun<V>],
+    group: impl Fn(&V) -> K,
+    size: impl Fn(&V) -> u32,
+    mut fewest: impl FnMut(&[&AxisRun<V>], K, Budget, f64) -> F,
+    name: impl Fn(K, &V) -> String,
+) -> (Vec<K>, Vec<u32>, Vec<F>, Vec<GroupCapacity<G>>) {
+    let groups = distinct(runs.iter().map(|r| group(&r.value)));
+    let mut sizes = distinct(runs.iter().map(|r| size(&r.value)));
+    sizes.sort_unstable();
+    let (mut rows, mut capacities) = (Vec::new(), Vec::new());
+    if runs.first().is_some_and(|r| r.sweep.slo.is_some()) {
+        for &g in &groups {
+            let mine: Vec<&AxisRun<V>> = runs.iter().filter(|r| group(&r.value) == g).collect();
+            let Some(first) = mine.first() else { continue };
+            for &budget in &first.sweep.budgets {
+                for &rate in &first.sweep.rates {
+                    rows.push(fewest(&mine, g, budget, rate));
+                }
+            }
+            for run in &mine {
+                for c in &run.sweep.capacity {
+                    capacities.push(GroupCapacity::of(name(g, &run.value), size(&run.value), c));
+                }
+            }
+        }
+    }
+    (groups, sizes, rows, capacities)
+}
+
+/// What a comparison of fleets groups its capacities by, and the key the group is written
+/// under.
+pub trait CapacityGroup {
+    /// The key of the group's name in the JSON and CSV.
+    const KEY: &'static str;
+}
+
+/// Fleets grouped by router.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ByRouter;
+
+impl CapacityGroup for ByRouter {
+    const KEY: &'static str = "router";
+}
+
 /// One fleet's capacity under the objective, for one budget: the highest rate scale it takes.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct FleetCapacity {
-    /// The router.
-    pub router: String,
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupCapacity<G> {
+    /// The group's name (a router, a layout), written under `G::KEY`.
+    pub group: String,
     /// The workers.
     pub workers: u32,
     /// The budget.
@@ -201,9 +251,47 @@ pub struct FleetCapacity {
     /// The capacity as text (`1.23x`, `>= 1024x`, `none`).
     pub capacity: String,
     /// Its rate scale (`None`: none).
-    #[serde(serialize_with = "crate::text::ser_opt_round")]
     pub capacity_rate: Option<f64>,
+    /// What the group is.
+    pub by: std::marker::PhantomData<G>,
 }
+
+impl<G> GroupCapacity<G> {
+    /// The capacity `c` of a fleet of `workers` in group `group`.
+    fn of(group: String, workers: u32, c: &super::Capacity) -> Self {
+        Self {
+            group,
+            workers,
+            budget: c.budget,
+            capacity: c.label(),
+            capacity_rate: c.search.rate_scale,
+            by: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<G: CapacityGroup> Serialize for GroupCapacity<G> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        /// The rate, rounded as every figure of the outputs is.
+        struct Rounded(Option<f64>);
+        impl Serialize for Rounded {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                crate::text::ser_opt_round(&self.0, s)
+            }
+        }
+        let mut st = s.serialize_struct("GroupCapacity", 5)?;
+        st.serialize_field(G::KEY, &self.group)?;
+        st.serialize_field("workers", &self.workers)?;
+        st.serialize_field("budget", &self.budget)?;
+        st.serialize_field("capacity", &self.capacity)?;
+        st.serialize_field("capacity_rate", &Rounded(self.capacity_rate))?;
+        st.end()
+    }
+}
+
+/// A fleet's capacity in the comparison of routers.
+pub type FleetCapacity = GroupCapacity<ByRouter>;
 
 /// The comparison of the fleets.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -223,35 +311,13 @@ impl FleetComparison {
     /// Compares the sweeps of each fleet (same budgets and rates in each), runs ordered by
     /// router, then workers ascending.
     pub fn of(runs: &[FleetRun]) -> Self {
-        let routers = distinct(runs.iter().map(|r| r.value.router));
-        let mut workers = distinct(runs.iter().map(|r| r.value.workers));
-        workers.sort_unstable();
-        let with_slo = runs.first().is_some_and(|r| r.sweep.slo.is_some());
-        let mut fewest = Vec::new();
-        let mut capacity = Vec::new();
-        if with_slo {
-            for &router in &routers {
-                let mine: Vec<&FleetRun> =
-                    runs.iter().filter(|r| r.value.router == router).collect();
-                let Some(first) = mine.first() else { continue };
-                for &budget in &first.sweep.budgets {
-                    for &rate in &first.sweep.rates {
-                        fewest.push(fewest_row(&mine, router, budget, rate));
-                    }
-                }
-                for run in &mine {
-                    for c in &run.sweep.capacity {
-                        capacity.push(FleetCapacity {
-                            router: router.as_str().to_owned(),
-                            workers: run.value.workers,
-                            budget: c.budget,
-                            capacity: c.label(),
-                            capacity_rate: c.search.rate_scale,
-                        });
-                    }
-                }
-            }
-        }
+        let (routers, workers, fewest, capacity) = compare_groups(
+            runs,
+            |f| f.router,
+            |f| f.workers,
+            fewest_row,
+            |router, _| router.as_str().to_owned(),
+        );
         Self {
             routers: routers.iter().map(|r| r.as_str().to_owned()).collect(),
             workers,
@@ -262,59 +328,126 @@ impl FleetComparison {
 
     /// The table on the terminal.
     pub fn table(&self) -> String {
-        if self.fewest.is_empty() {
-            return "fleets: no objective (`--slo-tbt-p99`, `--slo-ttft-p90`), so no fewest workers to find\n".into();
-        }
-        let most = self.workers.last().copied().unwrap_or(0);
-        let sizes: Vec<String> = self.workers.iter().map(ToString::to_string).collect();
-        let title = format!(
-            "fleets: the fewest workers (of {}) that meet the objective",
-            sizes.join(", ")
-        );
-        let columns = [
-            ("router", Align::Left, 18),
-            ("budget", Align::Left, 8),
-            ("rate", Align::Right, 10),
-            ("fewest workers", Align::Right, 14),
-            ("TTFT p90 ms", Align::Right, 14),
-            ("TBT p99 ms", Align::Right, 12),
-        ];
-        let rows = self.fewest.iter().map(|r| {
-            vec![
-                r.router.clone(),
-                r.budget.to_string(),
-                format!("{}x", fmt_rate(r.rate_scale)),
-                r.fewest_workers
-                    .map_or_else(|| format!("> {most}"), |n| n.to_string()),
-                ms(r.ttft_p90_ms),
-                ms(r.tbt_p99_ms),
-            ]
-        });
-        text_table(&title, &columns, rows)
+        fewest_table("", ("router", 18), &self.workers, self.cells())
     }
 
     fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
-        let header = [
-            "router",
-            "budget",
-            "rate_scale",
-            "fewest_workers",
-            "ttft_p90_ms",
-            "tbt_p99_ms",
-        ];
-        let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
-        let rows = self.fewest.iter().map(|r| {
-            vec![
-                r.router.clone(),
-                r.budget.to_string(),
-                fmt_rate(r.rate_scale),
-                r.fewest_workers.map_or_else(String::new, |n| n.to_string()),
-                opt(r.ttft_p90_ms),
-                opt(r.tbt_p99_ms),
-            ]
-        });
-        csv_table(&header, rows)
+        fewest_csv("router", self.cells())
     }
+
+    /// The rows of fewest workers as the table and the CSV print them.
+    fn cells(&self) -> Vec<FewestCells<'_>> {
+        self.fewest
+            .iter()
+            .map(|r| FewestCells {
+                group: &r.router,
+                budget: r.budget,
+                rate_scale: r.rate_scale,
+                fewest_workers: r.fewest_workers,
+                pools: None,
+                ttft_p90_ms: r.ttft_p90_ms,
+                tbt_p99_ms: r.tbt_p99_ms,
+            })
+            .collect()
+    }
+}
+
+/// A row of fewest workers as a comparison of fleets prints it.
+pub(crate) struct FewestCells<'a> {
+    /// The group: a router, a layout.
+    pub group: &'a str,
+    /// The budget.
+    pub budget: Budget,
+    /// The rate scale.
+    pub rate_scale: f64,
+    /// The fewest workers that met the objective; `None`: none did.
+    pub fewest_workers: Option<u32>,
+    /// That fleet's prefill and decode workers in a comparison with pools (`None` in one
+    /// without: no such column).
+    pub pools: Option<(Option<u32>, Option<u32>)>,
+    /// That fleet's TTFT p90, simulated ms.
+    pub ttft_p90_ms: Option<f64>,
+    /// That fleet's TBT p99, simulated ms.
+    pub tbt_p99_ms: Option<f64>,
+}
+
+/// The terminal table of a comparison's fewest workers over the fleet `sizes`: the title (with
+/// `more` after it), the group column `(name, width)`, and a `prefill+decode` column when the
+/// rows have pools.
+pub(crate) fn fewest_table(
+    more: &str,
+    group: (&'static str, usize),
+    sizes: &[u32],
+    rows: Vec<FewestCells<'_>>,
+) -> String {
+    if rows.is_empty() {
+        return "fleets: no objective (`--slo-tbt-p99`, `--slo-ttft-p90`), so no fewest workers to find\n".into();
+    }
+    let most = sizes.last().copied().unwrap_or(0);
+    let listed: Vec<String> = sizes.iter().map(ToString::to_string).collect();
+    let title = format!(
+        "fleets: the fewest workers (of {}) that meet the objective{more}",
+        listed.join(", ")
+    );
+    let pools = rows.iter().any(|r| r.pools.is_some());
+    let mut columns = vec![
+        (group.0, Align::Left, group.1),
+        ("budget", Align::Left, 8),
+        ("rate", Align::Right, 10),
+        ("fewest workers", Align::Right, 14),
+    ];
+    if pools {
+        columns.push(("prefill+decode", Align::Right, 14));
+    }
+    columns.extend([
+        ("TTFT p90 ms", Align::Right, 14),
+        ("TBT p99 ms", Align::Right, 12),
+    ]);
+    let rows = rows.into_iter().map(|r| {
+        let mut cells = vec![
+            r.group.to_owned(),
+            r.budget.to_string(),
+            format!("{}x", fmt_rate(r.rate_scale)),
+            r.fewest_workers
+                .map_or_else(|| format!("> {most}"), |n| n.to_string()),
+        ];
+        if let Some(p) = r.pools {
+            cells.push(match p {
+                (Some(p), Some(d)) => format!("{p}+{d}"),
+                _ => "-".into(),
+            });
+        }
+        cells.extend([ms(r.ttft_p90_ms), ms(r.tbt_p99_ms)]);
+        cells
+    });
+    text_table(&title, &columns, rows)
+}
+
+/// The CSV of a comparison's fewest workers: the group column `group`, and the prefill and
+/// decode workers when the rows have pools.
+pub(crate) fn fewest_csv(group: &str, rows: Vec<FewestCells<'_>>) -> Result<Vec<u8>, csv::Error> {
+    let pools = rows.iter().any(|r| r.pools.is_some());
+    let mut header = vec![group, "budget", "rate_scale", "fewest_workers"];
+    if pools {
+        header.extend(["prefill_workers", "decode_workers"]);
+    }
+    header.extend(["ttft_p90_ms", "tbt_p99_ms"]);
+    let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
+    let n = |v: Option<u32>| v.map_or_else(String::new, |n| n.to_string());
+    let rows = rows.into_iter().map(|r| {
+        let mut cells = vec![
+            r.group.to_owned(),
+            r.budget.to_string(),
+            fmt_rate(r.rate_scale),
+            n(r.fewest_workers),
+        ];
+        if let Some((p, d)) = r.pools {
+            cells.extend([n(p), n(d)]);
+        }
+        cells.extend([opt(r.ttft_p90_ms), opt(r.tbt_p99_ms)]);
+        cells
+    });
+    csv_table(&header, rows)
 }
 
 impl FleetComparison {

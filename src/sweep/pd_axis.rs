@@ -8,17 +8,16 @@
 
 use serde::Serialize;
 
-use super::axis::{
-    comparison, csv_table, parse_list, text_table, Align, Axis, AxisRun, Comparison,
+use super::axis::{comparison, parse_list, Axis, AxisRun, Comparison};
+use super::fleet_axis::{
+    compare_groups, fewest_csv, fewest_table, parse_workers, CapacityGroup, FewestCells, FewestRow,
+    FleetComparison, GroupCapacity, FLEET,
 };
-use super::fleet_axis::{parse_workers, FewestRow, FleetComparison, FLEET};
 use super::grid::{Budget, GridError};
-use super::plots::{distinct, render_figure};
-use super::tables::ms;
+use super::plots::render_figure;
 use super::SweepError;
 use crate::config::Settings;
 use crate::replay::fleet::MAX_WORKERS;
-use crate::text::{fmt_rate, round3};
 
 /// A split of a fleet: prefill workers to decode workers, as `--pd` names it (`1:3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,21 +215,16 @@ pub struct PdFewestRow {
     pub tbt_p99_ms: Option<f64>,
 }
 
-/// One fleet's capacity under the objective, for one budget.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct PdCapacity {
-    /// `colocated` or the split.
-    pub layout: String,
-    /// The workers, both pools together.
-    pub workers: u32,
-    /// The budget.
-    pub budget: Budget,
-    /// The capacity as text (`1.23x`, `>= 1024x`, `none`).
-    pub capacity: String,
-    /// Its rate scale (`None`: none).
-    #[serde(serialize_with = "crate::text::ser_opt_round")]
-    pub capacity_rate: Option<f64>,
+/// Fleets grouped by layout (colocated, or a split).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ByLayout;
+
+impl CapacityGroup for ByLayout {
+    const KEY: &'static str = "layout";
 }
+
+/// A fleet's capacity in the comparison of layouts (its workers: both pools together).
+pub type PdCapacity = GroupCapacity<ByLayout>;
 
 /// The comparison of colocated and disaggregated fleets.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -250,34 +244,13 @@ impl PdComparison {
     /// Compares the runs (same budgets and rates in each), ordered by layout, then workers
     /// ascending.
     pub fn of(runs: &[AxisRun<Layout>]) -> Self {
-        let layouts = distinct(runs.iter().map(|r| r.value.split));
-        let mut workers = distinct(runs.iter().map(|r| r.value.workers));
-        workers.sort_unstable();
-        let with_slo = runs.first().is_some_and(|r| r.sweep.slo.is_some());
-        let (mut fewest, mut capacity) = (Vec::new(), Vec::new());
-        if with_slo {
-            for &split in &layouts {
-                let mine: Vec<&AxisRun<Layout>> =
-                    runs.iter().filter(|r| r.value.split == split).collect();
-                let Some(first) = mine.first() else { continue };
-                for &budget in &first.sweep.budgets {
-                    for &rate in &first.sweep.rates {
-                        fewest.push(fewest_row(&mine, budget, rate));
-                    }
-                }
-                for run in &mine {
-                    for c in &run.sweep.capacity {
-                        capacity.push(PdCapacity {
-                            layout: run.value.name(),
-                            workers: run.value.workers,
-                            budget: c.budget,
-                            capacity: c.label(),
-                            capacity_rate: c.search.rate_scale,
-                        });
-                    }
-                }
-            }
-        }
+        let (layouts, workers, fewest, capacity) = compare_groups(
+            runs,
+            |l| l.split,
+            |l| l.workers,
+            |mine, _, budget, rate| fewest_row(mine, budget, rate),
+            |_, l| l.name(),
+        );
         Self {
             layouts: layouts
                 .iter()
@@ -297,68 +270,32 @@ impl PdComparison {
 
     /// The table on the terminal.
     pub fn table(&self) -> String {
-        if self.fewest.is_empty() {
-            return "fleets: no objective (`--slo-tbt-p99`, `--slo-ttft-p90`), so no fewest workers to find\n".into();
-        }
-        let most = self.workers.last().copied().unwrap_or(0);
-        let sizes: Vec<String> = self.workers.iter().map(ToString::to_string).collect();
-        let title = format!(
-            "fleets: the fewest workers (of {}) that meet the objective, colocated or split prefill:decode",
-            sizes.join(", ")
-        );
-        let columns = [
-            ("layout", Align::Left, 10),
-            ("budget", Align::Left, 8),
-            ("rate", Align::Right, 10),
-            ("fewest workers", Align::Right, 14),
-            ("prefill+decode", Align::Right, 14),
-            ("TTFT p90 ms", Align::Right, 14),
-            ("TBT p99 ms", Align::Right, 12),
-        ];
-        let rows = self.fewest.iter().map(|r| {
-            vec![
-                r.layout.clone(),
-                r.budget.to_string(),
-                format!("{}x", fmt_rate(r.rate_scale)),
-                r.fewest_workers
-                    .map_or_else(|| format!("> {most}"), |n| n.to_string()),
-                match (r.prefill_workers, r.decode_workers) {
-                    (Some(p), Some(d)) => format!("{p}+{d}"),
-                    _ => "-".into(),
-                },
-                ms(r.ttft_p90_ms),
-                ms(r.tbt_p99_ms),
-            ]
-        });
-        text_table(&title, &columns, rows)
+        fewest_table(
+            ", colocated or split prefill:decode",
+            ("layout", 10),
+            &self.workers,
+            self.cells(),
+        )
     }
 
     fn to_csv(&self) -> Result<Vec<u8>, csv::Error> {
-        let header = [
-            "layout",
-            "budget",
-            "rate_scale",
-            "fewest_workers",
-            "prefill_workers",
-            "decode_workers",
-            "ttft_p90_ms",
-            "tbt_p99_ms",
-        ];
-        let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
-        let n = |v: Option<u32>| v.map_or_else(String::new, |n| n.to_string());
-        let rows = self.fewest.iter().map(|r| {
-            vec![
-                r.layout.clone(),
-                r.budget.to_string(),
-                fmt_rate(r.rate_scale),
-                n(r.fewest_workers),
-                n(r.prefill_workers),
-                n(r.decode_workers),
-                opt(r.ttft_p90_ms),
-                opt(r.tbt_p99_ms),
-            ]
-        });
-        csv_table(&header, rows)
+        fewest_csv("layout", self.cells())
+    }
+
+    /// The rows of fewest workers as the table and the CSV print them.
+    fn cells(&self) -> Vec<FewestCells<'_>> {
+        self.fewest
+            .iter()
+            .map(|r| FewestCells {
+                group: &r.layout,
+                budget: r.budget,
+                rate_scale: r.rate_scale,
+                fewest_workers: r.fewest_workers,
+                pools: Some((r.prefill_workers, r.decode_workers)),
+                ttft_p90_ms: r.ttft_p90_ms,
+                tbt_p99_ms: r.tbt_p99_ms,
+            })
+            .collect()
     }
 
     /// The plot: the fleet axes' plot of the fewest workers by rate scale, one line per layout.
