@@ -535,5 +535,17 @@ fn noise_bands_keep_the_short_steps_tail_off_the_long_steps() {
         "{bands:?}"
     );
     assert_eq!(noise_bands(&per_token, &spread[..1]), None);
+    // At most MAX_FIT_BANDS bands: twenty doublings of 50 steps each make sixteen, the last
+    // holding the rest.
+    let doublings: Vec<Sample> = (0..20)
+        .flat_map(|k| (0..50).map(move |_| f64::from(1u32 << k)))
+        .map(|t| step(t, t))
+        .collect();
+    let bands = noise_bands(&per_token, &doublings).unwrap();
+    assert_eq!(bands.len(), MAX_FIT_BANDS);
+    // Bounds are rounded to 4 digits: 2^15 = 32768 is written 32770, so that band also takes
+    // the steps priced 32768.
+    assert_eq!(bands[14].up_to_ms, Some(32770.0));
+    assert_eq!(bands[15].up_to_ms, None);
     assert_eq!(noise_bands(&per_token, &spread[..2]).unwrap().len(), 1);
 }
