@@ -564,20 +564,18 @@ pub fn render_toml(report: &FitReport, node: &str, source: &str) -> String {
         e.p50, e.p90, e.p99, e.max
     );
     let _ = writeln!(out, "[chunking.cost.{}]", toml_key(node));
-    for (key, value) in COEFFICIENT_KEYS
-        .into_iter()
-        .zip(report.model.coefficients())
-    {
+    write_coefficients(&mut out, &report.model);
+    out
+}
+
+/// The model's coefficients as TOML lines, `per_row_ms` only when the fit kept one.
+fn write_coefficients(out: &mut String, model: &LatencyModel) {
+    for (key, value) in COEFFICIENT_KEYS.into_iter().zip(model.coefficients()) {
         let _ = writeln!(out, "{key} = {}", toml_float(value));
     }
-    if report.model.per_row_ms() > 0.0 {
-        let _ = writeln!(
-            out,
-            "per_row_ms = {}",
-            toml_float(report.model.per_row_ms())
-        );
+    if model.per_row_ms() > 0.0 {
+        let _ = writeln!(out, "per_row_ms = {}", toml_float(model.per_row_ms()));
     }
-    out
 }
 
 /// Renders a fit as the `[replay.cost]` table of a replay config priced like the fitted steps:
@@ -591,19 +589,7 @@ pub fn render_replay_toml(report: &FitReport, bands: Option<&[NoiseBand]>, sourc
         .map(|l| format!("{l}\n"))
         .collect();
     out.push_str("[replay.cost]\n");
-    for (key, value) in COEFFICIENT_KEYS
-        .into_iter()
-        .zip(report.model.coefficients())
-    {
-        let _ = writeln!(out, "{key} = {}", toml_float(value));
-    }
-    if report.model.per_row_ms() > 0.0 {
-        let _ = writeln!(
-            out,
-            "per_row_ms = {}",
-            toml_float(report.model.per_row_ms())
-        );
-    }
+    write_coefficients(&mut out, &report.model);
     let Some(bands) = bands else { return out };
     let _ = writeln!(
         out,

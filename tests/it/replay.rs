@@ -603,32 +603,39 @@ fn a_replay_survives_actors_panicking_midway() {
     );
 }
 
-/// With the planner's latency model equal to the simulated cost and no noise, every step is
-/// priced as it was predicted (to the µs the step log keeps): the decode rows start with the
-/// simulated engine's context, so the planner counts the first generated token too, and a
-/// step filled to its time budget is never over it.
-#[test]
-fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
+/// Replays the first `requests` of the Mooncake head trace at a tenth of its rate on the
+/// `mixed_override` model under the demo settings plus `config`; answers the report and the
+/// step log's lines.
+fn mooncake_at_a_tenth(config: &str, requests: usize) -> (ReplayReport, Vec<Value>) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("steps.jsonl");
-    let s = demo_settings(
-        "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay]\ncost = \"llama2-7b-a100\"\n",
-    );
     let r = replay(
         &crate::helpers::model_fixture("mixed_override"),
-        &s,
+        &demo_settings(config),
         &ReplayOptions {
             trace: Some(shared(
                 "traces/mooncake_fast25_synthetic_trace.head2000.jsonl",
             )),
-            requests: Some(400),
+            requests: Some(requests),
             rate_scale: 0.1,
             step_log: Some(log.clone()),
             ..ReplayOptions::default()
         },
     )
     .unwrap();
-    let steps = read_log(&log);
+    (r, read_log(&log))
+}
+
+/// With the planner's latency model equal to the simulated cost and no noise, every step is
+/// priced as it was predicted (to the µs the step log keeps): the decode rows start with the
+/// simulated engine's context, so the planner counts the first generated token too, and a
+/// step filled to its time budget is never over it.
+#[test]
+fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
+    let (r, steps) = mooncake_at_a_tenth(
+        "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay]\ncost = \"llama2-7b-a100\"\n",
+        400,
+    );
     // (ms − predicted) over the steps with decode rows: a context a token short per decode row
     // would make each 3.3e-4 ms per row over.
     let mut over = Vec::new();
@@ -665,30 +672,17 @@ fn a_planner_given_the_simulated_cost_predicts_every_step_exactly() {
 #[test]
 fn a_step_time_is_its_price_times_a_ratio_drawn_from_its_noise_band() {
     let ratios_of = |bands: &str| {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("steps.jsonl");
-        let s = demo_settings(&format!(
-            "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay.cost]\npreset = \"llama2-7b-a100\"\n{bands}"
-        ));
-        let r = replay(
-            &crate::helpers::model_fixture("mixed_override"),
-            &s,
-            &ReplayOptions {
-                trace: Some(shared(
-                    "traces/mooncake_fast25_synthetic_trace.head2000.jsonl",
-                )),
-                requests: Some(200),
-                rate_scale: 0.1,
-                step_log: Some(log.clone()),
-                ..ReplayOptions::default()
-            },
-        )
-        .unwrap();
+        let (r, steps) = mooncake_at_a_tenth(
+            &format!(
+                "[chunking.max_step_ms]\nllm = 100.0\n[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay.cost]\npreset = \"llama2-7b-a100\"\n{bands}"
+            ),
+            200,
+        );
         assert!(
             r.to_string().contains("noise drawn from measured ratios"),
             "{r}"
         );
-        read_log(&log)
+        steps
             .iter()
             .map(|step| {
                 let predicted = step["predicted_ms"].as_f64().unwrap();
