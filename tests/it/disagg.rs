@@ -458,34 +458,11 @@ fn each_workers_step_log_passes_the_checker() {
     }
 }
 
-/// The rows of a CSV file (no quoted commas in these), the header first.
-fn csv_rows(path: &Path) -> Vec<Vec<String>> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| l.split(',').map(str::to_owned).collect())
-        .collect()
-}
-
 #[test]
 fn a_pd_sweep_finds_each_layouts_fewest_workers_from_cells_that_are_disaggregated_replays() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let grid = [
-        "--requests",
-        "200",
-        "--budgets",
-        "2048",
-        "--rates",
-        "1,4",
-        "--slo-tbt-p99",
-        "60",
-        "--slo-ttft-p90",
-        "1500",
-        "--no-progress",
-        "--jobs",
-        "2",
-    ];
+    let grid = crate::helpers::FLEET_SWEEP_GRID;
     // A fast link, so that a split can meet the objective at all (each prompt's KV is about a
     // GB at Llama-2-7B's 512 KiB a token).
     let env = [("MSTAR__REPLAY__FLEET__KV_LINK_GBPS", "20000")];
@@ -500,7 +477,7 @@ fn a_pd_sweep_finds_each_layouts_fewest_workers_from_cells_that_are_disaggregate
         r.stdout
     );
     // The combined cells: each run's own sweep.csv under the layout's columns.
-    let all = csv_rows(&out.join("sweep.csv"));
+    let all = crate::helpers::csv_rows(&out.join("sweep.csv"));
     assert_eq!(
         all[0][..5],
         [
@@ -514,7 +491,7 @@ fn a_pd_sweep_finds_each_layouts_fewest_workers_from_cells_that_are_disaggregate
     assert_eq!(all.len(), 1 + 3 * 3 * 2);
     for (layout, dir_layout) in [("colocated", "colocated"), ("1:1", "1x1"), ("1:3", "1x3")] {
         for n in ["2", "3", "4"] {
-            let own = csv_rows(&out.join(format!("pd-{dir_layout}-{n}/sweep.csv")));
+            let own = crate::helpers::csv_rows(&out.join(format!("pd-{dir_layout}-{n}/sweep.csv")));
             let mine: Vec<Vec<String>> = all
                 .iter()
                 .filter(|row| row[0] == layout && row[1] == n)
@@ -556,7 +533,7 @@ fn a_pd_sweep_finds_each_layouts_fewest_workers_from_cells_that_are_disaggregate
     let by_axis = std::fs::read_to_string(out.join("pd-1x3-4/sweep.csv")).unwrap();
     assert_eq!(by_config, by_axis);
     // The fewest workers of each layout: the smallest fleet whose cell met the objective.
-    let fewest = csv_rows(&out.join("fleet.csv"));
+    let fewest = crate::helpers::csv_rows(&out.join("fleet.csv"));
     assert_eq!(
         fewest[0],
         [

@@ -401,34 +401,11 @@ fn bad_fleet_settings_are_refused_as_their_keys_naming_flag_or_file() {
     assert!(r.stderr.contains("--watch-config"), "{}", r.stderr);
 }
 
-/// The rows of a CSV file, the header first.
-fn csv_rows(path: &Path) -> Vec<Vec<String>> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| l.split(',').map(str::to_owned).collect())
-        .collect()
-}
-
 #[test]
 fn a_fleet_sweep_finds_the_fewest_workers_from_cells_that_are_fleet_replays() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let grid = [
-        "--requests",
-        "200",
-        "--budgets",
-        "2048",
-        "--rates",
-        "1,4",
-        "--slo-tbt-p99",
-        "60",
-        "--slo-ttft-p90",
-        "1500",
-        "--no-progress",
-        "--jobs",
-        "2",
-    ];
+    let grid = crate::helpers::FLEET_SWEEP_GRID;
     let mut args = vec!["sweep", "--out", out.to_str().unwrap()];
     args.extend(grid);
     args.extend([
@@ -441,12 +418,12 @@ fn a_fleet_sweep_finds_the_fewest_workers_from_cells_that_are_fleet_replays() {
     assert_eq!(r.code, 0, "{r:?}");
     assert!(r.stdout.contains("fewest workers"), "{}", r.stdout);
     // The combined cells: each fleet's own sweep.csv under `router,workers`.
-    let all = csv_rows(&out.join("sweep.csv"));
+    let all = crate::helpers::csv_rows(&out.join("sweep.csv"));
     assert_eq!(all[0][..3], ["router", "workers", "budget"]);
     assert_eq!(all.len(), 1 + 2 * 3 * 2);
     for router in ["round_robin", "least_outstanding"] {
         for n in ["1", "2", "4"] {
-            let own = csv_rows(&out.join(format!("fleet-{router}-{n}/sweep.csv")));
+            let own = crate::helpers::csv_rows(&out.join(format!("fleet-{router}-{n}/sweep.csv")));
             assert_eq!(
                 own[0],
                 all[0][2..],
@@ -486,7 +463,7 @@ fn a_fleet_sweep_finds_the_fewest_workers_from_cells_that_are_fleet_replays() {
         "no fleet columns without the axes"
     );
     // The fewest workers: the smallest fleet whose cell met the objective.
-    let fewest = csv_rows(&out.join("fleet.csv"));
+    let fewest = crate::helpers::csv_rows(&out.join("fleet.csv"));
     assert_eq!(
         fewest[0],
         [

@@ -134,3 +134,29 @@ impl Drop for Watchdog {
         let _ = self.0.send(());
     }
 }
+
+/// The rows of a CSV file (no quoted commas in it), the header first.
+pub fn csv_rows(path: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| l.split(',').map(str::to_owned).collect())
+        .collect()
+}
+
+/// The small grid the fleet sweeps run: 200 requests, one budget, two rates, an objective.
+pub const FLEET_SWEEP_GRID: [&str; 13] = [
+    "--requests",
+    "200",
+    "--budgets",
+    "2048",
+    "--rates",
+    "1,4",
+    "--slo-tbt-p99",
+    "60",
+    "--slo-ttft-p90",
+    "1500",
+    "--no-progress",
+    "--jobs",
+    "2",
+];
