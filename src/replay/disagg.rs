@@ -297,14 +297,7 @@ pub(super) async fn run(
     });
     report.fleet = Some(fleet_report);
     report.interrupted = interrupted;
-    for cm in &others {
-        let (rows, tokens) = cm
-            .prepared_totals()
-            .await
-            .map_err(ReplayError::chunking("counting prepared inputs left"))?;
-        report.prepared_left_rows += rows;
-        report.prepared_left_tokens += tokens;
-    }
+    fleet::count_left(&mut report, &others).await?;
     Ok(report)
 }
 

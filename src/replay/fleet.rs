@@ -155,7 +155,17 @@ pub(super) async fn run(
     }
     let mut report = pool(tallies, &routed, setup);
     report.interrupted = interrupted;
-    for cm in &others {
+    count_left(&mut report, &others).await?;
+    Ok(report)
+}
+
+/// Adds what the other workers' actors still hold to `report`'s prepared inputs left (the
+/// first worker's simulation counted its own).
+pub(super) async fn count_left(
+    report: &mut ReplayReport,
+    others: &[ChunkingManagement],
+) -> Result<(), ReplayError> {
+    for cm in others {
         let (rows, tokens) = cm
             .prepared_totals()
             .await
@@ -163,7 +173,7 @@ pub(super) async fn run(
         report.prepared_left_rows += rows;
         report.prepared_left_tokens += tokens;
     }
-    Ok(report)
+    Ok(())
 }
 
 /// Starts the actors of workers `range` (worker 0 is the caller's), each with the model's
