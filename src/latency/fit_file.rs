@@ -201,7 +201,7 @@ fn ratio_quantiles(mut ratios: Vec<f64>, points: usize) -> Vec<f64> {
 /// Each step's measured time over the time `model` predicts for it, at `points` (at least 2)
 /// evenly spaced quantiles from the least to the largest (nearest rank, 4 significant digits):
 /// the engine's spread around the fitted line over every step. `None` when fewer than two steps
-/// have a ratio (see [`priced_ratios`]).
+/// have a ratio (a step measured or priced at 0 ms has none).
 pub fn noise_ratios(model: &LatencyModel, samples: &[Sample], points: usize) -> Option<Vec<f64>> {
     let priced = priced_ratios(model, samples);
     if priced.len() < 2 || points < 2 {

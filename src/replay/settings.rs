@@ -45,7 +45,7 @@ pub struct ReplaySetup {
     /// Simulated step times are multiplied by a factor from `[1 - noise, 1 + noise]`.
     pub noise: f64,
     /// Or by a factor drawn from the measured ÷ predicted ratios of the band a step's price
-    /// falls in ([`noise_factor`]; checked by [`check`]).
+    /// falls in (checked by [`check`]).
     pub noise_bands: Option<std::sync::Arc<[crate::config::NoiseBand]>>,
     /// Whether the component learns the cost online instead of being given it.
     pub learn: bool,

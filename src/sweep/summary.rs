@@ -66,7 +66,7 @@ impl Serialize for RunSummary {
 }
 
 impl RunSummary {
-    /// Its latencies in the order every table shows them ([`LATENCIES`]): TBT p50 and p99, TTFT
+    /// Its latencies in the order every table shows them (`LATENCIES`): TBT p50 and p99, TTFT
     /// p50, p90 and p99.
     pub fn latencies(&self) -> [Option<f64>; 5] {
         [
