@@ -32,7 +32,7 @@ use super::fleet_report::PdReport;
 use super::percentiles::Latency;
 use super::report::ReplayReport;
 use super::router::{Router, WorkerLoad};
-use super::sim::{Handoff, Role, Sim, Tally, Turn};
+use super::sim::{Handoff, Role, Sim, Tally};
 use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup};
@@ -388,11 +388,7 @@ async fn drive(
         let Some((_, w)) = soonest else {
             break;
         };
-        let before = sims[w].steps();
-        let turn = sims[w].turn().await?;
-        debug_assert_eq!(turn, Turn::Stepped, "a worker with a next step takes it");
-        starts[w] = sims[w].next_start();
-        steps += sims[w].steps() - before;
+        steps += fleet::step_worker(&mut sims[w], &mut starts[w]).await?;
         if w < p {
             sims[w].take_handoffs(&mut handoffs);
             for h in handoffs.drain(..) {

@@ -261,11 +261,7 @@ async fn drive(
         let Some((_, w)) = soonest else {
             break;
         };
-        let before = sims[w].steps();
-        let turn = sims[w].turn().await?;
-        debug_assert_eq!(turn, Turn::Stepped, "a worker with a next step takes it");
-        starts[w] = sims[w].next_start();
-        steps += sims[w].steps() - before;
+        steps += step_worker(&mut sims[w], &mut starts[w]).await?;
         if let Some(hook) = &opts.on_step {
             hook.call(steps);
         }
@@ -282,6 +278,19 @@ async fn drive(
         pb.finish_and_clear();
     }
     Ok(interrupted)
+}
+
+/// Runs the next step of a worker that has one, and keeps when its step after starts in
+/// `start`; answers the steps it ran.
+pub(super) async fn step_worker(
+    sim: &mut Sim<'_>,
+    start: &mut Option<f64>,
+) -> Result<u64, ReplayError> {
+    let before = sim.steps();
+    let turn = sim.turn().await?;
+    debug_assert_eq!(turn, Turn::Stepped, "a worker with a next step takes it");
+    *start = sim.next_start();
+    Ok(sim.steps() - before)
 }
 
 /// The worker whose next step starts first, and when (ties to the lower index), from each

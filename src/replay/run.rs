@@ -186,30 +186,23 @@ pub(crate) async fn run_trace_on(
         workers = setup.fleet.size(),
         "replay started"
     );
+    let plan = fleet::WorkerPlan {
+        budgets: &budgets,
+        walk_budgets: &labels.budgets,
+        first_chunk_cap: cap,
+        priority_preemption,
+        stop,
+    };
     let mut report = if setup.fleet.disagg.is_some() {
-        let plan = fleet::WorkerPlan {
-            budgets: &budgets,
-            walk_budgets: &labels.budgets,
-            first_chunk_cap: cap,
-            priority_preemption,
-            stop,
-        };
         disagg::run(cm, manifest, &setup, trace, opts, step_log, plan).await?
     } else if setup.fleet.workers > 1 || fleet_loop {
-        let plan = fleet::WorkerPlan {
-            budgets: &budgets,
-            walk_budgets: &labels.budgets,
-            first_chunk_cap: cap,
-            priority_preemption,
-            stop,
-        };
         fleet::run(cm, manifest, &setup, trace, opts, step_log, plan).await?
     } else {
         let mut sim = sim::Sim::new(cm, &setup, trace, opts, step_log)
-            .time_budgets(&labels.budgets)
-            .first_chunk_cap(cap)
-            .priority_preemption(priority_preemption);
-        if let Some(flag) = stop {
+            .time_budgets(plan.walk_budgets)
+            .first_chunk_cap(plan.first_chunk_cap)
+            .priority_preemption(plan.priority_preemption);
+        if let Some(flag) = plan.stop {
             sim = sim.stop_on(flag);
         }
         sim.run().await?
