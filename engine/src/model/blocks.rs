@@ -1,6 +1,6 @@
 //! The decoder's blocks, candle-style: [`Linear`], [`Attention`], [`Mlp`] and [`Block`], each
-//! with a `forward`; a block's keys and values come in from the caller and go back out, so one
-//! step can run rows of different contexts side by side.
+//! with a `forward`; each row's keys and values are lent to a block, which grows them by the
+//! row's new tokens, so one step can run rows of different contexts side by side.
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Module, Tensor};
@@ -159,8 +159,47 @@ pub struct Span {
     pub n: usize,
 }
 
-/// One layer's keys and values for one row, `[kv_heads, len, head_dim]` each.
-pub type LayerKv = (Tensor, Tensor);
+/// One layer's keys and values for one row, grown in place by each step the row runs.
+#[derive(Clone, Default)]
+pub enum LayerKv {
+    /// Nothing cached yet.
+    #[default]
+    Empty,
+    /// `[kv_heads, len, head_dim]` tensors (the batched kernel), replaced each step by the
+    /// past joined with the step's new tokens.
+    Tensors(Tensor, Tensor),
+    /// Host buffers, token-major `[len, kv_heads, head_dim]` (the sequential kernel): a step
+    /// appends its new tokens' keys and values and copies nothing of the past, so a decode
+    /// row's cost follows the keys its attention reads, not a copy of its whole cache.
+    Host {
+        /// Keys.
+        k: Vec<f32>,
+        /// Values.
+        v: Vec<f32>,
+    },
+}
+
+impl LayerKv {
+    /// Back to the first `len` tokens, each `width` (`kv_heads * head_dim`) values wide: undoes
+    /// a step that failed after this layer grew.
+    pub fn truncate(&mut self, len: usize, width: usize) {
+        match self {
+            LayerKv::Empty => {}
+            LayerKv::Host { k, v } => {
+                k.truncate(len * width);
+                v.truncate(len * width);
+            }
+            LayerKv::Tensors(k, v) => {
+                if len == 0 {
+                    *self = LayerKv::Empty;
+                } else if let (Ok(nk), Ok(nv)) = (k.narrow(1, 0, len), v.narrow(1, 0, len)) {
+                    *k = nk;
+                    *v = nv;
+                }
+            }
+        }
+    }
+}
 
 /// How attention's products are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,25 +236,24 @@ pub struct Attention {
 
 impl Attention {
     /// Attends every row of `x` (`[T, d]`, normalised; rows in `spans` order) to its cached
-    /// keys and values (`past`, one entry per row) and to itself, causally. Returns the output
-    /// `[T, d]` and each row's keys and values grown by its new tokens.
+    /// keys and values (`past`, one entry per row) and to itself, causally, growing each row's
+    /// cache by its new tokens. Returns the output `[T, d]`.
     ///
     /// # Errors
-    /// A tensor error.
+    /// A tensor error; the caches may then have grown (the caller truncates them back).
     pub fn forward(
         &self,
         x: &Tensor,
         spans: &[Span],
-        past: &[Option<&LayerKv>],
+        past: &mut [&mut LayerKv],
         rope: &Rope,
-    ) -> candle_core::Result<(Tensor, Vec<LayerKv>)> {
+    ) -> candle_core::Result<Tensor> {
         let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
         let qkv = self.qkv.forward(x)?; // [T, (h + 2 kvh) hd]
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(spans.len());
-        let mut grown = Vec::with_capacity(spans.len());
         let mut off = 0;
-        for (span, past) in spans.iter().zip(past) {
+        for (span, past) in spans.iter().zip(past.iter_mut()) {
             let Span { start, n } = *span;
             let part = qkv.narrow(0, off, n)?;
             off += n;
@@ -228,16 +266,37 @@ impl Attention {
             let q = rope.apply(&heads(0, h)?, start)?; // [H, n, hd]
             let k = rope.apply(&heads(h * hd, kvh)?, start)?; // [KV, n, hd]
             let v = heads((h + kvh) * hd, kvh)?; // [KV, n, hd]
-            let (k_all, v_all) = match past {
-                Some((ck, cv)) => (Tensor::cat(&[ck, &k], 1)?, Tensor::cat(&[cv, &v], 1)?),
-                None => (k, v),
-            };
             let ctx = start + n;
             if self.kernel == AttentionKernel::Sequential {
+                // The new tokens token-major, `[n, KV, hd]`, appended to the host buffers.
+                let token_major = |t: &Tensor| {
+                    t.transpose(0, 1)?
+                        .contiguous()?
+                        .flatten_all()?
+                        .to_vec1::<f32>()
+                };
+                let (k_new, v_new) = (token_major(&k)?, token_major(&v)?);
+                if !matches!(past, LayerKv::Host { .. }) {
+                    **past = LayerKv::Host {
+                        k: Vec::new(),
+                        v: Vec::new(),
+                    };
+                }
+                let LayerKv::Host { k: kc, v: vc } = &mut **past else {
+                    unreachable!("made a host cache just above")
+                };
+                if kc.len() != start * kvh * hd {
+                    return Err(candle_core::Error::Msg(format!(
+                        "a cache of {} values for a row at position {start}",
+                        kc.len()
+                    )));
+                }
+                kc.extend_from_slice(&k_new);
+                vc.extend_from_slice(&v_new);
                 let o = exact_attention(
                     &q.flatten_all()?.to_vec1::<f32>()?,
-                    &k_all.flatten_all()?.to_vec1::<f32>()?,
-                    &v_all.flatten_all()?.to_vec1::<f32>()?,
+                    kc,
+                    vc,
                     Shape {
                         heads: h,
                         kv_heads: kvh,
@@ -247,9 +306,19 @@ impl Attention {
                     },
                 );
                 outs.push(Tensor::from_vec(o, (n, h * hd), x.device())?);
-                grown.push((k_all, v_all));
                 continue;
             }
+            let (k_all, v_all) = match &**past {
+                LayerKv::Tensors(ck, cv) => {
+                    (Tensor::cat(&[ck, &k], 1)?, Tensor::cat(&[cv, &v], 1)?)
+                }
+                LayerKv::Empty => (k, v),
+                LayerKv::Host { .. } => {
+                    return Err(candle_core::Error::Msg(
+                        "a host cache under the batched kernel".into(),
+                    ))
+                }
+            };
             // Grouped-query attention without copying keys: the `rep` query heads that share a
             // KV head are stacked along the query axis.
             let rep = h / kvh;
@@ -276,10 +345,9 @@ impl Attention {
                 .transpose(0, 1)?
                 .reshape((n, h * hd))?;
             outs.push(o);
-            grown.push((k_all, v_all));
+            **past = LayerKv::Tensors(k_all, v_all);
         }
-        let out = self.o.forward(&Tensor::cat(&outs, 0)?)?;
-        Ok((out, grown))
+        self.o.forward(&Tensor::cat(&outs, 0)?)
     }
 }
 
@@ -300,7 +368,7 @@ pub struct Shape {
 
 /// Causal grouped-query attention for one row whose result for a query depends only on the
 /// query, its position and the keys and values up to it: queries `q` `[heads, n, hd]`, keys
-/// and values `[kv_heads, start + n, hd]`; returns `[n, heads * hd]`. Query `i` attends to
+/// and values token-major `[start + n, kv_heads, hd]`; returns `[n, heads * hd]`. Query `i` attends to
 /// keys `0..=start + i`. Every sum runs in one fixed order (eight lanes, then a fixed
 /// reduction), so a token's output is the same bits whether its prompt ran whole or in chunks
 /// of any size; queries run in parallel.
@@ -313,7 +381,8 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
         n,
         start,
     } = s;
-    let ctx = start + n;
+    let width = kv_heads * hd;
+    debug_assert!(k.len() >= (start + n) * width && v.len() >= (start + n) * width);
     let rep = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * heads * hd];
@@ -325,10 +394,15 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
             for (head, o) in row.chunks_exact_mut(hd).enumerate() {
                 let kv = head / rep;
                 let qv = &q[(head * n + i) * hd..][..hd];
-                let keys = &k[kv * ctx * hd..][..(pos + 1) * hd];
-                let vals = &v[kv * ctx * hd..][..(pos + 1) * hd];
+                // Position j's key of this KV head: `width` values a position, `hd` a head.
+                let keys = k[..(pos + 1) * width]
+                    .chunks_exact(width)
+                    .map(|t| &t[kv * hd..][..hd]);
+                let vals = v[..(pos + 1) * width]
+                    .chunks_exact(width)
+                    .map(|t| &t[kv * hd..][..hd]);
                 let mut max = f32::NEG_INFINITY;
-                for (wj, kj) in w.iter_mut().zip(keys.chunks_exact(hd)) {
+                for (wj, kj) in w.iter_mut().zip(keys) {
                     *wj = dot(qv, kj) * scale;
                     max = max.max(*wj);
                 }
@@ -338,7 +412,7 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
                     sum += *wj;
                 }
                 o.fill(0.0);
-                for (&wj, vj) in w.iter().zip(vals.chunks_exact(hd)) {
+                for (&wj, vj) in w.iter().zip(vals) {
                     for (od, &vd) in o.iter_mut().zip(vj) {
                         *od += wj * vd;
                     }
@@ -412,14 +486,52 @@ impl Block {
         &self,
         x: &Tensor,
         spans: &[Span],
-        past: &[Option<&LayerKv>],
+        past: &mut [&mut LayerKv],
         rope: &Rope,
-    ) -> candle_core::Result<(Tensor, Vec<LayerKv>)> {
-        let (a, kv) = self
+    ) -> candle_core::Result<Tensor> {
+        let a = self
             .attn
             .forward(&self.attn_norm.forward(x)?, spans, past, rope)?;
         let x = (x + a)?;
         let m = self.mlp.forward(&self.mlp_norm.forward(&x)?)?;
-        Ok(((x + m)?, kv))
+        x + m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn a_layer_truncates_back_to_its_first_tokens() {
+        // Host buffers: 3 tokens of width 2, back to 1.
+        let mut host = LayerKv::Host {
+            k: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            v: vec![6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        };
+        host.truncate(1, 2);
+        let LayerKv::Host { k, v } = &host else {
+            panic!("still host buffers")
+        };
+        assert_eq!(
+            (k.as_slice(), v.as_slice()),
+            (&[1.0, 2.0][..], &[6.0, 5.0][..])
+        );
+        // Tensors `[kv_heads 1, 3 tokens, hd 2]`: back to 2 tokens, then to none.
+        let t = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap();
+        let t = t.reshape((1, 3, 2)).unwrap();
+        let mut kv = LayerKv::Tensors(t.clone(), t);
+        kv.truncate(2, 2);
+        let LayerKv::Tensors(k, _) = &kv else {
+            panic!("still tensors")
+        };
+        assert_eq!(k.dims(), &[1, 2, 2]);
+        assert_eq!(
+            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [0.0, 1.0, 2.0, 3.0]
+        );
+        kv.truncate(0, 2);
+        assert!(matches!(kv, LayerKv::Empty));
     }
 }

@@ -8,7 +8,7 @@
 //! tokens at positions `[start, start + n)` attends causally to the `start` tokens it has cached
 //! and to itself, so a prompt chunk and a decode row (`n = 1`) are the same computation. Logits
 //! are computed only for rows that ask for them, at their last token. The layers are
-//! [`blocks`]' `Block`s; a row's keys and values are passed into each block and come back grown.
+//! [`blocks`]' `Block`s; each grows a row's keys and values in place (undone when the step fails).
 
 pub mod blocks;
 pub mod gguf;
@@ -218,10 +218,10 @@ pub fn save_safetensors(weights: &Weights, path: &Path) -> Result<(), ModelError
 }
 
 #[derive(Clone)]
-/// One row's KV cache: per layer, keys and values `[kv_heads, len, head_dim]`, grown by each
-/// step the row runs. Its length is the row's context.
+/// One row's KV cache: per layer, its keys and values ([`LayerKv`]), grown by each step the row
+/// runs. Its length is the row's context.
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<LayerKv>,
     len: usize,
 }
 
@@ -229,7 +229,7 @@ impl KvCache {
     /// An empty cache for `model`.
     pub fn new(model: &Model) -> Self {
         KvCache {
-            layers: (0..model.config.layers).map(|_| None).collect(),
+            layers: (0..model.config.layers).map(|_| LayerKv::Empty).collect(),
             len: 0,
         }
     }
@@ -459,7 +459,7 @@ impl Model {
         }
         let t_all = ids.len();
         let ids = Tensor::from_vec(ids, t_all, &self.device)?;
-        let mut x = self.embed.lookup(&ids)?; // [T, d]
+        let x = self.embed.lookup(&ids)?; // [T, d]
         let spans: Vec<Span> = rows
             .iter()
             .map(|r| Span {
@@ -467,16 +467,41 @@ impl Model {
                 n: r.tokens.len(),
             })
             .collect();
-        // New caches are built aside and swapped in only when the whole step succeeded.
-        let mut new_kv: Vec<Vec<LayerKv>> = rows.iter().map(|_| Vec::new()).collect();
-        for (li, block) in self.blocks.iter().enumerate() {
-            let past: Vec<Option<&LayerKv>> =
-                rows.iter().map(|r| r.cache.layers[li].as_ref()).collect();
-            let (y, grown) = block.forward(&x, &spans, &past, &self.rope)?;
-            x = y;
-            for (slot, kv) in new_kv.iter_mut().zip(grown) {
-                slot.push(kv);
+        // The caches grow in place, layer by layer; a step that fails is undone by truncating
+        // every row's layers back to the row's length, which changes only when the step ends.
+        match self.run_layers(x, &spans, rows) {
+            Ok(out) => {
+                for r in rows.iter_mut() {
+                    r.cache.len += r.tokens.len();
+                }
+                Ok(out)
             }
+            Err(e) => {
+                let width = cfg.kv_heads * (cfg.hidden / cfg.heads);
+                for r in rows.iter_mut() {
+                    let len = r.cache.len;
+                    r.cache
+                        .layers
+                        .iter_mut()
+                        .for_each(|l| l.truncate(len, width));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Every block over the step's activations `x`, growing the rows' caches, then the logits
+    /// of the rows that want them.
+    fn run_layers(
+        &self,
+        mut x: Tensor,
+        spans: &[Span],
+        rows: &mut [StepRow<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
+        for (li, block) in self.blocks.iter().enumerate() {
+            let mut past: Vec<&mut LayerKv> =
+                rows.iter_mut().map(|r| &mut r.cache.layers[li]).collect();
+            x = block.forward(&x, spans, &mut past, &self.rope)?;
         }
         // Logits only at the last token of rows that want them: one LM-head product.
         let mut last = Vec::new();
@@ -496,15 +521,10 @@ impl Model {
             self.lm_head.forward(&xl)?.to_vec2::<f32>()?
         }
         .into_iter();
-        let mut out = Vec::with_capacity(rows.len());
-        for (r, kv) in rows.iter_mut().zip(new_kv) {
-            r.cache.len += r.tokens.len();
-            for (slot, pair) in r.cache.layers.iter_mut().zip(kv) {
-                *slot = Some(pair);
-            }
-            out.push(if r.logits { logits.next() } else { None });
-        }
-        Ok(out)
+        Ok(rows
+            .iter()
+            .map(|r| if r.logits { logits.next() } else { None })
+            .collect())
     }
 
     /// Prefills `tokens` whole into a fresh cache and returns the cache and the last token's
