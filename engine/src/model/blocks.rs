@@ -168,26 +168,28 @@ pub enum LayerKv {
     /// `[kv_heads, len, head_dim]` tensors (the batched kernel), replaced each step by the
     /// past joined with the step's new tokens.
     Tensors(Tensor, Tensor),
-    /// Host buffers, token-major `[len, kv_heads, head_dim]` (the sequential kernel): a step
+    /// Host buffers, one per KV head, each `[len, head_dim]` (the sequential kernel): a step
     /// appends its new tokens' keys and values and copies nothing of the past, so a decode
-    /// row's cost follows the keys its attention reads, not a copy of its whole cache.
+    /// row's cost follows the keys its attention reads, not a copy of its whole cache. A head's
+    /// keys stay contiguous, so the query heads that share it read one compact run.
     Host {
-        /// Keys.
-        k: Vec<f32>,
-        /// Values.
-        v: Vec<f32>,
+        /// Keys, per KV head.
+        k: Vec<Vec<f32>>,
+        /// Values, per KV head.
+        v: Vec<Vec<f32>>,
     },
 }
 
 impl LayerKv {
-    /// Back to the first `len` tokens, each `width` (`kv_heads * head_dim`) values wide: undoes
-    /// a step that failed after this layer grew.
-    pub fn truncate(&mut self, len: usize, width: usize) {
+    /// Back to the first `len` tokens, each `head_dim` values a KV head: undoes a step that
+    /// failed after this layer grew.
+    pub fn truncate(&mut self, len: usize, head_dim: usize) {
         match self {
             LayerKv::Empty => {}
             LayerKv::Host { k, v } => {
-                k.truncate(len * width);
-                v.truncate(len * width);
+                for head in k.iter_mut().chain(v.iter_mut()) {
+                    head.truncate(len * head_dim);
+                }
             }
             LayerKv::Tensors(k, v) => {
                 if len == 0 {
@@ -268,31 +270,32 @@ impl Attention {
             let v = heads((h + kvh) * hd, kvh)?; // [KV, n, hd]
             let ctx = start + n;
             if self.kernel == AttentionKernel::Sequential {
-                // The new tokens token-major, `[n, KV, hd]`, appended to the host buffers.
-                let token_major = |t: &Tensor| {
-                    t.transpose(0, 1)?
-                        .contiguous()?
-                        .flatten_all()?
-                        .to_vec1::<f32>()
-                };
-                let (k_new, v_new) = (token_major(&k)?, token_major(&v)?);
+                // The new tokens' keys and values, `[KV, n, hd]`, appended head by head.
+                let k_new = k.flatten_all()?.to_vec1::<f32>()?;
+                let v_new = v.flatten_all()?.to_vec1::<f32>()?;
                 if !matches!(past, LayerKv::Host { .. }) {
                     **past = LayerKv::Host {
-                        k: Vec::new(),
-                        v: Vec::new(),
+                        k: vec![Vec::new(); kvh],
+                        v: vec![Vec::new(); kvh],
                     };
                 }
                 let LayerKv::Host { k: kc, v: vc } = &mut **past else {
                     unreachable!("made a host cache just above")
                 };
-                if kc.len() != start * kvh * hd {
+                if kc.len() != kvh
+                    || kc
+                        .iter()
+                        .chain(vc.iter())
+                        .any(|head| head.len() != start * hd)
+                {
                     return Err(candle_core::Error::Msg(format!(
-                        "a cache of {} values for a row at position {start}",
-                        kc.len()
+                        "a cache not of {kvh} heads of {start} positions for a row at position {start}"
                     )));
                 }
-                kc.extend_from_slice(&k_new);
-                vc.extend_from_slice(&v_new);
+                for (head, (kh, vh)) in kc.iter_mut().zip(vc.iter_mut()).enumerate() {
+                    kh.extend_from_slice(&k_new[head * n * hd..][..n * hd]);
+                    vh.extend_from_slice(&v_new[head * n * hd..][..n * hd]);
+                }
                 let o = exact_attention(
                     &q.flatten_all()?.to_vec1::<f32>()?,
                     kc,
@@ -368,11 +371,11 @@ pub struct Shape {
 
 /// Causal grouped-query attention for one row whose result for a query depends only on the
 /// query, its position and the keys and values up to it: queries `q` `[heads, n, hd]`, keys
-/// and values token-major `[start + n, kv_heads, hd]`; returns `[n, heads * hd]`. Query `i` attends to
+/// and values per KV head, each `[start + n, hd]`; returns `[n, heads * hd]`. Query `i` attends to
 /// keys `0..=start + i`. Every sum runs in one fixed order (eight lanes, then a fixed
 /// reduction), so a token's output is the same bits whether its prompt ran whole or in chunks
 /// of any size; queries run in parallel.
-pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
+pub fn exact_attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], s: Shape) -> Vec<f32> {
     use rayon::prelude::*;
     let Shape {
         heads,
@@ -381,8 +384,7 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
         n,
         start,
     } = s;
-    let width = kv_heads * hd;
-    debug_assert!(k.len() >= (start + n) * width && v.len() >= (start + n) * width);
+    debug_assert!(k.iter().chain(v).all(|head| head.len() >= (start + n) * hd));
     let rep = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * heads * hd];
@@ -394,15 +396,10 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
             for (head, o) in row.chunks_exact_mut(hd).enumerate() {
                 let kv = head / rep;
                 let qv = &q[(head * n + i) * hd..][..hd];
-                // Position j's key of this KV head: `width` values a position, `hd` a head.
-                let keys = k[..(pos + 1) * width]
-                    .chunks_exact(width)
-                    .map(|t| &t[kv * hd..][..hd]);
-                let vals = v[..(pos + 1) * width]
-                    .chunks_exact(width)
-                    .map(|t| &t[kv * hd..][..hd]);
+                let keys = &k[kv][..(pos + 1) * hd];
+                let vals = &v[kv][..(pos + 1) * hd];
                 let mut max = f32::NEG_INFINITY;
-                for (wj, kj) in w.iter_mut().zip(keys) {
+                for (wj, kj) in w.iter_mut().zip(keys.chunks_exact(hd)) {
                     *wj = dot(qv, kj) * scale;
                     max = max.max(*wj);
                 }
@@ -412,7 +409,7 @@ pub fn exact_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
                     sum += *wj;
                 }
                 o.fill(0.0);
-                for (&wj, vj) in w.iter().zip(vals) {
+                for (&wj, vj) in w.iter().zip(vals.chunks_exact(hd)) {
                     for (od, &vd) in o.iter_mut().zip(vj) {
                         *od += wj * vd;
                     }
@@ -505,19 +502,17 @@ mod tests {
 
     #[test]
     fn a_layer_truncates_back_to_its_first_tokens() {
-        // Host buffers: 3 tokens of width 2, back to 1.
+        // Host buffers: two KV heads of 3 tokens of head_dim 2, back to 1 token.
         let mut host = LayerKv::Host {
-            k: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-            v: vec![6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+            k: vec![vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], vec![7.0; 6]],
+            v: vec![vec![6.0, 5.0, 4.0, 3.0, 2.0, 1.0], vec![8.0; 6]],
         };
         host.truncate(1, 2);
         let LayerKv::Host { k, v } = &host else {
             panic!("still host buffers")
         };
-        assert_eq!(
-            (k.as_slice(), v.as_slice()),
-            (&[1.0, 2.0][..], &[6.0, 5.0][..])
-        );
+        assert_eq!(k, &[vec![1.0, 2.0], vec![7.0, 7.0]]);
+        assert_eq!(v, &[vec![6.0, 5.0], vec![8.0, 8.0]]);
         // Tensors `[kv_heads 1, 3 tokens, hd 2]`: back to 2 tokens, then to none.
         let t = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap();
         let t = t.reshape((1, 3, 2)).unwrap();

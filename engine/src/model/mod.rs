@@ -477,13 +477,13 @@ impl Model {
                 Ok(out)
             }
             Err(e) => {
-                let width = cfg.kv_heads * (cfg.hidden / cfg.heads);
+                let head_dim = cfg.hidden / cfg.heads;
                 for r in rows.iter_mut() {
                     let len = r.cache.len;
                     r.cache
                         .layers
                         .iter_mut()
-                        .for_each(|l| l.truncate(len, width));
+                        .for_each(|l| l.truncate(len, head_dim));
                 }
                 Err(e)
             }
