@@ -98,6 +98,6 @@ if wants R; then
     --trace "$OUT/scaled.csv" --format generic --report-json "$OUT/R.replay.json" --no-progress >/dev/null
 fi
 
-if wants A && wants B && wants C && wants R; then
+if wants A && wants B && wants R; then
   python3 engine/scripts/analyze.py summary "$OUT" "$X" | tee "$OUT/summary.md"
 fi
