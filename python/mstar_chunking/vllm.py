@@ -21,6 +21,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Optional
 
 import vllm
@@ -72,14 +73,26 @@ class UnsupportedVllmFeature(ValueError):
 
 @dataclass
 class _Step:
-    """One vLLM step as the component planned it, until vLLM reports its output."""
+    """One vLLM step as the component planned it, until vLLM reports its output: its rows as
+    columns (`Batch.columns()`: the continuing rows, then the chunks), row `i` being vLLM's
+    request `req_ids[i]`, the component's `rids[i]`."""
 
     step: int
-    rows: list[tuple[str, int, bool, int, bool]]  # (vLLM request id, rid, chunk?, planned, final?)
-    ran: list[int]
+    batch: Any  # the component's `Batch`: the `ran` of a step whose every row ran as planned
+    req_ids: list[str]
+    rids: list[int]
+    planned: list[int]
+    chunks: int  # the last `chunks` rows are chunks, the others continuing (decode) rows
+    finals: list[int]  # the rows whose chunk ends its prompt's prefill
+    ran: Optional[list[int]]  # the tokens each row ran; None: every row its planned tokens
     returned_at: float
     completed: bool = False
     measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
+
+    def rows(self) -> list[tuple[str, int, int, int]]:
+        """`(vLLM request id, rid, planned, ran)` per row."""
+        ran = self.planned if self.ran is None else self.ran
+        return list(zip(self.req_ids, self.rids, self.planned, ran))
 
 
 @dataclass
@@ -177,7 +190,8 @@ class _Chunking:
         self._req_of: dict[int, str] = {}
         self._next_rid = 1
         self._start_hint: dict[str, int] = {}  # observed chunk starts after a mismatch
-        self._plan: Optional[dict[str, tuple[int, Optional[int]]]] = None
+        self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
+        self._starts: dict[str, int] = {}  # and its chunks' starts
         self._observed: dict[str, int] = {}
         self._uncompleted: Optional[_Step] = None
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
@@ -358,26 +372,28 @@ class _Chunking:
         # vLLM calls this for every request it considers, running and waiting, with the tokens it
         # would give it; the plan's tokens are what it gets, or nothing. (vLLM's own method only
         # acts with a multi-module MTP lookahead, refused at start.)
-        n = num_new_tokens
         plan = self._plan
         if plan is None:
-            return n
-        entry = plan.get(request.request_id)
-        if entry is None:
+            return num_new_tokens
+        req_id = request.request_id
+        tokens = plan.get(req_id)
+        if tokens is None:
             return 0
-        tokens, start = entry
+        start = self._starts.get(req_id)
         if start is not None and start != num_computed_tokens:
-            self._observed[request.request_id] = num_computed_tokens
+            self._observed[req_id] = num_computed_tokens
             return 0
-        return tokens if n >= tokens else 0
+        return tokens if num_new_tokens >= tokens else 0
 
     def _continues(self, prev: Optional[_Step]) -> list[int]:
         """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
-        out = []
+        out: list[int] = []
         if prev is None:
             return out
-        for (req_id, rid, _, tokens, final), ran in zip(prev.rows, prev.ran):
-            if final and ran == tokens and self._rid_of.get(req_id) == rid:
+        ran = prev.ran
+        for i in prev.finals:
+            req_id, rid = prev.req_ids[i], prev.rids[i]
+            if (ran is None or ran[i] == prev.planned[i]) and self._rid_of.get(req_id) == rid:
                 request = self.requests.get(req_id)  # type: ignore[attr-defined]
                 if request is not None and request.status == RequestStatus.RUNNING:
                     out.append(rid)
@@ -406,11 +422,12 @@ class _Chunking:
                     nxt.forget_request(rid)
                 else:
                     nxt.admit(rid, PREFILL, tokens, cached)
-            done = cm.complete_and_assemble(prev.step, prev.ran, ms, next=nxt)
+            done = cm.complete_and_assemble(prev.step, prev.batch if prev.ran is None else prev.ran, ms, next=nxt)
             self.mstar_stats.outcomes.append(done.outcome)
             return done.next
         if prev is not None:
-            self.mstar_stats.outcomes.append(cm.complete(prev.step, prev.ran, ms))
+            ran = prev.batch if prev.ran is None else prev.ran
+            self.mstar_stats.outcomes.append(cm.complete(prev.step, ran, ms))
         for rid in continues:
             cm.continue_row(rid, NODE, DECODE, 1)
         for rid, tokens, cached in changes:
@@ -426,21 +443,14 @@ class _Chunking:
         prev, self._uncompleted = self._uncompleted, None
         self._admit_waiting()
         batch = self._advance(prev)
-        rows: list[tuple[str, int, bool, int, bool]] = []
-        plan: dict[str, tuple[int, Optional[int]]] = {}
-        req_of = self._req_of
-        planned = batch.planned()
-        for row, tokens in zip(batch.rows, planned):
-            rid = row.rid
-            req_id = req_of[rid]
-            r = row.range  # None for a continuing (decode) row
-            if r is None:
-                rows.append((req_id, rid, False, tokens, False))
-                plan[req_id] = (tokens, None)
-            else:
-                rows.append((req_id, rid, True, tokens, r.end == r.total))
-                plan[req_id] = (tokens, r.start)
+        # The plan in bulk (no object per row): the rows' request ids, found in one pass in C,
+        # and the tokens each is planned, keyed by request id for the hook.
+        rids, planned, starts, finals = batch.columns()
+        req_ids = list(map(self._req_of.__getitem__, rids))
+        plan = dict(zip(req_ids, planned))
+        chunks = len(starts)
         self._plan, self._observed = plan, {}
+        self._starts = dict(zip(req_ids[len(req_ids) - chunks :], starts)) if chunks else {}
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -449,48 +459,53 @@ class _Chunking:
             raise
         self._plan = None
         scheduled = out.num_scheduled_tokens
-        get = scheduled.get
-        ran = [get(row[0], 0) for row in rows]
-        unrun = ran.count(0)
-        if unrun:
-            self.mstar_stats.handed_back += unrun
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
-        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk.
-        if len(scheduled) != len(rows) - unrun or sum(ran) != (
-            sum(row[3] for row, n in zip(rows, ran) if n) if unrun else sum(planned)
-        ):
-            self._scheduled_otherwise(rows, ran, scheduled)
+        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
+        # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
+        # tokens; then no list of what ran is made (the completion reads the batch).
+        total = sum(planned)
+        ran: Optional[list[int]] = None
+        if len(scheduled) != len(plan) or sum(scheduled.values()) != total or scheduled.keys() != plan.keys():
+            ran = list(map(scheduled.get, req_ids, repeat(0)))
+            unrun = ran.count(0)
+            self.mstar_stats.handed_back += unrun
+            if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
+                self._scheduled_otherwise(req_ids, planned, ran, scheduled)
+        rec = _Step(batch.step, batch, req_ids, rids, planned, chunks, finals, ran, 0.0)
         if self._async:
-            self._end_in_flight(rows, ran)
+            self._end_in_flight(rec)
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
             self._start_hint[req_id] = start
         self.mstar_stats.steps += 1
-        rec = _Step(batch.step, rows, ran, self.clock())
+        rec.returned_at = self.clock()
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
 
     @staticmethod
-    def _scheduled_otherwise(rows: list[tuple[str, int, bool, int, bool]], ran: list[int], scheduled: dict) -> None:
+    def _scheduled_otherwise(req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict) -> None:
         """Raises naming what vLLM scheduled other than planned."""
-        for (req_id, _, _, tokens, _), n in zip(rows, ran):
+        for req_id, tokens, n in zip(req_ids, planned, ran):
             if n not in (0, tokens):
                 raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
-        extra = sorted(set(scheduled) - {row[0] for row in rows})
+        extra = sorted(set(scheduled) - set(req_ids))
         raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
 
-    def _end_in_flight(self, rows: list[tuple[str, int, bool, int, bool]], ran: list[int]) -> None:
+    def _end_in_flight(self, rec: _Step) -> None:
         """Async: a request whose last token (its `max_tokens`-th, or the one reaching
         `max_model_len`) is in the step just scheduled is never scheduled again (vLLM skips it
         until that step's output finishes it), so it is forgotten now rather than planned a
         decode row in the next step that vLLM would hand back."""
         requests = self.requests  # type: ignore[attr-defined]
         max_len = self.max_model_len  # type: ignore[attr-defined]
-        for (req_id, _, chunk, _, final), n in zip(rows, ran):
-            if n and (final or not chunk):
+        ran = rec.ran
+        decoding = len(rec.req_ids) - rec.chunks  # the continuing rows, then the final chunks
+        for i in [*range(decoding), *rec.finals]:
+            if ran is None or ran[i]:
+                req_id = rec.req_ids[i]
                 r = requests[req_id]
                 produced = r.num_output_tokens + r.num_output_placeholders
                 if produced >= r.max_tokens or r.num_prompt_tokens + produced >= max_len:

@@ -18,8 +18,9 @@ use mstar_chunking::{
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::boundary::{
     block_within, call_within, clock_arg, invalid, measured_arg, name, name_pair, panic_message,
@@ -89,6 +90,14 @@ pub(crate) fn token_ids(
     } else {
         b">I"
     };
+    // A list of ints (vLLM's prompts are lists) is read item by item here, a few ns each: the
+    // converter takes several times as long. Anything in it that is not an int in range goes
+    // to the converter, which accepts or refuses it with its error.
+    if let Ok(list) = tokens.downcast::<PyList>() {
+        if let Some(ids) = list_u32(list) {
+            return Ok(ids.into());
+        }
+    }
     if let Ok(buf) = PyBuffer::<u32>::get(tokens) {
         let format = buf.format().to_bytes();
         let native = matches!(format, b"I" | b"@I" | b"=I") || format == NATIVE;
@@ -110,6 +119,34 @@ pub(crate) fn token_ids(
         .chunks_exact(4)
         .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
+}
+
+/// The items of `list` as `u32`s when every one is an `int` (exactly) from 0 to `u32::MAX`;
+/// `None` otherwise (nothing raised: the caller converts the list another way).
+fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+    let n = list.len();
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: `list` is a live list, and `i` is below the length read with the GIL held
+        // (nothing here runs Python code that could shrink it); `PyList_GetItem` answers a
+        // borrowed reference, used before anything else touches the list. A conversion that
+        // fails sets an error, fetched (cleared) here before `None` is answered.
+        let id = unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            v
+        };
+        ids.push(u32::try_from(id).ok()?);
+    }
+    Some(ids)
 }
 
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.

@@ -240,6 +240,46 @@ pymethods_with_getters! {
             .collect()
     }
 
+    /// The rows in bulk, without a `Row` per row: `(rids, tokens, starts, finals)`, four
+    /// lists. `rids[i]` and `tokens[i]` are row `i`'s request and scheduled tokens; `starts`
+    /// holds each chunk's start (`range.start`), in row order: the chunks are the last
+    /// `len(starts)` rows, after the continuing rows; `finals` holds the indices of the rows
+    /// whose chunk is final (`is_final`).
+    fn columns<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let rows = &self.batch.rows;
+        let rids = int_list(py, rows.iter().map(|r| r.rid))?;
+        let tokens = int_list(py, rows.iter().map(BatchRow::tokens))?;
+        let chunk = |r: &BatchRow| match r.work {
+            RowWork::Chunk { range, .. } => Some(range),
+            RowWork::Continue { .. } => None,
+        };
+        let first = rows.iter().take_while(|r| chunk(r).is_none()).count();
+        // The core's order (continuing rows first); a chunk among them would be a change of it.
+        if let Some(i) = rows[first..].iter().position(|r| chunk(r).is_none()) {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "step {}: row {} continues after a chunk (the rows are continuing rows, then chunks)",
+                self.batch.step,
+                first + i
+            )));
+        }
+        let starts = int_list(
+            py,
+            rows[first..]
+                .iter()
+                .map(|r| chunk(r).map_or(0, |c| c.start)),
+        )?;
+        let finals = int_list(
+            py,
+            rows.iter()
+                .enumerate()
+                .filter(|(_, r)| chunk(r).is_some_and(|c| c.is_final()))
+                .map(|(i, _)| i as u64)
+                .collect::<Vec<u64>>()
+                .into_iter(),
+        )?;
+        PyTuple::new(py, [rids, tokens, starts, finals])
+    }
+
     fn __len__(&self) -> usize {
         self.batch.rows.len()
     }
@@ -260,20 +300,20 @@ pymethods_with_getters! {
 
 /// A `list` of `items` as Python `int`s, filled in place (a step's rows can number in the
 /// thousands: a third of the cost of a list made item by item through conversions).
-fn int_list<'py>(
+fn int_list<'py, T: Into<u64>>(
     py: Python<'py>,
-    items: impl ExactSizeIterator<Item = u32>,
+    items: impl ExactSizeIterator<Item = T>,
 ) -> PyResult<Bound<'py, PyList>> {
     let n = ffi::Py_ssize_t::try_from(items.len())
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
     // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
     // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
-    // the new reference `PyLong_FromUnsignedLong` answers. A failed conversion leaves the
+    // the new reference `PyLong_FromUnsignedLongLong` answers. A failed conversion leaves the
     // rest of the slots empty, which a list's deallocation accepts.
     unsafe {
         let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
         for (i, v) in (0..n).zip(items) {
-            let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
+            let int = ffi::PyLong_FromUnsignedLongLong(v.into());
             if int.is_null() {
                 return Err(PyErr::fetch(py));
             }
