@@ -21,7 +21,8 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
+from operator import attrgetter
 from typing import Any, Optional
 
 import vllm
@@ -60,6 +61,7 @@ from . import (  # noqa: E402
 )
 
 log = logging.getLogger("mstar_chunking.vllm")
+_request_id = attrgetter("request_id")
 
 NODE, PREFILL, DECODE, MIXED = "llm", "prefill", "decode", "mixed"
 CONFIG_ENV = "MSTAR_CHUNKING_CONFIG"
@@ -229,7 +231,9 @@ class _Chunking:
                     f"long_prefill_token_threshold={threshold} with {CONFIG_ENV}: set "
                     "chunking.max_row_tokens in the config instead"
                 )
-            cm = ChunkingManagement.from_config(paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None)
+            cm = ChunkingManagement.from_config(
+                paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None, caller_thread=True
+            )
             try:
                 self._check_component(cm, budget)
             except BaseException:
@@ -238,7 +242,7 @@ class _Chunking:
             return cm
         settings = dict(self.chunking_settings())
         align = settings.pop("align", self.block_size)  # type: ignore[attr-defined]
-        cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model)
+        cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model, caller_thread=True)
         try:
             policy = ChunkingPolicy(budget, align=align)
             cm.set_policies({(NODE, PREFILL): policy, (NODE, MIXED): policy})
@@ -318,9 +322,22 @@ class _Chunking:
         with its prefix-cache hit as `cached` (vLLM looks it up again when it reaches the request,
         and a different answer makes the request be admitted again from there)."""
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
-        pending = 0
-        last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
-        for request in self.waiting:  # type: ignore[attr-defined]
+        if free <= 0:
+            return
+        # The loop below, over the requests admitted already in vLLM's order (their rids
+        # increasing) at the front of the queue, done in C: most steps only the prompts that
+        # arrived since are left to it, or none.
+        ahead = list(map(self._rid_of.get, map(_request_id, islice(self.waiting, free)), repeat(0)))  # type: ignore[attr-defined]
+        known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
+        front = ahead[:known]
+        if known and front == sorted(front):  # increasing: one rid per request
+            if known == len(ahead):
+                return
+            pending, last = known, front[-1]
+        else:
+            known = pending = 0
+            last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
+        for request in islice(self.waiting, known, None):  # type: ignore[attr-defined]
             if pending >= free:
                 break
             req_id = request.request_id
