@@ -22,7 +22,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice, repeat
-from operator import attrgetter
 from typing import Any, Optional
 
 import vllm
@@ -61,7 +60,6 @@ from . import (  # noqa: E402
 )
 
 log = logging.getLogger("mstar_chunking.vllm")
-_request_id = attrgetter("request_id")
 
 NODE, PREFILL, DECODE, MIXED = "llm", "prefill", "decode", "mixed"
 CONFIG_ENV = "MSTAR_CHUNKING_CONFIG"
@@ -190,6 +188,10 @@ class _Chunking:
         self.mstar_stats = ChunkingStats()
         self._rid_of: dict[str, int] = {}
         self._req_of: dict[int, str] = {}
+        # The rids by the address (`id`) of vLLM's request object, and that address by request
+        # id: the admission scan reads the waiting queue's entries without touching the requests.
+        self._rid_at: dict[int, int] = {}
+        self._at_of: dict[str, int] = {}
         self._next_rid = 1
         self._start_hint: dict[str, int] = {}  # observed chunk starts after a mismatch
         self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
@@ -306,6 +308,7 @@ class _Chunking:
         self._start_hint.pop(req_id, None)
         if rid is not None:
             del self._req_of[rid]
+            del self._rid_at[self._at_of.pop(req_id)]
             self._changes.append((rid, None, 0))
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
@@ -325,9 +328,10 @@ class _Chunking:
         if free <= 0:
             return
         # The loop below, over the requests admitted already in vLLM's order (their rids
-        # increasing) at the front of the queue, done in C: most steps only the prompts that
-        # arrived since are left to it, or none.
-        ahead = list(map(self._rid_of.get, map(_request_id, islice(self.waiting, free)), repeat(0)))  # type: ignore[attr-defined]
+        # increasing) at the front of the queue, done in C and by the requests' addresses (a
+        # request object is not read: after vLLM's step they are mostly out of the CPU's caches):
+        # most steps only the prompts that arrived since are left to it, or none.
+        ahead = list(map(self._rid_at.get, map(id, islice(self.waiting, free)), repeat(0)))  # type: ignore[attr-defined]
         known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
         front = ahead[:known]
         if known and front == sorted(front):  # increasing: one rid per request
@@ -372,6 +376,8 @@ class _Chunking:
             self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
+            self._rid_at[id(request)] = rid
+            self._at_of[req_id] = id(request)
             last = rid
             pending += 1
 

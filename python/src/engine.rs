@@ -322,9 +322,11 @@ impl CallerSystem {
         Ok(guard)
     }
 
-    /// Runs `make()`'s future on the System until it answers, at most `timeout`; then runs what
-    /// the answer left ready (an actor's message to another, sent after answering) as the
-    /// actors' own thread would have between two calls. A panic is caught here.
+    /// Runs `make()`'s future on the System until it answers, at most `timeout`. Each turn of
+    /// the System's task set runs every task made ready before the future is polled again, so
+    /// a message an actor sends another before answering (inputs changed, an overrun counted)
+    /// is handled by the time the call returns, as on the actors' own thread; and it is in the
+    /// other actor's mailbox ahead of anything a later call sends. A panic is caught here.
     fn call<T, F, Fut>(&self, py: Python<'_>, timeout: Option<Duration>, make: F) -> PyResult<T>
     where
         F: FnOnce() -> Fut,
@@ -336,12 +338,10 @@ impl CallerSystem {
         };
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             runner.block_on(async {
-                let answer = match timeout {
+                match timeout {
                     None => Some(make().await),
                     Some(after) => actix::clock::timeout(after, make()).await.ok(),
-                };
-                settle().await;
-                answer
+                }
             })
         }));
         let answer = match ran {
@@ -355,20 +355,6 @@ impl CallerSystem {
         answer.map_err(|f| to_py_err(py, f))
     }
 }
-
-/// Lets the tasks a call left ready run (a few turns of the System's task set), as they would
-/// have on the actors' own thread while the caller went on.
-async fn settle() {
-    for _ in 0..SETTLE_TURNS {
-        tokio::task::yield_now().await;
-    }
-}
-
-/// Turns of the task set after each call of a `caller_thread` engine. An actor's message to
-/// another (sent before it answers) is in that actor's mailbox ahead of anything the next call
-/// sends, and mostly handled in the same turn as the answer; one more turn handles what is
-/// left, so that what the actors publish (gauges) is up to date when the call returns.
-const SETTLE_TURNS: usize = 1;
 
 impl Drop for Engine {
     fn drop(&mut self) {
