@@ -71,28 +71,38 @@ class UnsupportedVllmFeature(ValueError):
     """A vLLM feature this scheduler does not support yet, refused when it starts."""
 
 
-@dataclass
 class _Step:
-    """One vLLM step as the component planned it, until vLLM reports its output: its rows as
-    columns (`Batch.columns()`: the continuing rows, then the chunks), row `i` being vLLM's
-    request `req_ids[i]`, the component's `rids[i]`."""
+    """One vLLM step as the component planned it, until vLLM reports its output: its rows in
+    bulk (`Batch.keyed`: the continuing rows, then the chunks), row `i` being vLLM's request
+    `req_ids[i]`, planned `plan[req_ids[i]]` tokens."""
 
-    step: int
-    batch: Any  # the component's `Batch`: the `ran` of a step whose every row ran as planned
-    req_ids: list[str]
-    rids: list[int]
-    planned: list[int]
-    chunks: int  # the last `chunks` rows are chunks, the others continuing (decode) rows
-    finals: list[int]  # the rows whose chunk ends its prompt's prefill
-    ran: Optional[list[int]]  # the tokens each row ran; None: every row its planned tokens
-    returned_at: float
-    completed: bool = False
-    measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
+    __slots__ = ("step", "batch", "req_ids", "plan", "chunks", "finals", "ran", "returned_at", "completed", "measured_ms")
+
+    def __init__(
+        self,
+        batch: Any,
+        req_ids: list[str],
+        plan: dict[str, int],
+        chunks: int,
+        finals: list[tuple[int, int]],
+        ran: Optional[list[int]],
+    ) -> None:
+        self.step: int = batch.step
+        self.batch = batch  # the component's `Batch`: the `ran` of a step whose every row ran as planned
+        self.req_ids = req_ids
+        self.plan = plan
+        self.chunks = chunks  # the last `chunks` rows are chunks, the others continuing (decode) rows
+        self.finals = finals  # (row, rid) of the rows whose chunk ends its prompt's prefill
+        self.ran = ran  # the tokens each row ran; None: every row its planned tokens
+        self.returned_at = 0.0
+        self.completed = False
+        self.measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         """`(vLLM request id, rid, planned, ran)` per row."""
-        ran = self.planned if self.ran is None else self.ran
-        return list(zip(self.req_ids, self.rids, self.planned, ran))
+        planned = list(self.plan.values())
+        ran = planned if self.ran is None else self.ran
+        return list(zip(self.req_ids, self.batch.columns()[0], planned, ran))
 
 
 @dataclass
@@ -414,9 +424,9 @@ class _Chunking:
         if prev is None:
             return out
         ran = prev.ran
-        for i in prev.finals:
-            req_id, rid = prev.req_ids[i], prev.rids[i]
-            if (ran is None or ran[i] == prev.planned[i]) and self._rid_of.get(req_id) == rid:
+        for i, rid in prev.finals:
+            req_id = prev.req_ids[i]
+            if (ran is None or ran[i] == prev.plan[req_id]) and self._rid_of.get(req_id) == rid:
                 request = self.requests.get(req_id)  # type: ignore[attr-defined]
                 if request is not None and request.status == RequestStatus.RUNNING:
                     out.append(rid)
@@ -466,14 +476,12 @@ class _Chunking:
         prev, self._uncompleted = self._uncompleted, None
         self._admit_waiting()
         batch = self._advance(prev)
-        # The plan in bulk (no object per row): the rows' request ids, found in one pass in C,
-        # and the tokens each is planned, keyed by request id for the hook.
-        rids, planned, starts, finals = batch.columns()
-        req_ids = list(map(self._req_of.__getitem__, rids))
-        plan = dict(zip(req_ids, planned))
-        chunks = len(starts)
-        self._plan, self._observed = plan, {}
-        self._starts = dict(zip(req_ids[len(req_ids) - chunks :], starts)) if chunks else {}
+        # The plan in bulk, in one call (no object per row): the rows' request ids, the tokens
+        # each is planned and the chunks' starts, keyed by request id for the hook.
+        req_ids, plan, starts, finals = batch.keyed(self._req_of)
+        self._plan, self._starts, self._observed = plan, starts, {}
+        rid_of = self._rid_of
+        final_rows = [(i, rid_of[req_ids[i]]) for i in finals]  # (a request vLLM preempts is forgotten)
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -486,15 +494,15 @@ class _Chunking:
         # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
         # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
         # tokens; then no list of what ran is made (the completion reads the batch).
-        total = sum(planned)
         ran: Optional[list[int]] = None
-        if len(scheduled) != len(plan) or sum(scheduled.values()) != total or scheduled.keys() != plan.keys():
+        if len(scheduled) != len(plan) or sum(scheduled.values()) != sum(plan.values()) or scheduled.keys() != plan.keys():
             ran = list(map(scheduled.get, req_ids, repeat(0)))
             unrun = ran.count(0)
             self.mstar_stats.handed_back += unrun
+            planned = list(plan.values())  # in row order
             if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
                 self._scheduled_otherwise(req_ids, planned, ran, scheduled)
-        rec = _Step(batch.step, batch, req_ids, rids, planned, chunks, finals, ran, 0.0)
+        rec = _Step(batch, req_ids, plan, len(starts), final_rows, ran)
         if self._async:
             self._end_in_flight(rec)
         for req_id, start in self._observed.items():
@@ -526,7 +534,7 @@ class _Chunking:
         max_len = self.max_model_len  # type: ignore[attr-defined]
         ran = rec.ran
         decoding = len(rec.req_ids) - rec.chunks  # the continuing rows, then the final chunks
-        for i in [*range(decoding), *rec.finals]:
+        for i in [*range(decoding), *(i for i, _ in rec.finals)]:
             if ran is None or ran[i]:
                 req_id = rec.req_ids[i]
                 r = requests[req_id]

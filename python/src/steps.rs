@@ -11,7 +11,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::boundary::{cached_class, py_bool, py_opt, py_repr_str, to_py_err, Failure};
 
@@ -278,6 +278,49 @@ pymethods_with_getters! {
                 .into_iter(),
         )?;
         PyTuple::new(py, [rids, tokens, starts, finals])
+    }
+
+    /// The rows in bulk under the caller's keys (an engine's own request ids): `keys` maps each
+    /// row's rid to its key (a `dict`; a rid it lacks is a `KeyError` naming it). Answers
+    /// `(row_keys, tokens, starts, finals)`: each row's key, in row order; the scheduled tokens
+    /// by key (in row order); each chunk's start by key; the indices of the rows whose chunk is
+    /// final. One call, no `int` made per row.
+    fn keyed<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let rows = &self.batch.rows;
+        let row_keys = PyList::empty(py);
+        let tokens = PyDict::new(py);
+        let starts = PyDict::new(py);
+        let mut finals = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            let Some(key) = keys.get_item(r.rid)? else {
+                return Err(pyo3::exceptions::PyKeyError::new_err(format!(
+                    "step {}: rid {} of row {i} has no key",
+                    self.batch.step, r.rid
+                )));
+            };
+            row_keys.append(&key)?;
+            tokens.set_item(&key, r.tokens())?;
+            if let RowWork::Chunk { range, .. } = r.work {
+                starts.set_item(&key, range.start)?;
+                if range.is_final() {
+                    finals.push(i as u64);
+                }
+            }
+        }
+        let finals = int_list(py, finals.into_iter())?;
+        PyTuple::new(
+            py,
+            [
+                row_keys.into_any(),
+                tokens.into_any(),
+                starts.into_any(),
+                finals.into_any(),
+            ],
+        )
     }
 
     fn __len__(&self) -> usize {

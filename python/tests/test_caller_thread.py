@@ -1,6 +1,6 @@
 """Actors run on the calling thread (`caller_thread=True`): the same steps as on their own
-thread, calls from that thread only; the rows in bulk (`Batch.columns()`); prompts given as
-lists of ints."""
+thread, calls from that thread only; the rows in bulk (`Batch.columns()`, `Batch.keyed()`);
+prompts given as lists of ints."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_from_config_on_the_calling_thread(tmp_path):
         cm.close()
 
 
-def test_columns_are_the_rows_in_bulk(make_cm):
+def test_columns_and_keyed_are_the_rows_in_bulk(make_cm):
     cm = mixed(make_cm)
     cm.continue_row(7, "llm", "decode", 1)
     cm.continue_row(8, "llm", "decode", 2)
@@ -120,6 +120,13 @@ def test_columns_are_the_rows_in_bulk(make_cm):
     assert [r.rid for r in rows[len(rows) - len(starts) :]] == [r.rid for r in chunks]  # chunks last
     assert starts == [r.range.start for r in chunks] == [0, 32]
     assert finals == [i for i, r in enumerate(rows) if r.is_final] == [2]
+    keys = {7: "d7", 8: "d8", 1: "p1", 2: "p2", 99: "other"}
+    row_keys, by_key, chunk_starts, final_rows = b.keyed(keys)
+    assert row_keys == ["d7", "d8", "p1", "p2"]
+    assert list(by_key.items()) == list(zip(row_keys, tokens))  # in row order
+    assert chunk_starts == {"p1": 0, "p2": 32} and final_rows == finals
+    with pytest.raises(KeyError, match="rid 2 of row 3 has no key"):
+        b.keyed({7: "d7", 8: "d8", 1: "p1"})
     cm.complete(b.step, b)
     b2 = cm.assemble("llm", "mixed")
     assert b2.columns()[2] == [r.range.start for r in b2.rows if r.kind == "chunk"] == [32 + tokens[3]]
