@@ -312,12 +312,7 @@ impl CallerSystem {
             )
         })?;
         if guard.is_none() {
-            return Err(to_py_err(
-                py,
-                Failure::Chunking(ChunkingError::ActorStopped {
-                    actor: crate::boundary::TIMED_OUT_ACTOR,
-                }),
-            ));
+            return Err(to_py_err(py, Failure::Chunking(stopped())));
         }
         Ok(guard)
     }
@@ -334,7 +329,7 @@ impl CallerSystem {
     {
         let guard = self.runner(py)?;
         let Some(runner) = guard.as_ref() else {
-            unreachable!("checked by `runner`")
+            return Err(to_py_err(py, Failure::Chunking(stopped())));
         };
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             runner.block_on(async {
@@ -353,6 +348,13 @@ impl CallerSystem {
             Err(panic) => Err(Failure::Internal(panic_message(&*panic))),
         };
         answer.map_err(|f| to_py_err(py, f))
+    }
+}
+
+/// What a call of a closed `caller_thread` engine answers.
+fn stopped() -> ChunkingError {
+    ChunkingError::ActorStopped {
+        actor: crate::boundary::TIMED_OUT_ACTOR,
     }
 }
 
