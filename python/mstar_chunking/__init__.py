@@ -280,6 +280,13 @@ class ChunkingManagement:
     series; ``timeout`` is how many seconds a call waits for the actors (``None``: no limit).
     ``ChunkingManagement.from_config(...)`` starts one from the component's config files.
 
+    With ``caller_thread=True`` the actors run on the thread that made the manager instead,
+    each call running them until its answer is there (the GIL held, nothing running between
+    two calls): no thread is woken per call, which is what a call costs most on a loaded
+    machine. Every call must then come from that thread (from another one it raises
+    ``ChunkingError``; ``close()`` from another does nothing). For an engine that drives its
+    steps from one thread, as vLLM's scheduler does.
+
     In a process forked from the one that started it, every call raises
     ``ActorsStoppedError`` at once (the actors' thread is not in the child) and ``close()`` or
     dropping it does nothing: make a new one in the child.
@@ -291,6 +298,7 @@ class ChunkingManagement:
         *,
         model: str = "mstar_chunking",
         timeout: Optional[float] = DEFAULT_REQUEST_TIMEOUT,
+        caller_thread: bool = False,
     ) -> None:
         caps = []
         for node, sub in submodules.items():
@@ -307,7 +315,7 @@ class ChunkingManagement:
             caps.append((node, _names(walks, f"submodules[{node!r}].chunkable_walks"), bool(flag)))
         if not isinstance(model, str):
             raise TypeError(f"model is the metric series' label (str), got {model!r}")
-        self._attach(_native.Engine(model, caps, timeout), [c[0] for c in caps], {})
+        self._attach(_native.Engine(model, caps, timeout, bool(caller_thread)), [c[0] for c in caps], {})
 
     @classmethod
     def from_config(
@@ -317,13 +325,15 @@ class ChunkingManagement:
         model: Optional[str] = None,
         manifest: Optional[Union[str, os.PathLike[str]]] = None,
         timeout: Optional[float] = DEFAULT_REQUEST_TIMEOUT,
+        caller_thread: bool = False,
     ) -> "ChunkingManagement":
         """Starts a manager configured as the ``mstar-chunking`` binary is: the model manifest
         ``manifest`` (as ``--model FILE``; default ``config/models/demo.toml``, else the built-in
         demo), the layered serving config (``config/default.toml``, ``config/$MSTAR_ENV.toml``,
         each of ``paths`` as ``--config FILE``, then ``MSTAR__SECTION__KEY`` variables), the
         model's policies and the config's ``[chunking]`` applied. ``model`` labels the metric
-        series (default: the manifest's name). ``cm.config`` tells what was loaded.
+        series (default: the manifest's name); ``caller_thread`` as for the constructor.
+        ``cm.config`` tells what was loaded.
 
         Raises ``ConfigError`` naming each problem's key and layer.
         """
@@ -331,7 +341,7 @@ class ChunkingManagement:
             raise TypeError(f"paths is a collection of config files, not one path: {paths!r}")
         files = [os.fspath(p) for p in paths]
         where = None if manifest is None else os.fspath(manifest)
-        engine, info = _native.Engine.from_config(files, model, where, timeout)
+        engine, info = _native.Engine.from_config(files, model, where, timeout, bool(caller_thread))
         self = cls.__new__(cls)
         self._attach(engine, list(info["nodes"]), info)
         if info["warnings"]:

@@ -1,6 +1,6 @@
 import os
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Hashable, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import _native as _native
 from ._errors import (
@@ -108,6 +108,8 @@ class Row:
     @property
     def input_tokens(self) -> Optional[Tokens]: ...
 
+_K = TypeVar("_K", bound=Hashable)
+
 class Batch:
     @property
     def step(self) -> int: ...
@@ -137,6 +139,8 @@ class Batch:
     def rows(self) -> list[Row]: ...
     def planned(self) -> list[int]: ...
     def final_rids(self) -> list[int]: ...
+    def columns(self) -> tuple[list[int], list[int], list[int], list[int]]: ...
+    def keyed(self, keys: dict[int, _K]) -> tuple[list[_K], dict[_K, int], dict[_K, int], list[int]]: ...
     def __len__(self) -> int: ...
 
 class StepOutcome:
@@ -217,6 +221,7 @@ class ChunkingManagement:
         *,
         model: str = ...,
         timeout: Optional[float] = ...,
+        caller_thread: bool = False,
     ) -> None: ...
     @classmethod
     def from_config(
@@ -226,6 +231,7 @@ class ChunkingManagement:
         model: Optional[str] = None,
         manifest: Optional[Union[str, os.PathLike[str]]] = None,
         timeout: Optional[float] = ...,
+        caller_thread: bool = False,
     ) -> ChunkingManagement: ...
     @property
     def config(self) -> dict[str, Any]: ...

@@ -21,6 +21,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from typing import Any, Optional
 
 import vllm
@@ -70,16 +71,38 @@ class UnsupportedVllmFeature(ValueError):
     """A vLLM feature this scheduler does not support yet, refused when it starts."""
 
 
-@dataclass
 class _Step:
-    """One vLLM step as the component planned it, until vLLM reports its output."""
+    """One vLLM step as the component planned it, until vLLM reports its output: its rows in
+    bulk (`Batch.keyed`: the continuing rows, then the chunks), row `i` being vLLM's request
+    `req_ids[i]`, planned `plan[req_ids[i]]` tokens."""
 
-    step: int
-    rows: list[tuple[str, int, bool, int, bool]]  # (vLLM request id, rid, chunk?, planned, final?)
-    ran: list[int]
-    returned_at: float
-    completed: bool = False
-    measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
+    __slots__ = ("step", "batch", "req_ids", "plan", "chunks", "finals", "ran", "returned_at", "completed", "measured_ms")
+
+    def __init__(
+        self,
+        batch: Any,
+        req_ids: list[str],
+        plan: dict[str, int],
+        chunks: int,
+        finals: list[tuple[int, int]],
+        ran: Optional[list[int]],
+    ) -> None:
+        self.step: int = batch.step
+        self.batch = batch  # the component's `Batch`: the `ran` of a step whose every row ran as planned
+        self.req_ids = req_ids
+        self.plan = plan
+        self.chunks = chunks  # the last `chunks` rows are chunks, the others continuing (decode) rows
+        self.finals = finals  # (row, rid) of the rows whose chunk ends its prompt's prefill
+        self.ran = ran  # the tokens each row ran; None: every row its planned tokens
+        self.returned_at = 0.0
+        self.completed = False
+        self.measured_ms: Optional[float] = None  # known once its output came, if it was not completed yet
+
+    def rows(self) -> list[tuple[str, int, int, int]]:
+        """`(vLLM request id, rid, planned, ran)` per row."""
+        planned = list(self.plan.values())
+        ran = planned if self.ran is None else self.ran
+        return list(zip(self.req_ids, self.batch.columns()[0], planned, ran))
 
 
 @dataclass
@@ -175,9 +198,14 @@ class _Chunking:
         self.mstar_stats = ChunkingStats()
         self._rid_of: dict[str, int] = {}
         self._req_of: dict[int, str] = {}
+        # The rids by the address (`id`) of vLLM's request object, and that address by request
+        # id: the admission scan reads the waiting queue's entries without touching the requests.
+        self._rid_at: dict[int, int] = {}
+        self._at_of: dict[str, int] = {}
         self._next_rid = 1
         self._start_hint: dict[str, int] = {}  # observed chunk starts after a mismatch
-        self._plan: Optional[dict[str, tuple[int, Optional[int]]]] = None
+        self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
+        self._starts: dict[str, int] = {}  # and its chunks' starts
         self._observed: dict[str, int] = {}
         self._uncompleted: Optional[_Step] = None
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
@@ -215,7 +243,9 @@ class _Chunking:
                     f"long_prefill_token_threshold={threshold} with {CONFIG_ENV}: set "
                     "chunking.max_row_tokens in the config instead"
                 )
-            cm = ChunkingManagement.from_config(paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None)
+            cm = ChunkingManagement.from_config(
+                paths, model=model, manifest=os.environ.get(MANIFEST_ENV) or None, caller_thread=True
+            )
             try:
                 self._check_component(cm, budget)
             except BaseException:
@@ -224,7 +254,7 @@ class _Chunking:
             return cm
         settings = dict(self.chunking_settings())
         align = settings.pop("align", self.block_size)  # type: ignore[attr-defined]
-        cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model)
+        cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model, caller_thread=True)
         try:
             policy = ChunkingPolicy(budget, align=align)
             cm.set_policies({(NODE, PREFILL): policy, (NODE, MIXED): policy})
@@ -288,6 +318,7 @@ class _Chunking:
         self._start_hint.pop(req_id, None)
         if rid is not None:
             del self._req_of[rid]
+            del self._rid_at[self._at_of.pop(req_id)]
             self._changes.append((rid, None, 0))
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
@@ -304,9 +335,23 @@ class _Chunking:
         with its prefix-cache hit as `cached` (vLLM looks it up again when it reaches the request,
         and a different answer makes the request be admitted again from there)."""
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
-        pending = 0
-        last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
-        for request in self.waiting:  # type: ignore[attr-defined]
+        if free <= 0:
+            return
+        # The loop below, over the requests admitted already in vLLM's order (their rids
+        # increasing) at the front of the queue, done in C and by the requests' addresses (a
+        # request object is not read: after vLLM's step they are mostly out of the CPU's caches):
+        # most steps only the prompts that arrived since are left to it, or none.
+        ahead = list(map(self._rid_at.get, map(id, islice(self.waiting, free)), repeat(0)))  # type: ignore[attr-defined]
+        known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
+        front = ahead[:known]
+        if known and front == sorted(front):  # increasing: one rid per request
+            if known == len(ahead):
+                return
+            pending, last = known, front[-1]
+        else:
+            known = pending = 0
+            last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
+        for request in islice(self.waiting, known, None):  # type: ignore[attr-defined]
             if pending >= free:
                 break
             req_id = request.request_id
@@ -341,6 +386,8 @@ class _Chunking:
             self._changes.append((rid, request._all_token_ids, start))
             self._rid_of[req_id] = rid
             self._req_of[rid] = req_id
+            self._rid_at[id(request)] = rid
+            self._at_of[req_id] = id(request)
             last = rid
             pending += 1
 
@@ -358,26 +405,28 @@ class _Chunking:
         # vLLM calls this for every request it considers, running and waiting, with the tokens it
         # would give it; the plan's tokens are what it gets, or nothing. (vLLM's own method only
         # acts with a multi-module MTP lookahead, refused at start.)
-        n = num_new_tokens
         plan = self._plan
         if plan is None:
-            return n
-        entry = plan.get(request.request_id)
-        if entry is None:
+            return num_new_tokens
+        req_id = request.request_id
+        tokens = plan.get(req_id)
+        if tokens is None:
             return 0
-        tokens, start = entry
+        start = self._starts.get(req_id)
         if start is not None and start != num_computed_tokens:
-            self._observed[request.request_id] = num_computed_tokens
+            self._observed[req_id] = num_computed_tokens
             return 0
-        return tokens if n >= tokens else 0
+        return tokens if num_new_tokens >= tokens else 0
 
     def _continues(self, prev: Optional[_Step]) -> list[int]:
         """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
-        out = []
+        out: list[int] = []
         if prev is None:
             return out
-        for (req_id, rid, _, tokens, final), ran in zip(prev.rows, prev.ran):
-            if final and ran == tokens and self._rid_of.get(req_id) == rid:
+        ran = prev.ran
+        for i, rid in prev.finals:
+            req_id = prev.req_ids[i]
+            if (ran is None or ran[i] == prev.plan[req_id]) and self._rid_of.get(req_id) == rid:
                 request = self.requests.get(req_id)  # type: ignore[attr-defined]
                 if request is not None and request.status == RequestStatus.RUNNING:
                     out.append(rid)
@@ -406,11 +455,12 @@ class _Chunking:
                     nxt.forget_request(rid)
                 else:
                     nxt.admit(rid, PREFILL, tokens, cached)
-            done = cm.complete_and_assemble(prev.step, prev.ran, ms, next=nxt)
+            done = cm.complete_and_assemble(prev.step, prev.batch if prev.ran is None else prev.ran, ms, next=nxt)
             self.mstar_stats.outcomes.append(done.outcome)
             return done.next
         if prev is not None:
-            self.mstar_stats.outcomes.append(cm.complete(prev.step, prev.ran, ms))
+            ran = prev.batch if prev.ran is None else prev.ran
+            self.mstar_stats.outcomes.append(cm.complete(prev.step, ran, ms))
         for rid in continues:
             cm.continue_row(rid, NODE, DECODE, 1)
         for rid, tokens, cached in changes:
@@ -426,21 +476,12 @@ class _Chunking:
         prev, self._uncompleted = self._uncompleted, None
         self._admit_waiting()
         batch = self._advance(prev)
-        rows: list[tuple[str, int, bool, int, bool]] = []
-        plan: dict[str, tuple[int, Optional[int]]] = {}
-        req_of = self._req_of
-        planned = batch.planned()
-        for row, tokens in zip(batch.rows, planned):
-            rid = row.rid
-            req_id = req_of[rid]
-            r = row.range  # None for a continuing (decode) row
-            if r is None:
-                rows.append((req_id, rid, False, tokens, False))
-                plan[req_id] = (tokens, None)
-            else:
-                rows.append((req_id, rid, True, tokens, r.end == r.total))
-                plan[req_id] = (tokens, r.start)
-        self._plan, self._observed = plan, {}
+        # The plan in bulk, in one call (no object per row): the rows' request ids, the tokens
+        # each is planned and the chunks' starts, keyed by request id for the hook.
+        req_ids, plan, starts, finals = batch.keyed(self._req_of)
+        self._plan, self._starts, self._observed = plan, starts, {}
+        rid_of = self._rid_of
+        final_rows = [(i, rid_of[req_ids[i]]) for i in finals]  # (a request vLLM preempts is forgotten)
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -449,48 +490,53 @@ class _Chunking:
             raise
         self._plan = None
         scheduled = out.num_scheduled_tokens
-        get = scheduled.get
-        ran = [get(row[0], 0) for row in rows]
-        unrun = ran.count(0)
-        if unrun:
-            self.mstar_stats.handed_back += unrun
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
-        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk.
-        if len(scheduled) != len(rows) - unrun or sum(ran) != (
-            sum(row[3] for row, n in zip(rows, ran) if n) if unrun else sum(planned)
-        ):
-            self._scheduled_otherwise(rows, ran, scheduled)
+        # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
+        # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
+        # tokens; then no list of what ran is made (the completion reads the batch).
+        ran: Optional[list[int]] = None
+        if len(scheduled) != len(plan) or sum(scheduled.values()) != sum(plan.values()) or scheduled.keys() != plan.keys():
+            ran = list(map(scheduled.get, req_ids, repeat(0)))
+            unrun = ran.count(0)
+            self.mstar_stats.handed_back += unrun
+            planned = list(plan.values())  # in row order
+            if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
+                self._scheduled_otherwise(req_ids, planned, ran, scheduled)
+        rec = _Step(batch, req_ids, plan, len(starts), final_rows, ran)
         if self._async:
-            self._end_in_flight(rows, ran)
+            self._end_in_flight(rec)
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
             self._start_hint[req_id] = start
         self.mstar_stats.steps += 1
-        rec = _Step(batch.step, rows, ran, self.clock())
+        rec.returned_at = self.clock()
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
 
     @staticmethod
-    def _scheduled_otherwise(rows: list[tuple[str, int, bool, int, bool]], ran: list[int], scheduled: dict) -> None:
+    def _scheduled_otherwise(req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict) -> None:
         """Raises naming what vLLM scheduled other than planned."""
-        for (req_id, _, _, tokens, _), n in zip(rows, ran):
+        for req_id, tokens, n in zip(req_ids, planned, ran):
             if n not in (0, tokens):
                 raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
-        extra = sorted(set(scheduled) - {row[0] for row in rows})
+        extra = sorted(set(scheduled) - set(req_ids))
         raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
 
-    def _end_in_flight(self, rows: list[tuple[str, int, bool, int, bool]], ran: list[int]) -> None:
+    def _end_in_flight(self, rec: _Step) -> None:
         """Async: a request whose last token (its `max_tokens`-th, or the one reaching
         `max_model_len`) is in the step just scheduled is never scheduled again (vLLM skips it
         until that step's output finishes it), so it is forgotten now rather than planned a
         decode row in the next step that vLLM would hand back."""
         requests = self.requests  # type: ignore[attr-defined]
         max_len = self.max_model_len  # type: ignore[attr-defined]
-        for (req_id, _, chunk, _, final), n in zip(rows, ran):
-            if n and (final or not chunk):
+        ran = rec.ran
+        decoding = len(rec.req_ids) - rec.chunks  # the continuing rows, then the final chunks
+        for i in [*range(decoding), *(i for i, _ in rec.finals)]:
+            if ran is None or ran[i]:
+                req_id = rec.req_ids[i]
                 r = requests[req_id]
                 produced = r.num_output_tokens + r.num_output_placeholders
                 if produced >= r.max_tokens or r.num_prompt_tokens + produced >= max_len:

@@ -18,8 +18,9 @@ use mstar_chunking::{
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::boundary::{
     block_within, call_within, clock_arg, invalid, measured_arg, name, name_pair, panic_message,
@@ -89,6 +90,14 @@ pub(crate) fn token_ids(
     } else {
         b">I"
     };
+    // A list of ints (vLLM's prompts are lists) is read item by item here, a few ns each: the
+    // converter takes several times as long. Anything in it that is not an int in range goes
+    // to the converter, which accepts or refuses it with its error.
+    if let Ok(list) = tokens.downcast::<PyList>() {
+        if let Some(ids) = list_u32(list) {
+            return Ok(ids.into());
+        }
+    }
     if let Ok(buf) = PyBuffer::<u32>::get(tokens) {
         let format = buf.format().to_bytes();
         let native = matches!(format, b"I" | b"@I" | b"=I") || format == NATIVE;
@@ -110,6 +119,34 @@ pub(crate) fn token_ids(
         .chunks_exact(4)
         .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
+}
+
+/// The items of `list` as `u32`s when every one is an `int` (exactly) from 0 to `u32::MAX`;
+/// `None` otherwise (nothing raised: the caller converts the list another way).
+fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+    let n = list.len();
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: `list` is a live list, and `i` is below the length read with the GIL held
+        // (nothing here runs Python code that could shrink it); `PyList_GetItem` answers a
+        // borrowed reference, used before anything else touches the list. A conversion that
+        // fails sets an error, fetched (cleared) here before `None` is answered.
+        let id = unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsUnsignedLong(item);
+            if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            v
+        };
+        ids.push(u32::try_from(id).ok()?);
+    }
+    Some(ids)
 }
 
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
@@ -161,7 +198,12 @@ impl Admitted {
 pub(crate) struct Engine {
     /// Never dropped in a forked child (see `Drop`).
     cm: ManuallyDrop<ChunkingManagement>,
+    /// The actors' own thread; `None` with `caller_thread` (then `caller` runs them) and once
+    /// closed.
     actors: Mutex<Option<ActorThread>>,
+    /// With `caller_thread`: the actors' System, run by each call on the thread that made the
+    /// engine.
+    caller: Option<CallerSystem>,
     owner: Owner,
     /// `(rid, node)` admitted and perhaps still held, with the admission's number: the public
     /// API answers whether one key is held, not which are, so iterating `prepared` checks these
@@ -232,8 +274,105 @@ fn warn_priorities(
     Ok(())
 }
 
+/// The actors' actix System when they run on the calling thread (`caller_thread=True`): each
+/// call runs it until its answer is there, on the thread that made the engine, with the GIL
+/// held; between two calls nothing runs. No thread is woken and none waits for another.
+struct CallerSystem {
+    /// `None` once closed.
+    runner: Mutex<Option<actix::SystemRunner>>,
+    thread: std::thread::ThreadId,
+}
+
+// SAFETY: the runner (a tokio runtime and local task set, neither `Send` nor `Sync`) is only
+// touched on `thread`, the thread that made it: every use checks the calling thread first
+// (`CallerSystem::runner`), and a drop elsewhere leaks it (`Engine`'s `Drop`). The mutex
+// only keeps a second use on the same thread from overlapping the first (it cannot: no
+// Python code runs during a call).
+unsafe impl Send for CallerSystem {}
+unsafe impl Sync for CallerSystem {}
+
+impl CallerSystem {
+    /// The runner, on the thread that made it: elsewhere, or once closed, the error to raise.
+    fn runner<'a>(
+        &'a self,
+        py: Python<'_>,
+    ) -> PyResult<std::sync::MutexGuard<'a, Option<actix::SystemRunner>>> {
+        if std::thread::current().id() != self.thread {
+            return Err(crate::boundary::error(
+                py,
+                "ChunkingError",
+                "this ChunkingManagement runs its actors on the thread that made it (caller_thread=True): call it from that thread",
+            ));
+        }
+        let guard = self.runner.try_lock().map_err(|_| {
+            crate::boundary::error(
+                py,
+                "ChunkingError",
+                "a call of this ChunkingManagement (caller_thread=True) was made while another was running on the same thread",
+            )
+        })?;
+        if guard.is_none() {
+            return Err(to_py_err(py, Failure::Chunking(stopped())));
+        }
+        Ok(guard)
+    }
+
+    /// Runs `make()`'s future on the System until it answers, at most `timeout`. Each turn of
+    /// the System's task set runs every task made ready before the future is polled again, so
+    /// a message an actor sends another before answering (inputs changed, an overrun counted)
+    /// is handled by the time the call returns, as on the actors' own thread; and it is in the
+    /// other actor's mailbox ahead of anything a later call sends. A panic is caught here.
+    fn call<T, F, Fut>(&self, py: Python<'_>, timeout: Option<Duration>, make: F) -> PyResult<T>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ChunkingError>>,
+    {
+        let guard = self.runner(py)?;
+        let Some(runner) = guard.as_ref() else {
+            return Err(to_py_err(py, Failure::Chunking(stopped())));
+        };
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            runner.block_on(async {
+                match timeout {
+                    None => Some(make().await),
+                    Some(after) => actix::clock::timeout(after, make()).await.ok(),
+                }
+            })
+        }));
+        let answer = match ran {
+            Ok(Some(answer)) => answer.map_err(Failure::from),
+            Ok(None) => Err(Failure::Chunking(ChunkingError::Timeout {
+                actor: crate::boundary::TIMED_OUT_ACTOR,
+                after: timeout.unwrap_or_default(),
+            })),
+            Err(panic) => Err(Failure::Internal(panic_message(&*panic))),
+        };
+        answer.map_err(|f| to_py_err(py, f))
+    }
+}
+
+/// What a call of a closed `caller_thread` engine answers.
+fn stopped() -> ChunkingError {
+    ChunkingError::ActorStopped {
+        actor: crate::boundary::TIMED_OUT_ACTOR,
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
+        if let Some(caller) = self.caller.take() {
+            if self.owner.is_here() && std::thread::current().id() == caller.thread {
+                // SAFETY: dropped once, here; never used again. The handle goes before the
+                // System its actors run on.
+                unsafe { ManuallyDrop::drop(&mut self.cm) };
+                drop(caller);
+            } else {
+                // Another thread, or a forked child: the System is only touched on its own
+                // thread, so it and the handle are left (their memory is not reclaimed).
+                std::mem::forget(caller);
+            }
+            return;
+        }
         if self.owner.is_here() {
             // SAFETY: dropped once, here; never used again.
             unsafe { ManuallyDrop::drop(&mut self.cm) };
@@ -254,9 +393,38 @@ impl Engine {
         model: &str,
         caps: Vec<(String, SubmoduleCaps)>,
         timeout: Option<f64>,
+        caller_thread: bool,
     ) -> PyResult<Self> {
         let timeout = timeout_arg(timeout)?;
-        let nodes = caps.iter().map(|(n, _)| n.clone()).collect();
+        let nodes: Vec<String> = caps.iter().map(|(n, _)| n.clone()).collect();
+        if caller_thread {
+            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let runner = actix::System::new();
+                let cm = runner.block_on(async { ChunkingManagement::start(model, caps) });
+                cm.map(|cm| (cm, runner))
+            }))
+            .unwrap_or_else(|p| {
+                Err(ChunkingError::ThreadStart {
+                    reason: panic_message(&*p),
+                })
+            });
+            let (cm, runner) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+            return Ok(Self {
+                cm: ManuallyDrop::new(cm.with_timeout(None)),
+                timeout,
+                actors: Mutex::new(None),
+                caller: Some(CallerSystem {
+                    runner: Mutex::new(Some(runner)),
+                    thread: std::thread::current().id(),
+                }),
+                owner: Owner::here(),
+                admitted: Mutex::new(Admitted::default()),
+                orders: Mutex::new(Orders {
+                    nodes,
+                    ..Orders::default()
+                }),
+            });
+        }
         let started = py.allow_threads(|| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 ChunkingManagement::start_on_own_thread(model, caps)
@@ -272,6 +440,7 @@ impl Engine {
             cm: ManuallyDrop::new(cm.with_timeout(None)),
             timeout,
             actors: Mutex::new(Some(actors)),
+            caller: None,
             owner: Owner::here(),
             admitted: Mutex::new(Admitted::default()),
             orders: Mutex::new(Orders {
@@ -288,7 +457,10 @@ impl Engine {
         Fut: std::future::Future<Output = Result<T, ChunkingError>>,
         T: Send,
     {
-        call_within(py, self.timeout, make)
+        match &self.caller {
+            None => call_within(py, self.timeout, make),
+            Some(caller) => caller.call(py, self.timeout, make),
+        }
     }
 
     /// The handle, in the process that started the actors; in a forked child, the error.
@@ -355,18 +527,19 @@ impl Engine {
     /// Starts the actors of `model` for `submodules`, `[(node, chunkable_walks,
     /// can_override_mixed_max_tokens)]`; `timeout` in seconds (`None`: wait for ever).
     #[new]
-    #[pyo3(signature = (model, submodules, timeout=Some(5.0)))]
+    #[pyo3(signature = (model, submodules, timeout=Some(5.0), caller_thread=false))]
     fn new(
         py: Python<'_>,
         model: String,
         submodules: Vec<(String, Vec<String>, bool)>,
         timeout: Option<f64>,
+        caller_thread: bool,
     ) -> PyResult<Self> {
         let caps = submodules
             .into_iter()
             .map(|(n, w, o)| (n, SubmoduleCaps::new(w, o)))
             .collect();
-        Self::start(py, &model, caps, timeout)
+        Self::start(py, &model, caps, timeout, caller_thread)
     }
 
     /// Loads the model manifest and the layered serving config as the binary does (`paths`
@@ -374,13 +547,14 @@ impl Engine {
     /// `MSTAR__…` variables), starts the actors and applies the model's policies and the
     /// config's `[chunking]`. Answers the engine and what was loaded.
     #[staticmethod]
-    #[pyo3(signature = (paths, model=None, manifest=None, timeout=Some(5.0)))]
+    #[pyo3(signature = (paths, model=None, manifest=None, timeout=Some(5.0), caller_thread=false))]
     fn from_config<'py>(
         py: Python<'py>,
         paths: Vec<PathBuf>,
         model: Option<String>,
         manifest: Option<PathBuf>,
         timeout: Option<f64>,
+        caller_thread: bool,
     ) -> PyResult<(Self, Bound<'py, PyDict>)> {
         use mstar_chunking::config::{load, LoadOptions};
         timeout_arg(timeout)?;
@@ -402,7 +576,7 @@ impl Engine {
             .into_iter()
             .map(|(n, c)| (n.to_string(), c))
             .collect();
-        let engine = Self::start(py, &model, caps, timeout)?;
+        let engine = Self::start(py, &model, caps, timeout, caller_thread)?;
         let policies: Vec<((String, String), ChunkingPolicy)> = loaded
             .manifest
             .policies()
@@ -439,6 +613,18 @@ impl Engine {
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         if !self.owner.is_here() {
             return Ok(None);
+        }
+        if let Some(caller) = &self.caller {
+            if std::thread::current().id() != caller.thread {
+                return Ok(None);
+            }
+            let report = self.call(py, || self.cm.drain());
+            // The System and its actors end here; later calls find it gone.
+            let Some(runner) = caller.runner(py).ok().and_then(|mut r| r.take()) else {
+                return Ok(None);
+            };
+            drop(runner);
+            return report.and_then(|r| Ok(Some(drain_to_py(py, &r)?)));
         }
         let Some(actors) = lock(&self.actors).take() else {
             return Ok(None);

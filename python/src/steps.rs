@@ -11,7 +11,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::boundary::{cached_class, py_bool, py_opt, py_repr_str, to_py_err, Failure};
 
@@ -240,6 +240,89 @@ pymethods_with_getters! {
             .collect()
     }
 
+    /// The rows in bulk, without a `Row` per row: `(rids, tokens, starts, finals)`, four
+    /// lists. `rids[i]` and `tokens[i]` are row `i`'s request and scheduled tokens; `starts`
+    /// holds each chunk's start (`range.start`), in row order: the chunks are the last
+    /// `len(starts)` rows, after the continuing rows; `finals` holds the indices of the rows
+    /// whose chunk is final (`is_final`).
+    fn columns<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let rows = &self.batch.rows;
+        let rids = int_list(py, rows.iter().map(|r| r.rid))?;
+        let tokens = int_list(py, rows.iter().map(BatchRow::tokens))?;
+        let chunk = |r: &BatchRow| match r.work {
+            RowWork::Chunk { range, .. } => Some(range),
+            RowWork::Continue { .. } => None,
+        };
+        let first = rows.iter().take_while(|r| chunk(r).is_none()).count();
+        // The core's order (continuing rows first); a chunk among them would be a change of it.
+        if let Some(i) = rows[first..].iter().position(|r| chunk(r).is_none()) {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "step {}: row {} continues after a chunk (the rows are continuing rows, then chunks)",
+                self.batch.step,
+                first + i
+            )));
+        }
+        let starts = int_list(
+            py,
+            rows[first..]
+                .iter()
+                .map(|r| chunk(r).map_or(0, |c| c.start)),
+        )?;
+        let finals = int_list(
+            py,
+            rows.iter()
+                .enumerate()
+                .filter(|(_, r)| chunk(r).is_some_and(|c| c.is_final()))
+                .map(|(i, _)| i as u64)
+                .collect::<Vec<u64>>()
+                .into_iter(),
+        )?;
+        PyTuple::new(py, [rids, tokens, starts, finals])
+    }
+
+    /// The rows in bulk under the caller's keys (an engine's own request ids): `keys` maps each
+    /// row's rid to its key (a `dict`; a rid it lacks is a `KeyError` naming it). Answers
+    /// `(row_keys, tokens, starts, finals)`: each row's key, in row order; the scheduled tokens
+    /// by key (in row order); each chunk's start by key; the indices of the rows whose chunk is
+    /// final. One call, no `int` made per row.
+    fn keyed<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let rows = &self.batch.rows;
+        let row_keys = PyList::empty(py);
+        let tokens = PyDict::new(py);
+        let starts = PyDict::new(py);
+        let mut finals = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            let Some(key) = keys.get_item(r.rid)? else {
+                return Err(pyo3::exceptions::PyKeyError::new_err(format!(
+                    "step {}: rid {} of row {i} has no key",
+                    self.batch.step, r.rid
+                )));
+            };
+            row_keys.append(&key)?;
+            tokens.set_item(&key, r.tokens())?;
+            if let RowWork::Chunk { range, .. } = r.work {
+                starts.set_item(&key, range.start)?;
+                if range.is_final() {
+                    finals.push(i as u64);
+                }
+            }
+        }
+        let finals = int_list(py, finals.into_iter())?;
+        PyTuple::new(
+            py,
+            [
+                row_keys.into_any(),
+                tokens.into_any(),
+                starts.into_any(),
+                finals.into_any(),
+            ],
+        )
+    }
+
     fn __len__(&self) -> usize {
         self.batch.rows.len()
     }
@@ -260,20 +343,20 @@ pymethods_with_getters! {
 
 /// A `list` of `items` as Python `int`s, filled in place (a step's rows can number in the
 /// thousands: a third of the cost of a list made item by item through conversions).
-fn int_list<'py>(
+fn int_list<'py, T: Into<u64>>(
     py: Python<'py>,
-    items: impl ExactSizeIterator<Item = u32>,
+    items: impl ExactSizeIterator<Item = T>,
 ) -> PyResult<Bound<'py, PyList>> {
     let n = ffi::Py_ssize_t::try_from(items.len())
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
     // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
     // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
-    // the new reference `PyLong_FromUnsignedLong` answers. A failed conversion leaves the
+    // the new reference `PyLong_FromUnsignedLongLong` answers. A failed conversion leaves the
     // rest of the slots empty, which a list's deallocation accepts.
     unsafe {
         let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
         for (i, v) in (0..n).zip(items) {
-            let int = ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(v));
+            let int = ffi::PyLong_FromUnsignedLongLong(v.into());
             if int.is_null() {
                 return Err(PyErr::fetch(py));
             }

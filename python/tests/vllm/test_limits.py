@@ -104,7 +104,7 @@ def test_readmitted_when_the_prefix_cache_hit_changes():
         d.step()
         rec = s._uncompleted
         if rec is not None:
-            plans += [(rid, t, n) for (r, rid, _, t, _), n in zip(rec.rows, rec.ran) if r == "late"]
+            plans += [(rid, t, n) for r, rid, t, n in rec.rows() if r == "late"]
     run = d.drain()
     late = [c for st in run.steps for c in st if c.req_id == "late" and c.start < 1124]
     assert s.mstar_stats.start_mismatches == 1
@@ -138,7 +138,7 @@ def test_unallocatable_request_is_handed_back_and_planned_again():
         rec = s._uncompleted
         if rec is None:  # idle: the last step was completed at once
             break
-        steps.append((rec.step, {req_id: (planned, ran) for (req_id, _, _, planned, _), ran in zip(rec.rows, rec.ran)}))
+        steps.append((rec.step, {req_id: (planned, ran) for req_id, _, planned, ran in rec.rows()}))
     run = d.drain()
     assert preemptions == 0
     outcome = {o.step: o for o in s.mstar_stats.outcomes}

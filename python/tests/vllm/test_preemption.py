@@ -76,5 +76,5 @@ def test_nothing_lost_nothing_held(async_scheduling):
         "steps_in_flight": 0,
     }
     assert len(s.chunking.prepared) == 0
-    assert not s._rid_of and not s._req_of and not s.requests
+    assert not s._rid_of and not s._req_of and not s._rid_at and not s._at_of and not s.requests
     s.shutdown()

@@ -68,7 +68,7 @@ def test_trace_completes_exactly_within_budget_floor_and_alignment(async_schedul
         "steps_in_flight": 0,
     }
     assert len(s.chunking.prepared) == 0
-    assert not s._rid_of and not s._req_of
+    assert not s._rid_of and not s._req_of and not s._rid_at and not s._at_of
     s.shutdown()
 
 
