@@ -654,8 +654,8 @@ impl TimeFull {
 /// within the time budget; below the floor (or nothing), the first prefill row in order still
 /// runs a chunk of the floor and the step is a planned time overrun (`floor`), other rows wait.
 /// Under a yielding floor ([`StepParams::floor_yield`]) the first row instead waits beside
-/// other rows until its bound ([`floor_yields`]), and alone it runs the largest chunk that
-/// fits in time even below the floor (the floor only when not one aligned token fits).
+/// other rows until its bound ([`floor_yields`]); alone in its step it runs the floor chunk
+/// (counted as `floor`), never less: a chunk below the floor breaks the token rules.
 /// A row that cannot be cut runs whole when it fits in time, or as the first row in order (a
 /// planned `uncut_row` time overrun); else it waits.
 fn timed_end(
@@ -706,12 +706,6 @@ fn timed_end(
         .filter(|&end| end == total || !partial_full);
     match fitted {
         Some(end) if end == total || end - progress >= floor => Some(end),
-        // Alone in its step under a yielding floor, the row runs the largest chunk that fits
-        // in time, below the floor if it must: nothing else runs, and the time budget is what
-        // the operator asked for.
-        Some(end) if first_in_order && params.floor_yield.is_some() && out.rows.is_empty() => {
-            Some(end)
-        }
         _ if first_in_order && floor_yields(params, r, time, out) => {
             out.floor_yielded = true;
             None
@@ -1575,14 +1569,14 @@ mod tests {
             }),
             ..timed(4096, 64, 6.0)
         };
-        // Alone in its step, the prompt runs the largest chunk that fits in time (5 ms + 0.1 ms
-        // a token and its attention pairs: 9 tokens fit in 6 ms, 10 do not), below the floor:
-        // nothing else would run.
+        // Alone in its step, where 9 tokens fit in time (5 ms + 0.1 ms a token and its attention
+        // pairs), the prompt does not yield and runs the floor chunk over the budget, counted:
+        // never a chunk below the floor, and nothing else would run.
         let out = run_at(&p, at(0, None), &[], &[prompt(1, 1000)]);
-        assert_eq!(shape(&out), vec![(1, 9, false)]);
-        assert_eq!(out.time_over, None);
+        assert_eq!(shape(&out), vec![(1, 64, false)]);
+        assert_eq!(out.time_over, Some(TimeOverrunReason::Floor));
         assert!(!out.floor_yielded);
-        // With not one token fitting, the floor runs over the budget, counted.
+        // With not one token fitting, the same.
         let tight = StepParams {
             max_step_ms: Some(5.05),
             ..p.clone()
