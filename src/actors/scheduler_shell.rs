@@ -204,3 +204,49 @@ impl StepHooks for Shell {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Instance;
+
+    /// Each `(node, walk)` gets its own handles, resolved once, whatever order the pairs come
+    /// in and whether their names are the same `Arc`s or equal strings.
+    #[actix::test]
+    async fn step_metrics_are_one_set_per_node_and_walk() {
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        let mut shell = Shell::new(instance, prepared, overruns);
+        let (llm, prefill, decode): (Name, Name, Name) =
+            ("llm".into(), "prefill".into(), "decode".into());
+        let pairs = [
+            (&llm, &prefill, 0),
+            (&llm, &prefill, 0),
+            (&llm, &decode, 1),
+            (&llm, &prefill, 0),
+            (&prefill, &decode, 2),
+            (&llm, &decode, 1),
+        ];
+        for (node, walk, at) in pairs {
+            // Equal names in other `Arc`s find the same handles.
+            for (node, walk) in [
+                (node.clone(), walk.clone()),
+                (node[..].into(), walk[..].into()),
+            ] {
+                let handles: *const StepMetrics = shell.step_metrics(&node, &walk);
+                let (n, w, m) = &shell.metrics[at];
+                assert_eq!((n, w), (&node, &walk));
+                assert!(
+                    std::ptr::eq(handles, m),
+                    "{node}/{walk} answered another pair's handles"
+                );
+            }
+        }
+        let names: Vec<(&str, &str)> = shell.metrics.iter().map(|(n, w, _)| (&**n, &**w)).collect();
+        assert_eq!(
+            names,
+            [("llm", "prefill"), ("llm", "decode"), ("prefill", "decode")]
+        );
+    }
+}
