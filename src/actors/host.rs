@@ -256,6 +256,8 @@ mod tests {
         assert_eq!(answers, [Ok(0), Ok(1), Ok(2)]);
     }
 
+    // Built with tokio's `net` (the exporter's), which `actix::System::new()` would enable.
+    #[cfg(feature = "prometheus")]
     #[test]
     fn the_actors_system_has_timers_and_no_io_driver() {
         // Registering a socket needs tokio's I/O driver: the actors' runtime refuses it (tokio
