@@ -23,7 +23,7 @@ includes them. vLLM's median is printed beside it.
 
 Both sides run the same workloads (benches/common/mod.rs): W1 256 decode rows + 64 prompts of
 2,048 tokens with a budget of 2,048; W2 1,024 + 64 × 8,192, budget 8,192; W3 32 + 16 × 512,
-budget 512; prompts kept queued (a finished one is replaced).
+budget 512; prompts kept queued (a finished one is forgotten and replaced).
 """
 
 from __future__ import annotations
