@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ bench-baseline: ## Record benches/baseline/instructions.json from this build (co
 
 bench-before: ## One round trip per step now against two at the last commit before complete_and_assemble (instructions and wall time, side by side; not in CI)
 	python3 scripts/bench_before.py
+
+bench-vs-vllm: ## The one-trip step against vLLM 0.11.2's V1 scheduler on W1-W3 in one run (installs vLLM 0.11.2 into a cache venv, a few GB; not in CI)
+	python3 scripts/vs_vllm.py
 
 bench-check-selftest: ## bench-check must fail on a deliberately slowed planner (feature bench-slow-planner) because its counts rose
 	@python3 scripts/bench_check.py check --features bench-slow-planner 2>target/bench-check-selftest.err; \

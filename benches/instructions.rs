@@ -121,7 +121,7 @@ library_benchmark_group!(name = planner; benchmarks = token, timed, ranked);
 
 /// A facade on its own actix System, warmed up to the workload's steady state.
 fn facade_setup(w: usize) -> (actix::SystemRunner, Engine) {
-    let sys = actix::System::new();
+    let sys = common::system();
     let engine = sys.block_on(Engine::start(WORKLOADS[w]));
     (sys, engine)
 }

@@ -6,10 +6,11 @@
 //!   through the latency model's solver (`docs/cost-model.md`); target ≤ 2 × `planner/<W>`;
 //! - `actors/<W>`: one whole step through the facade `ChunkingManagement`: `assemble` (plan, then
 //!   PreparedInputs cuts the chunk inputs), `complete` with the tokens each row ran (overrun
-//!   check, release of finished inputs), and re-admitting a fresh prompt for each finished one:
-//!   two round trips per step, as before `complete_and_assemble`;
+//!   check, release of finished inputs), then forgetting each finished prompt and admitting a
+//!   fresh one: two round trips per step (and two per finished prompt), as before
+//!   `complete_and_assemble`;
 //! - `actors_one_trip/<W>`: the same step with one round trip, `complete_and_assemble` (the
-//!   batch it answers is the next step's).
+//!   batch it answers is the next step's; the forgets and admissions ride along with it).
 //!
 //! A counting global allocator then reports allocations per step of each, written to
 //! `<criterion dir>/step-allocs.json` for `scripts/bench_table.py`.
@@ -101,7 +102,7 @@ fn bench_workload(c: &mut Criterion, w: Workload, count: bool) -> Option<Allocs>
             b.iter(|| plan_timed_once(black_box(&state), black_box(&params), time, &mut out))
         });
 
-    let sys = actix::System::new();
+    let sys = common::system();
     let mut engine = sys.block_on(Engine::start(w));
     c.benchmark_group("actors").bench_function(w.name, |b| {
         b.iter_custom(|iters| {

@@ -221,7 +221,8 @@ pub enum ChunkingError {
     /// The actors were started outside an actix System.
     #[error("starting the chunking actors needs an actix System: call it inside `actix::System::new().block_on(..)` or `#[actix::main]`, or use `ChunkingManagement::start_on_own_thread` from a tokio engine")]
     NoActixSystem,
-    /// The actor thread of [`crate::ChunkingManagement::start_on_own_thread`] could not start.
+    /// The actor thread of [`crate::ChunkingManagement::start_on_own_thread`], or the actors'
+    /// runtime ([`crate::actors::actor_system`]), could not start.
     #[error("cannot start the chunking actor thread: {reason}")]
     ThreadStart {
         /// What failed.

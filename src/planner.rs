@@ -316,8 +316,8 @@ pub fn plan_ranked(
     plan_walk(params, time, cont, prefill, [(None, ranked)], out, true);
 }
 
-/// [`plan_timed`], with the `TimeFull` shortcut on or (for the test that it changes no plan)
-/// off.
+/// [`plan_timed`], with the shortcuts (`TimeFull`, the budget used up) on or (for the tests
+/// that they change no plan) off.
 fn plan_timed_with(
     params: &StepParams,
     time: Option<TimeLimit>,
@@ -464,6 +464,11 @@ impl<'a> Room<'a> {
         self.budget.saturating_sub(self.used).min(cap_left)
     }
 
+    /// Whether the step's budget is used up: no walk has room left, whatever its cap.
+    fn full(&self) -> bool {
+        self.used >= self.budget
+    }
+
     fn take(&mut self, walk: usize, tokens: u64) {
         self.used += tokens;
         if let Some(i) = self.cap_of(walk) {
@@ -540,14 +545,19 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
         not_full_at: None,
     };
     let mut walks = WalkIndex::new(params);
+    // The step's token budget used up: a cut row's chunk would be empty (`chunk_end` finds no
+    // end past its progress with no room), so every later row waits. Rows that cannot be cut
+    // are still planned one by one (one may run whole over the budget).
+    let budget_full = |room: &Room<'_>| shortcut && params.chunkable && room.full();
+    let mut full = budget_full(room);
     for (group_mid, group) in groups {
         let rows = group.filter_map(|r| Some((r, walks.of(&r.walk)?)));
         for (r, walk) in rows {
             // A constant for each `fcfs` group, so each loop is compiled for its own group.
             let mid = group_mid.unwrap_or(r.started);
-            if time_full.full {
-                // No later row fits in time (`TimeFull`): each waits, as `timed_end` would
-                // have found one by one.
+            if time_full.full || full {
+                // No later row fits in time (`TimeFull`) or in tokens: each waits, as
+                // `timed_end` or `chunk_end` would have found one by one.
                 out.waiting += 1;
                 continue;
             }
@@ -596,6 +606,7 @@ fn plan_prefill<'a, I: Iterator<Item = &'a PrefillRow>>(
             room.take(walk, u64::from(end - r.progress));
             prefill_in_step = true;
             out.push_chunk(r, walk, end);
+            full = budget_full(room);
         }
     }
 }
@@ -1879,6 +1890,48 @@ mod tests {
             plan_timed_with(&p, time, &cont, &prefill, &mut fast, true);
             plan_timed_with(&p, time, &cont, &prefill, &mut reference, false);
             prop_assert_eq!(fast, reference);
+        }
+
+        /// The budget-full shortcut (once a cut step's token budget is used up, every later
+        /// row waits unplanned) plans what planning each row would: under the token budget
+        /// alone or a time limit, in admission order or ranked (here: the queue reversed).
+        #[test]
+        fn the_budget_full_shortcut_changes_no_plan(
+            (cont, prefill) in arb_rows(),
+            budget in 1u32..20_000,
+            floor in 1u32..128,
+            align in prop::sample::select(vec![1u32, 16, 64]),
+            chunkable in any::<bool>(),
+            partial in prop::option::of(1u32..4),
+            timed in prop::option::of((
+                (0.0f64..10.0, 0.0f64..0.1, 0.0f64..1e-4, 0.0f64..1e-5),
+                1.0f64..200.0,
+            )),
+            reversed in any::<bool>(),
+        ) {
+            let p = StepParams {
+                align,
+                chunkable,
+                max_partial_prefills: partial,
+                ..params(Some(budget), floor.min(budget))
+            };
+            let time = timed.map(|((b, t, k, a), max_step_ms)| TimeLimit {
+                model: LatencyModel::try_new(b, t, k, a).unwrap(),
+                max_step_ms,
+                clock: StepClock::default(),
+            });
+            let rank: Vec<u32> = (0..prefill.len() as u32).rev().collect();
+            let plan = |shortcut: bool| {
+                let mut out = StepPlan::default();
+                if reversed {
+                    let ranked = rank.iter().filter_map(|&i| prefill.get(i as usize));
+                    plan_walk(&p, time, &cont, &prefill, [(None, ranked)], &mut out, shortcut);
+                } else {
+                    plan_timed_with(&p, time, &cont, &prefill, &mut out, shortcut);
+                }
+                out
+            };
+            prop_assert_eq!(plan(true), plan(false));
         }
     }
 }

@@ -320,8 +320,9 @@ fn empty_file(files: &[PathBuf]) -> Option<PathBuf> {
 /// Reloads through `reloader` whenever one of its files (or what it points to) changes, or on
 /// SIGHUP. A change is applied once the files have settled, two reads agree, and no watched
 /// file is empty (an editor's truncation, however long before its write: the watcher waits
-/// for the next change). Must be called inside an actix system; the reloads run on the current
-/// arbiter.
+/// for the next change). Must be called inside an actix system whose runtime has tokio's I/O
+/// driver (SIGHUP is read through it): `actix::System::new()`, not
+/// [`actor_system`](crate::actors::actor_system); the reloads run on the current arbiter.
 ///
 /// # Errors
 /// The file watcher or the signal handler cannot be set up.

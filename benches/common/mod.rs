@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hint::black_box;
 use std::sync::Arc;
 
+use mstar_chunking::actors::actor_system;
 use mstar_chunking::budget::BudgetTable;
 use mstar_chunking::planner::{plan, plan_timed, StepParams, StepPlan, TimeLimit};
 use mstar_chunking::policy::ModelPolicies;
@@ -125,7 +126,9 @@ pub fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
         ran.clear();
         ran.extend(batch.rows.iter().map(|r| r.tokens()));
         let outcome = state.complete(batch.step, &ran, None).expect("complete");
-        for _ in &outcome.finished {
+        for &rid in &outcome.finished {
+            // A finished prompt's request ends, as an engine's does (see `Engine`).
+            state.forget(rid);
             state
                 .admit(next_rid, NODE, "prefill", w.prompt_tokens, 0)
                 .expect("prompt");
@@ -164,9 +167,19 @@ pub fn plan_timed_once(
     plan_timed(params, Some(time), q.cont(), q.prefill(), out);
 }
 
+/// The actix System the facade benchmarks run on: [`actor_system`], a current-thread runtime
+/// without tokio's I/O driver, as an engine that awaits the actors on its own thread and
+/// needs no I/O there should run (the engine's `block_on` waits once per round trip, and
+/// with an I/O driver each wait is an `epoll_wait` system call).
+pub fn system() -> actix::SystemRunner {
+    actor_system().expect("the actors' System")
+}
+
 /// The engine's side of the facade benchmarks: the facade, one shared prompt input (each
 /// admitted prompt holds a clone of its `Arc`, as a real engine hands over its own buffer),
-/// and the next fresh rid.
+/// and the next fresh rid. A prompt is a whole request (no decode follows it): once its final
+/// chunk ran, the engine forgets the request, as a real engine forgets each finished request,
+/// so the actors' per-request state stays steady over a long run.
 pub struct Engine {
     pub chunking: ChunkingManagement,
     prompt: PreparedInput,
@@ -244,7 +257,8 @@ impl Engine {
         let step = batch.step;
         drop(black_box(batch));
         let outcome = self.chunking.complete(step, ran).await.expect("complete");
-        for _ in &outcome.finished {
+        for &rid in &outcome.finished {
+            self.chunking.forget_request(rid).await.expect("forget");
             self.admit().await;
         }
         self.steps += 1;
@@ -264,12 +278,17 @@ impl Engine {
                 .expect("assemble"),
         };
         let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
-        // A prompt whose final chunk runs now is replaced by a new one, admitted with the
-        // completion (as the two-trip step admits it after `complete`).
+        // A prompt whose final chunk runs now is forgotten and replaced by a new one, with
+        // the completion (as the two-trip step forgets and admits after `complete`).
         let mut next = self.next.clone();
         for r in &batch.rows {
             if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
-                next = next.admit(self.next_rid, self.prefill.clone(), self.prompt.clone(), 0);
+                next = next.forget_request(r.rid).admit(
+                    self.next_rid,
+                    self.prefill.clone(),
+                    self.prompt.clone(),
+                    0,
+                );
                 self.next_rid += 1;
             }
         }

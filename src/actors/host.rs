@@ -256,6 +256,25 @@ mod tests {
         assert_eq!(answers, [Ok(0), Ok(1), Ok(2)]);
     }
 
+    // Built with tokio's `net` (the exporter's), which `actix::System::new()` would enable.
+    #[cfg(feature = "prometheus")]
+    #[test]
+    fn the_actors_system_has_timers_and_no_io_driver() {
+        // Registering a socket needs tokio's I/O driver: the actors' runtime refuses it (tokio
+        // panics), so its `block_on` never polls the driver. Timers (the request timeouts) work.
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a socket");
+        socket.set_nonblocking(true).expect("non-blocking");
+        let system = crate::actors::actor_system().expect("the actors' System");
+        let registered = system.block_on(async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tokio::net::UdpSocket::from_std(socket)
+            }))
+            .is_ok()
+        });
+        assert!(!registered, "the actors' runtime has an I/O driver");
+    }
+
     #[test]
     fn stopped_actors_answer_that_they_stopped() {
         let subs = [("llm", crate::SubmoduleCaps::new(["prefill"], false))];

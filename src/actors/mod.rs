@@ -134,3 +134,4 @@ mod start;
 pub use facade::{ChunkingManagement, DEFAULT_REQUEST_TIMEOUT};
 pub use host::ActorThread;
 pub use scheduler::{DrainReport, QueueStats};
+pub use start::actor_system;

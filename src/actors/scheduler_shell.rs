@@ -23,8 +23,11 @@ pub(super) struct Shell {
     pub(super) prepared: Addr<PreparedInputs>,
     pub(super) overruns: Addr<OverrunAccounting>,
     pub(super) instance: Instance,
-    /// Metric handles per `(node, walk)`, resolved on a pair's first step.
-    pub(super) metrics: FxHashMap<(Name, Name), StepMetrics>,
+    /// Metric handles per `(node, walk)`, resolved on a pair's first step: a short list (the
+    /// model's pairs that ran), searched from the pair used last ([`Shell::step_metrics`]).
+    pub(super) metrics: Vec<(Name, Name, StepMetrics)>,
+    /// The index in `metrics` of the pair used last.
+    pub(super) last_metrics: usize,
     /// Queue-depth gauges per node, resolved on the node's first change.
     pub(super) queue_gauges: FxHashMap<Name, QueueGauges>,
     /// Latency-model gauges per node.
@@ -42,7 +45,8 @@ impl Shell {
         Self {
             prepared,
             overruns,
-            metrics: FxHashMap::default(),
+            metrics: Vec::new(),
+            last_metrics: 0,
             queue_gauges: FxHashMap::default(),
             model_gauges: FxHashMap::default(),
             spans: Spans::new(instance.model_name().clone()),
@@ -52,24 +56,45 @@ impl Shell {
 }
 
 impl Shell {
+    /// The metric handles of `(node, walk)`, resolved on the pair's first step. A step is
+    /// nearly always of the pair the last one was (both hooks of a step, and an engine that
+    /// steps one node): that pair is compared first (pointers, then the names), so the lookup
+    /// hashes nothing and clones no name; another pair is searched for among the few that ran.
     pub(super) fn step_metrics(&mut self, node: &Name, walk: &Name) -> &StepMetrics {
-        let instance = &self.instance;
-        self.metrics
-            .entry((node.clone(), walk.clone()))
-            .or_insert_with(|| instance.step(node, walk))
+        let is = |(n, w, _): &(Name, Name, StepMetrics)| n == node && w == walk;
+        let at = match self.metrics.get(self.last_metrics) {
+            Some(last) if is(last) => self.last_metrics,
+            _ => match self.metrics.iter().position(is) {
+                Some(at) => at,
+                None => {
+                    let handles = self.instance.step(node, walk);
+                    self.metrics.push((node.clone(), walk.clone(), handles));
+                    self.metrics.len() - 1
+                }
+            },
+        };
+        self.last_metrics = at;
+        &self.metrics[at].2
     }
 
     /// Sets the queue-depth gauges of `node` from its queues (0 when it has none yet).
     pub(super) fn publish_queue(&mut self, state: &SchedulerState, node: &Name) {
         let queues = state.node(node);
         let counts = queues.map(|q| q.counts()).unwrap_or_default();
-        let instance = &self.instance;
-        let gauges = self
-            .queue_gauges
-            .entry(node.clone())
-            .or_insert_with(|| instance.queue(node));
-        gauges.set(counts);
-        gauges.set_head_wait(queues.and_then(|q| q.head_wait()));
+        let wait = queues.and_then(|q| q.head_wait());
+        let publish = |gauges: &QueueGauges| {
+            gauges.set(counts);
+            gauges.set_head_wait(wait);
+        };
+        // Looked up by the name: the key is cloned only on the node's first change.
+        match self.queue_gauges.get(&**node) {
+            Some(gauges) => publish(gauges),
+            None => {
+                let gauges = self.instance.queue(node);
+                publish(&gauges);
+                self.queue_gauges.insert(node.clone(), gauges);
+            }
+        }
     }
 
     /// Sets the latency-model gauges of `node`: its coefficients and their source.
@@ -78,11 +103,14 @@ impl Shell {
         node: &Name,
         model: (Option<LatencyModel>, ModelSource),
     ) {
-        let instance = &self.instance;
-        self.model_gauges
-            .entry(node.clone())
-            .or_insert_with(|| instance.model(node))
-            .set(model.0, model.1);
+        match self.model_gauges.get_mut(&**node) {
+            Some(gauges) => gauges.set(model.0, model.1),
+            None => {
+                let mut gauges = self.instance.model(node);
+                gauges.set(model.0, model.1);
+                self.model_gauges.insert(node.clone(), gauges);
+            }
+        }
     }
 
     fn publish_all_queues(&mut self, state: &SchedulerState) {
@@ -174,5 +202,51 @@ impl StepHooks for Shell {
             Some(node) => self.publish_queue(state, node),
             None => self.publish_all_queues(state),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Instance;
+
+    /// Each `(node, walk)` gets its own handles, resolved once, whatever order the pairs come
+    /// in and whether their names are the same `Arc`s or equal strings.
+    #[actix::test]
+    async fn step_metrics_are_one_set_per_node_and_walk() {
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        let mut shell = Shell::new(instance, prepared, overruns);
+        let (llm, prefill, decode): (Name, Name, Name) =
+            ("llm".into(), "prefill".into(), "decode".into());
+        let pairs = [
+            (&llm, &prefill, 0),
+            (&llm, &prefill, 0),
+            (&llm, &decode, 1),
+            (&llm, &prefill, 0),
+            (&prefill, &decode, 2),
+            (&llm, &decode, 1),
+        ];
+        for (node, walk, at) in pairs {
+            // Equal names in other `Arc`s find the same handles.
+            for (node, walk) in [
+                (node.clone(), walk.clone()),
+                (node[..].into(), walk[..].into()),
+            ] {
+                let handles: *const StepMetrics = shell.step_metrics(&node, &walk);
+                let (n, w, m) = &shell.metrics[at];
+                assert_eq!((n, w), (&node, &walk));
+                assert!(
+                    std::ptr::eq(handles, m),
+                    "{node}/{walk} answered another pair's handles"
+                );
+            }
+        }
+        let names: Vec<(&str, &str)> = shell.metrics.iter().map(|(n, w, _)| (&**n, &**w)).collect();
+        assert_eq!(
+            names,
+            [("llm", "prefill"), ("llm", "decode"), ("prefill", "decode")]
+        );
     }
 }

@@ -18,6 +18,39 @@ use crate::error::ChunkingError;
 use crate::metrics::Instance;
 use crate::policy::{Name, SubmoduleCaps};
 
+/// An actix System for the chunking actors, on a current-thread tokio runtime with the time
+/// driver only. The actors do no I/O (the metrics exporter, the config watcher and the replay's
+/// signal handler run elsewhere, on runtimes of their own or the embedder's), and a runtime
+/// without the I/O driver does not poll it (one `epoll_wait` system call) each time its
+/// `block_on` future waits, which is once per round trip when the engine awaits the actors on
+/// the same thread. [`ChunkingManagement::start_on_own_thread`] hosts the actors on one; an
+/// engine that starts them on its own thread ([`ChunkingManagement::start`]) and needs no I/O
+/// there should run on one too (`actix::System::new()` enables the I/O driver).
+///
+/// ```
+/// use mstar_chunking::{actors::actor_system, ChunkingManagement, SubmoduleCaps};
+///
+/// let system = actor_system()?;
+/// system.block_on(async {
+///     let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+///     assert!(cm.queue_stats().await.is_ok());
+///     Ok::<_, mstar_chunking::ChunkingError>(())
+/// })?;
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// [`ChunkingError::ThreadStart`] when the runtime cannot be built.
+pub fn actor_system() -> Result<actix::SystemRunner, ChunkingError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| ChunkingError::ThreadStart {
+            reason: format!("cannot build the actors' tokio runtime: {e}"),
+        })?;
+    Ok(actix::System::with_tokio_rt(move || runtime))
+}
+
 impl ChunkingManagement {
     /// Starts the actors of `model` (the value of every metric series' `model` label) on the
     /// current actix arbiter, for a model with these node submodules.
@@ -147,7 +180,15 @@ impl ChunkingManagement {
         let thread = std::thread::Builder::new()
             .name(format!("mstar-chunking-{model}"))
             .spawn(move || {
-                let system = actix::System::new();
+                let system = match actor_system() {
+                    Ok(system) => system,
+                    Err(e) => {
+                        // The receiver waits for this answer; if it went away there is no one
+                        // to tell.
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
                 system.block_on(async {
                     let started = ChunkingManagement::start(&model, submodules).map(|mut cm| {
                         cm.timeout.host = Some(actix::Arbiter::current());
