@@ -9,7 +9,7 @@
 #   R  `mstar-chunking replay` of A's scaled trace with A's fitted coefficients, each step drawn
 #      from A's measured ÷ predicted spread (`fit --for replay`) -> vs A
 #
-# Knobs (environment): MODEL, KV_TOKENS, REPLAY_NOISE (measured or none), X_FACTOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT,
+# Knobs (environment): MODEL, KV_TOKENS, REPLAY_NOISE (measured or none), X_FACTOR, B_FLOOR, TIME_MARGIN, ENGINE_THREADS, REQUESTS, RATE_SCALE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, TRACE, PORT,
 # OUT (the directory written; `make engine-bench` runs one per load), RUNS (a subset of "A B C R";
 # B and R need A's files in OUT).
 set -euo pipefail
@@ -29,6 +29,9 @@ KV_TOKENS=${KV_TOKENS:-65536}
 # On a CPU a step of 2-16 tokens costs about twice a 1-token decode step (engine/README.md#the-cost-of-a-step),
 # so a time budget of 2 x the decode-only step leaves a long-context chunk no room at all.
 X_FACTOR=${X_FACTOR:-3}
+# B's floor (--min-chunk-tokens). A prompt alone in its step runs at least the floor, over X if it
+# must (counted `floor`): where a 4-token chunk at a long context costs more than X, set it to 1.
+B_FLOOR=${B_FLOOR:-4}
 # B plans against X over this quantile of its recent measured / predicted step times.
 TIME_MARGIN=${TIME_MARGIN:-0.99}
 CARGO=${CARGO:-cargo}
@@ -78,7 +81,7 @@ X=$(python3 engine/scripts/analyze.py decode-ms "$OUT/A.steps.jsonl" "$X_FACTOR"
 COST=$(python3 engine/scripts/analyze.py cost "$OUT/A.fit.txt")
 if wants B; then
   echo "== B: time budget ${X} ms (${X_FACTOR} x the decode-only step), A's fit refined online"
-  run B --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms "$X" --cost "$COST" --learn-cost \
+  run B --budget 2048 --align 1 --min-chunk-tokens "$B_FLOOR" --max-step-ms "$X" --cost "$COST" --learn-cost \
     --time-margin "$TIME_MARGIN"
 fi
 
