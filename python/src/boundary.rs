@@ -452,34 +452,7 @@ pub(crate) mod num_max {
 /// item without an iterator or a new reference; `None` for anything else, or an item out of
 /// range, which the general path reads (or refuses, naming it).
 fn ran_list(ran: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
-    use pyo3::ffi;
-    let list = ran.as_ptr();
-    // SAFETY: `list` is a live object (borrowed from `ran`, the GIL held). Once it is checked
-    // to be exactly a `list`, `PyList_GetItem` answers a borrowed reference to item `i` for
-    // every `i` below its length, which no code run here can change (only `PyLong_*` calls on
-    // exact `int`s, which run no Python code). An error set by `PyLong_AsUnsignedLong` is
-    // cleared before answering `None`.
-    unsafe {
-        if ffi::PyList_CheckExact(list) == 0 {
-            return None;
-        }
-        let n = ffi::PyList_Size(list);
-        let mut out = Vec::with_capacity(usize::try_from(n).ok()?);
-        for i in 0..n {
-            let item = ffi::PyList_GetItem(list, i);
-            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
-                ffi::PyErr_Clear();
-                return None;
-            }
-            let v = ffi::PyLong_AsUnsignedLong(item);
-            if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
-                ffi::PyErr_Clear();
-                return None;
-            }
-            out.push(u32::try_from(v).ok()?);
-        }
-        Some(out)
-    }
+    crate::engine::list_u32(ran.downcast_exact::<PyList>().ok()?)
 }
 
 /// `ran`: one whole number of tokens per row, or an `InvalidRequestError` naming the entry.

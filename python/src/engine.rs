@@ -123,7 +123,7 @@ pub(crate) fn token_ids(
 
 /// The items of `list` as `u32`s when every one is an `int` (exactly) from 0 to `u32::MAX`;
 /// `None` otherwise (nothing raised: the caller converts the list another way).
-fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+pub(crate) fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
     let n = list.len();
     let mut ids = Vec::with_capacity(n);
     for i in 0..n {
