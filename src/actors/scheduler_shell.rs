@@ -207,8 +207,170 @@ impl StepHooks for Shell {
 
 #[cfg(test)]
 mod tests {
+    use std::fmt::{Debug, Write as _};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
     use super::*;
+    use crate::budget::BudgetTable;
     use crate::metrics::Instance;
+    use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
+    use crate::prepared::PreparedInput;
+    use crate::scheduler::NextStep;
+
+    /// A value's fields as ` name=value` pairs (a message as written).
+    #[derive(Default)]
+    struct Text(String);
+
+    impl Visit for Text {
+        fn record_debug(&mut self, field: &Field, value: &dyn Debug) {
+            let _ = write!(self.0, " {}={value:?}", field.name());
+        }
+    }
+
+    /// Every event as `LEVEL fields`, followed by ` in NAME fields` of the span it was in.
+    #[derive(Default)]
+    struct Captured {
+        spans: Mutex<Vec<(String, String)>>,
+        entered: Mutex<Vec<u64>>,
+        events: Mutex<Vec<String>>,
+        ids: AtomicU64,
+    }
+
+    struct Capture(Arc<Captured>);
+
+    impl Subscriber for Capture {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, span: &Attributes<'_>) -> Id {
+            let mut fields = Text::default();
+            span.record(&mut fields);
+            let mut spans = self.0.spans.lock().unwrap();
+            spans.push((span.metadata().name().to_owned(), fields.0));
+            Id::from_u64(self.0.ids.fetch_add(1, Ordering::Relaxed) + 1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut fields = Text::default();
+            event.record(&mut fields);
+            let mut line = format!("{}{}", event.metadata().level(), fields.0);
+            if let Some(&id) = self.0.entered.lock().unwrap().last() {
+                let (name, fields) = &self.0.spans.lock().unwrap()[id as usize - 1];
+                let _ = write!(line, " in {name}{fields}");
+            }
+            self.0.events.lock().unwrap().push(line);
+        }
+        fn enter(&self, span: &Id) {
+            self.0.entered.lock().unwrap().push(span.into_u64());
+        }
+        fn exit(&self, _: &Id) {
+            self.0.entered.lock().unwrap().pop();
+        }
+    }
+
+    /// Each hook leaves its trace: the request and step spans with their events, the step
+    /// metrics and the model gauges. (Driven through the state, as the Scheduler actor does.)
+    #[actix::test]
+    async fn every_hook_is_heard_in_spans_events_and_metrics() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let captured = Arc::new(Captured::default());
+        let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        let mut shell = Shell::new(instance, prepared, overruns);
+        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
+        let model = ModelPolicies::new(
+            [(llm.clone(), SubmoduleCaps::new(["prefill"], false))].into(),
+            [((llm.clone(), prefill.clone()), ChunkingPolicy::budget(8))].into(),
+        )
+        .unwrap()
+        .shared();
+        let mut state = SchedulerState::with_table(BudgetTable::from_policies(model));
+        let why = ChunkingError::UnknownStep { step: 2 };
+        let second = metrics::with_local_recorder(&recorder, || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                for (rid, tokens) in [(7, 5), (8, 20)] {
+                    let input = PreparedInput::tokens(vec![1; tokens]);
+                    state
+                        .admit_prepared(rid, &llm, &prefill, input, 0, &mut shell)
+                        .unwrap();
+                }
+                let first = state
+                    .assemble_step_at("llm", "prefill", None, &mut shell)
+                    .unwrap();
+                let ran = first
+                    .rows
+                    .iter()
+                    .map(crate::scheduler::BatchRow::tokens)
+                    .collect();
+                let next = NextStep::new("llm", "prefill");
+                let done = state
+                    .complete_and_assemble(first.step, ran, None, next, &mut shell)
+                    .unwrap();
+                let second = done.next.unwrap().step;
+                shell.completion_refused(second, &why);
+                shell.change_refused(second, &why);
+                assert!(shell.spans.steps.contains_key(&second));
+                shell.abandoned(second, &why);
+                shell.forgotten(8);
+                shell.stranded(&llm, &"decode".into(), &prefill);
+                second
+            })
+        });
+        assert!(
+            !shell.spans.steps.contains_key(&second),
+            "an abandoned step's span is closed"
+        );
+        assert!(shell.spans.requests.contains_key(&7) && !shell.spans.requests.contains_key(&8));
+        let events = captured.events.lock().unwrap().clone();
+        let heard = |what: &str, span: &str| {
+            assert!(
+                events.iter().any(|e| e.contains(what) && e.contains(span)),
+                "no event {what:?} in {span:?} among {events:#?}"
+            );
+        };
+        heard("request admitted", "in request model=test rid=7");
+        heard("request forgotten", "in request model=test rid=8");
+        heard("step assembled", "step=1");
+        heard("step completed", "step=1");
+        let step = format!("step={second}");
+        heard("step completion refused", &step);
+        heard("row change refused after the step", &step);
+        heard("step abandoned", &step);
+        heard(
+            "WARN message=prompt rows of `llm` wait on walk `decode`",
+            "",
+        );
+        let mut steps = None;
+        let (mut assemblies, mut sources) = (0, 0);
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            match (key.key().name(), value) {
+                (n, DebugValue::Counter(c)) if n == crate::metrics::STEPS_TOTAL => steps = Some(c),
+                (n, DebugValue::Histogram(h)) if n == crate::metrics::STEP_ASSEMBLY_SECONDS => {
+                    assemblies += h.len();
+                }
+                (n, DebugValue::Gauge(_)) if n == crate::metrics::LATENCY_MODEL_SOURCE => {
+                    sources += 1;
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(steps, Some(1), "one step completed");
+        assert_eq!(assemblies, 2, "two steps assembled");
+        assert!(
+            sources > 0,
+            "the completion published the node's model source"
+        );
+    }
 
     /// Each `(node, walk)` gets its own handles, resolved once, whatever order the pairs come
     /// in and whether their names are the same `Arc`s or equal strings.

@@ -21,9 +21,9 @@ use crate::scheduler::Batch;
 pub(crate) struct Spans {
     model: Name,
     /// Each step assembled and not yet completed or abandoned.
-    steps: FxHashMap<u64, Span>,
+    pub(super) steps: FxHashMap<u64, Span>,
     /// Each request admitted and not yet forgotten.
-    requests: FxHashMap<u64, Span>,
+    pub(super) requests: FxHashMap<u64, Span>,
 }
 
 impl Spans {

@@ -215,3 +215,26 @@ impl ChunkingManagement {
         Ok((cm, ActorThread { keeper }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread that knows an actix System but runs no arbiter of it cannot start actors there:
+    /// the same refusal as outside any System, not a panic when the first actor starts.
+    #[test]
+    fn a_system_without_an_arbiter_on_this_thread_is_refused() {
+        let system = actix::System::new();
+        let handle = actix::System::current();
+        let refused = std::thread::spawn(move || {
+            actix::System::set_current(handle);
+            assert!(actix::System::try_current().is_some());
+            assert!(actix::Arbiter::try_current().is_none());
+            ChunkingManagement::start("x", [("llm", SubmoduleCaps::new(["prefill"], false))]).err()
+        })
+        .join()
+        .expect("the thread answers rather than panics");
+        assert_eq!(refused, Some(ChunkingError::NoActixSystem));
+        drop(system);
+    }
+}
