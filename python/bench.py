@@ -15,7 +15,9 @@ and of wall-clock time (which on a loaded machine is mostly the wait for the oth
 scheduled). The limit (`--check`) is on the list's loop. The Rust side runs twice: with the
 facade's request timeout (`rust`, a Rust handle's default: a timer task on the actors' thread
 per request) and without it (`rust*`, `with_timeout(None)`: the package's handle is made so,
-and times its calls on the calling thread instead), and the list's loop is compared with both.
+and times its calls on the calling thread instead), and the list's loop is compared with both. A last pair runs the actors on the calling
+thread on both sides (`same_thread`: the Rust loop inside the actors' System, the Python loop
+with `caller_thread=True`): no thread is woken, so that ratio is the package's own cost per step.
 Build the wheel with `--release` first.
 
     python python/bench.py [--steps 5000] [--repeats 5] [--workloads W1,W2,W3]
@@ -62,11 +64,16 @@ WORKLOADS = {
 }
 
 
-def python_loop(w: Workload, steps: int, ran_batch: bool = False) -> tuple[float, float]:
+def python_loop(
+    w: Workload, steps: int, ran_batch: bool = False, caller_thread: bool = False
+) -> tuple[float, float]:
     """Wall-clock and CPU seconds (the process's, the actors' thread included) of `steps`
     steps after the warm-up, through the Python API; `ran_batch`: each step reported with
-    its `Batch` (every row ran as planned) rather than the list `planned()` makes."""
-    cm = ChunkingManagement({"llm": SubmoduleCaps(["prefill", "mixed"])}, model="bench-python")
+    its `Batch` (every row ran as planned) rather than the list `planned()` makes;
+    `caller_thread`: the actors run on the calling thread."""
+    cm = ChunkingManagement(
+        {"llm": SubmoduleCaps(["prefill", "mixed"])}, model="bench-python", caller_thread=caller_thread
+    )
     try:
         cm.set_policies({("llm", "mixed"): ChunkingPolicy(w.budget, align=16)})
         cm.set_budgets(
@@ -99,9 +106,11 @@ def python_loop(w: Workload, steps: int, ran_batch: bool = False) -> tuple[float
         cm.close()
 
 
-def rust_loop(w: Workload, steps: int, facade_timeout: bool = True) -> tuple[float, float]:
+def rust_loop(
+    w: Workload, steps: int, facade_timeout: bool = True, same_thread: bool = False
+) -> tuple[float, float]:
     return _native._bench_facade(
-        steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS, facade_timeout
+        steps, w.decode_rows, w.prompts, w.prompt_tokens, w.budget, WARM_STEPS, facade_timeout, same_thread
     )
 
 
@@ -123,29 +132,35 @@ def main() -> None:
     print("us/step, medians; cpu: the process's CPU time (both threads), wall: wall-clock time")
     print("ratio: python / rust; ran=batch: the Python loop reporting each step with its Batch;")
     print("rust*: the facade without its request timeout, and python / rust*")
+    print("same thread: the actors on the calling thread on both sides (caller_thread=True), cpu")
     print(
         f"{'workload':<9} {'rust cpu':>9} {'python cpu':>11} {'ratio':>6} {'ran=batch':>10} {'ratio':>6}"
         f" {'rust* cpu':>10} {'ratio':>6} {'rust wall':>10} {'python wall':>12} {'ratio':>6}"
+        f" {'same: rust':>11} {'python':>7} {'ratio':>6}"
     )
     ratios = {}
     for name in names:
         w = WORKLOADS[name]
-        rust, rust_nt, py, py_batch = [], [], [], []
+        rust, rust_nt, py, py_batch, rust_st, py_st = [], [], [], [], [], []
         for _ in range(a.repeats):  # interleaved, so load on the machine hits every side alike
             rust.append(rust_loop(w, a.steps))
             py.append(python_loop(w, a.steps))
             py_batch.append(python_loop(w, a.steps, ran_batch=True))
             rust_nt.append(rust_loop(w, a.steps, facade_timeout=False))
+            rust_st.append(rust_loop(w, a.steps, same_thread=True))
+            py_st.append(python_loop(w, a.steps, caller_thread=True))
 
         def us(runs: list[tuple[float, float]], i: int) -> float:
             return float(statistics.median(r[i] for r in runs)) / steps * 1e6
 
         r_wall, p_wall, r_cpu, p_cpu = us(rust, 0), us(py, 0), us(rust, 1), us(py, 1)
         b_cpu, n_cpu = us(py_batch, 1), us(rust_nt, 1)
+        rs_cpu, ps_cpu = us(rust_st, 1), us(py_st, 1)
         ratios[name] = p_cpu / r_cpu
         print(
             f"{name:<9} {r_cpu:9.2f} {p_cpu:11.2f} {p_cpu / r_cpu:6.2f} {b_cpu:10.2f} {b_cpu / r_cpu:6.2f}"
             f" {n_cpu:10.2f} {p_cpu / n_cpu:6.2f} {r_wall:10.2f} {p_wall:12.2f} {p_wall / r_wall:6.2f}"
+            f" {rs_cpu:11.2f} {ps_cpu:7.2f} {ps_cpu / rs_cpu:6.2f}"
         )
     if "W3" in ratios:
         verdict = "within" if ratios["W3"] <= W3_LIMIT else "OVER"

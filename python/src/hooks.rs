@@ -13,18 +13,23 @@ use pyo3::prelude::*;
 
 use crate::boundary::{call, call_within, to_py_err, Failure};
 
-/// One benchmark workload's step loop on the Rust facade directly, on its own actors
-/// (`start_on_own_thread`), awaited from the calling thread as the package's calls are: node
-/// `llm` cutting `prefill` rows inside `mixed` under `budget` (align 16), `decode_rows`
-/// continuing rows (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a
-/// new one when its final chunk runs. Each step is one `complete_and_assemble_with` carrying
-/// the replacement admissions. `warm` steps run first; answers the wall-clock and the process's
-/// CPU seconds (`time.process_time()`, the actors' thread included) of `steps` steps. With
-/// `facade_timeout` (the default) the facade times each request as a Rust engine's handle does
-/// by default (a timer task on the actors' thread); without, it waits for every answer
-/// (`with_timeout(None)`), as the Python package's handle does (it times calls itself).
+/// One benchmark workload's step loop on the Rust facade directly: node `llm` cutting
+/// `prefill` rows inside `mixed` under `budget` (align 16), `decode_rows` continuing rows
+/// (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a new one when its
+/// final chunk runs. Each step is one `complete_and_assemble_with` carrying the replacement
+/// admissions. `warm` steps run first; answers the wall-clock and the process's CPU seconds
+/// (`time.process_time()`, the actors' thread included) of `steps` steps.
+///
+/// By default the actors run on their own thread (`start_on_own_thread`) and are awaited from
+/// the calling thread, as the package's calls are. With `facade_timeout` (the default) the
+/// facade times each request as a Rust engine's handle does by default (a timer task on the
+/// actors' thread); without, it waits for every answer (`with_timeout(None)`), as the package's
+/// handle does (it times calls itself). With `same_thread` the actors run on the calling thread
+/// instead, the loop awaiting them inside their System (`actor_system`), as a Rust engine that
+/// starts them in its own System does and as `caller_thread=True` runs them from Python; the
+/// timeout is then the facade's default.
 #[pyfunction]
-#[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200, facade_timeout=true))]
+#[pyo3(signature = (steps, decode_rows, prompts, prompt_tokens, budget, warm=200, facade_timeout=true, same_thread=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn _bench_facade(
     py: Python<'_>,
@@ -35,33 +40,65 @@ pub(crate) fn _bench_facade(
     budget: u32,
     warm: u64,
     facade_timeout: bool,
+    same_thread: bool,
 ) -> PyResult<(f64, f64)> {
-    let started = py.allow_threads(|| {
-        ChunkingManagement::start_on_own_thread(
-            "bench-rust",
-            [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))],
-        )
-    });
+    let w = BenchWorkload {
+        steps,
+        decode_rows,
+        prompts,
+        prompt_tokens,
+        budget,
+        warm,
+    };
+    let caps = [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))];
+    if same_thread {
+        let ran = py.allow_threads(|| {
+            mstar_chunking::actors::actor_system()?.block_on(async {
+                let cm = ChunkingManagement::start("bench-rust", caps)?;
+                w.run(&cm).await
+            })
+        });
+        return ran.map_err(|e| to_py_err(py, Failure::Chunking(e)));
+    }
+    let started = py.allow_threads(|| ChunkingManagement::start_on_own_thread("bench-rust", caps));
     let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
     let cm = if facade_timeout {
         cm
     } else {
         cm.with_timeout(None)
     };
-    let prompt = PreparedInput::tokens((0..prompt_tokens).collect::<Arc<[u32]>>());
-    let result = call(py, || async {
-        let policy = ChunkingPolicy::budget(budget).aligned(16);
+    let result = call(py, || w.run(&cm));
+    py.allow_threads(|| actors.stop());
+    result
+}
+
+/// The workload `_bench_facade` steps.
+struct BenchWorkload {
+    steps: u64,
+    decode_rows: u64,
+    prompts: u64,
+    prompt_tokens: u32,
+    budget: u32,
+    warm: u64,
+}
+
+impl BenchWorkload {
+    /// Sets up the rows and runs the steps on `cm`: the wall-clock and CPU seconds of the
+    /// steps after the warm-up.
+    async fn run(&self, cm: &ChunkingManagement) -> Result<(f64, f64), ChunkingError> {
+        let prompt = PreparedInput::tokens((0..self.prompt_tokens).collect::<Arc<[u32]>>());
+        let policy = ChunkingPolicy::budget(self.budget).aligned(16);
         cm.set_policies([(("llm", "mixed"), policy)]).await?;
         cm.set_budgets(
             BudgetSettings::new(["prefill", "decode", "mixed"])
                 .combined("mixed", ["prefill", "decode"]),
         )
         .await?;
-        for rid in 1..=decode_rows {
+        for rid in 1..=self.decode_rows {
             cm.continue_row(rid, "llm", "decode", 1).await?;
         }
         let mut next_rid = 1u64 << 32;
-        for _ in 0..prompts {
+        for _ in 0..self.prompts {
             cm.admit(next_rid, "llm", "prefill", prompt.clone(), 0)
                 .await?;
             next_rid += 1;
@@ -70,8 +107,8 @@ pub(crate) fn _bench_facade(
         let mut batch = cm.assemble("llm", "mixed").await?;
         let mut t0 = Instant::now();
         let mut cpu0 = process_time();
-        for i in 0..warm + steps {
-            if i == warm {
+        for i in 0..self.warm + self.steps {
+            if i == self.warm {
                 t0 = Instant::now();
                 cpu0 = process_time();
             }
@@ -89,9 +126,7 @@ pub(crate) fn _bench_facade(
             batch = done.next?;
         }
         Ok((t0.elapsed().as_secs_f64(), process_time() - cpu0))
-    });
-    py.allow_threads(|| actors.stop());
-    result
+    }
 }
 
 /// `n` trips to the actors (`queue_stats`) awaited in one call on a manager of its own: the
