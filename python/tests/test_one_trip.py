@@ -151,3 +151,22 @@ def test_ran_may_be_the_step_s_batch(make_cm):
     done = cm.complete_and_assemble(b2.step, b2, next=("llm", "mixed"))
     assert done.outcome.finished == [2] and done.outcome.ran_tokens == b2.scheduled_tokens
     assert done.next.planned() == [1]
+
+
+@pytest.mark.parametrize(
+    "last, index",
+    [(True, 3), (-1, 3), (1.0, 3), (2**32, 2)],
+    ids=["bool", "negative", "float", "too-big-repeated"],
+)
+def test_a_bad_item_after_a_run_of_the_same_int_is_named(cm, last, index):
+    # `ran` is read fast over runs of one int object (decode rows' 1s): an item that is
+    # not an exact int in range is still refused, by its index, and nothing is completed.
+    for rid in range(1, 5):
+        cm.continue_row(rid, "llm", "decode", 1)
+    b = cm.assemble("llm", "mixed")
+    assert b.planned() == [1, 1, 1, 1]
+    ran = [1, 1, last, last] if index == 2 else [1, 1, 1, last]
+    with pytest.raises(InvalidRequestError, match=rf"ran\[{index}\] must be a whole number"):
+        cm.complete_and_assemble(b.step, ran, next=("llm", "mixed"))
+    done = cm.complete_and_assemble(b.step, b.planned(), next=("llm", "mixed"))
+    assert done.outcome.ran_tokens == 4
