@@ -1347,6 +1347,21 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_whose_room_aligns_down_to_nothing_waits_whatever_the_floor() {
+        // 3 tokens of room under align 4 end the chunk where it starts: no chunk, not an empty
+        // one, even under a hand-built floor of 0.
+        for floor in [0, 1, 4] {
+            let p = StepParams {
+                align: 4,
+                ..params(Some(8), floor)
+            };
+            let out = run(&p, &[decode(1, 5)], &[prompt(2, 50)]);
+            assert_eq!(shape(&out), vec![(1, 5, false)], "floor {floor}");
+            assert_eq!(out.waiting, 1, "floor {floor}");
+        }
+    }
+
+    #[test]
     fn every_row_the_plan_runs_is_priced_by_the_per_row_term() {
         // 1 ms a row and 0.1 ms a token: five decode rows (5.5 ms) leave 4.5 ms of 10 ms, which
         // the prompt's chunk row (1 ms) and 35 tokens (3.5 ms) fill exactly.
