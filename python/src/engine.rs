@@ -411,8 +411,10 @@ impl Engine {
         let timeout = timeout_arg(timeout)?;
         let nodes: Vec<String> = caps.iter().map(|(n, _)| n.clone()).collect();
         if caller_thread {
+            // The actors' runtime has timers and no I/O driver (`actor_system`): a call then
+            // polls no descriptor (an `epoll_wait` per call with one).
             let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let runner = actix::System::new();
+                let runner = mstar_chunking::actors::actor_system()?;
                 let cm = runner.block_on(async { ChunkingManagement::start(model, caps) });
                 cm.map(|cm| (cm, runner))
             }))
