@@ -142,7 +142,7 @@ test-vllm-real: model ## vLLM's real engine (CPU build) on SmolLM2, 20 prompts: 
 	"$$venv/bin/python" python/tests/vllm/real_engine.py --model $(VLLM_REAL_MODEL) \
 		--out python/results/vllm-real.md --json target/vllm-real.json
 
-test-python: ## The Python package: a venv under target/, maturin + pytest + mypy from PyPI, the wheel built, installed and tested, mypy --strict on the example and the bench
+test-python: ## The Python package: a venv under target/, maturin + pytest + mypy from PyPI, the wheel built, installed and tested, mypy --strict on the example, the bench and the cold-step script
 	python3 -m venv $(PY_VENV)
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "mypy>=1.8"
 	rm -rf target/py-wheels
@@ -150,7 +150,7 @@ test-python: ## The Python package: a venv under target/, maturin + pytest + myp
 	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/py-wheels/mstar_chunking-*.whl
 	$(CARGO) build --all-features --bin mstar-chunking
 	MSTAR_CHUNKING_BIN=$(BIN_DIR)/debug/mstar-chunking $(PY_VENV)/bin/pytest -q python/tests
-	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py
+	cd python && ../$(PY_VENV)/bin/mypy --strict examples/engine_loop.py bench.py scripts/cold_step.py
 
 RAY_VENV ?= target/ray-venv
 # The cluster recipes of docs/cluster-sweeps.md: the Ray driver against a local Ray head on
