@@ -305,7 +305,8 @@ unsafe impl Send for CallerSystem {}
 unsafe impl Sync for CallerSystem {}
 
 impl CallerSystem {
-    /// The runner, on the thread that made it: elsewhere, or once closed, the error to raise.
+    /// The runner (`None` once closed), on the thread that made it: elsewhere, the error to
+    /// raise.
     fn runner<'a>(
         &'a self,
         py: Python<'_>,
@@ -324,9 +325,6 @@ impl CallerSystem {
                 "a call of this ChunkingManagement (caller_thread=True) was made while another was running on the same thread",
             )
         })?;
-        if guard.is_none() {
-            return Err(to_py_err(py, Failure::Chunking(stopped())));
-        }
         Ok(guard)
     }
 
@@ -410,52 +408,38 @@ impl Engine {
     ) -> PyResult<Self> {
         let timeout = timeout_arg(timeout)?;
         let nodes: Vec<String> = caps.iter().map(|(n, _)| n.clone()).collect();
-        if caller_thread {
+        let started = if caller_thread {
             // The actors' runtime has timers and no I/O driver (`actor_system`): a call then
             // polls no descriptor (an `epoll_wait` per call with one).
-            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let runner = mstar_chunking::actors::actor_system()?;
-                let cm = runner.block_on(async { ChunkingManagement::start(model, caps) });
-                cm.map(|cm| (cm, runner))
-            }))
-            .unwrap_or_else(|p| {
-                Err(ChunkingError::ThreadStart {
-                    reason: panic_message(&*p),
-                })
-            });
-            let (cm, runner) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
-            return Ok(Self {
-                cm: ManuallyDrop::new(cm.with_timeout(None)),
-                timeout,
-                actors: Mutex::new(None),
-                caller: Some(CallerSystem {
+                let cm = runner.block_on(async { ChunkingManagement::start(model, caps) })?;
+                let caller = CallerSystem {
                     runner: Mutex::new(Some(runner)),
                     thread: std::thread::current().id(),
-                }),
-                owner: Owner::here(),
-                admitted: Mutex::new(Admitted::default()),
-                orders: Mutex::new(Orders {
-                    nodes,
-                    ..Orders::default()
-                }),
-            });
-        }
-        let started = py.allow_threads(|| {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                ChunkingManagement::start_on_own_thread(model, caps)
+                };
+                Ok((cm, None, Some(caller)))
             }))
+        } else {
+            py.allow_threads(|| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let (cm, actors) = ChunkingManagement::start_on_own_thread(model, caps)?;
+                    Ok((cm, Some(actors), None))
+                }))
+            })
+        };
+        let (cm, actors, caller) = started
             .unwrap_or_else(|p| {
                 Err(ChunkingError::ThreadStart {
                     reason: panic_message(&*p),
                 })
             })
-        });
-        let (cm, actors) = started.map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
+            .map_err(|e| to_py_err(py, Failure::Chunking(e)))?;
         Ok(Self {
             cm: ManuallyDrop::new(cm.with_timeout(None)),
             timeout,
-            actors: Mutex::new(Some(actors)),
-            caller: None,
+            actors: Mutex::new(actors),
+            caller,
             owner: Owner::here(),
             admitted: Mutex::new(Admitted::default()),
             orders: Mutex::new(Orders {
