@@ -9,7 +9,6 @@ import threading
 import pytest
 
 from mstar_chunking import (
-    ActorsStoppedError,
     ChunkingError,
     ChunkingManagement,
     ChunkingPolicy,
@@ -83,17 +82,6 @@ def test_calls_come_from_the_thread_that_made_it(make_cm):
     assert len(caught) == 2 and "caller_thread=True" in caught[0] and caught[1] is None
     # Still running here: the other thread's close() left it.
     assert cm.queue_stats()["prefill_rows"] == 1
-
-
-def test_close_drains_then_calls_find_the_actors_stopped(make_cm):
-    cm = mixed(make_cm, caller_thread=True)
-    cm.admit(1, "llm", "prefill", [1] * 1000)
-    cm.assemble("llm", "mixed")
-    report = cm.close()
-    assert report is not None and report["steps_abandoned"] == 1 and report["prepared_inputs"] == 1
-    assert cm.close() is None
-    with pytest.raises(ActorsStoppedError):
-        cm.queue_stats()
 
 
 def test_from_config_on_the_calling_thread(tmp_path):

@@ -114,8 +114,11 @@ def test_drain_refuses_new_work_and_reports_what_it_dropped(cm):
     assert len(cm.prepared) == 0
 
 
-def test_close_drains_and_answers_the_report(make_cm):
-    cm = make_cm()
+@pytest.mark.parametrize("caller_thread", [False, True], ids=["own-thread", "caller-thread"])
+def test_close_drains_and_answers_the_report(make_cm, caller_thread):
+    # With the actors on the calling thread too: the System ends with them, later calls find
+    # them stopped.
+    cm = make_cm(caller_thread=caller_thread)
     cm.set_policies({("llm", "mixed"): ChunkingPolicy(256)})
     cm.set_budgets({}, ["prefill", "decode", "mixed"], combined_walk_of={"prefill": "mixed", "decode": "mixed"})
     cm.admit(1, "llm", "prefill", [1] * 1000)
