@@ -202,6 +202,12 @@ class _Chunking:
         # id: the admission scan reads the waiting queue's entries without touching the requests.
         self._rid_at: dict[int, int] = {}
         self._at_of: dict[str, int] = {}
+        # The requests added since the last admission (at the back of vLLM's queue, in its
+        # order), and whether the queue may hold other requests not admitted in order (after a
+        # preemption, a request forgotten while it waits, a request left out or skipped): then
+        # the admission scans the queue, else it takes the arrivals alone.
+        self._arrived: list[Request] = []
+        self._rescan = True
         self._next_rid = 1
         self._start_hint: dict[str, int] = {}  # observed chunk starts after a mismatch
         self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
@@ -218,6 +224,8 @@ class _Chunking:
             self.kv_cache_manager.get_computed_blocks  # type: ignore[attr-defined]
         ).parameters
         self.chunking = self._start_component(cfg)
+        # The one-trip step with its row changes as lists and the plan keyed by request id.
+        self._one_call = self.chunking._engine._complete_and_assemble_keyed
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -292,6 +300,7 @@ class _Chunking:
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)  # type: ignore[misc]
+        self._arrived.append(request)
         what = None
         if request.use_structured_output:
             what = "structured output"
@@ -323,12 +332,15 @@ class _Chunking:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         self._forget(request.request_id)
+        if any(r is request for r in self._arrived):  # it leaves the queue before its admission
+            self._rescan = True
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         # Recompute: the request starts over from the waiting queue and is admitted again there.
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
         self._forget(request.request_id)
+        self._rescan = True
 
     def _admit_waiting(self) -> None:
         """Admits waiting requests, in vLLM's order, while vLLM has slots to start them in, each
@@ -337,22 +349,36 @@ class _Chunking:
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         if free <= 0:
             return
-        # The loop below, over the requests admitted already in vLLM's order (their rids
-        # increasing) at the front of the queue, done in C and by the requests' addresses (a
-        # request object is not read: after vLLM's step they are mostly out of the CPU's caches):
-        # most steps only the prompts that arrived since are left to it, or none.
-        ahead = list(map(self._rid_at.get, map(id, islice(self.waiting, free)), repeat(0)))  # type: ignore[attr-defined]
-        known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
-        front = ahead[:known]
-        if known and front == sorted(front):  # increasing: one rid per request
-            if known == len(ahead):
+        waiting = self.waiting  # type: ignore[attr-defined]
+        if not self._rescan:
+            # Every request in the queue but the arrivals is admitted, in order: the arrivals
+            # are left, behind them (most steps: one prompt, or none).
+            arrived = self._arrived
+            if not arrived:
                 return
-            pending, last = known, front[-1]
+            pending, last = len(waiting) - len(arrived), self._next_rid - 1
+            todo: Any = arrived
         else:
-            known = pending = 0
-            last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
-        for request in islice(self.waiting, known, None):  # type: ignore[attr-defined]
+            # Over the requests admitted already in vLLM's order (their rids increasing) at the
+            # front of the queue, done in C and by the requests' addresses (a request object is
+            # not read: after vLLM's step they are mostly out of the CPU's caches).
+            ahead = list(map(self._rid_at.get, map(id, islice(waiting, free)), repeat(0)))
+            known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
+            front = ahead[:known]
+            if known and front == sorted(front):  # increasing: one rid per request
+                if known == len(ahead):
+                    if known == len(waiting):
+                        self._arrived, self._rescan = [], False
+                    return
+                pending, last = known, front[-1]
+            else:
+                known = pending = 0
+                last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
+            todo = islice(waiting, known, None)
+        self._arrived, self._rescan = [], False
+        for request in todo:
             if pending >= free:
+                self._rescan = True  # the rest waits for slots
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
@@ -370,9 +396,11 @@ class _Chunking:
                 self._forget(req_id)
                 if hint is not None:
                     self._start_hint[req_id] = hint
-            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                continue
-            if req_id in self.grammar_compile_error_reqs:  # type: ignore[attr-defined]
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
+                req_id in self.grammar_compile_error_reqs  # type: ignore[attr-defined]
+            ):
+                # Not admitted (it may still be in the queue, or have left it already).
+                self._rescan = True
                 continue
             start = self._start_hint.pop(req_id, None)
             if start is None:
@@ -435,8 +463,10 @@ class _Chunking:
     def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
         """Completes `prev` (the step before), applies the row changes since (decode rows of the
         prompts it finished, requests ended, prompts admitted), and assembles the next step, in one
-        round trip (`complete_and_assemble` with a `NextStep`). The first step, and the last one
-        when the engine goes idle (nothing to assemble), make the calls one by one."""
+        native call that answers it keyed by vLLM's request ids: `(batch, req_ids, plan, starts,
+        final_rows)` (as `Batch.keyed`, with `final_rows` the `(row, rid)` of the final chunks).
+        The first step, and the last one when the engine goes idle (nothing to assemble), make
+        the calls one by one."""
         changes, self._changes = self._changes, []
         continues = self._continues(prev)
         ms = None
@@ -447,17 +477,22 @@ class _Chunking:
                 self.mstar_stats.unmeasured_steps += 1
         cm = self.chunking
         if prev is not None and assemble:
-            nxt = NextStep(NODE, MIXED)
-            for rid in continues:
-                nxt.continue_row(rid, DECODE, 1)
-            for rid, tokens, cached in changes:
-                if tokens is None:
-                    nxt.forget_request(rid)
-                else:
-                    nxt.admit(rid, PREFILL, tokens, cached)
-            done = cm.complete_and_assemble(prev.step, prev.batch if prev.ran is None else prev.ran, ms, next=nxt)
-            self.mstar_stats.outcomes.append(done.outcome)
-            return done.next
+            outcome, nxt = self._one_call(
+                prev.step,
+                prev.batch if prev.ran is None else prev.ran,
+                ms,
+                NODE,
+                MIXED,
+                DECODE,
+                continues,
+                PREFILL,
+                changes,
+                self._req_of,
+            )
+            self.mstar_stats.outcomes.append(outcome)
+            if isinstance(nxt, BaseException):  # the completion stands; the assembly failed
+                raise nxt
+            return nxt
         if prev is not None:
             ran = prev.batch if prev.ran is None else prev.ran
             self.mstar_stats.outcomes.append(cm.complete(prev.step, ran, ms))
@@ -468,20 +503,21 @@ class _Chunking:
                 cm.forget_request(rid)
             else:
                 cm.admit(rid, NODE, PREFILL, tokens, cached=cached)
-        return cm.assemble(NODE, MIXED) if assemble else None
+        if not assemble:
+            return None
+        batch = cm.assemble(NODE, MIXED)
+        req_ids, plan, starts, finals = batch.keyed(self._req_of)
+        return batch, req_ids, plan, starts, [(i, self._rid_of[req_ids[i]]) for i in finals]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # The step before is completed here with what it was scheduled to run: under async
         # scheduling it is still running (its time comes later), otherwise its output came.
         prev, self._uncompleted = self._uncompleted, None
         self._admit_waiting()
-        batch = self._advance(prev)
-        # The plan in bulk, in one call (no object per row): the rows' request ids, the tokens
-        # each is planned and the chunks' starts, keyed by request id for the hook.
-        req_ids, plan, starts, finals = batch.keyed(self._req_of)
+        # The plan in bulk (no object per row): the rows' request ids, the tokens each is
+        # planned and the chunks' starts, keyed by request id for the hook.
+        batch, req_ids, plan, starts, final_rows = self._advance(prev)
         self._plan, self._starts, self._observed = plan, starts, {}
-        rid_of = self._rid_of
-        final_rows = [(i, rid_of[req_ids[i]]) for i in finals]  # (a request vLLM preempts is forgotten)
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -495,7 +531,7 @@ class _Chunking:
         # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
         # tokens; then no list of what ran is made (the completion reads the batch).
         ran: Optional[list[int]] = None
-        if len(scheduled) != len(plan) or sum(scheduled.values()) != sum(plan.values()) or scheduled.keys() != plan.keys():
+        if scheduled != plan:
             ran = list(map(scheduled.get, req_ids, repeat(0)))
             unrun = ran.count(0)
             self.mstar_stats.handed_back += unrun
@@ -510,6 +546,7 @@ class _Chunking:
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
             self._start_hint[req_id] = start
+            self._rescan = True
         self.mstar_stats.steps += 1
         rec.returned_at = self.clock()
         self._uncompleted = rec
@@ -564,7 +601,8 @@ class _Chunking:
                 self.mstar_stats.late_measured += 1
             except ChunkingError:
                 pass
-        if not self._in_flight and not self.has_requests():  # type: ignore[attr-defined]
+        if not self._in_flight and not self.requests:  # type: ignore[attr-defined]
+            # Idle: vLLM's `requests` holds every request it has not finished.
             self._settle()
         return result
 

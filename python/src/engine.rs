@@ -27,7 +27,7 @@ use crate::boundary::{
     priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
-use crate::steps::{overrun_to_py, Completed, Outcome, StepBatch, Tokens};
+use crate::steps::{keyed_columns, overrun_to_py, Completed, Outcome, StepBatch, Tokens};
 
 /// The logger overruns are reported to (`logging.getLogger("mstar_chunking")`).
 const LOGGER: &str = "mstar_chunking";
@@ -466,6 +466,44 @@ impl Engine {
     fn cm(&self, py: Python<'_>) -> PyResult<&ChunkingManagement> {
         self.owner.check(py)?;
         Ok(&self.cm)
+    }
+
+    /// Completes step `step` and assembles `next` after its row changes, in one round trip:
+    /// the core's answer and the overrun count of the completed step's walk. The prompts it
+    /// admits are recorded for `prepared_keys` (a key whose admission was refused is dropped
+    /// there when found gone), and their priorities checked against the node's order.
+    fn one_trip(
+        &self,
+        py: Python<'_>,
+        cm: &ChunkingManagement,
+        step: u64,
+        ran: Vec<u32>,
+        measured_ms: Option<f64>,
+        next: NextStep,
+    ) -> PyResult<(mstar_chunking::Completed, u64)> {
+        let admits: Vec<(u64, i32)> = next
+            .row_changes()
+            .filter_map(|c| match c {
+                RowChangeRef::Admit { rid, priority, .. } => Some((rid, priority)),
+                _ => None,
+            })
+            .collect();
+        let node = next.node().clone();
+        warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
+        let (done, count) = self.call(py, || async {
+            let done = cm
+                .complete_and_assemble_with(step, ran, measured_ms, next)
+                .await?;
+            let count = overrun_count_of(cm, &done.outcome).await?;
+            Ok((done, count))
+        })?;
+        if !admits.is_empty() {
+            let mut admitted = lock(&self.admitted);
+            for (rid, _) in admits {
+                admitted.insert(rid, node.clone());
+            }
+        }
+        Ok((done, count))
     }
 
     /// Logs a completed step's token overrun, if it had one (`count`: its walk's overruns).
@@ -993,31 +1031,100 @@ impl Engine {
         if let Some(ms) = at_ms.or(own_at_ms) {
             next = next.at_ms(ms);
         }
-        // The prompts it admits, for `prepared_keys` (a key whose admission was refused is
-        // dropped there when found gone), with their priorities.
-        let admits: Vec<(u64, i32)> = next
-            .row_changes()
-            .filter_map(|c| match c {
-                RowChangeRef::Admit { rid, priority, .. } => Some((rid, priority)),
-                _ => None,
-            })
-            .collect();
-        let node = next.node().clone();
-        warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
-        let (done, count) = self.call(py, || async {
-            let done = cm
-                .complete_and_assemble_with(step, ran, measured_ms, next)
-                .await?;
-            let count = overrun_count_of(cm, &done.outcome).await?;
-            Ok((done, count))
-        })?;
-        if !admits.is_empty() {
-            let mut admitted = lock(&self.admitted);
-            for (rid, _) in admits {
-                admitted.insert(rid, node.clone());
+        let (done, count) = self.one_trip(py, cm, step, ran, measured_ms, next)?;
+        one_trip_answer(py, done, count)
+    }
+
+    /// The vLLM scheduler's step in one call (`mstar_chunking.vllm`): completes step `step`
+    /// (as `complete_and_assemble`), applies the row changes given as lists rather than a
+    /// `NextStep`, assembles `(node, walk)`'s next step and answers it keyed (as
+    /// `Batch.keyed(keys)`). The changes, in this order: each rid of `continues` continues as a
+    /// row of `continue_walk` (estimate 1); each `(rid, tokens, cached)` of `changes` forgets
+    /// the request (`tokens` `None`) or admits the prompt on `admit_walk` with `cached` tokens
+    /// already in the KV cache. Answers `(outcome, next)`: `next` is `(batch, row_keys, tokens,
+    /// starts, final_rows)` (`final_rows`: `(row, rid)` of the rows whose chunk is final), or
+    /// the exception the assembly failed with (the completion stands either way).
+    #[pyo3(signature = (step, ran, measured_ms, node, walk, continue_walk, continues, admit_walk, changes, keys))]
+    #[allow(clippy::too_many_arguments)]
+    fn _complete_and_assemble_keyed<'py>(
+        &self,
+        py: Python<'py>,
+        step: &Bound<'py, PyAny>,
+        ran: &Bound<'py, PyAny>,
+        measured_ms: Option<&Bound<'py, PyAny>>,
+        node: &str,
+        walk: &str,
+        continue_walk: &str,
+        continues: &Bound<'py, PyList>,
+        admit_walk: &str,
+        changes: &Bound<'py, PyList>,
+        keys: &Bound<'py, PyDict>,
+    ) -> PyResult<(Py<Outcome>, PyObject)> {
+        let cm = self.cm(py)?;
+        let step = whole::<u64>(py, "step", step)?;
+        let ran = ran_of_step(py, step, ran)?;
+        let measured_ms = measured_arg(py, measured_ms)?;
+        let node = name(node);
+        let mut next = NextStep::new(node.clone(), name(walk));
+        if !continues.is_empty() {
+            let walk = name(continue_walk);
+            for rid in continues.iter() {
+                let rid = whole::<u64>(py, "continues[]", &rid)?;
+                next = next.continue_row(rid, walk.clone(), 1);
             }
         }
-        one_trip_answer(py, done, count)
+        if !changes.is_empty() {
+            let walk = name(admit_walk);
+            for (i, change) in changes.iter().enumerate() {
+                let (rid, tokens, cached): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                    change.extract().map_err(|_| {
+                        invalid(
+                            py,
+                            &format!(
+                                "changes[{i}] is (rid, tokens or None, cached), got {}",
+                                crate::boundary::short_repr(&change)
+                            ),
+                        )
+                    })?;
+                let rid = whole::<u64>(py, "rid", &rid)?;
+                next = if tokens.is_none() {
+                    next.forget_request(rid)
+                } else {
+                    let options = AdmitOptions {
+                        cached: whole::<u32>(py, "cached", &cached)?,
+                        ..AdmitOptions::default()
+                    };
+                    let input = PreparedInput::tokens(token_ids(py, rid, &node, &tokens)?);
+                    next.admit_with(rid, walk.clone(), input, options)
+                };
+            }
+        }
+        let (done, count) = self.one_trip(py, cm, step, ran, measured_ms, next)?;
+        Engine::finish_step(py, &done.outcome, count);
+        let outcome = Py::new(
+            py,
+            Outcome {
+                outcome: Arc::new(done.outcome),
+            },
+        )?;
+        let next = match done.next {
+            Ok(batch) => {
+                let (row_keys, tokens, starts, finals) = keyed_columns(py, &batch, keys)?;
+                let final_rows = PyList::empty(py);
+                for i in finals {
+                    final_rows.append((i, batch.rows[i].rid))?;
+                }
+                let batch = Py::new(py, StepBatch { batch })?;
+                (batch, row_keys, tokens, starts, final_rows)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind()
+            }
+            Err(e) => to_py_err(py, Failure::Chunking(e))
+                .into_value(py)
+                .into_any(),
+        };
+        Ok((outcome, next))
     }
 
     /// The step ran nothing: no row advances, the node can assemble again.

@@ -86,7 +86,10 @@ impl BenchWorkload {
     /// Sets up the rows and runs the steps on `cm`: the wall-clock and CPU seconds of the
     /// steps after the warm-up.
     async fn run(&self, cm: &ChunkingManagement) -> Result<(f64, f64), ChunkingError> {
-        let prompt = PreparedInput::tokens((0..self.prompt_tokens).collect::<Arc<[u32]>>());
+        // Each admission carries a prompt of its own, copied from the tokens as an engine's new
+        // prompt is (from its tokenizer's output), as the Python side's admissions copy theirs.
+        let tokens: Vec<u32> = (0..self.prompt_tokens).collect();
+        let prompt = || PreparedInput::tokens(Arc::<[u32]>::from(&tokens[..]));
         let policy = ChunkingPolicy::budget(self.budget).aligned(16);
         cm.set_policies([(("llm", "mixed"), policy)]).await?;
         cm.set_budgets(
@@ -99,8 +102,7 @@ impl BenchWorkload {
         }
         let mut next_rid = 1u64 << 32;
         for _ in 0..self.prompts {
-            cm.admit(next_rid, "llm", "prefill", prompt.clone(), 0)
-                .await?;
+            cm.admit(next_rid, "llm", "prefill", prompt(), 0).await?;
             next_rid += 1;
         }
         let template = NextStep::new("llm", "mixed");
@@ -116,7 +118,7 @@ impl BenchWorkload {
             let mut next = template.clone();
             for r in &batch.rows {
                 if matches!(r.work, RowWork::Chunk { range, .. } if range.is_final()) {
-                    next = next.admit(next_rid, "prefill", prompt.clone(), 0);
+                    next = next.admit(next_rid, "prefill", prompt(), 0);
                     next_rid += 1;
                 }
             }

@@ -290,28 +290,8 @@ pymethods_with_getters! {
         py: Python<'py>,
         keys: &Bound<'py, PyDict>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let rows = &self.batch.rows;
-        let row_keys = PyList::empty(py);
-        let tokens = PyDict::new(py);
-        let starts = PyDict::new(py);
-        let mut finals = Vec::new();
-        for (i, r) in rows.iter().enumerate() {
-            let Some(key) = keys.get_item(r.rid)? else {
-                return Err(pyo3::exceptions::PyKeyError::new_err(format!(
-                    "step {}: rid {} of row {i} has no key",
-                    self.batch.step, r.rid
-                )));
-            };
-            row_keys.append(&key)?;
-            tokens.set_item(&key, r.tokens())?;
-            if let RowWork::Chunk { range, .. } = r.work {
-                starts.set_item(&key, range.start)?;
-                if range.is_final() {
-                    finals.push(i as u64);
-                }
-            }
-        }
-        let finals = int_list(py, finals.into_iter())?;
+        let (row_keys, tokens, starts, finals) = keyed_columns(py, &self.batch, keys)?;
+        let finals = int_list(py, finals.into_iter().map(|i| i as u64))?;
         PyTuple::new(
             py,
             [
@@ -364,6 +344,43 @@ fn int_list<'py, T: Into<u64>>(
         }
         Ok(list.downcast_into_unchecked())
     }
+}
+
+/// `batch`'s rows under the caller's keys (`keys`: rid -> key; a rid it lacks is a `KeyError`
+/// naming it): each row's key in row order, the scheduled tokens by key, each chunk's start by
+/// key, and the indices of the rows whose chunk is final.
+#[allow(clippy::type_complexity)]
+pub(crate) fn keyed_columns<'py>(
+    py: Python<'py>,
+    batch: &Batch,
+    keys: &Bound<'py, PyDict>,
+) -> PyResult<(
+    Bound<'py, PyList>,
+    Bound<'py, PyDict>,
+    Bound<'py, PyDict>,
+    Vec<usize>,
+)> {
+    let row_keys = PyList::empty(py);
+    let tokens = PyDict::new(py);
+    let starts = PyDict::new(py);
+    let mut finals = Vec::new();
+    for (i, r) in batch.rows.iter().enumerate() {
+        let Some(key) = keys.get_item(r.rid)? else {
+            return Err(pyo3::exceptions::PyKeyError::new_err(format!(
+                "step {}: rid {} of row {i} has no key",
+                batch.step, r.rid
+            )));
+        };
+        row_keys.append(&key)?;
+        tokens.set_item(&key, r.tokens())?;
+        if let RowWork::Chunk { range, .. } = r.work {
+            starts.set_item(&key, range.start)?;
+            if range.is_final() {
+                finals.push(i);
+            }
+        }
+    }
+    Ok((row_keys, tokens, starts, finals))
 }
 
 /// `x` as Python's `repr(float)` writes it (`100.0`, not `100`).
