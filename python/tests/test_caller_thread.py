@@ -133,3 +133,90 @@ def test_a_prompt_list_is_taken_as_its_ints_or_refused_as_before(make_cm):
     with pytest.raises(InvalidRequestError, match="sequence of ints"):
         cm.admit(4, "llm", "prefill", [1, 2.5])
     assert sorted(cm.prepared) == [(1, "llm")]
+
+
+def drive_keyed(cm, steps=30, one_call=True):
+    """`drive`'s loop as the vLLM scheduler makes it, with the step's row changes as lists and
+    the plan keyed by request id: through the one native call (`one_call`), or through
+    `complete_and_assemble` with a `NextStep`, then `Batch.keyed`. Answers each step's keyed
+    plan and outcome."""
+    keys = {}
+    changes = []
+    for r in range(1, 4):
+        keys[r] = f"r{r}"
+        changes.append((r, [r] * (100 + 70 * r), 16 * (r - 1)))
+    for rid, tokens, cached in changes:
+        cm.admit(rid, "llm", "prefill", tokens, cached=cached)
+    b = cm.assemble("llm", "mixed")
+    decoding = {}
+    seen = []
+    for i in range(steps):
+        continues = b.final_rids()
+        changes = []
+        for rid in continues:
+            decoding[rid] = 0
+        for rid in list(decoding):
+            decoding[rid] += 1
+            if decoding[rid] == 5:
+                changes.append((rid, None, 0))
+                del decoding[rid]
+        if i % 3 == 0:
+            keys[10 + i] = f"r{10 + i}"
+            changes.append((10 + i, list(range(50 + 20 * i)), 0))
+        ran = [t if k % 4 != 3 else 0 for k, t in enumerate(b.planned())] if i % 5 == 4 else b
+        if one_call:
+            outcome, nxt = cm._engine._complete_and_assemble_keyed(
+                b.step, ran, 2.0, "llm", "mixed", "decode", continues, "prefill", changes, keys
+            )
+            b, row_keys, plan, starts, final_rows = nxt
+        else:
+            n = NextStep("llm", "mixed")
+            for rid in continues:
+                n.continue_row(rid, "decode", 1)
+            for rid, tokens, cached in changes:
+                if tokens is None:
+                    n.forget_request(rid)
+                else:
+                    n.admit(rid, "prefill", tokens, cached)
+            done = cm.complete_and_assemble(b.step, ran, 2.0, next=n)
+            outcome, b = done.outcome, done.next
+            row_keys, plan, starts, finals = b.keyed(keys)
+            final_rows = [(k, b.rows[k].rid) for k in finals]
+        seen.append((row_keys, list(plan.items()), starts, final_rows, outcome.finished, outcome.ran_tokens))
+    cm.abandon(b.step)
+    return seen
+
+
+def test_the_one_call_step_is_the_step_with_a_next_step_then_keyed(make_cm):
+    a = drive_keyed(mixed(make_cm, caller_thread=True))
+    b = drive_keyed(mixed(make_cm, caller_thread=True), one_call=False)
+    assert a == b
+    assert any(f for _, _, _, f, _, _ in a) and any(fin for *_, fin, _ in a)  # chunks ended, requests ended
+    assert any("r10" in dict(plan) for _, plan, *_ in a)  # an admission made by the call planned
+
+
+def test_the_one_call_step_refuses_bad_changes_and_answers_a_failed_assembly(make_cm):
+    cm = mixed(make_cm, caller_thread=True)
+    call = cm._engine._complete_and_assemble_keyed
+    cm.admit(1, "llm", "prefill", [1] * 40)
+    cm.admit(2, "llm", "prefill", [2] * 400)
+    b = cm.assemble("llm", "mixed")
+    keys = {1: "a", 2: "b"}
+    with pytest.raises(InvalidRequestError, match=r"changes\[1\] is \(rid, tokens or None, cached\), got \(2, \[1\]\)"):
+        call(b.step, b, None, "llm", "mixed", "decode", [], "prefill", [(2, [3], 0), (2, [1])], keys)
+    with pytest.raises(InvalidRequestError, match="rid"):
+        call(b.step, b, None, "llm", "mixed", "decode", [], "prefill", [(-1, None, 0)], keys)
+    with pytest.raises(InvalidRequestError, match="continues"):
+        call(b.step, b, None, "llm", "mixed", "decode", ["x"], "prefill", [], keys)
+    assert cm.queue_stats()["steps_in_flight"] == 1  # nothing was sent: the step is still in flight
+    # Prompt 2, mid-prefill, admitted again: that change fails after the completion.
+    outcome, nxt = call(b.step, b, None, "llm", "mixed", "decode", [1], "prefill", [(2, [5] * 10, 0)], keys)
+    assert outcome.step == b.step and outcome.finished == [1]
+    assert isinstance(nxt, ChunkingError) and "2" in str(nxt)
+    assert cm.queue_stats()["steps_in_flight"] == 0  # the completion stands
+    b = cm.assemble("llm", "mixed")
+    with pytest.raises(KeyError, match="rid 2 of row 1 has no key"):
+        call(b.step, [1, 160], None, "llm", "mixed", "decode", [], "prefill", [], {1: "a"})
+    # The step was completed and the next one assembled: `assemble` answers it again.
+    again = cm.assemble("llm", "mixed")
+    assert again.step == b.step + 1 and again.keyed(keys)[0] == ["a", "b"]

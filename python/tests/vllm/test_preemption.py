@@ -78,3 +78,59 @@ def test_nothing_lost_nothing_held(async_scheduling):
     assert len(s.chunking.prepared) == 0
     assert not s._rid_of and not s._req_of and not s._rid_at and not s._at_of and not s.requests
     s.shutdown()
+
+
+class _FullScan(Scheduler):
+    """Scans vLLM's whole waiting queue at every admission, as after a preemption."""
+
+    def _admit_waiting(self):
+        self._rescan = True
+        super()._admit_waiting()
+
+
+class _Counting(Scheduler):
+    """Counts the admissions that took the arrivals alone."""
+
+    arrivals_alone = 0
+
+    def _admit_waiting(self):
+        if not self._rescan and self._arrived:
+            _Counting.arrivals_alone += 1
+        super()._admit_waiting()
+
+
+def _queue_churn(cls, async_scheduling):
+    """Prompts arriving in a burst then one by one, for 6 slots and a KV cache small enough to
+    preempt, two of them aborted before their first step: each step's chunks and the requests'
+    outputs."""
+    rng = random.Random(5)
+    blocks = 100
+    s = make_scheduler(cls, budget=BUDGET, num_blocks=blocks, async_scheduling=async_scheduling, max_num_seqs=6)
+    d = Driver(s, async_depth=2 if async_scheduling else 1)
+    prompts = [(f"a{i}", [rng.randint(10, 31_000) for _ in range(rng.randint(50, 600))], rng.randint(20, 120)) for i in range(16)]
+    for step in range(5_000):
+        if prompts and step % (2 if len(prompts) > 8 else 15) == 0:
+            req_id, prompt, max_tokens = prompts.pop(0)
+            d.add(req_id, prompt, max_tokens)
+            if req_id in ("a5", "a11"):
+                d.abort(req_id)  # waiting, not admitted yet
+        if not prompts and not s.has_requests():
+            break
+        d.step()
+    run = d.drain()
+    assert kv_all_free(s, blocks) and not s._rid_of and not s.chunking.queue_stats()["prefill_rows"]
+    return s, [[(c.req_id, c.start, c.tokens) for c in chunks] for chunks in run.steps], dict(run.outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_admitting_the_arrivals_alone_plans_as_the_whole_queue_scan(async_scheduling):
+    _Counting.arrivals_alone = 0
+    fast, steps, outputs = _queue_churn(_Counting, async_scheduling)
+    full, steps_full, outputs_full = _queue_churn(_FullScan, async_scheduling)
+    assert steps == steps_full and outputs == outputs_full
+    assert _Counting.arrivals_alone > 5  # the arrivals-alone path ran
+    assert fast.mstar_stats.readmitted == full.mstar_stats.readmitted
+    preempted = fast.mstar_stats.handed_back or fast.mstar_stats.readmitted
+    assert preempted, "the KV cache was big enough for every prompt: no preemption was exercised"
+    for s in (fast, full):
+        s.shutdown()
