@@ -331,15 +331,29 @@ fn int_list<'py, T: Into<u64>>(
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("too many rows for a list"))?;
     // SAFETY: `PyList_New(n)` answers a new list of `n` empty slots (or NULL with an error
     // set, returned here); each slot `i < n` is filled once by `PyList_SetItem`, which steals
-    // the new reference `PyLong_FromUnsignedLongLong` answers. A failed conversion leaves the
+    // the reference it is given: a new one from `PyLong_FromUnsignedLongLong`, or, for a value
+    // equal to the one before it (a run of decode rows' `1`s), one more reference to that
+    // item's `int` (ints do not change), which the list holds. A failed conversion leaves the
     // rest of the slots empty, which a list's deallocation accepts.
     unsafe {
         let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n))?;
+        let mut last: Option<(u64, *mut ffi::PyObject)> = None;
         for (i, v) in (0..n).zip(items) {
-            let int = ffi::PyLong_FromUnsignedLongLong(v.into());
-            if int.is_null() {
-                return Err(PyErr::fetch(py));
-            }
+            let v: u64 = v.into();
+            let int = match last {
+                Some((w, int)) if w == v => {
+                    ffi::Py_INCREF(int);
+                    int
+                }
+                _ => {
+                    let int = ffi::PyLong_FromUnsignedLongLong(v);
+                    if int.is_null() {
+                        return Err(PyErr::fetch(py));
+                    }
+                    last = Some((v, int));
+                    int
+                }
+            };
             ffi::PyList_SetItem(list.as_ptr(), i, int);
         }
         Ok(list.downcast_into_unchecked())
