@@ -358,6 +358,7 @@ class _Chunking:
                 return
             pending, last = len(waiting) - len(arrived), self._next_rid - 1
             todo: Any = arrived
+            fast = True
         else:
             # Over the requests admitted already in vLLM's order (their rids increasing) at the
             # front of the queue, done in C and by the requests' addresses (a request object is
@@ -375,10 +376,16 @@ class _Chunking:
                 known = pending = 0
                 last = 0  # the latest admission ahead in vLLM's queue: the component plans in admission order
             todo = islice(waiting, known, None)
+            fast = False
         self._arrived, self._rescan = [], False
-        for request in todo:
+        for i, request in enumerate(todo):
             if pending >= free:
-                self._rescan = True  # the rest waits for slots
+                # The rest waits for slots: arrivals still behind every admitted request, or,
+                # after a scan, anywhere in the queue.
+                if fast:
+                    self._arrived = todo[i:]
+                else:
+                    self._rescan = True
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
