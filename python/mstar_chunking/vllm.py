@@ -54,7 +54,6 @@ from . import (  # noqa: E402
     ChunkingError,
     ChunkingManagement,
     ChunkingPolicy,
-    NextStep,
     SubmoduleCaps,
     serve_metrics,
 )
@@ -202,10 +201,11 @@ class _Chunking:
         # id: the admission scan reads the waiting queue's entries without touching the requests.
         self._rid_at: dict[int, int] = {}
         self._at_of: dict[str, int] = {}
-        # The requests added since the last admission (at the back of vLLM's queue, in its
-        # order), and whether the queue may hold other requests not admitted in order (after a
-        # preemption, a request forgotten while it waits, a request left out or skipped): then
-        # the admission scans the queue, else it takes the arrivals alone.
+        # The requests added since the last admission and not admitted yet (at the back of
+        # vLLM's queue, in its order), and whether the queue may hold others not admitted in
+        # order (after a preemption, a request forgotten while it waits or not admitted, a scan
+        # that ran out of slots): then the admission scans the queue, else it takes the
+        # arrivals alone.
         self._arrived: list[Request] = []
         self._rescan = True
         self._next_rid = 1
