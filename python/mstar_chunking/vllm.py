@@ -525,20 +525,12 @@ class _Chunking:
         # planned and the chunks' starts, keyed by request id for the hook.
         batch, req_ids, plan, starts, final_rows = self._advance(prev)
         self._plan, self._starts, self._observed = plan, starts, {}
-        # vLLM's token budget for this scan is the plan's tokens: its scan then ends where the
-        # plan is spent, rather than going on through the whole waiting queue to give each
-        # request the plan does not hold nothing (vLLM pops it, sets it aside and puts it back).
-        # Every planned request still gets its tokens: each row takes its plan or nothing.
-        budget = self.max_num_scheduled_tokens  # type: ignore[attr-defined]
-        self.max_num_scheduled_tokens = min(budget, sum(plan.values()))
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
             self._plan = None
             self.chunking.abandon(batch.step)
             raise
-        finally:
-            self.max_num_scheduled_tokens = budget
         self._plan = None
         scheduled = out.num_scheduled_tokens
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
