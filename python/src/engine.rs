@@ -1068,8 +1068,8 @@ impl Engine {
         let mut next = NextStep::new(node.clone(), name(walk));
         if !continues.is_empty() {
             let walk = name(continue_walk);
-            for rid in continues.iter() {
-                let rid = whole::<u64>(py, "continues[]", &rid)?;
+            for (i, rid) in continues.iter().enumerate() {
+                let rid = whole::<u64>(py, &format!("continues[{i}]"), &rid)?;
                 next = next.continue_row(rid, walk.clone(), 1);
             }
         }
@@ -1086,12 +1086,12 @@ impl Engine {
                             ),
                         )
                     })?;
-                let rid = whole::<u64>(py, "rid", &rid)?;
+                let rid = whole::<u64>(py, &format!("changes[{i}]: rid"), &rid)?;
                 next = if tokens.is_none() {
                     next.forget_request(rid)
                 } else {
                     let options = AdmitOptions {
-                        cached: whole::<u32>(py, "cached", &cached)?,
+                        cached: whole::<u32>(py, &format!("changes[{i}]: cached"), &cached)?,
                         ..AdmitOptions::default()
                     };
                     let input = PreparedInput::tokens(token_ids(py, rid, &node, &tokens)?);

@@ -204,10 +204,12 @@ def test_the_one_call_step_refuses_bad_changes_and_answers_a_failed_assembly(mak
     keys = {1: "a", 2: "b"}
     with pytest.raises(InvalidRequestError, match=r"changes\[1\] is \(rid, tokens or None, cached\), got \(2, \[1\]\)"):
         call(b.step, b, None, "llm", "mixed", "decode", [], "prefill", [(2, [3], 0), (2, [1])], keys)
-    with pytest.raises(InvalidRequestError, match="rid"):
+    with pytest.raises(InvalidRequestError, match=r"changes\[0\]: rid must be between 0 and"):
         call(b.step, b, None, "llm", "mixed", "decode", [], "prefill", [(-1, None, 0)], keys)
-    with pytest.raises(InvalidRequestError, match="continues"):
-        call(b.step, b, None, "llm", "mixed", "decode", ["x"], "prefill", [], keys)
+    with pytest.raises(InvalidRequestError, match=r"changes\[0\]: cached must be"):
+        call(b.step, b, None, "llm", "mixed", "decode", [], "prefill", [(3, [1], 1.5)], keys)
+    with pytest.raises(InvalidRequestError, match=r"continues\[1\] must be a whole number"):
+        call(b.step, b, None, "llm", "mixed", "decode", [1, "x"], "prefill", [], keys)
     assert cm.queue_stats()["steps_in_flight"] == 1  # nothing was sent: the step is still in flight
     # Prompt 2, mid-prefill, admitted again: that change fails after the completion.
     outcome, nxt = call(b.step, b, None, "llm", "mixed", "decode", [1], "prefill", [(2, [5] * 10, 0)], keys)
