@@ -332,7 +332,7 @@ class _Chunking:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         self._forget(request.request_id)
-        if any(r is request for r in self._arrived):  # it leaves the queue before its admission
+        if self._arrived and any(r is request for r in self._arrived):  # it leaves the queue before its admission
             self._rescan = True
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 

@@ -139,15 +139,40 @@ where
     T: Send,
 {
     py.allow_threads(|| {
-        let ran = catch_unwind(AssertUnwindSafe(|| match block_on(make(), timeout) {
-            Some(answer) => answer.map_err(Failure::from),
-            None => Err(Failure::Chunking(ChunkingError::Timeout {
-                actor: TIMED_OUT_ACTOR,
-                after: timeout.unwrap_or_default(),
-            })),
-        }));
-        ran.unwrap_or_else(|panic| Err(Failure::Internal(panic_message(&*panic))))
+        answer_of(
+            catch_unwind(AssertUnwindSafe(|| block_on(make(), timeout))),
+            timeout,
+        )
     })
+}
+
+/// A blocking call's answer from how its wait ended: the future's answer, `None` when
+/// `timeout` ran out first ([`ChunkingError::Timeout`]), or a panic caught while it ran.
+pub(crate) fn answer_of<T>(
+    ran: std::thread::Result<Option<Result<T, ChunkingError>>>,
+    timeout: Option<Duration>,
+) -> Result<T, Failure> {
+    match ran {
+        Ok(Some(answer)) => answer.map_err(Failure::from),
+        Ok(None) => Err(Failure::Chunking(ChunkingError::Timeout {
+            actor: TIMED_OUT_ACTOR,
+            after: timeout.unwrap_or_default(),
+        })),
+        Err(panic) => Err(Failure::Internal(panic_message(&*panic))),
+    }
+}
+
+/// `whole`, the value named by `what()` only when it is refused: no name is made for each
+/// item of a list read on a step's path.
+pub(crate) fn whole_named<T>(
+    py: Python<'_>,
+    what: impl FnOnce() -> String,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a> + num_max::Max,
+{
+    whole::<T>(py, "", value).or_else(|_| whole::<T>(py, &what(), value))
 }
 
 /// `block_within`, with the failure turned into its Python exception.

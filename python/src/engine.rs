@@ -24,7 +24,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::boundary::{
     block_within, call_within, clock_arg, invalid, measured_arg, name, name_pair, panic_message,
-    priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, Failure, Owner,
+    priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, whole_named,
+    Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{keyed_columns, overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -350,15 +351,7 @@ impl CallerSystem {
                 }
             })
         }));
-        let answer = match ran {
-            Ok(Some(answer)) => answer.map_err(Failure::from),
-            Ok(None) => Err(Failure::Chunking(ChunkingError::Timeout {
-                actor: crate::boundary::TIMED_OUT_ACTOR,
-                after: timeout.unwrap_or_default(),
-            })),
-            Err(panic) => Err(Failure::Internal(panic_message(&*panic))),
-        };
-        answer.map_err(|f| to_py_err(py, f))
+        crate::boundary::answer_of(ran, timeout).map_err(|f| to_py_err(py, f))
     }
 }
 
@@ -1069,7 +1062,7 @@ impl Engine {
         if !continues.is_empty() {
             let walk = name(continue_walk);
             for (i, rid) in continues.iter().enumerate() {
-                let rid = whole::<u64>(py, &format!("continues[{i}]"), &rid)?;
+                let rid = whole_named::<u64>(py, || format!("continues[{i}]"), &rid)?;
                 next = next.continue_row(rid, walk.clone(), 1);
             }
         }
@@ -1086,12 +1079,16 @@ impl Engine {
                             ),
                         )
                     })?;
-                let rid = whole::<u64>(py, &format!("changes[{i}]: rid"), &rid)?;
+                let rid = whole_named::<u64>(py, || format!("changes[{i}]: rid"), &rid)?;
                 next = if tokens.is_none() {
                     next.forget_request(rid)
                 } else {
                     let options = AdmitOptions {
-                        cached: whole::<u32>(py, &format!("changes[{i}]: cached"), &cached)?,
+                        cached: whole_named::<u32>(
+                            py,
+                            || format!("changes[{i}]: cached"),
+                            &cached,
+                        )?,
                         ..AdmitOptions::default()
                     };
                     let input = PreparedInput::tokens(token_ids(py, rid, &node, &tokens)?);

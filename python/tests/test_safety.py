@@ -126,7 +126,13 @@ def test_a_forked_child_gets_an_error_at_once_and_close_or_drop_do_nothing(make_
             took = time.monotonic() - t0
             if took > 0.5 or "forked child" not in str(e):
                 return f"slow or unclear: {took:.2f}s {e}".encode()
-        for call in (lambda: cm.admit(1, "llm", "prefill", [1]), lambda: cm.queue_stats(), lambda: len(cm.prepared)):
+        one_call = cm._engine._complete_and_assemble_keyed  # the vLLM scheduler's step
+        for call in (
+            lambda: cm.admit(1, "llm", "prefill", [1]),
+            lambda: cm.queue_stats(),
+            lambda: len(cm.prepared),
+            lambda: one_call(1, [1], None, "llm", "mixed", "decode", [], "prefill", [], {}),
+        ):
             try:
                 call()
                 return b"a call succeeded in the child"
