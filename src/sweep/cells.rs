@@ -5,17 +5,20 @@
 use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 
-use super::{Budget, RunSummary};
+use super::{Budget, RunSummary, StepMs};
+use crate::budget::TimeBudget;
+use crate::config::spelling::{PerNode, TimeSetting};
 use crate::config::problem::{escape, escape_join};
 use crate::config::{LoadedConfig, Settings};
 use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
 
-/// Refuses, before any replay runs, a budget of the grid the config would refuse as the budget
-/// of the replayed walks (as `replay --budget` does).
+/// Refuses, before any replay runs, a setting of the grid the config would refuse as the
+/// budget of the replayed walks (as `replay --budget` or `replay --max-step-ms` does), and a
+/// time budget the planner has no latency model to keep.
 ///
 /// # Errors
-/// The first refused budget, and why.
+/// The first refused setting, and why.
 pub fn check_budgets(
     manifest: &Manifest,
     settings: &Settings,
@@ -23,19 +26,63 @@ pub fn check_budgets(
     budgets: &[Budget],
 ) -> Result<(), String> {
     for b in budgets {
-        let refused = match crate::replay::replay_budgets(manifest, settings, setup, false, Some(*b)) {
-            Ok(_) => continue,
-            Err(ReplayError::Budget { reason, .. }) => format!(
-                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
-            ),
-            Err(e) => format!("`--budgets` names {b}: {e}"),
+        let refused = match b.time() {
+            None => match crate::replay::replay_budgets(
+                manifest,
+                settings,
+                setup,
+                false,
+                b.token_value(),
+            ) {
+                Ok(_) => continue,
+                Err(ReplayError::Budget { reason, .. }) => format!(
+                    "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
+                ),
+                Err(e) => format!("`--budgets` names {b}: {e}"),
+            },
+            Some(ms) => match time_refusal(manifest, &with_time(settings, setup, ms), setup) {
+                None => continue,
+                Some(reason) => format!("`--max-step-ms` names {b}: {reason}"),
+            },
         };
         return Err(format!("{refused} (no replay ran)"));
     }
     Ok(())
 }
 
-/// One replay of a sweep's grid: `base` at `rate` under `budget`, in its own actix system,
+/// `settings` with time budget `ms` on the replayed node (`chunking.max_step_ms.<node>`, as
+/// `replay --max-step-ms` sets it), over any of the config's.
+pub fn with_time(settings: &Settings, setup: &ReplaySetup, ms: StepMs) -> Settings {
+    let mut out = settings.clone();
+    out.chunking.max_step_ms.insert(
+        setup.node.clone(),
+        PerNode::All(TimeSetting(TimeBudget::Ms(ms.ms()))),
+    );
+    out
+}
+
+/// Why a replay under `timed` (a time budget set by [`with_time`]) would not keep it: the config
+/// refuses it, or the planner has no latency model for the replayed node and learns none.
+fn time_refusal(manifest: &Manifest, timed: &Settings, setup: &ReplaySetup) -> Option<String> {
+    let budgets = match crate::replay::replay_budgets(manifest, timed, setup, false, None) {
+        Ok(b) => b,
+        Err(e) => return Some(e.to_string()),
+    };
+    if let Some(reason) = crate::replay::budget_refusal(manifest, &budgets) {
+        return Some(format!("the config would refuse it: {reason}"));
+    }
+    let node = setup.node.as_str();
+    if !budgets.time.learn && !budgets.time.cost.contains_key(node) {
+        return Some(format!(
+            "the planner has no latency model for node `{}` to keep it with: give `--cost` (a preset or the coefficients) or `--learn-cost`",
+            escape(node)
+        ));
+    }
+    None
+}
+
+/// One replay of a sweep's grid: `base` at `rate` under `budget` (a token budget over the
+/// config's, or a time budget under the config's token budget), in its own actix system,
 /// stopped at a step by `stop` (a signal): half a replay is no cell, so an interrupted one is
 /// an error the sweep lists as not run.
 pub fn run_cell(
@@ -49,8 +96,17 @@ pub fn run_cell(
 ) -> Result<RunSummary, String> {
     let mut o = base.clone();
     o.rate_scale = rate;
-    o.budget = Some(budget);
+    o.budget = budget.token_value();
     o.stop = Some(StopFlag(stop.clone()));
+    let timed;
+    let settings = match budget.time() {
+        Some(ms) => {
+            let setup = ReplaySetup::resolve(manifest, settings).map_err(|e| e.to_string())?;
+            timed = with_time(settings, &setup, ms);
+            &timed
+        }
+        None => settings,
+    };
     actix::System::new().block_on(async {
         let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
             .map_err(|e| e.to_string())?;
@@ -65,12 +121,13 @@ pub fn run_cell(
     })
 }
 
-/// The settings every replay of a sweep shares, as label and value.
+/// The settings every replay of a sweep of `budgets` shares, as label and value.
 pub fn labels(
     loaded: &LoadedConfig,
     setup: &ReplaySetup,
     opts: &ReplayOptions,
     trace: &Trace,
+    budgets: &[Budget],
 ) -> Vec<(String, String)> {
     let mut v = vec![
         (
@@ -176,7 +233,28 @@ pub fn labels(
             times.join(", ")
         },
     ));
+    label_time_cells(&mut v, setup, budgets);
     v
+}
+
+/// `labels` with the time budgets of `budgets` (the grid's settings) named on the budget axis,
+/// if there are any: each runs the replayed node under the config's token budget.
+fn label_time_cells(labels: &mut [(String, String)], setup: &ReplaySetup, budgets: &[Budget]) {
+    let times: Vec<String> = budgets
+        .iter()
+        .filter(|b| b.is_time())
+        .map(ToString::to_string)
+        .collect();
+    if times.is_empty() {
+        return;
+    }
+    if let Some((_, axis)) = labels.iter_mut().find(|(k, _)| k == "budget axis") {
+        axis.push_str(&format!(
+            "; {}: chunking.max_step_ms of {} (as `replay --max-step-ms`), under the config's token budget",
+            times.join(", "),
+            escape(&setup.node)
+        ));
+    }
 }
 
 /// `off` for a count of 0 (a feature turned off), else `label` of the count.

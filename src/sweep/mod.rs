@@ -18,6 +18,9 @@
 //!   workers that meet the objective at each rate.
 //! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
 //!   comparison.
+//! - [`verdict`]: with time budgets among the settings (`--max-step-ms`), the best token budget
+//!   against the best time budget per trace, and each setting's worst fraction of the best
+//!   across traces (`--traces`).
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicI32;
@@ -43,9 +46,10 @@ pub mod run;
 mod runner;
 mod summary;
 pub(crate) mod tables;
+pub mod verdict;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
-pub use grid::{parse_budgets, parse_rates, Budget, GridError};
+pub use grid::{parse_budgets, parse_max_step_ms, parse_rates, Budget, GridError, StepMs};
 pub use output::{write_outputs, Written};
 pub use runner::run_sweep;
 pub use summary::{nearest_rank, RunSummary, StepTimes, STEP_QUANTILES};

@@ -31,7 +31,7 @@ pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S
     m.end()
 }
 
-fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
+pub(crate) fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in &rows {
         for (w, v) in widths.iter_mut().zip(r) {
@@ -78,6 +78,9 @@ pub fn table(sweep: &Sweep) -> String {
             capacity::TOLERANCE * 100.0
         );
         render(&mut out, capacity_table(sweep));
+        if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
+            out.push_str(&v.table());
+        }
     }
     out
 }
@@ -182,6 +185,12 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
 
     let mut files: Vec<(String, Vec<u8>)> =
         vec![(CSV_FILE.to_owned(), csv), (JSON_FILE.to_owned(), json)];
+    if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
+        files.extend(
+            v.files()
+                .map_err(|e| write_err(&dir.join(super::verdict::SETTINGS_CSV))(std::io::Error::other(e)))?,
+        );
+    }
     for p in drawn {
         files.push((format!("{}.svg", p.name), p.svg.into_bytes()));
         files.push((format!("{}.png", p.name), p.png));
@@ -252,6 +261,7 @@ pub fn output_names() -> Vec<String> {
         JSON_FILE.to_owned(),
         HTML_FILE.to_owned(),
     ];
+    names.extend(super::verdict::FILES.map(str::to_owned));
     for stem in plots::NAMES {
         names.push(format!("{stem}.svg"));
         names.push(format!("{stem}.png"));
