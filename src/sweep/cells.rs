@@ -14,8 +14,7 @@ use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
 
 /// Refuses, before any replay runs, a setting of the grid the config would refuse as the
-/// budget of the replayed walks (as `replay --budget` or `replay --max-step-ms` does), and a
-/// time budget the planner has no latency model to keep.
+/// budget of the replayed walks (as `replay --budget` or `replay --max-step-ms` does).
 ///
 /// # Errors
 /// The first refused setting, and why.
@@ -61,24 +60,14 @@ pub fn with_time(settings: &Settings, setup: &ReplaySetup, ms: StepMs) -> Settin
     out
 }
 
-/// Why a replay under `timed` (a time budget set by [`with_time`]) would not keep it: the config
-/// refuses it, or the planner has no latency model for the replayed node and learns none.
+/// Why the config would refuse `timed` (a time budget set by [`with_time`]) for the replayed
+/// node: a time budget the planner has no latency model for among others.
 fn time_refusal(manifest: &Manifest, timed: &Settings, setup: &ReplaySetup) -> Option<String> {
-    let budgets = match crate::replay::replay_budgets(manifest, timed, setup, false, None) {
-        Ok(b) => b,
-        Err(e) => return Some(e.to_string()),
-    };
-    if let Some(reason) = crate::replay::budget_refusal(manifest, &budgets) {
-        return Some(format!("the config would refuse it: {reason}"));
+    match crate::replay::replay_budgets(manifest, timed, setup, false, None) {
+        Ok(budgets) => crate::replay::budget_refusal(manifest, &budgets)
+            .map(|reason| format!("the config would refuse it: {reason}")),
+        Err(e) => Some(e.to_string()),
     }
-    let node = setup.node.as_str();
-    if !budgets.time.learn && !budgets.time.cost.contains_key(node) {
-        return Some(format!(
-            "the planner has no latency model for node `{}` to keep it with: give `--cost` (a preset or the coefficients) or `--learn-cost`",
-            escape(node)
-        ));
-    }
-    None
 }
 
 /// One replay of a sweep's grid: `base` at `rate` under `budget` (a token budget over the

@@ -53,6 +53,8 @@ impl Pick {
 pub struct TraceVerdict {
     /// The trace, as its run is labelled.
     pub trace: String,
+    /// The objective its capacities are under.
+    pub objective: String,
     /// Every setting's capacity, in the order run.
     pub settings: Vec<Pick>,
     /// The token budget with the most capacity (the first of equals).
@@ -84,7 +86,7 @@ pub struct SettingRow {
 /// The verdict of one or more traces' sweeps.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Verdict {
-    /// The objective the capacities are under.
+    /// The objective the capacities are under: one, or `per trace` when the traces' differ.
     pub objective: String,
     /// Per trace.
     pub traces: Vec<TraceVerdict>,
@@ -103,7 +105,7 @@ impl Verdict {
     /// both a token and a time budget among their settings; else `None`.
     pub fn of(traces: &[(String, Vec<Run<'_>>)]) -> Option<Self> {
         let sweeps = || traces.iter().flat_map(|(_, runs)| runs.iter().map(|r| r.1));
-        let objective = sweeps().find_map(|s| s.slo.as_ref())?;
+        sweeps().find_map(|s| s.slo.as_ref())?;
         let budgets = || sweeps().flat_map(|s| s.budgets.iter());
         if !budgets().any(|b| b.is_time()) || budgets().all(|b| b.is_time()) {
             return None;
@@ -150,8 +152,14 @@ impl Verdict {
             .first()
             .filter(|r| r.worst.is_some())
             .map(|r| r.setting.clone());
+        let objective = match traces.first() {
+            Some(first) if traces.iter().all(|t| t.objective == first.objective) => {
+                first.objective.clone()
+            }
+            _ => "per trace".to_owned(),
+        };
         Some(Self {
-            objective: super::capacity::slo_text(objective),
+            objective,
             traces,
             settings,
             deploy,
@@ -174,26 +182,29 @@ impl Verdict {
             p.as_ref()
                 .map_or_else(|| "-".to_owned(), |p| format!("{} ({})", p.setting, p.label()))
         };
+        let per_trace = self.objective == "per trace";
         let rows = self
             .traces
             .iter()
             .map(|t| {
-                vec![
+                let mut row = vec![
                     t.trace.clone(),
                     pick(&t.best_tokens),
                     pick(&t.best_time),
                     t.time_over_tokens
                         .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", round3(r))),
-                ]
+                ];
+                if per_trace {
+                    row.push(t.objective.clone());
+                }
+                row
             })
             .collect();
-        super::output::render(
-            &mut out,
-            (
-                vec!["trace", "best token budget", "best time budget", "time ÷ tokens"],
-                rows,
-            ),
-        );
+        let mut header = vec!["trace", "best token budget", "best time budget", "time ÷ tokens"];
+        if per_trace {
+            header.push("objective");
+        }
+        super::output::render(&mut out, (header, rows));
         let mut header = vec!["setting".to_owned()];
         header.extend(self.traces.iter().map(|t| t.trace.clone()));
         header.push("worst".to_owned());
@@ -225,6 +236,7 @@ impl Verdict {
     pub fn traces_csv(&self) -> Result<Vec<u8>, csv::Error> {
         let header = [
             "trace",
+            "objective",
             "best_token_budget",
             "best_token_capacity",
             "best_time_budget",
@@ -237,6 +249,7 @@ impl Verdict {
             let cap = |p: &Option<Pick>| opt(p.as_ref().map(|p| p.capacity));
             vec![
                 t.trace.clone(),
+                t.objective.clone(),
                 name(&t.best_tokens),
                 cap(&t.best_tokens),
                 name(&t.best_time),
@@ -302,6 +315,10 @@ impl Verdict {
 impl TraceVerdict {
     /// The verdict on one trace from its runs.
     fn of(label: &str, runs: &[Run<'_>]) -> Self {
+        let objective = runs
+            .iter()
+            .find_map(|(_, s)| s.slo.as_ref())
+            .map_or_else(|| "none".to_owned(), super::capacity::slo_text);
         let mut settings = Vec::new();
         for (value, sweep) in runs {
             for c in &sweep.capacity {
@@ -330,6 +347,7 @@ impl TraceVerdict {
         };
         Self {
             trace: label.to_owned(),
+            objective,
             settings,
             best_tokens,
             best_time,

@@ -101,12 +101,14 @@ fn across_traces_each_setting_has_its_worst_fraction_of_the_best() {
     assert_eq!(v.settings[0].setting, "95 ms");
     assert_eq!(v.deploy.as_deref(), Some("95 ms"));
     assert_eq!(row("512").of_best.len(), 3);
+    assert_eq!(v.objective, "TBT p99 <= 60 ms");
+    assert!(!v.table().contains("objective\n"));
     // The files: one row per trace, one per setting, and the whole as JSON.
     let files = v.files().unwrap();
     let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, FILES);
     let traces = String::from_utf8(files[0].1.clone()).unwrap();
-    assert!(traces.starts_with("trace,best_token_budget,best_token_capacity,best_time_budget,best_time_capacity,time_over_tokens\na,512,"), "{traces}");
+    assert!(traces.starts_with("trace,objective,best_token_budget,best_token_capacity,best_time_budget,best_time_capacity,time_over_tokens\na,TBT p99 <= 60 ms,512,"), "{traces}");
     let settings = String::from_utf8(files[1].1.clone()).unwrap();
     assert!(settings.starts_with("setting,kind,a,b,c,worst\n95 ms,time,1,1,1,1\n"), "{settings}");
     let json: serde_json::Value = serde_json::from_slice(&files[2].1).unwrap();
@@ -168,4 +170,17 @@ fn the_trace_label_is_the_files_name() {
     assert_eq!(trace_label(&s), "bundled");
     s.settings.clear();
     assert_eq!(trace_label(&s), "trace");
+}
+
+#[test]
+fn traces_under_different_objectives_say_each_ones() {
+    let a = sweep("a.csv", "256", "95", caps("a"));
+    let mut c = sweep("c.jsonl", "256", "95", caps("c"));
+    c.slo = Some(Slo::new(Some(60.0), Some(30000.0)).unwrap());
+    let v = Verdict::of(&[("a".to_owned(), vec![(None, &a)]), ("c".to_owned(), vec![(None, &c)])]).unwrap();
+    assert_eq!(v.objective, "per trace");
+    assert_eq!(v.traces[1].objective, "TBT p99 <= 60 ms and TTFT p90 <= 30000 ms");
+    let text = v.table();
+    assert!(text.contains("verdict under the objective (per trace)"), "{text}");
+    assert!(text.contains("TTFT p90 <= 30000 ms\n"), "{text}");
 }
