@@ -2,13 +2,24 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
+.PHONY: help run capacity test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 run: ## Replay the bundled trace with the default config and the demo model
 	$(CARGO) run --release --bin mstar-chunking -- replay
+
+# The bundled traces, and the objective per trace: TBT p99 <= 100 ms, TTFT p90 <= 2 s (30 s on
+# Mooncake, whose prompts reach 191k tokens), all priced with the Llama-2-7B/A100 preset.
+CAPACITY_TRACES := data/traces/AzureLLMInferenceTrace_conv.csv,data/traces/AzureLLMInferenceTrace_code.csv,data/traces/mooncake_fast25_synthetic_trace.head2000.jsonl
+CAPACITY_OUT ?= target/capacity
+capacity: ## Which setting gives the most capacity under a latency objective: token budgets 256/512/1024 against a 95 ms time budget on the three bundled traces (Llama-2-7B/A100 preset; about a minute)
+	$(CARGO) run --release --bin mstar-chunking -- sweep --no-progress --out $(CAPACITY_OUT) \
+		--config config/examples/llama2-7b-a100.toml --cost llama2-7b-a100 --sim-cost llama2-7b-a100 \
+		--traces $(CAPACITY_TRACES) --budgets 256,512,1024 --max-step-ms 95 --rates 0.25,0.5,1 \
+		--slo-tbt-p99 100 --slo-ttft-p90 2000 --trace-slo-ttft-p90 2000,2000,30000
+	python3 scripts/capacity_table.py $(CAPACITY_OUT)
 
 lint: ## rustfmt check, clippy with warnings as errors (every feature, the core alone, the engine, the Python package), docs complete
 	$(CARGO) fmt --all --check
