@@ -690,6 +690,6 @@ fn a_link_too_slow_for_the_clock_is_refused_naming_the_flag_or_the_key_and_file(
         r.stderr
     );
     assert!(r.stderr.contains("request rid 1"), "{}", r.stderr);
-    assert!(r.stderr.contains("9.6e12 simulated ms"), "{}", r.stderr);
+    assert!(r.stderr.contains("9.600e12 simulated ms"), "{}", r.stderr);
     assert!(r.stdout.is_empty(), "{}", r.stdout);
 }
