@@ -165,7 +165,7 @@ const MIN_PIVOT: f64 = 1e-11;
 
 /// Where columns are collinear, subsets whose objectives differ by less than this times
 /// `Σ w·y²` fit the steps equally well (the difference is rounding): see `Normal::solve`.
-const TIE: f64 = 1e-9;
+const TIE: f64 = 1e-10;
 
 /// The index of the rows column (`R`) among the regressors.
 const ROWS: usize = 4;
