@@ -88,8 +88,7 @@ pub(super) fn check(
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<PdSetup> {
     let mut ok = true;
-    if !(f.kv_link_gbps.is_finite() && (MIN_LINK_GBPS..=MAX_LINK_GBPS).contains(&f.kv_link_gbps))
-    {
+    if !(f.kv_link_gbps.is_finite() && (MIN_LINK_GBPS..=MAX_LINK_GBPS).contains(&f.kv_link_gbps)) {
         refuse(
             "replay.fleet.kv_link_gbps",
             Some(super::settings::float(f.kv_link_gbps)),

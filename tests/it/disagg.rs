@@ -639,7 +639,9 @@ fn a_link_too_slow_for_the_clock_is_refused_naming_the_flag_or_the_key_and_file(
         let layer = dir.path().join("slow.toml");
         std::fs::write(
             &layer,
-            format!("[replay.fleet]\nprefill_workers = 1\ndecode_workers = 1\nkv_link_gbps = {gbps}\n"),
+            format!(
+                "[replay.fleet]\nprefill_workers = 1\ndecode_workers = 1\nkv_link_gbps = {gbps}\n"
+            ),
         )
         .unwrap();
         for cmd in ["replay", "check"] {
@@ -685,7 +687,8 @@ fn a_link_too_slow_for_the_clock_is_refused_naming_the_flag_or_the_key_and_file(
     let r = run(&args, &[]);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(
-        r.stderr.contains("`replay.fleet.kv_link_gbps` = 0.001 Gbit/s"),
+        r.stderr
+            .contains("`replay.fleet.kv_link_gbps` = 0.001 Gbit/s"),
         "{}",
         r.stderr
     );

@@ -405,7 +405,14 @@ fn a_signal_before_the_report_is_out_always_gives_the_signals_exit_status() {
     }
     // Without a signal the same run exits 0.
     let r = run_bounded(
-        &["replay", "--requests", "5", "--metrics-listen", "off", "--no-progress"],
+        &[
+            "replay",
+            "--requests",
+            "5",
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+        ],
         &[("MSTAR_TEST_SIGNAL_AT", "nowhere:INT")],
     );
     assert_eq!(r.code, 0, "{r:?}");

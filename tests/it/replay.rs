@@ -530,7 +530,10 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
         text.contains("cost model               8 ms + 0.02 ms per token (a demo cost, not measured on any GPU: `--sim-cost llama2-7b-a100`"),
         "{text}"
     );
-    assert!(text.contains("`mstar-chunking fit` for your engine's)"), "{text}");
+    assert!(
+        text.contains("`mstar-chunking fit` for your engine's)"),
+        "{text}"
+    );
     assert!(r.chunks.prompts_cut > 0, "no prompt was cut\n{r}");
     assert!(
         r.cut_step_utilisation.unwrap() > 0.9,
@@ -547,13 +550,21 @@ fn only_the_demo_cost_is_marked_as_one_in_the_summary() {
     let r = crate::helpers::run(&["replay", "--requests", "3", "--no-progress"], &[]);
     assert_eq!(r.code, 0, "{r:?}");
     assert!(
-        r.stdout.contains("8 ms + 0.02 ms per token (a demo cost, not measured on any GPU"),
+        r.stdout
+            .contains("8 ms + 0.02 ms per token (a demo cost, not measured on any GPU"),
         "{}",
         r.stdout
     );
     for cost in ["llama2-7b-a100", "8,0.03,0,0"] {
         let r = crate::helpers::run(
-            &["replay", "--requests", "3", "--no-progress", "--sim-cost", cost],
+            &[
+                "replay",
+                "--requests",
+                "3",
+                "--no-progress",
+                "--sim-cost",
+                cost,
+            ],
             &[],
         );
         assert_eq!(r.code, 0, "{r:?}");

@@ -494,7 +494,8 @@ fn fit_for_a_replay_on_identical_steps_gives_one_table_the_replay_takes_whatever
     let mut tables = Vec::new();
     for n in [300, 400] {
         let csv = dir.path().join(format!("same-{n}.csv"));
-        let text = String::from("tokens,kv_tokens,attention_pairs,ms\n") + &"16,0,136,2.0\n".repeat(n);
+        let text =
+            String::from("tokens,kv_tokens,attention_pairs,ms\n") + &"16,0,136,2.0\n".repeat(n);
         std::fs::write(&csv, text).unwrap();
         let r = run(&["fit", csv.to_str().unwrap(), "--for", "replay"], &[]);
         ok(&r);
@@ -503,7 +504,10 @@ fn fit_for_a_replay_on_identical_steps_gives_one_table_the_replay_takes_whatever
         let table = &r.stdout[r.stdout.find("[replay.cost]").expect("the table")..];
         assert!(table.contains("base_ms = 2.0\n"), "{n}: {table}");
         assert!(table.contains("per_token_ms = 0.0\n"), "{n}: {table}");
-        assert!(table.contains("per_attention_pair_ms = 0.0\n"), "{n}: {table}");
+        assert!(
+            table.contains("per_attention_pair_ms = 0.0\n"),
+            "{n}: {table}"
+        );
         let layer = dir.path().join(format!("cost-{n}.toml"));
         std::fs::write(&layer, table).unwrap();
         let r = run(

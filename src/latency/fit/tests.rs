@@ -250,7 +250,10 @@ fn identical_steps_give_the_same_base_however_many_there_are() {
                 let r = fit_samples_with(&s, errors).unwrap();
                 let c = r.model.terms();
                 assert_eq!(c[1..], [0.0; 4], "{n} steps of {ms} ms, {errors:?}");
-                assert!((c[0] - ms).abs() <= 1e-9 * ms, "{n} steps of {ms} ms: {c:?}");
+                assert!(
+                    (c[0] - ms).abs() <= 1e-9 * ms,
+                    "{n} steps of {ms} ms: {c:?}"
+                );
                 assert!(r.underdetermined(), "{r:?}");
             }
         }
