@@ -459,7 +459,7 @@ impl CostLabel {
 }
 
 /// What the summary says beside the demo cost.
-pub const DEMO_COST_NOTE: &str = "a demo cost, not measured on any GPU: `--sim-cost llama2-7b-a100` or `llama2-7b-h100` for a preset (docs/cost-model.md#presets), `mstar-chunking fit` for your engine's";
+pub const DEMO_COST_NOTE: &str = "a demo cost, not measured on any GPU: `--sim-cost llama2-7b-a100` or `llama2-7b-h100` for a preset, `mstar-chunking fit` for your engine's; docs/cost-model.md";
 
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and

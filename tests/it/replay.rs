@@ -531,7 +531,7 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
         "{text}"
     );
     assert!(
-        text.contains("`mstar-chunking fit` for your engine's)"),
+        text.contains("`mstar-chunking fit` for your engine's; docs/cost-model.md)"),
         "{text}"
     );
     assert!(r.chunks.prompts_cut > 0, "no prompt was cut\n{r}");
