@@ -75,12 +75,6 @@ impl Drop for SignalCatch {
     }
 }
 
-impl std::fmt::Debug for SignalCatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SignalCatch")
-    }
-}
-
 /// A test door (`test-hooks` feature): when `MSTAR_TEST_SIGNAL_AT` is `POINT:INT` or
 /// `POINT:TERM` and `point` is `POINT`, sends that signal to this process and waits (at most
 /// 10 s) until `flag` holds a signal, so a test can land one exactly at `point`.
