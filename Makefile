@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real vllm-tokenizer test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
+.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -117,6 +117,7 @@ VLLM_RESULTS := $(if $(PUBLISH),python/results,target/vllm-results)
 # (export-tokenizer, offline; the same in any build): by the engine binary already built, the
 # release one first (make serve, make vllm-bench), else the debug one (make test-engine); the
 # debug engine is built only when there is neither.
+.PHONY: vllm-tokenizer
 vllm-tokenizer: model ## Export SmolLM2's tokenizer for vLLM (target/smollm2-tokenizer) with an engine already built, else a debug build
 	engine="$(BIN_DIR)/release/mstar-engine"; \
 	[ -x "$$engine" ] || engine="$(BIN_DIR)/debug/mstar-engine"; \
