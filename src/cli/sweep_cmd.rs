@@ -129,7 +129,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     let _signals = sweep_signals(stop.clone());
     let wall = std::time::Instant::now();
     let several = args.traces.is_some();
-    let mut done: Vec<(String, Vec<(Option<String>, sweep::Sweep)>)> = Vec::new();
+    let mut done: Vec<(String, Vec<AxisSweep>)> = Vec::new();
     let mut code = ExitCode::SUCCESS;
     for (t, (base, trace)) in traces.iter().zip(&read) {
         let opts = SweepOptions {
@@ -174,13 +174,19 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     if several || axis.is_some() {
         let named: Vec<(String, Vec<crate::sweep::verdict::Run<'_>>)> = done
             .iter()
-            .map(|(label, runs)| (label.clone(), runs.iter().map(|(v, s)| (v.clone(), s)).collect()))
+            .map(|(label, runs)| {
+                (
+                    label.clone(),
+                    runs.iter().map(|(v, s)| (v.clone(), s)).collect(),
+                )
+            })
             .collect();
         if let Some(v) = crate::sweep::verdict::Verdict::of(&named) {
             let _ = print_stdout(&v.table());
-            let written = v.files().map_err(|e| e.to_string()).and_then(|files| {
-                write_files(&args.out, &files).map_err(|e| e.to_string())
-            });
+            let written = v
+                .files()
+                .map_err(|e| e.to_string())
+                .and_then(|files| write_files(&args.out, &files).map_err(|e| e.to_string()));
             match written {
                 Ok(paths) => say(&format!(
                     "wrote the verdict to {} in {:.1} s: {}",
@@ -222,7 +228,8 @@ fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<Tr
     let ttft: Vec<Option<f64>> = match &args.trace_slo_ttft_p90 {
         None => vec![None; paths.len()],
         Some(l) => {
-            let items = crate::sweep::grid::split("--trace-slo-ttft-p90", l).map_err(|e| e.to_string())?;
+            let items =
+                crate::sweep::grid::split("--trace-slo-ttft-p90", l).map_err(|e| e.to_string())?;
             if items.len() != paths.len() {
                 return Err(format!(
                     "`--trace-slo-ttft-p90` takes one bound per trace of `--traces` ({}), got {}",
@@ -243,10 +250,14 @@ fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<Tr
     let mut out: Vec<TraceRun> = Vec::with_capacity(paths.len());
     for (path, ttft) in paths.iter().zip(ttft) {
         let path = PathBuf::from(path);
-        let label = path
-            .file_name()
-            .map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into_owned());
-        if out.iter().any(|t| t.path.as_deref() == Some(path.as_path())) {
+        let label = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |f| f.to_string_lossy().into_owned(),
+        );
+        if out
+            .iter()
+            .any(|t| t.path.as_deref() == Some(path.as_path()))
+        {
             return Err(format!(
                 "`--traces` names `{}` twice",
                 config::problem::escape(&path.display().to_string())
@@ -259,7 +270,13 @@ fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<Tr
             .next()
             .unwrap_or("trace")
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
         let mut dir = format!("trace-{stem}");
         if out.iter().any(|t| t.dir.as_deref() == Some(dir.as_str())) {
@@ -282,16 +299,23 @@ fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<Tr
     Ok(out)
 }
 
+/// A finished sweep, with the axis value it ran under (`None` without an axis).
+type AxisSweep = (Option<String>, crate::sweep::Sweep);
+
 /// What a run of the grid (plain, or along an axis) ended with: its exit code, and each
 /// sweep that finished, with the axis value it ran under.
 struct Ran {
     code: ExitCode,
-    runs: Vec<(Option<String>, crate::sweep::Sweep)>,
+    runs: Vec<AxisSweep>,
 }
 
 /// The grid without an axis, written into `cx.out` (removed again when `remove_if_empty` and
 /// nothing was written).
-fn grid_run(cx: &AxisContext<'_>, stop: &std::sync::Arc<std::sync::atomic::AtomicI32>, remove_if_empty: bool) -> Ran {
+fn grid_run(
+    cx: &AxisContext<'_>,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicI32>,
+    remove_if_empty: bool,
+) -> Ran {
     use crate::sweep;
     let failed = |code: ExitCode| Ran {
         code,

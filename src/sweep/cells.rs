@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::{Budget, RunSummary, StepMs};
 use crate::budget::TimeBudget;
-use crate::config::spelling::{PerNode, TimeSetting};
 use crate::config::problem::{escape, escape_join};
+use crate::config::spelling::{PerNode, TimeSetting};
 use crate::config::{LoadedConfig, Settings};
 use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};

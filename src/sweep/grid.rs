@@ -146,7 +146,10 @@ fn parse_step_ms(s: &str) -> Option<Budget> {
     if t.is_empty() || t.len() > 24 || !t.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         return None;
     }
-    t.parse::<f64>().ok().and_then(StepMs::new).map(Budget::Time)
+    t.parse::<f64>()
+        .ok()
+        .and_then(StepMs::new)
+        .map(Budget::Time)
 }
 
 /// Serialised as its number of tokens, the string `"off"`, or the string `"95 ms"`.

@@ -186,10 +186,9 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
     let mut files: Vec<(String, Vec<u8>)> =
         vec![(CSV_FILE.to_owned(), csv), (JSON_FILE.to_owned(), json)];
     if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
-        files.extend(
-            v.files()
-                .map_err(|e| write_err(&dir.join(super::verdict::SETTINGS_CSV))(std::io::Error::other(e)))?,
-        );
+        files.extend(v.files().map_err(|e| {
+            write_err(&dir.join(super::verdict::SETTINGS_CSV))(std::io::Error::other(e))
+        })?);
     }
     for p in drawn {
         files.push((format!("{}.svg", p.name), p.svg.into_bytes()));

@@ -40,10 +40,12 @@ pub struct Pick {
 impl Pick {
     /// `0.746x`, `>= 1024x` or `none`.
     fn label(&self) -> String {
-        match (self.at_least, self.capacity) {
-            (_, c) if c == 0.0 => "none".into(),
-            (true, c) => format!(">= {}x", fmt_rate(c)),
-            (false, c) => format!("{}x", fmt_rate(c)),
+        if self.capacity == 0.0 {
+            "none".into()
+        } else if self.at_least {
+            format!(">= {}x", fmt_rate(self.capacity))
+        } else {
+            format!("{}x", fmt_rate(self.capacity))
         }
     }
 }
@@ -179,8 +181,10 @@ impl Verdict {
             self.objective
         );
         let pick = |p: &Option<Pick>| {
-            p.as_ref()
-                .map_or_else(|| "-".to_owned(), |p| format!("{} ({})", p.setting, p.label()))
+            p.as_ref().map_or_else(
+                || "-".to_owned(),
+                |p| format!("{} ({})", p.setting, p.label()),
+            )
         };
         let per_trace = self.objective == "per trace";
         let rows = self
@@ -200,7 +204,12 @@ impl Verdict {
                 row
             })
             .collect();
-        let mut header = vec!["trace", "best token budget", "best time budget", "time ÷ tokens"];
+        let mut header = vec![
+            "trace",
+            "best token budget",
+            "best time budget",
+            "time ÷ tokens",
+        ];
         if per_trace {
             header.push("objective");
         }
@@ -208,7 +217,8 @@ impl Verdict {
         let mut header = vec!["setting".to_owned()];
         header.extend(self.traces.iter().map(|t| t.trace.clone()));
         header.push("worst".to_owned());
-        let frac = |r: &Option<f64>| r.map_or_else(|| "-".to_owned(), |r| format!("{:.2}", round3(r)));
+        let frac =
+            |r: &Option<f64>| r.map_or_else(|| "-".to_owned(), |r| format!("{:.2}", round3(r)));
         let rows = self
             .settings
             .iter()
@@ -219,8 +229,13 @@ impl Verdict {
                 row
             })
             .collect();
-        out.push_str("each setting's capacity ÷ the best setting's on that trace, and its worst:\n");
-        super::output::render(&mut out, (header.iter().map(String::as_str).collect(), rows));
+        out.push_str(
+            "each setting's capacity ÷ the best setting's on that trace, and its worst:\n",
+        );
+        super::output::render(
+            &mut out,
+            (header.iter().map(String::as_str).collect(), rows),
+        );
         if let Some(d) = &self.deploy {
             out.push_str(&format!(
                 "the setting whose worst is highest: {d} (to deploy when the workload is not known in advance)\n"
@@ -245,7 +260,8 @@ impl Verdict {
         ];
         let opt = |v: Option<f64>| v.map_or_else(String::new, |v| round3(v).to_string());
         let rows = self.traces.iter().map(|t| {
-            let name = |p: &Option<Pick>| p.as_ref().map_or_else(String::new, |p| p.setting.clone());
+            let name =
+                |p: &Option<Pick>| p.as_ref().map_or_else(String::new, |p| p.setting.clone());
             let cap = |p: &Option<Pick>| opt(p.as_ref().map(|p| p.capacity));
             vec![
                 t.trace.clone(),
@@ -357,10 +373,12 @@ impl TraceVerdict {
 
     /// The setting with the most capacity on the trace (the first of equals).
     fn best(&self) -> Option<&Pick> {
-        self.settings.iter().fold(None, |b: Option<&Pick>, p| match b {
-            Some(b) if b.capacity >= p.capacity => Some(b),
-            _ => Some(p),
-        })
+        self.settings
+            .iter()
+            .fold(None, |b: Option<&Pick>, p| match b {
+                Some(b) if b.capacity >= p.capacity => Some(b),
+                _ => Some(p),
+            })
     }
 }
 

@@ -119,19 +119,31 @@ fn the_verdict_matches_replays_run_one_by_one() {
                 .unwrap_or_else(|| panic!("no capacity of {name} in {s}"));
             assert_eq!(c["rate_scale"].as_f64(), Some(cap));
             let miss = c["misses_at"].as_f64().unwrap();
-            assert!(cap < miss && miss <= cap * 1.02 + 1e-9, "{name}: {cap} .. {miss}");
+            assert!(
+                cap < miss && miss <= cap * 1.02 + 1e-9,
+                "{name}: {cap} .. {miss}"
+            );
             let flag: Vec<&str> = match name.strip_suffix(" ms") {
                 Some(ms) => vec!["--max-step-ms", ms],
                 None => vec!["--budget", name],
             };
             let at = replay(dir.path(), i, &flag, cap);
-            assert!(meets(&at, i), "{stem} {name}: capacity {cap} misses alone: {at}");
+            assert!(
+                meets(&at, i),
+                "{stem} {name}: capacity {cap} misses alone: {at}"
+            );
             let above = replay(dir.path(), i, &flag, miss);
-            assert!(!meets(&above, i), "{stem} {name}: {miss} meets alone: {above}");
+            assert!(
+                !meets(&above, i),
+                "{stem} {name}: {miss} meets alone: {above}"
+            );
         }
         let ratio = t["best_time"]["capacity"].as_f64().unwrap()
             / t["best_tokens"]["capacity"].as_f64().unwrap();
-        assert!((t["time_over_tokens"].as_f64().unwrap() - ratio).abs() < 0.001, "{t}");
+        assert!(
+            (t["time_over_tokens"].as_f64().unwrap() - ratio).abs() < 0.001,
+            "{t}"
+        );
     }
     // Across traces: each setting's fraction of its trace's best, and the worst of them.
     for row in v["settings"].as_array().unwrap() {
@@ -161,8 +173,13 @@ fn the_verdict_matches_replays_run_one_by_one() {
     let first = &v["settings"][0];
     assert_eq!(v["deploy"], first["setting"]);
     // The table says the same, and the report of each trace has the verdict.
-    assert!(r.stdout.contains("the setting whose worst is highest: "), "{}", r.stdout);
-    let html = std::fs::read_to_string(out.join("trace-AzureLLMInferenceTrace_code/report.html")).unwrap();
+    assert!(
+        r.stdout.contains("the setting whose worst is highest: "),
+        "{}",
+        r.stdout
+    );
+    let html =
+        std::fs::read_to_string(out.join("trace-AzureLLMInferenceTrace_code/report.html")).unwrap();
     assert!(html.contains("<h2>Verdict</h2>"));
     let csv = std::fs::read_to_string(out.join("verdict-settings.csv")).unwrap();
     assert!(csv.starts_with("setting,kind,AzureLLMInferenceTrace_code.csv,mooncake_fast25_synthetic_trace.head2000.jsonl,worst\n"), "{csv}");

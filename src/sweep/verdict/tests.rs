@@ -1,9 +1,14 @@
 use super::*;
-use crate::sweep::{parse_budgets, parse_max_step_ms, parse_rates, run_sweep, RunSummary, Slo, StepTimes, SweepOptions};
+use crate::sweep::{
+    parse_budgets, parse_max_step_ms, parse_rates, run_sweep, RunSummary, Slo, StepTimes,
+    SweepOptions,
+};
 
 /// A replay whose TBT p99 crosses the objective (60 ms) at the rate scale `cap` gives the
 /// budget, so that each budget's capacity is known in advance.
-fn replay(cap: impl Fn(Budget) -> f64 + Sync) -> impl Fn(Budget, f64) -> Result<RunSummary, String> + Sync {
+fn replay(
+    cap: impl Fn(Budget) -> f64 + Sync,
+) -> impl Fn(Budget, f64) -> Result<RunSummary, String> + Sync {
     move |b, rate| {
         let tbt = 60.0 * rate / cap(b);
         let mut steps = vec![8.0; 10];
@@ -68,14 +73,23 @@ fn one_trace_names_its_best_token_and_time_budgets_and_their_ratio() {
     assert_eq!(v.traces.len(), 1);
     let t = &v.traces[0];
     assert_eq!(t.trace, "a.csv");
-    let (k, m) = (t.best_tokens.as_ref().unwrap(), t.best_time.as_ref().unwrap());
+    let (k, m) = (
+        t.best_tokens.as_ref().unwrap(),
+        t.best_time.as_ref().unwrap(),
+    );
     assert_eq!((k.setting.as_str(), k.time), ("512", false));
     assert_eq!((m.setting.as_str(), m.time), ("95 ms", true));
     // The sweep's own search, to its tolerance.
-    assert!(near(k.capacity, 0.7) && near(m.capacity, 0.75), "{k:?} {m:?}");
+    assert!(
+        near(k.capacity, 0.7) && near(m.capacity, 0.75),
+        "{k:?} {m:?}"
+    );
     assert!(near(t.time_over_tokens.unwrap(), 0.75 / 0.7));
     let text = v.table();
-    assert!(text.contains("verdict under the objective (TBT p99 <= 60 ms)"), "{text}");
+    assert!(
+        text.contains("verdict under the objective (TBT p99 <= 60 ms)"),
+        "{text}"
+    );
     assert!(text.contains("95 ms (0.7"), "{text}");
     assert_eq!(v.deploy.as_deref(), Some("95 ms"));
 }
@@ -95,8 +109,16 @@ fn across_traces_each_setting_has_its_worst_fraction_of_the_best() {
     let v = Verdict::of(&runs).unwrap();
     let row = |name: &str| v.settings.iter().find(|r| r.setting == name).unwrap();
     // 512 is best on b, half the best on c; 256 is 0.75 of b's best.
-    assert!(near(row("512").worst.unwrap(), 0.05 / 0.12), "{:?}", row("512"));
-    assert!(near(row("256").worst.unwrap(), 0.15 / 0.2), "{:?}", row("256"));
+    assert!(
+        near(row("512").worst.unwrap(), 0.05 / 0.12),
+        "{:?}",
+        row("512")
+    );
+    assert!(
+        near(row("256").worst.unwrap(), 0.15 / 0.2),
+        "{:?}",
+        row("256")
+    );
     assert!(near(row("95 ms").worst.unwrap(), 1.0), "{:?}", row("95 ms"));
     assert_eq!(v.settings[0].setting, "95 ms");
     assert_eq!(v.deploy.as_deref(), Some("95 ms"));
@@ -110,7 +132,10 @@ fn across_traces_each_setting_has_its_worst_fraction_of_the_best() {
     let traces = String::from_utf8(files[0].1.clone()).unwrap();
     assert!(traces.starts_with("trace,objective,best_token_budget,best_token_capacity,best_time_budget,best_time_capacity,time_over_tokens\na,TBT p99 <= 60 ms,512,"), "{traces}");
     let settings = String::from_utf8(files[1].1.clone()).unwrap();
-    assert!(settings.starts_with("setting,kind,a,b,c,worst\n95 ms,time,1,1,1,1\n"), "{settings}");
+    assert!(
+        settings.starts_with("setting,kind,a,b,c,worst\n95 ms,time,1,1,1,1\n"),
+        "{settings}"
+    );
     let json: serde_json::Value = serde_json::from_slice(&files[2].1).unwrap();
     assert_eq!(json["deploy"], "95 ms");
     assert_eq!(json["traces"][2]["best_tokens"]["setting"], "256");
@@ -119,14 +144,25 @@ fn across_traces_each_setting_has_its_worst_fraction_of_the_best() {
 #[test]
 fn an_axis_value_names_the_setting_and_competes_for_the_best() {
     let fcfs = sweep("a.csv", "512", "95", caps("a"));
-    let short = sweep("a.csv", "512", "95", |b| if b.is_time() { 0.9 } else { 0.7 });
+    let short = sweep(
+        "a.csv",
+        "512",
+        "95",
+        |b| if b.is_time() { 0.9 } else { 0.7 },
+    );
     let runs = vec![(
         "a".to_owned(),
-        vec![(Some("fcfs".to_owned()), &fcfs), (Some("shortest_first".to_owned()), &short)],
+        vec![
+            (Some("fcfs".to_owned()), &fcfs),
+            (Some("shortest_first".to_owned()), &short),
+        ],
     )];
     let v = Verdict::of(&runs).unwrap();
     let t = &v.traces[0];
-    assert_eq!(t.best_time.as_ref().unwrap().setting, "shortest_first 95 ms");
+    assert_eq!(
+        t.best_time.as_ref().unwrap().setting,
+        "shortest_first 95 ms"
+    );
     // Equal capacities: the first run wins.
     assert_eq!(t.best_tokens.as_ref().unwrap().setting, "fcfs 512");
     assert_eq!(v.deploy.as_deref(), Some("shortest_first 95 ms"));
@@ -177,10 +213,20 @@ fn traces_under_different_objectives_say_each_ones() {
     let a = sweep("a.csv", "256", "95", caps("a"));
     let mut c = sweep("c.jsonl", "256", "95", caps("c"));
     c.slo = Some(Slo::new(Some(60.0), Some(30000.0)).unwrap());
-    let v = Verdict::of(&[("a".to_owned(), vec![(None, &a)]), ("c".to_owned(), vec![(None, &c)])]).unwrap();
+    let v = Verdict::of(&[
+        ("a".to_owned(), vec![(None, &a)]),
+        ("c".to_owned(), vec![(None, &c)]),
+    ])
+    .unwrap();
     assert_eq!(v.objective, "per trace");
-    assert_eq!(v.traces[1].objective, "TBT p99 <= 60 ms and TTFT p90 <= 30000 ms");
+    assert_eq!(
+        v.traces[1].objective,
+        "TBT p99 <= 60 ms and TTFT p90 <= 30000 ms"
+    );
     let text = v.table();
-    assert!(text.contains("verdict under the objective (per trace)"), "{text}");
+    assert!(
+        text.contains("verdict under the objective (per trace)"),
+        "{text}"
+    );
     assert!(text.contains("TTFT p90 <= 30000 ms\n"), "{text}");
 }
