@@ -82,7 +82,8 @@ struct ServeArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The model name the API serves (default: the model's own, `SmolLM2-135M-Instruct`, a
-    /// GGUF file's name without `.gguf`, or `tiny` / `small`).
+    /// GGUF file's name without `.gguf`, or `tiny` / `small`); an empty name is the default,
+    /// as vLLM takes it.
     #[arg(long, alias = "served-name")]
     served_model_name: Option<String>,
     #[command(flatten)]
@@ -292,7 +293,11 @@ fn serve(a: ServeArgs) -> Result<(), String> {
     }
     let device = device(&a.device)?;
     let (model, shown, own_name) = load_model(&a, &device)?;
-    let served = a.served_model_name.clone().unwrap_or(own_name);
+    let served = a
+        .served_model_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(own_name);
     let config = model.config;
     let s = settings(&a.engine, &served)?;
     let (handle, thread) = engine::start(model, s)?;

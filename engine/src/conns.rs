@@ -1,0 +1,294 @@
+//! The connections the server holds, and which to shed when they reach the cap.
+//!
+//! Every accepted connection is wrapped in a [`Tracked`] stream and registered in
+//! [`Connections`]. A connection is *waiting on its client* while no request on it is past its
+//! body: it waits for a request's headers (new, or idle between requests) or for the rest of a
+//! body. When an accepted connection fills the last of the cap's slots, the one that has waited
+//! on its client longest is shed, so that a client in the kernel's listen queue is accepted at
+//! once instead of after the header or body deadlines of those ahead of it: a request still
+//! sending its body is answered 503 and its connection closed; an idle connection is closed.
+//! A connection whose request is being answered is never shed.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use futures_util::task::AtomicWaker;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+
+/// The open connections, against a cap.
+#[derive(Debug)]
+pub struct Connections {
+    cap: usize,
+    epoch: Instant,
+    next_id: AtomicU64,
+    open: Mutex<HashMap<u64, Arc<Conn>>>,
+}
+
+/// One open connection's state (in its connection data, for the handlers).
+#[derive(Debug)]
+pub struct Conn {
+    id: u64,
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to when it last began waiting on its client: accepted, a
+    /// request's headers in, or an answer sent.
+    since: AtomicU64,
+    /// Requests on it from their headers to the end of their answer.
+    requests: AtomicU32,
+    /// Of those, requests still reading their bodies.
+    reading: AtomicU32,
+    /// Chosen to be shed (never chosen twice).
+    shed: AtomicBool,
+    /// Its stream fails every read and write from now on.
+    aborted: AtomicBool,
+    /// The task reading the stream, woken to see `aborted`.
+    waker: AtomicWaker,
+    /// Tells a request reading its body that it was shed.
+    body_shed: Notify,
+}
+
+impl Connections {
+    /// No connections yet; shedding begins when `cap` are open.
+    pub fn new(cap: usize) -> Arc<Self> {
+        Arc::new(Connections {
+            cap: cap.max(1),
+            epoch: Instant::now(),
+            next_id: AtomicU64::new(0),
+            open: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The connections open now.
+    pub fn open(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
+        // The map stays consistent whatever panicked while holding it.
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers an accepted stream. If it fills the cap, sheds the connection (other than
+    /// this one) that has waited on its client longest, if any is waiting.
+    pub fn admit<T>(self: &Arc<Self>, io: T) -> Tracked<T> {
+        let conn = Arc::new(Conn {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            epoch: self.epoch,
+            since: AtomicU64::new(0),
+            requests: AtomicU32::new(0),
+            reading: AtomicU32::new(0),
+            shed: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+            body_shed: Notify::new(),
+        });
+        conn.stamp();
+        let mut open = self.lock();
+        open.insert(conn.id, conn.clone());
+        if open.len() >= self.cap {
+            let oldest = open
+                .values()
+                .filter(|c| c.id != conn.id && c.waiting_on_client())
+                .min_by_key(|c| c.since.load(Ordering::Relaxed));
+            if let Some(c) = oldest {
+                c.shed();
+                crate::metrics::connection_shed();
+            }
+        }
+        drop(open);
+        Tracked {
+            io,
+            conn,
+            conns: self.clone(),
+        }
+    }
+}
+
+impl Conn {
+    fn stamp(&self) {
+        let ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.since.store(ns, Ordering::Relaxed);
+    }
+
+    fn waiting_on_client(&self) -> bool {
+        !self.shed.load(Ordering::Relaxed)
+            && self.requests.load(Ordering::Acquire) == self.reading.load(Ordering::Acquire)
+    }
+
+    fn shed(&self) {
+        self.shed.store(true, Ordering::Release);
+        if self.reading.load(Ordering::Acquire) > 0 {
+            // Its body reader answers 503; the answer closes the connection.
+            self.body_shed.notify_one();
+        } else {
+            self.aborted.store(true, Ordering::Release);
+            self.waker.wake();
+        }
+    }
+
+    /// Whether it was shed: the answer in progress is its last.
+    pub fn is_shed(&self) -> bool {
+        self.shed.load(Ordering::Acquire)
+    }
+
+    /// Counts a request from its headers until the guard drops (at the end of its answer).
+    pub fn request(self: &Arc<Self>) -> RequestGuard {
+        self.requests.fetch_add(1, Ordering::AcqRel);
+        RequestGuard(self.clone())
+    }
+
+    /// Counts a request as reading its body until the guard drops; it waits on its client
+    /// from now.
+    pub fn reading(self: &Arc<Self>) -> ReadingGuard {
+        self.stamp();
+        self.reading.fetch_add(1, Ordering::AcqRel);
+        ReadingGuard(self.clone())
+    }
+
+    /// Resolves once the connection is shed while a request on it reads its body.
+    pub async fn body_shed(&self) {
+        self.body_shed.notified().await;
+    }
+}
+
+/// A request on a connection, from its headers to the end of its answer.
+#[derive(Debug)]
+pub struct RequestGuard(Arc<Conn>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        // Answered: the connection waits on its client again, from now.
+        self.0.stamp();
+        self.0.requests.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A request reading its body.
+#[derive(Debug)]
+pub struct ReadingGuard(Arc<Conn>);
+
+impl Drop for ReadingGuard {
+    fn drop(&mut self) {
+        self.0.reading.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An accepted stream, registered in [`Connections`] for as long as it lives; once shed
+/// idle, its reads and writes fail, which ends the connection.
+#[derive(Debug)]
+pub struct Tracked<T> {
+    io: T,
+    conn: Arc<Conn>,
+    conns: Arc<Connections>,
+}
+
+impl<T> Tracked<T> {
+    /// The connection's state.
+    pub fn conn(&self) -> &Arc<Conn> {
+        &self.conn
+    }
+
+    fn aborted(&self) -> Option<io::Error> {
+        self.conn.aborted.load(Ordering::Acquire).then(|| {
+            io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "shed: the server is at its connection cap",
+            )
+        })
+    }
+}
+
+impl<T> Drop for Tracked<T> {
+    fn drop(&mut self) {
+        self.conns.lock().remove(&self.conn.id);
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Tracked<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.conn.waker.register(cx.waker());
+        if let Some(e) = this.aborted() {
+            return Poll::Ready(Err(e));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if let Some(e) = this.aborted() {
+            return Poll::Ready(Err(e));
+        }
+        Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if let Some(e) = this.aborted() {
+            return Poll::Ready(Err(e));
+        }
+        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(e) = this.aborted() {
+            return Poll::Ready(Err(e));
+        }
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_waiting_longest_is_shed_and_never_one_being_answered() {
+        let conns = Connections::new(3);
+        let a = conns.admit(());
+        let b = conns.admit(());
+        let _answering = b.conn().request();
+        assert!(!a.conn().is_shed() && !b.conn().is_shed());
+        // `a` has waited longest (idle since accepted); `b` is being answered.
+        let c = conns.admit(());
+        assert!(a.conn().is_shed(), "the oldest idle connection");
+        assert!(a.conn().aborted.load(Ordering::Acquire));
+        assert!(!b.conn().is_shed() && !c.conn().is_shed());
+        drop(a);
+        assert_eq!(conns.open(), 2);
+        // `c` reads a body: shed through its reader, its stream left to send the answer.
+        let _request = c.conn().request();
+        let _reading = c.conn().reading();
+        let d = conns.admit(());
+        assert!(c.conn().is_shed() && !c.conn().aborted.load(Ordering::Acquire));
+        assert!(!d.conn().is_shed(), "the new connection is never shed for itself");
+    }
+}
