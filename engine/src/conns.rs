@@ -3,9 +3,11 @@
 //! Every accepted connection is wrapped in a [`Tracked`] stream and registered in
 //! [`Connections`]. A connection is *waiting on its client* while no request on it is past its
 //! body: it waits for a request's headers (new, or idle between requests) or for the rest of a
-//! body. When an accepted connection fills the last of the cap's slots, the one that has waited
-//! on its client longest is shed, so that a client in the kernel's listen queue is accepted at
-//! once instead of after the header or body deadlines of those ahead of it: a request still
+//! body. When an accepted connection fills the last of the cap's slots, one of those is shed:
+//! the request that has waited longest for its body, else the keep-alive connection idle
+//! longest, else the connection that has waited longest for its first request (each counted
+//! from its accept or its last answer). So a client in the kernel's listen queue is accepted at
+//! once instead of after the header or body deadlines of those ahead of it. A request still
 //! sending its body is answered 503 and its connection closed; an idle connection is closed.
 //! A connection whose request is being answered is never shed.
 
@@ -35,13 +37,15 @@ pub struct Connections {
 pub struct Conn {
     id: u64,
     epoch: Instant,
-    /// Nanoseconds from `epoch` to when it last began waiting on its client: accepted, a
-    /// request's headers in, or an answer sent.
+    /// Nanoseconds from `epoch` to when it last began waiting on its client: accepted, or
+    /// its last answer sent.
     since: AtomicU64,
     /// Requests on it from their headers to the end of their answer.
     requests: AtomicU32,
     /// Of those, requests still reading their bodies.
     reading: AtomicU32,
+    /// A request on it was answered: it is a keep-alive connection.
+    answered: AtomicBool,
     /// Chosen to be shed (never chosen twice).
     shed: AtomicBool,
     /// Its stream fails every read and write from now on.
@@ -73,8 +77,8 @@ impl Connections {
         self.open.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Registers an accepted stream. If it fills the cap, sheds the connection (other than
-    /// this one) that has waited on its client longest, if any is waiting.
+    /// Registers an accepted stream. If it fills the cap, sheds a connection (other than this
+    /// one) waiting on its client, if any is, in the order the module's doc gives.
     pub fn admit<T>(self: &Arc<Self>, io: T) -> Tracked<T> {
         let conn = Arc::new(Conn {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -82,6 +86,7 @@ impl Connections {
             since: AtomicU64::new(0),
             requests: AtomicU32::new(0),
             reading: AtomicU32::new(0),
+            answered: AtomicBool::new(false),
             shed: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             waker: AtomicWaker::new(),
@@ -94,7 +99,7 @@ impl Connections {
             let oldest = open
                 .values()
                 .filter(|c| c.id != conn.id && c.waiting_on_client())
-                .min_by_key(|c| c.since.load(Ordering::Relaxed));
+                .min_by_key(|c| (c.kind(), c.since.load(Ordering::Relaxed)));
             if let Some(c) = oldest {
                 c.shed();
                 crate::metrics::connection_shed();
@@ -120,6 +125,19 @@ impl Conn {
             && self.requests.load(Ordering::Acquire) == self.reading.load(Ordering::Acquire)
     }
 
+    /// What it waits on its client for, in the order connections are shed: a request's body
+    /// (0), the next request after an answer (1), the first request (2: a new client whose
+    /// request may be on its way).
+    fn kind(&self) -> u8 {
+        if self.reading.load(Ordering::Acquire) > 0 {
+            0
+        } else if self.answered.load(Ordering::Acquire) {
+            1
+        } else {
+            2
+        }
+    }
+
     fn shed(&self) {
         self.shed.store(true, Ordering::Release);
         if self.reading.load(Ordering::Acquire) > 0 {
@@ -142,10 +160,8 @@ impl Conn {
         RequestGuard(self.clone())
     }
 
-    /// Counts a request as reading its body until the guard drops; it waits on its client
-    /// from now.
+    /// Counts a request as reading its body until the guard drops.
     pub fn reading(self: &Arc<Self>) -> ReadingGuard {
-        self.stamp();
         self.reading.fetch_add(1, Ordering::AcqRel);
         ReadingGuard(self.clone())
     }
@@ -164,6 +180,7 @@ impl Drop for RequestGuard {
     fn drop(&mut self) {
         // Answered: the connection waits on its client again, from now.
         self.0.stamp();
+        self.0.answered.store(true, Ordering::Release);
         self.0.requests.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -270,25 +287,38 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
 mod tests {
     use super::*;
 
+    fn aborted<T>(t: &Tracked<T>) -> bool {
+        t.conn().aborted.load(Ordering::Acquire)
+    }
+
+    /// At the cap: a request waiting for its body first (through its reader: its stream is
+    /// left to send the 503), then the keep-alive connection idle longest, then the new
+    /// connection waiting longest; never one being answered, never the one just accepted.
     #[test]
-    fn the_connection_waiting_longest_is_shed_and_never_one_being_answered() {
-        let conns = Connections::new(3);
-        let a = conns.admit(());
-        let b = conns.admit(());
-        let _answering = b.conn().request();
-        assert!(!a.conn().is_shed() && !b.conn().is_shed());
-        // `a` has waited longest (idle since accepted); `b` is being answered.
-        let c = conns.admit(());
-        assert!(a.conn().is_shed(), "the oldest idle connection");
-        assert!(a.conn().aborted.load(Ordering::Acquire));
-        assert!(!b.conn().is_shed() && !c.conn().is_shed());
-        drop(a);
-        assert_eq!(conns.open(), 2);
-        // `c` reads a body: shed through its reader, its stream left to send the answer.
-        let _request = c.conn().request();
-        let _reading = c.conn().reading();
-        let d = conns.admit(());
-        assert!(c.conn().is_shed() && !c.conn().aborted.load(Ordering::Acquire));
-        assert!(!d.conn().is_shed(), "the new connection is never shed for itself");
+    fn the_order_connections_are_shed_in() {
+        let conns = Connections::new(4);
+        let fresh = conns.admit(());
+        let idle = conns.admit(());
+        drop(idle.conn().request()); // answered: a keep-alive connection
+        let body = conns.admit(());
+        let _request = body.conn().request();
+        let _reading = body.conn().reading();
+        let busy = conns.admit(());
+        let _answering = busy.conn().request();
+        // The fourth filled the cap: the body reader, though it is the youngest waiting.
+        assert!(body.conn().is_shed() && !aborted(&body));
+        assert!(!fresh.conn().is_shed() && !idle.conn().is_shed() && !busy.conn().is_shed());
+        drop(body);
+        let next = conns.admit(());
+        assert!(idle.conn().is_shed() && aborted(&idle), "then the idle keep-alive one");
+        drop(idle);
+        let last = conns.admit(());
+        assert!(fresh.conn().is_shed() && aborted(&fresh), "then the new one waiting longest");
+        drop(fresh);
+        assert!(!busy.conn().is_shed() && !next.conn().is_shed() && !last.conn().is_shed());
+        assert_eq!(conns.open(), 3);
+        // Only `busy` (being answered) and the newest are left to choose from: `next` goes.
+        let more = conns.admit(());
+        assert!(next.conn().is_shed() && !busy.conn().is_shed() && !more.conn().is_shed());
     }
 }
