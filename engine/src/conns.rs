@@ -310,10 +310,16 @@ mod tests {
         assert!(!fresh.conn().is_shed() && !idle.conn().is_shed() && !busy.conn().is_shed());
         drop(body);
         let next = conns.admit(());
-        assert!(idle.conn().is_shed() && aborted(&idle), "then the idle keep-alive one");
+        assert!(
+            idle.conn().is_shed() && aborted(&idle),
+            "then the idle keep-alive one"
+        );
         drop(idle);
         let last = conns.admit(());
-        assert!(fresh.conn().is_shed() && aborted(&fresh), "then the new one waiting longest");
+        assert!(
+            fresh.conn().is_shed() && aborted(&fresh),
+            "then the new one waiting longest"
+        );
         drop(fresh);
         assert!(!busy.conn().is_shed() && !next.conn().is_shed() && !last.conn().is_shed());
         assert_eq!(conns.open(), 3);

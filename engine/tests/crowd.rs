@@ -269,7 +269,14 @@ fn answer_within(conn: &mut TcpStream, wait: Duration) -> Option<String> {
                 .unwrap_or("")
                 .to_owned(),
         ),
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => None,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            None
+        }
         Err(_) => Some(String::new()),
     }
 }
@@ -337,11 +344,15 @@ fn short_of_descriptors_the_oldest_slow_clients_are_shed_for_a_live_one() {
     for (i, c) in slow.iter_mut().enumerate().take(100) {
         let got = answer_within(c, Duration::from_secs(2));
         assert!(
-            got.as_deref().is_some_and(|s| s.is_empty() || s.contains(" 503 ")),
+            got.as_deref()
+                .is_some_and(|s| s.is_empty() || s.contains(" 503 ")),
             "slow client {i} of {SLOW}: {got:?}"
         );
     }
-    assert!(t0.elapsed() < BODY_TIMEOUT, "the checks ran before any deadline");
+    assert!(
+        t0.elapsed() < BODY_TIMEOUT,
+        "the checks ran before any deadline"
+    );
     let mut m = TcpStream::connect(addr).unwrap();
     m.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         .unwrap();

@@ -438,8 +438,8 @@ fn an_empty_served_model_name_serves_the_models_own_name() {
         kill(&child, "TERM");
         wait_bounded(child, Duration::from_secs(20), "SIGTERM");
         let body = answer.split("\r\n\r\n").nth(1).unwrap_or("");
-        let v: serde_json::Value = serde_json::from_str(body)
-            .unwrap_or_else(|e| panic!("{given:?}: {e}: {answer}"));
+        let v: serde_json::Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("{given:?}: {e}: {answer}"));
         assert_eq!(v["data"][0]["id"], id, "{given:?}: {answer}");
         assert_eq!(v["data"].as_array().unwrap().len(), 1, "{answer}");
     }

@@ -568,8 +568,18 @@ async fn logprobs_go_up_to_20_alternatives() {
     let mut body = prompt.clone();
     body["logprobs"] = json!(21);
     let (status, v) = common::post(&base, "/v1/completions", &body).await;
-    assert_eq!((status, &v["error"]["param"]), (400, &json!("logprobs")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("at most 20"), "{v}");
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("logprobs")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 20"),
+        "{v}"
+    );
     let mut body = chat.clone();
     body["top_logprobs"] = json!(21);
     let (status, v) = common::post(&base, "/v1/chat/completions", &body).await;
