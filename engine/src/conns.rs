@@ -8,7 +8,8 @@
 //! longest, else the connection that has waited longest for its first request (each counted
 //! from its accept or its last answer). So a client in the kernel's listen queue is accepted at
 //! once instead of after the header or body deadlines of those ahead of it. A request still
-//! sending its body is answered 503 and its connection closed; an idle connection is closed.
+//! sending its body is answered 503 and its connection closed without reading the rest; an idle
+//! connection is closed.
 //! A connection whose request is being answered is never shed.
 
 use std::collections::HashMap;
@@ -48,9 +49,7 @@ pub struct Conn {
     answered: AtomicBool,
     /// Chosen to be shed (never chosen twice).
     shed: AtomicBool,
-    /// Its stream fails every read and write from now on.
-    aborted: AtomicBool,
-    /// The task reading the stream, woken to see `aborted`.
+    /// The task reading the stream, woken when it is shed or its last answer is out.
     waker: AtomicWaker,
     /// Tells a request reading its body that it was shed.
     body_shed: Notify,
@@ -88,7 +87,6 @@ impl Connections {
             reading: AtomicU32::new(0),
             answered: AtomicBool::new(false),
             shed: AtomicBool::new(false),
-            aborted: AtomicBool::new(false),
             waker: AtomicWaker::new(),
             body_shed: Notify::new(),
         });
@@ -140,13 +138,15 @@ impl Conn {
 
     fn shed(&self) {
         self.shed.store(true, Ordering::Release);
-        if self.reading.load(Ordering::Acquire) > 0 {
-            // Its body reader answers 503; the answer closes the connection.
-            self.body_shed.notify_one();
-        } else {
-            self.aborted.store(true, Ordering::Release);
-            self.waker.wake();
-        }
+        // A body reader answers 503; its connection ends once the answer is out.
+        self.body_shed.notify_one();
+        self.waker.wake();
+    }
+
+    /// Shed, with no request on it in progress: its stream reads as ended, so the connection
+    /// closes (after flushing what it has written) without waiting on its client.
+    fn closing(&self) -> bool {
+        self.shed.load(Ordering::Acquire) && self.requests.load(Ordering::Acquire) == 0
     }
 
     /// Whether it was shed: the answer in progress is its last.
@@ -182,6 +182,9 @@ impl Drop for RequestGuard {
         self.0.stamp();
         self.0.answered.store(true, Ordering::Release);
         self.0.requests.fetch_sub(1, Ordering::AcqRel);
+        if self.0.is_shed() {
+            self.0.waker.wake();
+        }
     }
 }
 
@@ -195,8 +198,8 @@ impl Drop for ReadingGuard {
     }
 }
 
-/// An accepted stream, registered in [`Connections`] for as long as it lives; once shed
-/// idle, its reads and writes fail, which ends the connection.
+/// An accepted stream, registered in [`Connections`] for as long as it lives; once shed, and
+/// no request on it in progress, it reads as ended, which closes the connection.
 #[derive(Debug)]
 pub struct Tracked<T> {
     io: T,
@@ -208,15 +211,6 @@ impl<T> Tracked<T> {
     /// The connection's state.
     pub fn conn(&self) -> &Arc<Conn> {
         &self.conn
-    }
-
-    fn aborted(&self) -> Option<io::Error> {
-        self.conn.aborted.load(Ordering::Acquire).then(|| {
-            io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "shed: the server is at its connection cap",
-            )
-        })
     }
 }
 
@@ -234,8 +228,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for Tracked<T> {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.conn.waker.register(cx.waker());
-        if let Some(e) = this.aborted() {
-            return Poll::Ready(Err(e));
+        if this.conn.closing() {
+            // The end of the stream: nothing read.
+            return Poll::Ready(Ok(()));
         }
         Pin::new(&mut this.io).poll_read(cx, buf)
     }
@@ -247,11 +242,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if let Some(e) = this.aborted() {
-            return Poll::Ready(Err(e));
-        }
-        Pin::new(&mut this.io).poll_write(cx, buf)
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -259,11 +250,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if let Some(e) = this.aborted() {
-            return Poll::Ready(Err(e));
-        }
-        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -271,11 +258,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if let Some(e) = this.aborted() {
-            return Poll::Ready(Err(e));
-        }
-        Pin::new(&mut this.io).poll_flush(cx)
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -287,8 +270,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Tracked<T> {
 mod tests {
     use super::*;
 
-    fn aborted<T>(t: &Tracked<T>) -> bool {
-        t.conn().aborted.load(Ordering::Acquire)
+    fn closing<T>(t: &Tracked<T>) -> bool {
+        t.conn().closing()
     }
 
     /// At the cap: a request waiting for its body first (through its reader: its stream is
@@ -301,23 +284,27 @@ mod tests {
         let idle = conns.admit(());
         drop(idle.conn().request()); // answered: a keep-alive connection
         let body = conns.admit(());
-        let _request = body.conn().request();
-        let _reading = body.conn().reading();
+        let request = body.conn().request();
+        let reading = body.conn().reading();
         let busy = conns.admit(());
         let _answering = busy.conn().request();
         // The fourth filled the cap: the body reader, though it is the youngest waiting.
-        assert!(body.conn().is_shed() && !aborted(&body));
+        assert!(body.conn().is_shed() && !closing(&body));
         assert!(!fresh.conn().is_shed() && !idle.conn().is_shed() && !busy.conn().is_shed());
+        // Its 503 is out: its stream reads as ended.
+        drop(reading);
+        drop(request);
+        assert!(closing(&body));
         drop(body);
         let next = conns.admit(());
         assert!(
-            idle.conn().is_shed() && aborted(&idle),
+            idle.conn().is_shed() && closing(&idle),
             "then the idle keep-alive one"
         );
         drop(idle);
         let last = conns.admit(());
         assert!(
-            fresh.conn().is_shed() && aborted(&fresh),
+            fresh.conn().is_shed() && closing(&fresh),
             "then the new one waiting longest"
         );
         drop(fresh);

@@ -1448,6 +1448,10 @@ impl Server {
                     })
                     .client_request_timeout(limits.header_timeout)
                     .keep_alive(limits.header_timeout)
+                    // After an answer that leaves a body unread (408, 413, 503), what the
+                    // client still sends is read and dropped for up to 1 s before the
+                    // connection closes, so that it reads the answer (actix-web's default).
+                    .client_disconnect_timeout(Duration::from_secs(1))
                     // A client that closes its side has gone: end its handler (a plain request
                     // is then aborted like a dropped stream) instead of computing an answer
                     // nobody reads.
@@ -1457,6 +1461,8 @@ impl Server {
                     .on_connect_ext(|io: &Tracked<TcpStream>, ext: &mut Extensions| {
                         ext.insert(io.conn().clone());
                     })
+                    // The app's configured host and address serve URL generation and
+                    // connection info, which no route uses: the defaults do.
                     .h1(map_config(app, |()| AppConfig::default()));
                 fn_service(move |io: TcpStream| {
                     let peer = io.peer_addr().ok();

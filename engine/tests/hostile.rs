@@ -201,8 +201,8 @@ fn status_of(conn: &mut TcpStream) -> String {
 
 /// Clients that send a body slowly are cut at the body deadline (408); with every slot of the
 /// connection cap taken by them, each new client sheds the one that has waited on its client
-/// longest (503, or closed before its headers were read), so `/health` is answered at once,
-/// and the newest slow clients are still cut at their deadline.
+/// longest (503, or closed before its headers were read), so `/health` is answered at once;
+/// the slow clients not shed are cut at their deadline.
 #[actix_web::test]
 async fn slow_bodies_are_cut_at_the_deadline_and_the_oldest_are_shed_at_the_cap() {
     let (srv, thread) = start_with(
@@ -240,14 +240,14 @@ async fn slow_bodies_are_cut_at_the_deadline_and_the_oldest_are_shed_at_the_cap(
             "a slow body is cut (408) or shed (503, or closed): {statuses:?}"
         );
     }
-    // The fourth and /health shed two, the oldest first (by when the two workers registered
-    // them, which need not be the order of their connects): the newest is cut at its deadline.
+    // The fourth and /health each shed one (the oldest by when the two workers registered
+    // them, which need not be the order of the connects: `conns.rs` tests the order); the
+    // other two are cut at their deadline.
     assert_eq!(
         statuses.iter().filter(|s| s.contains(" 408 ")).count(),
         2,
         "{statuses:?}"
     );
-    assert!(statuses[3].contains(" 408 "), "{statuses:?}");
     assert!(t0.elapsed() < Duration::from_secs(10));
     srv.shutdown(Duration::from_secs(1)).await.unwrap();
     thread.join().unwrap().unwrap();
