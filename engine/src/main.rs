@@ -93,8 +93,9 @@ struct ServeArgs {
     #[arg(long, default_value = "10", value_parser = parse_grace, allow_negative_numbers = true)]
     grace_secs: Duration,
     /// Connections open at once, idle ones included; further clients wait in the listen
-    /// queue (default: what the descriptor limit allows, which the server raises to its hard
-    /// limit at start).
+    /// queue, and each one accepted into the last slot sheds the connection waiting longest on
+    /// its client (default: what the descriptor limit allows, less 64, which the server raises
+    /// to its hard limit at start).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
     max_connections: Option<u32>,
     /// Requests whose bodies are read at once; more wait for a slot within their body deadline.
