@@ -140,6 +140,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
             progress: !args.no_progress,
             step_time_rate: args.step_time_rate,
             settings: sweep::cells::labels(&loaded, &setup, base, trace, &budgets),
+            trace_rps: sweep::cells::trace_rps(trace),
             stop: Some(stop.clone()),
         };
         let out = match &t.dir {

@@ -246,6 +246,15 @@ fn label_time_cells(labels: &mut [(String, String)], setup: &ReplaySetup, budget
     }
 }
 
+/// The trace's own request rate, requests per second: its arrivals after the first over the
+/// time from the first to the last; `None` for fewer than two requests or no span of time.
+pub fn trace_rps(trace: &Trace) -> Option<f64> {
+    let (first, last) = (trace.requests.first()?, trace.requests.last()?);
+    let span_s = (last.arrival_ms - first.arrival_ms) / 1000.0;
+    let rps = (trace.requests.len() - 1) as f64 / span_s;
+    (span_s > 0.0 && rps.is_finite()).then_some(rps)
+}
+
 /// `off` for a count of 0 (a feature turned off), else `label` of the count.
 fn off_or(n: u64, label: impl FnOnce(u64) -> String) -> String {
     if n == 0 {

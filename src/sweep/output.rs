@@ -97,14 +97,13 @@ fn opt(v: Option<f64>) -> String {
 /// None in practice (the CSV is written to memory).
 pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     let mut w = csv::Writer::from_writer(Vec::new());
-    let mut header = vec![
-        "budget",
-        "rate_scale",
-        "requests",
-        "steps",
-        "overruns",
-        "budget_utilisation",
-    ];
+    // `rate_rps` (requests per second) only when the trace's own rate is known.
+    let rps = sweep.trace_rate_rps.is_some();
+    let mut header = vec!["budget", "rate_scale"];
+    if rps {
+        header.push("rate_rps");
+    }
+    header.extend(["requests", "steps", "overruns", "budget_utilisation"]);
     header.extend(LATENCIES);
     header.extend([
         "step_p50_ms",
@@ -117,14 +116,16 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     w.write_record(&header)?;
     for c in &sweep.cells {
         let s = &c.summary;
-        let mut row = vec![
-            c.budget.to_string(),
-            opt(Some(c.rate_scale)),
+        let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        if rps {
+            row.push(opt(sweep.rps(c.rate_scale)));
+        }
+        row.extend([
             s.requests.to_string(),
             s.steps.to_string(),
             s.overruns.to_string(),
             opt(s.budget_utilisation),
-        ];
+        ]);
         row.extend(s.latencies().map(opt));
         row.extend(s.step_ms.percentiles([50, 90, 99, 100]).map(opt));
         row.push(c.meets_slo.map_or_else(String::new, |m| m.to_string()));
@@ -134,6 +135,9 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     // An interrupted sweep's cells that did not run: their figures empty.
     for c in &sweep.not_run {
         let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        if rps {
+            row.push(opt(sweep.rps(c.rate_scale)));
+        }
         row.resize(header.len() - 1, String::new());
         row.push("interrupted".to_owned());
         w.write_record(row)?;

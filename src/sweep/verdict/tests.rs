@@ -40,6 +40,7 @@ fn sweep(trace: &str, budgets: &str, times: &str, cap: impl Fn(Budget) -> f64 + 
         progress: false,
         step_time_rate: None,
         settings: vec![("trace".into(), format!("data/traces/{trace} (azure)"))],
+        trace_rps: None,
         stop: None,
     };
     run_sweep(&opts, replay(cap)).unwrap()
