@@ -17,7 +17,7 @@ CAPACITY_OUT ?= target/capacity
 capacity: ## Which setting gives the most capacity under a latency objective: token budgets 256/512/1024 against a 95 ms time budget on the three bundled traces (Llama-2-7B/A100 preset; about a minute)
 	$(CARGO) run --release --bin mstar-chunking -- sweep --no-progress --out $(CAPACITY_OUT) \
 		--config config/examples/llama2-7b-a100.toml --cost llama2-7b-a100 --sim-cost llama2-7b-a100 \
-		--traces $(CAPACITY_TRACES) --budgets 256,512,1024 --max-step-ms 95 --rates 0.25,0.5,1 \
+		--traces $(CAPACITY_TRACES) --budgets 256,512,1024,95ms --rates 0.25,0.5,1 \
 		--slo-tbt-p99 100 --slo-ttft-p90 2000 --trace-slo-ttft-p90 2000,2000,30000
 	python3 scripts/capacity_table.py $(CAPACITY_OUT)
 

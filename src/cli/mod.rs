@@ -152,9 +152,7 @@ impl TraceArgs {
 /// it names, set in a layer over every other (`config::flags`), refused as the key is.
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct SettingArgs {
-    /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`. In a
-    /// sweep, a comma-separated list of time budgets, each a setting of the grid beside the
-    /// token budgets of --budgets (run under the config's token budget)
+    /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`
     #[arg(long, value_name = "MS|off", help_heading = SETTINGS)]
     pub max_step_ms: Option<String>,
     /// The planner's latency model for the replayed node, a preset (llama2-7b-a100,
@@ -336,7 +334,9 @@ pub struct SweepArgs {
     /// Settings as flags, the same in every cell.
     #[command(flatten)]
     pub settings: SettingArgs,
-    /// Token budgets of the replayed node's step walk, comma-separated; "off" for none
+    /// The settings compared, comma-separated: token budgets of the replayed node's step walk,
+    /// "off" for none, and time budgets such as 95ms (its `chunking.max_step_ms`, under the
+    /// config's token budget)
     #[arg(long, value_name = "LIST", default_value = "512,1024,2048,4096,off")]
     pub budgets: String,
     /// Rate scales (1 = the trace's own rate), comma-separated

@@ -28,7 +28,7 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         return super::sweep_jobs::merge(args, dir);
     }
     let load = args.config.load_options();
-    let (loaded, setup) = match load_for_replay(&load, &sweep_flags(args)) {
+    let (loaded, setup) = match load_for_replay(&load, &args.settings.flags()) {
         Ok((l, s)) => {
             init_logging(&l);
             super::replay_cmd::note_built_in_copies(&l);
@@ -392,16 +392,6 @@ fn grid_run(
     }
 }
 
-/// The settings flags of a sweep as config edits: all but `--max-step-ms`, whose time budgets
-/// are settings of the grid (cells beside the token budgets), not one setting of every cell.
-pub(super) fn sweep_flags(args: &SweepArgs) -> Vec<config::FlagSetting> {
-    SettingArgs {
-        max_step_ms: None,
-        ..args.settings.clone()
-    }
-    .flags()
-}
-
 /// The grid `sweep`'s flags ask for, checked.
 struct Grid {
     budgets: Vec<crate::sweep::Budget>,
@@ -433,10 +423,7 @@ fn axes(
 /// refused one.
 fn parse_grid(args: &SweepArgs, setup: &crate::replay::ReplaySetup) -> Result<Grid, String> {
     use crate::sweep;
-    let mut budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
-    if let Some(list) = &args.settings.max_step_ms {
-        budgets.extend(sweep::parse_max_step_ms(list).map_err(|e| e.to_string())?);
-    }
+    let budgets = sweep::parse_budgets(&args.budgets).map_err(|e| e.to_string())?;
     let rates = sweep::parse_rates(&args.rates).map_err(|e| e.to_string())?;
     let axis = axes(args, setup)
         .map_err(|e| e.to_string())?

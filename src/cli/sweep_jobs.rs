@@ -109,8 +109,7 @@ fn copy_inputs(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> Result<Inputs, 
             priority_by: args.source.priority_by.map(|p| p.to_string()),
         },
         setting_flags: SettingFlags {
-            // The sweep's time budgets are its cells' budgets, not a setting of every cell.
-            max_step_ms: None,
+            max_step_ms: s.max_step_ms.clone(),
             cost: s.cost.clone(),
             learn_cost: s.learn_cost,
             sim_cost: s.sim_cost.clone(),

@@ -41,7 +41,7 @@ pub fn check_budgets(
             },
             Some(ms) => match time_refusal(manifest, &with_time(settings, setup, ms), setup) {
                 None => continue,
-                Some(reason) => format!("`--max-step-ms` names {b}: {reason}"),
+                Some(reason) => format!("`--budgets` names {b}: {reason}"),
             },
         };
         return Err(format!("{refused} (no replay ran)"));

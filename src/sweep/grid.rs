@@ -18,9 +18,9 @@ pub const MAX_AXIS_VALUES: usize = 64;
 /// The largest time budget a sweep takes, ms (an hour: no step is planned that long).
 pub const MAX_STEP_MS: f64 = 3_600_000.0;
 
-/// One setting of the grid, capacity-searched like any other: a token budget of the replayed
-/// node's step walk (`--budgets`: a count, or chunking off), or a time budget (`--max-step-ms`:
-/// the step walk's `chunking.max_step_ms`, under the config's own token budget).
+/// One setting of the grid (`--budgets`), capacity-searched like any other: a token budget of
+/// the replayed node's step walk (a count, or `off`: chunking off), or a time budget (`95ms`:
+/// the node's `chunking.max_step_ms`, under the config's own token budget).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Budget {
     /// A token budget.
@@ -173,9 +173,18 @@ pub struct GridError {
     pub problem: String,
 }
 
-/// A grid budget: a budget value of at most [`MAX_BUDGET_TOKENS`] (a larger budget never cuts
-/// anything: no trace prompt is longer).
+/// A grid budget: a token budget of at most [`MAX_BUDGET_TOKENS`] (a larger budget never cuts
+/// anything: no trace prompt is longer), `off`, or a time budget ending in `ms`.
 fn grid_budget(s: &str) -> Result<Budget, GridError> {
+    if let Some(ms) = s.trim().strip_suffix("ms") {
+        return parse_step_ms(ms).ok_or_else(|| GridError {
+            flag: "--budgets",
+            problem: format!(
+                "takes time budgets in ms between 0.001 and {MAX_STEP_MS}, in steps of 0.001 (`95ms`), got {:?}",
+                s.trim()
+            ),
+        });
+    }
     s.parse::<BudgetValue>()
         .ok()
         .map(Budget::from)
@@ -183,7 +192,7 @@ fn grid_budget(s: &str) -> Result<Budget, GridError> {
         .ok_or_else(|| GridError {
             flag: "--budgets",
             problem: format!(
-                "takes whole numbers of tokens between 1 and {MAX_BUDGET_TOKENS}, or `off`; got {:?}",
+                "takes whole numbers of tokens between 1 and {MAX_BUDGET_TOKENS}, `off`, or time budgets such as `95ms`; got {:?}",
                 s.trim()
             ),
         })
@@ -211,8 +220,8 @@ pub(crate) fn split<'a>(flag: &'static str, list: &'a str) -> Result<Vec<&'a str
     Ok(items)
 }
 
-/// Parses `--budgets`: a comma-separated list of token budgets and `off`, kept in the order
-/// given, each at most once.
+/// Parses `--budgets`: a comma-separated list of token budgets, `off` and time budgets (`95ms`),
+/// kept in the order given, each at most once.
 ///
 /// # Errors
 /// An empty entry, a bad value, a repeated value, or more than [`MAX_AXIS_VALUES`].
@@ -223,32 +232,6 @@ pub fn parse_budgets(list: &str) -> Result<Vec<Budget>, GridError> {
         if out.contains(&b) {
             return Err(GridError {
                 flag: "--budgets",
-                problem: format!("names {b} twice"),
-            });
-        }
-        out.push(b);
-    }
-    Ok(out)
-}
-
-/// Parses sweep's `--max-step-ms`: a comma-separated list of time budgets in ms, each a setting
-/// of the grid beside the token budgets, kept in the order given, each at most once.
-///
-/// # Errors
-/// An empty entry, a value that is not a number of ms in `(0, MAX_STEP_MS]` in steps of 0.001,
-/// a repeated value, or more than [`MAX_AXIS_VALUES`].
-pub fn parse_max_step_ms(list: &str) -> Result<Vec<Budget>, GridError> {
-    let mut out: Vec<Budget> = Vec::new();
-    for item in split("--max-step-ms", list)? {
-        let b = parse_step_ms(item.strip_suffix("ms").unwrap_or(item)).ok_or_else(|| GridError {
-            flag: "--max-step-ms",
-            problem: format!(
-                "takes time budgets in ms between 0.001 and {MAX_STEP_MS}, in steps of 0.001 (a sweep's time budgets are settings of the grid; `off` is a token budget's, for `--budgets`), got {item:?}"
-            ),
-        })?;
-        if out.contains(&b) {
-            return Err(GridError {
-                flag: "--max-step-ms",
                 problem: format!("names {b} twice"),
             });
         }
@@ -360,7 +343,7 @@ mod tests {
 
     #[test]
     fn time_budgets_parse_in_order_print_and_read_back() {
-        let b = parse_max_step_ms("95, 120.5,0.001ms").unwrap();
+        let b = parse_budgets("95ms, 120.5 ms,0.001ms").unwrap();
         let shown: Vec<String> = b.iter().map(ToString::to_string).collect();
         assert_eq!(shown, ["95 ms", "120.5 ms", "0.001 ms"]);
         assert_eq!(
@@ -384,19 +367,18 @@ mod tests {
     #[test]
     fn bad_time_budgets_are_refused_with_the_value() {
         let cases = [
-            ("0", "got \"0\""),
-            ("-5", "got \"-5\""),
-            ("off", "`off` is a token budget's"),
-            ("nan", "got \"nan\""),
-            ("inf", "got \"inf\""),
-            ("1e2", "got \"1e2\""),
-            ("95.0001", "in steps of 0.001"),
-            ("3600000.001", "got \"3600000.001\""),
-            ("95,,120", "without empty entries"),
-            ("95,95.0", "names 95 ms twice"),
+            ("0ms", "got \"0ms\""),
+            ("-5ms", "got \"-5ms\""),
+            ("nanms", "got \"nanms\""),
+            ("inf ms", "got \"inf ms\""),
+            ("1e2ms", "got \"1e2ms\""),
+            ("95.0001ms", "in steps of 0.001"),
+            ("3600000.001ms", "got \"3600000.001ms\""),
+            ("95ms,95.0ms", "names 95 ms twice"),
+            ("95s", "or time budgets such as `95ms`; got \"95s\""),
         ];
-        assert_refused("--max-step-ms", parse_max_step_ms, &cases);
-        assert!(parse_max_step_ms("3600000").is_ok());
+        assert_refused("--budgets", parse_budgets, &cases);
+        assert!(parse_budgets("3600000ms,512,95ms,off").is_ok());
         for bad in ["0 ms", "-1ms", "nanms", "ms", "1.2.3 ms"] {
             assert!(bad.parse::<Budget>().is_err(), "{bad}");
         }

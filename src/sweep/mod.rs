@@ -18,7 +18,7 @@
 //!   workers that meet the objective at each rate.
 //! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
 //!   comparison.
-//! - [`verdict`]: with time budgets among the settings (`--max-step-ms`), the best token budget
+//! - [`verdict`]: with time budgets among the settings (`--budgets 512,95ms`), the best token budget
 //!   against the best time budget per trace, and each setting's worst fraction of the best
 //!   across traces (`--traces`).
 
@@ -49,7 +49,7 @@ pub(crate) mod tables;
 pub mod verdict;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
-pub use grid::{parse_budgets, parse_max_step_ms, parse_rates, Budget, GridError, StepMs};
+pub use grid::{parse_budgets, parse_rates, Budget, GridError, StepMs};
 pub use output::{write_outputs, Written};
 pub use runner::run_sweep;
 pub use summary::{nearest_rank, RunSummary, StepTimes, STEP_QUANTILES};

@@ -1,4 +1,4 @@
-//! The verdict of a sweep with time budgets (`docs/replay.md#the-verdict`): which setting gives
+//! The verdict of a sweep with time budgets (`docs/capacity.md#the-verdict`): which setting gives
 //! the most capacity under the objective. Per trace, the best token budget, the best time budget
 //! and the ratio of their capacities; across traces, each setting's capacity as a fraction of
 //! its trace's best, and its worst such fraction: the setting to deploy when the workload is

@@ -69,9 +69,7 @@ fn sweep(out: &Path) -> Run {
         "--traces",
         &traces,
         "--budgets",
-        "256,1024",
-        "--max-step-ms",
-        "95",
+        "256,1024,95ms",
         "--rates",
         "0.5,1",
         "--slo-tbt-p99",
@@ -123,6 +121,7 @@ fn the_verdict_matches_replays_run_one_by_one() {
                 cap < miss && miss <= cap * 1.02 + 1e-9,
                 "{name}: {cap} .. {miss}"
             );
+            // A time cell is `replay --max-step-ms` under the config's token budget.
             let flag: Vec<&str> = match name.strip_suffix(" ms") {
                 Some(ms) => vec!["--max-step-ms", ms],
                 None => vec!["--budget", name],
@@ -193,9 +192,9 @@ fn time_budgets_and_traces_the_sweep_cannot_run_are_refused_before_anything_runs
     // An unreadable trace is exit 1, as for `replay`; the rest are usage (2).
     let cases: [(&[&str], &str); 6] = [
         // The demo config has no latency model for the planner.
-        (&["--max-step-ms", "95"], "`--max-step-ms` names 95 ms: the config would refuse it: time budget for `llm` needs a latency model"),
-        (&["--max-step-ms", "off", "--cost", "llama2-7b-a100"], "`off` is a token budget's"),
-        (&["--max-step-ms", "95,95", "--cost", "llama2-7b-a100"], "names 95 ms twice"),
+        (&["--budgets", "512,95ms"], "`--budgets` names 95 ms: the config would refuse it: time budget for `llm` needs a latency model"),
+        (&["--budgets", "95ms,0ms", "--cost", "llama2-7b-a100"], "takes time budgets in ms between 0.001"),
+        (&["--budgets", "95ms,95.000ms", "--cost", "llama2-7b-a100"], "names 95 ms twice"),
         (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv,data/traces/AzureLLMInferenceTrace_code.csv"], "names `data/traces/AzureLLMInferenceTrace_code.csv` twice"),
         (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv", "--trace-slo-ttft-p90", "1,2"], "one bound per trace of `--traces` (1), got 2"),
         (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv,/nonexistent/x.csv"], "/nonexistent/x.csv"),

@@ -1,7 +1,6 @@
 use super::*;
 use crate::sweep::{
-    parse_budgets, parse_max_step_ms, parse_rates, run_sweep, RunSummary, Slo, StepTimes,
-    SweepOptions,
+    parse_budgets, parse_rates, run_sweep, RunSummary, Slo, StepTimes, SweepOptions,
 };
 
 /// A replay whose TBT p99 crosses the objective (60 ms) at the rate scale `cap` gives the
@@ -30,7 +29,7 @@ fn replay(
 fn sweep(trace: &str, budgets: &str, times: &str, cap: impl Fn(Budget) -> f64 + Sync) -> Sweep {
     let mut b = parse_budgets(budgets).unwrap();
     if !times.is_empty() {
-        b.extend(parse_max_step_ms(times).unwrap());
+        b.extend(parse_budgets(&format!("{times}ms")).unwrap());
     }
     let opts = SweepOptions {
         budgets: b,
