@@ -165,14 +165,20 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         let Ran { code: c, runs } = ran;
         code = c;
         let stopped = runs.iter().any(|(_, s)| s.interrupted.is_some());
-        done.push((t.label.clone(), runs));
+        // Without `--traces`, the one trace is named as its sweep's settings name it.
+        let label = match runs.first() {
+            Some((_, s)) if t.label.is_empty() => crate::sweep::verdict::trace_label(s),
+            _ => t.label.clone(),
+        };
+        done.push((label, runs));
         if stopped || code != ExitCode::SUCCESS {
             break;
         }
     }
     // The verdict across traces (or across an axis's runs), beside their directories; a plain
-    // sweep's is in its own outputs.
-    if several || axis.is_some() {
+    // sweep's is in its own outputs. None after a failure or a signal: it would compare
+    // capacities some of which were never searched.
+    if (several || axis.is_some()) && code == ExitCode::SUCCESS {
         let named: Vec<(String, Vec<crate::sweep::verdict::Run<'_>>)> = done
             .iter()
             .map(|(label, runs)| {

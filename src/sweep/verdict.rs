@@ -104,10 +104,14 @@ pub type Run<'a> = (Option<String>, &'a Sweep);
 
 impl Verdict {
     /// The verdict of `traces` (each a label and its runs), if the sweeps had an objective and
-    /// both a token and a time budget among their settings; else `None`.
+    /// both a token and a time budget among their settings, and none was interrupted (its
+    /// unfinished searches would count as no capacity); else `None`.
     pub fn of(traces: &[(String, Vec<Run<'_>>)]) -> Option<Self> {
         let sweeps = || traces.iter().flat_map(|(_, runs)| runs.iter().map(|r| r.1));
         sweeps().find_map(|s| s.slo.as_ref())?;
+        if sweeps().any(|s| s.interrupted.is_some()) {
+            return None;
+        }
         let budgets = || sweeps().flat_map(|s| s.budgets.iter());
         if !budgets().any(|b| b.is_time()) || budgets().all(|b| b.is_time()) {
             return None;

@@ -209,3 +209,52 @@ fn time_budgets_and_traces_the_sweep_cannot_run_are_refused_before_anything_runs
         assert!(!out.exists(), "{flags:?} created the output directory");
     }
 }
+
+/// With an axis, each value × budget is a setting: the verdict of the one trace compares them
+/// all, and is written beside the axis's runs.
+#[test]
+fn an_axis_makes_each_value_and_budget_a_setting_of_the_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let mut args = vec![
+        "sweep",
+        "--no-progress",
+        "--orders",
+        "fcfs,shortest_first",
+        "--budgets",
+        "512,95ms",
+        "--rates",
+        "0.5,1",
+        "--slo-tbt-p99",
+        "100",
+        "--slo-ttft-p90",
+        "2000",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(&COMMON);
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let v = json(&out.join("verdict.json"));
+    let t = &v["traces"][0];
+    assert_eq!(t["trace"], "bundled:AzureLLMInferenceTrace_code.csv", "{v}");
+    let names: Vec<&str> = t["settings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["setting"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "fcfs 512",
+            "fcfs 95 ms",
+            "shortest_first 512",
+            "shortest_first 95 ms"
+        ]
+    );
+    // Each run's own verdict is in its directory.
+    for order in ["fcfs", "shortest_first"] {
+        assert!(out.join(format!("order-{order}/verdict.json")).is_file());
+    }
+}

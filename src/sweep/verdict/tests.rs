@@ -175,6 +175,9 @@ fn no_verdict_without_an_objective_or_without_both_kinds_of_budget() {
     let mut no_slo = sweep("a.csv", "256", "95", caps("a"));
     no_slo.slo = None;
     assert!(Verdict::of_sweep(&no_slo).is_none());
+    let mut stopped = sweep("a.csv", "256", "95", caps("a"));
+    stopped.interrupted = Some("SIGINT".into());
+    assert!(Verdict::of_sweep(&stopped).is_none());
 }
 
 #[test]
