@@ -78,7 +78,7 @@ pub struct SettingRow {
     pub time: bool,
     /// Per trace, in the traces' order, its capacity ÷ the trace's best setting's (`None` where
     /// it did not run, or the trace's best has none).
-    #[serde(serialize_with = "crate::text::ser_vec_opt_round")]
+    #[serde(serialize_with = "ser_fractions")]
     pub of_best: Vec<Option<f64>>,
     /// The lowest of `of_best` (`None` when it missed a trace).
     #[serde(serialize_with = "crate::text::ser_opt_round")]
@@ -384,6 +384,11 @@ impl TraceVerdict {
                 _ => Some(p),
             })
     }
+}
+
+/// Each fraction rounded to 0.001, `null` for none (or a non-finite one).
+fn ser_fractions<S: serde::Serializer>(v: &[Option<f64>], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.filter(|x| x.is_finite()).map(round3)))
 }
 
 /// A sweep's trace as the verdict names it: the file's name, without its folder or format.

@@ -138,6 +138,12 @@ fn across_traces_each_setting_has_its_worst_fraction_of_the_best() {
     );
     let json: serde_json::Value = serde_json::from_slice(&files[2].1).unwrap();
     assert_eq!(json["deploy"], "95 ms");
+    assert_eq!(
+        json["settings"][0]["of_best"],
+        serde_json::json!([1.0, 1.0, 1.0])
+    );
+    let frac = json["settings"][1]["of_best"][0].as_f64().unwrap();
+    assert_eq!(frac, (frac * 1000.0).round() / 1000.0, "rounded to 0.001");
     assert_eq!(json["traces"][2]["best_tokens"]["setting"], "256");
 }
 
