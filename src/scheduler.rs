@@ -15,7 +15,9 @@ use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
 use crate::order::{AdmitOptions, StepClock};
-use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
+use crate::overrun::{
+    classify, classify_time_overrun, Overrun, StepTokens, TimeInactiveReason, TimeOverrunReason,
+};
 use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
@@ -441,6 +443,9 @@ pub struct StepOutcome {
     pub time_margin: Option<f64>,
     /// The time overrun, if the measured time exceeded the time budget.
     pub time_overrun: Option<TimeOverrunReason>,
+    /// Why the step's walk has a time budget that the step was not planned under (no model
+    /// yet), if so (`docs/cost-model.md#when-a-time-budget-is-not-in-force`).
+    pub time_inactive: Option<TimeInactiveReason>,
     /// The node's latency model after this step (its online fit may have moved), and its
     /// source.
     pub model: (Option<LatencyModel>, ModelSource),
@@ -589,6 +594,12 @@ pub struct LatencyModelReport {
     /// The online fit's current estimate (coefficients, samples, error, whether trusted);
     /// `None` before the first measured step or when the node does not learn.
     pub fit: Option<crate::latency::fit::OnlineEstimate>,
+    /// Steps of the node, on walks with a time budget, planned without it
+    /// ([`StepOutcome::time_inactive`]), since the start.
+    pub time_inactive_steps: u64,
+    /// Why the node's latest completed step on a walk with a time budget was planned without
+    /// it; `None` when that step was planned under it (or there was none).
+    pub time_inactive: Option<TimeInactiveReason>,
 }
 
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
@@ -612,6 +623,9 @@ pub struct SchedulerState {
     /// [`SchedulerState::measured`].
     unmeasured: std::collections::VecDeque<Unmeasured>,
     next_step: u64,
+    /// Per node, the steps on walks with a time budget planned without it, and the reason of
+    /// its latest such step (`None` once a timed step is planned under its budget again).
+    time_inactive: FxHashMap<Name, (u64, Option<TimeInactiveReason>)>,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
     /// The batch of the last step completed or abandoned: once the engine holds it no more,
@@ -767,12 +781,16 @@ impl SchedulerState {
         let learn_cost = table.settings().time.learn;
         let configured = table.cost(node);
         let (model, source) = self.select(node, learn_cost, configured);
+        let (time_inactive_steps, time_inactive) =
+            self.time_inactive.get(node).copied().unwrap_or_default();
         Ok(LatencyModelReport {
             model,
             source,
             configured,
             learn_cost,
             fit: self.fits.get(node).and_then(OnlineFit::estimate),
+            time_inactive_steps,
+            time_inactive,
         })
     }
 
@@ -1137,6 +1155,7 @@ impl SchedulerState {
         });
         // The step's own time budget: the plan's limit is divided by the time margin.
         let max_step_ms = f.plan.time.and(f.params.max_step_ms);
+        let time_inactive = self.time_in_force(&node, &f);
         let time_overrun = measured_ms
             .zip(max_step_ms)
             .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
@@ -1194,8 +1213,38 @@ impl SchedulerState {
             max_step_ms,
             time_margin,
             time_overrun,
+            time_inactive,
             model: self.model_for(&f.params),
         })
+    }
+
+    /// Whether a completed step (with rows) on a walk with a time budget was planned under
+    /// it, counted per node; answers why not. Read before the step's time feeds the fit.
+    fn time_in_force(&mut self, node: &Name, f: &InFlight) -> Option<TimeInactiveReason> {
+        if f.params.max_step_ms.is_none() || f.plan.rows.is_empty() {
+            return None;
+        }
+        let why = f.plan.time.is_none().then(|| {
+            match self.fits.get(node).map_or(0, OnlineFit::samples) {
+                0 => TimeInactiveReason::NoMeasurements,
+                _ => TimeInactiveReason::UntrustedFit,
+            }
+        });
+        if why.is_none() && self.time_inactive.is_empty() {
+            return None;
+        }
+        match self.time_inactive.get_mut(node) {
+            Some(seen) => {
+                seen.0 += u64::from(why.is_some());
+                seen.1 = why;
+            }
+            // A node's entry is made on its first step without its time budget only.
+            None if why.is_some() => {
+                self.time_inactive.insert(node.clone(), (1, why));
+            }
+            None => {}
+        }
+        why
     }
 
     /// Reports the measured time of step `step`, completed before its time was known (async

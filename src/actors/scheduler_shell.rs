@@ -34,6 +34,9 @@ pub(super) struct Shell {
     pub(super) model_gauges: FxHashMap<Name, ModelGauges>,
     /// The tracing spans of the steps in flight and of the requests admitted.
     pub(super) spans: Spans,
+    /// Per `(node, walk)`, steps planned without their time budget, for the warning's cadence
+    /// (touched only by such steps).
+    pub(super) time_inactive: Vec<(Name, Name, u64)>,
 }
 
 impl Shell {
@@ -51,8 +54,29 @@ impl Shell {
             model_gauges: FxHashMap::default(),
             spans: Spans::new(instance.model_name().clone()),
             instance,
+            time_inactive: Vec::new(),
         }
     }
+}
+
+/// Counts a step of `node`/`walk` planned without its time budget in `seen`; answers the pair's
+/// count and whether to warn: on the 1st, 2nd, 4th, 8th, … (the overrun warnings' cadence).
+pub(super) fn count_time_inactive(
+    seen: &mut Vec<(Name, Name, u64)>,
+    node: &Name,
+    walk: &Name,
+) -> (u64, bool) {
+    let n = match seen.iter_mut().find(|(n, w, _)| n == node && w == walk) {
+        Some((_, _, n)) => {
+            *n += 1;
+            *n
+        }
+        None => {
+            seen.push((node.clone(), walk.clone(), 1));
+            1
+        }
+    };
+    (n, n.is_power_of_two())
 }
 
 impl Shell {
@@ -160,6 +184,23 @@ impl StepHooks for Shell {
         if let Some(o) = &outcome.overrun {
             self.overruns
                 .do_send(RecordOverrun(o.clone(), span.clone()));
+        }
+        if let Some(reason) = outcome.time_inactive {
+            let (n, warn) =
+                count_time_inactive(&mut self.time_inactive, &outcome.node, &outcome.walk);
+            if warn {
+                tracing::warn!(
+                    node = %outcome.node,
+                    walk = %outcome.walk,
+                    reason = reason.as_str(),
+                    steps = n,
+                    "time budget not applied: step planned under the token budget alone ({}); {} such steps of {}/{} so far; configure a latency model (chunking.cost, an engine's --cost) to plan against from the first step (docs/cost-model.md#when-a-time-budget-is-not-in-force)",
+                    reason.describe(),
+                    n,
+                    outcome.node,
+                    outcome.walk
+                );
+            }
         }
         self.spans.ended(outcome.step);
         self.step_metrics(&outcome.node, &outcome.walk)
