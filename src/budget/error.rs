@@ -112,7 +112,7 @@ pub enum BudgetError {
     },
     /// A node-wide time budget on a node whose step walks all have their token budget off:
     /// it would bound no step (a time budget bounds a step through the chunks it cuts).
-    #[error("time budget `chunking.max_step_ms.{node}` would do nothing: the token budget `chunking.max_batch_tokens.{node}.{walk}` is off, so steps of `{walk}` on `{node}` are not cut and no time budget can bound them; set a token budget for `{node}`/`{walk}` (the time budget then cuts chunks below it), or set the time budget off")]
+    #[error("`chunking.max_step_ms.{node}` would do nothing: `chunking.max_batch_tokens.{node}.{walk}` is off, so no step is cut; set a token budget there or the time budget off")]
     TimeBudgetWithoutTokenBudget {
         /// The node.
         node: Name,

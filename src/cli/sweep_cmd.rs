@@ -84,6 +84,10 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     for w in crate::replay::trace_warnings(&setup, &trace) {
         say(&format!("warning: {w}"));
     }
+    let tbt = slo.as_ref().and_then(|s| s.tbt_p99_ms);
+    for w in crate::replay::time_budget_objective_warnings(&loaded.table, &setup, tbt) {
+        say(&format!("warning: {w}"));
+    }
     // Every value of the axis is checked as the replay checks its settings, before anything is
     // created or run: a refusal is usage (exit 2) and leaves `--out` as it was.
     if let Some(axis) = &axis {
