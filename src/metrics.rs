@@ -1058,6 +1058,38 @@ mod tests {
     }
 
     #[test]
+    fn a_time_budget_creates_its_inactive_step_series_at_zero_and_describes_their_reasons() {
+        let seen = recorded(|| {
+            describe_all();
+            inst().set_time_budget(&n("llm"), &n("mixed"), Some(50.0));
+            inst().set_time_budget(&n("llm"), &n("prefill"), None);
+        });
+        for reason in TimeInactiveReason::ALL {
+            let labels = [
+                (LABEL_MODEL, "m"),
+                (LABEL_NODE, "llm"),
+                (LABEL_WALK, "mixed"),
+                (LABEL_REASON, reason.as_str()),
+            ];
+            assert_eq!(
+                value(&seen, TIME_BUDGET_INACTIVE_STEPS_TOTAL, &labels),
+                &DebugValue::Counter(0)
+            );
+        }
+        // A walk without a time budget has no such series.
+        assert!(!seen.iter().any(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL
+            && s.labels.iter().any(|(k, v)| k == LABEL_WALK && v == "prefill")));
+        let help = seen
+            .iter()
+            .find(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL)
+            .and_then(|s| s.help.clone())
+            .unwrap();
+        for reason in TimeInactiveReason::ALL {
+            assert!(help.contains(reason.as_str()), "{help}");
+        }
+    }
+
+    #[test]
     fn every_metric_is_described_with_its_kind_and_unit() {
         let seen = recorded(|| {
             describe_all();

@@ -2136,4 +2136,96 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn with_a_prior_the_first_step_after_set_budgets_is_planned_against_the_time_budget() {
+        // 1 ms a token: a 60 ms budget plans 60-token chunks from the first step, learning on.
+        let prior = LatencyModel::try_new(0.0, 1.0, 0.0, 0.0).unwrap();
+        let floor = std::num::NonZeroU32::new(8).unwrap();
+        let mut s = state_with(|s| {
+            s.cost("llm", prior)
+                .learn_cost(true)
+                .max_step_ms("llm", 60.0)
+                .min_chunk_tokens(floor)
+        });
+        s.admit(1, "llm", "prefill", 1_000, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!((b.max_step_ms, b.predicted_ms), (Some(60.0), Some(60.0)));
+        assert_eq!(chunk(&b.rows[0]), (0, 60));
+        let out = s.complete(b.step, &[60], Some(60.0)).unwrap();
+        assert_eq!(out.model.1, ModelSource::Config);
+        assert_eq!((out.max_step_ms, out.time_inactive), (Some(60.0), None));
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!((report.time_inactive_steps, report.time_inactive), (0, None));
+    }
+
+    #[test]
+    fn without_a_prior_each_step_says_why_its_time_budget_is_not_in_force() {
+        use crate::overrun::TimeInactiveReason::{NoMeasurements, UntrustedFit};
+        let floor = std::num::NonZeroU32::new(8).unwrap();
+        let mut s = state_with(|s| {
+            s.learn_cost(true)
+                .max_step_ms("llm", 60.0)
+                .min_chunk_tokens(floor)
+        });
+        let mut rid = 0;
+        // Prompts of 20 to 100 tokens and one of 1,000, each step measured at 1 ms a token
+        // (`measured`) or not.
+        let mut step = |s: &mut SchedulerState, measured: bool| {
+            rid += 1;
+            let total = if measured { 20 + (rid * 37) % 81 } else { 1_000 };
+            s.admit(rid, "llm", "prefill", total as u32, 0).unwrap();
+            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let (start, end) = chunk(&b.rows[0]);
+            let ran = end - start;
+            let ms = measured.then_some(f64::from(ran));
+            let out = s.complete(b.step, &[ran], ms).unwrap();
+            s.forget(rid);
+            (b, out)
+        };
+        // No step measured yet: planned under the token budget alone (100 tokens of 1,000).
+        for i in 0..2 {
+            let (b, out) = step(&mut s, false);
+            assert_eq!((b.max_step_ms, b.predicted_ms), (None, None), "step {i}");
+            assert_eq!(chunk(&b.rows[0]), (0, 100));
+            assert_eq!(out.time_inactive, Some(NoMeasurements), "step {i}");
+        }
+        // The first measured step is planned before its time is known; then the fit has
+        // samples, but is not trusted before 50 steps (1 ms a token).
+        let (_, out) = step(&mut s, true);
+        assert_eq!(out.time_inactive, Some(NoMeasurements));
+        for i in 0..48 {
+            let (_, out) = step(&mut s, true);
+            assert_eq!(out.time_inactive, Some(UntrustedFit), "step {i}");
+            assert_eq!(out.model.1, ModelSource::None, "step {i}");
+        }
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (51, Some(UntrustedFit))
+        );
+        // The 50th measured step makes the fit trusted: the next is planned in time, and the
+        // node's latest step no longer reports a reason (its count stays).
+        let (_, out) = step(&mut s, true);
+        assert_eq!(out.time_inactive, Some(UntrustedFit));
+        assert_eq!(out.model.1, ModelSource::Online);
+        let (b, out) = step(&mut s, false);
+        assert_eq!(b.max_step_ms, Some(60.0));
+        // The fitted 1 ms a token, give or take its rounding: a chunk of about 60 tokens.
+        let (_, end) = chunk(&b.rows[0]);
+        assert!((55..=60).contains(&end), "{end}");
+        assert!(b.predicted_ms.is_some_and(|p| p <= 60.0), "{b:?}");
+        assert_eq!(out.time_inactive, None);
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!((report.time_inactive_steps, report.time_inactive), (52, None));
+        // A node without a time budget, or a step with no rows, is never counted.
+        let mut plain = state_with(|s| s.learn_cost(true));
+        plain.admit(1, "llm", "prefill", 10, 0).unwrap();
+        let b = plain.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!(plain.complete(b.step, &[10], None).unwrap().time_inactive, None);
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert!(b.rows.is_empty());
+        assert_eq!(s.complete(b.step, &[], None).unwrap().time_inactive, None);
+        assert_eq!(s.latency_report("llm").unwrap().time_inactive_steps, 52);
+    }
 }
