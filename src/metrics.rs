@@ -66,7 +66,8 @@ pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_
 /// Steps whose measured time exceeded their time budget, by reason.
 pub const TIME_OVERRUNS_TOTAL: &str = "mstar_chunking_time_overruns_total";
 /// Steps on a walk with a time budget planned without it, by reason (no model yet).
-pub const TIME_BUDGET_INACTIVE_STEPS_TOTAL: &str = "mstar_chunking_time_budget_inactive_steps_total";
+pub const TIME_BUDGET_INACTIVE_STEPS_TOTAL: &str =
+    "mstar_chunking_time_budget_inactive_steps_total";
 /// The time budget in force (gauge; 0 without one).
 pub const STEP_BUDGET_SECONDS: &str = "mstar_chunking_step_budget_seconds";
 /// The latency model's coefficients in use, by `coefficient` (gauge).
@@ -1077,8 +1078,12 @@ mod tests {
             );
         }
         // A walk without a time budget has no such series.
-        assert!(!seen.iter().any(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL
-            && s.labels.iter().any(|(k, v)| k == LABEL_WALK && v == "prefill")));
+        assert!(!seen
+            .iter()
+            .any(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL
+                && s.labels
+                    .iter()
+                    .any(|(k, v)| k == LABEL_WALK && v == "prefill")));
         let help = seen
             .iter()
             .find(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL)

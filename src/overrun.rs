@@ -165,8 +165,12 @@ impl TimeInactiveReason {
     /// What it means, for a log line or a health detail.
     pub fn describe(self) -> &'static str {
         match self {
-            Self::NoMeasurements => "no configured latency model and no measured step yet to learn one from",
-            Self::UntrustedFit => "no configured latency model, and the online fit is not trusted yet",
+            Self::NoMeasurements => {
+                "no configured latency model and no measured step yet to learn one from"
+            }
+            Self::UntrustedFit => {
+                "no configured latency model, and the online fit is not trusted yet"
+            }
         }
     }
 }

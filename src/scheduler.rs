@@ -2156,7 +2156,10 @@ mod tests {
         assert_eq!(out.model.1, ModelSource::Config);
         assert_eq!((out.max_step_ms, out.time_inactive), (Some(60.0), None));
         let report = s.latency_report("llm").unwrap();
-        assert_eq!((report.time_inactive_steps, report.time_inactive), (0, None));
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (0, None)
+        );
     }
 
     #[test]
@@ -2173,7 +2176,11 @@ mod tests {
         // (`measured`) or not.
         let mut step = |s: &mut SchedulerState, measured: bool| {
             rid += 1;
-            let total = if measured { 20 + (rid * 37) % 81 } else { 1_000 };
+            let total = if measured {
+                20 + (rid * 37) % 81
+            } else {
+                1_000
+            };
             s.admit(rid, "llm", "prefill", total as u32, 0).unwrap();
             let b = s.assemble("llm", "prefill").unwrap().into_batch();
             let (start, end) = chunk(&b.rows[0]);
@@ -2217,12 +2224,18 @@ mod tests {
         assert!(b.predicted_ms.is_some_and(|p| p <= 60.0), "{b:?}");
         assert_eq!(out.time_inactive, None);
         let report = s.latency_report("llm").unwrap();
-        assert_eq!((report.time_inactive_steps, report.time_inactive), (52, None));
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (52, None)
+        );
         // A node without a time budget, or a step with no rows, is never counted.
         let mut plain = state_with(|s| s.learn_cost(true));
         plain.admit(1, "llm", "prefill", 10, 0).unwrap();
         let b = plain.assemble("llm", "prefill").unwrap().into_batch();
-        assert_eq!(plain.complete(b.step, &[10], None).unwrap().time_inactive, None);
+        assert_eq!(
+            plain.complete(b.step, &[10], None).unwrap().time_inactive,
+            None
+        );
         let b = s.assemble("llm", "prefill").unwrap().into_batch();
         assert!(b.rows.is_empty());
         assert_eq!(s.complete(b.step, &[], None).unwrap().time_inactive, None);

@@ -1203,7 +1203,12 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
     let Some(max_step_ms) = state.engine.max_step_ms else {
         return HttpResponse::Ok().json(json!({"status": "ok"}));
     };
-    let time_budget = match state.engine.chunking.latency_model(crate::engine::NODE).await {
+    let time_budget = match state
+        .engine
+        .chunking
+        .latency_model(crate::engine::NODE)
+        .await
+    {
         Ok(r) => json!({
             "max_step_ms": max_step_ms,
             "in_force": r.model.is_some(),

@@ -659,7 +659,11 @@ async fn health_shows_whether_the_time_budget_is_in_force() {
         let before = health(&srv).await;
         assert_eq!(before["status"], "ok");
         assert_eq!(before["time_budget"]["max_step_ms"], 250.0);
-        assert_eq!(before["time_budget"]["in_force"], cost.is_some(), "{before}");
+        assert_eq!(
+            before["time_budget"]["in_force"],
+            cost.is_some(),
+            "{before}"
+        );
         assert_eq!(before["time_budget"]["inactive_steps"], 0);
         let (status, _) = common::post(&url(&srv, ""), "/v1/completions", &body).await;
         assert_eq!(status, 200);
@@ -668,7 +672,12 @@ async fn health_shows_whether_the_time_budget_is_in_force() {
         let t = &after["time_budget"];
         if cost.is_some() {
             assert_eq!(
-                (&t["in_force"], &t["inactive_steps"], &t["inactive_reason"], &t["model_source"]),
+                (
+                    &t["in_force"],
+                    &t["inactive_steps"],
+                    &t["inactive_reason"],
+                    &t["model_source"]
+                ),
                 (&json!(true), &json!(0), &Value::Null, &json!("config")),
                 "{after}"
             );
@@ -676,8 +685,18 @@ async fn health_shows_whether_the_time_budget_is_in_force() {
             // One prefill step and seven decode steps, all measured: the first before any time
             // was known, the others with an untrusted fit.
             assert_eq!(
-                (&t["in_force"], &t["inactive_steps"], &t["inactive_reason"], &t["model_source"]),
-                (&json!(false), &json!(8), &json!("untrusted_fit"), &json!("none")),
+                (
+                    &t["in_force"],
+                    &t["inactive_steps"],
+                    &t["inactive_reason"],
+                    &t["model_source"]
+                ),
+                (
+                    &json!(false),
+                    &json!(8),
+                    &json!("untrusted_fit"),
+                    &json!("none")
+                ),
                 "{after}"
             );
         }

@@ -481,7 +481,10 @@ mod tests {
             }
         }
         // The first six were planned before any measured time; the seventh after one.
-        let want = BTreeMap::from([("no_measurements".to_owned(), 6), ("untrusted_fit".to_owned(), 1)]);
+        let want = BTreeMap::from([
+            ("no_measurements".to_owned(), 6),
+            ("untrusted_fit".to_owned(), 1),
+        ]);
         assert_eq!(counts, want);
     }
 

@@ -853,11 +853,13 @@ fn a_node_wide_time_budget_is_refused_where_every_step_walk_has_its_token_budget
         s
     };
     let off_rule = |s: BudgetSettings| -> Vec<BudgetError> {
-        BudgetTable::build(omni(), s).err().map_or_else(Vec::new, |e| {
-            e.0.into_iter()
-                .filter(|e| matches!(e, BudgetError::TimeBudgetWithoutTokenBudget { .. }))
-                .collect()
-        })
+        BudgetTable::build(omni(), s)
+            .err()
+            .map_or_else(Vec::new, |e| {
+                e.0.into_iter()
+                    .filter(|e| matches!(e, BudgetError::TimeBudgetWithoutTokenBudget { .. }))
+                    .collect()
+            })
     };
     // `mixed`, llm's only step walk (`prefill` runs inside it), off: per walk or node-wide.
     for overrides in [
@@ -918,7 +920,10 @@ fn a_node_wide_time_budget_is_refused_where_every_step_walk_has_its_token_budget
     // ... and `prefill` off too: refused, naming it.
     s.overrides = BTreeMap::from([(n("llm"), NodeSetting::All(BudgetValue::Off))]);
     let e = off_rule(s);
-    assert!(matches!(&e[..], [BudgetError::TimeBudgetWithoutTokenBudget { walk, .. }] if &**walk == "prefill"), "{e:?}");
+    assert!(
+        matches!(&e[..], [BudgetError::TimeBudgetWithoutTokenBudget { walk, .. }] if &**walk == "prefill"),
+        "{e:?}"
+    );
     // A node that chunks nothing, an off time budget and a per-walk one are not this rule.
     let mut s = timed(settings());
     s.overrides = per_walk("llm", &[("mixed", BudgetValue::Off)]);
@@ -933,7 +938,8 @@ fn a_node_wide_time_budget_is_refused_where_every_step_walk_has_its_token_budget
     )]);
     let e = BudgetTable::build(omni(), s).unwrap_err().0;
     assert!(
-        e.iter().all(|e| matches!(e, BudgetError::TimeBudgetDoesNothing { .. })),
+        e.iter()
+            .all(|e| matches!(e, BudgetError::TimeBudgetDoesNothing { .. })),
         "{e:?}"
     );
     // A node-wide time budget on a node the model does not have is `UnknownNode`.

@@ -237,9 +237,22 @@ fn the_steps_without_their_time_budget_are_warned_at_the_first_and_then_at_power
     let steps = report["time_budget"]["inactive_steps"].as_u64().unwrap();
     // The 1st, 2nd, 4th, … step without its time budget is warned, naming the reason.
     let warned = r.stderr.matches("time budget not applied").count() as u64;
-    assert_eq!(warned, u64::from(steps.ilog2()) + 1, "{steps} steps:\n{}", r.stderr);
-    assert!(r.stderr.contains("reason=\"no_measurements\" steps=1"), "{}", r.stderr);
-    assert!(r.stderr.contains("reason=\"untrusted_fit\" steps=2"), "{}", r.stderr);
+    assert_eq!(
+        warned,
+        u64::from(steps.ilog2()) + 1,
+        "{steps} steps:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("reason=\"no_measurements\" steps=1"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("reason=\"untrusted_fit\" steps=2"),
+        "{}",
+        r.stderr
+    );
     // A configured model (the prior): no step goes without its time budget, nothing is warned.
     let config = write(
         dir.path(),
@@ -249,38 +262,67 @@ fn the_steps_without_their_time_budget_are_warned_at_the_first_and_then_at_power
     );
     let r = run(&["replay", "--config", &config, "--requests", "40"], &[]);
     assert_eq!(r.code, 0, "{r:?}");
-    assert!(!r.stderr.contains("time budget not applied"), "{}", r.stderr);
+    assert!(
+        !r.stderr.contains("time budget not applied"),
+        "{}",
+        r.stderr
+    );
 }
 
 /// The refusal of a time budget on a node whose step walk has no token budget, as `replay` and
 /// a sweep's cells name it: both flags and the key.
 fn refused_naming_both_flags(r: &Run) {
     refused(r, "`--max-step-ms` (`chunking.max_step_ms.llm`) = 100 is refused with the token budget off (`--budget off`, `--budget-off`)");
-    assert!(r.stderr.contains("steps of `mixed` on `llm`"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("steps of `mixed` on `llm`"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
 fn a_time_budget_with_the_step_walks_token_budget_off_is_refused_by_replay_sweep_and_config() {
     let dir = tempfile::tempdir().unwrap();
     let example = "config/examples/llama2-7b-a100.toml";
-    let base = ["--config", example, "--requests", "30", "--max-step-ms", "100"];
+    let base = [
+        "--config",
+        example,
+        "--requests",
+        "30",
+        "--max-step-ms",
+        "100",
+    ];
     for off in [&["--budget", "off"][..], &["--budget-off"][..]] {
         let args: Vec<&str> = ["replay"].iter().chain(&base).chain(off).copied().collect();
         refused_naming_both_flags(&run(&args, &[]));
     }
     // With a token budget the same time budget runs, on the step walk.
-    let args: Vec<&str> = ["replay"].iter().chain(&base).chain(&["--budget", "1024"]).copied().collect();
+    let args: Vec<&str> = ["replay"]
+        .iter()
+        .chain(&base)
+        .chain(&["--budget", "1024"])
+        .copied()
+        .collect();
     let r = run(&args, &[]);
     assert_eq!(r.code, 0, "{r:?}");
     assert!(r.stdout.contains("mixed 100 ms"), "{}", r.stdout);
     // A sweep refuses the `off` cell before any replay runs, and creates no output.
     let out = dir.path().join("sweep");
     let out_arg = out.display().to_string();
-    let args: Vec<&str> = ["sweep", "--budgets", "1024,off", "--rates", "1", "--no-progress", "--out", &out_arg]
-        .iter()
-        .chain(&base)
-        .copied()
-        .collect();
+    let args: Vec<&str> = [
+        "sweep",
+        "--budgets",
+        "1024,off",
+        "--rates",
+        "1",
+        "--no-progress",
+        "--out",
+        &out_arg,
+    ]
+    .iter()
+    .chain(&base)
+    .copied()
+    .collect();
     let r = run(&args, &[]);
     refused_naming_both_flags(&r);
     assert!(r.stderr.contains("`--budgets` names off"), "{}", r.stderr);
@@ -293,7 +335,10 @@ fn a_time_budget_with_the_step_walks_token_budget_off_is_refused_by_replay_sweep
         "[chunking.cost]\nllm = \"llama2-7b-a100\"\n[chunking.max_batch_tokens]\nllm = { mixed = \"off\" }\n[chunking.max_step_ms]\nllm = 100\n",
     );
     for cmd in ["check", "replay"] {
-        let r = run(&[cmd, "--config", &layer, "--requests", "5"][..if cmd == "check" { 3 } else { 5 }], &[]);
+        let r = run(
+            &[cmd, "--config", &layer, "--requests", "5"][..if cmd == "check" { 3 } else { 5 }],
+            &[],
+        );
         refused(
             &r,
             "off.toml: `chunking.max_step_ms.llm` = 100: `chunking.max_step_ms.llm` would do nothing: `chunking.max_batch_tokens.llm.mixed` is off",
@@ -313,13 +358,29 @@ fn a_sweep_warns_when_the_time_budget_is_within_the_noise_of_the_tbt_objective()
         let out = dir.path().join(format!("out-{ms}-{}", extra.len()));
         let out = out.display().to_string();
         let mut args = vec![
-            "sweep", "--config", &noisy, "--requests", "10", "--budgets", "2048", "--rates", "1",
-            "--slo-tbt-p99", "100", "--no-progress", "--max-step-ms", ms, "--out", &out,
+            "sweep",
+            "--config",
+            &noisy,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--max-step-ms",
+            ms,
+            "--out",
+            &out,
         ];
         args.extend_from_slice(extra);
         let r = run(&args, &[]);
         assert_eq!(r.code, 0, "{r:?}");
-        r.stderr.contains("is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms)")
+        r.stderr.contains(
+            "is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms)",
+        )
     };
     // 100 ms and 96 ms stretched by 5% pass 100 ms; 95 ms does not; a time margin plans below.
     assert!(sweep("100", &[]));
