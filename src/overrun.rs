@@ -286,6 +286,25 @@ mod tests {
     }
 
     #[test]
+    fn the_reasons_a_time_budget_is_not_in_force_are_labelled_and_described() {
+        use TimeInactiveReason::*;
+        let labels: Vec<_> = TimeInactiveReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(labels, ["no_measurements", "untrusted_fit"]);
+        assert_eq!(
+            NoMeasurements.describe(),
+            "no configured latency model and no measured step yet to learn one from"
+        );
+        assert_eq!(
+            UntrustedFit.describe(),
+            "no configured latency model, and the online fit is not trusted yet"
+        );
+        assert_eq!(
+            serde_json::to_value(UntrustedFit).unwrap(),
+            serde_json::json!("untrusted_fit")
+        );
+    }
+
+    #[test]
     fn time_overruns_by_reason() {
         use TimeOverrunReason::*;
         assert_eq!(classify_time_overrun(45.0, 45.0, None), None);
