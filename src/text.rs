@@ -41,6 +41,15 @@ pub(crate) fn ser_vec_round<S: serde::Serializer>(v: &[f64], s: S) -> Result<S::
     s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
 }
 
+/// [`ser_round`] for every optional float of a list.
+#[cfg(feature = "sweep")]
+pub(crate) fn ser_vec_opt_round<S: serde::Serializer>(
+    v: &[Option<f64>],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.filter(|x| x.is_finite()).map(round3)))
+}
+
 /// A rate scale for people: at most 3 decimals, no trailing zeros (`0.5`, `2.153`, `1024`).
 pub fn fmt_rate(r: f64) -> String {
     let s = format!("{:.3}", round3(r));

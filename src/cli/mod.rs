@@ -152,7 +152,9 @@ impl TraceArgs {
 /// it names, set in a layer over every other (`config::flags`), refused as the key is.
 #[derive(Debug, Clone, Default, PartialEq, Args)]
 pub struct SettingArgs {
-    /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`
+    /// The replayed node's time budget in ms, or "off": `chunking.max_step_ms.<node>`. In a
+    /// sweep, a comma-separated list of time budgets, each a setting of the grid beside the
+    /// token budgets of --budgets (run under the config's token budget)
     #[arg(long, value_name = "MS|off", help_heading = SETTINGS)]
     pub max_step_ms: Option<String>,
     /// The planner's latency model for the replayed node, a preset (llama2-7b-a100,
@@ -346,6 +348,14 @@ pub struct SweepArgs {
     /// The objective's bound on p90 time to first token, simulated ms
     #[arg(long, value_name = "MS", value_parser = slo_ms)]
     pub slo_ttft_p90: Option<f64>,
+    /// Traces to run the whole grid on, comma-separated, each into OUT/trace-<name>/, then the
+    /// verdict across them (with --max-step-ms and an objective) into OUT
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["trace", "emit_jobs", "merge"])]
+    pub traces: Option<String>,
+    /// The p90 time-to-first-token objective of each trace of --traces, in their order,
+    /// simulated ms (over --slo-ttft-p90)
+    #[arg(long, value_name = "LIST", requires = "traces")]
+    pub trace_slo_ttft_p90: Option<String>,
     /// The directory to write sweep.csv, sweep.json, the plots and report.html into
     #[arg(long, value_name = "DIR", default_value = "sweep-out")]
     pub out: PathBuf,

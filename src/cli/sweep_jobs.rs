@@ -109,7 +109,8 @@ fn copy_inputs(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> Result<Inputs, 
             priority_by: args.source.priority_by.map(|p| p.to_string()),
         },
         setting_flags: SettingFlags {
-            max_step_ms: s.max_step_ms.clone(),
+            // The sweep's time budgets are its cells' budgets, not a setting of every cell.
+            max_step_ms: None,
             cost: s.cost.clone(),
             learn_cost: s.learn_cost,
             sim_cost: s.sim_cost.clone(),
@@ -134,7 +135,14 @@ pub(super) fn emit(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> ExitCode {
         jobs: 1,
         progress: false,
         step_time_rate: args.step_time_rate,
-        settings: crate::sweep::cells::labels(plan.loaded, plan.setup, plan.base, plan.trace),
+        trace_rps: crate::sweep::cells::trace_rps(plan.trace),
+        settings: crate::sweep::cells::labels(
+            plan.loaded,
+            plan.setup,
+            plan.base,
+            plan.trace,
+            plan.budgets,
+        ),
         stop: None,
     };
     let step_time_rate = match opts.check() {
@@ -167,6 +175,7 @@ pub(super) fn emit(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> ExitCode {
             slo_tbt_p99_ms: plan.slo.and_then(|s| s.tbt_p99_ms),
             slo_ttft_p90_ms: plan.slo.and_then(|s| s.ttft_p90_ms),
             step_time_rate,
+            trace_rps: opts.trace_rps,
             cells,
         });
         m.write(dir)?;

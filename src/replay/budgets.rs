@@ -167,15 +167,16 @@ fn time_budget_without_tokens(
     })
 }
 
-/// A warning for each step walk of the replayed node whose time budget, stretched by the
-/// simulated cost's largest noise factor, exceeds a TBT p99 objective of `tbt_p99_ms`, when
-/// the node plans without a time margin: planned full to the budget, the steps the noise
-/// lengthens miss the objective whatever the load
-/// (`docs/cost-model.md#a-time-budget-at-the-objective`).
+/// A warning for each time budget of the replayed node's step walks (the config's, and `cells`:
+/// the time budgets a sweep's grid sets on the step walk) that, stretched by the simulated
+/// cost's largest noise factor, exceeds a TBT p99 objective of `tbt_p99_ms`, when the node
+/// plans without a time margin: planned full to the budget, the steps the noise lengthens miss
+/// the objective whatever the load (`docs/cost-model.md#a-time-budget-at-the-objective`).
 pub fn time_budget_objective_warnings(
     table: &crate::budget::BudgetTable,
     setup: &ReplaySetup,
     tbt_p99_ms: Option<f64>,
+    cells: &[f64],
 ) -> Vec<String> {
     let Some(objective) = tbt_p99_ms else {
         return Vec::new();
@@ -197,21 +198,28 @@ pub fn time_budget_objective_warnings(
     if stretch <= 1.0 {
         return Vec::new();
     }
-    setup
-        .walks
+    let configured = setup.walks.iter().filter_map(|w| {
+        let ms = table.max_step_ms(&setup.node, w)?;
+        Some((format!("`{}`'s", crate::config::problem::escape(w)), ms))
+    });
+    let cells = cells
         .iter()
-        .filter_map(|w| {
-            let ms = table.max_step_ms(&setup.node, w)?;
-            (ms * stretch > objective).then(|| {
-                format!(
-                    "the time budget of `{}` ({ms} ms) is within the simulated step-time noise ({noise}) of the TBT p99 objective ({objective} ms) and no time margin is set: steps planned to the budget run past the objective at every load, so capacity collapses; set a time margin (`--time-margin 0.99`, `chunking.time_margin`) or a time budget below {} ms (docs/cost-model.md#a-time-budget-at-the-objective)",
-                    crate::config::problem::escape(w),
-                    // Rounded down, so that the figure printed is below the bound.
-                    (objective / stretch * 10.0).floor() / 10.0
-                )
-            })
-        })
-        .collect()
+        .map(|&ms| ("a `--max-step-ms` cell's".to_string(), ms));
+    let mut warnings: Vec<String> = Vec::new();
+    for (whose, ms) in configured.chain(cells) {
+        if ms * stretch <= objective {
+            continue;
+        }
+        let w = format!(
+            "{whose} time budget ({ms} ms) is within the simulated step-time noise ({noise}) of the TBT p99 objective ({objective} ms) and no time margin is set: steps planned to the budget run past the objective at every load, so capacity collapses; set a time margin (`--time-margin 0.99`, `chunking.time_margin`) or a time budget below {} ms (docs/cost-model.md#a-time-budget-at-the-objective)",
+            // Rounded down, so that the figure printed is below the bound.
+            (objective / stretch * 10.0).floor() / 10.0
+        );
+        if !warnings.contains(&w) {
+            warnings.push(w);
+        }
+    }
+    warnings
 }
 
 /// `--budget-off`: every node that budgets a walk gets one node-wide budget of "off".

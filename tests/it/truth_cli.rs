@@ -306,24 +306,35 @@ fn a_time_budget_with_the_step_walks_token_budget_off_is_refused_by_replay_sweep
     let r = run(&args, &[]);
     assert_eq!(r.code, 0, "{r:?}");
     assert!(r.stdout.contains("mixed 100 ms"), "{}", r.stdout);
-    // A sweep refuses the `off` cell before any replay runs, and creates no output.
+    // A sweep's time budget on every cell is a config layer (`--max-step-ms` lists cells of
+    // the grid of their own): its `off` cell is refused before any replay runs, naming the
+    // flags and the key, and no output is created.
+    let timed = write(
+        dir.path(),
+        "timed.toml",
+        "[chunking.max_step_ms]\nllm = 100\n",
+    );
     let out = dir.path().join("sweep");
     let out_arg = out.display().to_string();
-    let args: Vec<&str> = [
-        "sweep",
-        "--budgets",
-        "1024,off",
-        "--rates",
-        "1",
-        "--no-progress",
-        "--out",
-        &out_arg,
-    ]
-    .iter()
-    .chain(&base)
-    .copied()
-    .collect();
-    let r = run(&args, &[]);
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            example,
+            "--config",
+            &timed,
+            "--requests",
+            "30",
+            "--budgets",
+            "1024,off",
+            "--rates",
+            "1",
+            "--no-progress",
+            "--out",
+            &out_arg,
+        ],
+        &[],
+    );
     refused_naming_both_flags(&r);
     assert!(r.stderr.contains("`--budgets` names off"), "{}", r.stderr);
     assert!(!out.exists());
@@ -382,9 +393,74 @@ fn a_sweep_warns_when_the_time_budget_is_within_the_noise_of_the_tbt_objective()
             "is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms)",
         )
     };
-    // 100 ms and 96 ms stretched by 5% pass 100 ms; 95 ms does not; a time margin plans below.
+    // A `--max-step-ms` cell of 100 ms or 96 ms stretched by 5% passes 100 ms; 95 ms does not.
     assert!(sweep("100", &[]));
     assert!(sweep("96", &[]));
     assert!(!sweep("95", &[]));
-    assert!(!sweep("100", &["--time-margin", "0.99"]));
+    // The config's time budget, on every cell, is checked too.
+    let timed = write(
+        dir.path(),
+        "timed.toml",
+        "[chunking.max_step_ms]\nllm = { mixed = 100 }\n",
+    );
+    let out = dir.path().join("out-config").display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            &noisy,
+            "--config",
+            &timed,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--out",
+            &out,
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr.contains("warning: `mixed`'s time budget (100 ms) is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms) and no time margin is set"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("a time budget below 95.2 ms"),
+        "{}",
+        r.stderr
+    );
+    // A time margin plans below the budget: no warning.
+    let out = dir.path().join("out-margin").display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            &noisy,
+            "--config",
+            &timed,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--out",
+            &out,
+            "--time-margin",
+            "0.99",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stderr.contains("step-time noise"), "{}", r.stderr);
 }
