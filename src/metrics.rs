@@ -66,8 +66,9 @@ pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_
 /// Steps whose measured time exceeded their time budget, by reason.
 pub const TIME_OVERRUNS_TOTAL: &str = "mstar_chunking_time_overruns_total";
 /// Steps on a walk with a time budget planned without it, by reason (no model yet).
-pub const TIME_BUDGET_INACTIVE_STEPS_TOTAL: &str =
-    "mstar_chunking_time_budget_inactive_steps_total";
+// On one line, as every name here: the Python tests read the names from this file.
+#[rustfmt::skip]
+pub const TIME_BUDGET_INACTIVE_STEPS_TOTAL: &str = "mstar_chunking_time_budget_inactive_steps_total";
 /// The time budget in force (gauge; 0 without one).
 pub const STEP_BUDGET_SECONDS: &str = "mstar_chunking_step_budget_seconds";
 /// The latency model's coefficients in use, by `coefficient` (gauge).
