@@ -1224,27 +1224,23 @@ impl SchedulerState {
         if f.params.max_step_ms.is_none() || f.plan.rows.is_empty() {
             return None;
         }
-        let why = f.plan.time.is_none().then(|| {
-            match self.fits.get(node).map_or(0, OnlineFit::samples) {
-                0 => TimeInactiveReason::NoMeasurements,
-                _ => TimeInactiveReason::UntrustedFit,
+        if f.plan.time.is_some() {
+            // In force: the node's latest step has no reason any more (its count stays).
+            if !self.time_inactive.is_empty() {
+                if let Some(seen) = self.time_inactive.get_mut(node) {
+                    seen.1 = None;
+                }
             }
-        });
-        if why.is_none() && self.time_inactive.is_empty() {
             return None;
         }
-        match self.time_inactive.get_mut(node) {
-            Some(seen) => {
-                seen.0 += u64::from(why.is_some());
-                seen.1 = why;
-            }
-            // A node's entry is made on its first step without its time budget only.
-            None if why.is_some() => {
-                self.time_inactive.insert(node.clone(), (1, why));
-            }
-            None => {}
-        }
-        why
+        let why = match self.fits.get(node).map_or(0, OnlineFit::samples) {
+            0 => TimeInactiveReason::NoMeasurements,
+            _ => TimeInactiveReason::UntrustedFit,
+        };
+        let seen = self.time_inactive.entry(node.clone()).or_default();
+        seen.0 += 1;
+        seen.1 = Some(why);
+        Some(why)
     }
 
     /// Reports the measured time of step `step`, completed before its time was known (async
