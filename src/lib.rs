@@ -109,7 +109,7 @@ pub use error::{ChunkingError, ErrorKind};
 pub use latency::presets::preset_model;
 pub use latency::{LatencyModel, ModelSource};
 pub use order::{AdmitOptions, Order};
-pub use overrun::{Overrun, OverrunReason, TimeOverrunReason};
+pub use overrun::{Overrun, OverrunReason, TimeInactiveReason, TimeOverrunReason};
 pub use planner::RowWork;
 pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};

@@ -19,7 +19,7 @@ use metrics::{
 use crate::latency::{LatencyModel, ModelSource, TERMS, TERM_KEYS};
 use crate::order::Wait;
 use crate::overrun::OverrunReason;
-use crate::overrun::TimeOverrunReason;
+use crate::overrun::{TimeInactiveReason, TimeOverrunReason};
 use crate::policy::Name;
 use crate::queues::QueueCounts;
 use crate::scheduler::{Batch, StepOutcome};
@@ -65,6 +65,10 @@ pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
 pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_error_seconds";
 /// Steps whose measured time exceeded their time budget, by reason.
 pub const TIME_OVERRUNS_TOTAL: &str = "mstar_chunking_time_overruns_total";
+/// Steps on a walk with a time budget planned without it, by reason (no model yet).
+// On one line, as every name here: the Python tests read the names from this file.
+#[rustfmt::skip]
+pub const TIME_BUDGET_INACTIVE_STEPS_TOTAL: &str = "mstar_chunking_time_budget_inactive_steps_total";
 /// The time budget in force (gauge; 0 without one).
 pub const STEP_BUDGET_SECONDS: &str = "mstar_chunking_step_budget_seconds";
 /// The latency model's coefficients in use, by `coefficient` (gauge).
@@ -75,7 +79,7 @@ pub const LATENCY_MODEL_SOURCE: &str = "mstar_chunking_latency_model_source";
 pub const TIME_MARGIN: &str = "mstar_chunking_time_margin";
 
 /// Every metric name, for tests and dashboards checks.
-pub const ALL: [&str; 23] = [
+pub const ALL: [&str; 24] = [
     STEPS_TOTAL,
     STEP_TOKENS,
     STEP_BUDGET_TOKENS,
@@ -95,6 +99,7 @@ pub const ALL: [&str; 23] = [
     STEP_SECONDS,
     STEP_PREDICTION_ERROR_SECONDS,
     TIME_OVERRUNS_TOTAL,
+    TIME_BUDGET_INACTIVE_STEPS_TOTAL,
     STEP_BUDGET_SECONDS,
     LATENCY_MODEL_COEFFICIENT,
     LATENCY_MODEL_SOURCE,
@@ -247,6 +252,11 @@ pub fn describe_all() {
         TIME_OVERRUNS_TOTAL,
         Unit::Count,
         "Steps whose measured time exceeded the time budget they were scheduled under, by node, walk and reason (floor, uncut_row, continuing, misprediction)."
+    );
+    describe_counter!(
+        TIME_BUDGET_INACTIVE_STEPS_TOTAL,
+        Unit::Count,
+        "Steps on a walk with a time budget that were planned without it (the node learns its latency model, has no configured one, and the fit is not trusted yet), by node, walk and reason (no_measurements, untrusted_fit)."
     );
     describe_gauge!(
         STEP_BUDGET_SECONDS,
@@ -549,7 +559,22 @@ impl Instance {
                 )
                 .increment(0);
             }
+            for reason in TimeInactiveReason::ALL {
+                self.time_inactive(node, walk, reason).increment(0);
+            }
         }
+    }
+
+    /// The counter of `node`/`walk`'s steps planned without their time budget for `reason`.
+    fn time_inactive(&self, node: &Name, walk: &Name, reason: TimeInactiveReason) -> Counter {
+        metrics::counter!(
+            TIME_BUDGET_INACTIVE_STEPS_TOTAL,
+            self.labels([
+                (LABEL_NODE, node.to_string().into()),
+                (LABEL_WALK, walk.to_string().into()),
+                (LABEL_REASON, reason.as_str().into())
+            ])
+        )
     }
 
     /// The latency-model gauges of `node`.
@@ -639,6 +664,7 @@ impl Instance {
                     ])
                 )
             }),
+            time_inactive: TimeInactiveReason::ALL.map(|r| self.time_inactive(node, walk, r)),
         }
     }
 
@@ -709,6 +735,7 @@ pub(crate) struct StepMetrics {
     step_seconds: Histogram,
     prediction_error: Histogram,
     time_overruns: [Counter; 4],
+    time_inactive: [Counter; 2],
 }
 
 impl StepMetrics {
@@ -751,6 +778,9 @@ impl StepMetrics {
         }
         if let Some(reason) = outcome.time_overrun {
             self.time_overruns[reason as usize].increment(1);
+        }
+        if let Some(reason) = outcome.time_inactive {
+            self.time_inactive[reason as usize].increment(1);
         }
     }
 
@@ -1027,6 +1057,42 @@ mod tests {
             value(&seen, TIME_MARGIN, &node),
             &DebugValue::Gauge(1.25.into())
         );
+    }
+
+    #[test]
+    fn a_time_budget_creates_its_inactive_step_series_at_zero_and_describes_their_reasons() {
+        let seen = recorded(|| {
+            describe_all();
+            inst().set_time_budget(&n("llm"), &n("mixed"), Some(50.0));
+            inst().set_time_budget(&n("llm"), &n("prefill"), None);
+        });
+        for reason in TimeInactiveReason::ALL {
+            let labels = [
+                (LABEL_MODEL, "m"),
+                (LABEL_NODE, "llm"),
+                (LABEL_WALK, "mixed"),
+                (LABEL_REASON, reason.as_str()),
+            ];
+            assert_eq!(
+                value(&seen, TIME_BUDGET_INACTIVE_STEPS_TOTAL, &labels),
+                &DebugValue::Counter(0)
+            );
+        }
+        // A walk without a time budget has no such series.
+        assert!(!seen
+            .iter()
+            .any(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL
+                && s.labels
+                    .iter()
+                    .any(|(k, v)| k == LABEL_WALK && v == "prefill")));
+        let help = seen
+            .iter()
+            .find(|s| s.name == TIME_BUDGET_INACTIVE_STEPS_TOTAL)
+            .and_then(|s| s.help.clone())
+            .unwrap();
+        for reason in TimeInactiveReason::ALL {
+            assert!(help.contains(reason.as_str()), "{help}");
+        }
     }
 
     #[test]

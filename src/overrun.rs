@@ -137,6 +137,44 @@ impl TimeOverrunReason {
     }
 }
 
+/// Why a step of a walk with a time budget was planned without it
+/// (`docs/cost-model.md#when-a-time-budget-is-not-in-force`). Bounded: a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TimeInactiveReason {
+    /// The node learns its model and has no configured prior, and no step was measured yet
+    /// (an engine that never reports step times stays here).
+    NoMeasurements,
+    /// The node learns its model and has no configured prior, and its online fit is not
+    /// trusted (fewer than its minimum steps, or its relative error above the bound).
+    UntrustedFit,
+}
+
+impl TimeInactiveReason {
+    /// Every reason, in label order.
+    pub const ALL: [TimeInactiveReason; 2] = [Self::NoMeasurements, Self::UntrustedFit];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoMeasurements => "no_measurements",
+            Self::UntrustedFit => "untrusted_fit",
+        }
+    }
+
+    /// What it means, for a log line or a health detail.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::NoMeasurements => {
+                "no configured latency model and no measured step yet to learn one from"
+            }
+            Self::UntrustedFit => {
+                "no configured latency model, and the online fit is not trusted yet"
+            }
+        }
+    }
+}
+
 /// Whether a completed step is a time overrun, and why: `None` when it took at most
 /// `max_step_ms`; else the reason the plan knowingly went over (`planned_over`, set by the
 /// planner for its liveness cases), or [`TimeOverrunReason::Misprediction`] when the plan was
@@ -244,6 +282,25 @@ mod tests {
         assert_eq!(
             StepTokens::of_step(None, 7, false, []),
             StepTokens::planned(None, 7, false)
+        );
+    }
+
+    #[test]
+    fn the_reasons_a_time_budget_is_not_in_force_are_labelled_and_described() {
+        use TimeInactiveReason::*;
+        let labels: Vec<_> = TimeInactiveReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(labels, ["no_measurements", "untrusted_fit"]);
+        assert_eq!(
+            NoMeasurements.describe(),
+            "no configured latency model and no measured step yet to learn one from"
+        );
+        assert_eq!(
+            UntrustedFit.describe(),
+            "no configured latency model, and the online fit is not trusted yet"
+        );
+        assert_eq!(
+            serde_json::to_value(UntrustedFit).unwrap(),
+            serde_json::json!("untrusted_fit")
         );
     }
 

@@ -15,7 +15,9 @@ use crate::latency::fit::{OnlineFit, OnlineFitConfig};
 use crate::latency::margin::TimeMargin;
 use crate::latency::{select_model, LatencyModel, ModelSource, StepFeatures};
 use crate::order::{AdmitOptions, StepClock};
-use crate::overrun::{classify, classify_time_overrun, Overrun, StepTokens, TimeOverrunReason};
+use crate::overrun::{
+    classify, classify_time_overrun, Overrun, StepTokens, TimeInactiveReason, TimeOverrunReason,
+};
 use crate::planner::{plan_ranked, plan_timed, RowWork, StepParams, StepPlan, TimeLimit};
 use crate::policy::Name;
 use crate::prepared::{ChunkInput, InputChange, NodeInputs, PreparedInput, PreparedStore};
@@ -441,6 +443,9 @@ pub struct StepOutcome {
     pub time_margin: Option<f64>,
     /// The time overrun, if the measured time exceeded the time budget.
     pub time_overrun: Option<TimeOverrunReason>,
+    /// Why the step's walk has a time budget that the step was not planned under (no model
+    /// yet), if so (`docs/cost-model.md#when-a-time-budget-is-not-in-force`).
+    pub time_inactive: Option<TimeInactiveReason>,
     /// The node's latency model after this step (its online fit may have moved), and its
     /// source.
     pub model: (Option<LatencyModel>, ModelSource),
@@ -589,6 +594,12 @@ pub struct LatencyModelReport {
     /// The online fit's current estimate (coefficients, samples, error, whether trusted);
     /// `None` before the first measured step or when the node does not learn.
     pub fit: Option<crate::latency::fit::OnlineEstimate>,
+    /// Steps of the node, on walks with a time budget, planned without it
+    /// ([`StepOutcome::time_inactive`]), since the start.
+    pub time_inactive_steps: u64,
+    /// Why the node's latest completed step on a walk with a time budget was planned without
+    /// it; `None` when that step was planned under it (or there was none).
+    pub time_inactive: Option<TimeInactiveReason>,
 }
 
 /// Row queues per node, the snapshot the next step is planned under, and the steps in flight.
@@ -612,6 +623,9 @@ pub struct SchedulerState {
     /// [`SchedulerState::measured`].
     unmeasured: std::collections::VecDeque<Unmeasured>,
     next_step: u64,
+    /// Per node, the steps on walks with a time budget planned without it, and the reason of
+    /// its latest such step (`None` once a timed step is planned under its budget again).
+    time_inactive: FxHashMap<Name, (u64, Option<TimeInactiveReason>)>,
     /// A plan buffer handed back by the last completed step, reused to avoid reallocating.
     spare: StepPlan,
     /// The batch of the last step completed or abandoned: once the engine holds it no more,
@@ -767,12 +781,16 @@ impl SchedulerState {
         let learn_cost = table.settings().time.learn;
         let configured = table.cost(node);
         let (model, source) = self.select(node, learn_cost, configured);
+        let (time_inactive_steps, time_inactive) =
+            self.time_inactive.get(node).copied().unwrap_or_default();
         Ok(LatencyModelReport {
             model,
             source,
             configured,
             learn_cost,
             fit: self.fits.get(node).and_then(OnlineFit::estimate),
+            time_inactive_steps,
+            time_inactive,
         })
     }
 
@@ -1137,6 +1155,7 @@ impl SchedulerState {
         });
         // The step's own time budget: the plan's limit is divided by the time margin.
         let max_step_ms = f.plan.time.and(f.params.max_step_ms);
+        let time_inactive = self.time_in_force(&node, &f);
         let time_overrun = measured_ms
             .zip(max_step_ms)
             .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
@@ -1194,8 +1213,34 @@ impl SchedulerState {
             max_step_ms,
             time_margin,
             time_overrun,
+            time_inactive,
             model: self.model_for(&f.params),
         })
+    }
+
+    /// Whether a completed step (with rows) on a walk with a time budget was planned under
+    /// it, counted per node; answers why not. Read before the step's time feeds the fit.
+    fn time_in_force(&mut self, node: &Name, f: &InFlight) -> Option<TimeInactiveReason> {
+        if f.params.max_step_ms.is_none() || f.plan.rows.is_empty() {
+            return None;
+        }
+        if f.plan.time.is_some() {
+            // In force: the node's latest step has no reason any more (its count stays).
+            if !self.time_inactive.is_empty() {
+                if let Some(seen) = self.time_inactive.get_mut(node) {
+                    seen.1 = None;
+                }
+            }
+            return None;
+        }
+        let why = match self.fits.get(node).map_or(0, OnlineFit::samples) {
+            0 => TimeInactiveReason::NoMeasurements,
+            _ => TimeInactiveReason::UntrustedFit,
+        };
+        let seen = self.time_inactive.entry(node.clone()).or_default();
+        seen.0 += 1;
+        seen.1 = Some(why);
+        Some(why)
     }
 
     /// Reports the measured time of step `step`, completed before its time was known (async
@@ -2086,5 +2131,110 @@ mod tests {
                 truth.coefficients()
             );
         }
+    }
+
+    #[test]
+    fn with_a_prior_the_first_step_after_set_budgets_is_planned_against_the_time_budget() {
+        // 1 ms a token: a 60 ms budget plans 60-token chunks from the first step, learning on.
+        let prior = LatencyModel::try_new(0.0, 1.0, 0.0, 0.0).unwrap();
+        let floor = std::num::NonZeroU32::new(8).unwrap();
+        let mut s = state_with(|s| {
+            s.cost("llm", prior)
+                .learn_cost(true)
+                .max_step_ms("llm", 60.0)
+                .min_chunk_tokens(floor)
+        });
+        s.admit(1, "llm", "prefill", 1_000, 0).unwrap();
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!((b.max_step_ms, b.predicted_ms), (Some(60.0), Some(60.0)));
+        assert_eq!(chunk(&b.rows[0]), (0, 60));
+        let out = s.complete(b.step, &[60], Some(60.0)).unwrap();
+        assert_eq!(out.model.1, ModelSource::Config);
+        assert_eq!((out.max_step_ms, out.time_inactive), (Some(60.0), None));
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (0, None)
+        );
+    }
+
+    #[test]
+    fn without_a_prior_each_step_says_why_its_time_budget_is_not_in_force() {
+        use crate::overrun::TimeInactiveReason::{NoMeasurements, UntrustedFit};
+        let floor = std::num::NonZeroU32::new(8).unwrap();
+        let mut s = state_with(|s| {
+            s.learn_cost(true)
+                .max_step_ms("llm", 60.0)
+                .min_chunk_tokens(floor)
+        });
+        let mut rid = 0;
+        // Prompts of 20 to 100 tokens and one of 1,000, each step measured at 1 ms a token
+        // (`measured`) or not.
+        let mut step = |s: &mut SchedulerState, measured: bool| {
+            rid += 1;
+            let total = if measured {
+                20 + (rid * 37) % 81
+            } else {
+                1_000
+            };
+            s.admit(rid, "llm", "prefill", total as u32, 0).unwrap();
+            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let (start, end) = chunk(&b.rows[0]);
+            let ran = end - start;
+            let ms = measured.then_some(f64::from(ran));
+            let out = s.complete(b.step, &[ran], ms).unwrap();
+            s.forget(rid);
+            (b, out)
+        };
+        // No step measured yet: planned under the token budget alone (100 tokens of 1,000).
+        for i in 0..2 {
+            let (b, out) = step(&mut s, false);
+            assert_eq!((b.max_step_ms, b.predicted_ms), (None, None), "step {i}");
+            assert_eq!(chunk(&b.rows[0]), (0, 100));
+            assert_eq!(out.time_inactive, Some(NoMeasurements), "step {i}");
+        }
+        // The first measured step is planned before its time is known; then the fit has
+        // samples, but is not trusted before 50 steps (1 ms a token).
+        let (_, out) = step(&mut s, true);
+        assert_eq!(out.time_inactive, Some(NoMeasurements));
+        for i in 0..48 {
+            let (_, out) = step(&mut s, true);
+            assert_eq!(out.time_inactive, Some(UntrustedFit), "step {i}");
+            assert_eq!(out.model.1, ModelSource::None, "step {i}");
+        }
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (51, Some(UntrustedFit))
+        );
+        // The 50th measured step makes the fit trusted: the next is planned in time, and the
+        // node's latest step no longer reports a reason (its count stays).
+        let (_, out) = step(&mut s, true);
+        assert_eq!(out.time_inactive, Some(UntrustedFit));
+        assert_eq!(out.model.1, ModelSource::Online);
+        let (b, out) = step(&mut s, false);
+        assert_eq!(b.max_step_ms, Some(60.0));
+        // The fitted 1 ms a token, give or take its rounding: a chunk of about 60 tokens.
+        let (_, end) = chunk(&b.rows[0]);
+        assert!((55..=60).contains(&end), "{end}");
+        assert!(b.predicted_ms.is_some_and(|p| p <= 60.0), "{b:?}");
+        assert_eq!(out.time_inactive, None);
+        let report = s.latency_report("llm").unwrap();
+        assert_eq!(
+            (report.time_inactive_steps, report.time_inactive),
+            (52, None)
+        );
+        // A node without a time budget, or a step with no rows, is never counted.
+        let mut plain = state_with(|s| s.learn_cost(true));
+        plain.admit(1, "llm", "prefill", 10, 0).unwrap();
+        let b = plain.assemble("llm", "prefill").unwrap().into_batch();
+        assert_eq!(
+            plain.complete(b.step, &[10], None).unwrap().time_inactive,
+            None
+        );
+        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        assert!(b.rows.is_empty());
+        assert_eq!(s.complete(b.step, &[], None).unwrap().time_inactive, None);
+        assert_eq!(s.latency_report("llm").unwrap().time_inactive_steps, 52);
     }
 }

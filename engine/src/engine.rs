@@ -381,6 +381,8 @@ pub struct EngineHandle {
     pub tokenizer: std::sync::Arc<crate::tokenizer::Tokenizer>,
     /// The KV capacity in tokens (`--kv-tokens`): no request reserves more.
     pub kv_tokens: u64,
+    /// The time budget per step (`--max-step-ms`), for `/health`.
+    pub max_step_ms: Option<f64>,
 }
 
 impl EngineHandle {
@@ -470,6 +472,11 @@ pub async fn start_chunking(
     cm.set_budgets(budget_settings(settings))
         .await
         .map_err(|e| budget_refusal(&e))?;
+    if settings.max_step_ms.is_some() && settings.learn_cost && settings.cost.is_none() {
+        tracing::warn!(
+            "--max-step-ms with --learn-cost and no --cost: no latency model to plan against until the online fit is trusted (50 measured steps within 10%), so steps run under the token budget alone until then (GET /health shows it); pass --cost (a prior, e.g. from `mstar-chunking fit`) to keep the time budget from the first step"
+        );
+    }
     Ok((cm, thread))
 }
 
@@ -540,6 +547,7 @@ pub fn start(
     };
     let tokenizer = model.tokenizer().clone();
     let settings_kv_tokens = settings.kv_tokens;
+    let max_step_ms = settings.max_step_ms;
     let limits = ModelLimits {
         vocab: tokenizer.vocab_size() as u32,
         max_positions: model.config.max_positions,
@@ -604,6 +612,7 @@ pub fn start(
             limits,
             tokenizer,
             kv_tokens,
+            max_step_ms,
         },
         thread,
     ))

@@ -1224,12 +1224,34 @@ async fn model_by_id(
     Ok(HttpResponse::Ok().json(model_object(&state)))
 }
 
+/// `/health`: 200 `{"status": "ok"}` while serving, 503 while shutting down. With a time
+/// budget (`--max-step-ms`), `time_budget` says whether it is in force: the component's latency
+/// model source, and the steps planned without it and why the latest was (no latency model yet:
+/// `--learn-cost` without `--cost`, the fit not trusted). Not in force is still 200: the engine
+/// serves, and a probe that restarted it would only start the fit over.
 async fn health(state: web::Data<AppState>) -> HttpResponse {
     if state.draining.load(Ordering::Relaxed) {
-        HttpResponse::ServiceUnavailable().json(json!({"status": "draining"}))
-    } else {
-        HttpResponse::Ok().json(json!({"status": "ok"}))
+        return HttpResponse::ServiceUnavailable().json(json!({"status": "draining"}));
     }
+    let Some(max_step_ms) = state.engine.max_step_ms else {
+        return HttpResponse::Ok().json(json!({"status": "ok"}));
+    };
+    let time_budget = match state
+        .engine
+        .chunking
+        .latency_model(crate::engine::NODE)
+        .await
+    {
+        Ok(r) => json!({
+            "max_step_ms": max_step_ms,
+            "in_force": r.model.is_some(),
+            "inactive_steps": r.time_inactive_steps,
+            "inactive_reason": r.time_inactive.map(|w| w.as_str()),
+            "model_source": r.source.as_str(),
+        }),
+        Err(e) => json!({"max_step_ms": max_step_ms, "error": e.to_string()}),
+    };
+    HttpResponse::Ok().json(json!({"status": "ok", "time_budget": time_budget}))
 }
 
 /// `/ping` (GET or POST, as vLLM and SageMaker probe): 200 with no body while serving, 503

@@ -742,3 +742,80 @@ async fn chat_templates_that_fail_are_400s() {
         thread.join().unwrap().unwrap();
     }
 }
+
+/// `/health` says whether the time budget is in force: learning without a prior (fewer than
+/// the 50 steps the fit needs to be trusted), every step so far ran without it; with a prior
+/// (`--cost`), it is in force from the first step.
+#[actix_web::test]
+async fn health_shows_whether_the_time_budget_is_in_force() {
+    let health = |srv: &Server| {
+        let h = reqwest::get(url(srv, "/health"));
+        async move {
+            let h = h.await.unwrap();
+            assert_eq!(h.status(), 200);
+            h.json::<Value>().await.unwrap()
+        }
+    };
+    let body = json!({"model": "tiny", "prompt": "Hello, world!", "max_tokens": 8,
+                      "temperature": 0, "ignore_eos": true});
+    let prior = mstar_chunking::LatencyModel::try_new(1.0, 0.01, 0.0, 0.0).unwrap();
+    for cost in [None, Some(prior)] {
+        let (srv, thread) = start(EngineSettings {
+            max_step_ms: Some(250.0),
+            learn_cost: true,
+            cost,
+            ..EngineSettings::default()
+        });
+        let before = health(&srv).await;
+        assert_eq!(before["status"], "ok");
+        assert_eq!(before["time_budget"]["max_step_ms"], 250.0);
+        assert_eq!(
+            before["time_budget"]["in_force"],
+            cost.is_some(),
+            "{before}"
+        );
+        assert_eq!(before["time_budget"]["inactive_steps"], 0);
+        let (status, _) = common::post(&url(&srv, ""), "/v1/completions", &body).await;
+        assert_eq!(status, 200);
+        wait_idle(&srv).await;
+        let after = health(&srv).await;
+        let t = &after["time_budget"];
+        if cost.is_some() {
+            assert_eq!(
+                (
+                    &t["in_force"],
+                    &t["inactive_steps"],
+                    &t["inactive_reason"],
+                    &t["model_source"]
+                ),
+                (&json!(true), &json!(0), &Value::Null, &json!("config")),
+                "{after}"
+            );
+        } else {
+            // One prefill step and seven decode steps, all measured: the first before any time
+            // was known, the others with an untrusted fit.
+            assert_eq!(
+                (
+                    &t["in_force"],
+                    &t["inactive_steps"],
+                    &t["inactive_reason"],
+                    &t["model_source"]
+                ),
+                (
+                    &json!(false),
+                    &json!(8),
+                    &json!("untrusted_fit"),
+                    &json!("none")
+                ),
+                "{after}"
+            );
+        }
+        srv.shutdown(Duration::from_secs(1)).await.unwrap();
+        thread.join().unwrap().unwrap();
+    }
+    // Without a time budget, /health is as it was.
+    let (srv, thread) = start(EngineSettings::default());
+    assert_eq!(health(&srv).await, json!({"status": "ok"}));
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+}

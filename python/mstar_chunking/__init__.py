@@ -586,7 +586,8 @@ class ChunkingManagement:
     def latency_model(self, node_name: str) -> LatencyModelState:
         """The latency model ``node_name`` plans its time budgets with: the model in force, where
         it came from (``online``, ``config`` or ``none``), the configured one, whether the node
-        learns, and the online fit's estimate (coefficients, samples, error, trusted)."""
+        learns, the online fit's estimate (coefficients, samples, error, trusted), and how many of
+        its steps were planned without their time budget and why the latest was."""
         return self._engine.latency_model(node_name)
 
     @property

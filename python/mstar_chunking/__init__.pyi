@@ -75,6 +75,8 @@ class LatencyModelState(NamedTuple):
     configured: Optional[LatencyModel]
     learn_cost: bool
     fit: Optional[OnlineFit]
+    time_budget_inactive_steps: int = 0
+    time_budget_inactive_reason: Optional[str] = None
 
 class Tokens:
     def __len__(self) -> int: ...
@@ -174,6 +176,8 @@ class StepOutcome:
     def time_margin(self) -> Optional[float]: ...
     @property
     def time_overrun(self) -> Optional[str]: ...
+    @property
+    def time_inactive(self) -> Optional[str]: ...
 
 class NextStep:
     def __init__(self, node: str, walk: str, *, at_ms: Optional[float] = None) -> None: ...

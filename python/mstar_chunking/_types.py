@@ -164,6 +164,12 @@ class LatencyModelState(NamedTuple):
     fit: Optional[OnlineFit]
     """The online fit's estimate; ``None`` before the first measured step or without
     ``learn_cost``."""
+    time_budget_inactive_steps: int = 0
+    """Steps of the node on walks with a time budget that were planned without it (the node
+    learns its model, has no configured one and its fit is not trusted yet), since the start."""
+    time_budget_inactive_reason: Optional[str] = None
+    """Why the node's latest step on a walk with a time budget was planned without it
+    (``"no_measurements"`` or ``"untrusted_fit"``); ``None`` when it was planned under it."""
 
 
 _NON_NATIVE_U32 = {">I", "!I"} if sys.byteorder == "little" else {"<I"}

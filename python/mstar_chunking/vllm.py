@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import islice, repeat
 from typing import Any, Optional
 
@@ -50,6 +49,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from ._plugin_stats import ChunkingStats  # noqa: E402
 from . import (  # noqa: E402
     ChunkingError,
     ChunkingManagement,
@@ -102,23 +102,6 @@ class _Step:
         planned = list(self.plan.values())
         ran = planned if self.ran is None else self.ran
         return list(zip(self.req_ids, self.batch.columns()[0], planned, ran))
-
-
-@dataclass
-class ChunkingStats:
-    """What the plugin saw, for logs and tests (the component's own metrics are separate)."""
-
-    steps: int = 0
-    handed_back: int = 0  # planned rows vLLM did not schedule (no blocks, no slot, preempted)
-    start_mismatches: int = 0  # a waiting request's prefix-cache hit changed before vLLM reached it
-    ended_in_flight: int = 0  # async: forgotten once their last token was scheduled
-    refused_requests: int = 0
-    readmitted: int = 0  # admitted again to follow vLLM's waiting order (after a preemption)
-    unmeasured_steps: int = 0  # async: completed before their time was known
-    late_measured: int = 0  # of those, times reported after the completion (`measured`)
-    late_outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))
-    measured_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
-    outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))  # the component's StepOutcomes
 
 
 def _vllm_config_of(args: tuple, kwargs: dict) -> Any:
@@ -496,13 +479,13 @@ class _Chunking:
                 changes,
                 self._req_of,
             )
-            self.mstar_stats.outcomes.append(outcome)
+            self.mstar_stats.completed(outcome)
             if isinstance(nxt, BaseException):  # the completion stands; the assembly failed
                 raise nxt
             return nxt
         if prev is not None:
             ran = prev.batch if prev.ran is None else prev.ran
-            self.mstar_stats.outcomes.append(cm.complete(prev.step, ran, ms))
+            self.mstar_stats.completed(cm.complete(prev.step, ran, ms))
         for rid in continues:
             cm.continue_row(rid, NODE, DECODE, 1)
         for rid, tokens, cached in changes:

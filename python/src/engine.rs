@@ -1251,6 +1251,8 @@ impl Engine {
             model(r.configured.as_ref())?,
             r.learn_cost,
             fit,
+            r.time_inactive_steps,
+            r.time_inactive.map(|r| r.as_str()),
         ))
     }
 

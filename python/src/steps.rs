@@ -552,6 +552,9 @@ pymethods_with_getters! {
         /// Why the step ran over its time budget (`floor`, `uncut_row`, `continuing`,
         /// `misprediction`), if it did.
         time_overrun: Option<&'static str> = s.outcome.time_overrun.map(|r| r.as_str()),
+        /// Why the step's walk has a time budget the step was not planned under
+        /// (`no_measurements`, `untrusted_fit`), if so.
+        time_inactive: Option<&'static str> = s.outcome.time_inactive.map(|r| r.as_str()),
     }
 
     /// The token overrun (`Overrun`), if the step ran over its budget.

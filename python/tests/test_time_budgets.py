@@ -166,6 +166,34 @@ def test_an_online_fit_learns_a_four_term_truth_from_measured_times(cm):
     assert len(margins) > 100 and all(m is not None and m > 0 for m in margins)
 
 
+def test_steps_without_their_time_budget_show_in_the_outcome_and_the_latency_model_state(cm):
+    # Learning, no configured model: no step is planned in time before the fit is trusted.
+    budgets(cm, max_step_ms={"llm": {"mixed": 60.0}}, learn_cost=True)
+    state = cm.latency_model("llm")
+    assert (state.time_budget_inactive_steps, state.time_budget_inactive_reason) == (0, None)
+    seen = []
+    for rid, ms in enumerate([None, None, 30.0, 40.0], start=1):
+        cm.admit(rid, "llm", "prefill", [7] * 4000)
+        b = cm.assemble("llm", "mixed")
+        assert b.max_step_ms is None and b.scheduled_tokens == 2048
+        out = cm.complete(b.step, b.planned(), measured_ms=ms)
+        seen.append(out.time_inactive)
+        cm.forget_request(rid)
+    # Read before each step's own time is learned: the third step's is the first measured.
+    assert seen == ["no_measurements"] * 3 + ["untrusted_fit"]
+    state = cm.latency_model("llm")
+    assert (state.time_budget_inactive_steps, state.time_budget_inactive_reason) == (4, "untrusted_fit")
+    # With a prior (a configured model), the first step is planned in time and nothing is counted.
+    budgets(cm, max_step_ms={"llm": {"mixed": 60.0}}, learn_cost=True, cost="llama2-7b-a100")
+    cm.admit(9, "llm", "prefill", [7] * 4000)
+    b = cm.assemble("llm", "mixed")
+    assert b.max_step_ms == 60.0
+    out = cm.complete(b.step, b.planned(), measured_ms=50.0)
+    assert out.time_inactive is None
+    state = cm.latency_model("llm")
+    assert (state.time_budget_inactive_steps, state.time_budget_inactive_reason) == (4, None)
+
+
 def test_a_time_reported_after_the_completion_feeds_the_fit_once(cm):
     # An engine one step behind (asynchronous scheduling): each step completes without its
     # time, which comes with the next step.

@@ -34,6 +34,9 @@ pub(super) struct Shell {
     pub(super) model_gauges: FxHashMap<Name, ModelGauges>,
     /// The tracing spans of the steps in flight and of the requests admitted.
     pub(super) spans: Spans,
+    /// Per `(node, walk)`, steps planned without their time budget, for the warning's cadence
+    /// (touched only by such steps).
+    pub(super) time_inactive: Vec<(Name, Name, u64)>,
 }
 
 impl Shell {
@@ -51,8 +54,29 @@ impl Shell {
             model_gauges: FxHashMap::default(),
             spans: Spans::new(instance.model_name().clone()),
             instance,
+            time_inactive: Vec::new(),
         }
     }
+}
+
+/// Counts a step of `node`/`walk` planned without its time budget in `seen`; answers the pair's
+/// count and whether to warn: on the 1st, 2nd, 4th, 8th, … (the overrun warnings' cadence).
+pub(super) fn count_time_inactive(
+    seen: &mut Vec<(Name, Name, u64)>,
+    node: &Name,
+    walk: &Name,
+) -> (u64, bool) {
+    let n = match seen.iter_mut().find(|(n, w, _)| n == node && w == walk) {
+        Some((_, _, n)) => {
+            *n += 1;
+            *n
+        }
+        None => {
+            seen.push((node.clone(), walk.clone(), 1));
+            1
+        }
+    };
+    (n, n.is_power_of_two())
 }
 
 impl Shell {
@@ -161,6 +185,23 @@ impl StepHooks for Shell {
             self.overruns
                 .do_send(RecordOverrun(o.clone(), span.clone()));
         }
+        if let Some(reason) = outcome.time_inactive {
+            let (n, warn) =
+                count_time_inactive(&mut self.time_inactive, &outcome.node, &outcome.walk);
+            if warn {
+                tracing::warn!(
+                    node = %outcome.node,
+                    walk = %outcome.walk,
+                    reason = reason.as_str(),
+                    steps = n,
+                    "time budget not applied: a step of {}/{} planned under its token budget alone ({}), {} so far; give the node a latency model (chunking.cost, an engine's --cost) to plan against from the first step (docs/cost-model.md#when-a-time-budget-is-not-in-force)",
+                    outcome.node,
+                    outcome.walk,
+                    reason.describe(),
+                    n
+                );
+            }
+        }
         self.spans.ended(outcome.step);
         self.step_metrics(&outcome.node, &outcome.walk)
             .completed(outcome);
@@ -207,6 +248,7 @@ impl StepHooks for Shell {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::fmt::{Debug, Write as _};
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex};
@@ -370,6 +412,106 @@ mod tests {
             sources > 0,
             "the completion published the node's model source"
         );
+    }
+
+    /// A step planned without its time budget is counted by reason in the metric, and warned
+    /// at the 1st, 2nd, 4th, … such step of its `(node, walk)`.
+    #[actix::test]
+    async fn a_step_without_its_time_budget_is_counted_by_reason_and_warned_at_powers_of_two() {
+        use crate::metrics::TIME_BUDGET_INACTIVE_STEPS_TOTAL;
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let captured = Arc::new(Captured::default());
+        let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        let mut shell = Shell::new(instance, prepared, overruns);
+        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
+        let model = ModelPolicies::new(
+            [(llm.clone(), SubmoduleCaps::new(["prefill"], false))].into(),
+            [((llm.clone(), prefill.clone()), ChunkingPolicy::budget(8))].into(),
+        )
+        .unwrap()
+        .shared();
+        // Learning, no configured model: no step is planned in time until the fit is trusted.
+        let settings = crate::budget::BudgetSettings::new(["prefill"])
+            .learn_cost(true)
+            .max_step_ms("llm", 50.0);
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut state = SchedulerState::with_table(table);
+        metrics::with_local_recorder(&recorder, || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                // Five steps not measured, then one measured step and one more.
+                for (rid, ms) in [None, None, None, None, None, Some(9.0), None]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let input = PreparedInput::tokens(vec![1; 8]);
+                    state
+                        .admit_prepared(rid as u64, &llm, &prefill, input, 0, &mut shell)
+                        .unwrap();
+                    let b = state
+                        .assemble_step_at("llm", "prefill", None, &mut shell)
+                        .unwrap();
+                    let out = state.complete_step(b.step, &[8], ms, &mut shell).unwrap();
+                    assert!(out.time_inactive.is_some());
+                }
+            });
+        });
+        let events = captured.events.lock().unwrap().clone();
+        let warned: Vec<&String> = events
+            .iter()
+            .filter(|e| e.starts_with("WARN") && e.contains("time budget not applied"))
+            .collect();
+        assert_eq!(warned.len(), 3, "{events:#?}");
+        for (w, n) in warned.iter().zip([1, 2, 4]) {
+            assert!(w.contains(&format!("steps={n}")), "{w}");
+            assert!(w.contains("reason=\"no_measurements\""), "{w}");
+        }
+        let mut counts = BTreeMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            if let (TIME_BUDGET_INACTIVE_STEPS_TOTAL, DebugValue::Counter(c)) =
+                (key.key().name(), value)
+            {
+                let reason = key.key().labels().find(|l| l.key() == "reason").unwrap();
+                counts.insert(reason.value().to_owned(), c);
+            }
+        }
+        // The first six were planned before any measured time; the seventh after one.
+        let want = BTreeMap::from([
+            ("no_measurements".to_owned(), 6),
+            ("untrusted_fit".to_owned(), 1),
+        ]);
+        assert_eq!(counts, want);
+    }
+
+    #[test]
+    fn each_pair_counts_its_own_steps_without_a_time_budget() {
+        let (llm, a, b) = (Name::from("llm"), Name::from("a"), Name::from("b"));
+        let mut seen = Vec::new();
+        let mut warned = Vec::new();
+        for i in 1..=9u64 {
+            assert_eq!(count_time_inactive(&mut seen, &llm, &a).0, i);
+            if i % 3 == 0 {
+                warned.push(count_time_inactive(&mut seen, &llm, &b));
+            }
+        }
+        assert_eq!(warned, [(1, true), (2, true), (3, false)]);
+        let (n, warn) = count_time_inactive(&mut seen, &llm, &a);
+        assert_eq!((n, warn), (10, false));
+        assert!(count_time_inactive(&mut Vec::new(), &llm, &a).1);
+        let mut at_powers = Vec::new();
+        let mut one = Vec::new();
+        for _ in 0..16 {
+            let (n, warn) = count_time_inactive(&mut one, &llm, &a);
+            if warn {
+                at_powers.push(n);
+            }
+        }
+        assert_eq!(at_powers, [1, 2, 4, 8, 16]);
     }
 
     /// Each `(node, walk)` gets its own handles, resolved once, whatever order the pairs come

@@ -110,6 +110,15 @@ pub enum BudgetError {
         /// The walk.
         walk: Name,
     },
+    /// A node-wide time budget on a node whose step walks all have their token budget off:
+    /// it would bound no step (a time budget bounds a step through the chunks it cuts).
+    #[error("`chunking.max_step_ms.{node}` would do nothing: `chunking.max_batch_tokens.{node}.{walk}` is off, so no step is cut; set a token budget there or the time budget off")]
+    TimeBudgetWithoutTokenBudget {
+        /// The node.
+        node: Name,
+        /// Its step walk whose token budget is off (the first, when there are several).
+        walk: Name,
+    },
     /// A time budget on a member walk: steps run under their combined walk's time budget.
     #[error("time budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}`, whose time budget applies; set `{combined}` instead")]
     TimeMemberWalk {
@@ -342,7 +351,9 @@ impl BudgetError {
             Self::TimeBudgetDoesNothing { node, walk }
             | Self::TimeMemberWalk { node, walk, .. }
             | Self::TimeBudgetBelowBase { node, walk, .. } => at(K::MaxStepMs, node, Some(walk)),
-            Self::NoLatencyModel { node } => at(K::MaxStepMs, node, None),
+            Self::NoLatencyModel { node } | Self::TimeBudgetWithoutTokenBudget { node, .. } => {
+                at(K::MaxStepMs, node, None)
+            }
             Self::ZeroLatencyModel { node } | Self::LatencyModelTooLarge { node, .. } => {
                 at(K::Cost, node, None)
             }
@@ -381,6 +392,7 @@ impl BudgetError {
             Self::WalkNeverChunked { .. } => n(11),
             Self::BadTimeBudget { .. }
             | Self::TimeBudgetDoesNothing { .. }
+            | Self::TimeBudgetWithoutTokenBudget { .. }
             | Self::TimeMemberWalk { .. }
             | Self::NoLatencyModel { .. }
             | Self::TimeBudgetBelowBase { .. }

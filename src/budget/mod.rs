@@ -300,6 +300,29 @@ impl BudgetTable {
             refusal,
             errors,
         );
+        // A node-wide time budget applies to the walks the node budgets; when every step walk
+        // among them is served with its token budget off, it would bound no step.
+        for (node, value) in &time.max_step_ms {
+            if !matches!(value, NodeSetting::All(TimeBudget::Ms(_)))
+                || !model.has_node(node)
+                || settings.no_chunking.contains(node)
+            {
+                continue;
+            }
+            let mut steps = model.budgeted_walks(node).filter(|w| {
+                settings.walks.contains(*w) && !settings.combined_walk_of.contains_key(*w)
+            });
+            if let Some(first) = steps.next() {
+                let all_off = token_budget(node, first).is_none()
+                    && steps.all(|w| token_budget(node, w).is_none());
+                if all_off {
+                    errors.push(BudgetError::TimeBudgetWithoutTokenBudget {
+                        node: node.clone(),
+                        walk: first.clone(),
+                    });
+                }
+            }
+        }
         let needs_model: BTreeSet<&Name> = accepted
             .iter()
             .filter(|(_, ms)| ms.is_some())

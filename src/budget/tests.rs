@@ -843,3 +843,107 @@ fn a_yielding_floor_waits_for_the_starvation_bound_or_a_hundred_steps() {
         TimeFloor::Run
     );
 }
+
+#[test]
+fn a_node_wide_time_budget_is_refused_where_every_step_walk_has_its_token_budget_off() {
+    let model = LatencyModel::try_new(5.0, 0.05, 0.0, 0.0).unwrap();
+    let timed = |s: BudgetSettings| {
+        let mut s = s.cost("llm", model);
+        s.time.max_step_ms = BTreeMap::from([(n("llm"), NodeSetting::All(TimeBudget::Ms(40.0)))]);
+        s
+    };
+    let off_rule = |s: BudgetSettings| -> Vec<BudgetError> {
+        BudgetTable::build(omni(), s)
+            .err()
+            .map_or_else(Vec::new, |e| {
+                e.0.into_iter()
+                    .filter(|e| matches!(e, BudgetError::TimeBudgetWithoutTokenBudget { .. }))
+                    .collect()
+            })
+    };
+    // `mixed`, llm's only step walk (`prefill` runs inside it), off: per walk or node-wide.
+    for overrides in [
+        per_walk("llm", &[("mixed", BudgetValue::Off)]),
+        BTreeMap::from([(n("llm"), NodeSetting::All(BudgetValue::Off))]),
+    ] {
+        let mut s = timed(settings());
+        s.overrides = overrides;
+        let e = BudgetTable::build(omni(), s.clone()).unwrap_err().0;
+        assert_eq!(e.len(), 1, "{e:?}");
+        let want = BudgetError::TimeBudgetWithoutTokenBudget {
+            node: n("llm"),
+            walk: n("mixed"),
+        };
+        assert_eq!(e[0], want);
+        assert_eq!(
+            e[0].to_string(),
+            "`chunking.max_step_ms.llm` would do nothing: `chunking.max_batch_tokens.llm.mixed` is off, so no step is cut; set a token budget there or the time budget off"
+        );
+        let subject = e[0].subject().unwrap();
+        assert_eq!(
+            (subject.setting, subject.node, subject.walk),
+            (SettingKey::MaxStepMs, Some(&n("llm")), None)
+        );
+        assert_eq!(e[0].rule(), Rule::TimeBudgets);
+        // Learning instead of a configured model: the same.
+        s.time.cost.clear();
+        s.time.learn = true;
+        assert_eq!(off_rule(s), [want]);
+    }
+    // With `mixed` budgeted, accepted; the time budget applies to it.
+    let t = BudgetTable::build(omni(), timed(settings())).unwrap();
+    assert_eq!(t.max_step_ms("llm", "mixed"), Some(40.0));
+    // A node whose budgeted walks all run inside a combined walk it does not budget (talker's
+    // `prefill`): no step walk, not this rule.
+    let mut s = settings().cost("talker", model);
+    s.time.max_step_ms = BTreeMap::from([(n("talker"), NodeSetting::All(TimeBudget::Ms(40.0)))]);
+    assert!(off_rule(s).is_empty());
+    // Standalone walks, one of them still budgeted: the time budget bounds that one.
+    let mut s = timed(settings());
+    s.combined_walk_of.clear();
+    s.overrides = per_walk("llm", &[("mixed", BudgetValue::Off)]);
+    assert!(off_rule(s.clone()).is_empty());
+    // Both off: refused, naming the first.
+    s.overrides = BTreeMap::from([(n("llm"), NodeSetting::All(BudgetValue::Off))]);
+    let e = off_rule(s.clone());
+    assert_eq!(
+        e,
+        [BudgetError::TimeBudgetWithoutTokenBudget {
+            node: n("llm"),
+            walk: n("mixed"),
+        }]
+    );
+    // A walk not served is not a step walk: `mixed` off and not served, `prefill` budgeted.
+    s.overrides = per_walk("llm", &[("mixed", BudgetValue::Off)]);
+    s.walks.remove(&n("mixed"));
+    assert!(off_rule(s.clone()).is_empty());
+    // ... and `prefill` off too: refused, naming it.
+    s.overrides = BTreeMap::from([(n("llm"), NodeSetting::All(BudgetValue::Off))]);
+    let e = off_rule(s);
+    assert!(
+        matches!(&e[..], [BudgetError::TimeBudgetWithoutTokenBudget { walk, .. }] if &**walk == "prefill"),
+        "{e:?}"
+    );
+    // A node that chunks nothing, an off time budget and a per-walk one are not this rule.
+    let mut s = timed(settings());
+    s.overrides = per_walk("llm", &[("mixed", BudgetValue::Off)]);
+    s.no_chunking.insert(n("llm"));
+    assert!(off_rule(s.clone()).is_empty());
+    s.no_chunking.clear();
+    s.time.max_step_ms = BTreeMap::from([(n("llm"), NodeSetting::All(TimeBudget::Off))]);
+    assert!(off_rule(s.clone()).is_empty());
+    s.time.max_step_ms = BTreeMap::from([(
+        n("llm"),
+        NodeSetting::PerWalk(BTreeMap::from([(n("mixed"), TimeBudget::Ms(40.0))])),
+    )]);
+    let e = BudgetTable::build(omni(), s).unwrap_err().0;
+    assert!(
+        e.iter()
+            .all(|e| matches!(e, BudgetError::TimeBudgetDoesNothing { .. })),
+        "{e:?}"
+    );
+    // A node-wide time budget on a node the model does not have is `UnknownNode`.
+    let mut s = settings();
+    s.time.max_step_ms = BTreeMap::from([(n("ghost"), NodeSetting::All(TimeBudget::Ms(40.0)))]);
+    assert!(off_rule(s).is_empty());
+}

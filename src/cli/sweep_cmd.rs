@@ -69,6 +69,15 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     {
         return usage(&refused);
     }
+    let tbt = slo.as_ref().and_then(|s| s.tbt_p99_ms);
+    let cells: Vec<f64> = budgets
+        .iter()
+        .filter_map(|b| b.time())
+        .map(|t| t.ms())
+        .collect();
+    for w in crate::replay::time_budget_objective_warnings(&loaded.table, &setup, tbt, &cells) {
+        say(&format!("warning: {w}"));
+    }
     // Every trace is read, and every value of the axis checked against it as the replay
     // checks its settings, before anything is created or run: a refusal is usage (exit 2) and
     // leaves `--out` as it was.

@@ -99,6 +99,12 @@ pub fn replay_budgets(
     }
     // Only a flag can make the config's own budgets fail here: `check` accepted those.
     if budget_off || value.is_some() {
+        if let Some(problem) = time_budget_without_tokens(manifest, &budgets) {
+            return Err(ReplayError::Config {
+                key: "--max-step-ms",
+                problem,
+            });
+        }
         if let Some(reason) = budget_refusal(manifest, &budgets) {
             return Err(ReplayError::Budget {
                 flag: if value.is_some() {
@@ -131,6 +137,89 @@ pub fn budget_refusal(
     crate::budget::BudgetTable::build(model, budgets.clone())
         .err()
         .map(|e| escaped(e.to_string()))
+}
+
+/// With `--budget off` or `--budget-off`: a node's time budget (the `--max-step-ms` flag or
+/// `chunking.max_step_ms.<node>`) left on step walks without a token budget, which it could not
+/// bound, as a problem naming both flags and the key (`docs/replay.md#labelled-runs`).
+fn time_budget_without_tokens(
+    manifest: &Manifest,
+    budgets: &crate::budget::BudgetSettings,
+) -> Option<String> {
+    let model =
+        crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies()).ok()?;
+    let errors = crate::budget::BudgetTable::build(model.shared(), budgets.clone()).err()?;
+    let escape = crate::config::problem::escape;
+    errors.0.iter().find_map(|e| match e {
+        crate::budget::BudgetError::TimeBudgetWithoutTokenBudget { node, walk } => {
+            let ms = match budgets.time.max_step_ms.get(node) {
+                Some(crate::budget::NodeSetting::All(crate::budget::TimeBudget::Ms(ms))) => {
+                    format!(" = {ms}")
+                }
+                _ => String::new(),
+            };
+            let (node, walk) = (escape(node), escape(walk));
+            Some(format!(
+                "(`chunking.max_step_ms.{node}`){ms} is refused with the token budget off (`--budget off`, `--budget-off`): steps of `{walk}` on `{node}` are then not cut, so no time budget can bound them; give `{walk}` a token budget (`--budget N`) or turn the time budget off (`--max-step-ms off`)"
+            ))
+        }
+        _ => None,
+    })
+}
+
+/// A warning for each time budget of the replayed node's step walks (the config's, and `cells`:
+/// the time budgets a sweep's grid sets on the step walk) that, stretched by the simulated
+/// cost's largest noise factor, exceeds a TBT p99 objective of `tbt_p99_ms`, when the node
+/// plans without a time margin: planned full to the budget, the steps the noise lengthens miss
+/// the objective whatever the load (`docs/cost-model.md#a-time-budget-at-the-objective`).
+pub fn time_budget_objective_warnings(
+    table: &crate::budget::BudgetTable,
+    setup: &ReplaySetup,
+    tbt_p99_ms: Option<f64>,
+    cells: &[f64],
+) -> Vec<String> {
+    let Some(objective) = tbt_p99_ms else {
+        return Vec::new();
+    };
+    if table.settings().time.margin_quantile.is_some() {
+        return Vec::new();
+    }
+    // The largest factor the simulated cost multiplies a step's price by.
+    let (stretch, noise) = match &setup.noise_bands {
+        Some(bands) => (
+            bands
+                .iter()
+                .filter_map(|b| b.ratios.last().copied())
+                .fold(1.0, f64::max),
+            "drawn from `noise_bands`".to_string(),
+        ),
+        None => (1.0 + setup.noise, format!("±{}%", setup.noise * 100.0)),
+    };
+    if stretch <= 1.0 {
+        return Vec::new();
+    }
+    let configured = setup.walks.iter().filter_map(|w| {
+        let ms = table.max_step_ms(&setup.node, w)?;
+        Some((format!("`{}`'s", crate::config::problem::escape(w)), ms))
+    });
+    let cells = cells
+        .iter()
+        .map(|&ms| ("a time cell's (`--budgets`)".to_string(), ms));
+    let mut warnings: Vec<String> = Vec::new();
+    for (whose, ms) in configured.chain(cells) {
+        if ms * stretch <= objective {
+            continue;
+        }
+        let w = format!(
+            "{whose} time budget ({ms} ms) is within the simulated step-time noise ({noise}) of the TBT p99 objective ({objective} ms) and no time margin is set: steps planned to the budget run past the objective at every load, so capacity collapses; set a time margin (`--time-margin 0.99`, `chunking.time_margin`) or a time budget below {} ms (docs/cost-model.md#a-time-budget-at-the-objective)",
+            // Rounded down, so that the figure printed is below the bound.
+            (objective / stretch * 10.0).floor() / 10.0
+        );
+        if !warnings.contains(&w) {
+            warnings.push(w);
+        }
+    }
+    warnings
 }
 
 /// `--budget-off`: every node that budgets a walk gets one node-wide budget of "off".

@@ -42,7 +42,10 @@ pub(crate) mod sim;
 pub(crate) mod step_log;
 pub mod trace;
 
-pub use budgets::{budget_flag_overrides, budget_off_overrides, budget_refusal, replay_budgets};
+pub use budgets::{
+    budget_flag_overrides, budget_off_overrides, budget_refusal, replay_budgets,
+    time_budget_objective_warnings,
+};
 pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
 pub use fleet::FleetSetup;

@@ -208,3 +208,287 @@ fn misspelt_mstar_variables_are_warned_about_by_name_never_by_value() {
     assert!(!r.stderr.contains("MAX_ROW_TOKENS"), "{}", r.stderr);
     assert!(!format!("{}{}", r.stdout, r.stderr).contains("hunter2"));
 }
+
+#[test]
+fn the_steps_without_their_time_budget_are_warned_at_the_first_and_then_at_powers_of_two() {
+    let dir = tempfile::tempdir().unwrap();
+    // As above: learning under ±90% noise, never trusted, so no step is planned in time.
+    let config = write(
+        dir.path(),
+        "learn.toml",
+        "[chunking.max_step_ms]\nllm = { mixed = 60.0 }\n[replay]\ncost = { noise = 0.9, learn = true }\n",
+    );
+    let json = dir.path().join("report.json");
+    let r = run(
+        &[
+            "replay",
+            "--config",
+            &config,
+            "--requests",
+            "40",
+            "--report-json",
+            json.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let steps = report["time_budget"]["inactive_steps"].as_u64().unwrap();
+    // The 1st, 2nd, 4th, … step without its time budget is warned, naming the reason.
+    let warned = r.stderr.matches("time budget not applied").count() as u64;
+    assert_eq!(
+        warned,
+        u64::from(steps.ilog2()) + 1,
+        "{steps} steps:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("reason=\"no_measurements\" steps=1"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("reason=\"untrusted_fit\" steps=2"),
+        "{}",
+        r.stderr
+    );
+    // A configured model (the prior): no step goes without its time budget, nothing is warned.
+    let config = write(
+        dir.path(),
+        "prior.toml",
+        "[chunking]\nlearn_cost = true\n[chunking.cost]\nllm = { base_ms = 8.0, per_token_ms = 0.02, per_kv_token_ms = 0.0, per_attention_pair_ms = 0.0 }\n\
+         [chunking.max_step_ms]\nllm = { mixed = 60.0 }\n",
+    );
+    let r = run(&["replay", "--config", &config, "--requests", "40"], &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        !r.stderr.contains("time budget not applied"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// The refusal of a time budget on a node whose step walk has no token budget, as `replay` and
+/// a sweep's cells name it: both flags and the key.
+fn refused_naming_both_flags(r: &Run) {
+    refused(r, "`--max-step-ms` (`chunking.max_step_ms.llm`) = 100 is refused with the token budget off (`--budget off`, `--budget-off`)");
+    assert!(
+        r.stderr.contains("steps of `mixed` on `llm`"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn a_time_budget_with_the_step_walks_token_budget_off_is_refused_by_replay_sweep_and_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let example = "config/examples/llama2-7b-a100.toml";
+    let base = [
+        "--config",
+        example,
+        "--requests",
+        "30",
+        "--max-step-ms",
+        "100",
+    ];
+    for off in [&["--budget", "off"][..], &["--budget-off"][..]] {
+        let args: Vec<&str> = ["replay"].iter().chain(&base).chain(off).copied().collect();
+        refused_naming_both_flags(&run(&args, &[]));
+    }
+    // With a token budget the same time budget runs, on the step walk.
+    let args: Vec<&str> = ["replay"]
+        .iter()
+        .chain(&base)
+        .chain(&["--budget", "1024"])
+        .copied()
+        .collect();
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(r.stdout.contains("mixed 100 ms"), "{}", r.stdout);
+    // A sweep's time budget on every cell (a config layer here; `--max-step-ms` is the same
+    // key): its `off` cell is refused before any replay runs, naming the flags and the key,
+    // and no output is created.
+    let timed = write(
+        dir.path(),
+        "timed.toml",
+        "[chunking.max_step_ms]\nllm = 100\n",
+    );
+    let out = dir.path().join("sweep");
+    let out_arg = out.display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            example,
+            "--config",
+            &timed,
+            "--requests",
+            "30",
+            "--budgets",
+            "1024,off",
+            "--rates",
+            "1",
+            "--no-progress",
+            "--out",
+            &out_arg,
+        ],
+        &[],
+    );
+    refused_naming_both_flags(&r);
+    assert!(r.stderr.contains("`--budgets` names off"), "{}", r.stderr);
+    assert!(!out.exists());
+    // A config layer that turns the step walk's budget off under a node-wide time budget is
+    // refused naming the time budget's key and its file.
+    let layer = write(
+        dir.path(),
+        "off.toml",
+        "[chunking.cost]\nllm = \"llama2-7b-a100\"\n[chunking.max_batch_tokens]\nllm = { mixed = \"off\" }\n[chunking.max_step_ms]\nllm = 100\n",
+    );
+    for cmd in ["check", "replay"] {
+        let r = run(
+            &[cmd, "--config", &layer, "--requests", "5"][..if cmd == "check" { 3 } else { 5 }],
+            &[],
+        );
+        refused(
+            &r,
+            "off.toml: `chunking.max_step_ms.llm` = 100: `chunking.max_step_ms.llm` would do nothing: `chunking.max_batch_tokens.llm.mixed` is off",
+        );
+    }
+}
+
+#[test]
+fn a_sweep_warns_when_the_time_budget_is_within_the_noise_of_the_tbt_objective() {
+    let dir = tempfile::tempdir().unwrap();
+    let noisy = write(
+        dir.path(),
+        "noisy.toml",
+        "[chunking.cost]\nllm = \"llama2-7b-a100\"\n[replay]\ncost = { preset = \"llama2-7b-a100\", noise = 0.05 }\n",
+    );
+    let sweep = |ms: &str, extra: &[&str]| {
+        let out = dir.path().join(format!("out-{ms}-{}", extra.len()));
+        let out = out.display().to_string();
+        let mut args = vec![
+            "sweep",
+            "--config",
+            &noisy,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--max-step-ms",
+            ms,
+            "--out",
+            &out,
+        ];
+        args.extend_from_slice(extra);
+        let r = run(&args, &[]);
+        assert_eq!(r.code, 0, "{r:?}");
+        r.stderr.contains(
+            "is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms)",
+        )
+    };
+    // A time budget of 100 ms or 96 ms stretched by 5% passes 100 ms; 95 ms does not.
+    assert!(sweep("100", &[]));
+    assert!(sweep("96", &[]));
+    assert!(!sweep("95", &[]));
+    // A time cell of the grid is checked as a time budget on every cell is.
+    let out = dir.path().join("out-cell").display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            &noisy,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048,100ms,95ms",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--out",
+            &out,
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr.contains("a time cell's (`--budgets`) time budget (100 ms) is within"),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("time budget (95 ms)"), "{}", r.stderr);
+    // The config's time budget, on every cell, is checked too.
+    let timed = write(
+        dir.path(),
+        "timed.toml",
+        "[chunking.max_step_ms]\nllm = { mixed = 100 }\n",
+    );
+    let out = dir.path().join("out-config").display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            &noisy,
+            "--config",
+            &timed,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--out",
+            &out,
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr.contains("warning: `mixed`'s time budget (100 ms) is within the simulated step-time noise (±5%) of the TBT p99 objective (100 ms) and no time margin is set"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("a time budget below 95.2 ms"),
+        "{}",
+        r.stderr
+    );
+    // A time margin plans below the budget: no warning.
+    let out = dir.path().join("out-margin").display().to_string();
+    let r = run(
+        &[
+            "sweep",
+            "--config",
+            &noisy,
+            "--config",
+            &timed,
+            "--requests",
+            "10",
+            "--budgets",
+            "2048",
+            "--rates",
+            "1",
+            "--slo-tbt-p99",
+            "100",
+            "--no-progress",
+            "--out",
+            &out,
+            "--time-margin",
+            "0.99",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stderr.contains("step-time noise"), "{}", r.stderr);
+}
