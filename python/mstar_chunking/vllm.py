@@ -70,6 +70,23 @@ class UnsupportedVllmFeature(ValueError):
     """A vLLM feature this scheduler does not support yet, refused when it starts."""
 
 
+class _Bound:
+    """vLLM's `prefill_capacity_bound` as it stood before `schedule()`, set in its place for the
+    step: vLLM reads only its truth, and a step that assigns the attribute (one that admitted
+    prefills: a release step) replaces it, which is how the plugin tells such a step apart."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+_BOUND = (_Bound(False), _Bound(True))
+
+
 class _Step:
     """One vLLM step as the component planned it, until vLLM reports its output: its rows in
     bulk (`Batch.keyed`: the continuing rows, then the chunks), row `i` being vLLM's request
@@ -213,6 +230,12 @@ class _Chunking:
         self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
         self._starts: dict[str, int] = {}  # and its chunks' starts
         self._observed: dict[str, int] = {}
+        # vLLM 0.33 moves a waiting request it is given no tokens for into `deferred_waiting`, which
+        # counts as deferred in its stats and against the data-parallel throttle's escape
+        # (`prefill_capacity_bound`); the requests the plan alone left out are noted here (those
+        # not deferred already) and taken out of it again after the step.
+        self._deferred: Optional[set] = getattr(self, "deferred_waiting", None)
+        self._left_out: list[Request] = []
         self._uncompleted: Optional[_Step] = None
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
@@ -445,13 +468,16 @@ class _Chunking:
             return num_new_tokens
         req_id = request.request_id
         tokens = plan.get(req_id)
-        if tokens is None:
-            return 0
-        start = self._starts.get(req_id)
-        if start is not None and start != num_computed_tokens:
-            self._observed[req_id] = num_computed_tokens
-            return 0
-        return tokens if num_new_tokens >= tokens else 0
+        if tokens is not None:
+            start = self._starts.get(req_id)
+            if start is not None and start != num_computed_tokens:
+                self._observed[req_id] = num_computed_tokens
+            elif num_new_tokens >= tokens:
+                return tokens
+        deferred = self._deferred
+        if deferred is not None and request not in deferred:
+            self._left_out.append(request)  # a running request too: never in the set, no harm
+        return 0
 
     def _continues(self, prev: Optional[_Step]) -> list[int]:
         """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
@@ -525,13 +551,21 @@ class _Chunking:
         # planned and the chunks' starts, keyed by request id for the hook.
         batch, req_ids, plan, starts, final_rows = self._advance(prev)
         self._plan, self._starts, self._observed = plan, starts, {}
+        deferred = self._deferred
+        if deferred is not None:
+            bound = self.prefill_capacity_bound  # type: ignore[has-type]
+            self.prefill_capacity_bound = _BOUND[bool(bound)]
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
             self._plan = None
             self.chunking.abandon(batch.step)
+            if deferred is not None:
+                self._undefer(deferred)
             raise
         self._plan = None
+        if deferred is not None:
+            self._undefer(deferred)
         scheduled = out.num_scheduled_tokens
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
         # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
@@ -559,6 +593,23 @@ class _Chunking:
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
+
+    def _undefer(self, deferred: set) -> None:
+        """After vLLM 0.33's scan: the waiting requests the plan alone gave no tokens are taken
+        out of `deferred_waiting` again (vLLM's own scheduler would have scheduled them, or
+        stopped before them with its budget spent: either way not deferred), and on a step that
+        admitted prefills the throttle's escape is recomputed as vLLM computes it, so that a
+        backlog left by the plan counts as one. The flag is restored if the step left it."""
+        bound = self.prefill_capacity_bound  # type: ignore[has-type]
+        left_out = self._left_out
+        if left_out:
+            deferred.difference_update(left_out)
+            left_out.clear()
+            if not isinstance(bound, _Bound):  # vLLM assigned it: a release step
+                self.prefill_capacity_bound = self.get_request_counts()[1] > len(deferred)  # type: ignore[attr-defined]
+                return
+        if isinstance(bound, _Bound):
+            self.prefill_capacity_bound = bound.value
 
     @staticmethod
     def _scheduled_otherwise(req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict) -> None:

@@ -191,8 +191,11 @@ class Driver:
     """Steps a scheduler as vLLM's engine core does: `schedule()`, a fabricated model-runner output,
     `update_from_output()`; with async scheduling, step N+1 is scheduled before N's output."""
 
-    def __init__(self, sched: Any, *, async_depth: int = 1, step_ms: Any = None) -> None:
+    def __init__(self, sched: Any, *, async_depth: int = 1, step_ms: Any = None, throttle: Any = None) -> None:
         self.s = sched
+        # step index -> whether vLLM's data-parallel engine core would throttle prefills in it
+        # (`schedule(throttle_prefills=...)`); None: never, as without data parallelism
+        self.throttle = throttle
         self.depth = async_depth
         self.queue: deque = deque()
         self.run = Run()
@@ -208,7 +211,10 @@ class Driver:
 
     def step(self) -> list[Chunk]:
         c0, t0 = time.process_time(), time.perf_counter()
-        out = self.s.schedule()
+        if self.throttle is None:
+            out = self.s.schedule()
+        else:
+            out = self.s.schedule(throttle_prefills=self.throttle(len(self.run.steps)))
         t1, c1 = time.perf_counter(), time.process_time()
         chunks, sample = [], []
         for req_id, n in out.num_scheduled_tokens.items():
