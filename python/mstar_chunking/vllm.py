@@ -171,8 +171,6 @@ def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     sc = cfg.scheduler_config
     if not sc.enable_chunked_prefill:
         out.append("chunked prefill turned off (--no-enable-chunked-prefill)")
-    if SchedulingPolicy(sc.policy) != SchedulingPolicy.FCFS:
-        out.append(f"scheduling policy {sc.policy!r} (only 'fcfs')")
     if sc.max_num_scheduled_tokens is not None and sc.max_num_scheduled_tokens != sc.max_num_batched_tokens:
         out.append("max_num_scheduled_tokens other than max_num_batched_tokens")
     if getattr(sc, "long_prefill_token_threshold_adaptive", False):
@@ -241,6 +239,9 @@ class _Chunking:
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self._async = isinstance(self, _VllmAsyncScheduler)
+        # The `priority` policy: vLLM's waiting queue is a heap by (priority, arrival time), so an
+        # arrival may go ahead of requests admitted already; the queue is scanned at each arrival.
+        self._by_priority = SchedulingPolicy(cfg.scheduler_config.policy) == SchedulingPolicy.PRIORITY
         # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
         # lookup takes the request alone.
         self._capped_hits = "max_cache_hit_length" in inspect.signature(
@@ -324,6 +325,8 @@ class _Chunking:
     def add_request(self, request: Request) -> None:
         super().add_request(request)  # type: ignore[misc]
         self._arrived.append(request)
+        if self._by_priority:
+            self._rescan = True
         what = None
         if request.use_structured_output:
             what = "structured output"
@@ -409,6 +412,8 @@ class _Chunking:
                     self._arrived = todo[i:]
                 else:
                     self._rescan = True
+                    if self._by_priority:
+                        self._forget_behind(request, todo)
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
@@ -448,6 +453,16 @@ class _Chunking:
             self._at_of[req_id] = id(request)
             last = rid
             pending += 1
+
+    def _forget_behind(self, first: Request, rest: Any) -> None:
+        """Priority policy: a request admitted earlier that an arrival of higher priority pushed
+        out of the first free slots of vLLM's queue (`first` and `rest`, the queue from there on)
+        is forgotten until it is reached again, so that the component plans no request ahead of
+        those vLLM would start first."""
+        rid_of = self._rid_of
+        for request in (first, *rest):
+            if request.request_id in rid_of:
+                self._forget(request.request_id)
 
     def _prefix_hit(self, request: Request) -> int:
         """The prefix-cache hit vLLM will find for a waiting request, looked up as vLLM does

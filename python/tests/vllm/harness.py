@@ -142,7 +142,15 @@ def make_scheduler(
     )
 
 
-def make_request(req_id: str, prompt: list[int], max_tokens: int, *, resumable: bool = False) -> Request:
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    resumable: bool = False,
+    priority: int = 0,
+    arrival_time: Optional[float] = None,
+) -> Request:
     return Request(
         request_id=req_id,
         prompt_token_ids=prompt,
@@ -150,6 +158,8 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int, *, resumable: 
         pooling_params=None,
         block_hasher=_hasher,
         resumable=resumable,
+        priority=priority,
+        arrival_time=arrival_time,
     )
 
 
@@ -202,8 +212,8 @@ class Driver:
         self.step_ms = step_ms  # (output, its chunks), called just before its update_from_output
         self.clock = None
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        self.s.add_request(make_request(req_id, prompt, max_tokens))
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, **kw: Any) -> None:
+        self.s.add_request(make_request(req_id, prompt, max_tokens, **kw))
 
     def abort(self, req_id: str) -> None:
         self.s.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
