@@ -149,8 +149,6 @@ def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
 def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
-    if cfg.lora_config is not None:
-        out.append("LoRA (--enable-lora)")
     if cfg.speculative_config is not None:
         out.append("speculative decoding (--speculative-config)")
     if cfg.kv_transfer_config is not None:
@@ -242,6 +240,10 @@ class _Chunking:
         # The `priority` policy: vLLM's waiting queue is a heap by (priority, arrival time), so an
         # arrival may go ahead of requests admitted already; the queue is scanned at each arrival.
         self._by_priority = SchedulingPolicy(cfg.scheduler_config.policy) == SchedulingPolicy.PRIORITY
+        # LoRA: at most `max_loras` distinct adapters among the running requests and those vLLM
+        # starts in a step (vLLM skips a waiting request whose adapter would be one more); the
+        # admission keeps the same bound over the running and the admitted requests, in queue order.
+        self._max_loras: Optional[int] = cfg.lora_config.max_loras if cfg.lora_config is not None else None
         # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
         # lookup takes the request alone.
         self._capped_hits = "max_cache_hit_length" in inspect.signature(
@@ -376,7 +378,8 @@ class _Chunking:
         if free <= 0:
             return
         waiting = self.waiting  # type: ignore[attr-defined]
-        if not self._rescan:
+        loras = None if self._max_loras is None else self._running_loras()
+        if not self._rescan and loras is None:
             # Every request in the queue but the arrivals is admitted, in order: the arrivals
             # are left, behind them (most steps: one prompt, or none).
             arrived = self._arrived
@@ -392,7 +395,7 @@ class _Chunking:
             ahead = list(map(self._rid_at.get, map(id, islice(waiting, free)), repeat(0)))
             known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
             front = ahead[:known]
-            if known and front == sorted(front):  # increasing: one rid per request
+            if known and front == sorted(front) and loras is None:  # increasing: one rid per request
                 if known == len(ahead):
                     if known == len(waiting):
                         self._arrived, self._rescan = [], False
@@ -417,6 +420,17 @@ class _Chunking:
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
+            if (
+                loras is not None
+                and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                and not self._lora_fits(request, loras)
+            ):
+                # Its adapter would be one more than vLLM runs at once: not admitted (forgotten,
+                # were it admitted), and the requests behind it are looked at.
+                if rid is not None:
+                    self._forget(req_id)
+                self._rescan = True
+                continue
             if rid is not None:
                 if rid > last:
                     last = rid
@@ -453,6 +467,24 @@ class _Chunking:
             self._at_of[req_id] = id(request)
             last = rid
             pending += 1
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of vLLM's running requests, as vLLM counts them against `max_loras`."""
+        return {
+            r.lora_request.lora_int_id
+            for r in self.running  # type: ignore[attr-defined]
+            if r.lora_request and r.lora_request.lora_int_id > 0
+        }
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether the request's adapter is one of `loras` or fits beside them (then it joins)."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id <= 0 or lora.lora_int_id in loras:
+            return True
+        if len(loras) >= self._max_loras:  # type: ignore[operator]
+            return False
+        loras.add(lora.lora_int_id)
+        return True
 
     def _forget_behind(self, first: Request, rest: Any) -> None:
         """Priority policy: a request admitted earlier that an arrival of higher priority pushed

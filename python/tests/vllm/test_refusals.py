@@ -56,7 +56,6 @@ REAL = [
     ({"mamba_align": True}, "Mamba's 'align' cache mode"),
 ]
 SET = [
-    (("lora_config",), "LoRA (--enable-lora)"),
     (("speculative_config",), "speculative decoding"),
     (("kv_transfer_config",), "KV transfer"),
     (("ec_transfer_config",), "encoder-cache transfer"),
@@ -76,7 +75,6 @@ SET = [
         "no-chunked-prefill",
         "max_num_scheduled_tokens",
         "mamba-align",
-        "lora",
         "speculative",
         "kv-transfer",
         "ec-transfer",
@@ -128,9 +126,9 @@ def test_pipeline_parallelism_is_named_and_the_priority_policy_is_not():
 
 def test_start_refuses_with_every_name():
     cfg = _config()
-    object.__setattr__(cfg, "lora_config", object())
+    object.__setattr__(cfg, "ec_transfer_config", object())
     object.__setattr__(cfg.parallel_config, "pipeline_parallel_size", 2)
-    with pytest.raises(UnsupportedVllmFeature, match="LoRA.*pipeline parallelism"):
+    with pytest.raises(UnsupportedVllmFeature, match="encoder-cache transfer.*pipeline parallelism"):
         Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
 
 
