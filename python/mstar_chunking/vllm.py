@@ -330,9 +330,7 @@ class _Chunking:
         if self._by_priority:
             self._rescan = True
         what = None
-        if request.use_structured_output:
-            what = "structured output"
-        elif request.resumable:
+        if request.resumable:
             what = "streaming input"
         elif request.has_encoder_inputs:
             # Refused at start with the model that takes them; a request carrying them anyway
@@ -420,11 +418,7 @@ class _Chunking:
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
-            if (
-                loras is not None
-                and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-                and not self._lora_fits(request, loras)
-            ):
+            if loras is not None and self._admissible(request) and not self._lora_fits(request, loras):
                 # Its adapter would be one more than vLLM runs at once: not admitted (forgotten,
                 # were it admitted), and the requests behind it are looked at.
                 if rid is not None:
@@ -445,9 +439,7 @@ class _Chunking:
                 self._forget(req_id)
                 if hint is not None:
                     self._start_hint[req_id] = hint
-            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
-                req_id in self.grammar_compile_error_reqs  # type: ignore[attr-defined]
-            ):
+            if not self._admissible(request):
                 # Not admitted (it may still be in the queue, or have left it already).
                 self._rescan = True
                 continue
@@ -467,6 +459,20 @@ class _Chunking:
             self._at_of[req_id] = id(request)
             last = rid
             pending += 1
+
+    def _admissible(self, request: Request) -> bool:
+        """Whether vLLM can start the waiting request in the coming step: waiting or preempted, or
+        waiting for its structured-output grammar with the grammar compiled (vLLM promotes it to
+        waiting when its scan reaches it). A grammar still compiling, or one that failed (vLLM
+        finishes the request with the compile error), is not admitted."""
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            so = request.structured_output_request
+            grammar = so.grammar if so is not None else None
+            return grammar is not None and not isinstance(grammar, Exception)
+        return (status == RequestStatus.WAITING or status == RequestStatus.PREEMPTED) and (
+            request.request_id not in self.grammar_compile_error_reqs  # type: ignore[attr-defined]
+        )
 
     def _running_loras(self) -> set[int]:
         """The adapters of vLLM's running requests, as vLLM counts them against `max_loras`."""

@@ -1,5 +1,5 @@
 """What the plugin refuses: another vLLM release at import, unsupported features at start (by
-name), structured output per request, and a chunking config vLLM's runner could not take."""
+name), streaming input and encoder inputs per request, and a chunking config vLLM's runner could not take."""
 
 import os
 import subprocess
@@ -7,7 +7,6 @@ import sys
 
 import pytest
 from harness import LLAVA, Driver, VllmScheduler, make_request, make_scheduler
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
 
@@ -132,16 +131,6 @@ def test_start_refuses_with_every_name():
         Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
 
 
-def _structured(req):
-    req.sampling_params = SamplingParams(
-        max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"})
-    )
-    from vllm.v1.structured_output.request import StructuredOutputRequest
-
-    req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
-    return req
-
-
 def _with_image(request):
     """A text model's request carrying an image placeholder (as vLLM's own scheduler tests make)."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
@@ -160,11 +149,10 @@ def _with_image(request):
 @pytest.mark.parametrize(
     "make, name",
     [
-        (lambda: _structured(make_request("refused", [5] * 40, 8)), "structured output"),
         (lambda: make_request("refused", [5] * 40, 8, resumable=True), "streaming input"),
         (lambda: _with_image(make_request("refused", [5] * 40, 8)), "encoder inputs"),
     ],
-    ids=["structured-output", "streaming-input", "encoder-inputs"],
+    ids=["streaming-input", "encoder-inputs"],
 )
 def test_refused_per_request_by_name(make, name, caplog):
     """The request finishes with a validation error naming the feature (vLLM 0.32, whose errors
