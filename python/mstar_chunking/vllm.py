@@ -149,8 +149,14 @@ def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
 def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
-    if cfg.speculative_config is not None:
-        out.append("speculative decoding (--speculative-config)")
+    spec = cfg.speculative_config
+    if spec is not None and spec.max_num_new_slots_for_drafting > 0:
+        # vLLM charges such drafters extra input slots on every request it schedules, prompt
+        # chunks too, which the component's per-row tokens do not carry.
+        out.append(
+            f"speculative decoding whose drafter takes input slots of its own (--speculative-config "
+            f"method {spec.method!r}: a draft model or parallel drafting)"
+        )
     if cfg.kv_transfer_config is not None:
         out.append("KV transfer (--kv-transfer-config)")
     if getattr(cfg, "ec_transfer_config", None) is not None:
@@ -244,6 +250,13 @@ class _Chunking:
         # starts in a step (vLLM skips a waiting request whose adapter would be one more); the
         # admission keeps the same bound over the running and the admitted requests, in queue order.
         self._max_loras: Optional[int] = cfg.lora_config.max_loras if cfg.lora_config is not None else None
+        # Speculative decoding: a decode row is planned for 1 + k tokens (the token and k drafts,
+        # vLLM's most); vLLM schedules 1 + the drafts proposed, and the row reports what it ran.
+        self._estimate = 1 + (self.num_spec_tokens or 0)  # type: ignore[attr-defined]
+        self._padded: dict[str, int] = {}  # new decode rows vLLM padded to 1 + k: their planned tokens
+        # The estimate each decode row was last given (with speculative decoding): 1 + the drafts
+        # vLLM holds for the request, which is what vLLM's scan charges its budget for the row.
+        self._row_estimate: dict[int, int] = {}
         # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
         # lookup takes the request alone.
         self._capped_hits = "max_cache_hit_length" in inspect.signature(
@@ -352,6 +365,7 @@ class _Chunking:
         rid = self._rid_of.pop(req_id, None)
         self._start_hint.pop(req_id, None)
         if rid is not None:
+            self._row_estimate.pop(rid, None)
             del self._req_of[rid]
             del self._rid_at[self._at_of.pop(req_id)]
             self._changes.append((rid, None, 0))
@@ -523,9 +537,20 @@ class _Chunking:
         tokens = plan.get(req_id)
         if tokens is not None:
             start = self._starts.get(req_id)
-            if start is not None and start != num_computed_tokens:
+            if start is None:  # a continuing row: the token, and as many drafts as vLLM has
+                return tokens if num_new_tokens >= tokens else num_new_tokens
+            if start != num_computed_tokens:
                 self._observed[req_id] = num_computed_tokens
-            elif num_new_tokens >= tokens:
+            elif num_new_tokens == tokens:
+                return tokens
+            elif num_new_tokens > tokens:
+                if self._estimate > 1 and tokens == 1 and num_new_tokens == self._estimate and (
+                    request.num_tokens - num_computed_tokens == 1
+                ):
+                    # vLLM pads a new decode row (a prompt's last token after a full cache hit,
+                    # a resumed request) to 1 + k rows, placeholders for drafts: taken whole.
+                    self._padded[req_id] = tokens
+                    return num_new_tokens
                 return tokens
         deferred = self._deferred
         if deferred is not None and request not in deferred:
@@ -546,6 +571,28 @@ class _Chunking:
                     out.append(rid)
         return out
 
+    def _draft_estimates(self, new: list[int]) -> list[tuple[int, int]]:
+        """Speculative decoding: `(rid, estimate)` for the new decode rows (`new`) and for the
+        decode rows whose drafts changed: 1 + the drafts vLLM will offer the row (vLLM's own
+        count for a running request, at most 1 + k), so the plan charges what vLLM's scan will."""
+        rows = self._row_estimate
+        most = self._estimate
+        for rid in new:
+            rows[rid] = 0
+        out = []
+        requests = self.requests  # type: ignore[attr-defined]
+        req_of = self._req_of
+        for rid, was in rows.items():
+            r = requests.get(req_of.get(rid))
+            if r is None:
+                continue
+            n = r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+            estimate = 1 if n < 1 else (most if n > most else n)
+            if estimate != was:
+                rows[rid] = estimate
+                out.append((rid, estimate))
+        return out
+
     def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
         """Completes `prev` (the step before), applies the row changes since (decode rows of the
         prompts it finished, requests ended, prompts admitted), and assembles the next step, in one
@@ -554,7 +601,9 @@ class _Chunking:
         The first step, and the last one when the engine goes idle (nothing to assemble), make
         the calls one by one."""
         changes, self._changes = self._changes, []
-        continues = self._continues(prev)
+        continues: list[Any] = self._continues(prev)
+        if self._estimate > 1:
+            continues = self._draft_estimates(continues)
         ms = None
         if prev is not None:
             prev.completed = True
@@ -574,6 +623,7 @@ class _Chunking:
                 PREFILL,
                 changes,
                 self._req_of,
+                self._estimate,
             )
             self.mstar_stats.outcomes.append(outcome)
             if isinstance(nxt, BaseException):  # the completion stands; the assembly failed
@@ -582,8 +632,9 @@ class _Chunking:
         if prev is not None:
             ran = prev.batch if prev.ran is None else prev.ran
             self.mstar_stats.outcomes.append(cm.complete(prev.step, ran, ms))
-        for rid in continues:
-            cm.continue_row(rid, NODE, DECODE, 1)
+        for item in continues:
+            rid, estimate = item if isinstance(item, tuple) else (item, self._estimate)
+            cm.continue_row(rid, NODE, DECODE, estimate)
         for rid, tokens, cached in changes:
             if tokens is None:
                 cm.forget_request(rid)
@@ -620,6 +671,10 @@ class _Chunking:
         if deferred is not None:
             self._undefer(deferred)
         scheduled = out.num_scheduled_tokens
+        if self._padded:
+            # A padded new decode row ran its planned token (the rest are vLLM's placeholders).
+            scheduled = {**scheduled, **{r: t for r, t in self._padded.items() if r in scheduled}}
+            self._padded.clear()
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
         # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
         # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
@@ -631,9 +686,11 @@ class _Chunking:
             self.mstar_stats.handed_back += unrun
             planned = list(plan.values())  # in row order
             if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
-                self._scheduled_otherwise(req_ids, planned, ran, scheduled)
+                self._scheduled_otherwise(req_ids, planned, ran, scheduled, len(req_ids) - len(starts))
         rec = _Step(batch, req_ids, plan, len(starts), final_rows, ran)
-        if self._async:
+        if self._async and self._estimate == 1:
+            # (With drafts in flight vLLM cannot tell whether the step reaches the last token:
+            # the request stays planned, and a decode row vLLM skips is handed back.)
             self._end_in_flight(rec)
         for req_id, start in self._observed.items():
             # vLLM found another prefix-cache hit than at admission: admitted again from there.
@@ -665,13 +722,17 @@ class _Chunking:
             self.prefill_capacity_bound = bound.value
 
     @staticmethod
-    def _scheduled_otherwise(req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict) -> None:
-        """Raises naming what vLLM scheduled other than planned."""
-        for req_id, tokens, n in zip(req_ids, planned, ran):
-            if n not in (0, tokens):
+    def _scheduled_otherwise(
+        req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict, continuing: int
+    ) -> None:
+        """Raises naming what vLLM scheduled other than planned. A continuing row (the first
+        `continuing` rows) may run fewer tokens than planned (fewer drafts than the most)."""
+        for i, (req_id, tokens, n) in enumerate(zip(req_ids, planned, ran)):
+            if n not in (0, tokens) and not (i < continuing and 0 < n < tokens):
                 raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
         extra = sorted(set(scheduled) - set(req_ids))
-        raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        if extra:
+            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
 
     def _end_in_flight(self, rec: _Step) -> None:
         """Async: a request whose last token (its `max_tokens`-th, or the one reaching

@@ -55,7 +55,6 @@ REAL = [
     ({"mamba_align": True}, "Mamba's 'align' cache mode"),
 ]
 SET = [
-    (("speculative_config",), "speculative decoding"),
     (("kv_transfer_config",), "KV transfer"),
     (("ec_transfer_config",), "encoder-cache transfer"),
     (("parallel_config", "pipeline_parallel_size", 2), "pipeline parallelism"),
@@ -74,7 +73,6 @@ SET = [
         "no-chunked-prefill",
         "max_num_scheduled_tokens",
         "mamba-align",
-        "speculative",
         "kv-transfer",
         "ec-transfer",
         "pipeline-parallel",
