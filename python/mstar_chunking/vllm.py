@@ -87,6 +87,23 @@ class _Bound:
 _BOUND = (_Bound(False), _Bound(True))
 
 
+class _Queues:
+    """vLLM's two waiting queues as its scan takes them: the requests holding KV blocks, then
+    the rest (for the admission: iterated and counted, nothing else)."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self, first: Any, rest: Any) -> None:
+        self.first, self.rest = first, rest
+
+    def __iter__(self) -> Any:
+        yield from self.first
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.rest)
+
+
 class _Step:
     """One vLLM step as the component planned it, until vLLM reports its output: its rows in
     bulk (`Batch.keyed`: the continuing rows, then the chunks), row `i` being vLLM's request
@@ -132,6 +149,7 @@ class ChunkingStats:
     refused_requests: int = 0
     readmitted: int = 0  # admitted again to follow vLLM's waiting order (after a preemption)
     unmeasured_steps: int = 0  # async: completed before their time was known
+    dropped_outputs: int = 0  # steps whose output never came to update_from_output
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
     late_outcomes: deque = field(default_factory=lambda: deque(maxlen=4096))
     measured_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -157,8 +175,6 @@ def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
             f"speculative decoding whose drafter takes input slots of its own (--speculative-config "
             f"method {spec.method!r}: a draft model or parallel drafting)"
         )
-    if cfg.kv_transfer_config is not None:
-        out.append("KV transfer (--kv-transfer-config)")
     if getattr(cfg, "ec_transfer_config", None) is not None:
         out.append("encoder-cache transfer (--ec-transfer-config)")
     if cfg.parallel_config.pipeline_parallel_size > 1:
@@ -250,10 +266,14 @@ class _Chunking:
         # starts in a step (vLLM skips a waiting request whose adapter would be one more); the
         # admission keeps the same bound over the running and the admitted requests, in queue order.
         self._max_loras: Optional[int] = cfg.lora_config.max_loras if cfg.lora_config is not None else None
+        # KV transfer: vLLM's queue of waiting requests that hold KV blocks, scanned before the rest.
+        self._holding: Any = getattr(self, "kv_holding_waiting", None)
         # Speculative decoding: a decode row is planned for 1 + k tokens (the token and k drafts,
         # vLLM's most); vLLM schedules 1 + the drafts proposed, and the row reports what it ran.
         self._estimate = 1 + (self.num_spec_tokens or 0)  # type: ignore[attr-defined]
         self._padded: dict[str, int] = {}  # new decode rows vLLM padded to 1 + k: their planned tokens
+        self._moved: list[str] = []
+        self._decoding: list[int] = []  # rids admitted as decode rows (their prompt done elsewhere)  # waiting requests run from vLLM's larger start (an external hit)
         # The estimate each decode row was last given (with speculative decoding): 1 + the drafts
         # vLLM holds for the request, which is what vLLM's scan charges its budget for the row.
         self._row_estimate: dict[int, int] = {}
@@ -389,7 +409,13 @@ class _Chunking:
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         if free <= 0:
             return
-        waiting = self.waiting  # type: ignore[attr-defined]
+        waiting: Any = self.waiting  # type: ignore[attr-defined]
+        holding = self._holding
+        if holding is not None and holding:
+            # vLLM starts the requests that hold KV blocks (a remote load finished, or under
+            # way) before the rest of its queue: the order admission follows.
+            waiting = _Queues(holding, waiting)
+            self._rescan = True
         loras = None if self._max_loras is None else self._running_loras()
         if not self._rescan and loras is None:
             # Every request in the queue but the arrivals is admitted, in order: the arrivals
@@ -462,6 +488,9 @@ class _Chunking:
                 start = request.num_computed_tokens
                 if start == 0:
                     start = self._prefix_hit(request)
+                elif start >= request.num_tokens:
+                    # A remote load of the whole prompt: vLLM recomputes its last token.
+                    start = request.num_tokens - 1
             rid = self._next_rid
             self._next_rid += 1
             # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
@@ -480,6 +509,9 @@ class _Chunking:
         waiting when its scan reaches it). A grammar still compiling, or one that failed (vLLM
         finishes the request with the compile error), is not admitted."""
         status = request.status
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Its KV load finished: vLLM promotes it in this step's scan, from what was loaded.
+            return request.request_id in self.finished_recving_kv_req_ids  # type: ignore[attr-defined]
         if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
             so = request.structured_output_request
             grammar = so.grammar if so is not None else None
@@ -540,6 +572,14 @@ class _Chunking:
             if start is None:  # a continuing row: the token, and as many drafts as vLLM has
                 return tokens if num_new_tokens >= tokens else num_new_tokens
             if start != num_computed_tokens:
+                if num_computed_tokens > start and self.connector is not None and (  # type: ignore[attr-defined]
+                    request.status != RequestStatus.RUNNING
+                ):
+                    # The KV connector's external hit, found in vLLM's scan (the plugin never
+                    # asks the connector): vLLM's larger start is taken in this step, with at most
+                    # the planned tokens; the request is admitted again from where it ends.
+                    self._moved.append(req_id)
+                    return tokens if num_new_tokens >= tokens else num_new_tokens
                 self._observed[req_id] = num_computed_tokens
             elif num_new_tokens == tokens:
                 return tokens
@@ -602,6 +642,9 @@ class _Chunking:
         the calls one by one."""
         changes, self._changes = self._changes, []
         continues: list[Any] = self._continues(prev)
+        if self._decoding:
+            continues += self._decoding
+            self._decoding = []
         if self._estimate > 1:
             continues = self._draft_estimates(continues)
         ms = None
@@ -675,6 +718,11 @@ class _Chunking:
             # A padded new decode row ran its planned token (the rest are vLLM's placeholders).
             scheduled = {**scheduled, **{r: t for r, t in self._padded.items() if r in scheduled}}
             self._padded.clear()
+        moved = self._moved
+        if moved:
+            # Run from another start than planned: reported to the component as not run, and
+            # admitted again from where vLLM now stands (below).
+            scheduled = {r: t for r, t in scheduled.items() if r not in moved}
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
         # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
         # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
@@ -687,15 +735,31 @@ class _Chunking:
             planned = list(plan.values())  # in row order
             if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
                 self._scheduled_otherwise(req_ids, planned, ran, scheduled, len(req_ids) - len(starts))
+            if self.connector is not None:  # type: ignore[attr-defined]
+                self._forget_loading(req_ids, ran)
         rec = _Step(batch, req_ids, plan, len(starts), final_rows, ran)
         if self._async and self._estimate == 1:
             # (With drafts in flight vLLM cannot tell whether the step reaches the last token:
             # the request stays planned, and a decode row vLLM skips is handed back.)
             self._end_in_flight(rec)
+        if moved:
+            for req_id in moved:
+                request = self.requests.get(req_id)  # type: ignore[attr-defined]
+                self._forget(req_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    self._admit_running(request)
+                else:
+                    self._rescan = True
+            moved.clear()
         for req_id, start in self._observed.items():
-            # vLLM found another prefix-cache hit than at admission: admitted again from there.
+            # vLLM found another prefix-cache hit than at admission (or, with a KV connector, an
+            # external hit, or a rewind): admitted again from there.
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
+            request = self.requests.get(req_id)  # type: ignore[attr-defined]
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._admit_running(request)
+                continue
             self._start_hint[req_id] = start
             self._rescan = True
         self.mstar_stats.steps += 1
@@ -703,6 +767,50 @@ class _Chunking:
         self._uncompleted = rec
         self._in_flight.append((out, rec))
         return out
+
+    def _forget_loading(self, req_ids: list[str], ran: list[int]) -> None:
+        """KV transfer: a planned request that vLLM's scan sent to load its KV from elsewhere
+        (`WAITING_FOR_REMOTE_KVS`) is forgotten until the load is done (then admitted again,
+        from what was loaded)."""
+        requests = self.requests  # type: ignore[attr-defined]
+        for req_id, n in zip(req_ids, ran):
+            if not n:
+                r = requests.get(req_id)
+                if r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    self._forget(req_id)
+                    self._rescan = True
+
+    def _update_requests_with_invalid_blocks(self, requests: Any, *args: Any, **kwargs: Any) -> Any:
+        # A KV load that failed: vLLM rewinds the affected requests to their valid prefix. A
+        # running one (a synchronous load) is forgotten and admitted again from there; a waiting
+        # one is admitted when its load is promoted.
+        out = super()._update_requests_with_invalid_blocks(requests, *args, **kwargs)  # type: ignore[misc]
+        for req_id in out[0]:
+            r = self.requests.get(req_id)  # type: ignore[attr-defined]
+            if r is not None and req_id in self._rid_of:
+                self._forget(req_id)
+                if r.status == RequestStatus.RUNNING:
+                    self._admit_running(r)
+                else:
+                    self._rescan = True
+        return out
+
+    def _admit_running(self, request: Request) -> None:
+        """Admits a running request again from where vLLM now stands (after a rewind, or a step
+        run from another start than planned): as a prompt when it has tokens left to compute,
+        else as a decode row (its prompt done, it samples next): vLLM's running queue is not
+        scanned."""
+        req_id = request.request_id
+        rid = self._next_rid
+        self._next_rid += 1
+        if request.num_computed_tokens >= request.num_tokens:
+            self._decoding.append(rid)
+        else:
+            self._changes.append((rid, request._all_token_ids, request.num_computed_tokens))
+        self._rid_of[req_id] = rid
+        self._req_of[rid] = req_id
+        self._rid_at[id(request)] = rid
+        self._at_of[req_id] = id(request)
 
     def _undefer(self, deferred: set) -> None:
         """After vLLM 0.33's scan: the waiting requests the plan alone gave no tokens are taken
@@ -754,9 +862,17 @@ class _Chunking:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = self.clock()
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise RuntimeError("update_from_output for a step this scheduler did not schedule last")
-        _, rec = self._in_flight.popleft()
+        in_flight = self._in_flight
+        if not in_flight or in_flight[0][0] is not scheduler_output:
+            if not any(out is scheduler_output for out, _ in in_flight):
+                raise RuntimeError("update_from_output for a step this scheduler did not schedule")
+            # Outputs of earlier steps never passed on (vLLM's engine passes every one, in
+            # order; a caller may drop some): those steps were completed when the next was
+            # scheduled, and their times are unknown.
+            while in_flight[0][0] is not scheduler_output:
+                in_flight.popleft()
+                self.mstar_stats.dropped_outputs += 1
+        _, rec = in_flight.popleft()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         # The step ran from when its schedule() returned, or from when the step before it
         # finished if that was later (async: it was queued behind that step), until now.

@@ -32,17 +32,17 @@ REPO = HERE.parents[2]
 SCHEMA = {
     "type": "object",
     "properties": {
-        "city": {"type": "string"},
-        "country": {"type": "string"},
-        "population_millions": {"type": "number"},
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "is_capital": {"type": "boolean"},
     },
-    "required": ["city", "country", "population_millions"],
+    "required": ["city", "country", "is_capital"],
     "additionalProperties": False,
 }
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 QUESTION = (
     "<|im_start|>user\nGive the capital of France as JSON with the keys city, country and "
-    "population_millions.<|im_end|>\n<|im_start|>assistant\n"
+    "is_capital.<|im_end|>\n<|im_start|>assistant\n"
 )
 
 
@@ -54,7 +54,7 @@ def requests(model: Path) -> list[dict]:
     text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     ids = tok.encode(text, add_special_tokens=False).ids
     question = tok.encode(QUESTION, add_special_tokens=False).ids
-    out = [{"id": "json", "tokens": ids[:300] + question, "max_tokens": 64, "schema": SCHEMA}]
+    out = [{"id": "json", "tokens": ids[:300] + question, "max_tokens": 96, "schema": SCHEMA}]
     at = 300
     for i, n in enumerate((900, 700, 1100)):
         out.append({"id": f"plain{i}", "tokens": ids[at : at + n], "max_tokens": 24})

@@ -55,7 +55,6 @@ REAL = [
     ({"mamba_align": True}, "Mamba's 'align' cache mode"),
 ]
 SET = [
-    (("kv_transfer_config",), "KV transfer"),
     (("ec_transfer_config",), "encoder-cache transfer"),
     (("parallel_config", "pipeline_parallel_size", 2), "pipeline parallelism"),
     (("scheduler_config", "long_prefill_token_threshold_adaptive", True), "the adaptive long-prefill threshold"),
@@ -73,7 +72,6 @@ SET = [
         "no-chunked-prefill",
         "max_num_scheduled_tokens",
         "mamba-align",
-        "kv-transfer",
         "ec-transfer",
         "pipeline-parallel",
         "adaptive-threshold",
