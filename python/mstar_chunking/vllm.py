@@ -865,6 +865,10 @@ class _Chunking:
         in_flight = self._in_flight
         if not in_flight or in_flight[0][0] is not scheduler_output:
             if not any(out is scheduler_output for out, _ in in_flight):
+                if not scheduler_output.total_num_scheduled_tokens:
+                    # An output that ran nothing, built by the caller (it carries a connector's
+                    # finished transfers, say): vLLM's alone, no step of the component's.
+                    return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
                 raise RuntimeError("update_from_output for a step this scheduler did not schedule")
             # Outputs of earlier steps never passed on (vLLM's engine passes every one, in
             # order; a caller may drop some): those steps were completed when the next was
