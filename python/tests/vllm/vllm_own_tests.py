@@ -116,16 +116,20 @@ DIFFERENCES: dict[str, str] = {
         "cap (docs/vllm.md, Settings)"
     ),
     "test_scheduler.py::test_update_from_output_routes_": (
-        "calls `update_from_output()` with a `SchedulerOutput` built by hand, never returned by "
-        "`schedule()`: the plugin refuses to complete a step it did not schedule (RuntimeError naming it)"
+        "calls `update_from_output()` with a `SchedulerOutput` that schedules tokens, built by hand and "
+        "never returned by `schedule()`: the plugin refuses to complete a step it did not schedule "
+        "(RuntimeError naming it)"
+    ),
+    "test_scheduler.py::test_stop_via_update_from_output": (
+        "the same: a hand-built `SchedulerOutput` that schedules tokens, for requests put straight into "
+        "the scheduler's running list (never added nor scheduled)"
     ),
     "test_scheduler.py::test_scheduler_kv_connector_stats": (
-        "the same: `update_from_output()` of a hand-built `SchedulerOutput` (and a KV connector, refused "
-        "at start with a real configuration)"
+        "the same: `update_from_output()` of a hand-built `SchedulerOutput` that schedules tokens"
     ),
     "test_scheduler.py::test_scheduler_ec_connector_stats": (
-        "the same: `update_from_output()` of a hand-built `SchedulerOutput` (and an encoder-cache "
-        "connector, refused at start with a real configuration)"
+        "the same: `update_from_output()` of a hand-built `SchedulerOutput` that schedules tokens (and an "
+        "encoder-cache connector, refused at start with a real configuration)"
     ),
     "test_scheduler.py::test_pause_new_ignores_streaming_": (
         "streaming input: refused per request (the request finishes with an error naming it)"
@@ -138,23 +142,14 @@ DIFFERENCES: dict[str, str] = {
         "refused at start with a real configuration) and gives a text model's request encoder inputs: "
         "refused per request (an error naming them)"
     ),
-    "test_scheduler.py::test_remote_kv_promotion_drains_before_grammar_prefix": (
-        "puts a KV connector on the scheduler after it started and requests waiting for remote KV "
-        "(KV transfer is refused at start with a real configuration); the plugin admits no such request"
-    ),
-    "test_scheduler.py::test_fcfs_mixed_blocked_types_remote_load_drains_first": (
-        "requests waiting for remote KV, structured output and streaming input: KV transfer is refused "
-        "at start with a real configuration, the other two per request"
+    "test_scheduler.py::test_max_loras_counts_running_request_skipped_for_encoder_budget": (
+        "gives a text model's requests encoder inputs (image placeholders) and sets the encoder budget "
+        "after the scheduler started: encoder inputs are refused per request (an error naming them)"
     ),
     "test_scheduler.py::test_drafter_lookahead_encoder_cache_cap_": (
-        "sets `num_prefill_lookahead` on the scheduler after it started (the drafter's lookahead comes "
-        "with a speculative config, refused at start) and gives a text model's request encoder inputs: "
-        "refused per request (an error naming them)"
-    ),
-    "test_scheduler.py::test_prefill_cadence_counts_executed_steps_not_schedule_calls": (
-        "calls `schedule()` three times and `update_from_output()` for the first output only; vLLM's "
-        "engine passes every output `schedule()` returned, empty ones too, to `update_from_output()` "
-        "in order, which the plugin requires (a RuntimeError names the step otherwise)"
+        "sets `num_prefill_lookahead` on the scheduler after it started (the multi-module MTP lookahead, "
+        "refused at start) and gives a text model's request encoder inputs: refused per request (an "
+        "error naming them)"
     ),
     "test_async_scheduler.py::test_prefix_caching_for_prefill_dedup": (
         "two identical prompts in one step: vLLM finds the second's prefix-cache hit on the blocks the "
@@ -166,7 +161,21 @@ DIFFERENCES: dict[str, str] = {
 
 # Further differences with the component's defaults (`--defaults`: chunks aligned to the KV block,
 # a floor of 64 tokens), which vLLM's own chunk rules do not have.
-DEFAULTS_DIFFERENCES: dict[str, str] = {}
+DEFAULTS_DIFFERENCES: dict[str, str] = {
+    "test_scheduler.py::test_throttle_defers_inflight_prefill_chunk": (
+        "a 50-token budget with a decode row leaves 49 tokens, under the component's floor of 64: the "
+        "80-token prompt is not started beside the decode (it runs once the decode ends; vLLM cuts a "
+        "49-token chunk)"
+    ),
+    "test_scheduler.py::test_local_prefill_interval_defers_inflight_prefill_chunk": (
+        "the same 50-token budget beside a decode row: under the floor of 64, the prompt is not started "
+        "in the step the test reads"
+    ),
+    "test_scheduler.py::test_no_spec_tokens_scheduled_for_prefill_chunks": (
+        "the component's alignment: the chunk ends on the 16-token block boundary (48 tokens), where "
+        "the test counts vLLM's 50"
+    ),
+}
 
 # What the helper builds under the plugin (appended to the extracted tests/v1/core/utils.py).
 HOOK = '''
