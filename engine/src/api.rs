@@ -543,9 +543,10 @@ pub struct ModelLimits {
 pub const MAX_STOPS: usize = 4;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
-/// The most alternatives a completion's `logprobs` may ask for (as OpenAI's legacy API).
-pub const MAX_LOGPROBS: u8 = 5;
-/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI: 0 to 20).
+/// The most alternatives a completion's `logprobs` may ask for: 20, as vLLM's default
+/// `--max-logprobs` allows (OpenAI's legacy API allowed 5), and as many as the engine gives.
+pub const MAX_LOGPROBS: u8 = crate::engine::MAX_TOP_LOGPROBS;
+/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI and vLLM: 0 to 20).
 pub const MAX_TOP_LOGPROBS: u8 = crate::engine::MAX_TOP_LOGPROBS;
 /// The most choices (`n`) a request may ask for.
 pub const MAX_N: u8 = 8;
@@ -576,20 +577,29 @@ fn number_in(
     Ok(Some(v as f32))
 }
 
-/// `seed`: any int64 (OpenAI's range) or uint64.
+/// `seed`: any int64 (OpenAI's and vLLM's range), taken as its two's-complement bits. A whole
+/// number outside it is refused rather than wrapped: 2^63 would otherwise seed the same draw as
+/// -2^63.
 fn seed(raw: &RawValue) -> Result<u64, ApiError> {
     let v = raw.get();
-    v.parse::<u64>()
-        .or_else(|_| v.parse::<i64>().map(|i| i as u64))
-        .map_err(|_| {
-            ApiError::bad(
-                Some("seed"),
-                format!(
-                    "`seed` must be a whole number (an int64), not {}",
-                    excerpt(raw)
-                ),
-            )
-        })
+    if let Ok(i) = v.parse::<i64>() {
+        return Ok(i as u64);
+    }
+    let whole = v.strip_prefix('-').unwrap_or(v);
+    let message = if !whole.is_empty() && whole.bytes().all(|b| b.is_ascii_digit()) {
+        format!(
+            "`seed` is {}: it must be an int64, from {} to {}",
+            excerpt(raw),
+            i64::MIN,
+            i64::MAX
+        )
+    } else {
+        format!(
+            "`seed` must be a whole number (an int64), not {}",
+            excerpt(raw)
+        )
+    };
+    Err(ApiError::bad(Some("seed"), message))
 }
 
 /// The generation settings both endpoints share, parsed and checked.
@@ -852,7 +862,8 @@ pub struct CompletionBody {
     pub prompt: Prompt,
     /// The generation settings.
     pub sampling: Sampling,
-    /// `logprobs`: each token's log-probability with this many alternatives (0 to 5).
+    /// `logprobs`: each token's log-probability with this many alternatives (0 to
+    /// [`MAX_LOGPROBS`]).
     pub logprobs: Option<u8>,
 }
 

@@ -4,7 +4,8 @@
 //! a Llama-architecture decoder on candle ([`model`]: random weights, or a GGUF file such as
 //! SmolLM2-135M-Instruct with its [`tokenizer`]), run one step per assembled batch by an
 //! engine actor ([`engine`]), served over an OpenAI-compatible HTTP API ([`server`], its
-//! request bodies in [`api`], chat prompts rendered by [`chat`]) with its metrics in
+//! request bodies in [`api`], chat prompts rendered by [`chat`], its connections shed at the
+//! cap by [`conns`]) with its metrics in
 //! [`metrics`], and driven by a trace-replaying load generator ([`bench`](mod@bench)); [`files`] holds
 //! the rules for the files it reads and writes.
 //! `engine/README.md` describes the design.
@@ -14,6 +15,7 @@
 pub mod api;
 pub mod bench;
 pub mod chat;
+pub mod conns;
 pub mod engine;
 pub mod files;
 pub mod metrics;

@@ -82,7 +82,8 @@ struct ServeArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The model name the API serves (default: the model's own, `SmolLM2-135M-Instruct`, a
-    /// GGUF file's name without `.gguf`, or `tiny` / `small`).
+    /// GGUF file's name without `.gguf`, or `tiny` / `small`); an empty name is the default,
+    /// as vLLM takes it.
     #[arg(long, alias = "served-name")]
     served_model_name: Option<String>,
     #[command(flatten)]
@@ -92,8 +93,9 @@ struct ServeArgs {
     #[arg(long, default_value = "10", value_parser = parse_grace, allow_negative_numbers = true)]
     grace_secs: Duration,
     /// Connections open at once, idle ones included; further clients wait in the listen
-    /// queue (default: what the descriptor limit allows, which the server raises to its hard
-    /// limit at start).
+    /// queue, and each one accepted into the last slot sheds the connection waiting longest on
+    /// its client (default: what the descriptor limit allows, less 64, which the server raises
+    /// to its hard limit at start).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
     max_connections: Option<u32>,
     /// Requests whose bodies are read at once; more wait for a slot within their body deadline.
@@ -292,7 +294,11 @@ fn serve(a: ServeArgs) -> Result<(), String> {
     }
     let device = device(&a.device)?;
     let (model, shown, own_name) = load_model(&a, &device)?;
-    let served = a.served_model_name.clone().unwrap_or(own_name);
+    let served = a
+        .served_model_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(own_name);
     let config = model.config;
     let s = settings(&a.engine, &served)?;
     let (handle, thread) = engine::start(model, s)?;

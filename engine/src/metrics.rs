@@ -41,9 +41,11 @@ pub const KV_TOKENS_RESERVED: &str = "engine_kv_tokens_reserved";
 pub const KV_TOKENS_CAPACITY: &str = "engine_kv_tokens_capacity";
 /// Requests that ended, by `result` (counter).
 pub const REQUESTS_TOTAL: &str = "engine_requests_total";
+/// Connections shed at the connection cap (counter).
+pub const CONNECTIONS_SHED_TOTAL: &str = "engine_connections_shed_total";
 
 /// Every metric name the engine exports itself.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     TTFT_SECONDS,
     TBT_SECONDS,
     E2E_SECONDS,
@@ -55,6 +57,7 @@ pub const ALL: [&str; 11] = [
     KV_TOKENS_RESERVED,
     KV_TOKENS_CAPACITY,
     REQUESTS_TOTAL,
+    CONNECTIONS_SHED_TOTAL,
 ];
 
 // === labels ===
@@ -162,6 +165,11 @@ pub fn describe_all() {
         Unit::Count,
         "Requests that ended, by result (length, stop, abort, disconnected)."
     );
+    describe_counter!(
+        CONNECTIONS_SHED_TOTAL,
+        Unit::Count,
+        "Connections shed at the connection cap to let a new client in: the one waiting on its client longest (a request still sending its body, or an idle connection)."
+    );
 }
 
 // === recording ===
@@ -169,6 +177,11 @@ pub fn describe_all() {
 /// Records how a request ended.
 pub fn request_ended(outcome: Outcome, n: u64) {
     metrics::counter!(REQUESTS_TOTAL, LABEL_RESULT => outcome.as_str()).increment(n);
+}
+
+/// Records a connection shed at the connection cap.
+pub fn connection_shed() {
+    metrics::counter!(CONNECTIONS_SHED_TOTAL).increment(1);
 }
 
 /// Records a model step: its wall time and the tokens it was scheduled to run.
@@ -223,6 +236,7 @@ fn register_all() {
         request_ended(o, 0);
     }
     metrics::counter!(STEP_TOKENS_TOTAL).increment(0);
+    metrics::counter!(CONNECTIONS_SHED_TOTAL).increment(0);
     for h in [TTFT_SECONDS, TBT_SECONDS, E2E_SECONDS, STEP_SECONDS] {
         let _ = metrics::histogram!(h);
     }

@@ -14,18 +14,29 @@
 //! handler.
 //!
 //! Every connection is bounded ([`ServerLimits`]): at most `max_connections` at once (further
-//! clients wait in the kernel's listen queue), request headers within `header_timeout`, the
-//! body within `body_timeout` and [`crate::api::body_limit`] bytes.
+//! clients wait in the kernel's listen queue, and a connection that fills the last slot sheds
+//! the one waiting on its client longest: [`crate::conns`]), request headers within
+//! `header_timeout`, the body within `body_timeout` and [`crate::api::body_limit`] bytes.
+//!
+//! The server is actix-web's `HttpServer` assembled from its parts (actix-server's acceptor,
+//! actix-http's HTTP/1 service, the actix-web app), so that each accepted stream is wrapped in
+//! a [`Tracked`] one.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use actix_web::dev::Service;
-use actix_web::http::{header, StatusCode};
+use actix_http::HttpService;
+use actix_service::{map_config, IntoServiceFactory, ServiceFactoryExt};
+use actix_web::body::{BodySize, BoxBody, MessageBody};
+use actix_web::dev::{fn_service, AppConfig, Extensions, Service};
+use actix_web::http::{header, ConnectionType, StatusCode};
+use actix_web::rt::net::TcpStream;
 use actix_web::web::{Bytes, BytesMut};
-use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpRequest, HttpResponse};
 use futures_util::{stream, StreamExt};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::ser::{SerializeMap, Serializer};
@@ -38,6 +49,7 @@ use crate::api::{
     ModelLimits, Prompt, Sampling, TokenizeBody, TokenizeInput,
 };
 use crate::chat::{ChatTemplate, Message, CHATML};
+use crate::conns::{Conn, Connections, RequestGuard, Tracked};
 use crate::engine::{EngineHandle, Event, Finish, GenRequest, SubmitError};
 use crate::tokenizer::{Tokenizer, Utf8Decoder};
 
@@ -47,7 +59,8 @@ pub struct ServerLimits {
     /// Connections open at once, over all workers (idle ones included); further clients wait
     /// in the kernel's listen queue. The default is what the descriptor limit allows
     /// ([`default_max_connections`]): an idle connection costs a socket and a few kilobytes,
-    /// and is closed after `header_timeout`.
+    /// and is closed after `header_timeout`. A connection that fills the last slot sheds the
+    /// one that has waited on its client longest ([`crate::conns`]).
     pub max_connections: usize,
     /// Requests whose bodies are read at once (the memory of bodies in flight: each at most
     /// [`crate::api::body_limit`] bytes); a request beyond waits for a slot within its body
@@ -374,7 +387,9 @@ fn model_limits(state: &AppState) -> ModelLimits {
 /// Reads a body of the request's limit, refusing while shutting down. The deadline counts
 /// from now (the handler runs once the headers are in): waiting for a reading slot and the
 /// body's arrival both fall within it. A `Content-Length` past the limit is refused at once,
-/// before a byte of the body is read (the connection then closes).
+/// before a byte of the body is read (the connection then closes). Until the body is in, the
+/// request's connection may be shed at the connection cap ([`crate::conns`]): 503, and the
+/// connection closes.
 async fn body_of(
     state: &AppState,
     req: &HttpRequest,
@@ -393,11 +408,29 @@ async fn body_of(
             return Err(too_large(limit));
         }
     }
-    let _slot = tokio::time::timeout_at(deadline, state.reading.acquire())
-        .await
-        .map_err(|_| too_slow(timeout))?
-        .map_err(|_| ApiError::from(SubmitError::Draining))?;
-    read_body_by(payload, limit, deadline, timeout).await
+    let read = async {
+        let _slot = tokio::time::timeout_at(deadline, state.reading.acquire())
+            .await
+            .map_err(|_| too_slow(timeout))?
+            .map_err(|_| ApiError::from(SubmitError::Draining))?;
+        read_body_by(payload, limit, deadline, timeout).await
+    };
+    let Some(conn) = req.conn_data::<Arc<Conn>>() else {
+        return read.await;
+    };
+    let _reading = conn.reading();
+    tokio::select! {
+        body = read => body,
+        () = conn.body_shed() => Err(shed()),
+    }
+}
+
+fn shed() -> ApiError {
+    ApiError::with_status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_overloaded",
+        "the server is at its connection cap: this request, whose body was still coming, was shed to let a new client in",
+    )
 }
 
 /// Turns tokens into text as they arrive, holding back an incomplete UTF-8 sequence; control
@@ -1257,6 +1290,52 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/metrics", web::get().to(metrics_page));
 }
 
+/// The listen queue's length asked of the kernel (as actix-web's).
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+/// Binds the first of `addr`'s addresses that binds (as actix-web's `HttpServer::bind`), with
+/// `SO_REUSEADDR` and a listen queue of [`LISTEN_BACKLOG`].
+fn listener(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let mut failed = None;
+    for a in addr.to_socket_addrs()? {
+        let bound = Socket::new(Domain::for_address(a), Type::STREAM, Some(Protocol::TCP))
+            .and_then(|s| {
+                s.set_reuse_address(true)?;
+                s.bind(&a.into())?;
+                s.listen(LISTEN_BACKLOG)?;
+                Ok(s)
+            });
+        match bound {
+            Ok(s) => return Ok(s.into()),
+            Err(e) => failed = Some(e),
+        }
+    }
+    Err(failed.unwrap_or_else(|| std::io::Error::other(format!("{addr}: no address to bind"))))
+}
+
+/// An answer's body, holding its request's count on the connection until it is sent (or
+/// dropped with the connection).
+struct Answer {
+    body: BoxBody,
+    _request: Option<RequestGuard>,
+}
+
+impl MessageBody for Answer {
+    type Error = <BoxBody as MessageBody>::Error;
+
+    fn size(&self) -> BodySize {
+        self.body.size()
+    }
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_next(cx)
+    }
+}
+
 /// A running server: its address, and how to stop it.
 pub struct Server {
     /// The address it listens on.
@@ -1316,37 +1395,83 @@ impl Server {
             chat,
             reading: Arc::new(Semaphore::new(limits.max_active_requests.max(1))),
         });
-        let s2 = state.clone();
+        let listener = listener(addr)?;
+        let addr = listener.local_addr()?;
+        let conns = Connections::new(limits.max_connections);
         let per_worker = limits.max_connections.div_ceil(WORKERS).max(1);
-        let server = HttpServer::new(move || {
-            App::new()
-                .app_data(s2.clone())
-                // Every answer (errors and 404s too) names its request: the client's
-                // `x-request-id`, else a new one.
-                .wrap_fn(|req, srv| {
-                    let id = request_id(req.headers().get(REQUEST_ID));
-                    let fut = srv.call(req);
-                    async move {
-                        let mut res = fut.await?;
-                        res.headers_mut()
-                            .insert(header::HeaderName::from_static(REQUEST_ID), id);
-                        Ok(res)
-                    }
+        let builder = actix_server::Server::build();
+        let graceful = builder.graceful_shutdown_signal();
+        let s2 = state.clone();
+        let server = builder
+            .workers(WORKERS)
+            .max_concurrent_connections(per_worker)
+            .disable_signals()
+            .shutdown_timeout(5)
+            .listen("mstar-engine", listener, move || {
+                let conns = conns.clone();
+                let graceful = graceful.clone();
+                let app = App::new()
+                    .app_data(s2.clone())
+                    // Every answer (errors and 404s too) names its request: the client's
+                    // `x-request-id`, else a new one. The request counts on its connection
+                    // until its answer is sent; a shed connection closes after the answer.
+                    .wrap_fn(|req, srv| {
+                        let id = request_id(req.headers().get(REQUEST_ID));
+                        let conn = req.conn_data::<Arc<Conn>>().cloned();
+                        let request = conn.as_ref().map(|c| c.request());
+                        let fut = srv.call(req);
+                        async move {
+                            let mut res = fut.await?;
+                            res.headers_mut()
+                                .insert(header::HeaderName::from_static(REQUEST_ID), id);
+                            if conn.is_some_and(|c| c.is_shed()) {
+                                res.response_mut()
+                                    .head_mut()
+                                    .set_connection_type(ConnectionType::Close);
+                            }
+                            Ok(res.map_body(|_, body| {
+                                BoxBody::new(Answer {
+                                    body,
+                                    _request: request,
+                                })
+                            }))
+                        }
+                    })
+                    .configure(routes)
+                    .into_factory()
+                    .map_err(|e| e.error_response());
+                let http = HttpService::build()
+                    // Idle keep-alive connections close at once when the server stops.
+                    .graceful_shutdown_signal(move || {
+                        let graceful = graceful.clone();
+                        async move { graceful.notified().await }
+                    })
+                    .client_request_timeout(limits.header_timeout)
+                    .keep_alive(limits.header_timeout)
+                    // After an answer that leaves a body unread (408, 413, 503), what the
+                    // client still sends is read and dropped for up to 1 s before the
+                    // connection closes, so that it reads the answer (actix-web's default).
+                    .client_disconnect_timeout(Duration::from_secs(1))
+                    // A client that closes its side has gone: end its handler (a plain request
+                    // is then aborted like a dropped stream) instead of computing an answer
+                    // nobody reads.
+                    .h1_allow_half_closed(false)
+                    .local_addr(addr)
+                    // The connection's state, for the handlers that read bodies.
+                    .on_connect_ext(|io: &Tracked<TcpStream>, ext: &mut Extensions| {
+                        ext.insert(io.conn().clone());
+                    })
+                    // The app's configured host and address serve URL generation and
+                    // connection info, which no route uses: the defaults do.
+                    .h1(map_config(app, |()| AppConfig::default()));
+                fn_service(move |io: TcpStream| {
+                    let peer = io.peer_addr().ok();
+                    let io = conns.admit(io);
+                    std::future::ready(Ok::<_, actix_http::error::DispatchError>((io, peer)))
                 })
-                .configure(routes)
-        })
-        .workers(WORKERS)
-        .max_connections(per_worker)
-        .client_request_timeout(limits.header_timeout)
-        .keep_alive(limits.header_timeout)
-        // A client that closes its side has gone: end its handler (a plain request is then
-        // aborted like a dropped stream) instead of computing an answer nobody reads.
-        .h1_allow_half_closed(false)
-        .disable_signals()
-        .shutdown_timeout(5)
-        .bind(addr)?;
-        let addr = server.addrs()[0];
-        let server = server.run();
+                .and_then(http)
+            })?
+            .run();
         let handle = server.handle();
         let task = tokio::spawn(server);
         Ok(Server {

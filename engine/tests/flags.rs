@@ -410,3 +410,37 @@ fn export_tokenizer_follows_the_file_rules() {
         std::fs::metadata(&real).unwrap().len()
     );
 }
+
+/// `GET path` on `addr` over a connection of its own: the whole answer (status line, headers
+/// and body), read within 10 s.
+fn get(addr: &str, path: &str) -> String {
+    use std::io::Write;
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+/// An empty `--served-model-name` is no name given, as vLLM takes it: the model's own name is
+/// served, never a model whose id is `""`; a name given is served as given.
+#[test]
+fn an_empty_served_model_name_serves_the_models_own_name() {
+    for (given, id) in [("", "tiny"), ("mine", "mine")] {
+        let (child, addr) = serve(&["--served-model-name", given], &[]);
+        let answer = get(&addr, "/v1/models");
+        kill(&child, "TERM");
+        wait_bounded(child, Duration::from_secs(20), "SIGTERM");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or("");
+        let v: serde_json::Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("{given:?}: {e}: {answer}"));
+        assert_eq!(v["data"][0]["id"], id, "{given:?}: {answer}");
+        assert_eq!(v["data"].as_array().unwrap().len(), 1, "{answer}");
+    }
+}

@@ -482,6 +482,116 @@ async fn without_a_seed_each_request_samples_differently() {
     thread.join().unwrap().unwrap();
 }
 
+/// `seed` is any int64 on both endpoints; a whole number outside (2^63, 2^64 - 1, 2^64) is a
+/// 400 naming `seed`, never wrapped onto another seed (2^63 drew as -2^63 did).
+#[actix_web::test]
+async fn seeds_outside_int64_are_refused_naming_seed() {
+    let (srv, thread) = start(EngineSettings::default());
+    let base = format!("http://{}", srv.addr);
+    let c = reqwest::Client::new();
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let body = |seed: &str| {
+            let head = if path == "/v1/completions" {
+                r#""prompt": "Once""#
+            } else {
+                r#""messages": [{"role": "user", "content": "Once"}]"#
+            };
+            format!(r#"{{{head}, "max_tokens": 4, "temperature": 1.0, "seed": {seed}}}"#)
+        };
+        for seed in [
+            "9223372036854775808",
+            "18446744073709551615",
+            "18446744073709551616",
+            "-9223372036854775809",
+        ] {
+            let r = c
+                .post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body(seed))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400, "{path} seed {seed}");
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["param"], "seed", "{path} seed {seed}: {v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("int64"),
+                "{path} seed {seed}: {v}"
+            );
+        }
+        for seed in ["9223372036854775807", "-9223372036854775808", "0", "-1"] {
+            let r = c
+                .post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body(seed))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{path} seed {seed}");
+        }
+    }
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+}
+
+/// Completions' `logprobs` and chats' `top_logprobs` go up to 20 alternatives (vLLM's default
+/// `--max-logprobs`), each given; 21 is a 400 naming the field.
+#[actix_web::test]
+async fn logprobs_go_up_to_20_alternatives() {
+    let (srv, thread) = start(EngineSettings::default());
+    let base = format!("http://{}", srv.addr);
+    let prompt = json!({"prompt": "Once", "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    let chat = json!({"messages": [{"role": "user", "content": "Once"}], "max_tokens": 3,
+                      "temperature": 0, "ignore_eos": true, "logprobs": true});
+    for n in [6, 20] {
+        let mut body = prompt.clone();
+        body["logprobs"] = json!(n);
+        let (status, v) = common::post(&base, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "logprobs {n}: {v}");
+        let lp = &v["choices"][0]["logprobs"];
+        assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 3, "{v}");
+        for top in lp["top_logprobs"].as_array().unwrap() {
+            // Keyed by text: alternatives whose text is the same share a key.
+            let k = top.as_object().unwrap().len();
+            assert!((1..=n).contains(&k), "logprobs {n}: {k} alternatives: {v}");
+        }
+        let mut body = chat.clone();
+        body["top_logprobs"] = json!(n);
+        let (status, v) = common::post(&base, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "top_logprobs {n}: {v}");
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        assert!(!content.is_empty(), "{v}");
+        for c in content {
+            assert_eq!(c["top_logprobs"].as_array().unwrap().len(), n, "{v}");
+        }
+    }
+    let mut body = prompt.clone();
+    body["logprobs"] = json!(21);
+    let (status, v) = common::post(&base, "/v1/completions", &body).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("logprobs")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 20"),
+        "{v}"
+    );
+    let mut body = chat.clone();
+    body["top_logprobs"] = json!(21);
+    let (status, v) = common::post(&base, "/v1/chat/completions", &body).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("top_logprobs")),
+        "{v}"
+    );
+    srv.shutdown(Duration::from_secs(1)).await.unwrap();
+    thread.join().unwrap().unwrap();
+}
+
 /// Stop text is cut on whole characters and held back while it may begin a stop string.
 #[test]
 fn stop_text_holds_back_what_may_begin_a_stop_string() {

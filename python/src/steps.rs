@@ -281,7 +281,8 @@ pymethods_with_getters! {
     }
 
     /// The rows in bulk under the caller's keys (an engine's own request ids): `keys` maps each
-    /// row's rid to its key (a `dict`; a rid it lacks is a `KeyError` naming it). Answers
+    /// row's rid to its key (a `dict`; a rid it lacks is a `KeyError` naming it, two rows under
+    /// one key a `ValueError` naming the key and both rids). Answers
     /// `(row_keys, tokens, starts, finals)`: each row's key, in row order; the scheduled tokens
     /// by key (in row order); each chunk's start by key; the indices of the rows whose chunk is
     /// final. One call, no `int` made per row.
@@ -361,8 +362,9 @@ fn int_list<'py, T: Into<u64>>(
 }
 
 /// `batch`'s rows under the caller's keys (`keys`: rid -> key; a rid it lacks is a `KeyError`
-/// naming it): each row's key in row order, the scheduled tokens by key, each chunk's start by
-/// key, and the indices of the rows whose chunk is final.
+/// naming it, a key two rows share a `ValueError` naming it): each row's key in row order, the
+/// scheduled tokens by key, each chunk's start by key, and the indices of the rows whose chunk
+/// is final.
 #[allow(clippy::type_complexity)]
 pub(crate) fn keyed_columns<'py>(
     py: Python<'py>,
@@ -385,6 +387,20 @@ pub(crate) fn keyed_columns<'py>(
                 batch.step, r.rid
             )));
         };
+        // Two rows under one key would leave one row's tokens: refused, naming both rows.
+        if tokens.contains(&key)? {
+            let j = row_keys
+                .iter()
+                .position(|k| k.eq(&key).unwrap_or(false))
+                .unwrap_or(i);
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "step {}: rid {} of row {i} has key {}, as rid {} of row {j} has: each row needs a key of its own",
+                batch.step,
+                r.rid,
+                key.repr()?,
+                batch.rows[j].rid
+            )));
+        }
         row_keys.append(&key)?;
         tokens.set_item(&key, r.tokens())?;
         if let RowWork::Chunk { range, .. } = r.work {

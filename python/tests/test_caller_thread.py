@@ -121,6 +121,26 @@ def test_columns_and_keyed_are_the_rows_in_bulk(make_cm):
     cm.abandon(b2.step)
 
 
+def test_keyed_refuses_two_rows_under_one_key_naming_it(make_cm):
+    cm = mixed(make_cm)
+    cm.admit(1, "llm", "prefill", [1] * 100)
+    cm.admit(2, "llm", "prefill", [2] * 50)
+    b = cm.assemble("llm", "mixed")
+    assert [r.tokens for r in b.rows] == [100, 50]
+    # Both rows under "same" would have answered {'same': 50}: the 100-token row lost.
+    with pytest.raises(ValueError, match=r"rid 2 of row 1 has key 'same', as rid 1 of row 0 has"):
+        b.keyed({1: "same", 2: "same"})
+    # Keys Python's dict takes as one (1 and 1.0) are one key too.
+    with pytest.raises(ValueError, match=r"has key 1\.0, as rid 1 of row 0 has"):
+        b.keyed({1: 1, 2: 1.0})
+    # A missing key is still a KeyError naming the rid; distinct keys answer every row.
+    with pytest.raises(KeyError, match="rid 2 of row 1 has no key"):
+        b.keyed({1: "same"})
+    row_keys, by_key, starts, finals = b.keyed({1: "a", 2: "b"})
+    assert row_keys == ["a", "b"] and by_key == {"a": 100, "b": 50} and finals == [0, 1]
+    cm.abandon(b.step)
+
+
 def test_a_prompt_list_is_taken_as_its_ints_or_refused_as_before(make_cm):
     cm = mixed(make_cm)
     ids = [0, 1, 2**32 - 1, 7, True]

@@ -47,6 +47,15 @@ pub fn fit(args: &FitArgs) -> ExitCode {
             }
         };
     let source = args.file.display().to_string();
+    // The replay prices a step with `base_ms` or `per_token_ms` above 0, so that every step
+    // takes some time (`replay.cost`): a table without either would be refused by it.
+    if matches!(args.table, FitFor::Replay) && fit.model.coefficients()[..2] == [0.0, 0.0] {
+        say(&format!(
+            "error: cannot fit a `[replay.cost]` table to {}: the fit puts `base_ms` and `per_token_ms` both at 0 (the steps' times are carried by their contexts, attention pairs or rows alone), and a replay's step cost must make every step take some time; `--for serve` prints the serving table, or fit on steps that include short ones",
+            config::problem::escape(&source)
+        ));
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let kind = match input {
         crate::latency::fit_file::FitInput::StepLog => "a replay step log",
         crate::latency::fit_file::FitInput::Csv => "a CSV of step features",

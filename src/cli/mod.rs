@@ -334,7 +334,9 @@ pub struct SweepArgs {
     /// Settings as flags, the same in every cell.
     #[command(flatten)]
     pub settings: SettingArgs,
-    /// Token budgets of the replayed node's step walk, comma-separated; "off" for none
+    /// The settings compared, comma-separated: token budgets of the replayed node's step walk,
+    /// "off" for none, and time budgets such as 95ms (its `chunking.max_step_ms`, under the
+    /// config's token budget)
     #[arg(long, value_name = "LIST", default_value = "512,1024,2048,4096,off")]
     pub budgets: String,
     /// Rate scales (1 = the trace's own rate), comma-separated
@@ -346,6 +348,14 @@ pub struct SweepArgs {
     /// The objective's bound on p90 time to first token, simulated ms
     #[arg(long, value_name = "MS", value_parser = slo_ms)]
     pub slo_ttft_p90: Option<f64>,
+    /// Traces to run the whole grid on, comma-separated, each into OUT/trace-<name>/, then the
+    /// verdict across them (with --max-step-ms and an objective) into OUT
+    #[arg(long, value_name = "LIST", conflicts_with_all = ["trace", "emit_jobs", "merge"])]
+    pub traces: Option<String>,
+    /// The p90 time-to-first-token objective of each trace of --traces, in their order,
+    /// simulated ms (over --slo-ttft-p90)
+    #[arg(long, value_name = "LIST", requires = "traces")]
+    pub trace_slo_ttft_p90: Option<String>,
     /// The directory to write sweep.csv, sweep.json, the plots and report.html into
     #[arg(long, value_name = "DIR", default_value = "sweep-out")]
     pub out: PathBuf,

@@ -89,6 +89,11 @@ fn warn_if_exposed(addr: std::net::SocketAddr) {
 /// `replay`: loads the config, starts the metrics endpoint and the actors, replays the trace
 /// and prints the summary. Exit codes: 0 done, 2 refused config, 1 any other failure.
 pub fn replay(args: &ReplayArgs) -> ExitCode {
+    // Caught from the start, so that a signal received at any time before the report is out
+    // gives the signal's exit status (the replay also stops at its next step).
+    let stop = crate::replay::StopFlag::default();
+    let signals = crate::replay::catch_signals(stop.0.clone());
+    crate::replay::test_signal_at("start", &stop.0);
     let load = args.config.load_options();
     let mut flags = args.settings.flags();
     flags.extend(args.kv.flags());
@@ -128,7 +133,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             .collect(),
         handle_signals: true,
         on_step: None,
-        stop: None,
+        stop: Some(stop.clone()),
         ..args.source.options()
     };
     if args.watch_config && workers > 1 {
@@ -184,17 +189,25 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             None
         };
         match crate::replay::run_on(&cm, &loaded.manifest, &loaded.settings, &opts).await {
-            Ok(report) => {
+            Ok(mut report) => {
+                crate::replay::test_signal_at("written", &stop.0);
+                let signalled = || stop.signal().map(crate::replay::signal_name);
+                if report.interrupted.is_none() {
+                    report.interrupted = signalled();
+                }
                 for w in &report.warnings {
                     say(&format!("warning: {w}"));
                 }
                 let code = print_stdout(&format!("{report}\n"));
-                if let Some(signal) = report.interrupted {
+                crate::replay::test_signal_at("printed", &stop.0);
+                if let Some(signal) = report.interrupted.or_else(signalled) {
                     say(&format!(
                         "interrupted by {signal}: the report covers the steps that ran"
                     ));
                     return ExitCode::from(crate::replay::signal_exit_code(&signal));
                 }
+                // Holding ends on the hold's own signal watch.
+                drop(signals);
                 if args.hold {
                     say(match listen {
                         Listen::Addr(_) => {

@@ -19,7 +19,7 @@ use crate::sweep::pd_axis::{parse_layouts, PdAxis};
 /// writes the outputs. Exit codes: 0 done, 2 refused arguments or config, 1 a failed replay or
 /// write.
 pub fn sweep(args: &SweepArgs) -> ExitCode {
-    use crate::sweep::{self, Budget, SweepOptions};
+    use crate::sweep::{self, SweepOptions};
     let usage = |e: &dyn std::fmt::Display| {
         say(&format!("error: {e}"));
         ExitCode::from(EXIT_CONFIG)
@@ -48,12 +48,16 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         Ok(g) => g,
         Err(e) => return usage(&e),
     };
+    let traces = match trace_list(args, slo) {
+        Ok(t) => t,
+        Err(e) => return usage(&e),
+    };
     let inputs: Vec<PathBuf> = load
         .config_files()
         .into_iter()
         .chain(load.configs.iter().cloned())
         .chain(load.model_path())
-        .chain(args.source.trace.clone())
+        .chain(traces.iter().filter_map(|t| t.path.clone()))
         .collect();
     // Refused before hours of replays, not after: the outputs, and every budget of the grid
     // as the config would refuse it (as `replay --budget` does).
@@ -65,47 +69,54 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
     {
         return usage(&refused);
     }
-    let base = crate::replay::ReplayOptions {
-        progress: false,
-        inputs: inputs.clone(),
-        ..args.source.options()
-    };
-    let trace = match crate::replay::load_trace(&base, setup.seed) {
-        Ok(t) => t,
-        Err(e) => {
-            say(&format!("error: {e}"));
-            return if is_usage(&e) {
-                ExitCode::from(EXIT_CONFIG)
-            } else {
-                ExitCode::FAILURE
-            };
+    // Every trace is read, and every value of the axis checked against it as the replay
+    // checks its settings, before anything is created or run: a refusal is usage (exit 2) and
+    // leaves `--out` as it was.
+    let mut read = Vec::with_capacity(traces.len());
+    for t in &traces {
+        let base = crate::replay::ReplayOptions {
+            progress: false,
+            inputs: inputs.clone(),
+            trace: t.path.clone(),
+            ..args.source.options()
+        };
+        let trace = match crate::replay::load_trace(&base, setup.seed) {
+            Ok(t) => t,
+            Err(e) => {
+                say(&format!("error: {e}"));
+                return if is_usage(&e) {
+                    ExitCode::from(EXIT_CONFIG)
+                } else {
+                    ExitCode::FAILURE
+                };
+            }
+        };
+        for w in crate::replay::trace_warnings(&setup, &trace) {
+            say(&format!("warning: {w}"));
         }
-    };
-    for w in crate::replay::trace_warnings(&setup, &trace) {
-        say(&format!("warning: {w}"));
-    }
-    // Every value of the axis is checked as the replay checks its settings, before anything is
-    // created or run: a refusal is usage (exit 2) and leaves `--out` as it was.
-    if let Some(axis) = &axis {
-        if let Err(e) = axis.check(&loaded, &trace) {
-            return usage(&e);
+        if let Some(axis) = &axis {
+            if let Err(e) = axis.check(&loaded, &trace) {
+                return usage(&e);
+            }
         }
+        read.push((base, trace));
     }
     if let Some(dir) = &args.emit_jobs {
+        let (base, trace) = &read[0];
         let plan = super::sweep_jobs::Plan {
             load: &load,
             loaded: &loaded,
             setup: &setup,
-            base: &base,
-            trace: &trace,
+            base,
+            trace,
             budgets: &budgets,
             rates: &rates,
             slo,
         };
         return super::sweep_jobs::emit(args, dir, &plan);
     }
-    // Created only now that every input was accepted, and removed again if the sweep writes
-    // nothing into it.
+    // Created only now that every input was accepted, and removed again if a plain sweep
+    // writes nothing into it.
     let created = !args.out.exists();
     if let Err(e) = std::fs::create_dir_all(&args.out) {
         say(&format!(
@@ -114,50 +125,240 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         ));
         return ExitCode::from(EXIT_CONFIG);
     }
-    let remove_if_created = || {
-        if created {
-            // Only an empty directory is removed.
-            let _ = std::fs::remove_dir(&args.out);
-        }
-    };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
     let _signals = sweep_signals(stop.clone());
-    let opts = SweepOptions {
-        budgets,
-        rates,
-        slo,
-        jobs: args.jobs.map_or_else(sweep::run::default_jobs, usize::from),
-        progress: !args.no_progress,
-        step_time_rate: args.step_time_rate,
-        settings: sweep::cells::labels(&loaded, &setup, &base, &trace),
-        stop: Some(stop.clone()),
-    };
-    let (manifest, settings) = (&loaded.manifest, &loaded.settings);
-    if let Some(axis) = axis {
+    let wall = std::time::Instant::now();
+    let several = args.traces.is_some();
+    let mut done: Vec<(String, Vec<AxisSweep>)> = Vec::new();
+    let mut code = ExitCode::SUCCESS;
+    for (t, (base, trace)) in traces.iter().zip(&read) {
+        let opts = SweepOptions {
+            budgets: budgets.clone(),
+            rates: rates.clone(),
+            slo: t.slo,
+            jobs: args.jobs.map_or_else(sweep::run::default_jobs, usize::from),
+            progress: !args.no_progress,
+            step_time_rate: args.step_time_rate,
+            settings: sweep::cells::labels(&loaded, &setup, base, trace, &budgets),
+            trace_rps: sweep::cells::trace_rps(trace),
+            stop: Some(stop.clone()),
+        };
+        let out = match &t.dir {
+            Some(d) => args.out.join(d),
+            None => args.out.clone(),
+        };
+        if several {
+            let _ = print_stdout(&format!("trace: {}\n", t.label));
+        }
         let cx = AxisContext {
-            out: &args.out,
+            out: &out,
             opts: &opts,
             loaded: &loaded,
-            base: &base,
-            trace: &trace,
+            base,
+            trace,
             inputs: &inputs,
         };
-        return axis.run(&cx);
+        let ran = match &axis {
+            Some(axis) => axis.run(&cx),
+            None => grid_run(&cx, &stop, created && !several),
+        };
+        let Ran { code: c, runs } = ran;
+        code = c;
+        let stopped = runs.iter().any(|(_, s)| s.interrupted.is_some());
+        // Without `--traces`, the one trace is named as its sweep's settings name it.
+        let label = match runs.first() {
+            Some((_, s)) if t.label.is_empty() => crate::sweep::verdict::trace_label(s),
+            _ => t.label.clone(),
+        };
+        done.push((label, runs));
+        if stopped || code != ExitCode::SUCCESS {
+            break;
+        }
     }
-    let run = |budget: Budget, rate: f64| -> Result<sweep::RunSummary, String> {
-        sweep::cells::run_cell(manifest, settings, &base, &trace, budget, rate, &stop)
+    // The verdict across traces (or across an axis's runs), beside their directories; a plain
+    // sweep's is in its own outputs. None after a failure or a signal: it would compare
+    // capacities some of which were never searched.
+    if (several || axis.is_some()) && code == ExitCode::SUCCESS {
+        let named: Vec<(String, Vec<crate::sweep::verdict::Run<'_>>)> = done
+            .iter()
+            .map(|(label, runs)| {
+                (
+                    label.clone(),
+                    runs.iter().map(|(v, s)| (v.clone(), s)).collect(),
+                )
+            })
+            .collect();
+        if let Some(v) = crate::sweep::verdict::Verdict::of(&named) {
+            let _ = print_stdout(&v.table());
+            let written = v
+                .files()
+                .map_err(|e| e.to_string())
+                .and_then(|files| write_files(&args.out, &files).map_err(|e| e.to_string()));
+            match written {
+                Ok(paths) => say(&format!(
+                    "wrote the verdict to {} in {:.1} s: {}",
+                    config::problem::escape(&args.out.display().to_string()),
+                    wall.elapsed().as_secs_f64(),
+                    file_names(&paths)
+                )),
+                Err(e) => {
+                    say(&format!("error: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    }
+    code
+}
+
+/// One trace a sweep runs its grid on: where it is (`None`: the bundled trace), its label and
+/// subdirectory (with `--traces`), and its objective.
+struct TraceRun {
+    path: Option<PathBuf>,
+    label: String,
+    dir: Option<String>,
+    slo: Option<crate::sweep::Slo>,
+}
+
+/// The traces of `--traces` (or the one of `--trace`), each with its objective: `slo`, with
+/// `--trace-slo-ttft-p90`'s bound for it over the TTFT bound.
+fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<TraceRun>, String> {
+    let Some(list) = &args.traces else {
+        return Ok(vec![TraceRun {
+            path: args.source.trace.clone(),
+            label: String::new(),
+            dir: None,
+            slo,
+        }]);
+    };
+    let paths = crate::sweep::grid::split("--traces", list).map_err(|e| e.to_string())?;
+    let ttft: Vec<Option<f64>> = match &args.trace_slo_ttft_p90 {
+        None => vec![None; paths.len()],
+        Some(l) => {
+            let items =
+                crate::sweep::grid::split("--trace-slo-ttft-p90", l).map_err(|e| e.to_string())?;
+            if items.len() != paths.len() {
+                return Err(format!(
+                    "`--trace-slo-ttft-p90` takes one bound per trace of `--traces` ({}), got {}",
+                    paths.len(),
+                    items.len()
+                ));
+            }
+            items
+                .iter()
+                .map(|i| {
+                    super::slo_ms(i)
+                        .map(Some)
+                        .map_err(|e| format!("`--trace-slo-ttft-p90`: {e}"))
+                })
+                .collect::<Result<_, _>>()?
+        }
+    };
+    let mut out: Vec<TraceRun> = Vec::with_capacity(paths.len());
+    for (path, ttft) in paths.iter().zip(ttft) {
+        let path = PathBuf::from(path);
+        let label = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |f| f.to_string_lossy().into_owned(),
+        );
+        if out
+            .iter()
+            .any(|t| t.path.as_deref() == Some(path.as_path()))
+        {
+            return Err(format!(
+                "`--traces` names `{}` twice",
+                config::problem::escape(&path.display().to_string())
+            ));
+        }
+        // A directory per trace, named by the file, told apart by its position when two
+        // files share a name.
+        let stem: String = label
+            .split('.')
+            .next()
+            .unwrap_or("trace")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let mut dir = format!("trace-{stem}");
+        if out.iter().any(|t| t.dir.as_deref() == Some(dir.as_str())) {
+            dir = format!("trace-{}-{stem}", out.len() + 1);
+        }
+        let slo = match (ttft, slo) {
+            (None, s) => s,
+            (Some(t), s) => Some(
+                crate::sweep::Slo::new(s.and_then(|s| s.tbt_p99_ms), Some(t))
+                    .map_err(|e| format!("`--trace-slo-ttft-p90`: {e}"))?,
+            ),
+        };
+        out.push(TraceRun {
+            path: Some(path),
+            label,
+            dir: Some(dir),
+            slo,
+        });
+    }
+    Ok(out)
+}
+
+/// A finished sweep, with the axis value it ran under (`None` without an axis).
+type AxisSweep = (Option<String>, crate::sweep::Sweep);
+
+/// What a run of the grid (plain, or along an axis) ended with: its exit code, and each
+/// sweep that finished, with the axis value it ran under.
+struct Ran {
+    code: ExitCode,
+    runs: Vec<AxisSweep>,
+}
+
+/// The grid without an axis, written into `cx.out` (removed again when `remove_if_empty` and
+/// nothing was written).
+fn grid_run(
+    cx: &AxisContext<'_>,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicI32>,
+    remove_if_empty: bool,
+) -> Ran {
+    use crate::sweep;
+    let failed = |code: ExitCode| Ran {
+        code,
+        runs: Vec::new(),
+    };
+    let remove = || {
+        if remove_if_empty {
+            let _ = std::fs::remove_dir(cx.out);
+        }
+    };
+    let usage = |e: &dyn std::fmt::Display| {
+        say(&format!("error: {e}"));
+        failed(ExitCode::from(EXIT_CONFIG))
+    };
+    if let Err(e) = std::fs::create_dir_all(cx.out) {
+        return usage(&format!(
+            "cannot create the output directory `{}`: {e}",
+            config::problem::escape(&cx.out.display().to_string())
+        ));
+    }
+    let manifest = &cx.loaded.manifest;
+    let settings = &cx.loaded.settings;
+    let run = |budget: sweep::Budget, rate: f64| -> Result<sweep::RunSummary, String> {
+        sweep::cells::run_cell(manifest, settings, cx.base, cx.trace, budget, rate, stop)
     };
     let wall = std::time::Instant::now();
-    let result = match sweep::run_sweep(&opts, run) {
+    let result = match sweep::run_sweep(cx.opts, run) {
         Ok(r) => r,
         Err(e @ (sweep::SweepError::Options(_) | sweep::SweepError::Slo(_))) => {
-            remove_if_created();
+            remove();
             return usage(&e);
         }
         Err(e) => {
-            remove_if_created();
+            remove();
             say(&format!("error: {e}"));
-            return ExitCode::FAILURE;
+            return failed(ExitCode::FAILURE);
         }
     };
     let mut code = print_stdout(&sweep::output::table(&result));
@@ -167,29 +368,32 @@ pub fn sweep(args: &SweepArgs) -> ExitCode {
         ));
         code = ExitCode::from(crate::replay::signal_exit_code(signal));
     }
-    match sweep::write_outputs(&result, &args.out, &inputs) {
+    match sweep::write_outputs(&result, cx.out, cx.inputs) {
         Ok(written) => {
             say(&format!(
                 "wrote {} to {} in {:.1} s: {}",
                 crate::text::plural(written.paths.len() as u64, "file"),
-                config::problem::escape(&args.out.display().to_string()),
+                config::problem::escape(&cx.out.display().to_string()),
                 wall.elapsed().as_secs_f64(),
                 file_names(&written.paths)
             ));
-            code
+            Ran {
+                code,
+                runs: vec![(None, result)],
+            }
         }
         Err(
             e @ (sweep::SweepError::OutputIsInput(_)
             | sweep::SweepError::OutputNotADirectory(_)
             | sweep::SweepError::OutputNotAFile(_)),
         ) => {
-            remove_if_created();
+            remove();
             usage(&e)
         }
         Err(e) => {
-            remove_if_created();
+            remove();
             say(&format!("error: {e}"));
-            ExitCode::FAILURE
+            failed(ExitCode::FAILURE)
         }
     }
 }
@@ -324,7 +528,7 @@ trait AnyAxis {
     /// [`Axis::check`].
     fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String>;
     /// [`sweep_axis`].
-    fn run(&self, cx: &AxisContext<'_>) -> ExitCode;
+    fn run(&self, cx: &AxisContext<'_>) -> Ran;
 }
 
 /// The values of axis `A`, in the order they run.
@@ -334,7 +538,7 @@ impl<A: Axis> AnyAxis for Along<A> {
     fn check(&self, loaded: &LoadedConfig, trace: &crate::replay::Trace) -> Result<(), String> {
         A::check(&self.0, loaded, trace)
     }
-    fn run(&self, cx: &AxisContext<'_>) -> ExitCode {
+    fn run(&self, cx: &AxisContext<'_>) -> Ran {
         sweep_axis::<A>(&self.0, cx)
     }
 }
@@ -356,7 +560,7 @@ pub(super) fn file_names(paths: &[PathBuf]) -> String {
 /// A sweep along axis `A`: the grid once per value of `values`, each written into `OUT/<dir>/`
 /// with the usual files, then the axis's comparison into `OUT/`. A signal ends it after the run
 /// it interrupted; the comparison covers the runs that finished.
-fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
+fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> Ran {
     use crate::sweep;
     let wall = std::time::Instant::now();
     let stop = cx.opts.stop.clone().unwrap_or_default();
@@ -374,7 +578,7 @@ fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
                 "error: cannot create the output directory `{}`: {e}",
                 config::problem::escape(&dir.display().to_string())
             ));
-            return ExitCode::from(EXIT_CONFIG);
+            return ran(ExitCode::from(EXIT_CONFIG), runs);
         }
         let manifest = &cx.loaded.manifest;
         let result = match sweep::run_sweep(&o, |b, r| {
@@ -383,7 +587,7 @@ fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
             Ok(r) => r,
             Err(e) => {
                 say(&format!("error: {}: {e}", A::failure(value)));
-                return ExitCode::FAILURE;
+                return ran(ExitCode::FAILURE, runs);
             }
         };
         code = print_stdout(&format!(
@@ -393,7 +597,7 @@ fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
         ));
         if let Err(e) = sweep::write_outputs(&result, &dir, cx.inputs) {
             say(&format!("error: {e}"));
-            return ExitCode::FAILURE;
+            return ran(ExitCode::FAILURE, runs);
         }
         let interrupted = result.interrupted.clone();
         runs.push(AxisRun {
@@ -422,11 +626,22 @@ fn sweep_axis<A: Axis>(values: &[A::Value], cx: &AxisContext<'_>) -> ExitCode {
                 file_names(&paths),
                 wall.elapsed().as_secs_f64()
             ));
-            code
+            ran(code, runs)
         }
         Err(e) => {
             say(&format!("error: {e}"));
-            ExitCode::FAILURE
+            ran(ExitCode::FAILURE, runs)
         }
+    }
+}
+
+/// The runs of an axis as [`Ran`]: each sweep with its value's name.
+fn ran<V: std::fmt::Display>(code: ExitCode, runs: Vec<AxisRun<V>>) -> Ran {
+    Ran {
+        code,
+        runs: runs
+            .into_iter()
+            .map(|r| (Some(r.value.to_string()), r.sweep))
+            .collect(),
     }
 }

@@ -134,7 +134,14 @@ pub(super) fn emit(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> ExitCode {
         jobs: 1,
         progress: false,
         step_time_rate: args.step_time_rate,
-        settings: crate::sweep::cells::labels(plan.loaded, plan.setup, plan.base, plan.trace),
+        trace_rps: crate::sweep::cells::trace_rps(plan.trace),
+        settings: crate::sweep::cells::labels(
+            plan.loaded,
+            plan.setup,
+            plan.base,
+            plan.trace,
+            plan.budgets,
+        ),
         stop: None,
     };
     let step_time_rate = match opts.check() {
@@ -167,6 +174,7 @@ pub(super) fn emit(args: &SweepArgs, dir: &Path, plan: &Plan<'_>) -> ExitCode {
             slo_tbt_p99_ms: plan.slo.and_then(|s| s.tbt_p99_ms),
             slo_ttft_p90_ms: plan.slo.and_then(|s| s.ttft_p90_ms),
             step_time_rate,
+            trace_rps: opts.trace_rps,
             cells,
         });
         m.write(dir)?;

@@ -163,6 +163,10 @@ struct Normal {
 /// reaches the same fit.
 const MIN_PIVOT: f64 = 1e-11;
 
+/// Where columns are collinear, subsets whose objectives differ by less than this times
+/// `Σ w·y²` fit the steps equally well (the difference is rounding): see `Normal::solve`.
+const TIE: f64 = 1e-10;
+
 /// The index of the rows column (`R`) among the regressors.
 const ROWS: usize = 4;
 
@@ -315,8 +319,11 @@ impl Normal {
             hs[i] = self.h[i] / scale[i];
         }
         let best_of = |with_rows: bool| {
-            let mut best = [0.0; N];
-            let mut best_obj = 0.0; // the objective of c = 0, less the constant Σ w·y²
+            // Each feasible subset's solution and objective (less the constant Σ w·y²), in the
+            // order of the masks: lower terms (`base_ms`, then `per_token_ms`) first.
+            let mut found = [([0.0; N], 0.0); 1 << N];
+            let mut n_found = 0;
+            let mut collinear = false;
             for mask in 1u8..(1 << N) {
                 if (0..N).any(|j| mask & (1 << j) != 0 && scale[j] == 0.0)
                     || (!with_rows && mask & (1 << ROWS) != 0)
@@ -324,18 +331,27 @@ impl Normal {
                     continue;
                 }
                 let Some(c) = solve_subset(&gs, &hs, mask) else {
+                    collinear = true;
                     continue;
                 };
                 if c.iter().any(|&v| !(v >= 0.0 && v.is_finite())) {
                     continue;
                 }
-                let obj = quadratic(&gs, &c) - 2.0 * dot(&hs, &c);
-                if obj < best_obj {
-                    best_obj = obj;
-                    best = c;
-                }
+                found[n_found] = (c, quadratic(&gs, &c) - 2.0 * dot(&hs, &c));
+                n_found += 1;
             }
-            (best, best_obj)
+            let found = &found[..n_found];
+            // The objective of c = 0 is 0: a solution must do better.
+            let least = found.iter().map(|f| f.1).fold(0.0, f64::min);
+            // With collinear columns several subsets reach the same optimum, and which one
+            // comes out lowest is down to rounding (so to the number of steps, say). Then the
+            // first within [`TIE`] of the optimum is taken: the answer no longer depends on
+            // rounding, and prefers the lower terms. Without, the least is taken exactly.
+            let tie = if collinear { TIE * self.yy } else { 0.0 };
+            found
+                .iter()
+                .find(|f| f.1 < 0.0 && f.1 <= least + tie)
+                .map_or(([0.0; N], 0.0), |&(c, obj)| (c, obj))
         };
         let (without, obj_without) = best_of(false);
         let best = if scale[ROWS] == 0.0 {

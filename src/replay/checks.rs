@@ -34,6 +34,40 @@ pub fn check_clock(trace: &Trace, rate_scale: f64) -> Result<(), ReplayError> {
     }
 }
 
+/// Refuses a disaggregated fleet whose KV link could not move some request's prompt within
+/// the simulated clock: its arrival (at `rate_scale`), the link's latency and the prompt's
+/// time on the wire past [`MAX_SIMULATED_MS`] (naming the first such request). Nothing to
+/// refuse without a disaggregated fleet.
+///
+/// # Errors
+/// [`ReplayError::Config`] for `replay.fleet.kv_link_gbps`, naming the request.
+pub fn check_link(setup: &ReplaySetup, trace: &Trace, rate_scale: f64) -> Result<(), ReplayError> {
+    let Some(pd) = &setup.fleet.disagg else {
+        return Ok(());
+    };
+    let done = |r: &super::trace::Request| {
+        r.arrival_ms / rate_scale + pd.kv_link_latency_ms + pd.wire_ms(u64::from(r.input_tokens))
+    };
+    let late = trace.requests.iter().find(|r| {
+        let t = done(r);
+        !(t.is_finite() && t <= MAX_SIMULATED_MS)
+    });
+    match late {
+        None => Ok(()),
+        Some(r) => Err(ReplayError::Config {
+            key: "replay.fleet.kv_link_gbps",
+            problem: format!(
+                "= {} Gbit/s (`--kv-link-gbps`) is too slow for request rid {}: its prompt of {} tokens ({} B of KV a token) would reach the decode pool at {:.3e} simulated ms, past the {MAX_SIMULATED_MS:.3e} ms within which the simulated clock keeps microseconds; use a faster link",
+                super::settings::float(pd.kv_link_gbps),
+                r.rid,
+                r.input_tokens,
+                pd.kv_bytes_per_token,
+                done(r)
+            ),
+        }),
+    }
+}
+
 /// Refuses a trace with a request that could never fit in `setup`'s KV pool, even alone: its
 /// prompt, outputs and twice its speculative tokens (nothing to refuse with unlimited memory).
 /// A sweep checks each pool of its KV axis with it before any replay runs.

@@ -42,6 +42,10 @@ use crate::ChunkingManagement;
 
 /// The fastest KV link, Gbit/s.
 pub const MAX_LINK_GBPS: f64 = 1e6;
+/// The slowest KV link, Gbit/s (1 Mbit/s): at it a 1,000-token prompt of Llama-2-7B's KV
+/// takes about 70 simulated minutes. Slower rates (down to subnormal numbers) would put a
+/// transfer's end where the clock cannot add a step's milliseconds.
+pub const MIN_LINK_GBPS: f64 = 1e-3;
 /// The longest fixed latency of a KV transfer, ms.
 pub const MAX_LINK_LATENCY_MS: f64 = 1e6;
 
@@ -84,11 +88,11 @@ pub(super) fn check(
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<PdSetup> {
     let mut ok = true;
-    if !(f.kv_link_gbps.is_finite() && f.kv_link_gbps > 0.0 && f.kv_link_gbps <= MAX_LINK_GBPS) {
+    if !(f.kv_link_gbps.is_finite() && (MIN_LINK_GBPS..=MAX_LINK_GBPS).contains(&f.kv_link_gbps)) {
         refuse(
             "replay.fleet.kv_link_gbps",
-            Some(f.kv_link_gbps.to_string()),
-            format!("must be a number of Gbit/s above 0 and at most {MAX_LINK_GBPS:e}"),
+            Some(super::settings::float(f.kv_link_gbps)),
+            format!("must be a number of Gbit/s above 0, from {MIN_LINK_GBPS:e} (1 Mbit/s) to {MAX_LINK_GBPS:e}"),
         );
         ok = false;
     }
@@ -96,7 +100,7 @@ pub(super) fn check(
     if !(latency.is_finite() && (0.0..=MAX_LINK_LATENCY_MS).contains(&latency)) {
         refuse(
             "replay.fleet.kv_link_latency_ms",
-            Some(latency.to_string()),
+            Some(super::settings::float(latency)),
             format!("must be a number of milliseconds from 0 to {MAX_LINK_LATENCY_MS:e}"),
         );
         ok = false;
@@ -582,6 +586,31 @@ mod tests {
         let (s, p) = checked(&FleetSection {
             kv_link_gbps: MAX_LINK_GBPS,
             kv_link_latency_ms: MAX_LINK_LATENCY_MS,
+            ..pools(Some(1), Some(1))
+        });
+        assert!(p.is_empty() && s.is_some(), "{p:?}");
+    }
+
+    #[test]
+    fn a_link_below_the_floor_is_refused_at_its_key_shown_in_exponent_form() {
+        for (gbps, shown) in [
+            (1e-300, "1e-300"),
+            (1e-320, "1e-320"),
+            (MIN_LINK_GBPS / 2.0, "0.0005"),
+            (-1.0, "-1"),
+        ] {
+            let (s, p) = checked(&FleetSection {
+                kv_link_gbps: gbps,
+                ..pools(Some(1), Some(1))
+            });
+            assert!(s.is_none(), "{gbps}");
+            assert_eq!(p.len(), 1, "{gbps}: {p:?}");
+            assert_eq!(p[0].0, "replay.fleet.kv_link_gbps");
+            assert_eq!(p[0].1.as_deref(), Some(shown));
+            assert!(p[0].2.contains("from 1e-3 (1 Mbit/s)"), "{p:?}");
+        }
+        let (s, p) = checked(&FleetSection {
+            kv_link_gbps: MIN_LINK_GBPS,
             ..pools(Some(1), Some(1))
         });
         assert!(p.is_empty() && s.is_some(), "{p:?}");

@@ -54,7 +54,7 @@ pub use router::RouterKind;
 pub use run::{load_trace, run, run_on, run_trace, trace_warnings};
 pub use settings::{KvSetup, ReplaySetup};
 pub use signals::signal_exit_code;
-pub(crate) use signals::signal_name;
+pub(crate) use signals::{catch_signals, signal_name, test_signal_at};
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};
 
 /// The walk prompts are admitted on.

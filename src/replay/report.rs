@@ -433,6 +433,34 @@ impl CostLabel {
     }
 }
 
+impl CostLabel {
+    /// Whether this is the built-in demo cost (`DEFAULT_COST`, no preset, no per-row term),
+    /// whatever its noise and learning.
+    pub fn is_demo(&self) -> bool {
+        self.preset.is_none()
+            && [
+                self.base_ms,
+                self.per_token_ms,
+                self.per_kv_token_ms,
+                self.per_attention_pair_ms,
+            ] == super::settings::DEFAULT_COST
+            && self.per_row_ms == 0.0
+    }
+
+    /// The label, with a note beside the demo cost that it was measured on no GPU and where
+    /// real ones come from: the summary's `cost model` row.
+    pub fn with_demo_note(&self) -> String {
+        if self.is_demo() {
+            format!("{self} ({DEMO_COST_NOTE})")
+        } else {
+            self.to_string()
+        }
+    }
+}
+
+/// What the summary says beside the demo cost.
+pub const DEMO_COST_NOTE: &str = "a demo cost, not measured on any GPU: `--sim-cost llama2-7b-a100` or `llama2-7b-h100` for a preset, `mstar-chunking fit` for your engine's; docs/cost-model.md";
+
 impl fmt::Display for CostLabel {
     /// `8 ms + 0.02 ms per token`, with the KV and attention terms, the preset, the noise and
     /// online learning when they apply; coefficients as `text::coefficient` prints them.
@@ -833,7 +861,7 @@ impl fmt::Display for ReplayReport {
             }
             row(f, "budgets", st.budget_text())?;
             row(f, "planner", st.planner.to_string())?;
-            row(f, "cost model", st.cost.to_string())?;
+            row(f, "cost model", st.cost.with_demo_note())?;
             row(
                 f,
                 "speculation",

@@ -2,15 +2,16 @@
 //! simulation run, the outputs written and nothing left held.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::budgets::replay_budgets;
-use super::checks::{check_clock, check_outputs};
+use super::checks::{check_clock, check_link, check_outputs};
 use super::error::ReplayError;
 use super::options::ReplayOptions;
 use super::report::{self, ReplayReport};
 use super::settings::{self, ReplaySetup};
-use super::signals::watch_signals;
+use super::signals::{catch_signals, test_signal_at};
 use super::trace::{self, Trace, TraceError, TraceFormat};
 use super::{disagg, fleet, sim, step_log};
 use crate::config::Settings;
@@ -143,6 +144,7 @@ pub(crate) async fn run_trace_on(
     let setup = ReplaySetup::resolve(manifest, settings)?;
     check_run_outputs(opts)?;
     check_clock(trace, opts.rate_scale)?;
+    check_link(&setup, trace, opts.rate_scale)?;
 
     cm.set_policies(manifest.policies())
         .await
@@ -176,10 +178,12 @@ pub(crate) async fn run_trace_on(
     let flag = opts.stop.as_ref().map(|f| f.0.clone());
     let (stop, _signals) = if opts.handle_signals {
         let flag = flag.unwrap_or_default();
-        (Some(flag.clone()), watch_signals(flag))
+        (Some(flag.clone()), catch_signals(flag))
     } else {
         (flag, None)
     };
+    // The flag the run's own signals set (a sweep's shared flag is the sweep's to read).
+    let own_signals = stop.clone().filter(|_| opts.handle_signals);
     tracing::debug!(
         requests = trace.requests.len(),
         node = %setup.node,
@@ -207,6 +211,9 @@ pub(crate) async fn run_trace_on(
         }
         sim.run().await?
     };
+    if let Some(flag) = &own_signals {
+        test_signal_at("ran", flag);
+    }
     report.settings = labels;
     let mut warnings = trace_warnings(&setup, trace);
     warnings.append(&mut report.warnings);
@@ -225,6 +232,13 @@ pub(crate) async fn run_trace_on(
     );
     if report.interrupted.is_none() && (rows != 0 || tokens != 0) {
         return Err(ReplayError::PreparedLeft { rows, tokens });
+    }
+    // A signal received after the last step's check still stops the run: the report says so
+    // (it covers every step) and the exit status is the signal's.
+    if let Some(sig) = own_signals.as_ref().map(|f| f.load(Ordering::SeqCst)) {
+        if sig != 0 && report.interrupted.is_none() {
+            report.interrupted = Some(super::signal_name(sig));
+        }
     }
     report.prepared_left_rows = rows;
     report.prepared_left_tokens = tokens;

@@ -115,7 +115,7 @@ pub struct SettingProblem {
 }
 
 /// A number as a user would write it: exponent notation when very large or small.
-fn float(v: f64) -> String {
+pub(super) fn float(v: f64) -> String {
     let a = v.abs();
     if a.is_finite() && a != 0.0 && !(1e-6..1e16).contains(&a) {
         format!("{v:e}")

@@ -5,17 +5,19 @@
 use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 
-use super::{Budget, RunSummary};
+use super::{Budget, RunSummary, StepMs};
+use crate::budget::TimeBudget;
 use crate::config::problem::{escape, escape_join};
+use crate::config::spelling::{PerNode, TimeSetting};
 use crate::config::{LoadedConfig, Settings};
 use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
 
-/// Refuses, before any replay runs, a budget of the grid the config would refuse as the budget
-/// of the replayed walks (as `replay --budget` does).
+/// Refuses, before any replay runs, a setting of the grid the config would refuse as the
+/// budget of the replayed walks (as `replay --budget` or `replay --max-step-ms` does).
 ///
 /// # Errors
-/// The first refused budget, and why.
+/// The first refused setting, and why.
 pub fn check_budgets(
     manifest: &Manifest,
     settings: &Settings,
@@ -23,19 +25,53 @@ pub fn check_budgets(
     budgets: &[Budget],
 ) -> Result<(), String> {
     for b in budgets {
-        let refused = match crate::replay::replay_budgets(manifest, settings, setup, false, Some(*b)) {
-            Ok(_) => continue,
-            Err(ReplayError::Budget { reason, .. }) => format!(
-                "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
-            ),
-            Err(e) => format!("`--budgets` names {b}: {e}"),
+        let refused = match b.time() {
+            None => match crate::replay::replay_budgets(
+                manifest,
+                settings,
+                setup,
+                false,
+                b.token_value(),
+            ) {
+                Ok(_) => continue,
+                Err(ReplayError::Budget { reason, .. }) => format!(
+                    "`--budgets` names {b}, which the config would refuse as the budget of the replayed walks: {reason}"
+                ),
+                Err(e) => format!("`--budgets` names {b}: {e}"),
+            },
+            Some(ms) => match time_refusal(manifest, &with_time(settings, setup, ms), setup) {
+                None => continue,
+                Some(reason) => format!("`--budgets` names {b}: {reason}"),
+            },
         };
         return Err(format!("{refused} (no replay ran)"));
     }
     Ok(())
 }
 
-/// One replay of a sweep's grid: `base` at `rate` under `budget`, in its own actix system,
+/// `settings` with time budget `ms` on the replayed node (`chunking.max_step_ms.<node>`, as
+/// `replay --max-step-ms` sets it), over any of the config's.
+pub fn with_time(settings: &Settings, setup: &ReplaySetup, ms: StepMs) -> Settings {
+    let mut out = settings.clone();
+    out.chunking.max_step_ms.insert(
+        setup.node.clone(),
+        PerNode::All(TimeSetting(TimeBudget::Ms(ms.ms()))),
+    );
+    out
+}
+
+/// Why the config would refuse `timed` (a time budget set by [`with_time`]) for the replayed
+/// node: a time budget the planner has no latency model for among others.
+fn time_refusal(manifest: &Manifest, timed: &Settings, setup: &ReplaySetup) -> Option<String> {
+    match crate::replay::replay_budgets(manifest, timed, setup, false, None) {
+        Ok(budgets) => crate::replay::budget_refusal(manifest, &budgets)
+            .map(|reason| format!("the config would refuse it: {reason}")),
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// One replay of a sweep's grid: `base` at `rate` under `budget` (a token budget over the
+/// config's, or a time budget under the config's token budget), in its own actix system,
 /// stopped at a step by `stop` (a signal): half a replay is no cell, so an interrupted one is
 /// an error the sweep lists as not run.
 pub fn run_cell(
@@ -49,8 +85,17 @@ pub fn run_cell(
 ) -> Result<RunSummary, String> {
     let mut o = base.clone();
     o.rate_scale = rate;
-    o.budget = Some(budget);
+    o.budget = budget.token_value();
     o.stop = Some(StopFlag(stop.clone()));
+    let timed;
+    let settings = match budget.time() {
+        Some(ms) => {
+            let setup = ReplaySetup::resolve(manifest, settings).map_err(|e| e.to_string())?;
+            timed = with_time(settings, &setup, ms);
+            &timed
+        }
+        None => settings,
+    };
     actix::System::new().block_on(async {
         let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
             .map_err(|e| e.to_string())?;
@@ -65,12 +110,13 @@ pub fn run_cell(
     })
 }
 
-/// The settings every replay of a sweep shares, as label and value.
+/// The settings every replay of a sweep of `budgets` shares, as label and value.
 pub fn labels(
     loaded: &LoadedConfig,
     setup: &ReplaySetup,
     opts: &ReplayOptions,
     trace: &Trace,
+    budgets: &[Budget],
 ) -> Vec<(String, String)> {
     let mut v = vec![
         (
@@ -176,7 +222,37 @@ pub fn labels(
             times.join(", ")
         },
     ));
+    label_time_cells(&mut v, setup, budgets);
     v
+}
+
+/// `labels` with the time budgets of `budgets` (the grid's settings) named on the budget axis,
+/// if there are any: each runs the replayed node under the config's token budget.
+fn label_time_cells(labels: &mut [(String, String)], setup: &ReplaySetup, budgets: &[Budget]) {
+    let times: Vec<String> = budgets
+        .iter()
+        .filter(|b| b.is_time())
+        .map(ToString::to_string)
+        .collect();
+    if times.is_empty() {
+        return;
+    }
+    if let Some((_, axis)) = labels.iter_mut().find(|(k, _)| k == "budget axis") {
+        axis.push_str(&format!(
+            "; {}: chunking.max_step_ms of {} (as `replay --max-step-ms`), under the config's token budget",
+            times.join(", "),
+            escape(&setup.node)
+        ));
+    }
+}
+
+/// The trace's own request rate, requests per second: its arrivals after the first over the
+/// time from the first to the last; `None` for fewer than two requests or no span of time.
+pub fn trace_rps(trace: &Trace) -> Option<f64> {
+    let (first, last) = (trace.requests.first()?, trace.requests.last()?);
+    let span_s = (last.arrival_ms - first.arrival_ms) / 1000.0;
+    let rps = (trace.requests.len() - 1) as f64 / span_s;
+    (span_s > 0.0 && rps.is_finite()).then_some(rps)
 }
 
 /// `off` for a count of 0 (a feature turned off), else `label` of the count.

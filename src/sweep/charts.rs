@@ -222,11 +222,13 @@ where
         return no_data(root, title, "No capacity was searched.");
     }
     let n = caps.len() as i32;
-    let top = caps
+    // The axis fits the bars (a 0.08x bar is visible), reaching up to the trace's own rate
+    // only when a bar comes near it.
+    let tallest = caps
         .iter()
         .filter_map(|c| c.search.rate_scale)
-        .fold(1.0_f64, f64::max)
-        * 1.25;
+        .fold(0.0_f64, f64::max);
+    let top = if tallest > 0.0 { tallest * 1.25 } else { 1.25 };
     let names: Vec<String> = caps.iter().map(|c| c.budget.to_string()).collect();
     let mut chart = ChartBuilder::on(root)
         .caption(title, text_style(22))
@@ -254,7 +256,11 @@ where
         .disable_x_mesh()
         .x_labels(caps.len())
         .x_label_formatter(&label)
-        .x_desc("token budget")
+        .x_desc(if caps.iter().any(|c| c.budget.is_time()) {
+            "token or time budget"
+        } else {
+            "token budget"
+        })
         .y_desc("highest rate scale meeting the SLO")
         .label_style(text_style(14))
         .axis_desc_style(text_style(16))
@@ -279,14 +285,16 @@ where
         chart.draw_series([EmptyElement::at((SegmentValue::CenterOf(x), height))
             + Text::new(text, (-24, -20), text_style(14))])?;
     }
-    chart
-        .draw_series(LineSeries::new(
-            [(edge(0), 1.0), (edge(n), 1.0)],
-            BLACK.stroke_width(1),
-        ))?
-        .label("1x: the trace's own rate")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-    legend(&mut chart, 14, SeriesLabelPosition::UpperRight)?;
+    if top >= 1.0 {
+        chart
+            .draw_series(LineSeries::new(
+                [(edge(0), 1.0), (edge(n), 1.0)],
+                BLACK.stroke_width(1),
+            ))?
+            .label("1x: the trace's own rate")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        legend(&mut chart, 14, SeriesLabelPosition::UpperRight)?;
+    }
     Ok(())
 }
 

@@ -134,6 +134,9 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
             "each bar is one token budget; its height is how much denser than the trace the traffic can get before the latency objective is missed. Taller is better: pick the budget with the tallest bar, and read its height as the load one worker can take (1x is the trace's own rate, drawn as a line). \"none\" means even the sparsest traffic tried misses the objective.",
         );
         table(&mut out, capacity_table(sweep));
+        if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
+            out.push_str(&v.html());
+        }
     }
 
     out.push_str("<h2>Trade-off: time between tokens against time to first token</h2>\n");

@@ -186,6 +186,9 @@ pub struct Body {
     pub slo_ttft_p90_ms: Option<f64>,
     /// The rate scale whose step times are plotted.
     pub step_time_rate: f64,
+    /// The trace's own request rate, requests per second (absent: unknown).
+    #[serde(default)]
+    pub trace_rps: Option<f64>,
     /// Every cell, by index: the grid's, budget by budget, then each wave's probes.
     pub cells: Vec<JobCell>,
 }
@@ -465,7 +468,7 @@ pub fn merge(
                 None => Err(r),
             });
             match searched {
-                Ok(search) => capacity.push(Capacity { budget: *b, search }),
+                Ok(search) => capacity.push(Capacity::new(*b, search, body.trace_rps)),
                 Err(r) => wanted.push((name.clone(), r)),
             }
         }
@@ -493,6 +496,7 @@ pub fn merge(
         rates: body.rates.clone(),
         slo: manifest.slo(),
         step_time_rate: body.step_time_rate,
+        trace_rate_rps: body.trace_rps,
         cells,
         capacity,
         interrupted: None,

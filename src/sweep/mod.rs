@@ -18,6 +18,9 @@
 //!   workers that meet the objective at each rate.
 //! - [`order_axis`]: `--orders`, the grid run once per order of waiting prompts, and their
 //!   comparison.
+//! - [`verdict`]: with time budgets among the settings (`--budgets 512,95ms`), the best token budget
+//!   against the best time budget per trace, and each setting's worst fraction of the best
+//!   across traces (`--traces`).
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicI32;
@@ -43,9 +46,10 @@ pub mod run;
 mod runner;
 mod summary;
 pub(crate) mod tables;
+pub mod verdict;
 
 pub use capacity::{Bound, NonMonotone, Probe, Search, Slo};
-pub use grid::{parse_budgets, parse_rates, Budget, GridError};
+pub use grid::{parse_budgets, parse_rates, Budget, GridError, StepMs};
 pub use output::{write_outputs, Written};
 pub use runner::run_sweep;
 pub use summary::{nearest_rank, RunSummary, StepTimes, STEP_QUANTILES};
@@ -122,6 +126,10 @@ pub struct SweepOptions {
     /// The settings every replay ran under (trace, cost model, …), as label and value, shown
     /// by every output.
     pub settings: Vec<(String, String)>,
+    /// The trace's own request rate, requests per second (arrivals at rate scale 1), so that
+    /// rate scales and capacities can also be given in requests per second; `None` when the
+    /// trace has no span of time (fewer than two arrival times).
+    pub trace_rps: Option<f64>,
     /// Set to a signal number (2 SIGINT, 15 SIGTERM) to stop the sweep: no new replay starts,
     /// replays that `run` reports failed after it was set count as not run, and the sweep
     /// returns what finished, marked [`Sweep::interrupted`]. `None`: never stopped.
@@ -167,12 +175,26 @@ pub struct Cell {
 pub struct Capacity {
     /// The budget.
     pub budget: Budget,
+    /// The capacity in requests per second (the rate scale times the trace's own rate).
+    #[serde(rename = "capacity_rps", serialize_with = "crate::text::ser_opt_round")]
+    pub rps: Option<f64>,
     /// The search's answer and probes.
     #[serde(flatten)]
     pub search: Search,
 }
 
 impl Capacity {
+    /// The capacity of `budget` that `search` found, in requests per second too when the
+    /// trace's own rate is known.
+    pub fn new(budget: Budget, search: Search, trace_rps: Option<f64>) -> Self {
+        let rps = search.rate_scale.zip(trace_rps).map(|(r, t)| r * t);
+        Self {
+            budget,
+            rps,
+            search,
+        }
+    }
+
     /// The capacity as text: `1.23x`, `>= 1024x` or `none`.
     pub fn label(&self) -> String {
         match (self.search.bound, self.search.rate_scale) {
@@ -201,6 +223,9 @@ pub struct Sweep {
     /// The rate scale whose step-time distributions are plotted.
     #[serde(serialize_with = "crate::text::ser_round")]
     pub step_time_rate: f64,
+    /// The trace's own request rate, requests per second (see [`SweepOptions::trace_rps`]).
+    #[serde(serialize_with = "crate::text::ser_opt_round")]
+    pub trace_rate_rps: Option<f64>,
     /// Every cell, budget by budget, each budget's rates ascending.
     pub cells: Vec<Cell>,
     /// One per budget, in the same order, when there was an SLO (and the search of each
@@ -217,6 +242,11 @@ impl Sweep {
     /// The cells of `budget`, rates ascending.
     pub fn cells_of(&self, budget: Budget) -> impl Iterator<Item = &Cell> {
         self.cells.iter().filter(move |c| c.budget == budget)
+    }
+
+    /// `rate` in requests per second, when the trace's own rate is known.
+    pub fn rps(&self, rate: f64) -> Option<f64> {
+        self.trace_rate_rps.map(|t| rate * t)
     }
 
     /// The cell at (`budget`, `rate`).

@@ -31,7 +31,7 @@ pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S
     m.end()
 }
 
-fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
+pub(crate) fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in &rows {
         for (w, v) in widths.iter_mut().zip(r) {
@@ -78,6 +78,9 @@ pub fn table(sweep: &Sweep) -> String {
             capacity::TOLERANCE * 100.0
         );
         render(&mut out, capacity_table(sweep));
+        if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
+            out.push_str(&v.table());
+        }
     }
     out
 }
@@ -94,14 +97,13 @@ fn opt(v: Option<f64>) -> String {
 /// None in practice (the CSV is written to memory).
 pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     let mut w = csv::Writer::from_writer(Vec::new());
-    let mut header = vec![
-        "budget",
-        "rate_scale",
-        "requests",
-        "steps",
-        "overruns",
-        "budget_utilisation",
-    ];
+    // `rate_rps` (requests per second) only when the trace's own rate is known.
+    let rps = sweep.trace_rate_rps.is_some();
+    let mut header = vec!["budget", "rate_scale"];
+    if rps {
+        header.push("rate_rps");
+    }
+    header.extend(["requests", "steps", "overruns", "budget_utilisation"]);
     header.extend(LATENCIES);
     header.extend([
         "step_p50_ms",
@@ -114,14 +116,16 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     w.write_record(&header)?;
     for c in &sweep.cells {
         let s = &c.summary;
-        let mut row = vec![
-            c.budget.to_string(),
-            opt(Some(c.rate_scale)),
+        let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        if rps {
+            row.push(opt(sweep.rps(c.rate_scale)));
+        }
+        row.extend([
             s.requests.to_string(),
             s.steps.to_string(),
             s.overruns.to_string(),
             opt(s.budget_utilisation),
-        ];
+        ]);
         row.extend(s.latencies().map(opt));
         row.extend(s.step_ms.percentiles([50, 90, 99, 100]).map(opt));
         row.push(c.meets_slo.map_or_else(String::new, |m| m.to_string()));
@@ -131,6 +135,9 @@ pub fn to_csv(sweep: &Sweep) -> Result<Vec<u8>, csv::Error> {
     // An interrupted sweep's cells that did not run: their figures empty.
     for c in &sweep.not_run {
         let mut row = vec![c.budget.to_string(), opt(Some(c.rate_scale))];
+        if rps {
+            row.push(opt(sweep.rps(c.rate_scale)));
+        }
         row.resize(header.len() - 1, String::new());
         row.push("interrupted".to_owned());
         w.write_record(row)?;
@@ -182,6 +189,11 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
 
     let mut files: Vec<(String, Vec<u8>)> =
         vec![(CSV_FILE.to_owned(), csv), (JSON_FILE.to_owned(), json)];
+    if let Some(v) = super::verdict::Verdict::of_sweep(sweep) {
+        files.extend(v.files().map_err(|e| {
+            write_err(&dir.join(super::verdict::SETTINGS_CSV))(std::io::Error::other(e))
+        })?);
+    }
     for p in drawn {
         files.push((format!("{}.svg", p.name), p.svg.into_bytes()));
         files.push((format!("{}.png", p.name), p.png));
@@ -252,6 +264,7 @@ pub fn output_names() -> Vec<String> {
         JSON_FILE.to_owned(),
         HTML_FILE.to_owned(),
     ];
+    names.extend(super::verdict::FILES.map(str::to_owned));
     for stem in plots::NAMES {
         names.push(format!("{stem}.svg"));
         names.push(format!("{stem}.png"));

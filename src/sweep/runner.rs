@@ -93,7 +93,7 @@ where
                     progress.inc(1);
                     Ok::<_, SweepError>(slo.meets(&s))
                 })
-                .map(|search| Capacity { budget: *b, search })
+                .map(|search| Capacity::new(*b, search, opts.trace_rps))
             },
         )
         .map_err(|f| match f {
@@ -122,6 +122,7 @@ where
         rates: opts.rates.clone(),
         slo: opts.slo,
         step_time_rate,
+        trace_rate_rps: opts.trace_rps,
         cells,
         capacity,
         interrupted: signal().map(signal_name),

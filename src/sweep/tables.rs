@@ -47,6 +47,9 @@ pub fn notes(sweep: &Sweep) -> Vec<String> {
             }
         ));
     }
+    if let Some(note) = all_missed(sweep) {
+        out.push(note);
+    }
     for c in &sweep.capacity {
         if let Some(n) = c.search.non_monotone {
             out.push(format!(
@@ -60,24 +63,83 @@ pub fn notes(sweep: &Sweep) -> Vec<String> {
     out
 }
 
+/// When every cell of the grid missed the objective, that the grid's rates are all above every
+/// capacity (which only the search's own replays found), and rates that would bracket them.
+fn all_missed(sweep: &Sweep) -> Option<String> {
+    if sweep.slo.is_none()
+        || sweep.cells.is_empty()
+        || sweep.cells.iter().any(|c| c.meets_slo != Some(false))
+    {
+        return None;
+    }
+    let caps: Vec<f64> = sweep
+        .capacity
+        .iter()
+        .filter_map(|c| c.search.rate_scale)
+        .collect();
+    let lowest = sweep.rates.first().copied().unwrap_or(1.0);
+    let mut text = format!(
+        "every cell misses the objective: each budget's capacity is below the lowest rate scale of the grid ({}x), found by the search's own replays only",
+        fmt_rate(lowest)
+    );
+    let lo = caps.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = caps.iter().copied().fold(0.0, f64::max);
+    if lo.is_finite() && hi > 0.0 {
+        let clamp = |r: f64| {
+            crate::text::round3(r.clamp(super::grid::MIN_RATE_SCALE, super::grid::MAX_RATE_SCALE))
+                .max(0.001)
+        };
+        let (a, c) = (clamp(lo / 2.0), clamp(hi * 2.0));
+        let b = clamp((a * c).sqrt());
+        let mut rates = vec![a, b, c];
+        rates.dedup();
+        let listed: Vec<String> = rates.into_iter().map(fmt_rate).collect();
+        text.push_str(&format!(
+            "; rates that bracket the capacities: --rates {}",
+            listed.join(",")
+        ));
+    }
+    Some(text)
+}
+
+/// `rate` in requests per second (`-` for none).
+fn rps(sweep: &Sweep, rate: Option<f64>) -> String {
+    rate.and_then(|r| sweep.rps(r))
+        .map_or_else(|| "-".into(), |r| format!("{}", crate::text::round3(r)))
+}
+
+/// `row` without its column `at` when the trace's own rate is unknown: the tables give
+/// requests per second beside rate scales only where they can.
+fn drop_rps<T>(sweep: &Sweep, mut row: Vec<T>, at: usize) -> Vec<T> {
+    if sweep.trace_rate_rps.is_none() {
+        row.remove(at);
+    }
+    row
+}
+
 /// The cells as a table: its header and one row of text per cell.
 pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
-    let header = vec![
-        "budget",
-        "rate",
-        "requests",
-        "steps",
-        "TBT p50 ms",
-        "TBT p99 ms",
-        "TTFT p50 ms",
-        "TTFT p90 ms",
-        "TTFT p99 ms",
-        "step p50 ms",
-        "step p99 ms",
-        "overruns",
-        "utilisation",
-        "SLO",
-    ];
+    let header = drop_rps(
+        sweep,
+        vec![
+            "budget",
+            "rate",
+            "req/s",
+            "requests",
+            "steps",
+            "TBT p50 ms",
+            "TBT p99 ms",
+            "TTFT p50 ms",
+            "TTFT p90 ms",
+            "TTFT p99 ms",
+            "step p50 ms",
+            "step p99 ms",
+            "overruns",
+            "utilisation",
+            "SLO",
+        ],
+        2,
+    );
     let rows = sweep
         .cells
         .iter()
@@ -86,6 +148,7 @@ pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
             let mut row = vec![
                 c.budget.to_string(),
                 fmt_rate(c.rate_scale),
+                rps(sweep, Some(c.rate_scale)),
                 s.requests.to_string(),
                 s.steps.to_string(),
             ];
@@ -104,7 +167,7 @@ pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
                 }
                 .into(),
             );
-            row
+            drop_rps(sweep, row, 2)
         })
         .collect();
     (header, rows)
@@ -112,20 +175,32 @@ pub fn cell_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
 
 /// The capacities as a table: its header and one row per budget (empty without an SLO).
 pub fn capacity_table(sweep: &Sweep) -> (Vec<&'static str>, Vec<Vec<String>>) {
-    let header = vec!["budget", "capacity", "misses at", "replays searched"];
+    let header = drop_rps(
+        sweep,
+        vec![
+            "budget",
+            "capacity",
+            "req/s",
+            "misses at",
+            "replays searched",
+        ],
+        2,
+    );
     let rows = sweep
         .capacity
         .iter()
         .map(|c| {
-            vec![
+            let row = vec![
                 c.budget.to_string(),
                 c.label(),
+                rps(sweep, c.search.rate_scale),
                 match (c.search.bound, c.search.misses_at) {
                     (Bound::AtLeastMax, _) | (_, None) => "-".into(),
                     (_, Some(r)) => format!("{}x", fmt_rate(r)),
                 },
                 c.search.probes.len().to_string(),
-            ]
+            ];
+            drop_rps(sweep, row, 2)
         })
         .collect();
     (header, rows)

@@ -608,3 +608,91 @@ fn bad_pd_axes_are_refused_before_anything_runs() {
         assert!(!out.exists(), "{flags:?}: nothing runs");
     }
 }
+
+/// A link too slow for the simulated clock is refused before anything runs, never replayed
+/// into latencies of 0: below the 1 Mbit/s floor as the flag or the key in its file, and at the
+/// floor when some prompt's transfer would end past the clock's limit.
+#[test]
+fn a_link_too_slow_for_the_clock_is_refused_naming_the_flag_or_the_key_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let pd = ["--prefill-workers", "1", "--decode-workers", "1"];
+    for gbps in ["1e-300", "1e-320", "0.0009"] {
+        let mut args = vec!["replay", "--requests", "5", "--no-progress"];
+        args.extend(pd);
+        args.extend(["--kv-link-gbps", gbps]);
+        let r = run(&args, &[]);
+        assert_eq!(r.code, 2, "{gbps}: {r:?}");
+        assert!(
+            r.stderr.contains("`replay.fleet.kv_link_gbps`"),
+            "{}",
+            r.stderr
+        );
+        assert!(
+            r.stderr.contains("command-line flag --kv-link-gbps"),
+            "{}",
+            r.stderr
+        );
+        assert!(r.stderr.contains("from 1e-3 (1 Mbit/s)"), "{}", r.stderr);
+        assert!(r.stdout.is_empty(), "{}", r.stdout);
+    }
+    for gbps in ["1e-320", "1e-300"] {
+        let layer = dir.path().join("slow.toml");
+        std::fs::write(
+            &layer,
+            format!(
+                "[replay.fleet]\nprefill_workers = 1\ndecode_workers = 1\nkv_link_gbps = {gbps}\n"
+            ),
+        )
+        .unwrap();
+        for cmd in ["replay", "check"] {
+            let mut args = vec![cmd, "--config", layer.to_str().unwrap()];
+            if cmd == "replay" {
+                args.extend(["--requests", "5", "--no-progress"]);
+            }
+            let r = run(&args, &[]);
+            assert_eq!(r.code, 2, "{cmd} {gbps}: {r:?}");
+            assert!(
+                r.stderr.contains("`replay.fleet.kv_link_gbps`"),
+                "{}",
+                r.stderr
+            );
+            assert!(r.stderr.contains(layer.to_str().unwrap()), "{}", r.stderr);
+        }
+    }
+    // At the floor, 1.2 million tokens of 1 GB each take 9.6e12 ms on the wire: past the
+    // clock's 9.007e12 ms, so refused naming the request before the replay runs.
+    let trace = dir.path().join("huge.csv");
+    std::fs::write(
+        &trace,
+        "arrival_ms,prompt_tokens,output_tokens\n0,100,1\n0,1200000,1\n",
+    )
+    .unwrap();
+    let layer = dir.path().join("huge.toml");
+    std::fs::write(
+        &layer,
+        "[replay.kv]\ngpu_memory_gb = 1e6\nweights_gb = 0\nkv_bytes_per_token = 1e9\nmemory_utilization = 1.0\n",
+    )
+    .unwrap();
+    let mut args = vec![
+        "replay",
+        "--no-progress",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--config",
+        layer.to_str().unwrap(),
+        "--kv-link-gbps",
+        "1e-3",
+    ];
+    args.extend(pd);
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(
+        r.stderr
+            .contains("`replay.fleet.kv_link_gbps` = 0.001 Gbit/s"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("request rid 1"), "{}", r.stderr);
+    assert!(r.stderr.contains("9.600e12 simulated ms"), "{}", r.stderr);
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+}

@@ -339,6 +339,85 @@ fn sigint_and_sigterm_stop_at_a_step_and_write_the_report_marked_interrupted() {
     }
 }
 
+/// A signal that lands where no step boundary checks for it still gives the signal's exit
+/// status: before the replay starts (0 steps run), after its last step but before the report is
+/// written (the JSON report and the text say interrupted), after the JSON report, and after
+/// the text report. The `test-hooks` door sends the signal at that point and waits for its
+/// handler, so each case is exact, not a race.
+#[test]
+fn a_signal_before_the_report_is_out_always_gives_the_signals_exit_status() {
+    for (point, sig, name, code) in [
+        ("start", "INT", "SIGINT", 130),
+        ("ran", "INT", "SIGINT", 130),
+        ("ran", "TERM", "SIGTERM", 143),
+        ("written", "TERM", "SIGTERM", 143),
+        ("printed", "INT", "SIGINT", 130),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, report) = (dir.path().join("steps.jsonl"), dir.path().join("r.json"));
+        let at = format!("{point}:{sig}");
+        let r = run_bounded(
+            &[
+                "replay",
+                "--requests",
+                "5",
+                "--metrics-listen",
+                "off",
+                "--no-progress",
+                "--step-log",
+                s(&log),
+                "--report-json",
+                s(&report),
+            ],
+            &[("MSTAR_TEST_SIGNAL_AT", &at)],
+        );
+        assert_eq!(r.code, code, "{at}: {r:?}");
+        assert!(
+            r.stderr.contains(&format!("interrupted by {name}")),
+            "{at}: {}",
+            r.stderr
+        );
+        let rep: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(
+            text.lines().count() as u64,
+            rep["steps"].as_u64().unwrap(),
+            "{at}"
+        );
+        let marked = format!("interrupted              by {name}");
+        match point {
+            "start" | "ran" => {
+                assert_eq!(rep["interrupted"], name, "{at}");
+                assert!(r.stdout.contains(&marked), "{at}: {}", r.stdout);
+                if point == "start" {
+                    assert_eq!(rep["steps"], 0, "{at}");
+                } else {
+                    // Every request ran to its last token.
+                    assert_eq!(rep["ttft_ms"]["samples"], 5, "{at}: {rep}");
+                    assert_eq!(rep["prepared_left_rows"], 0, "{at}: {rep}");
+                }
+            }
+            // The JSON report was out before the signal; the text still says so.
+            "written" => assert!(r.stdout.contains(&marked), "{at}: {}", r.stdout),
+            _ => assert!(r.stdout.contains("requests"), "{at}: {}", r.stdout),
+        }
+    }
+    // Without a signal the same run exits 0.
+    let r = run_bounded(
+        &[
+            "replay",
+            "--requests",
+            "5",
+            "--metrics-listen",
+            "off",
+            "--no-progress",
+        ],
+        &[("MSTAR_TEST_SIGNAL_AT", "nowhere:INT")],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
 // === closed outputs ===
 
 #[test]

@@ -29,4 +29,5 @@ mod sweep_digests;
 mod time_budget;
 mod trusted_sweep;
 mod truth_cli;
+mod verdict;
 mod vocabulary;

@@ -446,6 +446,26 @@ fn dashboard_and_alerts_use_only_metrics_the_code_describes() {
 }
 
 #[test]
+fn monitoring_md_lists_every_series_the_dashboard_and_alerts_use() {
+    let doc = read("docs/monitoring.md");
+    let mut used = metric_names(&read(DASHBOARD));
+    used.extend(metric_names(&read(ALERTS)));
+    used.extend(metrics::ALL.iter().map(|s| s.to_string()));
+    let missing: Vec<&String> = used
+        .iter()
+        .filter(|name| {
+            let short = name.trim_start_matches("mstar_chunking_");
+            // Listed in backticks without the prefix, alone or with its label: `name{label}`.
+            !doc.contains(&format!("`{short}`")) && !doc.contains(&format!("`{short}{{"))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/monitoring.md does not list {missing:?}"
+    );
+}
+
+#[test]
 fn dashboard_follows_the_dashboards_as_code_rules() {
     let d = dashboard();
     assert_eq!(

@@ -524,6 +524,16 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     )
     .unwrap();
     println!("{r}");
+    // The demo cost is said to be one, beside it, with where real ones come from.
+    let text = r.to_string();
+    assert!(
+        text.contains("cost model               8 ms + 0.02 ms per token (a demo cost, not measured on any GPU: `--sim-cost llama2-7b-a100`"),
+        "{text}"
+    );
+    assert!(
+        text.contains("`mstar-chunking fit` for your engine's; docs/cost-model.md)"),
+        "{text}"
+    );
     assert!(r.chunks.prompts_cut > 0, "no prompt was cut\n{r}");
     assert!(
         r.cut_step_utilisation.unwrap() > 0.9,
@@ -532,6 +542,35 @@ fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     assert_eq!(r.decode_row_waits, 0, "decode rows stalled\n{r}");
     assert_eq!(r.overruns.total, 0);
     check(&log, 16);
+}
+
+/// `make run`'s summary marks the demo cost as one; a preset's or given coefficients are not.
+#[test]
+fn only_the_demo_cost_is_marked_as_one_in_the_summary() {
+    let r = crate::helpers::run(&["replay", "--requests", "3", "--no-progress"], &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stdout
+            .contains("8 ms + 0.02 ms per token (a demo cost, not measured on any GPU"),
+        "{}",
+        r.stdout
+    );
+    for cost in ["llama2-7b-a100", "8,0.03,0,0"] {
+        let r = crate::helpers::run(
+            &[
+                "replay",
+                "--requests",
+                "3",
+                "--no-progress",
+                "--sim-cost",
+                cost,
+            ],
+            &[],
+        );
+        assert_eq!(r.code, 0, "{r:?}");
+        assert!(r.stdout.contains("cost model "), "{}", r.stdout);
+        assert!(!r.stdout.contains("demo cost"), "{cost}: {}", r.stdout);
+    }
 }
 
 /// Kills (panics) each actor in turn while a replay runs on the same actors: the replay

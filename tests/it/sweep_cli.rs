@@ -489,6 +489,67 @@ fn fit_for_a_replay_writes_a_replay_cost_table_with_the_measured_spread() {
 }
 
 #[test]
+fn fit_for_a_replay_on_identical_steps_gives_one_table_the_replay_takes_whatever_the_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tables = Vec::new();
+    for n in [300, 400] {
+        let csv = dir.path().join(format!("same-{n}.csv"));
+        let text =
+            String::from("tokens,kv_tokens,attention_pairs,ms\n") + &"16,0,136,2.0\n".repeat(n);
+        std::fs::write(&csv, text).unwrap();
+        let r = run(&["fit", csv.to_str().unwrap(), "--for", "replay"], &[]);
+        ok(&r);
+        // The steps cannot tell the terms apart: said, and the constant carries the time.
+        assert!(r.stderr.contains("underdetermined"), "{}", r.stderr);
+        let table = &r.stdout[r.stdout.find("[replay.cost]").expect("the table")..];
+        assert!(table.contains("base_ms = 2.0\n"), "{n}: {table}");
+        assert!(table.contains("per_token_ms = 0.0\n"), "{n}: {table}");
+        assert!(
+            table.contains("per_attention_pair_ms = 0.0\n"),
+            "{n}: {table}"
+        );
+        let layer = dir.path().join(format!("cost-{n}.toml"));
+        std::fs::write(&layer, table).unwrap();
+        let r = run(
+            &[
+                "replay",
+                "--no-progress",
+                "--requests",
+                "5",
+                "--config",
+                layer.to_str().unwrap(),
+            ],
+            &[],
+        );
+        ok(&r);
+        // Every step of the replay takes the 2 ms the steps took.
+        assert!(r.stdout.contains("2 ms + 0 ms per token"), "{}", r.stdout);
+        tables.push(table.to_owned());
+    }
+    assert_eq!(tables[0], tables[1]);
+    // Steps whose times their contexts alone explain fit a model with neither `base_ms` nor
+    // `per_token_ms`: no replay takes that, so `--for replay` refuses it, saying why.
+    let csv = dir.path().join("kv-only.csv");
+    let mut text = String::from("tokens,kv_tokens,attention_pairs,ms\n");
+    for i in 1..60u64 {
+        let k = 1000 * i + 37 * (i % 5);
+        text.push_str(&format!("{},{k},0,{}\n", i % 7 + 1, 0.001 * k as f64));
+    }
+    std::fs::write(&csv, text).unwrap();
+    let r = run(&["fit", csv.to_str().unwrap(), "--for", "replay"], &[]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    assert!(
+        r.stderr.contains("`base_ms` and `per_token_ms` both at 0"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("kv-only.csv"), "{}", r.stderr);
+    // The serving table takes such a model.
+    ok(&run(&["fit", csv.to_str().unwrap()], &[]));
+}
+
+#[test]
 fn hostile_sweep_and_replay_flags_are_refused_with_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a-file");

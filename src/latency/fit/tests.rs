@@ -236,6 +236,30 @@ fn only_a_base_when_time_is_constant() {
     assert_eq!(r.abs_error_ms.max, 0.0);
 }
 
+#[test]
+fn identical_steps_give_the_same_base_however_many_there_are() {
+    // Every step one chunk of 16 tokens from 0 (136 attention pairs): the constant, tokens and
+    // pairs are the same column three times over, and any one of them fits exactly. Which one
+    // came out lowest was rounding's choice (attention pairs alone at 300 steps, base at 400);
+    // it is `base_ms`, whatever the count and the time.
+    for ms in [2.0, 2.1, 7.3, 0.015] {
+        for n in [2usize, 3, 300, 400, 1000, 4097, 100_000] {
+            let f = StepFeatures::EMPTY.with_chunk(0, 16);
+            let s = vec![Sample::new(&f, ms).unwrap(); n];
+            for errors in [FitErrors::Absolute, FitErrors::Relative] {
+                let r = fit_samples_with(&s, errors).unwrap();
+                let c = r.model.terms();
+                assert_eq!(c[1..], [0.0; 4], "{n} steps of {ms} ms, {errors:?}");
+                assert!(
+                    (c[0] - ms).abs() <= 1e-9 * ms,
+                    "{n} steps of {ms} ms: {c:?}"
+                );
+                assert!(r.underdetermined(), "{r:?}");
+            }
+        }
+    }
+}
+
 /// The KKT conditions of `min Σ (xᵀc − y)²` over `c >= 0`: an independent check of optimality.
 fn assert_kkt(s: &[Sample], c: [f64; N]) {
     let mut grad = [0.0f64; N];

@@ -42,6 +42,7 @@ fn manifest(slo: Option<Slo>) -> Manifest {
         slo_tbt_p99_ms: slo.and_then(|s| s.tbt_p99_ms),
         slo_ttft_p90_ms: slo.and_then(|s| s.ttft_p90_ms),
         step_time_rate: 1.0,
+        trace_rps: o.trace_rps,
         cells,
     })
 }

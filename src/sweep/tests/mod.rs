@@ -37,6 +37,7 @@ pub(crate) fn options(slo: Option<Slo>) -> SweepOptions {
             ("trace".into(), "bundled <test> & co".into()),
             ("cost".into(), "8 ms + 0.02 ms/token".into()),
         ],
+        trace_rps: None,
         stop: None,
     }
 }

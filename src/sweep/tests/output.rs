@@ -264,3 +264,118 @@ fn write_whole_replaces_a_file_and_fails_cleanly() {
     assert!(write_whole(&sub, b"three").is_err());
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
 }
+
+#[test]
+fn requests_per_second_stand_beside_rates_and_capacities_when_the_trace_rate_is_known() {
+    let slo = crate::sweep::Slo::new(Some(60.0), Some(5000.0)).unwrap();
+    let mut o = options(Some(slo));
+    o.trace_rps = Some(2.5);
+    let s = run_sweep(&o, fake).unwrap();
+    let t = table(&s);
+    let lines: Vec<&str> = t.lines().collect();
+    assert!(
+        lines[3]
+            .trim_start()
+            .starts_with("budget  rate  req/s  requests"),
+        "{}",
+        lines[3]
+    );
+    let row: Vec<&str> = lines[5].split_whitespace().collect();
+    assert_eq!(&row[..4], ["512", "1", "2.5", "100"]);
+    let cap = s.capacity[0].search.rate_scale.unwrap();
+    assert_eq!(s.capacity[0].rps, Some(cap * 2.5));
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with("capacity under"))
+        .unwrap();
+    assert!(
+        lines[at + 1].contains("capacity  req/s  misses at"),
+        "{}",
+        lines[at + 1]
+    );
+    let caprow: Vec<&str> = lines[at + 2].split_whitespace().collect();
+    assert_eq!(caprow[2], round3(cap * 2.5).to_string(), "{t}");
+    let csv = String::from_utf8(to_csv(&s).unwrap()).unwrap();
+    assert!(
+        csv.starts_with("budget,rate_scale,rate_rps,requests,"),
+        "{csv}"
+    );
+    assert!(
+        csv.lines().nth(2).unwrap().starts_with("512,1,2.5,100,"),
+        "{csv}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&to_json(&s).unwrap()).unwrap();
+    assert_eq!(v["trace_rate_rps"], 2.5);
+    assert_eq!(v["capacity"][0]["capacity_rps"], round3(cap * 2.5));
+    // Without the trace's rate: no column, and null in the JSON.
+    let plain = sample_sweep();
+    assert!(!table(&plain).contains("req/s"));
+    let v: serde_json::Value = serde_json::from_slice(&to_json(&plain).unwrap()).unwrap();
+    assert!(v["trace_rate_rps"].is_null() && v["capacity"][0]["capacity_rps"].is_null());
+}
+
+#[test]
+fn a_grid_that_misses_everywhere_says_so_and_suggests_rates_that_bracket_the_capacities() {
+    let mut o = options(Some(crate::sweep::Slo::new(Some(60.0), None).unwrap()));
+    o.rates = crate::sweep::parse_rates("8,16").unwrap();
+    o.step_time_rate = None;
+    let s = run_sweep(&o, fake).unwrap();
+    assert!(s.cells.iter().all(|c| c.meets_slo == Some(false)));
+    let caps: Vec<f64> = s
+        .capacity
+        .iter()
+        .filter_map(|c| c.search.rate_scale)
+        .collect();
+    let note = super::super::tables::notes(&s)
+        .into_iter()
+        .find(|n| n.starts_with("every cell misses the objective"))
+        .unwrap_or_else(|| panic!("no note in\n{}", table(&s)));
+    assert!(
+        note.contains("below the lowest rate scale of the grid (8x)"),
+        "{note}"
+    );
+    let listed = note.rsplit_once("--rates ").unwrap().1;
+    let rates = crate::sweep::parse_rates(listed).unwrap();
+    let (lo, hi) = (
+        caps.iter().copied().fold(f64::MAX, f64::min),
+        caps.iter().copied().fold(0.0, f64::max),
+    );
+    assert!(
+        rates[0] <= lo && *rates.last().unwrap() >= hi,
+        "{rates:?} against {caps:?}"
+    );
+    assert!(table(&s).contains(&format!("warning: {note}")));
+    // A grid with a rate that meets has no such note.
+    assert!(!super::super::tables::notes(&sample_sweep())
+        .iter()
+        .any(|n| n.starts_with("every cell misses")));
+}
+
+#[test]
+fn the_capacity_axis_fits_small_bars_and_shows_the_trace_rate_only_when_near() {
+    let mut o = options(Some(crate::sweep::Slo::new(Some(10.0), None).unwrap()));
+    o.rates = crate::sweep::parse_rates("8,16").unwrap();
+    let small = run_sweep(&o, fake).unwrap();
+    // Capacities of 0.2x and below: the axis ends at 1.25 times the tallest.
+    let tallest = small
+        .capacity
+        .iter()
+        .filter_map(|c| c.search.rate_scale)
+        .fold(0.0, f64::max);
+    assert!(tallest < 0.3, "{tallest}");
+    let drawn = plots::draw_all(&small).unwrap();
+    let cap = drawn.iter().find(|p| p.name == "capacity").unwrap();
+    assert!(
+        !cap.svg.contains("1x: the trace"),
+        "the 1x line is off this chart"
+    );
+    assert!(
+        !cap.svg.contains(">1.0<") && !cap.svg.contains(">1.2<"),
+        "{}",
+        cap.svg
+    );
+    let big = sample_sweep();
+    let drawn = plots::draw_all(&big).unwrap();
+    let cap = drawn.iter().find(|p| p.name == "capacity").unwrap();
+    assert!(cap.svg.contains("1x: the trace"));
+}
