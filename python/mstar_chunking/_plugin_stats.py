@@ -22,6 +22,7 @@ class ChunkingStats:
     refused_requests: int = 0
     readmitted: int = 0  # admitted again to follow vLLM's waiting order (after a preemption)
     unmeasured_steps: int = 0  # async: completed before their time was known
+    dropped_outputs: int = 0  # steps whose output never came to update_from_output
     late_measured: int = 0  # of those, times reported after the completion (`measured`)
     # Steps planned without their time budget (no latency model yet: `--learn-cost` without a
     # configured cost, before the fit is trusted), and why the latest completed step was.

@@ -70,6 +70,40 @@ class UnsupportedVllmFeature(ValueError):
     """A vLLM feature this scheduler does not support yet, refused when it starts."""
 
 
+class _Bound:
+    """vLLM's `prefill_capacity_bound` as it stood before `schedule()`, set in its place for the
+    step: vLLM reads only its truth, and a step that assigns the attribute (one that admitted
+    prefills: a release step) replaces it, which is how the plugin tells such a step apart."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+_BOUND = (_Bound(False), _Bound(True))
+
+
+class _Queues:
+    """vLLM's two waiting queues as its scan takes them: the requests holding KV blocks, then
+    the rest (for the admission: iterated and counted, nothing else)."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self, first: Any, rest: Any) -> None:
+        self.first, self.rest = first, rest
+
+    def __iter__(self) -> Any:
+        yield from self.first
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.rest)
+
+
 class _Step:
     """One vLLM step as the component planned it, until vLLM reports its output: its rows in
     bulk (`Batch.keyed`: the continuing rows, then the chunks), row `i` being vLLM's request
@@ -115,12 +149,14 @@ def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
 def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
-    if cfg.lora_config is not None:
-        out.append("LoRA (--enable-lora)")
-    if cfg.speculative_config is not None:
-        out.append("speculative decoding (--speculative-config)")
-    if cfg.kv_transfer_config is not None:
-        out.append("KV transfer (--kv-transfer-config)")
+    spec = cfg.speculative_config
+    if spec is not None and spec.max_num_new_slots_for_drafting > 0:
+        # vLLM charges such drafters extra input slots on every request it schedules, prompt
+        # chunks too, which the component's per-row tokens do not carry.
+        out.append(
+            f"speculative decoding whose drafter takes input slots of its own (--speculative-config "
+            f"method {spec.method!r}: a draft model or parallel drafting)"
+        )
     if getattr(cfg, "ec_transfer_config", None) is not None:
         out.append("encoder-cache transfer (--ec-transfer-config)")
     if cfg.parallel_config.pipeline_parallel_size > 1:
@@ -137,8 +173,6 @@ def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     sc = cfg.scheduler_config
     if not sc.enable_chunked_prefill:
         out.append("chunked prefill turned off (--no-enable-chunked-prefill)")
-    if SchedulingPolicy(sc.policy) != SchedulingPolicy.FCFS:
-        out.append(f"scheduling policy {sc.policy!r} (only 'fcfs')")
     if sc.max_num_scheduled_tokens is not None and sc.max_num_scheduled_tokens != sc.max_num_batched_tokens:
         out.append("max_num_scheduled_tokens other than max_num_batched_tokens")
     if getattr(sc, "long_prefill_token_threshold_adaptive", False):
@@ -196,11 +230,35 @@ class _Chunking:
         self._plan: Optional[dict[str, int]] = None  # the step being scheduled: request id -> tokens
         self._starts: dict[str, int] = {}  # and its chunks' starts
         self._observed: dict[str, int] = {}
+        # vLLM 0.33 moves a waiting request it is given no tokens for into `deferred_waiting`, which
+        # counts as deferred in its stats and against the data-parallel throttle's escape
+        # (`prefill_capacity_bound`); the requests the plan alone left out are noted here (those
+        # not deferred already) and taken out of it again after the step.
+        self._deferred: Optional[set] = getattr(self, "deferred_waiting", None)
+        self._left_out: list[Request] = []
         self._uncompleted: Optional[_Step] = None
         self._changes: list[tuple[int, Any, int]] = []  # (rid, tokens or None to forget, cached)
         self._in_flight: deque[tuple[Any, Optional[_Step]]] = deque()
         self._last_update = 0.0
         self._async = isinstance(self, _VllmAsyncScheduler)
+        # The `priority` policy: vLLM's waiting queue is a heap by (priority, arrival time), so an
+        # arrival may go ahead of requests admitted already; the queue is scanned at each arrival.
+        self._by_priority = SchedulingPolicy(cfg.scheduler_config.policy) == SchedulingPolicy.PRIORITY
+        # LoRA: at most `max_loras` distinct adapters among the running requests and those vLLM
+        # starts in a step (vLLM skips a waiting request whose adapter would be one more); the
+        # admission keeps the same bound over the running and the admitted requests, in queue order.
+        self._max_loras: Optional[int] = cfg.lora_config.max_loras if cfg.lora_config is not None else None
+        # KV transfer: vLLM's queue of waiting requests that hold KV blocks, scanned before the rest.
+        self._holding: Any = getattr(self, "kv_holding_waiting", None)
+        # Speculative decoding: a decode row is planned for 1 + k tokens (the token and k drafts,
+        # vLLM's most); vLLM schedules 1 + the drafts proposed, and the row reports what it ran.
+        self._estimate = 1 + (self.num_spec_tokens or 0)  # type: ignore[attr-defined]
+        self._padded: dict[str, int] = {}  # new decode rows vLLM padded to 1 + k: their planned tokens
+        self._moved: list[str] = []
+        self._decoding: list[int] = []  # rids admitted as decode rows (their prompt done elsewhere)  # waiting requests run from vLLM's larger start (an external hit)
+        # The estimate each decode row was last given (with speculative decoding): 1 + the drafts
+        # vLLM holds for the request, which is what vLLM's scan charges its budget for the row.
+        self._row_estimate: dict[int, int] = {}
         # vLLM 0.33 caps a prefix-cache hit at the aux-output connector's retained outputs; 0.32's
         # lookup takes the request alone.
         self._capped_hits = "max_cache_hit_length" in inspect.signature(
@@ -284,10 +342,10 @@ class _Chunking:
     def add_request(self, request: Request) -> None:
         super().add_request(request)  # type: ignore[misc]
         self._arrived.append(request)
+        if self._by_priority:
+            self._rescan = True
         what = None
-        if request.use_structured_output:
-            what = "structured output"
-        elif request.resumable:
+        if request.resumable:
             what = "streaming input"
         elif request.has_encoder_inputs:
             # Refused at start with the model that takes them; a request carrying them anyway
@@ -309,6 +367,7 @@ class _Chunking:
         rid = self._rid_of.pop(req_id, None)
         self._start_hint.pop(req_id, None)
         if rid is not None:
+            self._row_estimate.pop(rid, None)
             del self._req_of[rid]
             del self._rid_at[self._at_of.pop(req_id)]
             self._changes.append((rid, None, 0))
@@ -332,8 +391,15 @@ class _Chunking:
         free = self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input  # type: ignore[attr-defined]
         if free <= 0:
             return
-        waiting = self.waiting  # type: ignore[attr-defined]
-        if not self._rescan:
+        waiting: Any = self.waiting  # type: ignore[attr-defined]
+        holding = self._holding
+        if holding is not None and holding:
+            # vLLM starts the requests that hold KV blocks (a remote load finished, or under
+            # way) before the rest of its queue: the order admission follows.
+            waiting = _Queues(holding, waiting)
+            self._rescan = True
+        loras = None if self._max_loras is None else self._running_loras()
+        if not self._rescan and loras is None:
             # Every request in the queue but the arrivals is admitted, in order: the arrivals
             # are left, behind them (most steps: one prompt, or none).
             arrived = self._arrived
@@ -349,7 +415,7 @@ class _Chunking:
             ahead = list(map(self._rid_at.get, map(id, islice(waiting, free)), repeat(0)))
             known = ahead.index(0) if 0 in ahead else len(ahead)  # rids start at 1
             front = ahead[:known]
-            if known and front == sorted(front):  # increasing: one rid per request
+            if known and front == sorted(front) and loras is None:  # increasing: one rid per request
                 if known == len(ahead):
                     if known == len(waiting):
                         self._arrived, self._rescan = [], False
@@ -369,9 +435,18 @@ class _Chunking:
                     self._arrived = todo[i:]
                 else:
                     self._rescan = True
+                    if self._by_priority:
+                        self._forget_behind(request, todo)
                 break
             req_id = request.request_id
             rid = self._rid_of.get(req_id)
+            if loras is not None and self._admissible(request) and not self._lora_fits(request, loras):
+                # Its adapter would be one more than vLLM runs at once: not admitted (forgotten,
+                # were it admitted), and the requests behind it are looked at.
+                if rid is not None:
+                    self._forget(req_id)
+                self._rescan = True
+                continue
             if rid is not None:
                 if rid > last:
                     last = rid
@@ -386,9 +461,7 @@ class _Chunking:
                 self._forget(req_id)
                 if hint is not None:
                     self._start_hint[req_id] = hint
-            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
-                req_id in self.grammar_compile_error_reqs  # type: ignore[attr-defined]
-            ):
+            if not self._admissible(request):
                 # Not admitted (it may still be in the queue, or have left it already).
                 self._rescan = True
                 continue
@@ -397,6 +470,9 @@ class _Chunking:
                 start = request.num_computed_tokens
                 if start == 0:
                     start = self._prefix_hit(request)
+                elif start >= request.num_tokens:
+                    # A remote load of the whole prompt: vLLM recomputes its last token.
+                    start = request.num_tokens - 1
             rid = self._next_rid
             self._next_rid += 1
             # vLLM's token list itself (its `all_token_ids` is a read-only view the package would
@@ -408,6 +484,51 @@ class _Chunking:
             self._at_of[req_id] = id(request)
             last = rid
             pending += 1
+
+    def _admissible(self, request: Request) -> bool:
+        """Whether vLLM can start the waiting request in the coming step: waiting or preempted, or
+        waiting for its structured-output grammar with the grammar compiled (vLLM promotes it to
+        waiting when its scan reaches it). A grammar still compiling, or one that failed (vLLM
+        finishes the request with the compile error), is not admitted."""
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Its KV load finished: vLLM promotes it in this step's scan, from what was loaded.
+            return request.request_id in self.finished_recving_kv_req_ids  # type: ignore[attr-defined]
+        if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            so = request.structured_output_request
+            grammar = so.grammar if so is not None else None
+            return grammar is not None and not isinstance(grammar, Exception)
+        return (status == RequestStatus.WAITING or status == RequestStatus.PREEMPTED) and (
+            request.request_id not in self.grammar_compile_error_reqs  # type: ignore[attr-defined]
+        )
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of vLLM's running requests, as vLLM counts them against `max_loras`."""
+        return {
+            r.lora_request.lora_int_id
+            for r in self.running  # type: ignore[attr-defined]
+            if r.lora_request and r.lora_request.lora_int_id > 0
+        }
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether the request's adapter is one of `loras` or fits beside them (then it joins)."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id <= 0 or lora.lora_int_id in loras:
+            return True
+        if len(loras) >= self._max_loras:  # type: ignore[operator]
+            return False
+        loras.add(lora.lora_int_id)
+        return True
+
+    def _forget_behind(self, first: Request, rest: Any) -> None:
+        """Priority policy: a request admitted earlier that an arrival of higher priority pushed
+        out of the first free slots of vLLM's queue (`first` and `rest`, the queue from there on)
+        is forgotten until it is reached again, so that the component plans no request ahead of
+        those vLLM would start first."""
+        rid_of = self._rid_of
+        for request in (first, *rest):
+            if request.request_id in rid_of:
+                self._forget(request.request_id)
 
     def _prefix_hit(self, request: Request) -> int:
         """The prefix-cache hit vLLM will find for a waiting request, looked up as vLLM does
@@ -428,13 +549,35 @@ class _Chunking:
             return num_new_tokens
         req_id = request.request_id
         tokens = plan.get(req_id)
-        if tokens is None:
-            return 0
-        start = self._starts.get(req_id)
-        if start is not None and start != num_computed_tokens:
-            self._observed[req_id] = num_computed_tokens
-            return 0
-        return tokens if num_new_tokens >= tokens else 0
+        if tokens is not None:
+            start = self._starts.get(req_id)
+            if start is None:  # a continuing row: the token, and as many drafts as vLLM has
+                return tokens if num_new_tokens >= tokens else num_new_tokens
+            if start != num_computed_tokens:
+                if num_computed_tokens > start and self.connector is not None and (  # type: ignore[attr-defined]
+                    request.status != RequestStatus.RUNNING
+                ):
+                    # The KV connector's external hit, found in vLLM's scan (the plugin never
+                    # asks the connector): vLLM's larger start is taken in this step, with at most
+                    # the planned tokens; the request is admitted again from where it ends.
+                    self._moved.append(req_id)
+                    return tokens if num_new_tokens >= tokens else num_new_tokens
+                self._observed[req_id] = num_computed_tokens
+            elif num_new_tokens == tokens:
+                return tokens
+            elif num_new_tokens > tokens:
+                if self._estimate > 1 and tokens == 1 and num_new_tokens == self._estimate and (
+                    request.num_tokens - num_computed_tokens == 1
+                ):
+                    # vLLM pads a new decode row (a prompt's last token after a full cache hit,
+                    # a resumed request) to 1 + k rows, placeholders for drafts: taken whole.
+                    self._padded[req_id] = tokens
+                    return num_new_tokens
+                return tokens
+        deferred = self._deferred
+        if deferred is not None and request not in deferred:
+            self._left_out.append(request)  # a running request too: never in the set, no harm
+        return 0
 
     def _continues(self, prev: Optional[_Step]) -> list[int]:
         """The rids whose final chunk ran in `prev` and that vLLM still runs: they decode now."""
@@ -450,6 +593,28 @@ class _Chunking:
                     out.append(rid)
         return out
 
+    def _draft_estimates(self, new: list[int]) -> list[tuple[int, int]]:
+        """Speculative decoding: `(rid, estimate)` for the new decode rows (`new`) and for the
+        decode rows whose drafts changed: 1 + the drafts vLLM will offer the row (vLLM's own
+        count for a running request, at most 1 + k), so the plan charges what vLLM's scan will."""
+        rows = self._row_estimate
+        most = self._estimate
+        for rid in new:
+            rows[rid] = 0
+        out = []
+        requests = self.requests  # type: ignore[attr-defined]
+        req_of = self._req_of
+        for rid, was in rows.items():
+            r = requests.get(req_of.get(rid))
+            if r is None:
+                continue
+            n = r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+            estimate = 1 if n < 1 else (most if n > most else n)
+            if estimate != was:
+                rows[rid] = estimate
+                out.append((rid, estimate))
+        return out
+
     def _advance(self, prev: Optional[_Step], *, assemble: bool = True) -> Any:
         """Completes `prev` (the step before), applies the row changes since (decode rows of the
         prompts it finished, requests ended, prompts admitted), and assembles the next step, in one
@@ -458,7 +623,12 @@ class _Chunking:
         The first step, and the last one when the engine goes idle (nothing to assemble), make
         the calls one by one."""
         changes, self._changes = self._changes, []
-        continues = self._continues(prev)
+        continues: list[Any] = self._continues(prev)
+        if self._decoding:
+            continues += self._decoding
+            self._decoding = []
+        if self._estimate > 1:
+            continues = self._draft_estimates(continues)
         ms = None
         if prev is not None:
             prev.completed = True
@@ -478,6 +648,7 @@ class _Chunking:
                 PREFILL,
                 changes,
                 self._req_of,
+                self._estimate,
             )
             self.mstar_stats.completed(outcome)
             if isinstance(nxt, BaseException):  # the completion stands; the assembly failed
@@ -486,8 +657,9 @@ class _Chunking:
         if prev is not None:
             ran = prev.batch if prev.ran is None else prev.ran
             self.mstar_stats.completed(cm.complete(prev.step, ran, ms))
-        for rid in continues:
-            cm.continue_row(rid, NODE, DECODE, 1)
+        for item in continues:
+            rid, estimate = item if isinstance(item, tuple) else (item, self._estimate)
+            cm.continue_row(rid, NODE, DECODE, estimate)
         for rid, tokens, cached in changes:
             if tokens is None:
                 cm.forget_request(rid)
@@ -508,14 +680,31 @@ class _Chunking:
         # planned and the chunks' starts, keyed by request id for the hook.
         batch, req_ids, plan, starts, final_rows = self._advance(prev)
         self._plan, self._starts, self._observed = plan, starts, {}
+        deferred = self._deferred
+        if deferred is not None:
+            bound = self.prefill_capacity_bound  # type: ignore[has-type]
+            self.prefill_capacity_bound = _BOUND[bool(bound)]
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
             self._plan = None
             self.chunking.abandon(batch.step)
+            if deferred is not None:
+                self._undefer(deferred)
             raise
         self._plan = None
+        if deferred is not None:
+            self._undefer(deferred)
         scheduled = out.num_scheduled_tokens
+        if self._padded:
+            # A padded new decode row ran its planned token (the rest are vLLM's placeholders).
+            scheduled = {**scheduled, **{r: t for r, t in self._padded.items() if r in scheduled}}
+            self._padded.clear()
+        moved = self._moved
+        if moved:
+            # Run from another start than planned: reported to the component as not run, and
+            # admitted again from where vLLM now stands (below).
+            scheduled = {r: t for r, t in scheduled.items() if r not in moved}
         # vLLM schedules a planned request's tokens whole or not at all (the hook answers the
         # plan's tokens or 0), and nothing the plan did not hold: checked in bulk. Every row ran
         # as planned (the common case) when vLLM scheduled exactly the plan's requests and its
@@ -527,14 +716,32 @@ class _Chunking:
             self.mstar_stats.handed_back += unrun
             planned = list(plan.values())  # in row order
             if len(scheduled) != len(req_ids) - unrun or sum(ran) != sum(p for p, n in zip(planned, ran) if n):
-                self._scheduled_otherwise(req_ids, planned, ran, scheduled)
+                self._scheduled_otherwise(req_ids, planned, ran, scheduled, len(req_ids) - len(starts))
+            if self.connector is not None:  # type: ignore[attr-defined]
+                self._forget_loading(req_ids, ran)
         rec = _Step(batch, req_ids, plan, len(starts), final_rows, ran)
-        if self._async:
+        if self._async and self._estimate == 1:
+            # (With drafts in flight vLLM cannot tell whether the step reaches the last token:
+            # the request stays planned, and a decode row vLLM skips is handed back.)
             self._end_in_flight(rec)
+        if moved:
+            for req_id in moved:
+                request = self.requests.get(req_id)  # type: ignore[attr-defined]
+                self._forget(req_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    self._admit_running(request)
+                else:
+                    self._rescan = True
+            moved.clear()
         for req_id, start in self._observed.items():
-            # vLLM found another prefix-cache hit than at admission: admitted again from there.
+            # vLLM found another prefix-cache hit than at admission (or, with a KV connector, an
+            # external hit, or a rewind): admitted again from there.
             self.mstar_stats.start_mismatches += 1
             self._forget(req_id)
+            request = self.requests.get(req_id)  # type: ignore[attr-defined]
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._admit_running(request)
+                continue
             self._start_hint[req_id] = start
             self._rescan = True
         self.mstar_stats.steps += 1
@@ -543,14 +750,79 @@ class _Chunking:
         self._in_flight.append((out, rec))
         return out
 
+    def _forget_loading(self, req_ids: list[str], ran: list[int]) -> None:
+        """KV transfer: a planned request that vLLM's scan sent to load its KV from elsewhere
+        (`WAITING_FOR_REMOTE_KVS`) is forgotten until the load is done (then admitted again,
+        from what was loaded)."""
+        requests = self.requests  # type: ignore[attr-defined]
+        for req_id, n in zip(req_ids, ran):
+            if not n:
+                r = requests.get(req_id)
+                if r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    self._forget(req_id)
+                    self._rescan = True
+
+    def _update_requests_with_invalid_blocks(self, requests: Any, *args: Any, **kwargs: Any) -> Any:
+        # A KV load that failed: vLLM rewinds the affected requests to their valid prefix. A
+        # running one (a synchronous load) is forgotten and admitted again from there; a waiting
+        # one is admitted when its load is promoted.
+        out = super()._update_requests_with_invalid_blocks(requests, *args, **kwargs)  # type: ignore[misc]
+        for req_id in out[0]:
+            r = self.requests.get(req_id)  # type: ignore[attr-defined]
+            if r is not None and req_id in self._rid_of:
+                self._forget(req_id)
+                if r.status == RequestStatus.RUNNING:
+                    self._admit_running(r)
+                else:
+                    self._rescan = True
+        return out
+
+    def _admit_running(self, request: Request) -> None:
+        """Admits a running request again from where vLLM now stands (after a rewind, or a step
+        run from another start than planned): as a prompt when it has tokens left to compute,
+        else as a decode row (its prompt done, it samples next): vLLM's running queue is not
+        scanned."""
+        req_id = request.request_id
+        rid = self._next_rid
+        self._next_rid += 1
+        if request.num_computed_tokens >= request.num_tokens:
+            self._decoding.append(rid)
+        else:
+            self._changes.append((rid, request._all_token_ids, request.num_computed_tokens))
+        self._rid_of[req_id] = rid
+        self._req_of[rid] = req_id
+        self._rid_at[id(request)] = rid
+        self._at_of[req_id] = id(request)
+
+    def _undefer(self, deferred: set) -> None:
+        """After vLLM 0.33's scan: the waiting requests the plan alone gave no tokens are taken
+        out of `deferred_waiting` again (vLLM's own scheduler would have scheduled them, or
+        stopped before them with its budget spent: either way not deferred), and on a step that
+        admitted prefills the throttle's escape is recomputed as vLLM computes it, so that a
+        backlog left by the plan counts as one. The flag is restored if the step left it."""
+        bound = self.prefill_capacity_bound  # type: ignore[has-type]
+        left_out = self._left_out
+        if left_out:
+            deferred.difference_update(left_out)
+            left_out.clear()
+            if not isinstance(bound, _Bound):  # vLLM assigned it: a release step
+                self.prefill_capacity_bound = self.get_request_counts()[1] > len(deferred)  # type: ignore[attr-defined]
+                return
+        if isinstance(bound, _Bound):
+            self.prefill_capacity_bound = bound.value
+
     @staticmethod
-    def _scheduled_otherwise(req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict) -> None:
-        """Raises naming what vLLM scheduled other than planned."""
-        for req_id, tokens, n in zip(req_ids, planned, ran):
-            if n not in (0, tokens):
+    def _scheduled_otherwise(
+        req_ids: list[str], planned: list[int], ran: list[int], scheduled: dict, continuing: int
+    ) -> None:
+        """Raises naming what vLLM scheduled other than planned. A continuing row (the first
+        `continuing` rows) may run fewer tokens than planned (fewer drafts than the most)."""
+        for i, (req_id, tokens, n) in enumerate(zip(req_ids, planned, ran)):
+            if n not in (0, tokens) and not (i < continuing and 0 < n < tokens):
                 raise RuntimeError(f"vLLM scheduled {n} tokens of request {req_id!r}, planned {tokens}")
         extra = sorted(set(scheduled) - set(req_ids))
-        raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
+        if extra:
+            raise RuntimeError(f"vLLM scheduled requests the plan did not hold: {extra}")
 
     def _end_in_flight(self, rec: _Step) -> None:
         """Async: a request whose last token (its `max_tokens`-th, or the one reaching
@@ -572,9 +844,21 @@ class _Chunking:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = self.clock()
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise RuntimeError("update_from_output for a step this scheduler did not schedule last")
-        _, rec = self._in_flight.popleft()
+        in_flight = self._in_flight
+        if not in_flight or in_flight[0][0] is not scheduler_output:
+            if not any(out is scheduler_output for out, _ in in_flight):
+                if not scheduler_output.total_num_scheduled_tokens:
+                    # An output that ran nothing, built by the caller (it carries a connector's
+                    # finished transfers, say): vLLM's alone, no step of the component's.
+                    return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+                raise RuntimeError("update_from_output for a step this scheduler did not schedule")
+            # Outputs of earlier steps never passed on (vLLM's engine passes every one, in
+            # order; a caller may drop some): those steps were completed when the next was
+            # scheduled, and their times are unknown.
+            while in_flight[0][0] is not scheduler_output:
+                in_flight.popleft()
+                self.mstar_stats.dropped_outputs += 1
+        _, rec = in_flight.popleft()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         # The step ran from when its schedule() returned, or from when the step before it
         # finished if that was later (async: it was queued behind that step), until now.

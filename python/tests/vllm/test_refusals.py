@@ -1,5 +1,5 @@
 """What the plugin refuses: another vLLM release at import, unsupported features at start (by
-name), structured output per request, and a chunking config vLLM's runner could not take."""
+name), streaming input and encoder inputs per request, and a chunking config vLLM's runner could not take."""
 
 import os
 import subprocess
@@ -7,7 +7,6 @@ import sys
 
 import pytest
 from harness import LLAVA, Driver, VllmScheduler, make_request, make_scheduler
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from mstar_chunking.vllm import CONFIG_ENV, Scheduler, UnsupportedVllmFeature, _refusals
 
@@ -53,13 +52,9 @@ REAL = [
     ({"model": {"canvas_length": 32}}, "diffusion models"),
     ({"chunked_prefill": False, "budget": 4096, "max_model_len": 4096}, "chunked prefill turned off"),
     ({"max_num_scheduled_tokens": 256}, "max_num_scheduled_tokens other than max_num_batched_tokens"),
-    ({"policy": "priority"}, "scheduling policy 'priority'"),
     ({"mamba_align": True}, "Mamba's 'align' cache mode"),
 ]
 SET = [
-    (("lora_config",), "LoRA (--enable-lora)"),
-    (("speculative_config",), "speculative decoding"),
-    (("kv_transfer_config",), "KV transfer"),
     (("ec_transfer_config",), "encoder-cache transfer"),
     (("parallel_config", "pipeline_parallel_size", 2), "pipeline parallelism"),
     (("scheduler_config", "long_prefill_token_threshold_adaptive", True), "the adaptive long-prefill threshold"),
@@ -76,11 +71,7 @@ SET = [
         "diffusion",
         "no-chunked-prefill",
         "max_num_scheduled_tokens",
-        "priority",
         "mamba-align",
-        "lora",
-        "speculative",
-        "kv-transfer",
         "ec-transfer",
         "pipeline-parallel",
         "adaptive-threshold",
@@ -120,30 +111,20 @@ def test_refused_at_start_by_name(how, name):
     assert others == 0 or (name.startswith("encoder inputs") and "chunked prefill turned off" in message), message
 
 
-def test_pipeline_parallelism_and_other_policies_are_named():
+def test_pipeline_parallelism_is_named_and_the_priority_policy_is_not():
     cfg = _config()
     object.__setattr__(cfg.parallel_config, "pipeline_parallel_size", 2)
     object.__setattr__(cfg.scheduler_config, "policy", "priority")
     problems = _refusals(cfg)
-    assert any("pipeline parallelism" in p for p in problems) and any("'priority'" in p for p in problems)
+    assert len(problems) == 1 and "pipeline parallelism" in problems[0], problems
 
 
 def test_start_refuses_with_every_name():
     cfg = _config()
-    object.__setattr__(cfg, "lora_config", object())
+    object.__setattr__(cfg, "ec_transfer_config", object())
     object.__setattr__(cfg.parallel_config, "pipeline_parallel_size", 2)
-    with pytest.raises(UnsupportedVllmFeature, match="LoRA.*pipeline parallelism"):
+    with pytest.raises(UnsupportedVllmFeature, match="encoder-cache transfer.*pipeline parallelism"):
         Scheduler(vllm_config=cfg, kv_cache_config=None, structured_output_manager=None, block_size=16)
-
-
-def _structured(req):
-    req.sampling_params = SamplingParams(
-        max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"})
-    )
-    from vllm.v1.structured_output.request import StructuredOutputRequest
-
-    req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
-    return req
 
 
 def _with_image(request):
@@ -164,11 +145,10 @@ def _with_image(request):
 @pytest.mark.parametrize(
     "make, name",
     [
-        (lambda: _structured(make_request("refused", [5] * 40, 8)), "structured output"),
         (lambda: make_request("refused", [5] * 40, 8, resumable=True), "streaming input"),
         (lambda: _with_image(make_request("refused", [5] * 40, 8)), "encoder inputs"),
     ],
-    ids=["structured-output", "streaming-input", "encoder-inputs"],
+    ids=["streaming-input", "encoder-inputs"],
 )
 def test_refused_per_request_by_name(make, name, caplog):
     """The request finishes with a validation error naming the feature (vLLM 0.32, whose errors

@@ -44,7 +44,11 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-TEST_FILES = ["tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_scheduler.py"]
+TEST_FILES = [
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_priority_scheduler_random.py",  # the priority policy, through the helper below
+]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
 
 # The models' configurations as their hub repositories publish them (no weights are read).
@@ -112,16 +116,20 @@ DIFFERENCES: dict[str, str] = {
         "cap (docs/vllm.md, Settings)"
     ),
     "test_scheduler.py::test_update_from_output_routes_": (
-        "calls `update_from_output()` with a `SchedulerOutput` built by hand, never returned by "
-        "`schedule()`: the plugin refuses to complete a step it did not schedule (RuntimeError naming it)"
+        "calls `update_from_output()` with a `SchedulerOutput` that schedules tokens, built by hand and "
+        "never returned by `schedule()`: the plugin refuses to complete a step it did not schedule "
+        "(RuntimeError naming it)"
+    ),
+    "test_scheduler.py::test_stop_via_update_from_output": (
+        "the same: a hand-built `SchedulerOutput` that schedules tokens, for requests put straight into "
+        "the scheduler's running list (never added nor scheduled)"
     ),
     "test_scheduler.py::test_scheduler_kv_connector_stats": (
-        "the same: `update_from_output()` of a hand-built `SchedulerOutput` (and a KV connector, refused "
-        "at start with a real configuration)"
+        "the same: `update_from_output()` of a hand-built `SchedulerOutput` that schedules tokens"
     ),
     "test_scheduler.py::test_scheduler_ec_connector_stats": (
-        "the same: `update_from_output()` of a hand-built `SchedulerOutput` (and an encoder-cache "
-        "connector, refused at start with a real configuration)"
+        "the same: `update_from_output()` of a hand-built `SchedulerOutput` that schedules tokens (and an "
+        "encoder-cache connector, refused at start with a real configuration)"
     ),
     "test_scheduler.py::test_pause_new_ignores_streaming_": (
         "streaming input: refused per request (the request finishes with an error naming it)"
@@ -134,29 +142,38 @@ DIFFERENCES: dict[str, str] = {
         "refused at start with a real configuration) and gives a text model's request encoder inputs: "
         "refused per request (an error naming them)"
     ),
-    "test_scheduler.py::test_remote_kv_promotion_drains_before_grammar_prefix": (
-        "puts a KV connector on the scheduler after it started and requests waiting for remote KV "
-        "(KV transfer is refused at start with a real configuration); the plugin admits no such request"
-    ),
-    "test_scheduler.py::test_fcfs_mixed_blocked_types_remote_load_drains_first": (
-        "requests waiting for remote KV, structured output and streaming input: KV transfer is refused "
-        "at start with a real configuration, the other two per request"
+    "test_scheduler.py::test_max_loras_counts_running_request_skipped_for_encoder_budget": (
+        "gives a text model's requests encoder inputs (image placeholders) and sets the encoder budget "
+        "after the scheduler started: encoder inputs are refused per request (an error naming them)"
     ),
     "test_scheduler.py::test_drafter_lookahead_encoder_cache_cap_": (
-        "sets `num_prefill_lookahead` on the scheduler after it started (the drafter's lookahead comes "
-        "with a speculative config, refused at start) and gives a text model's request encoder inputs: "
-        "refused per request (an error naming them)"
-    ),
-    "test_scheduler.py::test_prefill_cadence_counts_executed_steps_not_schedule_calls": (
-        "calls `schedule()` three times and `update_from_output()` for the first output only; vLLM's "
-        "engine passes every output `schedule()` returned, empty ones too, to `update_from_output()` "
-        "in order, which the plugin requires (a RuntimeError names the step otherwise)"
+        "sets `num_prefill_lookahead` on the scheduler after it started (the multi-module MTP lookahead, "
+        "refused at start) and gives a text model's request encoder inputs: refused per request (an "
+        "error naming them)"
     ),
     "test_async_scheduler.py::test_prefix_caching_for_prefill_dedup": (
         "two identical prompts in one step: vLLM finds the second's prefix-cache hit on the blocks the "
         "first allocated in the same step and runs its last 4 tokens at once; the plugin admitted it "
         "with the hit found before the step (none), hands it back and runs it from the hit in the next "
         "step (the same 4 tokens, one step later; nothing recomputed)"
+    ),
+}
+
+# Further differences with the component's defaults (`--defaults`: chunks aligned to the KV block,
+# a floor of 64 tokens), which vLLM's own chunk rules do not have.
+DEFAULTS_DIFFERENCES: dict[str, str] = {
+    "test_scheduler.py::test_throttle_defers_inflight_prefill_chunk": (
+        "a 50-token budget with a decode row leaves 49 tokens, under the component's floor of 64: the "
+        "80-token prompt is not started beside the decode (it runs once the decode ends; vLLM cuts a "
+        "49-token chunk)"
+    ),
+    "test_scheduler.py::test_local_prefill_interval_defers_inflight_prefill_chunk": (
+        "the same 50-token budget beside a decode row: under the floor of 64, the prompt is not started "
+        "in the step the test reads"
+    ),
+    "test_scheduler.py::test_no_spec_tokens_scheduled_for_prefill_chunks": (
+        "the component's alignment: the chunk ends on the 16-token block boundary (48 tokens), where "
+        "the test counts vLLM's 50"
     ),
 }
 
@@ -183,6 +200,16 @@ def _mstar_class():
             return {**super().chunking_settings(), "align": 1, "min_chunk_tokens": 1}
 
     return VllmRules
+
+
+def _mstar_build(default_cls, *args, **kwargs):
+    """`create_scheduler_with_priority` (test_scheduler.py) builds its scheduler here: the plugin
+    under test, else vLLM's class it names."""
+    if not _mstar_os.environ.get("MSTAR_OWN_TESTS"):
+        return default_cls(*args, **kwargs)
+    s = _mstar_class()(*args, **kwargs)
+    _mstar_built.append(s)
+    return s
 
 
 def create_scheduler(*args, **kwargs):
@@ -284,9 +311,29 @@ def extract_tests(sdist: Path, version: str, work: Path) -> Path:
         raise SystemExit(f"vllm_own_tests: {utils}: no single `VllmConfig(` call in create_scheduler to give the device")
     text = text.replace(anchor, anchor + '        device_config=__import__("vllm.config").config.DeviceConfig("cpu"),\n')
     utils.write_text(text + HOOK)
+    patch_priority_helper(root / "tests" / "v1" / "core" / "test_scheduler.py")
     conftest = root / "tests" / "v1" / "core" / "conftest.py"
     conftest.write_text(CONFTEST)
     return root
+
+
+def patch_priority_helper(path: Path) -> None:
+    """`create_scheduler_with_priority` (the priority policy's helper, in test_scheduler.py) builds
+    vLLM's `Scheduler` itself: it is made to build the plugin under test (through `_mstar_build`)
+    and, as `create_scheduler`, to give its `VllmConfig` the CPU as its device."""
+    text = path.read_text()
+    start = text.find("\ndef create_scheduler_with_priority(")
+    if start < 0:
+        return  # a release without the helper
+    end = text.find("\ndef ", start + 1)
+    body = text[start:end]
+    build = "    scheduler = Scheduler(\n"
+    config = "    vllm_config = VllmConfig(\n"
+    if body.count(build) != 1 or body.count(config) != 1:
+        raise SystemExit(f"vllm_own_tests: {path}: create_scheduler_with_priority has no single `Scheduler(` and `VllmConfig(`")
+    body = body.replace(build, '    scheduler = __import__("tests.v1.core.utils", fromlist=["utils"])._mstar_build(\n        Scheduler,\n')
+    body = body.replace(config, config + '        device_config=__import__("vllm.config").config.DeviceConfig("cpu"),\n')
+    path.write_text(text[:start] + body + text[end:])
 
 
 def hf_home(work: Path, tokenizer: Path) -> Path:
@@ -361,7 +408,7 @@ def first_line(message: str) -> str:
     return ""
 
 
-def classify(own: dict[str, dict], ours: dict[str, dict]) -> dict:
+def classify(own: dict[str, dict], ours: dict[str, dict], mode: str = "vllm-rules") -> dict:
     same, refused, explained, unexplained, own_failed, skipped = [], [], [], [], [], []
     for tid, o in own.items():
         p = ours.get(tid, {"status": "missing", "message": "", "built": 0})
@@ -375,7 +422,8 @@ def classify(own: dict[str, dict], ours: dict[str, dict]) -> dict:
             m = re.search(r"does not support ([^\n]*?)(?: \(docs/vllm\.md\)|$)", p["message"])
             refused.append((tid, m.group(1) if m else first_line(p["message"])))
         else:
-            reason = next((r for pat, r in DIFFERENCES.items() if tid.split("/")[-1].startswith(pat)), None)
+            reasons = DIFFERENCES if mode != "defaults" else {**DIFFERENCES, **DEFAULTS_DIFFERENCES}
+            reason = next((r for pat, r in reasons.items() if tid.split("/")[-1].startswith(pat)), None)
             if reason is not None:
                 explained.append((tid, reason, first_line(p["message"])))
             else:
@@ -448,6 +496,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--defaults", action="store_true", help="the plugin with the component's defaults")
+    ap.add_argument("--defaults-out", type=Path, default=None, help="also run the defaults; their results here")
+    ap.add_argument("--defaults-json", type=Path, default=None)
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one pytest run")
     ap.add_argument("--classify-only", action="store_true", help="compare the last runs in --work again")
@@ -463,20 +513,23 @@ def main() -> int:
         sdist = fetch_sdist(version)
         root = extract_tests(sdist, version, args.work)
         home = hf_home(args.work, args.tokenizer)
-    mode = "defaults" if args.defaults else "vllm-rules"
+    modes = [("defaults" if args.defaults else "vllm-rules", args.out, args.json)]
+    if args.defaults_out is not None and not args.defaults:
+        modes.append(("defaults", args.defaults_out, args.defaults_json))
     own = run_pytest(root, None, args, home)
-    ours = run_pytest(root, mode, args, home)
-    c = classify(own, ours)
-    text = report(version, mode, c, own)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps({"version": version, "mode": mode, **c}, indent=1))
-    n_same = len(c["same"])
-    n_bad = len(c["unexplained"])
-    print(f"{n_same} passed, {n_bad} failed")
-    return 1 if n_bad else 0
+    failed = 0
+    for mode, out, js in modes:
+        ours = run_pytest(root, mode, args, home)
+        c = classify(own, ours, mode)
+        text = report(version, mode, c, own)
+        print(text)
+        if out:
+            out.write_text(text)
+        if js:
+            js.write_text(json.dumps({"version": version, "mode": mode, **c}, indent=1))
+        print(f"{mode}: {len(c['same'])} passed, {len(c['unexplained'])} failed")
+        failed += len(c["unexplained"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
