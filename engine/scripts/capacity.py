@@ -98,25 +98,32 @@ def next_rate(tsv, setting, start, step, tol, max_probes):
     print(f"{r:.3f}")
 
 
-def replay_capacities(sweep_dir, cal_rate):
-    """`LABEL CAPACITY` per setting of the sweep, the capacity in the engine's rate scale (the
-    sweep's rate scale times the calibration's, whose scaled trace it replayed)."""
+def capacity(tsv, setting):
+    """The highest rate of a setting that met below its lowest miss, or nothing."""
+    lo, _ = bracket(probes_of(tsv, setting))
+    if lo is not None:
+        print(f"{lo:.3f}")
+
+
+def replay_capacities(sweep_dir, cal_rate, label=None):
+    """`LABEL CAPACITY` per setting of a sweep, the capacity in the engine's rate scale (the
+    sweep's rate scale times the calibration's, whose scaled trace it replayed); `label` names
+    a sweep of one setting."""
     s = json.loads((Path(sweep_dir) / "sweep.json").read_text())
     for c in s["capacity"]:
-        label = str(c.get("label") or c.get("budget")).replace(" ", "")
-        rate = (c.get("search") or {}).get("rate_scale")
+        name = label or str(c.get("label") or c.get("budget")).replace(" ", "")
+        rate = c.get("rate_scale")
         cap = 0.0 if rate is None else rate * float(cal_rate)
-        print(f"{label} {cap:.4f}")
+        print(f"{name} {cap:.4f}")
 
 
-def best_token_budgets(sweep_dir, cal_rate, n):
-    """The `n` token budgets with the most replayed capacity (the first of equals), as `a,b`."""
+def best_token_budgets(capacities, n):
+    """The `n` token budgets with the most replayed capacity (the smallest of equals), as `a,b`."""
     rows = []
-    s = json.loads((Path(sweep_dir) / "sweep.json").read_text())
-    for c in s["capacity"]:
-        label = str(c.get("label") or c.get("budget"))
-        if label.isdigit():
-            rows.append((-((c.get("search") or {}).get("rate_scale") or 0.0), int(label)))
+    for line in Path(capacities).read_text().splitlines():
+        name, cap = line.split()
+        if name.isdigit():
+            rows.append((-float(cap), int(name)))
     print(",".join(str(b) for _, b in sorted(rows)[: int(n)]))
 
 
@@ -131,21 +138,22 @@ def summary(out, settings):
     lines = [f"Objective: TBT p99 <= {env['TBT_MS']} ms and TTFT p90 <= {env['TTFT_MS']} ms "
              f"(calibration: decode-only median {env['DECODE_MS']} ms, fit R² {env['FIT_R2']}, "
              f"p90 prompt {env['P90_PROMPT']} tokens); time budget X = {env['X_MS']} ms.", "",
-             "| setting | engine capacity (met / missed) | probes | load avg (1 min) | replay capacity | replay ÷ engine |",
-             "|---|---|---|---|---|---|"]
+             "| setting | engine capacity (met / missed) | probes | repeat at capacity | load avg (1 min) | replay capacity | replay ÷ engine |",
+             "|---|---|---|---|---|---|---|"]
     caps = {}
     for s in settings.split(","):
         probes = [(float(r["rate"]), r["outcome"] == "meets") for r in rows if r["setting"] == s]
         lo, hi = bracket(probes)
-        loads = [float(r["load_end"]) for r in rows if r["setting"] == s]
-        label = s if not s.startswith("time") else f"{env['X_MS']} ms"
-        key = s if not s.startswith("time") else next((k for k in replay if k.endswith("ms")), "")
-        rep = float(replay.get(key, "nan"))
+        loads = [float(r[k]) for r in rows if r["setting"].startswith(s) for k in ("load_start", "load_end")]
+        again = [r for r in rows if r["setting"] == f"{s}-repeat"]
+        repeat = ", ".join(f"{r['outcome']} (TTFT p90 {r['ttft_p90_ms']}, TBT p99 {r['tbt_p99_ms']})" for r in again) or "-"
+        label = s if s != "time" else f"{env['X_MS']} ms"
+        rep = float(replay.get(s, "nan"))
         caps[s] = (lo, rep)
         ratio = f"{rep / lo:.2f}" if lo else "-"
         load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "-"
         lines.append(f"| {label} | {lo if lo is not None else 0} / {hi if hi is not None else '-'} "
-                     f"| {len(probes)} | {load} | {rep:.3f} | {ratio} |")
+                     f"| {len(probes)} | {repeat} | {load} | {rep:.3f} | {ratio} |")
     time = [s for s in caps if s.startswith("time")]
     tokens = [s for s in caps if not s.startswith("time")]
     if time and tokens:
@@ -162,4 +170,4 @@ def summary(out, settings):
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     {"objective": objective, "probe": probe, "next": next_rate, "replay": replay_capacities,
-     "best-tokens": best_token_budgets, "summary": summary}[cmd](*args)
+     "best-tokens": best_token_budgets, "capacity": capacity, "summary": summary}[cmd](*args)
