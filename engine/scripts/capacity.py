@@ -127,6 +127,16 @@ def best_token_budgets(capacities, n):
     print(",".join(str(b) for _, b in sorted(rows)[: int(n)]))
 
 
+def time_steps(d, x):
+    """A time-budget probe's step p99 ÷ X and its time overruns of all its steps."""
+    p = d / "steps.jsonl"
+    if not d.name.startswith("r") or not p.exists() or not d.parent.name.startswith("time"):
+        return "-"
+    st = analyze.steps(p)
+    over = sum(1 for s in st if s.get("time_overrun"))
+    return f"{analyze.quantile([s['ms'] for s in st], 0.99) / x:.3f}, {over} of {len(st)}"
+
+
 def summary(out, settings):
     """The markdown summary: the objective, then per setting the engine's capacity (the last
     rate that met and the first that missed), the replay's, and the ratio."""
@@ -164,6 +174,13 @@ def summary(out, settings):
             b = caps[best][i] or 0.0
             lines.append(f"- {who}: time budget {t:.3f} against the best token budget ({best}) "
                          f"{b:.3f}: time ÷ tokens {t / b:.2f}" if b else f"- {who}: no token budget met it")
+    lines += ["", "Every probe, in the order run (load average: 1 minute, at its start and end):", "",
+              "| setting | rate | outcome | TTFT p90 ms | TBT p99 ms | completed | step p99 ÷ X, time overruns | load | started (UTC) | s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['rate']} | {r['outcome']} | {r['ttft_p90_ms']} | {r['tbt_p99_ms']} "
+                     f"| {r['completed']} | {time_steps(out / r['setting'] / ('r' + r['rate']), float(env['X_MS']))} "
+                     f"| {r['load_start']} → {r['load_end']} | {r['started_utc']} | {r['secs']} |")
     print("\n".join(lines))
 
 

@@ -51,8 +51,9 @@ STEP=${STEP:-1.25}
 TOL=${TOL:-0.10}
 MAX_PROBES=${MAX_PROBES:-6}
 REPEAT=${REPEAT:-1}
-# The model on one thread pinned to ENGINE_CPU (the load generator on the other cores), at
-# ENGINE_NICE (a negative value needs root: it keeps other work on the core from taking its turn).
+# The model on one thread pinned to ENGINE_CPU (the load generator on the other cores), both at
+# ENGINE_NICE (a negative value needs root: it keeps other work on a shared machine from taking
+# their turns; the load generator's timestamps are the TBT and TTFT measured).
 ENGINE_CPU=${ENGINE_CPU:-1}
 ENGINE_NICE=${ENGINE_NICE:-0}
 PORT=${PORT:-8327}
@@ -103,7 +104,7 @@ run() {
     kill -0 "$SERVER" 2>/dev/null || { cat "$dir/serve.log" >&2; exit 1; }
     sleep 0.2
   done
-  taskset -c "$LOAD_CPUS" "$ENGINE" bench --url "http://127.0.0.1:$PORT" --trace "$TRACE" \
+  taskset -c "$LOAD_CPUS" nice -n "$ENGINE_NICE" "$ENGINE" bench --url "http://127.0.0.1:$PORT" --trace "$TRACE" \
     --requests "$REQUESTS" --rate-scale "$rate" --length-scale "$LENGTH_SCALE" \
     --max-prompt "$MAX_PROMPT" --max-output "$MAX_OUTPUT" --timeout-secs "$timeout" \
     --report-json "$dir/bench.json" --write-trace "$dir/scaled.csv" >"$dir/bench.log" 2>&1 &
