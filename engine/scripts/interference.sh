@@ -16,15 +16,15 @@ cd "$(dirname "$0")/../.."
 CAP=${CAP:-target/engine-capacity}
 OUT=${OUT:-target/engine-interference}
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_conv.head500.csv}
-# 120 requests at a quarter of their length over about four minutes at RATE: below the time
+# 200 requests at a quarter of their length over about 3.5 minutes at RATE: below the time
 # budget's capacity without the hog, above it with the hog (the core is then shared).
-REQUESTS=${REQUESTS:-120}
+REQUESTS=${REQUESTS:-200}
 RATE=${RATE:-0.3}
 LENGTH_SCALE=${LENGTH_SCALE:-0.25}
 MAX_PROMPT=${MAX_PROMPT:-512}
 MAX_OUTPUT=${MAX_OUTPUT:-64}
-HOG_ON=${HOG_ON:-80}
-HOG_OFF=${HOG_OFF:-160}
+HOG_ON=${HOG_ON:-70}
+HOG_OFF=${HOG_OFF:-140}
 FLOOR=${FLOOR:-4}
 TIME_MARGIN=${TIME_MARGIN:-0.99}
 LEARN=${LEARN:-1}
