@@ -73,7 +73,24 @@ def describe(out, x):
             ratio = [s["ms"] / s["predicted_ms"] for s in ss if s.get("predicted_ms")]
             r = f"{analyze.quantile(ratio, 0.5):.2f}" if ratio else "-"
             lines.append(f"| {name} | {32 * w} to {32 * (w + 1)} | {analyze.quantile(ms, 0.99) / x:.2f} | {over} | "
-                         f"{analyze.quantile(m, 0.5) if m else '-'} | {r} |")
+                         f"{analyze.quantile(m, 0.5) if m else '-':.2f} | {r} |")
+    # The whole run in 10-second buckets of the step log's clock.
+    on, off = ph[1][1], ph[2][1]
+    lines += ["", f"The run in 10 s buckets (the hog from {on / 1000:.1f} s to {off / 1000:.1f} s of the step log's clock):", "",
+              "| from s | steps | step p99/X | time overruns | margin p50 | measured ÷ predicted p50 |",
+              "|---|---|---|---|---|---|"]
+    buckets = {}
+    for s in steps:
+        buckets.setdefault(int(s["t_ms"] // 10000), []).append(s)
+    for k in sorted(buckets):
+        ss = buckets[k]
+        m = [s["time_margin"] for s in ss if s.get("time_margin") is not None]
+        ratio = [s["ms"] / s["predicted_ms"] for s in ss if s.get("predicted_ms")]
+        hog = " (hog)" if on <= k * 10000 < off or on <= k * 10000 + 9999 < off else ""
+        lines.append(f"| {k * 10}{hog} | {len(ss)} | {analyze.quantile([s['ms'] for s in ss], 0.99) / x:.2f} | "
+                     f"{sum(1 for s in ss if s.get('time_overrun'))} | "
+                     f"{analyze.quantile(m, 0.5) if m else float('nan'):.2f} | "
+                     f"{analyze.quantile(ratio, 0.5) if ratio else float('nan'):.2f} |")
     print("\n".join(lines))
 
 

@@ -67,7 +67,8 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-now() { python3 -c 'import time; print(f"{time.time():.3f}")'; }
+# The wall clock without starting a process (a python3 start can take seconds on a loaded machine).
+now() { echo "$EPOCHREALTIME"; }
 scrape() { curl -s --max-time 5 "http://127.0.0.1:$PORT/metrics" | grep -E '^(mstar_chunking_time_overruns_total|mstar_chunking_time_margin|mstar_chunking_latency_model|engine_step_seconds_count)' >"$OUT/metrics-$1.txt" || true; }
 
 learn=()
@@ -93,13 +94,14 @@ LOADGEN=$!
 sleep "$HOG_ON"
 scrape before
 echo "load_hog_on $(cut -d' ' -f1 /proc/loadavg)" >>"$OUT/times.txt"
-echo "hog_on $(now)" >>"$OUT/times.txt"
 taskset -c "$ENGINE_CPU" nice -n "$ENGINE_NICE" sh -c 'while :; do :; done' &
 HOG=$!
+echo "hog_on $(now)" >>"$OUT/times.txt"
 sleep "$((HOG_OFF - HOG_ON))"
-kill -TERM "$HOG"; wait "$HOG" 2>/dev/null || true
-HOG=""
+kill -TERM "$HOG"
 echo "hog_off $(now)" >>"$OUT/times.txt"
+wait "$HOG" 2>/dev/null || true
+HOG=""
 echo "load_hog_off $(cut -d' ' -f1 /proc/loadavg)" >>"$OUT/times.txt"
 scrape during
 wait "$LOADGEN" || true
