@@ -16,8 +16,9 @@ cd "$(dirname "$0")/../.."
 CAP=${CAP:-target/engine-capacity}
 OUT=${OUT:-target/engine-interference}
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_conv.head500.csv}
-# 200 requests at a quarter of their length over about 3.5 minutes at RATE: below the time
-# budget's capacity without the hog, above it with the hog (the core is then shared).
+# 200 requests at a quarter of their length, arriving over 3.5 minutes at RATE (about one a
+# second, more than the time budget's capacity): a queue keeps every step filled to the budget,
+# the steps a time budget is for.
 REQUESTS=${REQUESTS:-200}
 RATE=${RATE:-0.3}
 LENGTH_SCALE=${LENGTH_SCALE:-0.25}
