@@ -9,7 +9,7 @@
 #   obj     TBT p99 <= TBT_FACTOR x the decode-only median; TTFT p90 <= TTFT_FACTOR x the fitted
 #           time of the trace's p90 prompt prefilled alone; time budget X = TIME_SHARE x the TBT bound
 #   replay  `mstar-chunking sweep` of that trace with the fitted cost and noise bands: capacity
-#           of every token budget of REPLAY_BUDGETS and of X
+#           of every token budget of REPLAY_BUDGETS, and of X in a sweep of its own
 #   engine  capacity of the replay's best two token budgets (or TOKEN_SETTINGS) and of X on the
 #           engine: from the replay's capacity, up or down by STEP until one rate meets and one
 #           misses, then bisection to TOL, at most MAX_PROBES probes a setting; each probe a
@@ -17,8 +17,10 @@
 #
 # Knobs (environment): TRACE, REQUESTS, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, CAL_RATE,
 # CAL_BUDGET, TBT_FACTOR, TTFT_FACTOR, TIME_SHARE, FLOOR, TIME_MARGIN, REPLAY_BUDGETS,
-# TOKEN_SETTINGS, STEP, TOL, MAX_PROBES, REPEAT (1: the capacity found probed again), ENGINE_CPU, ENGINE_NICE, PORT, OUT, STAGES (a subset of
-# "cal replay engine summary"; later stages read the earlier ones' files in OUT), ENGINE/CHUNKING.
+# TOKEN_SETTINGS, STEP, TOL, MAX_PROBES, REPEAT (1: the capacity found probed again),
+# ENGINE_CPU, ENGINE_NICE, PORT, OUT, STAGES (a subset of "cal replay engine summary"; later
+# stages read the earlier ones' files in OUT; the engine stage adds to OUT/probes.tsv and
+# continues a search already there), ENGINE/CHUNKING (prebuilt binaries).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/engine-capacity}
