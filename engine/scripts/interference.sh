@@ -9,7 +9,7 @@
 # planned with the time margin (--time-margin).
 #
 # Knobs (environment): CAP, OUT, TRACE, REQUESTS, RATE, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT,
-# HOG_ON, HOG_OFF, FLOOR, TIME_MARGIN, LEARN (1: --learn-cost), ENGINE_CPU, ENGINE_NICE, PORT,
+# HOG_ON, HOG_OFF, HOG_NICE, FLOOR, TIME_MARGIN, LEARN (1: --learn-cost), ENGINE_CPU, ENGINE_NICE, PORT,
 # ENGINE/CHUNKING.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,8 +30,10 @@ FLOOR=${FLOOR:-4}
 TIME_MARGIN=${TIME_MARGIN:-0.99}
 LEARN=${LEARN:-1}
 ENGINE_CPU=${ENGINE_CPU:-1}
-# The hog runs at the engine's niceness, so the two share the core evenly.
 ENGINE_NICE=${ENGINE_NICE:-0}
+# The hog's niceness: at the engine's the two share the core evenly (steps take twice as long);
+# a higher one takes a smaller share.
+HOG_NICE=${HOG_NICE:-$ENGINE_NICE}
 PORT=${PORT:-8328}
 CARGO=${CARGO:-cargo}
 mkdir -p "$OUT"
@@ -95,7 +97,7 @@ LOADGEN=$!
 sleep "$HOG_ON"
 scrape before
 echo "load_hog_on $(cut -d' ' -f1 /proc/loadavg)" >>"$OUT/times.txt"
-taskset -c "$ENGINE_CPU" nice -n "$ENGINE_NICE" sh -c 'while :; do :; done' &
+taskset -c "$ENGINE_CPU" nice -n "$HOG_NICE" sh -c 'while :; do :; done' &
 HOG=$!
 echo "hog_on $(now)" >>"$OUT/times.txt"
 sleep "$((HOG_OFF - HOG_ON))"
