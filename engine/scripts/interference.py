@@ -57,8 +57,8 @@ def describe(out, x):
         lines.append(f"| {name} | {len(ms)} | {analyze.quantile(ms, 0.5):.1f} | " + " | ".join(cells)
                      + f" | {least if least is not None else 'none'} | {reasons or '{}'} | {marg} |")
     # The margin and the measured ÷ predicted ratio step by step across each change, in windows.
-    lines += ["", "Across each change, windows of 32 steps: step p99 ÷ X, the largest overrun "
-              "reason count, the median margin, the median measured ÷ predicted.", "",
+    lines += ["", "Across each change, windows of 32 steps: step p99 ÷ X, the time overruns, "
+              "the median margin, the median measured ÷ predicted.", "",
               "| change | window (steps after) | p99/X | overruns | margin p50 | measured ÷ predicted p50 |",
               "|---|---|---|---|---|---|"]
     for name, at in (("hog on", ph[1][1]), ("hog off", ph[2][1])):
