@@ -241,5 +241,5 @@ engine-capacity: model ## Capacity under an objective scaled to the engine's ste
 	engine/scripts/capacity.sh
 
 # The time budget with a CPU hog on the engine's core for part of a run (engine/README.md#the-time-budget-under-interference).
-engine-interference: model ## The time budget of engine-capacity under a CPU hog on the engine's core, before, during and after (about 5 minutes; target/engine-interference/)
+engine-interference: model ## The time budget of engine-capacity under a CPU hog on the engine's core, before, during and after (about 7 minutes; target/engine-interference/)
 	engine/scripts/interference.sh
