@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help run capacity test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed
+.PHONY: help run capacity test test-deps lint fmt doc bench bench-check bench-baseline bench-before bench-vs-vllm bench-check-selftest soak fuzz check-core test-python test-ray test-vllm test-vllm-own test-vllm-real test-engine test-vllm-bench vllm-bench serve engine-bench engine-speed engine-capacity engine-interference
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -252,3 +252,11 @@ engine-bench: model engine-speed ## The engine's measurements (engine/README.md)
 		rate=$${load%%:*}; rest=$${load#*:}; prompt=$${rest%%:*}; floor=$${rest#*:}; \
 		OUT=target/engine-bench/rate-$$rate RATE_SCALE=$$rate MAX_PROMPT=$$prompt B_FLOOR=$$floor engine/scripts/bench.sh || exit 1; \
 	done
+
+# The replay's capacity verdict checked on the engine (engine/README.md#capacity-on-the-engine).
+engine-capacity: model ## Capacity under an objective scaled to the engine's steps: the replay's best two token budgets and a time budget, searched on SmolLM2 and in the replay (about 20 minutes; target/engine-capacity/)
+	engine/scripts/capacity.sh
+
+# The time budget with a CPU hog on the engine's core for part of a run (engine/README.md#the-time-budget-under-interference).
+engine-interference: model ## The time budget of engine-capacity under a CPU hog on the engine's core, before, during and after (about 7 minutes; target/engine-interference/)
+	engine/scripts/interference.sh
