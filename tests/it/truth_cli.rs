@@ -420,7 +420,8 @@ fn a_sweep_warns_when_the_time_budget_is_within_the_noise_of_the_tbt_objective()
     );
     assert_eq!(r.code, 0, "{r:?}");
     assert!(
-        r.stderr.contains("a time cell's (`--budgets`) time budget (100 ms) is within"),
+        r.stderr
+            .contains("a time cell's (`--budgets`) time budget (100 ms) is within"),
         "{}",
         r.stderr
     );
