@@ -317,6 +317,24 @@ mod tests {
         }
     }
 
+    /// A shell whose actors run on the test's system, labelled `test`.
+    fn test_shell() -> Shell {
+        let instance = Instance::new("test".into());
+        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
+        let overruns = OverrunAccounting::new(instance.clone()).start();
+        Shell::new(instance, prepared, overruns)
+    }
+
+    /// A model whose node `llm` cuts `prefill` under a budget of 8 tokens.
+    fn prefill_model(llm: &Name, prefill: &Name) -> Arc<ModelPolicies> {
+        ModelPolicies::new(
+            [(llm.clone(), SubmoduleCaps::new(["prefill"], false))].into(),
+            [((llm.clone(), prefill.clone()), ChunkingPolicy::budget(8))].into(),
+        )
+        .unwrap()
+        .shared()
+    }
+
     /// Each hook leaves its trace: the request and step spans with their events, the step
     /// metrics and the model gauges. (Driven through the state, as the Scheduler actor does.)
     #[actix::test]
@@ -325,17 +343,9 @@ mod tests {
         let snapshotter = recorder.snapshotter();
         let captured = Arc::new(Captured::default());
         let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
-        let instance = Instance::new("test".into());
-        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
-        let overruns = OverrunAccounting::new(instance.clone()).start();
-        let mut shell = Shell::new(instance, prepared, overruns);
+        let mut shell = test_shell();
         let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
-        let model = ModelPolicies::new(
-            [(llm.clone(), SubmoduleCaps::new(["prefill"], false))].into(),
-            [((llm.clone(), prefill.clone()), ChunkingPolicy::budget(8))].into(),
-        )
-        .unwrap()
-        .shared();
+        let model = prefill_model(&llm, &prefill);
         let mut state = SchedulerState::with_table(BudgetTable::from_policies(model));
         let why = ChunkingError::UnknownStep { step: 2 };
         let second = metrics::with_local_recorder(&recorder, || {
@@ -423,17 +433,9 @@ mod tests {
         let snapshotter = recorder.snapshotter();
         let captured = Arc::new(Captured::default());
         let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
-        let instance = Instance::new("test".into());
-        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
-        let overruns = OverrunAccounting::new(instance.clone()).start();
-        let mut shell = Shell::new(instance, prepared, overruns);
+        let mut shell = test_shell();
         let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
-        let model = ModelPolicies::new(
-            [(llm.clone(), SubmoduleCaps::new(["prefill"], false))].into(),
-            [((llm.clone(), prefill.clone()), ChunkingPolicy::budget(8))].into(),
-        )
-        .unwrap()
-        .shared();
+        let model = prefill_model(&llm, &prefill);
         // Learning, no configured model: no step is planned in time until the fit is trusted.
         let settings = crate::budget::BudgetSettings::new(["prefill"])
             .learn_cost(true)
@@ -518,10 +520,7 @@ mod tests {
     /// in and whether their names are the same `Arc`s or equal strings.
     #[actix::test]
     async fn step_metrics_are_one_set_per_node_and_walk() {
-        let instance = Instance::new("test".into());
-        let prepared = PreparedInputs::new(instance.clone(), &[]).start();
-        let overruns = OverrunAccounting::new(instance.clone()).start();
-        let mut shell = Shell::new(instance, prepared, overruns);
+        let mut shell = test_shell();
         let (llm, prefill, decode): (Name, Name, Name) =
             ("llm".into(), "prefill".into(), "decode".into());
         let pairs = [
