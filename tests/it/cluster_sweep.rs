@@ -227,3 +227,70 @@ fn a_bad_job_directory_or_index_is_refused_naming_it() {
     let r = run(&["sweep", "--emit-jobs", "x", "--workers", "1,2"], &[]);
     assert_eq!(r.code, 2, "{r:?}");
 }
+
+/// A time budget among the settings (`--budgets 512,95ms`) goes through a job directory as a
+/// token budget does: its cells run by index, and the merged outputs, the verdict among them,
+/// are the local sweep's byte for byte.
+#[test]
+fn time_budget_cells_merge_into_the_local_sweep_and_its_verdict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (jobs, merged, local) = (
+        tmp.path().join("jobs"),
+        tmp.path().join("merged"),
+        tmp.path().join("local"),
+    );
+    let grid = [
+        "--config",
+        "config/examples/llama2-7b-a100.toml",
+        "--requests",
+        "100",
+        "--budgets",
+        "512,95ms",
+        "--rates",
+        "0.5,1",
+        "--slo-tbt-p99",
+        "100",
+        "--slo-ttft-p90",
+        "2000",
+    ];
+    let mut args = vec!["sweep", "--emit-jobs", jobs.to_str().unwrap()];
+    args.extend(grid);
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let d = jobs.to_str().unwrap();
+    let mut done = 0;
+    for wave in 0.. {
+        assert!(wave < 30, "no end to the waves");
+        for i in done..cells(&jobs) {
+            let r = run(&["sweep-cell", d, &i.to_string()], &[]);
+            assert_eq!(r.code, 0, "cell {i}: {r:?}");
+        }
+        done = cells(&jobs);
+        let r = merge(&jobs, &merged);
+        match r.code {
+            0 => break,
+            3 => continue,
+            _ => panic!("{r:?}"),
+        }
+    }
+    let mut args = vec!["sweep", "--no-progress", "--out", local.to_str().unwrap()];
+    args.extend(grid);
+    let r = run(&args, &[]);
+    assert_eq!(r.code, 0, "{r:?}");
+    for f in [
+        "sweep.csv",
+        "sweep.json",
+        "verdict.json",
+        "verdict-settings.csv",
+        "report.html",
+    ] {
+        let (a, b) = (
+            std::fs::read(local.join(f)).unwrap(),
+            std::fs::read(merged.join(f)).unwrap(),
+        );
+        assert!(a == b, "{f} differs between the local and the merged sweep");
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(merged.join("verdict.json")).unwrap()).unwrap();
+    assert_eq!(v["traces"][0]["best_time"]["setting"], "95 ms", "{v}");
+}
