@@ -270,10 +270,12 @@ fn trace_list(args: &SweepArgs, slo: Option<crate::sweep::Slo>) -> Result<Vec<Tr
             || path.display().to_string(),
             |f| f.to_string_lossy().into_owned(),
         );
-        if out
-            .iter()
-            .any(|t| t.path.as_deref() == Some(path.as_path()))
-        {
+        // The same file however it is spelt (`./a.csv`, `a.csv`, a link to it).
+        let same = |p: &Path| match (std::fs::canonicalize(p), std::fs::canonicalize(&path)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => p == path.as_path(),
+        };
+        if out.iter().any(|t| t.path.as_deref().is_some_and(same)) {
             return Err(format!(
                 "`--traces` names `{}` twice",
                 config::problem::escape(&path.display().to_string())

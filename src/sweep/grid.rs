@@ -180,8 +180,8 @@ fn grid_budget(s: &str) -> Result<Budget, GridError> {
         return parse_step_ms(ms).ok_or_else(|| GridError {
             flag: "--budgets",
             problem: format!(
-                "takes time budgets in ms between 0.001 and {MAX_STEP_MS}, in steps of 0.001 (`95ms`), got {:?}",
-                s.trim()
+                "takes time budgets in ms between 0.001 and {MAX_STEP_MS}, in steps of 0.001 (`95ms`), got {}",
+                quoted(s.trim())
             ),
         });
     }
@@ -196,6 +196,13 @@ fn grid_budget(s: &str) -> Result<Budget, GridError> {
                 s.trim()
             ),
         })
+}
+
+/// `s` quoted, cut to 200 characters (a value may be anything, of any length).
+fn quoted(s: &str) -> String {
+    let cut: String = s.chars().take(200).collect();
+    let more = if cut.len() < s.len() { "…" } else { "" };
+    format!("{cut:?}{more}")
 }
 
 /// Splits an axis's comma-separated list, refusing empty entries and more than
@@ -378,6 +385,9 @@ mod tests {
             ("95s", "or time budgets such as `95ms`; got \"95s\""),
         ];
         assert_refused("--budgets", parse_budgets, &cases);
+        let long = format!("{}ms", "9".repeat(5000));
+        let e = parse_budgets(&long).unwrap_err().to_string();
+        assert!(e.len() < 400 && e.ends_with("…"), "{e}");
         assert!(parse_budgets("3600000ms,512,95ms,off").is_ok());
         for bad in ["0 ms", "-1ms", "nanms", "ms", "1.2.3 ms"] {
             assert!(bad.parse::<Budget>().is_err(), "{bad}");

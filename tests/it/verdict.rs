@@ -195,7 +195,7 @@ fn time_budgets_and_traces_the_sweep_cannot_run_are_refused_before_anything_runs
         (&["--budgets", "512,95ms"], "`--budgets` names 95 ms: the config would refuse it: time budget for `llm` needs a latency model"),
         (&["--budgets", "95ms,0ms", "--cost", "llama2-7b-a100"], "takes time budgets in ms between 0.001"),
         (&["--budgets", "95ms,95.000ms", "--cost", "llama2-7b-a100"], "names 95 ms twice"),
-        (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv,data/traces/AzureLLMInferenceTrace_code.csv"], "names `data/traces/AzureLLMInferenceTrace_code.csv` twice"),
+        (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv,./data/traces/AzureLLMInferenceTrace_code.csv"], "names `./data/traces/AzureLLMInferenceTrace_code.csv` twice"),
         (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv", "--trace-slo-ttft-p90", "1,2"], "one bound per trace of `--traces` (1), got 2"),
         (&["--traces", "data/traces/AzureLLMInferenceTrace_code.csv,/nonexistent/x.csv"], "/nonexistent/x.csv"),
     ];
