@@ -759,7 +759,7 @@ impl SchedulerState {
     }
 
     /// The latency model `node` plans with now, and where it came from
-    /// (`docs/cost-model.md#sources`): its online fit once trusted (with learning on), else
+    /// (`docs/fitting.md#sources`): its online fit once trusted (with learning on), else
     /// its configured model, else none.
     pub fn latency_model(&self, node: &str) -> (Option<LatencyModel>, ModelSource) {
         match self.snapshot.as_ref().map(|s| s.table()) {

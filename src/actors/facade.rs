@@ -449,7 +449,7 @@ impl ChunkingManagement {
     /// As [`complete`](Self::complete), with the step's measured duration in ms: the step is
     /// checked against the time budget it was scheduled under (a time overrun, by reason), and
     /// with `chunking.learn_cost` on the node's latency model is fitted from it
-    /// (`docs/cost-model.md#fitting`).
+    /// (`docs/fitting.md`).
     ///
     /// # Errors
     /// As `complete`, and [`ChunkingError::BadMeasurement`] for a time that is not a finite

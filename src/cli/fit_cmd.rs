@@ -1,4 +1,4 @@
-//! `fit FILE`: the offline fit of the latency model (`docs/cost-model.md#offline`).
+//! `fit FILE`: the offline fit of the latency model (`docs/fitting.md#offline`).
 
 use std::process::ExitCode;
 

@@ -1,5 +1,5 @@
 //! `chunking.cost.<node>`: a latency model, as a table of its coefficients or the name of a
-//! preset (`docs/cost-model.md#presets`).
+//! preset (`docs/presets.md`).
 
 use std::fmt;
 

@@ -188,7 +188,7 @@ pub struct ReplaySection {
 /// [`crate::replay::settings`] checks every value.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CostSection {
-    /// A latency model preset (`docs/cost-model.md#presets`); then no coefficient is set.
+    /// A latency model preset (`docs/presets.md`); then no coefficient is set.
     pub preset: Option<String>,
     /// Milliseconds every step costs.
     pub base_ms: Option<f64>,

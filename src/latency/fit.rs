@@ -1,4 +1,4 @@
-//! Fitting the latency model to measured step times (`docs/cost-model.md#fitting`).
+//! Fitting the latency model to measured step times (`docs/fitting.md`).
 //!
 //! - [`OnlineFit`]: what the component learns from the step times the engine reports
 //!   (`complete(step, ran, measured_ms)`). Recursive least squares with a forgetting factor, so
@@ -481,7 +481,7 @@ fn to_model(c: [f64; N]) -> LatencyModel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Estimator {
-    /// Robust (the default): relative errors, Huber-weighted (`docs/cost-model.md#online`). A
+    /// Robust (the default): relative errors, Huber-weighted (`docs/fitting.md#online`). A
     /// step far off the fit (a pause, a page fault) counts for little; each step's error is
     /// taken relative to its predicted time, as an engine's noise is; the scale of the errors
     /// is learned, so a lasting change (a slower engine) is followed within a bounded number

@@ -1,4 +1,4 @@
-//! The offline fit behind `mstar-chunking fit FILE` (`docs/cost-model.md#offline`): reads a
+//! The offline fit behind `mstar-chunking fit FILE` (`docs/fitting.md#offline`): reads a
 //! replay step log or a CSV of step features, fits the latency model ([`fit_samples`](crate::latency::fit::fit_samples)) and
 //! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
 //!

@@ -122,7 +122,7 @@ impl ModelSource {
     }
 }
 
-/// Picks the model a node plans with, in order (`docs/cost-model.md#sources`): the online fit
+/// Picks the model a node plans with, in order (`docs/fitting.md#sources`): the online fit
 /// when it is trusted, else the configured model, else none.
 pub fn select_model(
     trusted_online: Option<LatencyModel>,

@@ -1,5 +1,5 @@
 //! Latency-model presets for public model/GPU pairs (`replay.cost = "llama2-7b-a100"`), each
-//! derived from public figures as `docs/cost-model.md#presets` explains:
+//! derived from public figures as `docs/presets.md` explains:
 //! - `base_ms` and `per_token_ms`: the straight line through two points of a public
 //!   per-operation profile (the model's weight, norm and activation operations at 64 and at
 //!   2,048 tokens);
@@ -187,7 +187,7 @@ mod tests {
 
     #[test]
     fn presets_match_the_derivation_in_the_docs() {
-        // The numbers `docs/cost-model.md#presets` prints, to their printed digits.
+        // The numbers `docs/presets.md` prints, to their printed digits.
         let want = [
             (
                 "llama2-7b-a100",

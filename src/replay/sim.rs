@@ -1019,7 +1019,7 @@ impl<'a> Sim<'a> {
 fn inactive_reason(setup: &super::ReplaySetup) -> String {
     use crate::latency::fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
     let mut why = format!(
-        "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/cost-model.md#fitting)",
+        "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/fitting.md)",
         DEFAULT_MAX_RELATIVE_RMS * 100.0
     );
     if setup.noise > 0.0 {

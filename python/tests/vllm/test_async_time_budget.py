@@ -21,7 +21,7 @@ COST = (5.0, 0.0624, 0.00033, 3.4e-6)  # the truth: base, per token, per KV toke
 WRONG = tuple(0.6 * c for c in COST)  # what the component is configured with
 BLOCKS = 8192
 LIVENESS = {"floor", "uncut_row", "continuing"}  # docs/cost-model.md#time-overruns
-FIT_SAMPLES = 50  # the online fit is trusted from 50 steps on (docs/cost-model.md#online)
+FIT_SAMPLES = 50  # the online fit is trusted from 50 steps on (docs/fitting.md#online)
 MARGIN_STEPS = 32  # the time margin is 1 until 32 steps are seen (docs/cost-model.md)
 
 
