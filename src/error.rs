@@ -96,7 +96,7 @@ pub enum ChunkingError {
         walk: Name,
     },
     /// `assemble` of a walk that runs inside a combined walk: its rows run in the combined
-    /// walk's steps, under that walk's budget (docs/scheduling.md#combined-walks).
+    /// walk's steps, under that walk's budget (docs/step-lifecycle.md#combined-walks).
     #[error("walk `{walk}` of node `{node}` runs inside the combined walk `{combined}`: assemble `{node}`/`{combined}`, whose steps take its rows under the combined budget")]
     MemberWalk {
         /// The node.
@@ -123,7 +123,7 @@ pub enum ChunkingError {
     #[error("no model policies are bound yet: call `set_policies` first")]
     PoliciesNotSet,
     /// `assemble` of one walk while the node's step of another walk is in flight: complete or
-    /// abandon that step first (docs/scheduling.md#the-step-lifecycle).
+    /// abandon that step first (docs/step-lifecycle.md).
     #[error("step {step} of `{node}`/`{walk}` is still in flight; complete or abandon it before assembling another walk")]
     StepInFlight {
         /// The node.

@@ -852,7 +852,7 @@ impl SchedulerState {
     }
 
     /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
-    /// answers that step again (see `docs/scheduling.md#the-step-lifecycle`).
+    /// answers that step again (see `docs/step-lifecycle.md`).
     ///
     /// # Errors
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
@@ -900,7 +900,7 @@ impl SchedulerState {
         }
         // A member walk with no budget of its own on a node that budgets its combined walk:
         // planned alone its rows would run uncut, with no budget, outside the combined steps
-        // that take them (docs/scheduling.md#combined-walks). A member walk with its own
+        // that take them (docs/step-lifecycle.md#combined-walks). A member walk with its own
         // budget, or on a node the combined walk budgets nothing on, plans its own steps.
         let table = snap.table();
         let member_of = params

@@ -1,4 +1,4 @@
-//! An engine's view of the step lifecycle (docs/scheduling.md#the-step-lifecycle), through the
+//! An engine's view of the step lifecycle (docs/step-lifecycle.md), through the
 //! public API only and with no cargo feature, as a crate depending on
 //! `mstar-chunking = { default-features = false }` sees it: a failed step, a dropped `assemble`
 //! future and an abandoned step skip no token; two facades in one process keep separate metric

@@ -1,6 +1,6 @@
 //! One round trip per step (`ChunkingManagement::complete_and_assemble`), through the public
 //! API of the core alone: it completes step N and answers the batch of step N+1, and keeps
-//! every guarantee of `complete` + `assemble` (docs/scheduling.md#one-round-trip-per-step): a
+//! every guarantee of `complete` + `assemble` (docs/step-lifecycle.md#one-round-trip-per-step): a
 //! failed step reports 0 and runs again from the same place, a refused completion changes
 //! nothing, an answer lost on the way is answered again without completing twice, the next
 //! step can be abandoned, and row changes land before the next step is planned.

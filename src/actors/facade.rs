@@ -48,7 +48,7 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// driver: request timeouts are timed on the actors' thread.
 ///
 /// # The step lifecycle
-/// One step per node is in flight at a time (`docs/scheduling.md#the-step-lifecycle`):
+/// One step per node is in flight at a time (`docs/step-lifecycle.md`):
 /// [`assemble`](Self::assemble) plans it and answers the same batch again until it is
 /// [`complete`](Self::complete)d or [`abandon`](Self::abandon)ed, so a dropped future loses
 /// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row.
