@@ -1,4 +1,4 @@
-//! Bounded memory (docs/replay.md#the-summary-figure-by-figure): a replay's memory does not grow
+//! Bounded memory (docs/replay-report.md#the-summary-figure-by-figure): a replay's memory does not grow
 //! with the tokens it generates. Its own test binary, for its counting global allocator: the
 //! peak heap growth of one replay, measured with no other test running beside it.
 

@@ -324,7 +324,7 @@ pub struct ReplayArgs {
     pub no_progress: bool,
 }
 
-/// `sweep` arguments (`docs/replay.md#sweeps`).
+/// `sweep` arguments (`docs/sweep.md`).
 #[derive(Debug, Clone, PartialEq, Args)]
 #[command(after_help = SETTINGS_HELP)]
 pub struct SweepArgs {

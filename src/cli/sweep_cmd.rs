@@ -1,4 +1,4 @@
-//! `sweep` (`docs/replay.md#sweeps`): the grid of replays, the capacity search, the axes (each
+//! `sweep` (`docs/sweep.md`): the grid of replays, the capacity search, the axes (each
 //! run through [`sweep_axis`]), their outputs, and stopping on a signal. Each cell's replay is
 //! `crate::sweep::cells`'; each axis is a file of `crate::sweep` ([`axes`] lists them).
 
@@ -13,7 +13,7 @@ use crate::sweep::kv_axis::{parse_kv_blocks, KvAxis};
 use crate::sweep::order_axis::{parse_orders, OrderAxis};
 use crate::sweep::pd_axis::{parse_layouts, PdAxis};
 
-/// `sweep` (`docs/replay.md#sweeps`): reads the trace once, replays it for every budget x rate
+/// `sweep` (`docs/sweep.md`): reads the trace once, replays it for every budget x rate
 /// scale of the grid (and the capacity search's probes) on `--jobs` threads, each replay in its
 /// own actix system with metrics off and no progress bar of its own; prints the table and
 /// writes the outputs. Exit codes: 0 done, 2 refused arguments or config, 1 a failed replay or

@@ -1,5 +1,5 @@
 //! Generated arrivals for traces that carry only request lengths (see
-//! `docs/replay.md#generated-arrivals`).
+//! `docs/traces.md#generated-arrivals`).
 //!
 //! `poisson:QPS` draws exponential gaps with mean `1/QPS` seconds: arrivals without memory, the
 //! usual model of many independent users. `gamma:QPS:CV` draws gamma gaps with the same mean and

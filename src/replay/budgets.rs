@@ -10,7 +10,7 @@ use crate::config::Settings;
 use crate::manifest::Manifest;
 use crate::policy::Name;
 
-/// `--budget N|off` (`docs/replay.md#labelled-runs`): `value` for every step walk of the
+/// `--budget N|off` (`docs/replay-report.md#labelled-runs`): `value` for every step walk of the
 /// replayed node that its policies budget, layered over the node's `overrides` (a node-wide
 /// override keeps holding for the node's other walks).
 ///
@@ -141,7 +141,7 @@ pub fn budget_refusal(
 
 /// With `--budget off` or `--budget-off`: a node's time budget (the `--max-step-ms` flag or
 /// `chunking.max_step_ms.<node>`) left on step walks without a token budget, which it could not
-/// bound, as a problem naming both flags and the key (`docs/replay.md#labelled-runs`).
+/// bound, as a problem naming both flags and the key (`docs/replay-report.md#labelled-runs`).
 fn time_budget_without_tokens(
     manifest: &Manifest,
     budgets: &crate::budget::BudgetSettings,

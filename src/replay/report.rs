@@ -1,5 +1,5 @@
 //! What a replay shows: the summary table and the `--report-json` document
-//! (`docs/replay.md#the-summary-figure-by-figure`).
+//! (`docs/replay-report.md#the-summary-figure-by-figure`).
 //!
 //! Floats in the JSON document are rounded to what they mean: simulated and wall milliseconds
 //! to 0.001 ms, ratios to 0.0001.
@@ -63,7 +63,7 @@ pub struct ReplayReport {
     /// (`docs/cost-model.md#time-overruns`).
     pub time_overruns: TimeOverrunCounts,
     /// Whether the step walks' time budget was in force, step by step; `None` when no step
-    /// walk has one (`docs/replay.md#the-summary-figure-by-figure`).
+    /// walk has one (`docs/replay-report.md#the-summary-figure-by-figure`).
     pub time_budget: Option<TimeBudgetUse>,
     /// The latency model the component planned with at the end, under the config's key names.
     pub latency_model: LatencyModelReport,
@@ -332,7 +332,7 @@ pub struct ClassLatency {
 }
 
 /// The effective settings a replay ran under, shown at the head of the summary and recorded in
-/// the JSON report, so that two runs can be told apart (`docs/replay.md#labelled-runs`).
+/// the JSON report, so that two runs can be told apart (`docs/replay-report.md#labelled-runs`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RunSettings {
     /// The crate version that ran the replay.

@@ -66,7 +66,7 @@ pub fn trace_warnings(setup: &ReplaySetup, trace: &Trace) -> Vec<String> {
     let mut out = Vec::new();
     if setup.cache_blocks > 0 && !trace.has_hashes() {
         out.push(format!(
-            "the prefix cache is on (`replay.prefix_cache.blocks` = {}) but trace {} carries no block hashes (`hash_ids`), so it never hits; see docs/replay.md#trace-formats",
+            "the prefix cache is on (`replay.prefix_cache.blocks` = {}) but trace {} carries no block hashes (`hash_ids`), so it never hits; see docs/traces.md",
             setup.cache_blocks,
             crate::config::problem::escape(&trace.file)
         ));

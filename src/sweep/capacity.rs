@@ -1,4 +1,4 @@
-//! Capacity under a latency objective (see `docs/replay.md#capacity-under-an-slo`): the highest
+//! Capacity under a latency objective (see `docs/sweep.md#capacity-under-an-slo`): the highest
 //! rate scale at which a budget still meets the SLO, found by bracketing and bisection.
 //!
 //! The search assumes that latency grows with load: a rate that misses the SLO is never followed

@@ -1,4 +1,4 @@
-//! The sweep's own plots (`docs/replay.md#sweeps`): the trade-off curve of TBT against TTFT,
+//! The sweep's own plots (`docs/sweep.md`): the trade-off curve of TBT against TTFT,
 //! the capacity bars under the SLO and the step-time distributions, each a [`Figure`] that
 //! `plots.rs` renders as every plot is.
 

@@ -1,4 +1,4 @@
-//! Sweeps (see `docs/replay.md#sweeps`): replays over a grid of token budgets × rate scales, the
+//! Sweeps (see `docs/sweep.md`): replays over a grid of token budgets × rate scales, the
 //! capacity of each budget under a latency objective, and their table, CSV, JSON, plots and
 //! HTML report.
 //!

@@ -1,4 +1,4 @@
-//! Request traces (`docs/replay.md#trace-formats`): one reader per format, in a file of its own
+//! Request traces (`docs/traces.md`): one reader per format, in a file of its own
 //! (`azure`, `mooncake`, `generic`, `lengths`), each producing the same [`Request`]s
 //! into one [`Trace`].
 //!
@@ -400,7 +400,7 @@ impl Trace {
         read_bounded(file, format, reader, None, 0, opts)
     }
 
-    /// Reads the trace at `path` in any format (`docs/replay.md#trace-formats`): `forced`
+    /// Reads the trace at `path` in any format (`docs/traces.md`): `forced`
     /// (`--format`) or the format its header or extension says; a length-only trace's arrivals
     /// are generated from `arrivals` and `seed`, which any other format refuses.
     ///
