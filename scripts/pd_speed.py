@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replay speed of a disaggregated fleet against a colocated one.
 
-docs/fleet.md#replay-speed-of-a-split-fleet shows the figures.
+results/pd-azure-2026-12-05.md#replay-speed-of-a-split-fleet shows the figures.
 
 Runs `replay` on the same trace and config for a colocated fleet of 4 and two splits of it (1
 prefill + 3 decode, 2 + 2), alternated round by round so that every layout sees the same load on

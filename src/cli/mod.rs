@@ -235,7 +235,7 @@ pub struct FleetArgs {
     #[arg(long, value_name = "NAME", help_heading = SETTINGS)]
     pub router: Option<String>,
     /// Workers that only prefill, 1 to 256, with --decode-workers instead of --workers
-    /// (docs/fleet.md#disaggregated-prefill): `replay.fleet.prefill_workers`
+    /// (docs/disaggregated.md): `replay.fleet.prefill_workers`
     #[arg(long, value_name = "N", help_heading = SETTINGS)]
     pub prefill_workers: Option<String>,
     /// Workers that only decode, each request's KV moved to one once its prompt is done:

@@ -333,7 +333,7 @@ pub struct FleetSection {
     /// `prefix_affinity` follows a prefix only to a worker with at most this many outstanding
     /// requests more than the least loaded one.
     pub affinity_slack: u32,
-    /// Workers that only prefill (`docs/fleet.md#disaggregated-prefill`); set with
+    /// Workers that only prefill (`docs/disaggregated.md`); set with
     /// `decode_workers`, instead of `workers`. Unset: every worker prefills and decodes.
     pub prefill_workers: Option<u32>,
     /// Workers that only decode, each request's KV moved to one of them once its prompt is done.

@@ -1,4 +1,4 @@
-//! Disaggregated prefill in the replay (`docs/fleet.md#disaggregated-prefill`): a prefill pool
+//! Disaggregated prefill in the replay (`docs/disaggregated.md`): a prefill pool
 //! and a decode pool on one simulated clock, and the KV transfer between them.
 //!
 //! - A request arrives at a prefill worker (the fleet's router over the prefill pool), which

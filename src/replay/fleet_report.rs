@@ -26,7 +26,7 @@ pub struct FleetReport {
     pub request_imbalance: f64,
     /// Each worker's share of the work and its latencies, by worker.
     pub per_worker: Vec<WorkerFigures>,
-    /// A disaggregated fleet's pools, link and transfers (`docs/fleet.md#disaggregated-prefill`);
+    /// A disaggregated fleet's pools, link and transfers (`docs/disaggregated.md`);
     /// absent from a colocated fleet's report.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disaggregated: Option<PdReport>,

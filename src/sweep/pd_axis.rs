@@ -1,4 +1,4 @@
-//! The prefill/decode axis of a sweep (`docs/fleet.md#chunked-or-disaggregated-in-a-sweep`):
+//! The prefill/decode axis of a sweep (`docs/disaggregated.md#chunked-or-disaggregated-in-a-sweep`):
 //! `--pd 1:3,1:1,3:1 --workers 4,8` runs the whole grid once per fleet size on the colocated
 //! fleet (`replay.fleet.workers`) and on each split of it into a prefill and a decode pool
 //! (`replay.fleet.prefill_workers`, `decode_workers`), each into `OUT/pd-<layout>-<n>/`; then

@@ -1,4 +1,4 @@
-//! Disaggregated prefill in the replay (`docs/fleet.md#disaggregated-prefill`), through the
+//! Disaggregated prefill in the replay (`docs/disaggregated.md`), through the
 //! binary: a case worked out by hand to the microsecond, conservation of requests and KV
 //! across the pools, the pools' settings refused as their keys, and each worker's step log
 //! passing the step-log checker.

@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use super::{memory, Change, Inbox, Phase, Sim, StepLog, StepSink};
 use crate::replay::router::WorkerLoad;
 
-/// What a worker does in a fleet (`docs/fleet.md#disaggregated-prefill`).
+/// What a worker does in a fleet (`docs/disaggregated.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Role {
     /// Prefills and decodes the requests routed to it.
