@@ -1,4 +1,4 @@
-//! An embedder's first day (docs/actors.md#embedding-it): a tokio engine with two models in one
+//! An embedder's first day (docs/embedding.md): a tokio engine with two models in one
 //! process, built from the README and docs/embedding.md alone, with no cargo feature. Every
 //! configuration that would stall it or leave it unchunked is an error, never a silent state:
 //! - "off" is written, never the result of a failed conversion (a compile-time property: see

@@ -1,4 +1,4 @@
-//! A step you can follow (`docs/actors.md#tracing`): every event of one step, from its
+//! A step you can follow (`docs/monitoring.md#tracing`): every event of one step, from its
 //! assembly to its completion, is recorded in a `step` span with the model, node, walk and step
 //! id, and a request's events in a `request` span with its rid. The events are captured by a
 //! layer of our own over the subscriber registry, installed for this thread only (the test is

@@ -1,4 +1,4 @@
-//! Steps and requests as `tracing` spans (`docs/actors.md#tracing`), so that an engine's traces
+//! Steps and requests as `tracing` spans (`docs/monitoring.md#tracing`), so that an engine's traces
 //! follow a step from its assembly to its completion or abandonment, and a request from its
 //! admission to its forgetting, as TGI's router does:
 //!

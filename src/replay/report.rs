@@ -113,7 +113,7 @@ pub struct ReplayReport {
     pub fleet: Option<super::fleet_report::FleetReport>,
 }
 
-/// What KV memory did to a replay (`docs/kv-memory.md#the-summary`).
+/// What KV memory did to a replay (`docs/kv-memory.md#what-the-replay-reports`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KvReport {
     /// Blocks in the pool.
