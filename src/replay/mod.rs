@@ -1,4 +1,4 @@
-//! Replay (`docs/config.md#replay`): drives the real chunking actors through a request trace as
+//! Replay (`docs/config-replay.md`): drives the real chunking actors through a request trace as
 //! an engine would, on a simulated clock, and reports what the chunking config does to budgets,
 //! overruns and latency.
 //!

@@ -1,4 +1,4 @@
-//! The `[replay]` settings, checked once, here (`docs/config.md#replay`): `check` and `replay`
+//! The `[replay]` settings, checked once, here (`docs/config-replay.md`): `check` and `replay`
 //! both call [`check`], so any config `check` accepts, `replay` runs. Every number is bounded so
 //! that every simulated time stays finite.
 

@@ -1,4 +1,4 @@
-//! The simulation loop (`docs/config.md#replay`).
+//! The simulation loop (`docs/config-replay.md`).
 //!
 //! Simulated time, in ms, is never slept: a step that starts at `t` ends at
 //! `t +` the cost model's prediction for what it ran (`docs/cost-model.md`; by default

@@ -662,7 +662,7 @@ fn the_prefix_cache_shares_the_pool_and_is_evicted_before_preempting() {
     };
     // A pool the cache fills: it is evicted to make room, and prefixes still hit (1 of the
     // 12 hits with unlimited memory: the cache keeps its own copy of a prefix, see
-    // docs/kv-memory.md#why-these-rules).
+    // docs/decisions/replay.md#kv-memory).
     let r = run_with(12_000);
     let kv = r.kv.clone().unwrap();
     assert!(kv.cache_evictions > 0, "{r}");

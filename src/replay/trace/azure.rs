@@ -108,7 +108,7 @@ pub fn parse_wall_clock(s: &str) -> Result<i64, &'static str> {
         .and_then(|s| s.checked_add(i64::from(h * 3600 + mi * 60 + sec)))
         .and_then(|s| s.checked_mul(1_000_000_000))
         .and_then(|ns| ns.checked_add(frac_ns))
-        .ok_or("is outside the supported range 1677-09-22 to 2262-04-11 (docs/config.md#traces)")
+        .ok_or("is outside the supported range 1677-09-22 to 2262-04-11 (docs/config-replay.md#traces)")
 }
 
 fn days_in_month(y: u32, m: u32) -> u32 {
