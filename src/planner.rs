@@ -34,6 +34,9 @@ pub struct StepParams {
     pub max_row_tokens: Option<u32>,
     /// Optional limit on rows left mid-prefill by starting new ones.
     pub max_partial_prefills: Option<u32>,
+    /// Input slots each row takes beyond its tokens, charged to the step's budget (not to walk
+    /// caps): a row fits when its tokens and these slots fit in what is left.
+    pub slots_per_row: u32,
     /// The step's time budget in ms (`docs/cost-model.md#time-budgets`); `None` without one.
     pub max_step_ms: Option<f64>,
     /// The node's configured latency model (`chunking.cost.<node>`), if any.
@@ -404,11 +407,14 @@ impl<'a> WalkIndex<'a> {
     }
 }
 
-/// What is left of a step's budget and of each member walk's cap.
+/// What is left of a step's budget and of each member walk's cap. Each row placed takes its
+/// tokens and `slots` from the budget, its tokens alone from its walk's cap.
 struct Room<'a> {
     params: &'a StepParams,
     budget: u64,
     used: u64,
+    /// [`StepParams::slots_per_row`].
+    slots: u64,
     /// Tokens taken per cap, indexed like `params.caps`: inline for the few member walks a
     /// combined walk has, so a step allocates nothing (`Vec::new` does not allocate).
     cap_used_inline: [u64; 8],
@@ -424,6 +430,7 @@ impl<'a> Room<'a> {
             params,
             budget: u64::from(budget),
             used: 0,
+            slots: u64::from(params.slots_per_row),
             cap_used_inline: [0; 8],
             cap_used_heap: if caps > 8 { vec![0; caps] } else { Vec::new() },
             capped: caps > 0,
@@ -456,21 +463,25 @@ impl<'a> Room<'a> {
         self.params.cap_index(&self.params.eligible[walk])
     }
 
-    /// Tokens a row of `walk` may still take: what is left of the budget and of its cap.
+    /// Tokens a row of `walk` may still take: what is left of the budget once the row's slots
+    /// are charged, and of its cap.
     fn left(&self, walk: usize) -> u64 {
         let cap_left = self.cap_of(walk).map_or(u64::MAX, |i| {
             u64::from(self.params.caps[i].1).saturating_sub(self.cap_used()[i])
         });
-        self.budget.saturating_sub(self.used).min(cap_left)
+        self.budget
+            .saturating_sub(self.used + self.slots)
+            .min(cap_left)
     }
 
-    /// Whether the step's budget is used up: no walk has room left, whatever its cap.
+    /// Whether the step's budget is used up: no walk has room left for a row's slots and a
+    /// token, whatever its cap.
     fn full(&self) -> bool {
-        self.used >= self.budget
+        self.used + self.slots >= self.budget
     }
 
     fn take(&mut self, walk: usize, tokens: u64) {
-        self.used += tokens;
+        self.used += tokens + self.slots;
         if let Some(i) = self.cap_of(walk) {
             self.cap_used_mut()[i] += tokens;
         }
@@ -768,8 +779,9 @@ fn chunk_end(params: &StepParams, r: &PrefillRow, left: u64, alone: bool) -> Opt
 }
 
 /// The end of a row that cannot be cut: whole when it fits the room `left`, or whole over the
-/// budget when it is larger than the budget and no other prefill row is in the step (it would
-/// never run otherwise; the step overruns by plan). Else `None`: it waits.
+/// budget when it (with its slots) is larger than the budget, or than its walk's cap, and no
+/// other prefill row is in the step (it would never run otherwise; the step overruns by plan).
+/// Else `None`: it waits.
 fn uncut_end(
     params: &StepParams,
     r: &PrefillRow,
@@ -779,7 +791,7 @@ fn uncut_end(
 ) -> Option<u64> {
     let need = u64::from(r.total - r.progress);
     let budget = u64::from(params.budget.unwrap_or(u32::MAX));
-    let over_budget = need > budget.min(params.cap(&r.walk));
+    let over_budget = need + u64::from(params.slots_per_row) > budget || need > params.cap(&r.walk);
     if need <= left || (over_budget && !prefill_in_step) {
         out.uncut_over_budget |= need > left;
         return Some(u64::from(r.total));
@@ -973,6 +985,7 @@ mod tests {
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
+            slots_per_row: 0,
             max_step_ms: None,
             cost: None,
             learn_cost: false,
@@ -1193,6 +1206,69 @@ mod tests {
         // An uncut row within the budget but larger than what is left waits.
         let out = run(&p, &[], &[prompt(3, 50), prompt(2, 60)]);
         assert_eq!(shape(&out), vec![(3, 50, true)]);
+    }
+
+    #[test]
+    fn slots_per_row_are_charged_to_the_budget_for_every_row() {
+        let mut p = params(Some(100), 1);
+        p.slots_per_row = 2;
+        // Two decode rows take 4 + 2 each; the prompt's chunk is what the budget leaves after
+        // its own 2 slots: 100 - 12 - 2.
+        let rows = [decode(1, 4), decode(2, 4)];
+        let out = run(&p, &rows, &[prompt(3, 300), prompt(4, 10)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 4, false), (2, 4, false), (3, 86, false)]
+        );
+        assert_eq!(out.waiting, 1, "the budget is spent: the next prompt waits");
+        p.slots_per_row = 0;
+        let out = run(&p, &rows, &[prompt(3, 300)]);
+        assert_eq!(
+            shape(&out),
+            vec![(1, 4, false), (2, 4, false), (3, 92, false)]
+        );
+
+        // Continuing rows stop where a row's slots no longer fit beside its estimate.
+        let mut p = params(Some(10), 1);
+        p.slots_per_row = 3;
+        let rows = [decode(1, 2), decode(2, 2), decode(3, 2)];
+        let out = run(&p, &rows, &[]);
+        assert_eq!(shape(&out), vec![(1, 2, false), (2, 2, false)]);
+        assert_eq!(out.waiting, 1);
+
+        // A budget with less than a row's slots and a token left takes no prompt chunk.
+        let mut p = params(Some(100), 1);
+        p.slots_per_row = 2;
+        let out = run(&p, &[decode(1, 96)], &[prompt(2, 50)]);
+        assert_eq!(shape(&out), vec![(1, 96, false)]);
+        assert_eq!(out.waiting, 1);
+        let out = run(&p, &[decode(1, 95)], &[prompt(2, 50)]);
+        assert_eq!(shape(&out), vec![(1, 95, false), (2, 1, false)]);
+    }
+
+    #[test]
+    fn an_uncut_row_over_the_budget_counts_its_slots() {
+        let mut p = params(Some(100), 1);
+        p.chunkable = false;
+        p.slots_per_row = 5;
+        // 97 tokens and 5 slots never fit in 100: run whole as the first prefill row.
+        let out = run(&p, &[], &[prompt(2, 97)]);
+        assert_eq!(shape(&out), vec![(2, 97, true)]);
+        assert!(out.uncut_over_budget);
+        // Behind another prefill row it waits.
+        let out = run(&p, &[], &[prompt(3, 10), prompt(2, 97)]);
+        assert_eq!(shape(&out), vec![(3, 10, true)]);
+        assert_eq!(out.waiting, 1);
+        // 95 and 5 fit exactly.
+        let out = run(&p, &[], &[prompt(2, 95)]);
+        assert_eq!(shape(&out), vec![(2, 95, true)]);
+        assert!(!out.uncut_over_budget);
+        // Over its walk's cap alone (within the budget), an uncut row also runs whole, first.
+        p.slots_per_row = 0;
+        p.caps = vec![(n("prefill"), 30)].into();
+        let out = run(&p, &[], &[prompt(2, 50)]);
+        assert_eq!(shape(&out), vec![(2, 50, true)]);
+        assert!(out.uncut_over_budget);
     }
 
     #[test]
@@ -1792,6 +1868,7 @@ mod tests {
         let p = StepParams {
             max_row_tokens: Some(32),
             max_partial_prefills: Some(1),
+            slots_per_row: 0,
             ..timed(1000, 1, 1000.0)
         };
         // A stays mid-prefill (32 of its 900 tokens left); B runs whole; C would be a cut.
@@ -1893,6 +1970,7 @@ mod tests {
                 align,
                 chunkable,
                 max_partial_prefills: partial,
+                slots_per_row: 0,
                 ..params(Some(budget), floor.min(budget))
             };
             let (b, t, k, a) = coefficients;
@@ -1928,6 +2006,7 @@ mod tests {
                 align,
                 chunkable,
                 max_partial_prefills: partial,
+                slots_per_row: 0,
                 ..params(Some(budget), floor.min(budget))
             };
             let time = timed.map(|((b, t, k, a), max_step_ms)| TimeLimit {

@@ -90,6 +90,9 @@ pub fn chunking_changes(old: &Settings, new: &Settings) -> Vec<String> {
     if a.max_partial_prefills != b.max_partial_prefills {
         changed.push("chunking.max_partial_prefills".to_string());
     }
+    if a.slots_per_row != b.slots_per_row {
+        changed.push("chunking.slots_per_row".to_string());
+    }
     let nodes: BTreeSet<&String> = a
         .max_batch_tokens
         .keys()
@@ -481,5 +484,23 @@ async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
             Ok(Some(())) if tokio::time::Instant::now() >= deadline => return true,
             Ok(Some(())) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_changed_chunking_key_is_named_once() {
+        let old = Settings::default();
+        assert!(chunking_changes(&old, &old).is_empty());
+        let mut new = old.clone();
+        new.chunking.slots_per_row = 2;
+        new.chunking.max_partial_prefills = Some(3);
+        assert_eq!(
+            chunking_changes(&old, &new),
+            ["chunking.max_partial_prefills", "chunking.slots_per_row"]
+        );
     }
 }

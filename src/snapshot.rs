@@ -106,6 +106,7 @@ fn step_params(
         eligible: eligible.into(),
         max_row_tokens: settings.max_row_tokens,
         max_partial_prefills: settings.max_partial_prefills,
+        slots_per_row: settings.slots_per_row,
         max_step_ms: table.max_step_ms(node, walk),
         cost: table.cost(node),
         learn_cost: settings.time.learn,

@@ -366,7 +366,7 @@ class ChunkingManagement:
     @property
     def config(self) -> dict:
         """What ``from_config`` loaded: ``model``, ``manifest``, ``layers`` (in order),
-        ``warnings``, ``walks``, ``combined_walk`` and ``metrics_listen`` (the config's
+        ``warnings``, ``walks``, ``combined_walk``, ``slots_per_row`` and ``metrics_listen`` (the config's
         ``metrics.listen``, for ``serve_metrics``; ``None`` when ``"off"``). Empty for a
         manager made by the constructor."""
         return dict(self._config)
@@ -413,6 +413,7 @@ class ChunkingManagement:
         *,
         max_row_tokens: Optional[int] = None,
         max_partial_prefills: Optional[int] = None,
+        slots_per_row: int = 0,
         max_step_ms: Union[float, None, Mapping[str, Union[float, None, Mapping[str, Optional[float]]]]] = None,
         cost: Union[str, Sequence[float], None, Mapping[str, Union[str, Sequence[float]]]] = None,
         learn_cost: bool = False,
@@ -431,7 +432,9 @@ class ChunkingManagement:
         member walk's own budget (``{"llm": {"prefill": 512}}``) caps that walk's rows in a
         ``mixed`` step. Settings are checked whole: on ``RefusedSettingsError`` nothing
         changed. ``max_row_tokens`` and ``max_partial_prefills`` are this package's additions
-        (the Rust crate's planner limits).
+        (the Rust crate's planner limits). ``slots_per_row``: input slots the engine adds to
+        every row it schedules (a speculative drafter's), charged to the token budget beside
+        the row's tokens; refused at or above a step's budget.
 
         Time budgets (``docs/cost-model.md``), keywords only: ``max_step_ms`` is one time
         budget in ms for every node, or per node one value or a mapping walk -> ms (``None``:
@@ -527,6 +530,7 @@ class ChunkingManagement:
             max_partial_prefills=(
                 None if max_partial_prefills is None else _count(max_partial_prefills, "max_partial_prefills")
             ),
+            slots_per_row=_count(slots_per_row, "slots_per_row"),
             max_step_ms=time_wide,
             max_step_ms_per_walk=time_per_walk,
             cost=costs,

@@ -253,6 +253,7 @@ class ChunkingManagement:
         *,
         max_row_tokens: Optional[int] = None,
         max_partial_prefills: Optional[int] = None,
+        slots_per_row: int = 0,
         max_step_ms: Union[float, None, Mapping[str, Union[float, None, Mapping[str, Optional[float]]]]] = None,
         cost: Union[_Cost, None, Mapping[str, _Cost]] = None,
         learn_cost: bool = False,

@@ -149,14 +149,6 @@ def _kv_cache_config_of(args: tuple, kwargs: dict) -> Any:
 def _refusals(cfg: Any, kv_cache_config: Any = None) -> list[str]:
     """The configured vLLM features this scheduler does not support, by name."""
     out = []
-    spec = cfg.speculative_config
-    if spec is not None and spec.max_num_new_slots_for_drafting > 0:
-        # vLLM charges such drafters extra input slots on every request it schedules, prompt
-        # chunks too, which the component's per-row tokens do not carry.
-        out.append(
-            f"speculative decoding whose drafter takes input slots of its own (--speculative-config "
-            f"method {spec.method!r}: a draft model or parallel drafting)"
-        )
     if getattr(cfg, "ec_transfer_config", None) is not None:
         out.append("encoder-cache transfer (--ec-transfer-config)")
     if cfg.parallel_config.pipeline_parallel_size > 1:
@@ -273,6 +265,10 @@ class _Chunking:
     def _start_component(self, cfg: Any) -> ChunkingManagement:
         sc = cfg.scheduler_config
         budget = self.max_num_scheduled_tokens  # type: ignore[attr-defined]
+        # A drafter's input slots (a draft model, parallel drafting), which vLLM charges its
+        # budget on every request it schedules: the component charges them on every row.
+        spec = cfg.speculative_config
+        slots = spec.max_num_new_slots_for_drafting if spec is not None else 0
         threshold = sc.long_prefill_token_threshold or None
         model = str(getattr(cfg.model_config, "served_model_name", None) or cfg.model_config.model)
         metrics = os.environ.get(METRICS_ENV)
@@ -297,12 +293,14 @@ class _Chunking:
             )
             try:
                 self._check_component(cm, budget)
+                self._check_slots(cm.config.get("slots_per_row", 0), slots, "chunking.slots_per_row")
             except BaseException:
                 cm.close()
                 raise
             return cm
         settings = dict(self.chunking_settings())
         align = settings.pop("align", self.block_size)  # type: ignore[attr-defined]
+        self._check_slots(settings.setdefault("slots_per_row", slots), slots, "chunking_settings()['slots_per_row']")
         cm = ChunkingManagement({NODE: SubmoduleCaps([PREFILL, MIXED], False)}, model=model, caller_thread=True)
         try:
             policy = ChunkingPolicy(budget, align=align)
@@ -337,23 +335,33 @@ class _Chunking:
                 f"a budget of at most vLLM's max_num_batched_tokens ({budget})"
             )
 
+    @staticmethod
+    def _check_slots(given: int, slots: int, where: str) -> None:
+        if given != slots:
+            raise UnsupportedVllmFeature(
+                f"{where} is {given}: vLLM's drafter takes {slots} input slots on every request it "
+                f"schedules (--speculative-config), which the plan must charge: set it to {slots}"
+            )
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        update = request.request_id in self.requests  # type: ignore[attr-defined]
         super().add_request(request)  # type: ignore[misc]
+        if update:
+            # A streaming session's next input (or its end): vLLM extends the session's prompt
+            # in place when it waits for input, else queues the update until its turn stops;
+            # the queue is scanned again for it (the request object is not a new arrival).
+            self._rescan = True
+            return
         self._arrived.append(request)
         if self._by_priority:
             self._rescan = True
-        what = None
-        if request.resumable:
-            what = "streaming input"
-        elif request.has_encoder_inputs:
+        if request.has_encoder_inputs and request.request_id in self.requests:  # type: ignore[attr-defined]
             # Refused at start with the model that takes them; a request carrying them anyway
             # would have its chunks cut at its inputs by vLLM, which the plan does not know.
-            what = "encoder inputs"
-        if what is not None and request.request_id in self.requests:  # type: ignore[attr-defined]
             self.mstar_stats.refused_requests += 1
-            message = f"{what} is not supported by mstar_chunking.vllm.Scheduler"
+            message = "encoder inputs is not supported by mstar_chunking.vllm.Scheduler"
             errors = self.grammar_compile_error_reqs  # type: ignore[attr-defined]
             if isinstance(errors, dict):  # vLLM 0.33: the error carries its code and message
                 errors[request.request_id] = RequestError(code="validation_error", message=message)
@@ -383,6 +391,17 @@ class _Chunking:
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
         self._forget(request.request_id)
         self._rescan = True
+
+    def _handle_stopped_request(self, request: Request) -> bool:
+        finished = super()._handle_stopped_request(request)  # type: ignore[misc]
+        if not finished:
+            # A streaming session's turn ended: vLLM keeps the request waiting for its next
+            # input, or extends its prompt with it now; it is admitted again from what it has
+            # computed once it is waiting with tokens to run (a session waiting for input is not
+            # admissible, as vLLM skips it).
+            self._forget(request.request_id)
+            self._rescan = True
+        return finished
 
     def _admit_waiting(self) -> None:
         """Admits waiting requests, in vLLM's order, while vLLM has slots to start them in, each

@@ -629,6 +629,7 @@ impl Engine {
         info.set_item("warnings", &loaded.warnings)?;
         info.set_item("walks", &loaded.manifest.walks)?;
         info.set_item("combined_walk", loaded.manifest.combined_walk())?;
+        info.set_item("slots_per_row", loaded.settings.chunking.slots_per_row)?;
         let listen = match loaded.settings.metrics.listen {
             mstar_chunking::config::Listen::Off => None,
             mstar_chunking::config::Listen::Addr(a) => Some(a.to_string()),
@@ -707,7 +708,7 @@ impl Engine {
 
     /// The arguments of `set_budgets`, normalised by the package (keywords only).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None, time_floor=None))]
+    #[pyo3(signature = (*, walks, node_wide=Vec::new(), per_walk=Vec::new(), combined_walk_of=Vec::new(), override_mixed=Vec::new(), no_chunking=Vec::new(), min_chunk_tokens=mstar_chunking::DEFAULT_MIN_CHUNK_TOKENS, max_row_tokens=None, max_partial_prefills=None, slots_per_row=0, max_step_ms=Vec::new(), max_step_ms_per_walk=Vec::new(), cost=Vec::new(), learn_cost=false, time_margin=None, order=None, order_per_node=Vec::new(), max_wait_ms=None, max_wait_steps=None, time_floor=None))]
     fn set_budgets(
         &self,
         py: Python<'_>,
@@ -720,6 +721,7 @@ impl Engine {
         min_chunk_tokens: u32,
         max_row_tokens: Option<u32>,
         max_partial_prefills: Option<u32>,
+        slots_per_row: u32,
         max_step_ms: Vec<(String, Option<f64>)>,
         max_step_ms_per_walk: PerWalk<f64>,
         cost: Vec<(String, CostArg)>,
@@ -742,6 +744,7 @@ impl Engine {
             min_chunk_tokens,
             max_row_tokens,
             max_partial_prefills,
+            slots_per_row,
             time_node_wide: max_step_ms,
             time_per_walk: max_step_ms_per_walk,
             cost,

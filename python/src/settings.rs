@@ -91,6 +91,7 @@ pub(crate) struct BudgetArgs {
     pub(crate) min_chunk_tokens: u32,
     pub(crate) max_row_tokens: Option<u32>,
     pub(crate) max_partial_prefills: Option<u32>,
+    pub(crate) slots_per_row: u32,
     pub(crate) time_node_wide: Vec<(String, Option<f64>)>,
     pub(crate) time_per_walk: PerWalk<f64>,
     pub(crate) cost: Vec<(String, CostArg)>,
@@ -171,6 +172,7 @@ impl BudgetArgs {
         s.min_chunk_tokens = self.min_chunk_tokens;
         s.max_row_tokens = self.max_row_tokens;
         s.max_partial_prefills = self.max_partial_prefills;
+        s.slots_per_row = self.slots_per_row;
         for (node, b) in self.time_node_wide {
             s.time
                 .max_step_ms

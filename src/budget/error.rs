@@ -92,6 +92,18 @@ pub enum BudgetError {
         /// The policy's `align`.
         align: u32,
     },
+    /// `slots_per_row` at or above a step's budget: no row of that step could run a token.
+    #[error("`slots_per_row` {slots} fills the budget of {budget} tokens of `{node}`/`{walk}`: no row there could run a token")]
+    SlotsFillBudget {
+        /// The `slots_per_row` given.
+        slots: u32,
+        /// The node.
+        node: Name,
+        /// The walk.
+        walk: Name,
+        /// The step's budget.
+        budget: u32,
+    },
     /// A time budget that is not a finite number of milliseconds above 0.
     #[error("time budget for `{node}`{} must be a finite number of milliseconds above 0, got {value}", walk.as_ref().map(|w| format!("/`{w}`")).unwrap_or_default())]
     BadTimeBudget {
@@ -232,6 +244,8 @@ pub enum SettingKey {
     MaxRowTokens,
     /// [`BudgetSettings::max_partial_prefills`](super::BudgetSettings::max_partial_prefills).
     MaxPartialPrefills,
+    /// [`BudgetSettings::slots_per_row`](super::BudgetSettings::slots_per_row).
+    SlotsPerRow,
     /// [`TimeSettings::margin_quantile`](super::TimeSettings::margin_quantile): `time_margin`.
     TimeMargin,
     /// [`OrderSettings`](super::OrderSettings): `order`, for every node or per node.
@@ -255,6 +269,7 @@ impl SettingKey {
             Self::MinChunkTokens => "min_chunk_tokens",
             Self::MaxRowTokens => "max_row_tokens",
             Self::MaxPartialPrefills => "max_partial_prefills",
+            Self::SlotsPerRow => "slots_per_row",
             Self::TimeMargin => "time_margin",
             Self::Order => "order",
             Self::MaxWaitMs => "max_wait_ms",
@@ -347,6 +362,7 @@ impl BudgetError {
             | Self::BelowAlign { node, walk, .. } => at(K::MaxBatchTokens, node, Some(walk)),
             Self::ZeroSetting { setting } => whole(*setting),
             Self::RowCapBelowAlign { .. } => whole(K::MaxRowTokens),
+            Self::SlotsFillBudget { node, walk, .. } => at(K::SlotsPerRow, node, Some(walk)),
             Self::BadTimeBudget { node, walk, .. } => at(K::MaxStepMs, node, walk.as_ref()),
             Self::TimeBudgetDoesNothing { node, walk }
             | Self::TimeMemberWalk { node, walk, .. }
@@ -389,6 +405,7 @@ impl BudgetError {
             Self::ZeroSetting { .. } => n(10),
             Self::BelowAlign { .. } => n(8),
             Self::RowCapBelowAlign { .. } => n(9),
+            Self::SlotsFillBudget { .. } => n(12),
             Self::WalkNeverChunked { .. } => n(11),
             Self::BadTimeBudget { .. }
             | Self::TimeBudgetDoesNothing { .. }
@@ -409,6 +426,7 @@ impl BudgetError {
         match self {
             Self::ZeroSetting { .. } => Some("0".into()),
             Self::RowCapBelowAlign { max_row, .. } => Some(max_row.to_string()),
+            Self::SlotsFillBudget { slots, .. } => Some(slots.to_string()),
             Self::BadTimeMargin { value } | Self::BadMaxWait { value } => Some(value.to_string()),
             Self::LatencyModelTooLarge { value, .. } => Some(value.to_string()),
             _ => None,

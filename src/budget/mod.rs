@@ -152,16 +152,36 @@ impl BudgetTable {
                 });
             }
         }
-        if !errors.is_empty() {
-            return Err(BudgetErrors(errors));
-        }
-        Ok(Self {
+        let table = Self {
             model,
             settings,
             overrides,
             step_ms,
             members,
-        })
+        };
+        table.check_slots(&mut errors);
+        if !errors.is_empty() {
+            return Err(BudgetErrors(errors));
+        }
+        Ok(table)
+    }
+
+    /// `slots_per_row` at or above the budget of a step some node takes (`SlotsFillBudget`).
+    fn check_slots(&self, errors: &mut Vec<BudgetError>) {
+        let slots = self.settings.slots_per_row;
+        if slots == 0 {
+            return;
+        }
+        for (node, walk) in self.model.policies().keys() {
+            if let Some(budget) = self.max_batch_tokens(node, walk).filter(|b| *b <= slots) {
+                errors.push(BudgetError::SlotsFillBudget {
+                    slots,
+                    node: node.clone(),
+                    walk: walk.clone(),
+                    budget,
+                });
+            }
+        }
     }
 
     /// The order settings (`docs/scheduling.md#the-order-of-waiting-prompts`): a per-node order

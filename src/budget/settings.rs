@@ -115,6 +115,10 @@ pub struct BudgetSettings {
     /// Optional: a new row is not started with a non-final chunk while this many rows would
     /// stay mid-prefill after the step. Refused when 0.
     pub max_partial_prefills: Option<u32>,
+    /// Input slots each row of a budgeted step takes beyond its tokens (a speculative drafter's
+    /// slots, which the engine adds to every row it schedules), charged to the token budget and
+    /// not to walk caps. 0 (the default) charges a row its tokens alone.
+    pub slots_per_row: u32,
     /// Time budgets and latency models.
     pub time: TimeSettings,
     /// The order of waiting prompts per node, and the starvation bound.
@@ -167,6 +171,7 @@ impl BudgetSettings {
             min_chunk_tokens: DEFAULT_MIN_CHUNK_TOKENS,
             max_row_tokens: None,
             max_partial_prefills: None,
+            slots_per_row: 0,
             time: TimeSettings::default(),
             order: OrderSettings::default(),
         }
@@ -226,6 +231,13 @@ impl BudgetSettings {
     /// The most rows left mid-prefill by starting new ones.
     pub fn max_partial_prefills(mut self, rows: NonZeroU32) -> Self {
         self.max_partial_prefills = Some(rows.get());
+        self
+    }
+
+    /// The input slots each row takes beyond its tokens, charged to the token budget
+    /// ([`BudgetSettings::slots_per_row`]).
+    pub fn slots_per_row(mut self, slots: u32) -> Self {
+        self.slots_per_row = slots;
         self
     }
 

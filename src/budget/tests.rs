@@ -45,6 +45,7 @@ fn settings() -> BudgetSettings {
         min_chunk_tokens: 64,
         max_row_tokens: None,
         max_partial_prefills: None,
+        slots_per_row: 0,
         time: TimeSettings::default(),
         order: Default::default(),
     }
@@ -946,4 +947,46 @@ fn a_node_wide_time_budget_is_refused_where_every_step_walk_has_its_token_budget
     let mut s = settings();
     s.time.max_step_ms = BTreeMap::from([(n("ghost"), NodeSetting::All(TimeBudget::Ms(40.0)))]);
     assert!(off_rule(s).is_empty());
+}
+
+#[test]
+fn slots_per_row_at_or_above_a_budget_are_refused_naming_node_walk_and_budget() {
+    let mut s = settings();
+    s.overrides = BTreeMap::from([(n("llm"), NodeBudget::All(tok(128)))]);
+    s.slots_per_row = 127;
+    assert!(BudgetTable::build(omni(), s.clone()).is_ok());
+    s.slots_per_row = 128;
+    let err = BudgetTable::build(omni(), s.clone()).unwrap_err();
+    let refused: Vec<_> = err
+        .0
+        .iter()
+        .filter_map(|e| match e {
+            BudgetError::SlotsFillBudget {
+                slots,
+                node,
+                walk,
+                budget,
+            } => Some((*slots, node.to_string(), walk.to_string(), *budget)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        refused,
+        vec![
+            (128, "llm".into(), "mixed".into(), 128),
+            (128, "llm".into(), "prefill".into(), 128)
+        ],
+        "{err}"
+    );
+    assert_eq!(err.0.len(), 2, "{err}");
+    let e = &err.0[0];
+    assert_eq!(
+        e.to_string(),
+        "`slots_per_row` 128 fills the budget of 128 tokens of `llm`/`mixed`: no row there could run a token"
+    );
+    assert_eq!(e.value().as_deref(), Some("128"));
+    assert_eq!(e.rule().to_string(), "docs/budgets.md#refusals, rule 12");
+    // The thinker's decode budget (256) is over 128: only the llm's steps are named.
+    s.slots_per_row = 0;
+    assert!(BudgetTable::build(omni(), s).is_ok());
 }

@@ -53,6 +53,7 @@ impl Manifest {
             min_chunk_tokens: chunking.min_chunk_tokens,
             max_row_tokens: chunking.max_row_tokens,
             max_partial_prefills: chunking.max_partial_prefills,
+            slots_per_row: chunking.slots_per_row,
             time: TimeSettings {
                 max_step_ms: chunking
                     .max_step_ms

@@ -39,6 +39,9 @@ pub struct ChunkingSection {
     pub max_row_tokens: Option<u32>,
     /// The most partially prefilled rows at once; unset: no cap.
     pub max_partial_prefills: Option<u32>,
+    /// Input slots the engine adds to every row it schedules (a speculative drafter's),
+    /// charged to the token budget beside the row's tokens; 0 by default.
+    pub slots_per_row: u32,
     /// Per node: one budget, or `walk -> budget`.
     pub max_batch_tokens: BTreeMap<String, NodeBudgetSetting>,
     /// Per node: one time budget in ms, or `walk -> ms` (`docs/cost-model.md#time-budgets`).
@@ -70,6 +73,7 @@ impl Default for ChunkingSection {
             no_chunking: Vec::new(),
             max_row_tokens: None,
             max_partial_prefills: None,
+            slots_per_row: 0,
             max_batch_tokens: BTreeMap::new(),
             max_step_ms: BTreeMap::new(),
             cost: BTreeMap::new(),

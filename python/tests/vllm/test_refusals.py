@@ -145,10 +145,9 @@ def _with_image(request):
 @pytest.mark.parametrize(
     "make, name",
     [
-        (lambda: make_request("refused", [5] * 40, 8, resumable=True), "streaming input"),
         (lambda: _with_image(make_request("refused", [5] * 40, 8)), "encoder inputs"),
     ],
-    ids=["streaming-input", "encoder-inputs"],
+    ids=["encoder-inputs"],
 )
 def test_refused_per_request_by_name(make, name, caplog):
     """The request finishes with a validation error naming the feature (vLLM 0.32, whose errors

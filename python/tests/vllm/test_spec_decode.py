@@ -1,4 +1,4 @@
-"""Speculative decoding (vLLM's n-gram drafter; any drafter that takes no input slots of its own)
+"""Speculative decoding (vLLM's n-gram drafter, and drafters that take input slots of their own)
 under the plugin. Each step vLLM's scan offers a decoding request 1 + the drafts it holds, and
 charges its budget that many tokens; a verify step accepts some drafts and rewinds the rest. The
 plugin gives each decode row the estimate 1 + the drafts vLLM holds for it (at most 1 + k), so
@@ -11,11 +11,11 @@ share of them. With vLLM's chunk rules the plugin schedules step for step as vLL
 scheduler: the same tokens and drafts for every request. With its defaults every request
 completes with its `max_tokens`, no step runs more than the budget, and nothing is held."""
 
-from types import SimpleNamespace
-
+import pytest
 from harness import Driver, VllmScheduler, kv_all_free, make_scheduler
+from vllm.config import SpeculativeConfig
 
-from mstar_chunking.vllm import Scheduler, _refusals
+from mstar_chunking.vllm import Scheduler, UnsupportedVllmFeature
 
 K = 3
 BUDGET = 96
@@ -45,7 +45,7 @@ def prompt(req_id):
     return [60 + i] * 5 + list(range(4000 * i, 4000 * i + n - 5))
 
 
-def run(cls):
+def run(cls, slots=0):
     s = make_scheduler(cls, budget=BUDGET, num_spec_tokens=K)
     d = Driver(s, drafts=drafts)
     for r in PROMPTS:
@@ -67,7 +67,8 @@ def run(cls):
         d.step()
         s.schedule = orig
         spec.append({r: len(t) for r, t in out.scheduled_spec_decode_tokens.items()})
-        assert out.total_num_scheduled_tokens <= BUDGET
+        # vLLM charges each scheduled request its tokens and the drafter's slots.
+        assert out.total_num_scheduled_tokens + slots * len(out.num_scheduled_tokens) <= BUDGET
         k += 1
     run = d.drain()
     for r, n in {**MAX_TOKENS, "r6": 9}.items():
@@ -97,13 +98,36 @@ def test_the_defaults_run_every_draft_within_the_budget():
     assert stats.handed_back == 0
 
 
-def test_a_drafter_with_input_slots_of_its_own_is_refused():
-    # A draft model, or parallel drafting, takes input slots of its own on every request vLLM
-    # schedules (`max_num_new_slots_for_drafting`); the n-gram drafter takes none.
-    s = make_scheduler(Scheduler, num_spec_tokens=K)
-    cfg = s.vllm_config
-    s.shutdown()
-    assert _refusals(cfg) == []
-    object.__setattr__(cfg, "speculative_config", SimpleNamespace(max_num_new_slots_for_drafting=1, method="draft_model"))
-    (refused,) = _refusals(cfg)
-    assert "input slots of its own" in refused and "'draft_model'" in refused
+@pytest.fixture
+def drafter_slots(monkeypatch):
+    """A drafter that takes input slots of its own (a draft model: 1; parallel drafting: k - 1
+    or k), as vLLM's config reports it; the n-gram drafter proposes the drafts."""
+
+    def use(n):
+        monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(lambda self: n))
+
+    return use
+
+
+@pytest.mark.parametrize("slots", [1, K])
+def test_a_drafters_input_slots_are_charged_as_vllm_charges_them(drafter_slots, slots):
+    drafter_slots(slots)
+    theirs, their_spec, _ = run(VllmScheduler, slots)
+    ours, our_spec, stats = run(VllmRules, slots)
+    assert sum(n for st in their_spec for n in st.values()) > 100
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        assert a == b, (i, a, b)
+    assert len(ours) == len(theirs) and our_spec == their_spec
+    # With the component's defaults every step stays within the budget with the slots charged.
+    run(Scheduler, slots)
+
+
+def test_slots_other_than_the_drafters_are_refused_naming_the_setting(drafter_slots):
+    drafter_slots(2)
+
+    class NoSlots(Scheduler):
+        def chunking_settings(self):
+            return {**super().chunking_settings(), "slots_per_row": 0}
+
+    with pytest.raises(UnsupportedVllmFeature, match=r"chunking_settings\(\)\['slots_per_row'\] is 0: .* 2 input slots"):
+        make_scheduler(NoSlots, num_spec_tokens=K)

@@ -48,6 +48,12 @@ TEST_FILES = [
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_async_scheduler.py",
     "tests/v1/core/test_priority_scheduler_random.py",  # the priority policy, through the helper below
+    # A KV connector's failed loads: vLLM rewinds the requests to their valid prefix (running ones
+    # too); through the connector tests' own helper, made to build the plugin (KV_HOOK below).
+    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+    # Streaming input (resumable sessions), through the file's own helper, made to build the plugin.
+    "tests/v1/streaming_input/test_scheduler_streaming.py",
 ]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
 
@@ -226,6 +232,35 @@ def create_scheduler(*args, **kwargs):
     return _mstar_create_scheduler(*args, **kwargs)
 '''
 
+# The KV connector tests' helper (appended to the extracted tests/v1/kv_connector/unit/utils.py):
+# it picks vLLM's `Scheduler` or `AsyncScheduler` by the config; under the plugin, the names are the
+# plugin's classes for the call. Built schedulers are checked as the core helper's are.
+KV_HOOK = '''
+
+# --- mstar-chunking: the scheduler under test (python/tests/vllm/vllm_own_tests.py) ---
+_mstar_kv_create_scheduler = create_scheduler
+
+
+def create_scheduler(*args, **kwargs):
+    import os as _os
+
+    if not _os.environ.get("MSTAR_OWN_TESTS"):
+        return _mstar_kv_create_scheduler(*args, **kwargs)
+    from mstar_chunking.vllm import _async_variant
+    from tests.v1.core import utils as _core
+
+    cls = _core._mstar_class()
+    names = globals()
+    saved = names["Scheduler"], names["AsyncScheduler"]
+    names["Scheduler"], names["AsyncScheduler"] = cls, _async_variant(cls)
+    try:
+        s = _mstar_kv_create_scheduler(*args, **kwargs)
+    finally:
+        names["Scheduler"], names["AsyncScheduler"] = saved
+    _core._mstar_built.append(s)
+    return s
+'''
+
 CONFTEST = '''
 # --- mstar-chunking: checks on every plugin scheduler a test built ---
 import json as _mstar_json
@@ -314,7 +349,36 @@ def extract_tests(sdist: Path, version: str, work: Path) -> Path:
     patch_priority_helper(root / "tests" / "v1" / "core" / "test_scheduler.py")
     conftest = root / "tests" / "v1" / "core" / "conftest.py"
     conftest.write_text(CONFTEST)
+    kv = root / "tests" / "v1" / "kv_connector" / "unit"
+    kv_utils = kv / "utils.py"
+    text = kv_utils.read_text()
+    if "\ndef create_scheduler(" not in text or "AsyncScheduler" not in text:
+        raise SystemExit(f"vllm_own_tests: {kv_utils}: no create_scheduler choosing between Scheduler and AsyncScheduler")
+    kv_utils.write_text(text + KV_HOOK)
+    kv_conftest = kv / "conftest.py"
+    kv_conftest.write_text((kv_conftest.read_text() if kv_conftest.exists() else "") + CONFTEST)
+    streaming = root / "tests" / "v1" / "streaming_input"
+    patch_own_helper(streaming / "test_scheduler_streaming.py")
+    streaming_conftest = streaming / "conftest.py"
+    streaming_conftest.write_text((streaming_conftest.read_text() if streaming_conftest.exists() else "") + CONFTEST)
     return root
+
+
+def patch_own_helper(path: Path) -> None:
+    """A test file's own `create_scheduler()` that builds vLLM's `Scheduler` itself (the streaming
+    tests'): made to build the plugin under test, through `_mstar_build`."""
+    text = path.read_text()
+    start = text.find("\ndef create_scheduler(")
+    if start < 0:
+        raise SystemExit(f"vllm_own_tests: {path}: no create_scheduler helper")
+    end = text.find("\ndef ", start + 1)
+    end = len(text) if end < 0 else end
+    body = text[start:end]
+    build = "    return Scheduler(\n"
+    if body.count(build) != 1:
+        raise SystemExit(f"vllm_own_tests: {path}: create_scheduler has no single `return Scheduler(`")
+    body = body.replace(build, '    return __import__("tests.v1.core.utils", fromlist=["utils"])._mstar_build(\n        Scheduler,\n')
+    path.write_text(text[:start] + body + text[end:])
 
 
 def patch_priority_helper(path: Path) -> None:
