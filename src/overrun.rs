@@ -135,6 +135,16 @@ impl TimeOverrunReason {
             Self::Misprediction => "misprediction",
         }
     }
+
+    /// What it means and what to do about it, for a log line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Floor => "planned: the first waiting prompt's floor chunk did not fit in time and ran anyway, so that it is never held back by time alone",
+            Self::UncutRow => "planned: a row that cannot be cut did not fit in time and ran whole",
+            Self::Continuing => "planned: the continuing rows alone were predicted over the budget, and they always run",
+            Self::Misprediction => "the step took longer than its plan predicted: other work on the engine's CPU, or a latency model that no longer fits; a time margin (chunking.time_margin) plans against the measured spread",
+        }
+    }
 }
 
 /// Why a step of a walk with a time budget was planned without it

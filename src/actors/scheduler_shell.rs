@@ -37,6 +37,9 @@ pub(super) struct Shell {
     /// Per `(node, walk)`, steps planned without their time budget, for the warning's cadence
     /// (touched only by such steps).
     pub(super) time_inactive: Vec<(Name, Name, u64)>,
+    /// Time overruns per reason (indexed as [`TimeOverrunReason::ALL`]), counted per
+    /// `(node, walk)` for the warning cadence.
+    pub(super) time_overruns: [Vec<(Name, Name, u64)>; 4],
 }
 
 impl Shell {
@@ -55,6 +58,7 @@ impl Shell {
             spans: Spans::new(instance.model_name().clone()),
             instance,
             time_inactive: Vec::new(),
+            time_overruns: Default::default(),
         }
     }
 }
@@ -181,6 +185,25 @@ impl StepHooks for Shell {
                 tracing::debug!(reason = reason.as_str(), "step ran over its time budget");
             }
         });
+        if let Some(reason) = outcome.time_overrun {
+            let seen = &mut self.time_overruns[reason as usize];
+            let (n, warn) = count_time_inactive(seen, &outcome.node, &outcome.walk);
+            if warn {
+                tracing::warn!(
+                    node = %outcome.node,
+                    walk = %outcome.walk,
+                    reason = reason.as_str(),
+                    measured_ms = outcome.measured_ms,
+                    overruns = n,
+                    "a step of {}/{} ran over its time budget ({}), {} such so far: {}",
+                    outcome.node,
+                    outcome.walk,
+                    reason.as_str(),
+                    n,
+                    reason.describe()
+                );
+            }
+        }
         if let Some(o) = &outcome.overrun {
             self.overruns
                 .do_send(RecordOverrun(o.clone(), span.clone()));
@@ -488,6 +511,57 @@ mod tests {
             ("untrusted_fit".to_owned(), 1),
         ]);
         assert_eq!(counts, want);
+    }
+
+    /// A step that ran over its time budget is warned at the 1st, 2nd, 4th, … such step of its
+    /// `(node, walk)` and reason, with the reason's meaning: an engine whose CPU is shared says so.
+    #[actix::test]
+    async fn time_overruns_are_warned_at_powers_of_two_per_reason() {
+        let captured = Arc::new(Captured::default());
+        let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
+        let mut shell = test_shell();
+        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
+        let model = prefill_model(&llm, &prefill);
+        let cost = LatencyModel::try_new(1.0, 1.0, 0.0, 0.0).unwrap();
+        let settings = crate::budget::BudgetSettings::new(["prefill"])
+            .cost("llm", cost)
+            .max_step_ms("llm", 50.0);
+        let table = BudgetTable::from_policies(model)
+            .with_settings(settings)
+            .unwrap();
+        let mut state = SchedulerState::with_table(table);
+        tracing::dispatcher::with_default(&dispatch, || {
+            // 8 tokens are predicted 9 ms; six steps take 100 ms, one between them 20 ms.
+            for (rid, ms) in [100.0, 100.0, 20.0, 100.0, 100.0, 100.0, 100.0]
+                .into_iter()
+                .enumerate()
+            {
+                let input = PreparedInput::tokens(vec![1; 8]);
+                state
+                    .admit_prepared(rid as u64, &llm, &prefill, input, 0, &mut shell)
+                    .unwrap();
+                let b = state
+                    .assemble_step_at("llm", "prefill", None, &mut shell)
+                    .unwrap();
+                let out = state
+                    .complete_step(b.step, &[8], Some(ms), &mut shell)
+                    .unwrap();
+                let over = (ms > 50.0).then_some(crate::overrun::TimeOverrunReason::Misprediction);
+                assert_eq!(out.time_overrun, over);
+            }
+        });
+        let events = captured.events.lock().unwrap().clone();
+        let warned: Vec<&String> = events
+            .iter()
+            .filter(|e| e.starts_with("WARN") && e.contains("ran over its time budget"))
+            .collect();
+        assert_eq!(warned.len(), 3, "{events:#?}");
+        for (w, n) in warned.iter().zip([1, 2, 4]) {
+            assert!(w.contains(&format!("overruns={n}")), "{w}");
+            assert!(w.contains("reason=\"misprediction\""), "{w}");
+            assert!(w.contains("measured_ms=100"), "{w}");
+            assert!(w.contains("other work on the engine's CPU"), "{w}");
+        }
     }
 
     #[test]
