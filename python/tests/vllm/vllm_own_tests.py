@@ -137,12 +137,6 @@ DIFFERENCES: dict[str, str] = {
         "the same: `update_from_output()` of a hand-built `SchedulerOutput` that schedules tokens (and an "
         "encoder-cache connector, refused at start with a real configuration)"
     ),
-    "test_scheduler.py::test_pause_new_ignores_streaming_": (
-        "streaming input: refused per request (the request finishes with an error naming it)"
-    ),
-    "test_async_scheduler.py::test_resumable_request_handoff": (
-        "streaming input: refused per request (the request finishes with an error naming it)"
-    ),
     "test_scheduler.py::test_mamba_align_": (
         "sets `need_mamba_block_aligned_split` on the scheduler after it started (Mamba's align mode is "
         "refused at start with a real configuration) and gives a text model's request encoder inputs: "
@@ -163,11 +157,25 @@ DIFFERENCES: dict[str, str] = {
         "with the hit found before the step (none), hands it back and runs it from the hit in the next "
         "step (the same 4 tokens, one step later; nothing recomputed)"
     ),
+    "test_kv_load_failure_recovery.py::test_sync_load_failure": (
+        "three prompts whose KV the connector loads synchronously but their last block: the plugin never "
+        "asks the connector, so the hits are found in vLLM's scan; the first prompt was planned the whole "
+        "budget, runs its last block from vLLM's start, and the two behind it (planned nothing) run in the "
+        "next step, where vLLM runs all three in the first: the test asserts three running after one step. "
+        "The rewind of a running request after a failed load is checked by "
+        "test_sync_recompute_blocks_not_freed_for_running_requests, which passes"
+    ),
 }
 
 # Further differences with the component's defaults (`--defaults`: chunks aligned to the KV block,
 # a floor of 64 tokens), which vLLM's own chunk rules do not have.
 DEFAULTS_DIFFERENCES: dict[str, str] = {
+    "test_scheduler.py::test_draft_slots_budgeted_per_scheduled_request": (
+        "a 20-token budget and 3 drafter slots a request: after the first 10-token prompt and its slots, "
+        "4 tokens are left beside the second prompt's own 3 slots, under the floor (here the budget, 20): "
+        "the second prompt waits for the next step, where vLLM cuts a 4-token chunk (with vLLM's chunk "
+        "rules the plugin schedules the same 10 and 4)"
+    ),
     "test_scheduler.py::test_throttle_defers_inflight_prefill_chunk": (
         "a 50-token budget with a decode row leaves 49 tokens, under the component's floor of 64: the "
         "80-token prompt is not started beside the decode (it runs once the decode ends; vLLM cuts a "
