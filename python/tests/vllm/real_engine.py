@@ -13,7 +13,11 @@ load each):
 3. `plugin-time`: the plugin with a time budget set in its settings (`chunking_settings()`:
    `max_step_ms`, `cost`, `learn_cost`): the latency model fitted to the `vllm` run's step times
    (base and per-token terms, least squares), refined online; the budget `--max-step-ms`, or, by
-   default, what that model predicts for half the token budget.
+   default, what that model predicts for half the token budget;
+4. `vllm-hog` and `plugin-time-hog` (unless `--hog off`): runs 1 and 3 again with a CPU hog (a
+   busy loop at the engine's niceness, pinned to `--hog-cpu`, default the last core) from ON to
+   OFF seconds into `generate` (`--hog ON,OFF`, default 5,14): per phase (before, during,
+   after) the TBT p99 of both and the time budget's step p99 ÷ X.
 
 The same 20 prompts (windows of the repository's docs, 50 to 1,500 tokens, as token ids) go to
 each, all at once, greedy. Checked, each a failure naming the run and request: every request
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -89,7 +94,7 @@ class _Timing:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         at = time.perf_counter()
         total = out.total_num_scheduled_tokens
-        rec = {"tokens": total, "rows": len(out.num_scheduled_tokens), "ms": None}
+        rec = {"tokens": total, "rows": len(out.num_scheduled_tokens), "ms": None, "at": at}
         unc = getattr(self, "_uncompleted", None)
         if unc is not None:
             rec["step"] = unc.step
@@ -115,11 +120,49 @@ class _Timing:
         return result
 
 
+class Hog:
+    """A CPU hog (a busy loop in a process of its own, at the engine's niceness) pinned to `cpu`
+    from `on_s` to `off_s` seconds after `arm`: other work landing on the engine's cores. The
+    loop ends itself at `off_s` whatever happens to this process; `disarm` stops it earlier."""
+
+    def __init__(self, cpu: int, on_s: float, off_s: float) -> None:
+        self.cpu, self.on_s, self.off_s = cpu, on_s, off_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.on_at: Optional[float] = None
+        self.off_at: Optional[float] = None
+        self.timers: list[Any] = []
+
+    def arm(self, t0: float) -> None:
+        import threading
+
+        self.timers = [threading.Timer(self.on_s, self._start), threading.Timer(self.off_s, self._stop)]
+        for t in self.timers:
+            t.daemon = True
+            t.start()
+
+    def _start(self) -> None:
+        loop = f"import time\nend = time.monotonic() + {self.off_s - self.on_s + 1.0}\nwhile time.monotonic() < end: pass\n"
+        self.on_at = time.perf_counter()
+        self.proc = subprocess.Popen(["taskset", "-c", str(self.cpu), sys.executable, "-c", loop])
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.on_at is not None and self.off_at is None:
+            self.off_at = time.perf_counter()
+
+    def disarm(self) -> None:
+        for t in self.timers:
+            t.cancel()
+        self._stop()
+
+
 def _scheduler_classes(kind: str, max_step_ms: Optional[float], cost: Optional[list[float]]) -> Any:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsync
     from vllm.v1.core.sched.scheduler import Scheduler as VllmSync
 
-    if kind == "vllm":
+    if kind.startswith("vllm"):
 
         class TimedVllm(_Timing, VllmSync):
             def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -172,8 +215,15 @@ def child(args: argparse.Namespace) -> int:
     s = core.scheduler
     params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in prompts]
     load_before = os.getloadavg()[0]
+    hog = Hog(args.hog_cpu, *args.hog) if args.hog and args.kind.endswith("-hog") else None
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p["tokens"]) for p in prompts], params, use_tqdm=False)
+    try:
+        if hog is not None:
+            hog.arm(t0)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p["tokens"]) for p in prompts], params, use_tqdm=False)
+    finally:
+        if hog is not None:
+            hog.disarm()
     gen_s = time.perf_counter() - t0
     pool = s.kv_cache_manager.block_pool
     result = {
@@ -193,6 +243,7 @@ def child(args: argparse.Namespace) -> int:
         "blocks": pool.num_gpu_blocks - 1,  # less the null block
         "max_step_ms": args.max_step_ms,
         "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # 1-minute, before and after
+        "hog": None if hog is None else {"cpu": args.hog_cpu, "on": hog.on_at, "off": hog.off_at},
     }
     # vLLM's request ids in the outputs are the engine's; map them back through the order.
     for p, o in zip(prompts, outs):
@@ -203,7 +254,7 @@ def child(args: argparse.Namespace) -> int:
             "token_ids": list(c.token_ids),
             "finish_reason": c.finish_reason,
         }
-    if args.kind != "vllm":
+    if not args.kind.startswith("vllm"):
         st = s.mstar_stats
         result["component_held"] = len(s._rid_of) + len(s.chunking.prepared)
         result["handed_back"] = st.handed_back
@@ -251,6 +302,8 @@ def run_child(
     ]
     if max_step_ms is not None:
         cmd += ["--max-step-ms", repr(max_step_ms), "--cost", ",".join(repr(c) for c in cost or ())]
+    if kind.endswith("-hog"):
+        cmd += ["--hog", f"{args.hog[0]},{args.hog[1]}", "--hog-cpu", str(args.hog_cpu)]
     env = {**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = Path(args.work) / f"{kind}.log"
     t0 = time.perf_counter()
@@ -305,6 +358,55 @@ def step_figures(r: dict, max_step_ms: Optional[float], reasons: bool) -> dict:
                 by[key] = by.get(key, 0) + 1
             fig["over_by_reason"] = by
     return fig
+
+
+SETTLE_STEPS = 8  # a phase's first steps, in which the online fit meets the changed machine
+
+
+def phase_figures(vllm: dict, plugin: dict, max_step_ms: float) -> list[dict]:
+    """Per phase of the hog (before, during, after; each run's own hog times): TBT p99 of both
+    runs (a gap counted in the phase its second token is in), and the plugin's step p99 ÷ the
+    time budget and its steps over it by reason, all of the phase's steps and after its first
+    `SETTLE_STEPS`."""
+
+    def phase_of(r: dict) -> Any:
+        h = r["hog"] or {}
+        on, off = h.get("on"), h.get("off")
+        return lambda t: "before" if on is None or t < on else ("during" if off is None or t < off else "after")
+
+    def tbt(r: dict) -> dict[str, list[float]]:
+        of, out = phase_of(r), {}
+        for times in r["token_times"].values():
+            for a, b in zip(times, times[1:]):
+                out.setdefault(of(b), []).append((b - a) * 1e3)
+        return out
+
+    steps: dict[str, list[dict]] = {}
+    of = phase_of(plugin)
+    for st in plugin["steps"]:
+        if st["ms"] is not None:
+            steps.setdefault(of(st["at"]), []).append(st)
+    theirs, ours = tbt(vllm), tbt(plugin)
+    rows = []
+    for phase in ("before", "during", "after"):
+        ph = steps.get(phase, [])
+        settled = ph[SETTLE_STEPS:]
+        over: dict[str, int] = {}
+        for st in ph:
+            if st["ms"] > max_step_ms:
+                key = str(st.get("time_overrun") or "not reported")
+                over[key] = over.get(key, 0) + 1
+        p99 = lambda xs: percentile(xs, 0.99)  # noqa: E731
+        rows.append({
+            "phase": phase,
+            "vllm_tbt_p99": p99(theirs.get(phase, [])),
+            "plugin_tbt_p99": p99(ours.get(phase, [])),
+            "steps": len(ph),
+            "step_p99_x": None if not ph else p99([st["ms"] for st in ph]) / max_step_ms,
+            "settled_step_p99_x": None if not settled else p99([st["ms"] for st in settled]) / max_step_ms,
+            "over": over,
+        })
+    return rows
 
 
 def check(runs: dict[str, dict], prompts: list[dict]) -> list[str]:
@@ -385,6 +487,34 @@ def report(
                       "nothing held by the component at the end)." if not bad else "FAILED:"),
     ]
     lines += [f"- {b}" for b in bad]
+    if "plugin-time-hog" in runs:
+        hv = runs["vllm-hog"]["hog"]
+        on_s, off_s = runs["vllm-hog"]["hog_s"]
+        lines += [
+            "",
+            "## Under interference",
+            "",
+            f"`vllm-hog` and `plugin-time-hog` ran again with a CPU hog (a busy loop at the engine's niceness) "
+            f"pinned to core {hv['cpu'] if hv else '?'} from {on_s:g} s to {off_s:g} s into each run's `generate`. Per phase: TBT p99 of both, "
+            f"and the time budget's steps: p99 ÷ X ({max_step_ms:.1f} ms) over all the phase's steps and after its "
+            f"first {SETTLE_STEPS}, and the steps over X by reason.",
+            "",
+            "| phase | vLLM's own TBT p99 ms | plugin TBT p99 ms | plugin ÷ vLLM | steps | step p99 ÷ X | after "
+            f"{SETTLE_STEPS} steps | over X (by reason) |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for row in phase_figures(runs["vllm-hog"], runs["plugin-time-hog"], max_step_ms):
+            ratio = (
+                None
+                if not (row["vllm_tbt_p99"] and row["plugin_tbt_p99"])
+                else row["plugin_tbt_p99"] / row["vllm_tbt_p99"]
+            )
+            over = ", ".join(f"{k} {n}" for k, n in sorted(row["over"].items())) or "0"
+            two = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+            lines.append(
+                f"| {row['phase']} | {fmt(row['vllm_tbt_p99'])} | {fmt(row['plugin_tbt_p99'])} | {two(ratio)} | "
+                f"{row['steps']} | {two(row['step_p99_x'])} | {two(row['settled_step_p99_x'])} | {over} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -403,7 +533,23 @@ def main() -> int:
     ap.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cost", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--hog",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=(5.0, 14.0),
+        help="ON,OFF: the interference runs' CPU hog, seconds into generate (default 5,14); 'off' for none",
+    )
+    ap.add_argument("--hog-cpu", type=int, default=max(os.sched_getaffinity(0)), help="the core the hog runs on")
+    argv = sys.argv[1:]
+    if "--hog" in argv and argv[argv.index("--hog") + 1 :][:1] == ["off"]:
+        i = argv.index("--hog")
+        argv = argv[:i] + argv[i + 2 :]
+        args = ap.parse_args(argv)
+        args.hog = None
+    else:
+        args = ap.parse_args(argv)
+    if args.hog and not (len(args.hog) == 2 and 0 <= args.hog[0] < args.hog[1] and all(map(math.isfinite, args.hog))):
+        ap.error(f"--hog: ON,OFF seconds with 0 <= ON < OFF, got {args.hog}")
     if args.child:
         args.kind = args.child
         return child(args)
@@ -424,17 +570,27 @@ def main() -> int:
     if max_step_ms is None:
         max_step_ms = round(cost[0] + cost[1] * args.budget / 2, 1)
     runs["plugin-time"] = run_child(args, "plugin-time", prompts_file, max_step_ms, cost)
+    if args.hog:
+        # Interference: vLLM's own scheduler and the time budget again, each with the hog on
+        # one of the engine's cores from the same second to the same second of its `generate`.
+        runs["vllm-hog"] = run_child(args, "vllm-hog", prompts_file, None)
+        runs["plugin-time-hog"] = run_child(args, "plugin-time-hog", prompts_file, max_step_ms, cost)
     for r in runs.values():
         r["vllm_version"] = vllm.__version__
+        r["hog_s"] = args.hog
         r["max_num_seqs"] = args.max_num_seqs
-    figs = {kind: step_figures(r, max_step_ms, kind == "plugin-time") for kind, r in runs.items()}
+    figs = {kind: step_figures(r, max_step_ms, kind.startswith("plugin-time")) for kind, r in runs.items()}
     bad = check(runs, prompts)
     text = report(runs, figs, prompts, max_step_ms, cost, bad)
     print(text)
     if args.out:
         args.out.write_text(text)
     if args.json:
+        interference = (
+            phase_figures(runs["vllm-hog"], runs["plugin-time-hog"], max_step_ms) if "plugin-time-hog" in runs else None
+        )
         args.json.write_text(json.dumps({"figures": figs, "max_step_ms": max_step_ms, "failures": bad,
+                                         "interference": interference,
                                          "runs": {k: {x: r[x] for x in ("scheduler", "async", "steps", "load_s", "generate_s")}
                                                   for k, r in runs.items()}}, indent=1))
     if bad:
