@@ -300,3 +300,24 @@ def test_the_documentations_example(documented_example):
     b = cm.assemble("llm", "mixed")
     assert b.rows[0].range == (0, 1024, 3000, 1024)
     cm.complete(b.step, b.planned())
+
+
+# slots_per_row: input slots the engine adds to every row, charged to the token budget.
+
+
+def test_slots_per_row_are_charged_to_every_row_of_a_step(cm):
+    budgets(cm, {"talker": 100}, slots_per_row=2)
+    cm.continue_row(1, "talker", "decode", 4)
+    cm.admit(2, "talker", "prefill", [1] * 300)
+    b = cm.assemble("talker", "mixed")
+    # 4 + 2 for the decode row; the prompt's chunk is what is left after its own 2 slots.
+    assert [r.range.tokens if r.range is not None else r.estimate for r in b.rows] == [4, 92]
+    cm.complete(b.step, b.planned())
+
+
+def test_slots_filling_a_budget_or_not_a_count_are_refused_naming_them(cm):
+    with pytest.raises(RefusedSettingsError, match=r"`slots_per_row` 100 fills the budget of 100 tokens of `talker`/`mixed`"):
+        budgets(cm, {"talker": 100}, slots_per_row=100)
+    assert cm.max_batch_tokens("talker", "mixed") == 1024, "a refused setting changes nothing"
+    with pytest.raises(RefusedSettingsError, match="slots_per_row"):
+        budgets(cm, {}, slots_per_row=-1)
