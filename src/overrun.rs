@@ -382,6 +382,25 @@ mod tests {
     }
 
     #[test]
+    fn each_time_overrun_reason_says_what_it_means() {
+        let said: Vec<&str> = TimeOverrunReason::ALL
+            .iter()
+            .map(|r| r.describe())
+            .collect();
+        assert!(
+            said[..3].iter().all(|d| d.starts_with("planned: ")),
+            "{said:?}"
+        );
+        assert!(
+            said[3].contains("longer than its plan predicted"),
+            "{}",
+            said[3]
+        );
+        assert!(said[0].contains("floor chunk") && said[1].contains("cannot be cut"));
+        assert!(said[2].contains("continuing rows"), "{}", said[2]);
+    }
+
+    #[test]
     fn warning_cadence_is_powers_of_two_per_node_and_walk() {
         let mut c = OverrunCounter::default();
         let o = |walk: &str, reason| Overrun {
