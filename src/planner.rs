@@ -1244,6 +1244,9 @@ mod tests {
         assert_eq!(out.waiting, 1);
         let out = run(&p, &[decode(1, 95)], &[prompt(2, 50)]);
         assert_eq!(shape(&out), vec![(1, 95, false), (2, 1, false)]);
+        // A prompt alone takes the budget less its own slots.
+        let out = run(&p, &[], &[prompt(2, 300)]);
+        assert_eq!(shape(&out), vec![(2, 98, false)]);
     }
 
     #[test]
