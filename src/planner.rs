@@ -1262,10 +1262,13 @@ mod tests {
         let out = run(&p, &[], &[prompt(3, 10), prompt(2, 97)]);
         assert_eq!(shape(&out), vec![(3, 10, true)]);
         assert_eq!(out.waiting, 1);
-        // 95 and 5 fit exactly.
+        // 95 and 5 fit exactly: alone, not beside a decode row (it waits for its room).
         let out = run(&p, &[], &[prompt(2, 95)]);
         assert_eq!(shape(&out), vec![(2, 95, true)]);
         assert!(!out.uncut_over_budget);
+        let out = run(&p, &[decode(1, 3)], &[prompt(2, 95)]);
+        assert_eq!(shape(&out), vec![(1, 3, false)]);
+        assert_eq!(out.waiting, 1);
         // Over its walk's cap alone (within the budget), an uncut row also runs whole, first.
         p.slots_per_row = 0;
         p.caps = vec![(n("prefill"), 30)].into();
