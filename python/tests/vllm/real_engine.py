@@ -12,8 +12,9 @@ load each):
 2. `plugin`: `mstar_chunking.vllm.Scheduler` with vLLM's settings (the same token budget);
 3. `plugin-time`: the plugin with a time budget set in its settings (`chunking_settings()`:
    `max_step_ms`, `cost`, `learn_cost`): the latency model fitted to the `vllm` run's step times
-   (base and per-token terms, least squares), refined online; the budget `--max-step-ms`, or, by
-   default, what that model predicts for half the token budget;
+   (base and per-token terms, least squares), refined online, with the time margin at the
+   `--time-margin` quantile (default 0.99); the budget `--max-step-ms`, or, by default, what that
+   model predicts for half the token budget;
 4. `vllm-hog` and `plugin-time-hog` (unless `--hog off`): runs 1 and 3 again with a CPU hog (a
    busy loop at the engine's niceness, pinned to `--hog-cpu`, default the last core) from ON to
    OFF seconds into `generate` (`--hog ON,OFF`, default 5,14): per phase (before, during,
@@ -158,7 +159,9 @@ class Hog:
         self._stop()
 
 
-def _scheduler_classes(kind: str, max_step_ms: Optional[float], cost: Optional[list[float]]) -> Any:
+def _scheduler_classes(
+    kind: str, max_step_ms: Optional[float], cost: Optional[list[float]], time_margin: Optional[float] = None
+) -> Any:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsync
     from vllm.v1.core.sched.scheduler import Scheduler as VllmSync
 
@@ -183,6 +186,8 @@ def _scheduler_classes(kind: str, max_step_ms: Optional[float], cost: Optional[l
             settings = super().chunking_settings()
             if max_step_ms is not None:
                 settings.update(max_step_ms=max_step_ms, cost=tuple(cost), learn_cost=True)
+                if time_margin is not None:
+                    settings.update(time_margin=time_margin)
             return settings
 
     return TimedPlugin
@@ -198,7 +203,7 @@ def child(args: argparse.Namespace) -> int:
 
     prompts = json.loads(Path(args.prompts).read_text())
     cost = [float(x) for x in args.cost.split(",")] if args.cost else None
-    cls = _scheduler_classes(args.kind, args.max_step_ms, cost)
+    cls = _scheduler_classes(args.kind, args.max_step_ms, cost, args.time_margin)
     t0 = time.perf_counter()
     llm = LLM(
         model=str(args.model),
@@ -302,6 +307,8 @@ def run_child(
     ]
     if max_step_ms is not None:
         cmd += ["--max-step-ms", repr(max_step_ms), "--cost", ",".join(repr(c) for c in cost or ())]
+        if args.time_margin is not None:
+            cmd += ["--time-margin", repr(args.time_margin)]
     if kind.endswith("-hog"):
         cmd += ["--hog", f"{args.hog[0]},{args.hog[1]}", "--hog-cpu", str(args.hog_cpu)]
     env = {**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -446,6 +453,7 @@ def report(
     runs: dict[str, dict], figs: dict[str, dict], prompts: list[dict], max_step_ms: float, cost: list[float], bad: list[str]
 ) -> str:
     v = runs["vllm"]
+    margin = v.get("time_margin")
     lines = [
         "# vLLM's real engine with mstar_chunking.vllm.Scheduler (SmolLM2-135M-Instruct, CPU)",
         "",
@@ -459,8 +467,9 @@ def report(
         f"{sum(p['max_tokens'] for p in prompts)} output tokens at most, all submitted at once, greedy.",
         f"- Time budget of `plugin-time`: {max_step_ms:.1f} ms, what the latency model predicts for half the "
         f"token budget; the model (`cost`, base {cost[0]:.1f} ms + {cost[1]:.3f} ms a token) fitted by least "
-        "squares to the step times of the `vllm` run, refined online (`learn_cost`): all three in "
-        "`chunking_settings()`.",
+        "squares to the step times of the `vllm` run, refined online (`learn_cost`), with "
+        + (f"the time margin at the {margin:g} quantile (`time_margin`)" if margin else "no time margin")
+        + ": all in `chunking_settings()`.",
         "",
         "| run | scheduler | steps | step ms p50 / p99 / max | TBT ms p50 / p99 | steps over "
         f"{max_step_ms:.0f} ms (by reason) | most tokens in a step | generate s | load average |",
@@ -524,6 +533,12 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-step-ms", type=float, default=None)
+    ap.add_argument(
+        "--time-margin",
+        type=float,
+        default=0.99,
+        help="the time budget's margin quantile (`time_margin`; default 0.99: a few slow steps move it); 0 for none",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=REPO / "target" / "vllm-real")
@@ -550,6 +565,8 @@ def main() -> int:
         args = ap.parse_args(argv)
     if args.hog and not (len(args.hog) == 2 and 0 <= args.hog[0] < args.hog[1] and all(map(math.isfinite, args.hog))):
         ap.error(f"--hog: ON,OFF seconds with 0 <= ON < OFF, got {args.hog}")
+    if args.time_margin is not None and args.time_margin <= 0:
+        args.time_margin = None
     if args.child:
         args.kind = args.child
         return child(args)
@@ -578,6 +595,7 @@ def main() -> int:
     for r in runs.values():
         r["vllm_version"] = vllm.__version__
         r["hog_s"] = args.hog
+        r["time_margin"] = args.time_margin
         r["max_num_seqs"] = args.max_num_seqs
     figs = {kind: step_figures(r, max_step_ms, kind.startswith("plugin-time")) for kind, r in runs.items()}
     bad = check(runs, prompts)
