@@ -205,12 +205,12 @@ test-vllm-bench: model ## vLLM's `vllm bench serve` (backends openai and openai-
 	python3 engine/scripts/vllm_bench_serve.py --engine $(BIN_DIR)/debug/mstar-engine \
 		--vllm "$$venv/bin/vllm" --tokenizer $(VLLM_BENCH_TOKENIZER)
 
-# The engine README's vLLM load-generator table: the release engine, 40 prompts of 256 tokens
+# The `vllm bench serve` table (engine/results/vllm-bench-serve.md): the release engine, 40 prompts of 256 tokens
 # answered with 64, without and with a time budget (the cost fitted on SmolLM2 at a tenth of the
 # trace's rate, engine/results/loads/, refined online).
 VLLM_BENCH_TIMED ?= --budget 2048 --align 1 --min-chunk-tokens 4 --max-step-ms 150 \
 	--cost 0,4.79221,0.0082098,0.00463106,2.78037 --learn-cost --time-margin 0.99
-vllm-bench: model ## The engine README's `vllm bench serve` table (release engine; about 10 min): TTFT, TPOT, ITL without and with a time budget
+vllm-bench: model ## The engine's `vllm bench serve` table, engine/results/vllm-bench-serve.md (release engine; about 10 min): TTFT, TPOT, ITL without and with a time budget
 	venv="$$(python/scripts/install-vllm.sh | tail -n 1)" && \
 	$(CARGO) build --release -p mstar-engine --bin mstar-engine && \
 	$(BIN_DIR)/release/mstar-engine export-tokenizer --out $(VLLM_BENCH_TOKENIZER) >/dev/null && \
@@ -244,19 +244,19 @@ engine-speed: model ## Prefill and decode tokens/s of the engine and llama.cpp o
 # The loads engine-bench measures, as RATE_SCALE:MAX_PROMPT:B_FLOOR: the default rate, a third of
 # it, and a light load (a tenth, prompts up to 1,024 tokens) whose TTFT stays in seconds. At a
 # third of the rate X is about 80 ms, less than a lone 4-token chunk at a 2,000-token context, so
-# its time budget runs with a floor of 1 (engine/README.md).
+# its time budget runs with a floor of 1 (docs/decisions/time-budgets.md#floors-and-fits).
 ENGINE_BENCH_LOADS ?= 0.3:2048:4 0.1:2048:1 0.03:1024:4
-engine-bench: model engine-speed ## The engine's measurements (engine/README.md): exactness up to 2,000-token prompts, then per load of ENGINE_BENCH_LOADS fit, time budget, replay vs engine, TBT; speed against llama.cpp (about 90 min on SmolLM2, after release builds)
+engine-bench: model engine-speed ## The engine's measurements (docs/engine-measuring.md): exactness up to 2,000-token prompts, then per load of ENGINE_BENCH_LOADS fit, time budget, replay vs engine, TBT; speed against llama.cpp (about 90 min on SmolLM2, after release builds)
 	ENGINE_EXACTNESS_PROMPTS=300,1000,2000 $(CARGO) test --release -p mstar-engine --test real_model_exactness
 	for load in $(ENGINE_BENCH_LOADS); do \
 		rate=$${load%%:*}; rest=$${load#*:}; prompt=$${rest%%:*}; floor=$${rest#*:}; \
 		OUT=target/engine-bench/rate-$$rate RATE_SCALE=$$rate MAX_PROMPT=$$prompt B_FLOOR=$$floor engine/scripts/bench.sh || exit 1; \
 	done
 
-# The replay's capacity verdict checked on the engine (engine/README.md#capacity-on-the-engine).
+# The replay's capacity verdict checked on the engine (docs/engine-measuring.md#capacity-on-the-engine).
 engine-capacity: model ## Capacity under an objective scaled to the engine's steps: the replay's best two token budgets and a time budget, searched on SmolLM2 and in the replay (about 20 minutes; target/engine-capacity/)
 	engine/scripts/capacity.sh
 
-# The time budget with a CPU hog on the engine's core for part of a run (engine/README.md#the-time-budget-under-interference).
+# The time budget with a CPU hog on the engine's core for part of a run (docs/engine-measuring.md#the-time-budget-under-interference).
 engine-interference: model ## The time budget of engine-capacity under a CPU hog on the engine's core, before, during and after (about 7 minutes; target/engine-interference/)
 	engine/scripts/interference.sh

@@ -1,5 +1,5 @@
 //! A model's step time by the step's tokens and the row's context, on this machine's CPU: the
-//! curve the latency model is fitted to (engine/README.md#the-cost-of-a-step).
+//! curve the latency model is fitted to (docs/engine-model.md#the-cost-of-a-step).
 //!
 //! ```sh
 //! RAYON_NUM_THREADS=1 cargo run --release -p mstar-engine --example step_cost            # small

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Helpers of engine/scripts/bench.sh: the decode-only step time of a step log, the replay
-config from a `fit` output, and the summary tables of engine/README.md#measurements."""
+config from a `fit` output, and the summary tables of
+docs/engine-measuring.md#measurements-make-engine-bench."""
 import json
 import math
 import re

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reference engine's measurements (engine/README.md#measurements), with SmolLM2-135M-Instruct
+# The reference engine's measurements (docs/engine-measuring.md#measurements-make-engine-bench), with SmolLM2-135M-Instruct
 # (MODEL=small: the random 25M model) on this machine's CPU. Writes everything under target/engine-bench/ and prints the summary table.
 #
 #   A  token budget 256        -> step log for `fit` (R^2, coefficients), TBT p99 "token budget"
@@ -26,7 +26,7 @@ MAX_OUTPUT=${MAX_OUTPUT:-128}
 PORT=${PORT:-8317}
 MODEL=${MODEL:-smollm2}
 KV_TOKENS=${KV_TOKENS:-65536}
-# On a CPU a step of 2-16 tokens costs about twice a 1-token decode step (engine/README.md#the-cost-of-a-step),
+# On a CPU a step of 2-16 tokens costs about twice a 1-token decode step (docs/engine-model.md#the-cost-of-a-step),
 # so a time budget of 2 x the decode-only step leaves a long-context chunk no room at all.
 X_FACTOR=${X_FACTOR:-3}
 # B's floor (--min-chunk-tokens). A prompt alone in its step runs at least the floor, over X if it

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Capacity under a latency objective on the reference engine (engine/README.md#capacity-on-the-engine):
+# Capacity under a latency objective on the reference engine (docs/engine-measuring.md#capacity-on-the-engine):
 # the replay's verdict (a time budget set from the objective against the best token budgets)
 # checked on real compute. Writes everything under target/engine-capacity/ and prints the summary.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The time budget under interference (engine/README.md#the-time-budget-under-interference): the
+# The time budget under interference (docs/engine-measuring.md#the-time-budget-under-interference): the
 # engine on one pinned core under a time budget X, a steady load, and a CPU hog on the same core
 # from HOG_ON to HOG_OFF seconds into the load. Writes target/engine-interference/ and prints the
 # step p99 against X before, during and after, the overruns by reason, and the margin.

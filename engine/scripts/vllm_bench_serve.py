@@ -3,7 +3,7 @@
 with vLLM's `/tokenize` prompt alignment working (its probe must not be skipped).
 
     make test-vllm-bench   # in `make test`: the debug engine, 20 short prompts, both backends
-    make vllm-bench        # the README's figures: the release engine, without and with a time budget
+    make vllm-bench        # engine/results/vllm-bench-serve.md: the release engine, without and with a time budget
 
 For each setting (`--setting LABEL=SERVE-FLAGS`, or one plain run) and each `--backends` entry,
 the engine is started on a free port of 127.0.0.1, `vllm bench serve` runs the random dataset

@@ -8,7 +8,8 @@
 //! cap by [`conns`]) with its metrics in
 //! [`metrics`], and driven by a trace-replaying load generator ([`bench`](mod@bench)); [`files`] holds
 //! the rules for the files it reads and writes.
-//! `engine/README.md` describes the design.
+//! `engine/README.md` describes the design, with `docs/engine-model.md`, `docs/engine-api.md` and
+//! `docs/engine-measuring.md`.
 
 #![deny(missing_docs)]
 

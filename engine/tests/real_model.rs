@@ -71,7 +71,8 @@ fn token_ids_equal_llama_cpp_on_the_fixture_strings() {
 /// blocks, the rotary layout, the tied head, the tokenizer. The served default, Q8_0
 /// requantized at load for speed, moves logits by up to ~1 against these, and this model's
 /// greedy paths meet near-ties of 0.05-0.2 within 16 tokens: it matches 1 of the 5 (f32 weights
-/// 3 of 5); `engine/README.md#the-weight-format` has the figures, and
+/// 3 of 5); `engine/results/weight-formats-2026-12-02.md` has the figures
+/// (`docs/engine-model.md#the-weight-format` the formats), and
 /// `ENGINE_GREEDY_FORMAT=q8_0` (or `dense`) runs this comparison on another format.
 #[test]
 fn greedy_continuations_match_llama_cpp_on_at_least_four_of_five_prompts() {

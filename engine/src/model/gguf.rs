@@ -66,7 +66,7 @@ impl WeightFormat {
     }
 }
 
-/// The format the engine serves GGUF files with (`engine/README.md#the-weight-format`).
+/// The format the engine serves GGUF files with (`docs/engine-model.md#the-weight-format`).
 pub const DEFAULT_FORMAT: WeightFormat = WeightFormat::Native;
 
 /// The model cache: `$XDG_CACHE_HOME/mstar-chunking`, else `$HOME/.cache/mstar-chunking`.

@@ -105,7 +105,7 @@ def test_cost_side_by_side():
     build = os.environ.get("MSTAR_VLLM_COST_BUILD", "as installed")  # python/scripts/vllm-cost.sh
     OUT.write_text(json.dumps({"when": when, "build": build, **report}, indent=1))
     # The aim is 1.1x wall time. Wall time on a loaded machine is mostly the wake-ups of the
-    # actors' thread (docs/vllm.md#cost); the bound, on CPU time, catches a plugin that does
+    # actors' thread (docs/vllm-tests.md#cost); the bound, on CPU time, catches a plugin that does
     # far more work per step than vLLM's own scheduler.
     for name, r in report.items():
         assert r["cpu_ratio"] < 4.0, (name, r)
