@@ -349,7 +349,7 @@ class _Chunking:
         update = request.request_id in self.requests  # type: ignore[attr-defined]
         super().add_request(request)  # type: ignore[misc]
         if update:
-            # A streaming session's next input (or its end): vLLM extends the session's prompt
+            # A stream's next input (or its end): vLLM extends the request's prompt
             # in place when it waits for input, else queues the update until its turn stops;
             # the queue is scanned again for it (the request object is not a new arrival).
             self._rescan = True
@@ -395,9 +395,9 @@ class _Chunking:
     def _handle_stopped_request(self, request: Request) -> bool:
         finished = super()._handle_stopped_request(request)  # type: ignore[misc]
         if not finished:
-            # A streaming session's turn ended: vLLM keeps the request waiting for its next
+            # A stream's turn ended: vLLM keeps the request waiting for its next
             # input, or extends its prompt with it now; it is admitted again from what it has
-            # computed once it is waiting with tokens to run (a session waiting for input is not
+            # computed once it is waiting with tokens to run (a stream waiting for input is not
             # admissible, as vLLM skips it).
             self._forget(request.request_id)
             self._rescan = True

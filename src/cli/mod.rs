@@ -348,7 +348,7 @@ pub struct SweepArgs {
     /// The objective's bound on p90 time to first token, simulated ms
     #[arg(long, value_name = "MS", value_parser = slo_ms)]
     pub slo_ttft_p90: Option<f64>,
-    /// Traces to run the whole grid on, comma-separated, each into OUT/trace-<name>/, then the
+    /// Traces to run the whole grid on, comma-separated, each into `OUT/trace-<name>/`, then the
     /// verdict across them (with --max-step-ms and an objective) into OUT
     #[arg(long, value_name = "LIST", conflicts_with_all = ["trace", "emit_jobs", "merge"])]
     pub traces: Option<String>,

@@ -54,6 +54,7 @@ fn settings(min_chunk_tokens: u32, overrides: BTreeMap<Name, NodeBudget>) -> Bud
         min_chunk_tokens,
         max_row_tokens: None,
         max_partial_prefills: None,
+        slots_per_row: 0,
         time: Default::default(),
         order: Default::default(),
     }

@@ -82,6 +82,7 @@ fn state(c: &Case) -> SchedulerState {
         min_chunk_tokens: c.min_chunk,
         max_row_tokens: c.max_row,
         max_partial_prefills: c.max_partial,
+        slots_per_row: 0,
         time: Default::default(),
         order: Default::default(),
     };
@@ -237,6 +238,7 @@ proptest! {
             eligible: vec![n("mixed"), n("prefill"), n("decode")].into(),
             max_row_tokens: None,
             max_partial_prefills: None,
+            slots_per_row: 0,
             max_step_ms: Some(c.max_step_ms),
             cost: Some(model),
             learn_cost: false,

@@ -83,6 +83,7 @@ fn settings(budget: Option<u32>, min_chunk: u32) -> BudgetSettings {
         min_chunk_tokens: min_chunk,
         max_row_tokens: None,
         max_partial_prefills: None,
+        slots_per_row: 0,
         time: Default::default(),
         order: Default::default(),
     }

@@ -1,7 +1,7 @@
-"""Streaming input (resumable requests) under the plugin. A session's turn stops at its
+"""Streaming input (resumable requests) under the plugin. A stream's turn stops at its
 `max_tokens`; vLLM keeps the request, waiting for its next input (`WAITING_FOR_STREAMING_REQ`),
 or extends its prompt with an input that came meanwhile and queues it again; an input that is not
-resumable ends the session. The plugin forgets the session when a turn stops and admits it again
+resumable ends the stream. The plugin forgets the request when a turn stops and admits it again
 from what it computed once it waits with tokens to run.
 
 With vLLM's chunk rules the plugin schedules step for step as vLLM's own scheduler, sync and
@@ -22,7 +22,7 @@ class VllmRules(Scheduler):
         return {**super().chunking_settings(), "align": 1, "min_chunk_tokens": 1}
 
 
-# step -> (session, its next input's tokens and max_tokens; None ends the session)
+# step -> (stream, its next input's tokens and max_tokens; None ends the stream)
 INPUTS = {
     3: ("s0", (list(range(300, 350)), 4)),  # s0 still in its first turn: queued until it stops
     9: ("s1", (list(range(500, 530)), 3)),
@@ -43,7 +43,7 @@ def run(cls, async_scheduling):
         if step in INPUTS:
             req_id, update = INPUTS[step]
             if update is None:
-                s.add_request(make_request(req_id, [], 1))  # not resumable: the session ends
+                s.add_request(make_request(req_id, [], 1))  # not resumable: the stream ends
             else:
                 s.add_request(make_request(req_id, update[0], update[1], resumable=True))
         if step > max(INPUTS) and not s.has_requests():
@@ -59,12 +59,12 @@ def run(cls, async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_sessions_are_scheduled_as_vllm_schedules_them(async_scheduling):
+def test_streams_are_scheduled_as_vllm_schedules_them(async_scheduling):
     theirs, their_outputs = run(AsyncScheduler if async_scheduling else VllmScheduler, async_scheduling)
     ours, our_outputs = run(VllmRules, async_scheduling)
-    # Each session ran three turns: 6 + 4 tokens for s0, 2 + 3 + 5 for s1.
+    # Each stream ran three turns: 6 + 4 tokens for s0, 2 + 3 + 5 for s1.
     assert their_outputs["s0"] == 10 and their_outputs["s1"] == 10, their_outputs
-    # Both sessions' later inputs were prefilled: chunks past each first prompt.
+    # Both streams' later inputs were prefilled: chunks past each first prompt.
     assert any(r == "s0" and start >= 90 and n > 1 for st in theirs for r, start, n in st)
     assert any(r == "s1" and start >= 70 and n > 1 for st in theirs for r, start, n in st)
     for i, (a, b) in enumerate(zip(theirs, ours)):

@@ -52,7 +52,7 @@ TEST_FILES = [
     # too); through the connector tests' own helper, made to build the plugin (KV_HOOK below).
     "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
     "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
-    # Streaming input (resumable sessions), through the file's own helper, made to build the plugin.
+    # Streaming input (resumable requests), through the file's own helper, made to build the plugin.
     "tests/v1/streaming_input/test_scheduler_streaming.py",
 ]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
