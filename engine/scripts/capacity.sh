@@ -34,8 +34,10 @@ MAX_PROMPT=${MAX_PROMPT:-512}
 MAX_OUTPUT=${MAX_OUTPUT:-64}
 CAL_RATE=${CAL_RATE:-0.4}
 # Chunks of the size the objective leaves room for (a TBT bound of about ten decode steps holds
-# about 24 prompt tokens of SmolLM2 on one core): the fit is made where the settings run.
-CAL_BUDGET=${CAL_BUDGET:-32}
+# 12 to 24 prompt tokens of SmolLM2 on one core): the fit is made where the settings run. A token
+# costs less in short chunks on this CPU: a fit at 32 priced the settings' steps about 15% high
+# (engine/results/capacity-2026-12-06-quiet.md).
+CAL_BUDGET=${CAL_BUDGET:-12}
 # The objective, scaled to this engine: make capacity's 100 ms TBT bound is about ten decode
 # steps of the Llama-2-7B/A100 preset; a TTFT p90 of three times the p90 prompt's own prefill
 # lets such a prompt wait twice its prefill time behind others.
