@@ -254,7 +254,7 @@ engine-bench: model engine-speed ## The engine's measurements (docs/engine-measu
 	done
 
 # The replay's capacity verdict checked on the engine (docs/engine-measuring.md#capacity-on-the-engine).
-engine-capacity: model ## Capacity under an objective scaled to the engine's steps: the replay's best two token budgets and a time budget, searched on SmolLM2 and in the replay (about 20 minutes; target/engine-capacity/)
+engine-capacity: model ## Capacity under an objective scaled to the engine's steps: the replay's best two token budgets and a time budget, searched on SmolLM2 and in the replay (about 25 minutes; target/engine-capacity/)
 	engine/scripts/capacity.sh
 
 # The time budget with a CPU hog on the engine's core for part of a run (docs/engine-measuring.md#the-time-budget-under-interference).

@@ -26,9 +26,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/engine-capacity}
 STAGES=${STAGES:-cal replay engine summary}
 TRACE=${TRACE:-data/traces/AzureLLMInferenceTrace_conv.head500.csv}
-# 30 requests of the conversation trace at a quarter of their length (prompts 8-512 tokens,
+# 60 requests of the conversation trace at a quarter of their length (prompts 8-512 tokens,
 # outputs 1-64): a probe near capacity spans about a minute on SmolLM2 on one core.
-REQUESTS=${REQUESTS:-30}
+REQUESTS=${REQUESTS:-60}
 LENGTH_SCALE=${LENGTH_SCALE:-0.25}
 MAX_PROMPT=${MAX_PROMPT:-512}
 MAX_OUTPUT=${MAX_OUTPUT:-64}
@@ -52,8 +52,8 @@ TIME_MARGIN=${TIME_MARGIN:-0.99}
 REPLAY_BUDGETS=${REPLAY_BUDGETS:-8,12,16,20,24,32,64,256}
 TOKEN_SETTINGS=${TOKEN_SETTINGS:-}
 STEP=${STEP:-1.25}
-TOL=${TOL:-0.10}
-MAX_PROBES=${MAX_PROBES:-6}
+TOL=${TOL:-0.05}
+MAX_PROBES=${MAX_PROBES:-8}
 REPEAT=${REPEAT:-1}
 # The model on one thread pinned to ENGINE_CPU (the load generator on the other cores), both at
 # ENGINE_NICE (a negative value needs root: it keeps other work on a shared machine from taking
