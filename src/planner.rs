@@ -1275,6 +1275,10 @@ mod tests {
         let out = run(&p, &[], &[prompt(2, 50)]);
         assert_eq!(shape(&out), vec![(2, 50, true)]);
         assert!(out.uncut_over_budget);
+        // At its cap exactly it is not over it: beside a decode row that leaves less, it waits.
+        let out = run(&p, &[decode(1, 80)], &[prompt(2, 30)]);
+        assert_eq!(shape(&out), vec![(1, 80, false)]);
+        assert_eq!(out.waiting, 1);
     }
 
     #[test]
