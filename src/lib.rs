@@ -16,8 +16,7 @@
 //! - [`snapshot`]: the immutable budget snapshot with every `(node, walk)`'s step parameters;
 //! - [`planner`]: the step planner, a pure function from queues and parameters to a step plan;
 //! - [`latency`]: the step latency model and the time limit of a chunk's end, its online fit
-//!   ([`latency::fit`]), public model/GPU presets ([`latency::presets`]) and, with `replay`,
-//!   the offline `fit` of a file (`latency::fit_file`);
+//!   ([`latency::fit`]) and public model/GPU presets ([`latency::presets`]);
 //! - [`order`]: which waiting prompt a node starts first (`fcfs`, `priority`, `shortest_first`,
 //!   `longest_prefix`) and the starvation bound;
 //! - [`queues`]: one node's row queues and their progress;
@@ -30,10 +29,10 @@
 //! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
 //! file read; `manifest`, the model's file; `config`, the layered serving config; `reload`,
 //! hot reload), `replay` (`replay`, which drives the actors through a request trace on a
-//! simulated clock, and `latency::fit_file`), `sweep` (`sweep`, replays over a grid of budgets
+//! simulated clock), `sweep` (`sweep`, replays over a grid of budgets
 //! and rates; with `replay`, `text`, how numbers read in reports), `prometheus`
-//! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, `logging` and
-//! the binary).
+//! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, with the offline `fit` of a
+//! file, `logging` and the binary).
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!

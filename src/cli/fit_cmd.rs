@@ -38,14 +38,13 @@ pub fn fit(args: &FitArgs) -> ExitCode {
             }
         },
     };
-    let (input, fit, samples) =
-        match crate::latency::fit_file::fit_file_samples(&args.file, args.errors) {
-            Ok(r) => r,
-            Err(e) => {
-                say(&format!("error: cannot fit the latency model: {e}"));
-                return ExitCode::from(EXIT_CONFIG);
-            }
-        };
+    let (input, fit, samples) = match super::fit_file::fit_file_samples(&args.file, args.errors) {
+        Ok(r) => r,
+        Err(e) => {
+            say(&format!("error: cannot fit the latency model: {e}"));
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     let source = args.file.display().to_string();
     // The replay prices a step with `base_ms` or `per_token_ms` above 0, so that every step
     // takes some time (`replay.cost`): a table without either would be refused by it.
@@ -57,8 +56,8 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         return ExitCode::from(EXIT_CONFIG);
     }
     let kind = match input {
-        crate::latency::fit_file::FitInput::StepLog => "a replay step log",
-        crate::latency::fit_file::FitInput::Csv => "a CSV of step features",
+        super::fit_file::FitInput::StepLog => "a replay step log",
+        super::fit_file::FitInput::Csv => "a CSV of step features",
     };
     let kind = match args.errors {
         crate::latency::fit::FitErrors::Absolute => kind.to_owned(),
@@ -110,11 +109,8 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         "  {:<24} p50 {:.3}, p90 {:.3}, p99 {:.3}, max {:.3}\n",
         "|error| ms", e.p50, e.p90, e.p99, e.max
     ));
-    let ratios = crate::latency::fit_file::noise_ratios(
-        &fit.model,
-        &samples,
-        crate::latency::fit_file::NOISE_RATIO_POINTS,
-    );
+    let ratios =
+        super::fit_file::noise_ratios(&fit.model, &samples, super::fit_file::NOISE_RATIO_POINTS);
     if let Some(r) = &ratios {
         let at = |u| crate::replay::settings::ratio_at(r, u);
         out.push_str(&format!(
@@ -128,10 +124,10 @@ pub fn fit(args: &FitArgs) -> ExitCode {
     }
     out.push('\n');
     out.push_str(&match args.table {
-        FitFor::Serve => crate::latency::fit_file::render_toml(&fit, &node, &source),
+        FitFor::Serve => super::fit_file::render_toml(&fit, &node, &source),
         FitFor::Replay => {
-            let bands = crate::latency::fit_file::noise_bands(&fit.model, &samples);
-            crate::latency::fit_file::render_replay_toml(&fit, bands.as_deref(), &source)
+            let bands = super::fit_file::noise_bands(&fit.model, &samples);
+            super::fit_file::render_replay_toml(&fit, bands.as_deref(), &source)
         }
     });
     print_stdout(&out)

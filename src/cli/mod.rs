@@ -25,6 +25,7 @@ use crate::replay::TraceFormat;
 
 mod config_cmd;
 mod fit_cmd;
+mod fit_file;
 mod replay_cmd;
 mod sweep_cmd;
 mod sweep_jobs;

@@ -20,8 +20,6 @@
 use serde::{Deserialize, Serialize};
 
 pub mod fit;
-#[cfg(feature = "replay")]
-pub mod fit_file;
 pub mod margin;
 pub mod presets;
 

@@ -1,5 +1,5 @@
 //! The offline fit behind `mstar-chunking fit FILE` (`docs/fitting.md#offline`): reads a
-//! replay step log or a CSV of step features, fits the latency model ([`fit_samples`](crate::latency::fit::fit_samples)) and
+//! replay step log or a CSV of step features, fits the latency model (`latency::fit::fit_samples`) and
 //! renders it as a `[chunking.cost.<node>]` table ([`render_toml`]).
 //!
 //! Input is bounded (a regular file, [`MAX_FIT_FILE_BYTES`], [`MAX_FIT_LINE_BYTES`],
@@ -94,7 +94,7 @@ pub enum FitFileError {
     },
 }
 
-/// The kind of file [`read_samples`] found.
+/// The kind of file [`read_samples_with`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FitInput {
     /// A replay step log (JSON Lines; the first non-blank byte is `{`).
@@ -104,14 +104,16 @@ pub enum FitInput {
     Csv,
 }
 
+#[cfg(test)]
 /// Reads and fits a step log or a CSV of step features: what `mstar-chunking fit FILE` runs.
 ///
 /// # Errors
-/// As [`read_samples`]; [`FitFileError::EmptyFile`] when the file holds no step.
+/// As [`read_samples_with`]; [`FitFileError::EmptyFile`] when the file holds no step.
 pub fn fit_file(path: &Path) -> Result<(FitInput, FitReport), FitFileError> {
     fit_file_with(path, FitErrors::Absolute)
 }
 
+#[cfg(test)]
 /// [`fit_file`], minimising `errors` (`fit --errors`).
 ///
 /// # Errors
@@ -123,7 +125,8 @@ pub fn fit_file_with(
     fit_file_samples(path, errors).map(|(input, report, _)| (input, report))
 }
 
-/// [`fit_file_with`], answering the samples fitted too (for [`noise_bands`]).
+/// Reads and fits a step log or a CSV of step features, minimising `errors` (`fit --errors`),
+/// answering the samples fitted too (for [`noise_bands`]): what `mstar-chunking fit FILE` runs.
 ///
 /// # Errors
 /// As [`fit_file`].
@@ -284,6 +287,9 @@ const LIMITS: Limits = Limits {
     samples: MAX_FIT_SAMPLES,
 };
 
+/// The samples, and the line (from 1) each was read from.
+type SamplesRead = (FitInput, Vec<Sample>, Vec<u64>);
+
 /// Reads the steps of a step log or a CSV file, whichever it is (by its first non-blank
 /// byte: `{` is a step log).
 ///
@@ -296,13 +302,6 @@ const LIMITS: Limits = Limits {
 /// The path is not a regular file, cannot be read, is larger than [`MAX_FIT_FILE_BYTES`], has
 /// a line longer than [`MAX_FIT_LINE_BYTES`] or more than [`MAX_FIT_SAMPLES`] steps, or a line
 /// is not a step (each error names the file and the line).
-pub fn read_samples(path: &Path) -> Result<(FitInput, Vec<Sample>), FitFileError> {
-    read_samples_with(path, LIMITS).map(|(input, samples, _)| (input, samples))
-}
-
-/// The samples, and the line (from 1) each was read from.
-type SamplesRead = (FitInput, Vec<Sample>, Vec<u64>);
-
 fn read_samples_with(path: &Path, limits: Limits) -> Result<SamplesRead, FitFileError> {
     // A second buffer over the bounded reader: the first byte is peeked to tell the kind.
     let mut reader = BufReader::new(
