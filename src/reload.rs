@@ -230,7 +230,7 @@ impl Reloader {
         }
         // BudgetConfig counts the outcome of applying them.
         self.cm
-            .set_budgets(self.manifest.settings_budgets(&settings))
+            .reload(self.manifest.settings_budgets(&settings))
             .await?;
         let changed = chunking_changes(&old, &settings);
         *self.running.lock().unwrap_or_else(|e| e.into_inner()) = settings;
