@@ -443,8 +443,12 @@ pub async fn run_async(a: &BenchArgs) -> Result<serde_json::Value, String> {
         }
         w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
     }
+    // An idle connection is dropped well before the server's keep-alive (5 s) closes it: a
+    // request sent on a connection the server is closing at that moment fails unsent
+    // ("error sending request"), and a POST is not retried.
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
+        .pool_idle_timeout(Duration::from_secs(2))
         .build()
         .map_err(|e| e.to_string())?;
     let start = Instant::now();
