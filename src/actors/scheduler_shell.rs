@@ -341,6 +341,25 @@ mod tests {
     }
 
     /// A shell whose actors run on the test's system, labelled `test`.
+    /// Admits an 8-token prompt as `rid` on `llm`/`prefill` and runs it whole in one step,
+    /// measured `ms`.
+    fn one_prompt_step(
+        state: &mut SchedulerState,
+        shell: &mut Shell,
+        rid: u64,
+        ms: Option<f64>,
+    ) -> crate::scheduler::StepOutcome {
+        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
+        let input = PreparedInput::tokens(vec![1; 8]);
+        state
+            .admit_prepared(rid, &llm, &prefill, input, 0, shell)
+            .unwrap();
+        let b = state
+            .assemble_step_at("llm", "prefill", None, shell)
+            .unwrap();
+        state.complete_step(b.step, &[8], ms, shell).unwrap()
+    }
+
     fn test_shell() -> Shell {
         let instance = Instance::new("test".into());
         let prepared = PreparedInputs::new(instance.clone(), &[]).start();
@@ -474,14 +493,7 @@ mod tests {
                     .into_iter()
                     .enumerate()
                 {
-                    let input = PreparedInput::tokens(vec![1; 8]);
-                    state
-                        .admit_prepared(rid as u64, &llm, &prefill, input, 0, &mut shell)
-                        .unwrap();
-                    let b = state
-                        .assemble_step_at("llm", "prefill", None, &mut shell)
-                        .unwrap();
-                    let out = state.complete_step(b.step, &[8], ms, &mut shell).unwrap();
+                    let out = one_prompt_step(&mut state, &mut shell, rid as u64, ms);
                     assert!(out.time_inactive.is_some());
                 }
             });
@@ -536,16 +548,7 @@ mod tests {
                 .into_iter()
                 .enumerate()
             {
-                let input = PreparedInput::tokens(vec![1; 8]);
-                state
-                    .admit_prepared(rid as u64, &llm, &prefill, input, 0, &mut shell)
-                    .unwrap();
-                let b = state
-                    .assemble_step_at("llm", "prefill", None, &mut shell)
-                    .unwrap();
-                let out = state
-                    .complete_step(b.step, &[8], Some(ms), &mut shell)
-                    .unwrap();
+                let out = one_prompt_step(&mut state, &mut shell, rid as u64, Some(ms));
                 let over = (ms > 50.0).then_some(crate::overrun::TimeOverrunReason::Misprediction);
                 assert_eq!(out.time_overrun, over);
             }
