@@ -1,15 +1,28 @@
 //! The sweep's own plots (`docs/sweep.md`): the trade-off curve of TBT against TTFT,
-//! the capacity bars under the SLO and the step-time distributions, each a [`Figure`] that
-//! `plots.rs` renders as every plot is.
+//! the capacity bars under the SLO and the step-time distributions, each a `Figure` that
+//! `plots.rs` renders as every plot is, and [`draw_all`], which draws them all.
 
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::capacity::slo_text;
-use super::plots::{legend, series_color, text_style, Drawn, Figure};
-use super::{Bound, Sweep};
+use super::plots::{font, legend, render_figure, series_color, text_style, Drawn, Figure, Plot};
+use super::{Bound, Sweep, SweepError};
 use crate::text::fmt_rate;
+
+/// Draws every plot of `sweep`, SVG and PNG: the trade-off curve, the capacity bars (only with
+/// an SLO) and the step-time distributions.
+///
+/// # Errors
+/// A plot cannot be drawn or encoded.
+pub fn draw_all(sweep: &Sweep) -> Result<Vec<Plot>, SweepError> {
+    font()?;
+    Chart::all(sweep)
+        .iter()
+        .map(|c| render_figure(c.name(), c.title(), c))
+        .collect()
+}
 
 /// One of the sweep's plots of one sweep.
 pub(crate) struct Chart<'a> {
@@ -360,4 +373,116 @@ where
     }
     legend(&mut chart, 14, SeriesLabelPosition::LowerRight)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::plots::{HEIGHT, WIDTH};
+    use super::super::tests::{options, sample_sweep};
+    use super::super::{run_sweep, RunSummary};
+    use super::*;
+
+    const PNG_SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
+
+    #[test]
+    fn every_plot_is_a_valid_svg_and_png_naming_its_series() {
+        let s = sample_sweep();
+        let plots = draw_all(&s).unwrap();
+        assert_eq!(
+            plots.iter().map(|p| p.name).collect::<Vec<_>>(),
+            ["tradeoff", "capacity", "step_times"]
+        );
+        for p in &plots {
+            assert!(p.svg.starts_with("<svg"), "{}: {}", p.name, &p.svg[..40]);
+            assert!(p.svg.trim_end().ends_with("</svg>"), "{}", p.name);
+            assert!(
+                p.svg
+                    .contains(&p.title.replace('<', "&lt;").replace('>', "&gt;")),
+                "{}",
+                p.name
+            );
+            assert!(p.png.starts_with(&PNG_SIGNATURE), "{}", p.name);
+            // Decodes, with the plot's size and not one colour: something was drawn.
+            let dec = png::Decoder::new(&p.png[..]);
+            let mut reader = dec.read_info().unwrap();
+            let mut buf = vec![0; reader.output_buffer_size()];
+            let info = reader.next_frame(&mut buf).unwrap();
+            assert_eq!((info.width, info.height), (WIDTH, HEIGHT));
+            let pixels = &buf[..info.buffer_size()];
+            assert!(
+                pixels.chunks(3).any(|px| px != [255, 255, 255]),
+                "{}",
+                p.name
+            );
+            // Text was drawn with the font: some pixels are neither white nor a series colour.
+            assert!(pixels.chunks(3).any(|px| px == [0, 0, 0]), "{}", p.name);
+        }
+        let [tradeoff, capacity, steps] = &plots[..] else {
+            panic!()
+        };
+        for b in ["budget 512", "budget 2048", "budget off"] {
+            assert!(tradeoff.svg.contains(b), "{b}");
+            assert!(steps.svg.contains(b), "{b}");
+        }
+        assert!(tradeoff.svg.contains("SLO: TBT p99 &lt;= 60 ms"));
+        // The x axis is the percentile the objective bounds, and its bound is drawn.
+        assert!(tradeoff.svg.contains("TTFT p90 (simulated ms"));
+        assert!(!tradeoff.svg.contains("TTFT p99"));
+        assert!(tradeoff.svg.contains("SLO: TTFT p90 &lt;= 5000 ms"));
+        // A point is hollow exactly when its run misses the objective.
+        let slo = s.slo.unwrap();
+        let misses = s.cells.iter().filter(|c| !slo.meets(&c.summary)).count();
+        let circles: Vec<&str> = tradeoff
+            .svg
+            .split("<circle")
+            .skip(1)
+            .map(|c| c.split("/>").next().unwrap_or(c))
+            .collect();
+        let hollow = circles
+            .iter()
+            .filter(|c| c.contains("fill=\"none\""))
+            .count();
+        assert!(misses > 0 && misses < s.cells.len(), "the sample has both");
+        assert_eq!(hollow, misses);
+        assert_eq!(circles.len() - hollow, s.cells.len() - misses);
+        assert!(tradeoff.svg.contains("0.5x") && tradeoff.svg.contains("2x"));
+        assert!(tradeoff.svg.contains("<polyline") || tradeoff.svg.contains("<path"));
+        for c in &s.capacity {
+            assert!(capacity.svg.contains(&c.label()), "{}", c.label());
+        }
+        assert!(capacity.svg.contains("<rect"));
+        assert!(steps.title.ends_with("at rate scale 1"));
+    }
+
+    #[test]
+    fn log_axes_start_at_a_power_of_ten_and_label_1_2_5() {
+        assert_eq!(
+            log_range([13.0, 90.0].into_iter(), 2.0),
+            Some((10.0, 180.0))
+        );
+        assert_eq!(log_range([f64::NAN, -1.0, 0.0].into_iter(), 2.0), None);
+        let labels: Vec<String> = [10.0, 20.0, 30.0, 50.0, 90.0, 100.0, 0.5, 0.3, 2000.0]
+            .iter()
+            .map(fmt_log_ms)
+            .collect();
+        assert_eq!(labels, ["10", "20", "", "50", "", "100", "0.5", "", "2000"]);
+    }
+
+    #[test]
+    fn plots_without_data_say_so() {
+        let s = run_sweep(
+            &options(None),
+            |_, _| Ok::<_, String>(RunSummary::default()),
+        )
+        .unwrap();
+        let plots = draw_all(&s).unwrap();
+        assert_eq!(plots.len(), 2);
+        assert!(plots[0]
+            .svg
+            .contains("No run has both TTFT and TBT samples."));
+        assert!(plots[1]
+            .svg
+            .contains("No run at this rate scale has step times."));
+        assert!(plots[1].png.starts_with(&PNG_SIGNATURE));
+    }
 }

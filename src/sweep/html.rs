@@ -167,7 +167,7 @@ pub fn report(sweep: &Sweep, plots: &[Plot]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::plots::draw_all;
+    use super::super::charts::draw_all;
     use super::super::tests::sample_sweep;
     use super::*;
 

@@ -31,7 +31,7 @@ use serde::Serialize;
 pub mod axis;
 pub mod capacity;
 pub(crate) mod cells;
-mod charts;
+pub mod charts;
 pub mod fleet_axis;
 pub mod grid;
 pub mod html;

@@ -12,7 +12,7 @@ use serde::Serializer;
 use super::capacity::slo_text;
 use super::summary::LATENCIES;
 use super::tables::{budget_list, capacity_table, cell_table, notes, replays};
-use super::{capacity, html, plots, Sweep, SweepError};
+use super::{capacity, charts, html, plots, Sweep, SweepError};
 use crate::text::{fmt_rate, round3};
 
 /// The cells' CSV file.
@@ -184,7 +184,7 @@ pub fn write_outputs(sweep: &Sweep, dir: &Path, inputs: &[PathBuf]) -> Result<Wr
     let csv = to_csv(sweep)
         .map_err(|e| write_err(&dir.join(CSV_FILE))(std::io::Error::other(e.to_string())))?;
     let json = to_json(sweep).map_err(|e| write_err(&dir.join(JSON_FILE))(e.into()))?;
-    let drawn = plots::draw_all(sweep)?;
+    let drawn = charts::draw_all(sweep)?;
     let report = html::report(sweep, &drawn);
 
     let mut files: Vec<(String, Vec<u8>)> =

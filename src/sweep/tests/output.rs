@@ -191,7 +191,7 @@ fn an_interrupted_sweep_says_so_in_every_output() {
         v["not_run"][0],
         serde_json::json!({"budget": 2048, "rate_scale": 1.0})
     );
-    let drawn = plots::draw_all(&s).unwrap();
+    let drawn = charts::draw_all(&s).unwrap();
     assert!(html::report(&s, &drawn).contains(&html::escape(note)));
     let done: serde_json::Value =
         serde_json::from_slice(&to_json(&sample_sweep()).unwrap()).unwrap();
@@ -363,7 +363,7 @@ fn the_capacity_axis_fits_small_bars_and_shows_the_trace_rate_only_when_near() {
         .filter_map(|c| c.search.rate_scale)
         .fold(0.0, f64::max);
     assert!(tallest < 0.3, "{tallest}");
-    let drawn = plots::draw_all(&small).unwrap();
+    let drawn = charts::draw_all(&small).unwrap();
     let cap = drawn.iter().find(|p| p.name == "capacity").unwrap();
     assert!(
         !cap.svg.contains("1x: the trace"),
@@ -375,7 +375,7 @@ fn the_capacity_axis_fits_small_bars_and_shows_the_trace_rate_only_when_near() {
         cap.svg
     );
     let big = sample_sweep();
-    let drawn = plots::draw_all(&big).unwrap();
+    let drawn = charts::draw_all(&big).unwrap();
     let cap = drawn.iter().find(|p| p.name == "capacity").unwrap();
     assert!(cap.svg.contains("1x: the trace"));
 }
