@@ -600,6 +600,15 @@ fn print_stdout(text: &str) -> ExitCode {
     }
 }
 
+/// The files' names of `paths`, comma-separated.
+fn file_names(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -559,15 +559,6 @@ fn along<A: Axis + 'static>(values: Option<Vec<A::Value>>) -> Option<Box<dyn Any
     values.map(|v| Box::new(Along::<A>(v)) as Box<dyn AnyAxis>)
 }
 
-/// The files' names of `paths`, comma-separated.
-pub(super) fn file_names(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// A sweep along axis `A`: the grid once per value of `values`, each written into `OUT/<dir>/`
 /// with the usual files, then the axis's comparison into `OUT/`. A signal ends it after the run
 /// it interrupted; the comparison covers the runs that finished.

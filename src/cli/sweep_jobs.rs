@@ -510,7 +510,7 @@ pub(super) fn merge(args: &SweepArgs, dir: &Path) -> ExitCode {
                 manifest.body.cells.len(),
                 config::problem::escape(&dir.display().to_string()),
                 config::problem::escape(&args.out.display().to_string()),
-                super::sweep_cmd::file_names(&written.paths)
+                file_names(&written.paths)
             ));
             code
         }
