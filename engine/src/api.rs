@@ -545,9 +545,10 @@ pub const MAX_STOPS: usize = 4;
 pub const MAX_STOP_BYTES: usize = 1024;
 /// The most alternatives a completion's `logprobs` may ask for: 20, as vLLM's default
 /// `--max-logprobs` allows (OpenAI's legacy API allowed 5), and as many as the engine gives.
-pub const MAX_LOGPROBS: u8 = crate::engine::MAX_TOP_LOGPROBS;
-/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI and vLLM: 0 to 20).
-pub const MAX_TOP_LOGPROBS: u8 = crate::engine::MAX_TOP_LOGPROBS;
+pub const MAX_LOGPROBS: u8 = MAX_TOP_LOGPROBS;
+/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI and vLLM: 0 to 20), and
+/// the most a token's log-probabilities list in the engine.
+pub const MAX_TOP_LOGPROBS: u8 = 20;
 /// The most choices (`n`) a request may ask for.
 pub const MAX_N: u8 = 8;
 

@@ -218,7 +218,7 @@ impl GenRequest {
 }
 
 /// The most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
-pub const MAX_TOP_LOGPROBS: u8 = 20;
+pub use crate::api::MAX_TOP_LOGPROBS;
 
 /// A generated token's log-probability under the model (the softmax of its logits, before
 /// temperature and top-p), and the most likely tokens at its position with theirs.

@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use super::forms::csv_table;
 use super::output::{to_csv, write_whole, CSV_FILE};
 use super::plots::Plot;
 use super::tables::ms;
@@ -257,22 +258,6 @@ pub fn budget_table<'r>(
         row
     });
     text_table(&title, &all, rows)
-}
-
-/// A comparison's CSV file: `header`, then each row.
-///
-/// # Errors
-/// None in practice (written to memory).
-pub fn csv_table(
-    header: &[&str],
-    rows: impl IntoIterator<Item = Vec<String>>,
-) -> Result<Vec<u8>, csv::Error> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    w.write_record(header)?;
-    for row in rows {
-        w.write_record(&row)?;
-    }
-    w.into_inner().map_err(|e| csv::Error::from(e.into_error()))
 }
 
 /// The rate scale a comparison takes its latencies at: the sweep's step-time rate.

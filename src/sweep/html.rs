@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use super::capacity::slo_text;
 use super::capacity::TOLERANCE;
+pub use super::forms::escape;
 use super::plots::{Plot, HEIGHT, WIDTH};
 use super::tables::{budget_list, capacity_table, cell_table, notes, replays};
 use super::Sweep;
@@ -17,22 +18,6 @@ table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px soli
 th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}\
 .plot svg{max-width:100%;height:auto;border:1px solid #eee}.read{background:#f8f8f0;border-left:4px solid #cc9;padding:.5em 1em}\
 td.meets{color:#060}td.misses{color:#a00}.warn{background:#fdecea;border-left:4px solid #a00;padding:.5em 1em}code{background:#f4f4f4;padding:0 .2em}";
-
-/// Escapes text for HTML.
-pub fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
 
 fn table(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
     out.push_str("<table>\n<tr>");

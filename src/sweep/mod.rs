@@ -33,6 +33,7 @@ pub mod capacity;
 pub(crate) mod cells;
 pub mod charts;
 pub mod fleet_axis;
+mod forms;
 pub mod grid;
 pub mod html;
 pub mod jobs;

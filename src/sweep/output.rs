@@ -10,6 +10,7 @@ use serde::ser::SerializeMap;
 use serde::Serializer;
 
 use super::capacity::slo_text;
+use super::forms::render;
 use super::summary::LATENCIES;
 use super::tables::{budget_list, capacity_table, cell_table, notes, replays};
 use super::{capacity, charts, html, plots, Sweep, SweepError};
@@ -29,27 +30,6 @@ pub(crate) fn ser_pairs<S: Serializer>(v: &[(String, String)], s: S) -> Result<S
         m.serialize_entry(k, val)?;
     }
     m.end()
-}
-
-pub(crate) fn render(out: &mut String, (header, rows): (Vec<&str>, Vec<Vec<String>>)) {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for r in &rows {
-        for (w, v) in widths.iter_mut().zip(r) {
-            *w = (*w).max(v.chars().count());
-        }
-    }
-    let line = |out: &mut String, cells: Vec<&str>| {
-        let text: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(v, w)| format!("{v:>w$}"))
-            .collect();
-        let _ = writeln!(out, "  {}", text.join("  ").trim_end());
-    };
-    line(out, header.clone());
-    for r in &rows {
-        line(out, r.iter().map(String::as_str).collect());
-    }
 }
 
 /// The terminal table: the settings, the cells, and the capacities under the SLO.

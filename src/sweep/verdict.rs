@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use super::axis::csv_table;
+use super::forms::{csv_table, escape, render};
 use super::{Budget, Sweep};
 use crate::text::{fmt_rate, round3};
 
@@ -217,7 +217,7 @@ impl Verdict {
         if per_trace {
             header.push("objective");
         }
-        super::output::render(&mut out, (header, rows));
+        render(&mut out, (header, rows));
         let mut header = vec!["setting".to_owned()];
         header.extend(self.traces.iter().map(|t| t.trace.clone()));
         header.push("worst".to_owned());
@@ -236,7 +236,7 @@ impl Verdict {
         out.push_str(
             "each setting's capacity ÷ the best setting's on that trace, and its worst:\n",
         );
-        super::output::render(
+        render(
             &mut out,
             (header.iter().map(String::as_str).collect(), rows),
         );
@@ -320,7 +320,6 @@ impl Verdict {
 
     /// The verdict as HTML tables, for a report.
     pub fn html(&self) -> String {
-        use super::html::escape;
         let mut out = String::new();
         out.push_str(&format!(
             "<h2>Verdict</h2>\n<p>Under the objective ({}): the best token budget against the best time budget on each trace, and each setting's capacity as a fraction of the best on that trace.</p>\n",
