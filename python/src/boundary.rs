@@ -15,6 +15,7 @@ use mstar_chunking::budget::SettingKey;
 use mstar_chunking::policy::Name;
 use mstar_chunking::{ChunkingError, ErrorKind};
 use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyList, PyTuple};
@@ -477,7 +478,7 @@ pub(crate) mod num_max {
 /// item without an iterator or a new reference; `None` for anything else, or an item out of
 /// range, which the general path reads (or refuses, naming it).
 fn ran_list(ran: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
-    crate::engine::list_u32(ran.downcast_exact::<PyList>().ok()?)
+    list_u32(ran.downcast_exact::<PyList>().ok()?)
 }
 
 /// `ran`: one whole number of tokens per row, or an `InvalidRequestError` naming the entry.
@@ -628,4 +629,45 @@ pub(crate) fn py_bool(b: bool) -> &'static str {
     } else {
         "False"
     }
+}
+
+/// The items of `list` as `u32`s when every one is an `int` (exactly) from 0 to `u32::MAX`;
+/// `None` otherwise (nothing raised: the caller converts the list another way). An item that
+/// is the same object as the one before it (a run of small ints, as decode rows' `1`s are)
+/// is not converted again: an `int` does not change.
+pub(crate) fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+    let n = list.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut last: (*mut ffi::PyObject, u32) = (std::ptr::null_mut(), 0);
+    for i in 0..n {
+        // SAFETY: `list` is a live list, and `i` is below the length read with the GIL held
+        // (nothing here runs Python code that could shrink it); `PyList_GetItem` answers a
+        // borrowed reference, used before anything else touches the list (`last` only compares
+        // the address of an item the list still holds). A conversion that fails sets an error,
+        // fetched (cleared) here before `None` is answered.
+        let id = unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            if item == last.0 {
+                last.1
+            } else {
+                if ffi::PyLong_CheckExact(item) == 0 {
+                    return None;
+                }
+                let v = ffi::PyLong_AsUnsignedLong(item);
+                if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                    ffi::PyErr_Clear();
+                    return None;
+                }
+                let v = u32::try_from(v).ok()?;
+                last = (item, v);
+                v
+            }
+        };
+        ids.push(id);
+    }
+    Some(ids)
 }

@@ -18,14 +18,13 @@ use mstar_chunking::{
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::boundary::{
-    block_within, call_within, clock_arg, invalid, measured_arg, name, name_pair, panic_message,
-    priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole, whole_named,
-    Failure, Owner,
+    block_within, call_within, clock_arg, invalid, list_u32, measured_arg, name, name_pair,
+    panic_message, priority_arg, py_attr, py_repr_str, ran_arg, timeout_arg, to_py_err, whole,
+    whole_named, Failure, Owner,
 };
 use crate::settings::{drain_to_py, model_to_py, BudgetArgs, CostArg, PerWalk};
 use crate::steps::{keyed_columns, overrun_to_py, Completed, Outcome, StepBatch, Tokens};
@@ -120,47 +119,6 @@ pub(crate) fn token_ids(
         .chunks_exact(4)
         .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
-}
-
-/// The items of `list` as `u32`s when every one is an `int` (exactly) from 0 to `u32::MAX`;
-/// `None` otherwise (nothing raised: the caller converts the list another way). An item that
-/// is the same object as the one before it (a run of small ints, as decode rows' `1`s are)
-/// is not converted again: an `int` does not change.
-pub(crate) fn list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
-    let n = list.len();
-    let mut ids = Vec::with_capacity(n);
-    let mut last: (*mut ffi::PyObject, u32) = (std::ptr::null_mut(), 0);
-    for i in 0..n {
-        // SAFETY: `list` is a live list, and `i` is below the length read with the GIL held
-        // (nothing here runs Python code that could shrink it); `PyList_GetItem` answers a
-        // borrowed reference, used before anything else touches the list (`last` only compares
-        // the address of an item the list still holds). A conversion that fails sets an error,
-        // fetched (cleared) here before `None` is answered.
-        let id = unsafe {
-            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
-            if item.is_null() {
-                ffi::PyErr_Clear();
-                return None;
-            }
-            if item == last.0 {
-                last.1
-            } else {
-                if ffi::PyLong_CheckExact(item) == 0 {
-                    return None;
-                }
-                let v = ffi::PyLong_AsUnsignedLong(item);
-                if v == std::os::raw::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
-                    ffi::PyErr_Clear();
-                    return None;
-                }
-                let v = u32::try_from(v).ok()?;
-                last = (item, v);
-                v
-            }
-        };
-        ids.push(id);
-    }
-    Some(ids)
 }
 
 /// The `(rid, node)` keys admitted through one [`Engine`], each with its admission's number.
