@@ -99,6 +99,16 @@ pub fn fmt_ms(v: f64) -> String {
     }
 }
 
+/// A number as a user would write it: exponent notation when very large or small.
+pub(crate) fn float(v: f64) -> String {
+    let a = v.abs();
+    if a.is_finite() && a != 0.0 && !(1e-6..1e16).contains(&a) {
+        format!("{v:e}")
+    } else {
+        v.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,7 +58,7 @@ pub fn check_link(setup: &ReplaySetup, trace: &Trace, rate_scale: f64) -> Result
             key: "replay.fleet.kv_link_gbps",
             problem: format!(
                 "= {} Gbit/s (`--kv-link-gbps`) is too slow for request rid {}: its prompt of {} tokens ({} B of KV a token) would reach the decode pool at {:.3e} simulated ms, past the {MAX_SIMULATED_MS:.3e} ms within which the simulated clock keeps microseconds; use a faster link",
-                super::settings::float(pd.kv_link_gbps),
+                crate::text::float(pd.kv_link_gbps),
                 r.rid,
                 r.input_tokens,
                 pd.kv_bytes_per_token,

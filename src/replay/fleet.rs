@@ -25,79 +25,11 @@ use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup};
 use crate::budget::BudgetSettings;
-use crate::config::FleetSection;
 use crate::manifest::Manifest;
 use crate::ChunkingManagement;
 
-/// The most workers a fleet replay runs: each keeps its own actors and a record per request of
-/// the trace, so memory grows with workers × requests.
-pub const MAX_WORKERS: u32 = 256;
-
 /// Steps between progress bar updates.
 pub(super) const PROGRESS_EVERY: u64 = 256;
-
-/// `[replay.fleet]`, checked.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FleetSetup {
-    /// Workers, from 1 to [`MAX_WORKERS`].
-    pub workers: u32,
-    /// The router's rule.
-    pub router: RouterKind,
-    /// `prefix_affinity`'s load guard, in outstanding requests.
-    pub affinity_slack: u32,
-    /// A prefill pool and a decode pool instead of `workers` colocated ones
-    /// (`replay.fleet.prefill_workers` and `decode_workers`); `None`: colocated.
-    pub disagg: Option<super::disagg::PdSetup>,
-}
-
-impl FleetSetup {
-    /// Workers in the fleet: `workers`, or both pools of a disaggregated one.
-    pub fn size(&self) -> u32 {
-        self.disagg.as_ref().map_or(self.workers, |d| d.workers())
-    }
-}
-
-impl Default for FleetSetup {
-    fn default() -> Self {
-        Self {
-            workers: 1,
-            router: RouterKind::RoundRobin,
-            affinity_slack: FleetSection::default().affinity_slack,
-            disagg: None,
-        }
-    }
-}
-
-/// Checks `[replay.fleet]`: a number of workers from 1 to [`MAX_WORKERS`] and a router's name;
-/// each problem goes to `refuse` with its key.
-pub(super) fn check(
-    f: &FleetSection,
-    refuse: &mut impl FnMut(&'static str, Option<String>, String),
-) -> FleetSetup {
-    let mut setup = FleetSetup {
-        workers: f.workers,
-        affinity_slack: f.affinity_slack,
-        ..FleetSetup::default()
-    };
-    if !(1..=MAX_WORKERS).contains(&f.workers) {
-        refuse(
-            "replay.fleet.workers",
-            Some(f.workers.to_string()),
-            format!("must be a whole number of workers from 1 to {MAX_WORKERS}"),
-        );
-        setup.workers = 1;
-    }
-    match f.router.parse::<RouterKind>() {
-        Ok(r) => setup.router = r,
-        Err(_) => refuse(
-            "replay.fleet.router",
-            Some(crate::config::problem::quote(&f.router)),
-            format!("is not a router (routers: {})", RouterKind::names()),
-        ),
-    }
-    setup.disagg = super::disagg::check(f, refuse);
-    setup
-}
 
 /// What a fleet's workers are set up with, as a single replay's simulation is (`run.rs`).
 pub(super) struct WorkerPlan<'a> {
@@ -384,63 +316,4 @@ pub(super) fn pool_tallies(
         .map(Tally::finish)
         .expect("a fleet has at least one worker");
     (report, fleet)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A refused setting: its key, its value and why.
-    type Problem = (&'static str, Option<String>, String);
-
-    fn checked(f: &FleetSection) -> (FleetSetup, Vec<Problem>) {
-        let mut problems = Vec::new();
-        let setup = check(f, &mut |k, v, r| problems.push((k, v, r)));
-        (setup, problems)
-    }
-
-    #[test]
-    fn the_default_section_is_one_worker_behind_round_robin() {
-        let (setup, problems) = checked(&FleetSection::default());
-        assert!(problems.is_empty(), "{problems:?}");
-        assert_eq!(setup, FleetSetup::default());
-        assert_eq!(setup.workers, 1);
-    }
-
-    #[test]
-    fn workers_and_router_are_refused_at_their_keys() {
-        let (_, p) = checked(&FleetSection {
-            workers: 0,
-            router: "random".into(),
-            affinity_slack: 8,
-            ..FleetSection::default()
-        });
-        assert_eq!(p.len(), 2, "{p:?}");
-        assert_eq!(p[0].0, "replay.fleet.workers");
-        assert_eq!(p[0].1.as_deref(), Some("0"));
-        assert!(p[0].2.contains("from 1 to 256"), "{p:?}");
-        assert_eq!(p[1].0, "replay.fleet.router");
-        assert_eq!(p[1].1.as_deref(), Some("\"random\""));
-        assert!(
-            p[1].2
-                .contains("round_robin, least_outstanding, least_kv, prefix_affinity"),
-            "{p:?}"
-        );
-        let (_, p) = checked(&FleetSection {
-            workers: MAX_WORKERS + 1,
-            ..FleetSection::default()
-        });
-        assert_eq!(p.len(), 1, "{p:?}");
-        let (s, p) = checked(&FleetSection {
-            workers: MAX_WORKERS,
-            router: "prefix_affinity".into(),
-            affinity_slack: 0,
-            ..FleetSection::default()
-        });
-        assert!(p.is_empty());
-        assert_eq!(
-            (s.workers, s.router, s.affinity_slack),
-            (256, RouterKind::PrefixAffinity, 0)
-        );
-    }
 }

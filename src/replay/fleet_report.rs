@@ -37,7 +37,7 @@ pub struct FleetReport {
 pub struct PdReport {
     /// The pools and the link, as checked.
     #[serde(flatten)]
-    pub setup: super::disagg::PdSetup,
+    pub setup: super::topology::PdSetup,
     /// KV transfers made: one per request that generated more than its first token.
     pub transfers: usize,
     /// Bytes they moved.
@@ -104,7 +104,7 @@ impl FleetReport {
     pub fn label(&self) -> String {
         let workers = match &self.disaggregated {
             None => plural(u64::from(self.workers), "worker"),
-            Some(pd) => super::disagg::label(&pd.setup),
+            Some(pd) => super::topology::label(&pd.setup),
         };
         let mut s = format!("{workers} behind {}", self.router);
         if let Some(slack) = self.affinity_slack {

@@ -40,6 +40,7 @@ pub mod settings;
 mod signals;
 pub(crate) mod sim;
 pub(crate) mod step_log;
+pub mod topology;
 pub mod trace;
 
 pub use budgets::{
@@ -48,7 +49,6 @@ pub use budgets::{
 };
 pub use checks::{check_clock, check_kv_fits, MAX_SIMULATED_MS};
 pub use error::ReplayError;
-pub use fleet::FleetSetup;
 pub use options::{ReplayOptions, StepHook, StopFlag};
 pub use priority::PriorityBy;
 pub use report::ReplayReport;
@@ -58,6 +58,7 @@ pub use run::{load_trace, run, run_on, run_trace, trace_warnings};
 pub use settings::{KvSetup, ReplaySetup};
 pub use signals::signal_exit_code;
 pub(crate) use signals::{catch_signals, signal_name, test_signal_at};
+pub use topology::FleetSetup;
 pub use trace::{BadLine, Trace, TraceError, TraceFormat};
 
 /// The walk prompts are admitted on.

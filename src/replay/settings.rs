@@ -8,6 +8,7 @@ use crate::latency::{LatencyModel, TERMS};
 use crate::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
+use crate::text::float;
 
 /// The most milliseconds any `replay.cost` coefficient may be: with token counts bounded by the
 /// trace limits (and so attention pairs below 2^47 a chunk), every step time and sum of them
@@ -62,7 +63,7 @@ pub struct ReplaySetup {
     /// The KV-cache memory (`[replay.kv]`); `None`: unlimited.
     pub kv: Option<KvSetup>,
     /// The workers and their router (`[replay.fleet]`); one worker by default.
-    pub fleet: super::fleet::FleetSetup,
+    pub fleet: super::topology::FleetSetup,
 }
 
 /// The KV pool a replay simulates (`docs/kv-memory.md`), resolved from `[replay.kv]`.
@@ -112,16 +113,6 @@ pub struct SettingProblem {
     pub value: Option<String>,
     /// Why it was refused.
     pub reason: String,
-}
-
-/// A number as a user would write it: exponent notation when very large or small.
-pub(super) fn float(v: f64) -> String {
-    let a = v.abs();
-    if a.is_finite() && a != 0.0 && !(1e-6..1e16).contains(&a) {
-        format!("{v:e}")
-    } else {
-        v.to_string()
-    }
 }
 
 fn names<'a>(it: impl Iterator<Item = &'a String>) -> String {
@@ -236,9 +227,9 @@ pub fn check(manifest: &Manifest, r: &ReplaySection) -> Result<ReplaySetup, Vec<
         );
     }
     let kv = check_kv(&r.kv, &mut refuse);
-    let mut fleet = super::fleet::check(&r.fleet, &mut refuse);
+    let mut fleet = super::topology::check_fleet(&r.fleet, &mut refuse);
     if let Some(pd) = &mut fleet.disagg {
-        (pd.kv_bytes_per_token, pd.kv_bytes_source) = super::disagg::resolve_kv_bytes(r);
+        (pd.kv_bytes_per_token, pd.kv_bytes_source) = super::topology::resolve_kv_bytes(r);
     }
     match node {
         Some(node) if problems.is_empty() => Ok(ReplaySetup {

@@ -197,7 +197,7 @@ pub fn labels(
     // A fleet set in the config makes every cell a fleet replay (`docs/fleet.md`).
     if setup.fleet.size() > 1 {
         let workers = match &setup.fleet.disagg {
-            Some(pd) => crate::replay::disagg::label(pd),
+            Some(pd) => crate::replay::topology::label(pd),
             None => crate::text::plural(u64::from(setup.fleet.workers), "worker"),
         };
         v.push((

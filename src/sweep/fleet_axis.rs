@@ -20,7 +20,7 @@ use super::plots::{
 use super::tables::ms;
 use super::SweepError;
 use crate::config::Settings;
-use crate::replay::fleet::MAX_WORKERS;
+use crate::replay::topology::MAX_WORKERS;
 use crate::replay::RouterKind;
 use crate::text::{fmt_rate, round3};
 

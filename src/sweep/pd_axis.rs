@@ -17,7 +17,7 @@ use super::grid::{Budget, GridError};
 use super::plots::render_figure;
 use super::SweepError;
 use crate::config::Settings;
-use crate::replay::fleet::MAX_WORKERS;
+use crate::replay::topology::MAX_WORKERS;
 
 /// A split of a fleet: prefill workers to decode workers, as `--pd` names it (`1:3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
