@@ -1165,16 +1165,8 @@ impl SchedulerState {
             // What the step ran (a chunk reported at 0 did not run): the online fit learns from
             // it, and the time margin compares it with its prediction.
             let features = ran_features(&f.plan, ran);
-            if learns {
-                self.observe(&node, &features, ms);
-            }
-            if let Some((q, time)) = margin {
-                let predicted = time.model.predict_ms(&features);
-                self.margins
-                    .entry(node.clone())
-                    .or_default()
-                    .observe(ms, predicted, q);
-            }
+            let margin = margin.map(|(q, time)| (q, time.model));
+            self.take_measurement(&node, &features, ms, learns, margin);
         }
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
         if measured_ms.is_none() && (learns || margin.is_some()) {
@@ -1264,16 +1256,7 @@ impl SchedulerState {
         let Some(u) = self.unmeasured.remove(at) else {
             return Err(ChunkingError::UnknownStep { step });
         };
-        if u.learns {
-            self.observe(&u.node, &u.features, ms);
-        }
-        if let Some((q, model)) = u.margin {
-            let predicted = model.predict_ms(&u.features);
-            self.margins
-                .entry(u.node.clone())
-                .or_default()
-                .observe(ms, predicted, q);
-        }
+        self.take_measurement(&u.node, &u.features, ms, u.learns, u.margin);
         let time_overrun = u
             .max_step_ms
             .and_then(|max| classify_time_overrun(ms, max, u.time_over));
@@ -1295,6 +1278,29 @@ impl SchedulerState {
             time_overrun,
             model,
         })
+    }
+
+    /// A step's measured time `ms`, taken in whether it came with the completion or later: the
+    /// node's online fit learns from what the step ran (`features`) when it `learns`, and the
+    /// time margin at its quantile compares `ms` with the step's prediction by `model`.
+    fn take_measurement(
+        &mut self,
+        node: &Name,
+        features: &StepFeatures,
+        ms: f64,
+        learns: bool,
+        margin: Option<(f64, LatencyModel)>,
+    ) {
+        if learns {
+            self.observe(node, features, ms);
+        }
+        if let Some((q, model)) = margin {
+            let predicted = model.predict_ms(features);
+            self.margins
+                .entry(node.clone())
+                .or_default()
+                .observe(ms, predicted, q);
+        }
     }
 
     /// The time margin steps planned under `params` divide their time budget by
