@@ -99,13 +99,16 @@ pub fn replay_budgets(
     }
     // Only a flag can make the config's own budgets fail here: `check` accepted those.
     if budget_off || value.is_some() {
-        if let Some(problem) = time_budget_without_tokens(manifest, &budgets) {
-            return Err(ReplayError::Config {
-                key: "--max-step-ms",
-                problem,
-            });
-        }
-        if let Some(reason) = budget_refusal(manifest, &budgets) {
+        if let Some(refused) = refusal(manifest, &budgets) {
+            if let Refused::Budgets(errors) = &refused {
+                if let Some(problem) = time_budget_without_tokens(&budgets, errors) {
+                    return Err(ReplayError::Config {
+                        key: "--max-step-ms",
+                        problem,
+                    });
+                }
+            }
+            let reason = refused.escaped();
             return Err(ReplayError::Budget {
                 flag: if value.is_some() {
                     "--budget"
@@ -120,35 +123,54 @@ pub fn replay_budgets(
     Ok(budgets)
 }
 
-/// Why the config would refuse `budgets` for `manifest` (every refusal, escaped), if it would.
-pub fn budget_refusal(
-    manifest: &Manifest,
-    budgets: &crate::budget::BudgetSettings,
-) -> Option<String> {
-    let escaped = |e: String| crate::config::problem::escape(&e);
+/// Why the component would refuse `budgets` for `manifest`: the model's own problems, or every
+/// refusal of the budget table (built once).
+enum Refused {
+    Model(String),
+    Budgets(crate::budget::BudgetErrors),
+}
+
+impl Refused {
+    /// Every problem, escaped for a message.
+    fn escaped(&self) -> String {
+        let text = match self {
+            Self::Model(m) => m.clone(),
+            Self::Budgets(e) => e.to_string(),
+        };
+        crate::config::problem::escape(&text)
+    }
+}
+
+/// The component's refusal of `budgets` for `manifest`, if it would refuse them.
+fn refusal(manifest: &Manifest, budgets: &crate::budget::BudgetSettings) -> Option<Refused> {
     let model = match crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies())
     {
         Ok(m) => m.shared(),
         Err(e) => {
             let e: Vec<String> = e.iter().map(ToString::to_string).collect();
-            return Some(escaped(e.join("; ")));
+            return Some(Refused::Model(e.join("; ")));
         }
     };
     crate::budget::BudgetTable::build(model, budgets.clone())
         .err()
-        .map(|e| escaped(e.to_string()))
+        .map(Refused::Budgets)
+}
+
+/// Why the config would refuse `budgets` for `manifest` (every refusal, escaped), if it would.
+pub fn budget_refusal(
+    manifest: &Manifest,
+    budgets: &crate::budget::BudgetSettings,
+) -> Option<String> {
+    refusal(manifest, budgets).map(|r| r.escaped())
 }
 
 /// With `--budget off` or `--budget-off`: a node's time budget (the `--max-step-ms` flag or
 /// `chunking.max_step_ms.<node>`) left on step walks without a token budget, which it could not
 /// bound, as a problem naming both flags and the key (`docs/replay-report.md#labelled-runs`).
 fn time_budget_without_tokens(
-    manifest: &Manifest,
     budgets: &crate::budget::BudgetSettings,
+    errors: &crate::budget::BudgetErrors,
 ) -> Option<String> {
-    let model =
-        crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies()).ok()?;
-    let errors = crate::budget::BudgetTable::build(model.shared(), budgets.clone()).err()?;
     let escape = crate::config::problem::escape;
     errors.0.iter().find_map(|e| match e {
         crate::budget::BudgetError::TimeBudgetWithoutTokenBudget { node, walk } => {
