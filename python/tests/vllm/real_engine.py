@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -563,9 +562,13 @@ def main() -> int:
         args.hog = None
     else:
         args = ap.parse_args(argv)
-    if args.hog and not (len(args.hog) == 2 and 0 <= args.hog[0] < args.hog[1] and all(map(math.isfinite, args.hog))):
-        ap.error(f"--hog: ON,OFF seconds with 0 <= ON < OFF, got {args.hog}")
-    if args.time_margin is not None and args.time_margin <= 0:
+    if args.hog and not (len(args.hog) == 2 and 0 <= args.hog[0] < args.hog[1] <= args.timeout):
+        # (NaN fails every comparison.) A hog's own loop ends at OFF even if its run is killed,
+        # so OFF is bounded by a run's timeout.
+        ap.error(f"--hog: ON,OFF seconds with 0 <= ON < OFF <= --timeout ({args.timeout:g}), got {args.hog}")
+    if args.time_margin is not None and not 0 <= args.time_margin <= 1:
+        ap.error(f"--time-margin: a quantile from 0 (none) to 1, got {args.time_margin}")
+    if args.time_margin == 0:
         args.time_margin = None
     if args.child:
         args.kind = args.child
