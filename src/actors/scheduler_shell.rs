@@ -341,6 +341,15 @@ mod tests {
     }
 
     /// A shell whose actors run on the test's system, labelled `test`.
+    /// The state of a node `llm` with a `prefill` walk under `settings`.
+    fn prefill_state(settings: crate::budget::BudgetSettings) -> SchedulerState {
+        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
+        let table = BudgetTable::from_policies(prefill_model(&llm, &prefill))
+            .with_settings(settings)
+            .unwrap();
+        SchedulerState::with_table(table)
+    }
+
     /// Admits an 8-token prompt as `rid` on `llm`/`prefill` and runs it whole in one step,
     /// measured `ms`.
     fn one_prompt_step(
@@ -476,16 +485,12 @@ mod tests {
         let captured = Arc::new(Captured::default());
         let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
         let mut shell = test_shell();
-        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
-        let model = prefill_model(&llm, &prefill);
         // Learning, no configured model: no step is planned in time until the fit is trusted.
-        let settings = crate::budget::BudgetSettings::new(["prefill"])
-            .learn_cost(true)
-            .max_step_ms("llm", 50.0);
-        let table = BudgetTable::from_policies(model)
-            .with_settings(settings)
-            .unwrap();
-        let mut state = SchedulerState::with_table(table);
+        let mut state = prefill_state(
+            crate::budget::BudgetSettings::new(["prefill"])
+                .learn_cost(true)
+                .max_step_ms("llm", 50.0),
+        );
         metrics::with_local_recorder(&recorder, || {
             tracing::dispatcher::with_default(&dispatch, || {
                 // Five steps not measured, then one measured step and one more.
@@ -532,16 +537,12 @@ mod tests {
         let captured = Arc::new(Captured::default());
         let dispatch = tracing::Dispatch::new(Capture(captured.clone()));
         let mut shell = test_shell();
-        let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
-        let model = prefill_model(&llm, &prefill);
         let cost = LatencyModel::try_new(1.0, 1.0, 0.0, 0.0).unwrap();
-        let settings = crate::budget::BudgetSettings::new(["prefill"])
-            .cost("llm", cost)
-            .max_step_ms("llm", 50.0);
-        let table = BudgetTable::from_policies(model)
-            .with_settings(settings)
-            .unwrap();
-        let mut state = SchedulerState::with_table(table);
+        let mut state = prefill_state(
+            crate::budget::BudgetSettings::new(["prefill"])
+                .cost("llm", cost)
+                .max_step_ms("llm", 50.0),
+        );
         tracing::dispatcher::with_default(&dispatch, || {
             // 8 tokens are predicted 9 ms; six steps take 100 ms, one between them 20 ms.
             for (rid, ms) in [100.0, 100.0, 20.0, 100.0, 100.0, 100.0, 100.0]
