@@ -63,18 +63,12 @@
 
 pub mod actors;
 pub mod budget;
-#[cfg(feature = "cli")]
-pub mod cli;
 #[cfg(feature = "config")]
 pub mod config;
 pub mod error;
 #[cfg(feature = "config")]
-// The bounded line reader serves the replay's traces and fit files only.
-#[cfg_attr(not(feature = "replay"), allow(dead_code))]
-mod input;
+pub mod input;
 pub mod latency;
-#[cfg(feature = "cli")]
-pub mod logging;
 #[cfg(feature = "config")]
 pub mod manifest;
 pub mod metrics;
@@ -89,15 +83,9 @@ pub mod queues;
 pub mod range;
 #[cfg(feature = "config")]
 pub mod reload;
-#[cfg(feature = "replay")]
-pub mod replay;
 pub mod rows;
 pub mod scheduler;
 pub mod snapshot;
-#[cfg(feature = "sweep")]
-pub mod sweep;
-#[cfg(any(feature = "replay", feature = "sweep"))]
-pub(crate) mod text;
 
 pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{

@@ -23,7 +23,10 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use crate::config::{load_manifest, load_settings, ConfigErrors, LoadOptions, Settings};
+use crate::config::{
+    load_manifest, load_settings, ConfigErrors, ExtraSections, LoadOptions, NoExtraSections,
+    Settings,
+};
 use crate::error::ChunkingError;
 use crate::manifest::Manifest;
 use crate::ChunkingManagement;
@@ -46,7 +49,7 @@ pub enum ReloadError {
     /// A section that cannot change at run time changed.
     #[error("config reload refused: {} changed, which cannot change at run time; restart to apply it (nothing was applied)", .sections.iter().map(|s| format!("`[{s}]`")).collect::<Vec<_>>().join(", "))]
     FixedSection {
-        /// The sections that changed: `log`, `metrics`, `replay`.
+        /// The sections that changed: `log`, `metrics`, or the program's own.
         sections: Vec<&'static str>,
     },
     /// Reading the files took longer than [`READ_TIMEOUT`] (a FIFO or a stuck file system).
@@ -110,7 +113,8 @@ pub fn chunking_changes(old: &Settings, new: &Settings) -> Vec<String> {
     changed
 }
 
-/// The sections that cannot change at run time and differ between `old` and `new`.
+/// The sections that cannot change at run time and differ between `old` and `new`: `[log]`
+/// and `[metrics]`.
 pub fn fixed_changes(old: &Settings, new: &Settings) -> Vec<&'static str> {
     let mut sections = Vec::new();
     if old.log != new.log {
@@ -119,29 +123,27 @@ pub fn fixed_changes(old: &Settings, new: &Settings) -> Vec<&'static str> {
     if old.metrics != new.metrics {
         sections.push("metrics");
     }
-    if old.replay != new.replay {
-        sections.push("replay");
-    }
     sections
 }
 
-/// Re-reads the layered config for a running component.
+/// Re-reads the layered config for a running component; `X` are the program's own sections
+/// ([`ExtraSections`]), which cannot change at run time either.
 #[derive(Clone)]
-pub struct Reloader {
+pub struct Reloader<X: ExtraSections = NoExtraSections> {
     cm: ChunkingManagement,
     opts: LoadOptions,
     manifest: Manifest,
     /// The settings in force: what a reload compares with.
-    running: Arc<Mutex<Settings>>,
+    running: Arc<Mutex<(Settings, X)>>,
 }
 
-impl Reloader {
+impl<X: ExtraSections> Reloader<X> {
     /// A reloader for `cm`, which runs `manifest` and was configured from `opts`. The settings
     /// in force are taken to be what `opts` gives now (or the defaults, if that is refused);
     /// [`Reloader::running`] sets them when the caller has them.
     pub fn new(cm: ChunkingManagement, opts: LoadOptions, manifest: Manifest) -> Self {
-        let running = load_settings(&opts, &manifest)
-            .map(|(s, _)| s)
+        let running = load_settings::<X>(&opts, &manifest)
+            .map(|(s, x, _)| (s, x))
             .unwrap_or_default();
         Self {
             cm,
@@ -151,10 +153,10 @@ impl Reloader {
         }
     }
 
-    /// Sets the settings in force.
+    /// Sets the settings in force, and the program's sections.
     #[must_use]
-    pub fn running(self, settings: Settings) -> Self {
-        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = settings;
+    pub fn running(self, settings: Settings, extra: X) -> Self {
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = (settings, extra);
         self
     }
 
@@ -188,9 +190,9 @@ impl Reloader {
     }
 
     /// Reads the manifest and the layers on a blocking thread, within [`READ_TIMEOUT`].
-    async fn read(&self) -> Result<Settings, ReloadError> {
+    async fn read(&self) -> Result<(Settings, X), ReloadError> {
         let (opts, manifest) = (self.opts.clone(), self.manifest.clone());
-        let work = tokio::task::spawn_blocking(move || -> Result<Settings, ReloadError> {
+        let work = tokio::task::spawn_blocking(move || -> Result<(Settings, X), ReloadError> {
             if let Some(path) = opts.model_path() {
                 if !load_manifest(&path).is_ok_and(|m| m == manifest) {
                     return Err(ReloadError::ManifestChanged {
@@ -198,8 +200,8 @@ impl Reloader {
                     });
                 }
             }
-            load_settings(&opts, &manifest)
-                .map(|(s, _)| s)
+            load_settings::<X>(&opts, &manifest)
+                .map(|(s, x, _)| (s, x))
                 .map_err(ReloadError::Config)
         });
         match tokio::time::timeout(READ_TIMEOUT, work).await {
@@ -217,23 +219,26 @@ impl Reloader {
         }
     }
 
-    async fn apply(&self, settings: Settings) -> Result<Applied, ReloadError> {
-        let old = self
+    async fn apply(&self, (settings, extra): (Settings, X)) -> Result<Applied, ReloadError> {
+        let (old, old_extra) = self
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let sections = fixed_changes(&old, &settings);
+        let mut sections = fixed_changes(&old, &settings);
+        if old_extra != extra {
+            sections.extend(X::NAMES);
+        }
         if !sections.is_empty() {
             self.cm.count_refused_reload();
             return Err(ReloadError::FixedSection { sections });
         }
+        let mut budgets = self.manifest.budget_settings(&settings.chunking);
+        budgets.time.learn |= extra.learns_cost();
         // BudgetConfig counts the outcome of applying them.
-        self.cm
-            .reload(self.manifest.settings_budgets(&settings))
-            .await?;
+        self.cm.reload(budgets).await?;
         let changed = chunking_changes(&old, &settings);
-        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = settings;
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) = (settings, extra);
         Ok(Applied { changed })
     }
 }
@@ -329,7 +334,7 @@ fn empty_file(files: &[PathBuf]) -> Option<PathBuf> {
 ///
 /// # Errors
 /// The file watcher or the signal handler cannot be set up.
-pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
+pub fn watch<X: ExtraSections>(reloader: Reloader<X>) -> Result<ConfigWatcher, String> {
     let (tx, rx) = mpsc::unbounded_channel::<()>();
     let events = tx.clone();
     let files = reloader.files();
@@ -370,8 +375,8 @@ pub fn watch(reloader: Reloader) -> Result<ConfigWatcher, String> {
 /// the files, and each settled burst's [`WatchOutcome`] is sent on `outcomes`. No SIGHUP, no
 /// file watcher: a test steps it deterministically (`tests/it/reload.rs`).
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn watch_events(
-    reloader: Reloader,
+pub fn watch_events<X: ExtraSections>(
+    reloader: Reloader<X>,
     events: mpsc::UnboundedReceiver<()>,
     outcomes: mpsc::UnboundedSender<WatchOutcome>,
 ) -> ConfigWatcher {
@@ -417,7 +422,11 @@ impl Watching {
     }
 }
 
-async fn watch_loop(reloader: Reloader, mut rx: mpsc::UnboundedReceiver<()>, mut w: Watching) {
+async fn watch_loop<X: ExtraSections>(
+    reloader: Reloader<X>,
+    mut rx: mpsc::UnboundedReceiver<()>,
+    mut w: Watching,
+) {
     let files = reloader.files();
     // Reads that disagreed, or changes seen while reading: settle and read again, a few
     // times at most (a file rewritten forever is read as it is then).

@@ -23,13 +23,14 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use gungraun::{library_benchmark, library_benchmark_group};
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::order::{rank as rank_rows, NodeOrder, Order, WaitBound};
 use mstar_chunking::planner::{plan_ranked, StepParams, StepPlan, TimeLimit};
-use mstar_chunking::replay::{self, ReplayOptions, Trace};
 use mstar_chunking::scheduler::SchedulerState;
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::{self, ReplayOptions, Trace};
 
+#[path = "../../benches/common/mod.rs"]
 mod common;
 use common::{plan_once, plan_timed_once, planner_state, time_limit, Engine, WORKLOADS};
 

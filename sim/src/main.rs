@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use mstar_chunking::cli::{self, Cli, Command};
+use mstar_chunking_sim::cli::{self, Cli, Command};
 
 fn main() -> ExitCode {
     match Cli::parse().command {

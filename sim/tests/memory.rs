@@ -5,9 +5,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use mstar_chunking::config::{Settings, DEMO_MANIFEST_TOML};
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::{self, ReplayOptions};
+use mstar_chunking_sim::config::{Settings, DEMO_MANIFEST_TOML};
+use mstar_chunking_sim::replay::{self, ReplayOptions};
 
 /// The system allocator, counting the bytes held now and at the peak.
 struct Counting;

@@ -95,18 +95,6 @@ impl Manifest {
     }
 }
 
-impl Manifest {
-    /// The arguments of `set_budgets` for this model under the whole serving config:
-    /// [`Manifest::budget_settings`] of `[chunking]`, with online learning of the latency model
-    /// also on when `replay.cost.learn` asks a replay to learn it (`docs/cost-model.md`). Every
-    /// path that applies a config (`check`, `replay`, reloads) goes through here, so they agree.
-    pub fn settings_budgets(&self, settings: &super::Settings) -> BudgetSettings {
-        let mut budgets = self.budget_settings(&settings.chunking);
-        budgets.time.learn |= settings.replay.cost.learn;
-        budgets
-    }
-}
-
 /// One `(node, walk)` of the effective budget table, as `check` prints it and `budgets --json`
 /// emits it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -11,9 +11,9 @@
 //!
 //! This module is the load pipeline: [`load`] reads every layer, merges them, deserializes
 //! strictly and validates against the manifest, reporting every problem at once (up to
-//! [`problem::MAX_PROBLEMS`]), each with its key, the layer that set it and its value. The
-//! `[replay]` section is checked by the replay itself (`replay::settings`); the config module
-//! imports nothing from `replay/`.
+//! [`problem::MAX_PROBLEMS`]), each with its key, the layer that set it and its value. A
+//! program adds top-level sections of its own ([`ExtraSections`], the simulator's `[replay]`),
+//! decoded as strictly and reported with the rest; it checks their values itself.
 
 pub mod budgets;
 pub mod cost;
@@ -32,10 +32,7 @@ pub use cost::CostSetting;
 pub use flags::FlagSetting;
 pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
-pub use sections::{
-    ChunkingSection, CostSection, FleetSection, KvSection, Listen, LogFormat, LogSection,
-    MetricsSection, NoiseBand, PrefixCacheSection, ReplaySection, Settings, SpeculationSection,
-};
+pub use sections::{ChunkingSection, Listen, LogFormat, LogSection, MetricsSection, Settings};
 pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
 
 use crate::budget::BudgetTable;
@@ -49,15 +46,46 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
 /// `config/models/demo.toml`, built in as the default model manifest.
 pub const DEMO_MANIFEST_TOML: &str = include_str!("../../config/models/demo.toml");
 
+/// Top-level sections a program adds to the serving config beside `[chunking]`, `[metrics]`
+/// and `[log]` (the simulator's `[replay]`): a struct with one field per section, decoded from
+/// the same layers as strictly (unknown keys refused, each problem named with its key and
+/// layer, reported with the component's). The program checks their values itself.
+pub trait ExtraSections:
+    serde::de::DeserializeOwned + Default + Clone + std::fmt::Debug + PartialEq + Send + 'static
+{
+    /// The sections' names, as the struct's fields are named.
+    const NAMES: &'static [&'static str];
+    /// The dotted key that names the node a flag's `{node}` stands for, when a layer sets it
+    /// (else the model's first node).
+    const NODE_KEY: Option<&'static str> = None;
+
+    /// Whether these sections ask for each node's latency model to be fitted online, as
+    /// `chunking.learn_cost` does (a time budget without a model is then not refused).
+    fn learns_cost(&self) -> bool {
+        false
+    }
+}
+
+/// No sections beyond the component's own: what [`load`] decodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoExtraSections {}
+
+impl ExtraSections for NoExtraSections {
+    const NAMES: &'static [&'static str] = &[];
+}
+
 /// A loaded, validated configuration: the model, the layered settings and the budget table
-/// they give. Every budget refusal has been reported by the time one exists; the `[replay]`
-/// section is checked by whoever replays (`replay::settings::check`).
+/// they give. Every budget refusal has been reported by the time one exists; the values of
+/// the `extra` sections are checked by the program that added them.
 #[derive(Debug, Clone)]
-pub struct LoadedConfig {
+pub struct LoadedConfig<X: ExtraSections = NoExtraSections> {
     /// The model.
     pub manifest: Manifest,
     /// The merged, typed settings.
     pub settings: Settings,
+    /// The program's own sections ([`ExtraSections`]).
+    pub extra: X,
     /// The effective budgets.
     pub table: BudgetTable,
     /// Where the manifest came from (a path, or the built-in demo).
@@ -71,7 +99,7 @@ pub struct LoadedConfig {
     pub warnings: Vec<String>,
 }
 
-impl LoadedConfig {
+impl<X: ExtraSections> LoadedConfig<X> {
     /// Every node × every walk of the manifest, nodes in file order, walks in `walks` order.
     pub fn rows(&self) -> Vec<BudgetRow> {
         budget_rows(&self.manifest, &self.table)
@@ -97,6 +125,17 @@ pub fn load_with_flags(
     opts: &LoadOptions,
     flags: &[FlagSetting],
 ) -> Result<LoadedConfig, ConfigErrors> {
+    load_with(opts, flags)
+}
+
+/// [`load_with_flags`] with the program's own sections `X` decoded from the same layers.
+///
+/// # Errors
+/// As [`load`], and every problem of the `X` sections' types and keys.
+pub fn load_with<X: ExtraSections>(
+    opts: &LoadOptions,
+    flags: &[FlagSetting],
+) -> Result<LoadedConfig<X>, ConfigErrors> {
     let mut problems = ConfigErrors::default();
     let (manifest, model_origin) = match read_manifest(opts) {
         Ok(m) => (Some(m.0), m.1),
@@ -111,14 +150,16 @@ pub fn load_with_flags(
     };
     let layers = Layers::read(opts, &mut problems);
     let first_node = manifest.as_ref().and_then(Manifest::first_node);
-    let (settings, origins) = deserialize(&layers, flags, first_node, &mut problems);
+    let (settings, extra, origins) = deserialize::<X>(&layers, flags, first_node, &mut problems);
+    let learn = extra.learns_cost();
     let table = manifest
         .as_ref()
-        .and_then(|m| check_against(m, &model_origin, &settings, &origins, &mut problems));
+        .and_then(|m| check_against(m, &model_origin, &settings, learn, &origins, &mut problems));
     match (manifest, table) {
         (Some(manifest), Some(table)) if problems.is_empty() => Ok(LoadedConfig {
             manifest,
             settings,
+            extra,
             table,
             model_origin,
             layers: layers.labels(!flags.is_empty()),
@@ -134,19 +175,20 @@ pub fn load_with_flags(
 ///
 /// # Errors
 /// As [`load`], without the manifest's own problems.
-pub fn load_settings(
+pub fn load_settings<X: ExtraSections>(
     opts: &LoadOptions,
     manifest: &Manifest,
-) -> Result<(Settings, BudgetTable), ConfigErrors> {
+) -> Result<(Settings, X, BudgetTable), ConfigErrors> {
     let mut problems = ConfigErrors::default();
     let layers = Layers::read(opts, &mut problems);
-    let (settings, origins) = deserialize(&layers, &[], None, &mut problems);
+    let (settings, extra, origins) = deserialize::<X>(&layers, &[], None, &mut problems);
     let origin = opts
         .model_path()
         .map_or_else(builtin_demo_label, |p| p.display().to_string());
-    let table = check_against(manifest, &origin, &settings, &origins, &mut problems);
+    let learn = extra.learns_cost();
+    let table = check_against(manifest, &origin, &settings, learn, &origins, &mut problems);
     match table {
-        Some(table) if problems.is_empty() => Ok((settings, table)),
+        Some(table) if problems.is_empty() => Ok((settings, extra, table)),
         _ => Err(problems),
     }
 }
@@ -194,17 +236,18 @@ fn read_manifest(opts: &LoadOptions) -> Result<(Manifest, String), ManifestError
 }
 
 /// Merges the layers, applies the command-line flags over them (`flags`; `first_node` is the
-/// replayed node's default) and deserializes the result, collecting every problem: after each
-/// error the offending key is dropped and deserialization retried (at most
-/// [`problem::MAX_PROBLEMS`] times, so the work stays linear in the input), so one run names
-/// them all. An unknown key is named without its value, which may be a secret. Answers the
-/// settings and who set each key.
-fn deserialize(
+/// default of the node `{node}` stands for) and deserializes the result, the component's
+/// sections and then the program's (`X`), collecting every problem: after each error the
+/// offending key is dropped and deserialization retried (at most [`problem::MAX_PROBLEMS`]
+/// times, so the work stays linear in the input), so one run names them all. An unknown key
+/// is named without its value, which may be a secret. Answers the settings, the program's
+/// sections and who set each key.
+fn deserialize<X: ExtraSections>(
     layers: &Layers,
     flags: &[FlagSetting],
     first_node: Option<&str>,
     problems: &mut ConfigErrors,
-) -> (Settings, KeyOrigins) {
+) -> (Settings, X, KeyOrigins) {
     let mut origins = layers.origins();
     let merged = match layers.merged() {
         Ok(m) => m,
@@ -213,29 +256,53 @@ fn deserialize(
                 path: "merged config".into(),
                 reason,
             });
-            return (Settings::default(), origins);
+            return (Settings::default(), X::default(), origins);
         }
     };
     let mut tree =
         serde_json::Value::Object(merged.into_iter().map(|(k, v)| (k, to_json(v))).collect());
     if !flags.is_empty() {
-        origins.push_layer(flags::apply(flags, &mut tree, first_node));
+        let node = X::NODE_KEY
+            .and_then(|key| lookup(&tree, &split(key)))
+            .and_then(serde_json::Value::as_str)
+            .or(first_node)
+            .map(str::to_owned);
+        origins.push_layer(flags::apply(flags, &mut tree, node.as_deref()));
     }
-    let settings = deserialize_tree(tree, &origins, problems);
-    (settings, origins)
+    let serde_json::Value::Object(mut sections) = tree else {
+        unreachable!("the merged layers and the flags' edits make a table")
+    };
+    let extra_sections = X::NAMES
+        .iter()
+        .filter_map(|name| sections.remove(*name).map(|v| ((*name).to_owned(), v)))
+        .collect();
+    let settings =
+        deserialize_tree::<Settings>(serde_json::Value::Object(sections), &origins, problems)
+            .inspect(|settings| check_log(settings, &origins, problems))
+            .unwrap_or_default();
+    let extra = deserialize_tree::<X>(
+        serde_json::Value::Object(extra_sections),
+        &origins,
+        problems,
+    )
+    .unwrap_or_default();
+    (settings, extra, origins)
 }
 
-fn deserialize_tree(
+fn split(key: &str) -> Vec<String> {
+    key.split('.').map(str::to_owned).collect()
+}
+
+/// Deserializes `tree` as a `T`, dropping each offending key and trying again; `None` when it
+/// gave up (the problem list is full, or a key could not be dropped).
+fn deserialize_tree<T: serde::de::DeserializeOwned>(
     mut tree: serde_json::Value,
     origins: &KeyOrigins,
     problems: &mut ConfigErrors,
-) -> Settings {
+) -> Option<T> {
     for _ in 0..problem::MAX_PROBLEMS {
-        let err = match serde_path_to_error::deserialize::<_, Settings>(&tree) {
-            Ok(settings) => {
-                check_log(&settings, origins, problems);
-                return settings;
-            }
+        let err = match serde_path_to_error::deserialize::<_, T>(&tree) {
+            Ok(t) => return Some(t),
             Err(err) => err,
         };
         let path = segments(err.path());
@@ -251,7 +318,7 @@ fn deserialize_tree(
             break;
         }
     }
-    Settings::default()
+    None
 }
 
 /// `[log]` values whose type is right but whose content is not.
@@ -272,6 +339,7 @@ fn check_against(
     manifest: &Manifest,
     model_origin: &str,
     settings: &Settings,
+    learn: bool,
     origins: &KeyOrigins,
     problems: &mut ConfigErrors,
 ) -> Option<BudgetTable> {
@@ -285,7 +353,9 @@ fn check_against(
             return None;
         }
     };
-    match BudgetTable::build(model, manifest.settings_budgets(settings)) {
+    let mut budgets = manifest.budget_settings(&settings.chunking);
+    budgets.time.learn |= learn;
+    match BudgetTable::build(model, budgets) {
         Ok(table) => Some(table),
         Err(errors) => {
             for e in &errors.0 {

@@ -162,14 +162,14 @@ fn load_settings_reloads_against_a_loaded_manifest() {
     let l = load(&o).unwrap();
     let mut o2 = o.clone();
     o2.configs = vec![repo_config().join("omni-worker.toml")];
-    let (settings, table) = load_settings(&o2, &l.manifest).unwrap();
+    let (settings, _, table) = load_settings::<NoExtraSections>(&o2, &l.manifest).unwrap();
     assert_eq!(settings.chunking.no_chunking, ["talker"]);
     assert_eq!(table.max_batch_tokens("thinker", "mixed"), Some(6144));
     o2.env = Some(HashMap::from([(
         "MSTAR__CHUNKING__MAX_BATCH_TOKENS__GHOST".into(),
         "1".into(),
     )]));
-    assert!(load_settings(&o2, &l.manifest).is_err());
+    assert!(load_settings::<NoExtraSections>(&o2, &l.manifest).is_err());
 }
 
 #[test]

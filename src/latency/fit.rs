@@ -994,5 +994,7 @@ pub fn fit_samples_with(samples: &[Sample], errors: FitErrors) -> Result<FitRepo
     })
 }
 
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod testing;
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests;

@@ -60,15 +60,15 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         super::fit_file::FitInput::Csv => "a CSV of step features",
     };
     let kind = match args.errors {
-        crate::latency::fit::FitErrors::Absolute => kind.to_owned(),
-        crate::latency::fit::FitErrors::Relative => format!("{kind}, relative errors"),
+        mstar_chunking::latency::fit::FitErrors::Absolute => kind.to_owned(),
+        mstar_chunking::latency::fit::FitErrors::Relative => format!("{kind}, relative errors"),
     };
     let mut out = format!(
         "fit of {} ({kind}): {}\n",
         config::problem::escape(&source),
         crate::text::plural(fit.samples as u64, "step")
     );
-    for (k, v) in crate::latency::COEFFICIENT_KEYS
+    for (k, v) in mstar_chunking::latency::COEFFICIENT_KEYS
         .iter()
         .zip(fit.model.coefficients())
     {

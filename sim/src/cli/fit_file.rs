@@ -12,10 +12,12 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::config::NoiseBand;
-use crate::input::{self, InputError};
-use crate::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
-use crate::latency::{chunk_attention_pairs, LatencyModel, StepFeatures, COEFFICIENT_KEYS};
+use crate::replay::sections::NoiseBand;
+use mstar_chunking::input::{self, InputError};
+use mstar_chunking::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
+use mstar_chunking::latency::{
+    chunk_attention_pairs, LatencyModel, StepFeatures, COEFFICIENT_KEYS,
+};
 
 /// The most bytes [`fit_file`] reads from one file: a step log of several million steps.
 pub const MAX_FIT_FILE_BYTES: u64 = 512 << 20;

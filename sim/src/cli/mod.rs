@@ -16,12 +16,13 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::budget::BudgetValue;
 use crate::config::{
     self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, LoadedConfig,
 };
 use crate::replay::arrivals::Arrivals;
+use crate::replay::flags::ReplayFlags;
 use crate::replay::TraceFormat;
+use mstar_chunking::budget::BudgetValue;
 
 mod config_cmd;
 mod fit_cmd;
@@ -433,7 +434,7 @@ pub struct FitArgs {
     /// The errors the fit minimises: `absolute` (ms: long steps weigh the most) or `relative`
     /// (each step's error over its time, as the online fit: short decode steps count as much)
     #[arg(long, value_name = "WHICH", default_value = "absolute", value_parser = fit_errors)]
-    pub errors: crate::latency::fit::FitErrors,
+    pub errors: mstar_chunking::latency::fit::FitErrors,
     /// The table printed: `serve`, `[chunking.cost.<node>]` for the serving config; `replay`,
     /// `[replay.cost]` for a replay priced like these steps, their spread around the fit by
     /// price as `noise_bands`
@@ -445,10 +446,10 @@ pub struct FitArgs {
 }
 
 /// `--errors`: `absolute` or `relative`.
-fn fit_errors(s: &str) -> Result<crate::latency::fit::FitErrors, String> {
+fn fit_errors(s: &str) -> Result<mstar_chunking::latency::fit::FitErrors, String> {
     match s {
-        "absolute" => Ok(crate::latency::fit::FitErrors::Absolute),
-        "relative" => Ok(crate::latency::fit::FitErrors::Relative),
+        "absolute" => Ok(mstar_chunking::latency::fit::FitErrors::Absolute),
+        "relative" => Ok(mstar_chunking::latency::fit::FitErrors::Relative),
         _ => Err(format!("expected `absolute` or `relative`, got {s:?}")),
     }
 }

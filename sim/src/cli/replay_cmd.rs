@@ -112,7 +112,7 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
     let listen = metrics_listen(args, &loaded);
     if let Listen::Addr(addr) = listen {
         warn_if_exposed(addr);
-        if let Err(e) = crate::metrics::install_prometheus(addr) {
+        if let Err(e) = mstar_chunking::metrics::install_prometheus(addr) {
             say(&format!("error: {e}"));
             return ExitCode::FAILURE;
         }
@@ -154,13 +154,16 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
     actix::System::new().block_on(async {
         // Worker 0 of a fleet is labelled as its others are (a `worker` label only then).
         let started = if workers > 1 {
-            crate::ChunkingManagement::start_worker(
+            mstar_chunking::ChunkingManagement::start_worker(
                 &loaded.manifest.name,
                 "0",
                 loaded.manifest.submodules(),
             )
         } else {
-            crate::ChunkingManagement::start(&loaded.manifest.name, loaded.manifest.submodules())
+            mstar_chunking::ChunkingManagement::start(
+                &loaded.manifest.name,
+                loaded.manifest.submodules(),
+            )
         };
         let cm = match started {
             Ok(cm) => cm,
@@ -175,10 +178,16 @@ pub fn replay(args: &ReplayArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
         let _watcher = if args.watch_config {
-            let reloader =
-                crate::reload::Reloader::new(cm.clone(), load.clone(), loaded.manifest.clone())
-                    .running(loaded.settings.clone());
-            match crate::reload::watch(reloader) {
+            let reloader = mstar_chunking::reload::Reloader::new(
+                cm.clone(),
+                load.clone(),
+                loaded.manifest.clone(),
+            )
+            .running(
+                loaded.settings.component.clone(),
+                loaded.settings.sections(),
+            );
+            match mstar_chunking::reload::watch(reloader) {
                 Ok(w) => Some(w),
                 Err(e) => {
                     say(&format!("error: {e}"));

@@ -421,10 +421,11 @@ fn read_results(
             missing.push(c.index);
             continue;
         }
-        let text = crate::input::read_text(&path, 1 << 20).map_err(|e| JobError::Result {
-            path: path.clone(),
-            problem: format!("cannot be read: {e}"),
-        })?;
+        let text =
+            mstar_chunking::input::read_text(&path, 1 << 20).map_err(|e| JobError::Result {
+                path: path.clone(),
+                problem: format!("cannot be read: {e}"),
+            })?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| JobError::Result {
             path: path.clone(),
             problem: format!("is not a result: {e}"),

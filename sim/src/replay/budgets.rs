@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 
 use super::error::ReplayError;
 use super::settings::ReplaySetup;
-use crate::budget::{BudgetValue, NodeBudget};
 use crate::config::Settings;
-use crate::manifest::Manifest;
-use crate::policy::Name;
+use mstar_chunking::budget::{BudgetValue, NodeBudget};
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::policy::Name;
 
 /// `--budget N|off` (`docs/replay-report.md#labelled-runs`): `value` for every step walk of the
 /// replayed node that its policies budget, layered over the node's `overrides` (a node-wide
@@ -84,8 +84,8 @@ pub fn replay_budgets(
     setup: &ReplaySetup,
     budget_off: bool,
     value: Option<BudgetValue>,
-) -> Result<crate::budget::BudgetSettings, ReplayError> {
-    let mut budgets = manifest.settings_budgets(settings);
+) -> Result<mstar_chunking::budget::BudgetSettings, ReplayError> {
+    let mut budgets = settings.budgets(manifest);
     if budget_off {
         budgets.overrides = budget_off_overrides(manifest);
     }
@@ -127,7 +127,7 @@ pub fn replay_budgets(
 /// refusal of the budget table (built once).
 enum Refused {
     Model(String),
-    Budgets(crate::budget::BudgetErrors),
+    Budgets(mstar_chunking::budget::BudgetErrors),
 }
 
 impl Refused {
@@ -142,16 +142,21 @@ impl Refused {
 }
 
 /// The component's refusal of `budgets` for `manifest`, if it would refuse them.
-fn refusal(manifest: &Manifest, budgets: &crate::budget::BudgetSettings) -> Option<Refused> {
-    let model = match crate::policy::ModelPolicies::new(manifest.submodules(), manifest.policies())
-    {
+fn refusal(
+    manifest: &Manifest,
+    budgets: &mstar_chunking::budget::BudgetSettings,
+) -> Option<Refused> {
+    let model = match mstar_chunking::policy::ModelPolicies::new(
+        manifest.submodules(),
+        manifest.policies(),
+    ) {
         Ok(m) => m.shared(),
         Err(e) => {
             let e: Vec<String> = e.iter().map(ToString::to_string).collect();
             return Some(Refused::Model(e.join("; ")));
         }
     };
-    crate::budget::BudgetTable::build(model, budgets.clone())
+    mstar_chunking::budget::BudgetTable::build(model, budgets.clone())
         .err()
         .map(Refused::Budgets)
 }
@@ -159,7 +164,7 @@ fn refusal(manifest: &Manifest, budgets: &crate::budget::BudgetSettings) -> Opti
 /// Why the config would refuse `budgets` for `manifest` (every refusal, escaped), if it would.
 pub fn budget_refusal(
     manifest: &Manifest,
-    budgets: &crate::budget::BudgetSettings,
+    budgets: &mstar_chunking::budget::BudgetSettings,
 ) -> Option<String> {
     refusal(manifest, budgets).map(|r| r.escaped())
 }
@@ -168,14 +173,14 @@ pub fn budget_refusal(
 /// `chunking.max_step_ms.<node>`) left on step walks without a token budget, which it could not
 /// bound, as a problem naming both flags and the key (`docs/replay-report.md#labelled-runs`).
 fn time_budget_without_tokens(
-    budgets: &crate::budget::BudgetSettings,
-    errors: &crate::budget::BudgetErrors,
+    budgets: &mstar_chunking::budget::BudgetSettings,
+    errors: &mstar_chunking::budget::BudgetErrors,
 ) -> Option<String> {
     let escape = crate::config::problem::escape;
     errors.0.iter().find_map(|e| match e {
-        crate::budget::BudgetError::TimeBudgetWithoutTokenBudget { node, walk } => {
+        mstar_chunking::budget::BudgetError::TimeBudgetWithoutTokenBudget { node, walk } => {
             let ms = match budgets.time.max_step_ms.get(node) {
-                Some(crate::budget::NodeSetting::All(crate::budget::TimeBudget::Ms(ms))) => {
+                Some(mstar_chunking::budget::NodeSetting::All(mstar_chunking::budget::TimeBudget::Ms(ms))) => {
                     format!(" = {ms}")
                 }
                 _ => String::new(),
@@ -195,7 +200,7 @@ fn time_budget_without_tokens(
 /// plans without a time margin: planned full to the budget, the steps the noise lengthens miss
 /// the objective whatever the load (`docs/cost-model.md#a-time-budget-at-the-objective`).
 pub fn time_budget_objective_warnings(
-    table: &crate::budget::BudgetTable,
+    table: &mstar_chunking::budget::BudgetTable,
     setup: &ReplaySetup,
     tbt_p99_ms: Option<f64>,
     cells: &[f64],
@@ -287,7 +292,7 @@ mod tests {
         ReplaySetup {
             node: node.into(),
             walks: walks.iter().map(|w| (*w).to_string()).collect(),
-            cost: crate::latency::LatencyModel::from_coefficients(
+            cost: mstar_chunking::latency::LatencyModel::from_coefficients(
                 crate::replay::settings::DEFAULT_COST,
             )
             .unwrap(),

@@ -34,8 +34,8 @@ use super::sim::{Handoff, Role, Sim, Tally};
 use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup};
-use crate::manifest::Manifest;
-use crate::ChunkingManagement;
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::ChunkingManagement;
 
 /// A KV transfer under way: when it is done, the request, the prefill worker it leaves, when
 /// its first token came out, and its order of sending (ties broken by it).

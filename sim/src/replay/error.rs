@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use super::trace::TraceError;
-use crate::budget::BudgetValue;
-use crate::error::ChunkingError;
+use mstar_chunking::budget::BudgetValue;
+use mstar_chunking::error::ChunkingError;
 
 /// Why a replay failed.
 #[derive(Debug, thiserror::Error)]

@@ -24,9 +24,9 @@ use super::sim::{Sim, Tally, Turn};
 use super::step_log::StepLog;
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup};
-use crate::budget::BudgetSettings;
-use crate::manifest::Manifest;
-use crate::ChunkingManagement;
+use mstar_chunking::budget::BudgetSettings;
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::ChunkingManagement;
 
 /// Steps between progress bar updates.
 pub(super) const PROGRESS_EVERY: u64 = 256;

@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use super::{load_trace, run_trace, ReplayOptions, ReplayReport};
 use crate::config::{self, FlagSetting, LoadOptions};
-use crate::ChunkingManagement;
+use crate::replay::flags::ReplayFlags;
+use mstar_chunking::ChunkingManagement;
 
 /// Replays `opts` under the repository's config (and `flags`), through the fleet's loop or
 /// the single replay's; answers the report, its summary and the step log's bytes.
@@ -160,7 +161,7 @@ fn every_series_of_a_fleet_carries_its_worker_label() {
         let worker = key
             .key()
             .labels()
-            .find(|l| l.key() == crate::metrics::LABEL_WORKER)
+            .find(|l| l.key() == mstar_chunking::metrics::LABEL_WORKER)
             .map(|l| l.value().to_string());
         let name = key.key().name().to_string();
         workers.insert(worker.unwrap_or_else(|| panic!("{name} has no worker label")));
@@ -177,11 +178,14 @@ fn a_single_instance_has_no_worker_label() {
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || {
         actix::System::new().block_on(async {
-            let caps = crate::SubmoduleCaps::new(["prefill"], false);
+            let caps = mstar_chunking::SubmoduleCaps::new(["prefill"], false);
             let cm = ChunkingManagement::start("solo", [("llm", caps)]).unwrap();
-            cm.set_policies([(("llm", "prefill"), crate::ChunkingPolicy::budget(256))])
-                .await
-                .unwrap();
+            cm.set_policies([(
+                ("llm", "prefill"),
+                mstar_chunking::ChunkingPolicy::budget(256),
+            )])
+            .await
+            .unwrap();
         });
     });
     let keys = snapshotter.snapshot().into_vec();
@@ -190,7 +194,7 @@ fn a_single_instance_has_no_worker_label() {
         assert!(
             key.key()
                 .labels()
-                .all(|l| l.key() != crate::metrics::LABEL_WORKER),
+                .all(|l| l.key() != mstar_chunking::metrics::LABEL_WORKER),
             "{key:?}"
         );
     }

@@ -374,7 +374,7 @@ mod tests {
             assert!((p.budget.weights_gb - 12.5512).abs() < 1e-4);
             assert_eq!(
                 p.budget.kv_bytes_per_token,
-                crate::latency::presets::LLAMA2_7B.kv_bytes_per_token()
+                mstar_chunking::latency::presets::LLAMA2_7B.kv_bytes_per_token()
             );
             assert_eq!(p.budget.blocks(16), 7609, "{name}");
             assert_eq!(p.budget.blocks(32), 3804, "{name}");

@@ -16,7 +16,7 @@
 //!   ([`ReplayOptions`]), how it fails ([`ReplayError`]), what it refuses before running, the
 //!   budgets it applies, the run itself ([`run`]), and stopping it on a signal.
 //!
-//! [`run`] must be awaited inside an actix system: it starts its own [`crate::ChunkingManagement`] on
+//! [`run`] must be awaited inside an actix system: it starts its own [`mstar_chunking::ChunkingManagement`] on
 //! the current arbiter.
 
 pub mod arrivals;
@@ -24,6 +24,7 @@ mod budgets;
 mod checks;
 pub mod disagg;
 mod error;
+pub mod flags;
 pub mod fleet;
 #[cfg(test)]
 mod fleet_equivalence;
@@ -36,6 +37,7 @@ pub mod priority;
 pub mod report;
 pub mod router;
 mod run;
+pub mod sections;
 pub mod settings;
 mod signals;
 pub(crate) mod sim;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::arrivals::Arrivals;
 use super::priority::PriorityBy;
 use super::trace::TraceFormat;
-use crate::budget::BudgetValue;
+use mstar_chunking::budget::BudgetValue;
 
 /// What to replay and what to write; the CLI's `replay` flags.
 #[derive(Debug, Clone, PartialEq)]

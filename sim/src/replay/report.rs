@@ -217,8 +217,8 @@ pub struct TimeOverrunCounts {
 
 impl TimeOverrunCounts {
     /// Counts one time overrun.
-    pub fn count(&mut self, reason: crate::overrun::TimeOverrunReason) {
-        use crate::overrun::TimeOverrunReason as R;
+    pub fn count(&mut self, reason: mstar_chunking::overrun::TimeOverrunReason) {
+        use mstar_chunking::overrun::TimeOverrunReason as R;
         self.total += 1;
         match reason {
             R::Floor => self.floor += 1,
@@ -259,7 +259,7 @@ impl fmt::Display for TimeBudgetUse {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct LatencyModelReport {
     /// `online`, `config` or `none`.
-    pub source: crate::latency::ModelSource,
+    pub source: mstar_chunking::latency::ModelSource,
     /// Milliseconds every step costs (null without a model).
     pub base_ms: Option<f64>,
     /// Milliseconds a token adds.
@@ -283,20 +283,20 @@ fn is_zero(v: &f64) -> bool {
 
 impl Default for LatencyModelReport {
     fn default() -> Self {
-        Self::from((None, crate::latency::ModelSource::None))
+        Self::from((None, mstar_chunking::latency::ModelSource::None))
     }
 }
 
 impl
     From<(
-        Option<crate::latency::LatencyModel>,
-        crate::latency::ModelSource,
+        Option<mstar_chunking::latency::LatencyModel>,
+        mstar_chunking::latency::ModelSource,
     )> for LatencyModelReport
 {
     fn from(
         (model, source): (
-            Option<crate::latency::LatencyModel>,
-            crate::latency::ModelSource,
+            Option<mstar_chunking::latency::LatencyModel>,
+            mstar_chunking::latency::ModelSource,
         ),
     ) -> Self {
         let c = model.map(|m| m.coefficients());
@@ -409,7 +409,7 @@ pub struct CostLabel {
     pub noise: f64,
     /// The measured ÷ predicted ratios each step's time was drawn from, by band, when given.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub noise_bands: Option<Vec<crate::config::NoiseBand>>,
+    pub noise_bands: Option<Vec<crate::replay::sections::NoiseBand>>,
     /// Whether the component learned the model online.
     pub learn: bool,
 }
@@ -545,7 +545,7 @@ pub struct PlannerLabel {
 
 impl PlannerLabel {
     /// The label of the settings `set_budgets` was given, for `node`.
-    pub fn of(budgets: &crate::budget::BudgetSettings, node: &str) -> Self {
+    pub fn of(budgets: &mstar_chunking::budget::BudgetSettings, node: &str) -> Self {
         Self {
             min_chunk_tokens: budgets.min_chunk_tokens,
             max_row_tokens: budgets.max_row_tokens,
@@ -554,7 +554,7 @@ impl PlannerLabel {
             cost_per_row_ms: budgets.time.cost.get(node).map(|m| m.per_row_ms()),
             learn_cost: budgets.time.learn,
             time_margin: budgets.time.margin_quantile,
-            time_floor: (budgets.time.floor != crate::budget::TimeFloor::default())
+            time_floor: (budgets.time.floor != mstar_chunking::budget::TimeFloor::default())
                 .then(|| budgets.time.floor.as_str().to_owned()),
             order: budgets.order.of(node).order.as_str().to_owned(),
             max_wait_ms: budgets.order.bound.max_wait_ms,
@@ -605,7 +605,7 @@ impl fmt::Display for PlannerLabel {
         }
         // The order and what feeds it only where they are not the default (first come, first
         // served, no bound), so a default run's label reads as it always has.
-        if !self.order.is_empty() && self.order != crate::order::Order::Fcfs.as_str() {
+        if !self.order.is_empty() && self.order != mstar_chunking::order::Order::Fcfs.as_str() {
             write!(f, "; order {}", self.order)?;
         }
         if let Some(ms) = self.max_wait_ms {
@@ -1142,7 +1142,7 @@ mod tests {
 
     #[test]
     fn the_cost_line_rounds_like_the_latency_model_line() {
-        let preset = crate::latency::presets::preset_model("llama2-7b-a100").unwrap();
+        let preset = mstar_chunking::latency::presets::preset_model("llama2-7b-a100").unwrap();
         let [base_ms, per_token_ms, per_kv_token_ms, per_attention_pair_ms] = preset.coefficients();
         let label = CostLabel {
             preset: Some("llama2-7b-a100".into()),

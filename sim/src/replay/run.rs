@@ -15,9 +15,9 @@ use super::signals::{catch_signals, test_signal_at};
 use super::trace::{self, Trace, TraceError, TraceFormat};
 use super::{disagg, fleet, sim, step_log};
 use crate::config::Settings;
-use crate::manifest::Manifest;
-use crate::order::Order;
-use crate::ChunkingManagement;
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::order::Order;
+use mstar_chunking::ChunkingManagement;
 
 /// Reads the trace `opts` names (the bundled one by default), in the format `--format` or the
 /// file says, with generated arrivals for a length-only trace, seeded with `seed`.

@@ -2,10 +2,10 @@
 //! both call [`check`], so any config `check` accepts, `replay` runs. Every number is bounded so
 //! that every simulated time stays finite.
 
-use crate::config::ReplaySection;
-use crate::latency::presets;
-use crate::latency::{LatencyModel, TERMS};
-use crate::manifest::Manifest;
+use crate::replay::sections::ReplaySection;
+use mstar_chunking::latency::presets;
+use mstar_chunking::latency::{LatencyModel, TERMS};
+use mstar_chunking::manifest::Manifest;
 
 use super::{trace, DECODE_WALK, PREFILL_WALK};
 use crate::text::float;
@@ -13,7 +13,7 @@ use crate::text::float;
 /// The most milliseconds any `replay.cost` coefficient may be: with token counts bounded by the
 /// trace limits (and so attention pairs below 2^47 a chunk), every step time and sum of them
 /// stays finite.
-pub const MAX_COST_MS: f64 = crate::latency::MAX_COEFFICIENT_MS;
+pub const MAX_COST_MS: f64 = mstar_chunking::latency::MAX_COEFFICIENT_MS;
 /// `replay.cost.noise` lies in `[0, MAX_NOISE]`: a step always takes some time.
 pub const MAX_NOISE: f64 = 0.9;
 /// Each ratio of `replay.cost.noise_bands` lies in this range: a step takes some time, and at
@@ -47,7 +47,7 @@ pub struct ReplaySetup {
     pub noise: f64,
     /// Or by a factor drawn from the measured ÷ predicted ratios of the band a step's price
     /// falls in (checked by [`check`]).
-    pub noise_bands: Option<std::sync::Arc<[crate::config::NoiseBand]>>,
+    pub noise_bands: Option<std::sync::Arc<[crate::replay::sections::NoiseBand]>>,
     /// Whether the component learns the cost online instead of being given it.
     pub learn: bool,
     /// Speculative tokens per decode row (0: plain decode).
@@ -264,7 +264,11 @@ pub(crate) fn ratio_at(ratios: &[f64], u: f64) -> f64 {
 
 /// The factor a step priced at `predicted_ms` takes from `bands` for the uniform draw `u`: the
 /// ratio at `u` of the first band whose `up_to_ms` is above the price (else the last band's).
-pub(crate) fn noise_factor(bands: &[crate::config::NoiseBand], predicted_ms: f64, u: f64) -> f64 {
+pub(crate) fn noise_factor(
+    bands: &[crate::replay::sections::NoiseBand],
+    predicted_ms: f64,
+    u: f64,
+) -> f64 {
     let band = bands
         .iter()
         .find(|b| b.up_to_ms.is_some_and(|up| predicted_ms < up))
@@ -277,7 +281,7 @@ pub(crate) fn noise_factor(bands: &[crate::config::NoiseBand], predicted_ms: f64
 /// [`MAX_NOISE_RATIOS`] finite ratios in [`NOISE_RATIO_RANGE`], non-decreasing (they are
 /// quantiles); and no `noise` band beside them.
 fn check_noise_bands(
-    bands: &[crate::config::NoiseBand],
+    bands: &[crate::replay::sections::NoiseBand],
     noise: f64,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) {
@@ -364,7 +368,7 @@ fn check_noise_bands(
 /// each coefficient a finite number of ms in `[0, MAX_COST_MS]`, not all 0, and a noise in
 /// `[0, MAX_NOISE]`.
 fn check_cost(
-    c: &crate::config::CostSection,
+    c: &crate::replay::sections::CostSection,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<LatencyModel> {
     if !(c.noise.is_finite() && (0.0..=MAX_NOISE).contains(&c.noise)) {
@@ -439,7 +443,7 @@ fn check_cost(
 /// the three at most; nothing: unlimited (`None`). Every value finite and in range, and at
 /// least one block left for the KV cache.
 fn check_kv(
-    k: &crate::config::KvSection,
+    k: &crate::replay::sections::KvSection,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<KvSetup> {
     let mut ok = true;
@@ -747,8 +751,8 @@ mod tests {
         assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.noise");
     }
 
-    fn band(up_to_ms: Option<f64>, ratios: &[f64]) -> crate::config::NoiseBand {
-        crate::config::NoiseBand {
+    fn band(up_to_ms: Option<f64>, ratios: &[f64]) -> crate::replay::sections::NoiseBand {
+        crate::replay::sections::NoiseBand {
             up_to_ms,
             ratios: ratios.to_vec(),
         }
@@ -757,7 +761,7 @@ mod tests {
     #[test]
     fn noise_bands_rise_hold_quantiles_in_range_and_exclude_the_noise_band() {
         let m = model();
-        let with = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
+        let with = |bands: Vec<crate::replay::sections::NoiseBand>, noise: f64| {
             let mut r = Settings::default().replay;
             r.cost.noise_bands = Some(bands);
             r.cost.noise = noise;
@@ -775,7 +779,7 @@ mod tests {
         );
         assert!(with(vec![band(None, &[0.01, 100.0])], 0.0).is_ok());
         assert!(with(vec![band(None, &vec![1.0; MAX_NOISE_RATIOS])], 0.0).is_ok());
-        let refused = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
+        let refused = |bands: Vec<crate::replay::sections::NoiseBand>, noise: f64| {
             let problems = with(bands, noise).unwrap_err();
             assert_eq!(problems.len(), 1, "{problems:?}");
             assert_eq!(problems[0].key, "replay.cost.noise_bands");
@@ -876,7 +880,7 @@ mod tests {
         let s = check(&model(), &r).unwrap();
         assert_eq!(
             Some(s.cost),
-            crate::latency::presets::preset_model("llama2-7b-h100")
+            mstar_chunking::latency::presets::preset_model("llama2-7b-h100")
         );
         r.cost.base_ms = Some(1.0);
         assert_eq!(
@@ -919,13 +923,13 @@ mod tests {
         // 24 × 0.9 − 8 = 13.6 GiB / (128 KiB × 16) = 6963 blocks.
         assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 6963);
 
-        let refused = |f: fn(&mut crate::config::KvSection)| {
+        let refused = |f: fn(&mut crate::replay::sections::KvSection)| {
             let mut r = Settings::default().replay;
             f(&mut r.kv);
             let p = check(&m, &r).unwrap_err();
             (p[0].key, p[0].reason.clone())
         };
-        type Edit = fn(&mut crate::config::KvSection);
+        type Edit = fn(&mut crate::replay::sections::KvSection);
         let cases: [(Edit, &str, &str); 12] = [
             (|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
             (

@@ -31,13 +31,13 @@ use super::report::{ChunkCounts, OverrunCounts, ReplayReport, StepDurations, Tok
 use super::step_log::{StepLog, StepSink};
 use super::trace::Trace;
 use super::{ReplayError, ReplayOptions, ReplaySetup, DECODE_WALK, PREFILL_WALK};
-use crate::latency::StepFeatures;
-use crate::overrun::OverrunReason;
-use crate::planner::RowWork;
-use crate::policy::Name;
-use crate::prepared::PreparedInput;
-use crate::scheduler::{Batch, NextStep, StepOutcome};
-use crate::{AdmitOptions, ChunkingManagement};
+use mstar_chunking::latency::StepFeatures;
+use mstar_chunking::overrun::OverrunReason;
+use mstar_chunking::planner::RowWork;
+use mstar_chunking::policy::Name;
+use mstar_chunking::prepared::PreparedInput;
+use mstar_chunking::scheduler::{Batch, NextStep, StepOutcome};
+use mstar_chunking::{AdmitOptions, ChunkingManagement};
 
 mod memory;
 mod tally;
@@ -741,7 +741,7 @@ impl<'a> Sim<'a> {
     /// Priced from the simulated engine's own truth only: continuing rows at the contexts in
     /// `self.true_contexts`, never at `row.context`, the component's estimate, which it keeps
     /// growing only when its own latency model reads it (`docs/replay.md#the-step-cost-model`).
-    fn step_ms(&mut self, batch: &crate::scheduler::Batch) -> f64 {
+    fn step_ms(&mut self, batch: &mstar_chunking::scheduler::Batch) -> f64 {
         let mut features = StepFeatures::EMPTY;
         for ((row, &r), &context) in batch.rows.iter().zip(&self.ran).zip(&self.true_contexts) {
             match row.work {
@@ -1017,7 +1017,7 @@ impl<'a> Sim<'a> {
 
 /// Why a time budget was not in force: the component had no latency model it trusted.
 fn inactive_reason(setup: &super::ReplaySetup) -> String {
-    use crate::latency::fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
+    use mstar_chunking::latency::fit::{DEFAULT_MAX_RELATIVE_RMS, DEFAULT_MIN_SAMPLES};
     let mut why = format!(
         "no trusted latency model: the online fit is trusted after {DEFAULT_MIN_SAMPLES} steps with a relative RMS error of at most {}% (docs/fitting.md)",
         DEFAULT_MAX_RELATIVE_RMS * 100.0

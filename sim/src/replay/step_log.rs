@@ -27,9 +27,9 @@ use std::rc::Rc;
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-use crate::planner::RowWork;
-use crate::policy::Name;
-use crate::scheduler::{Batch, BatchRow, StepOutcome};
+use mstar_chunking::planner::RowWork;
+use mstar_chunking::policy::Name;
+use mstar_chunking::scheduler::{Batch, BatchRow, StepOutcome};
 
 /// A step log being written.
 pub struct StepLog {

@@ -204,7 +204,7 @@ pub fn check_pd(
 /// budget's `replay.kv.kv_bytes_per_token`, else `replay.kv.preset`'s model, else
 /// `replay.cost`'s preset's model, else Llama-2-7B's (the model every preset describes).
 pub fn resolve_kv_bytes(r: &ReplaySection) -> (f64, String) {
-    use crate::latency::presets;
+    use mstar_chunking::latency::presets;
     if let Some(b) =
         r.kv.kv_bytes_per_token
             .filter(|b| b.is_finite() && *b > 0.0)

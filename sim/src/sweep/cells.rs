@@ -6,12 +6,12 @@ use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 
 use super::{Budget, RunSummary, StepMs};
-use crate::budget::TimeBudget;
 use crate::config::problem::{escape, escape_join};
 use crate::config::spelling::{PerNode, TimeSetting};
 use crate::config::{LoadedConfig, Settings};
-use crate::manifest::Manifest;
 use crate::replay::{ReplayError, ReplayOptions, ReplaySetup, StopFlag, Trace};
+use mstar_chunking::budget::TimeBudget;
+use mstar_chunking::manifest::Manifest;
 
 /// Refuses, before any replay runs, a setting of the grid the config would refuse as the
 /// budget of the replayed walks (as `replay --budget` or `replay --max-step-ms` does).
@@ -97,7 +97,7 @@ pub fn run_cell(
         None => settings,
     };
     actix::System::new().block_on(async {
-        let cm = crate::ChunkingManagement::start(&manifest.name, manifest.submodules())
+        let cm = mstar_chunking::ChunkingManagement::start(&manifest.name, manifest.submodules())
             .map_err(|e| e.to_string())?;
         let started = std::time::Instant::now();
         let r = crate::replay::run_trace(&cm, manifest, settings, &o, trace, started)

@@ -3,7 +3,7 @@
 
 use std::num::NonZeroU32;
 
-use crate::budget::BudgetValue;
+use mstar_chunking::budget::BudgetValue;
 
 /// The largest token budget a sweep takes (2^24, the longest prompt a trace may have: a larger
 /// budget never cuts anything).
@@ -120,7 +120,7 @@ impl std::fmt::Display for Budget {
 pub enum BudgetParseError {
     /// Not a token budget.
     #[error(transparent)]
-    Tokens(#[from] crate::budget::BudgetValueError),
+    Tokens(#[from] mstar_chunking::budget::BudgetValueError),
     /// Not a time budget.
     #[error("expected a time budget in ms between 0.001 and {MAX_STEP_MS}, in steps of 0.001, got {0:?}")]
     Time(String),

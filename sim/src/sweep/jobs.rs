@@ -242,7 +242,7 @@ impl Manifest {
             path: path.clone(),
             problem,
         };
-        let text = crate::input::read_text(&path, 64 << 20).map_err(|e| {
+        let text = mstar_chunking::input::read_text(&path, 64 << 20).map_err(|e| {
             bad(format!(
                 "cannot be read ({e}): is `{}` a job directory written by `sweep --emit-jobs`?",
                 dir.display()

@@ -14,8 +14,8 @@ use super::grid::GridError;
 use super::SweepError;
 use crate::config::spelling::OrderSetting;
 use crate::config::Settings;
-use crate::order::Order;
 use crate::text::round3;
+use mstar_chunking::order::Order;
 
 /// The stem of the comparison's files: `orders.csv`, `orders.json`.
 pub const ORDERS: &str = "orders";

@@ -21,7 +21,7 @@ pub const WIDTH: u32 = 960;
 pub const HEIGHT: u32 = 600;
 
 /// DejaVu Sans 2.37 (see `data/fonts/DejaVuSans.ttf.LICENSE.txt`).
-static FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../../../data/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
 /// The file stems of every plot a sweep may draw.

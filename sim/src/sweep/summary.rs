@@ -116,7 +116,6 @@ impl StepTimes {
 
 /// What a sweep keeps of one replay: its latencies, and its step durations as the
 /// percentiles of the report's histogram.
-#[cfg(feature = "replay")]
 impl From<&crate::replay::ReplayReport> for RunSummary {
     fn from(r: &crate::replay::ReplayReport) -> Self {
         let step_ms = StepTimes {

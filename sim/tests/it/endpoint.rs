@@ -163,7 +163,7 @@ fn idle_clients_cannot_starve_the_replay_of_descriptors_or_flood_its_log() {
         ])
         .current_dir(repo_root())
         .env_clear()
-        .env("RUST_LOG", "warn,mstar_chunking::replay=debug")
+        .env("RUST_LOG", "warn,mstar_chunking_sim::replay=debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

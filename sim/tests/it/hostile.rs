@@ -287,7 +287,7 @@ fn start_long_replay(dir: &Path) -> (Child, PathBuf, PathBuf) {
             "--report-json",
             s(&report),
         ],
-        &[("RUST_LOG", "mstar_chunking::replay=debug")],
+        &[("RUST_LOG", "mstar_chunking_sim::replay=debug")],
     )
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport};
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::{self, ReplayError, ReplayOptions, ReplayReport};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestRunner};
 use serde_json::Value;

@@ -1,7 +1,7 @@
 //! The integration tests, as one test binary.
 
 mod cluster_sweep;
-#[path = "../common/mod.rs"]
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 mod config_cli;
 mod core;

@@ -4,9 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::{self, PriorityBy, ReplayError, ReplayOptions, ReplayReport, Trace};
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::{
+    self, PriorityBy, ReplayError, ReplayOptions, ReplayReport, Trace,
+};
 use serde_json::Value;
 
 use crate::helpers::model_fixture;

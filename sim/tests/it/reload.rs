@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use mstar_chunking::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
 use mstar_chunking::reload::{watch, watch_events, Applied, ReloadError, Reloader, WatchOutcome};
 use mstar_chunking::ChunkingManagement;
+use mstar_chunking_sim::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
 
 fn options(dir: &Path) -> LoadOptions {
     std::fs::write(dir.join("model.toml"), DEMO_MANIFEST_TOML).unwrap();

@@ -3,10 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::trace::ReadOptions;
-use mstar_chunking::replay::{self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError};
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::trace::ReadOptions;
+use mstar_chunking_sim::replay::{
+    self, ReplayError, ReplayOptions, ReplayReport, Trace, TraceError,
+};
 use serde_json::Value;
 
 use crate::helpers::shared;
@@ -505,7 +507,7 @@ proptest::proptest! {
 fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     // What `make run` replays: the demo model and the layered default config.
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let loaded = mstar_chunking::config::load(&mstar_chunking::config::LoadOptions {
+    let loaded = mstar_chunking_sim::config::load(&mstar_chunking_sim::config::LoadOptions {
         config_dir: root.join("config"),
         env: Some(Default::default()),
         ..Default::default()

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::{self, ReplayOptions};
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::{self, ReplayOptions};
 use serde_json::Value;
 
 /// The replay cost: a large KV term, so a stale context shows in every decode step's time.

@@ -6,9 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
-use mstar_chunking::config::Settings;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::{self, ReplayOptions, ReplayReport};
+use mstar_chunking_sim::config::Settings;
+use mstar_chunking_sim::replay::{self, ReplayOptions, ReplayReport};
 use serde_json::Value;
 
 use crate::helpers::{check_step_log, shared};

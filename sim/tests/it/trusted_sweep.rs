@@ -14,7 +14,7 @@ use crate::helpers::{repo_root, run, run_in, Run};
 const BIN: &str = env!("CARGO_BIN_EXE_mstar-chunking");
 
 /// Debug logging of the replays: each logs `replay started`, so a test sees whether any ran.
-const REPLAY_DEBUG: (&str, &str) = ("RUST_LOG", "warn,mstar_chunking::replay=debug");
+const REPLAY_DEBUG: (&str, &str) = ("RUST_LOG", "warn,mstar_chunking_sim::replay=debug");
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

@@ -1,11 +1,11 @@
 use std::io::Write as _;
 
 use super::*;
-use crate::latency::fit::fit_samples;
-use crate::latency::fit::tests::{assert_close, model, samples, TestRng, TRUE};
-use crate::latency::{LatencyModel, ModelSource};
-use crate::overrun::TimeOverrunReason;
 use crate::text::plain_decimal;
+use mstar_chunking::latency::fit::fit_samples;
+use mstar_chunking::latency::fit::testing::{assert_close, model, samples, TestRng, TRUE};
+use mstar_chunking::latency::{LatencyModel, ModelSource};
+use mstar_chunking::overrun::TimeOverrunReason;
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
     let p = dir.path().join(name);
@@ -453,7 +453,7 @@ fn renders_a_replay_cost_table_that_the_replay_settings_take() {
     );
     let doc: toml::Table = toml::from_str(&text).unwrap();
     let cost = &doc["replay"]["cost"];
-    let parsed: crate::config::CostSection = cost.clone().try_into().unwrap();
+    let parsed: crate::replay::sections::CostSection = cost.clone().try_into().unwrap();
     assert_eq!(parsed.noise_bands.as_deref(), Some(&bands[..]));
     assert_close(
         [
@@ -468,7 +468,7 @@ fn renders_a_replay_cost_table_that_the_replay_settings_take() {
     // The replay's own check takes the table as written.
     let mut replay = crate::config::Settings::default().replay;
     replay.cost = parsed;
-    let manifest = crate::manifest::Manifest::from_toml(
+    let manifest = mstar_chunking::manifest::Manifest::from_toml(
         "name = \"m\"\nwalks = [\"prefill\", \"decode\", \"mixed\"]\n[combined_walks]\nmixed = [\"prefill\", \"decode\"]\n[nodes.llm]\n",
         "m.toml",
     )

@@ -11,12 +11,12 @@
 use std::collections::VecDeque;
 
 use super::{Phase, Sim};
-use crate::planner::RowWork;
 use crate::replay::kv::KvPool;
 use crate::replay::report::{KvReport, Latency};
 use crate::replay::step_log::{KvStepLine, Preemption};
 use crate::replay::{KvSetup, ReplayError, PREFILL_WALK};
-use crate::scheduler::Batch;
+use mstar_chunking::planner::RowWork;
+use mstar_chunking::scheduler::Batch;
 
 /// A request preempted `n` times is admitted again as `rid + n << RID_ATTEMPT_SHIFT`: every
 /// admission is a row of its own in the component and the step log, which a step-log checker

@@ -7,7 +7,7 @@ use super::collector::{Collector, Fields, Line, Time};
 use super::{
     columns, shown, BadLine, TraceError, MAX_INPUT_TOKENS, MAX_LINE_BYTES, MAX_OUTPUT_TOKENS,
 };
-use crate::input::Bounded;
+use mstar_chunking::input::Bounded;
 
 const FIELDS: Fields = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"];
 

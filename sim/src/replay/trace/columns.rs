@@ -6,7 +6,7 @@ use std::io::Read;
 
 use super::collector::{Collector, Fields};
 use super::{shown, BadLine, TraceError};
-use crate::input::InputError;
+use mstar_chunking::input::InputError;
 
 /// A CSV reader over a trace's bounded input.
 pub(super) fn reader<R: Read>(reader: R) -> csv::Reader<R> {

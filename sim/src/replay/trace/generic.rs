@@ -5,8 +5,8 @@ use std::io::Read;
 
 use super::collector::{Collector, Fields, Line, Time};
 use super::{columns, BadLine, TraceError, HASH_BLOCK_TOKENS, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS};
-use crate::input::Bounded;
 use crate::replay::arrivals::MAX_ARRIVAL_MS;
+use mstar_chunking::input::Bounded;
 
 const FIELDS: Fields = ["arrival_ms", "prompt_tokens", "output_tokens"];
 const HASHES: &str = "hash_ids";

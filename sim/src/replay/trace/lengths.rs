@@ -5,8 +5,8 @@ use std::io::Read;
 
 use super::collector::{Collector, Fields, Line, Time};
 use super::{columns, TraceError, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS};
-use crate::input::Bounded;
 use crate::replay::arrivals::Arrivals;
+use mstar_chunking::input::Bounded;
 
 /// The columns, and (for the shared rules' messages) no time field of its own.
 const FIELDS: Fields = ["arrival", "num_prefill_tokens", "num_decode_tokens"];

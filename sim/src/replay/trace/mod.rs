@@ -18,7 +18,7 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use super::arrivals::{Arrivals, ArrivalsError};
-use crate::input::{self, Bounded, InputError, Limits};
+use mstar_chunking::input::{self, Bounded, InputError, Limits};
 
 mod azure;
 mod collector;
@@ -34,7 +34,7 @@ use collector::Collector;
 /// `data/traces/AzureLLMInferenceTrace_code.csv.LICENSE.txt`). Its prompts are long enough that
 /// chunking is visible under the demo budgets.
 pub const BUNDLED_TRACE: &str =
-    include_str!("../../../data/traces/AzureLLMInferenceTrace_code.csv");
+    include_str!("../../../../data/traces/AzureLLMInferenceTrace_code.csv");
 
 /// The name the bundled trace is reported under.
 pub const BUNDLED_TRACE_NAME: &str = "bundled:AzureLLMInferenceTrace_code.csv";

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::collector::{Collector, Fields, Line, Time};
 use super::{BadLine, TraceError, HASH_BLOCK_TOKENS, MAX_LINE_BYTES};
-use crate::input::{self, Bounded};
+use mstar_chunking::input::{self, Bounded};
 
 const FIELDS: Fields = ["timestamp", "input_length", "output_length"];
 

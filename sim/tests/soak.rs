@@ -6,12 +6,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use mstar_chunking::budget::{BudgetSettings, BudgetValue};
-use mstar_chunking::config::{
+use mstar_chunking::manifest::Manifest;
+use mstar_chunking::{ChunkingManagement, PreparedInput, RowWork};
+use mstar_chunking_sim::config::{
     BudgetSetting, ChunkingSection, NodeBudgetSetting, DEMO_MANIFEST_TOML,
 };
-use mstar_chunking::manifest::Manifest;
-use mstar_chunking::replay::trace::{ReadOptions, Trace};
-use mstar_chunking::{ChunkingManagement, PreparedInput, RowWork};
+use mstar_chunking_sim::replay::trace::{ReadOptions, Trace};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

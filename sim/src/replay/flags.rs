@@ -1,0 +1,202 @@
+//! The replay's command-line flags as config layers (`docs/config.md#flags`), built on the
+//! component's flag layer: `--kv-blocks` drops a `replay.kv.preset` or memory budget from a
+//! lower layer, `--sim-cost` replaces the coefficients or preset of `replay.cost` and keeps
+//! its `noise` and `learn`.
+
+use crate::config::flags::{split_cost, split_list, table, typed, COEFFICIENTS};
+use crate::config::FlagSetting;
+use serde_json::Value;
+
+/// The keys of `replay.kv` that size the pool (one way at a time).
+const KV_SIZING: [&str; 5] = [
+    "blocks",
+    "preset",
+    "gpu_memory_gb",
+    "weights_gb",
+    "kv_bytes_per_token",
+];
+
+/// The keys a memory budget takes, in the order `--kv-memory a,b,c` gives them.
+const KV_MEMORY: [&str; 3] = ["gpu_memory_gb", "weights_gb", "kv_bytes_per_token"];
+
+/// The flags of the `[replay]` section, as [`FlagSetting`]s (`FlagSetting::workers("3")` with
+/// this trait in scope).
+pub trait ReplayFlags {
+    /// `--sim-cost PRESET|a,b,c,d[,e]`: `replay.cost`'s preset or its coefficients (its
+    /// `noise` and `learn` kept; `per_row_ms` 0 unless given).
+    ///
+    /// # Errors
+    /// A list of other than four or five numbers.
+    fn sim_cost(value: &str) -> Result<FlagSetting, String> {
+        let mut flag = FlagSetting::new("--sim-cost");
+        match split_cost(value)? {
+            None => {
+                for k in COEFFICIENTS {
+                    flag = flag.remove(format!("replay.cost.{k}"));
+                }
+                flag = flag.set("replay.cost.preset", Value::String(value.to_owned()));
+            }
+            Some(parts) => {
+                flag = flag.remove("replay.cost.preset");
+                if parts.len() < COEFFICIENTS.len() {
+                    flag = flag.remove("replay.cost.per_row_ms");
+                }
+                for (k, v) in table(&COEFFICIENTS, &parts) {
+                    flag = flag.set(format!("replay.cost.{k}"), v);
+                }
+            }
+        }
+        Ok(flag)
+    }
+
+    /// `--kv-blocks N`: `replay.kv.blocks`, instead of any other sizing of the pool.
+    fn kv_blocks(value: &str) -> FlagSetting {
+        kv_unsized(FlagSetting::new("--kv-blocks"))
+            .remove("replay.kv.memory_utilization")
+            .set("replay.kv.blocks", typed(value))
+    }
+
+    /// `--kv-memory PRESET|GPU_GB,WEIGHTS_GB,KV_BYTES_PER_TOKEN`: `replay.kv.preset`, or the
+    /// memory budget's three keys, instead of any other sizing of the pool
+    /// (`replay.kv.memory_utilization` kept).
+    ///
+    /// # Errors
+    /// A list of other than three numbers.
+    fn kv_memory(value: &str) -> Result<FlagSetting, String> {
+        let mut flag = kv_unsized(FlagSetting::new("--kv-memory"));
+        match split_list(value, &KV_MEMORY)? {
+            None => flag = flag.set("replay.kv.preset", Value::String(value.to_owned())),
+            Some(parts) => {
+                for (k, v) in table(&KV_MEMORY, &parts) {
+                    flag = flag.set(format!("replay.kv.{k}"), v);
+                }
+            }
+        }
+        Ok(flag)
+    }
+
+    /// `--workers N`: `replay.fleet.workers`, the component instances replayed side by side.
+    fn workers(value: &str) -> FlagSetting {
+        FlagSetting::new("--workers").set("replay.fleet.workers", typed(value))
+    }
+
+    /// `--prefill-workers N`: `replay.fleet.prefill_workers`, the workers that only prefill.
+    fn prefill_workers(value: &str) -> FlagSetting {
+        FlagSetting::new("--prefill-workers").set("replay.fleet.prefill_workers", typed(value))
+    }
+
+    /// `--decode-workers N`: `replay.fleet.decode_workers`, the workers that only decode.
+    fn decode_workers(value: &str) -> FlagSetting {
+        FlagSetting::new("--decode-workers").set("replay.fleet.decode_workers", typed(value))
+    }
+
+    /// `--kv-link-gbps X`: `replay.fleet.kv_link_gbps`, a prefill worker's KV link.
+    fn kv_link_gbps(value: &str) -> FlagSetting {
+        FlagSetting::new("--kv-link-gbps").set("replay.fleet.kv_link_gbps", typed(value))
+    }
+
+    /// `--kv-link-latency-ms MS`: `replay.fleet.kv_link_latency_ms`, a KV transfer's fixed
+    /// latency.
+    fn kv_link_latency_ms(value: &str) -> FlagSetting {
+        FlagSetting::new("--kv-link-latency-ms")
+            .set("replay.fleet.kv_link_latency_ms", typed(value))
+    }
+
+    /// `--router NAME`: `replay.fleet.router`, how a request is sent to a worker.
+    fn router(value: &str) -> FlagSetting {
+        FlagSetting::new("--router").set("replay.fleet.router", typed(value))
+    }
+}
+
+impl ReplayFlags for FlagSetting {}
+
+/// Removes every key that sizes the KV pool, so the flag's own sizing is the only one.
+fn kv_unsized(mut flag: FlagSetting) -> FlagSetting {
+    for k in KV_SIZING {
+        flag = flag.remove(format!("replay.kv.{k}"));
+    }
+    flag
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::flags::apply;
+    use serde_json::json;
+
+    #[test]
+    fn flags_replace_their_setting_and_name_themselves_as_its_layer() {
+        let mut tree = json!({
+            "chunking": {"max_step_ms": {"llm": {"mixed": 45}}, "cost": {"llm": "llama2-7b-a100"}},
+            "replay": {"cost": {"preset": "llama2-7b-a100", "noise": 0.1},
+                       "kv": {"preset": "llama2-7b-a100", "block_tokens": 32}},
+        });
+        let flags = [
+            FlagSetting::max_step_ms("100"),
+            FlagSetting::cost("5, 0.06,0,1e-6").unwrap(),
+            FlagSetting::sim_cost("8,0.02,0,0").unwrap(),
+            FlagSetting::kv_blocks("500"),
+            FlagSetting::time_margin("0.98"),
+            FlagSetting::learn_cost(),
+        ];
+        let origins = apply(&flags, &mut tree, Some("llm"));
+        assert_eq!(
+            tree,
+            json!({
+                "chunking": {"max_step_ms": {"llm": 100},
+                             "cost": {"llm": {"base_ms": 5, "per_token_ms": 0.06, "per_kv_token_ms": 0, "per_attention_pair_ms": 1e-6}},
+                             "time_margin": 0.98, "learn_cost": true},
+                "replay": {"cost": {"noise": 0.1, "base_ms": 8, "per_token_ms": 0.02, "per_kv_token_ms": 0, "per_attention_pair_ms": 0},
+                           "kv": {"block_tokens": 32, "blocks": 500}},
+            })
+        );
+        assert_eq!(
+            origins["chunking.max_step_ms.llm"],
+            "command-line flag --max-step-ms"
+        );
+        assert_eq!(origins["replay.kv.blocks"], "command-line flag --kv-blocks");
+        // A preset's name over a string preset; `{node}` is the node given.
+        let mut tree = json!({"replay": {"node": "talker", "cost": "llama2-7b-a100"}});
+        let o = apply(
+            &[
+                FlagSetting::sim_cost("llama2-7b-h100").unwrap(),
+                FlagSetting::max_step_ms("off"),
+                FlagSetting::kv_memory("80,12.5,524288").unwrap(),
+            ],
+            &mut tree,
+            Some("talker"),
+        );
+        assert_eq!(tree["replay"]["cost"], json!({"preset": "llama2-7b-h100"}));
+        assert_eq!(tree["chunking"]["max_step_ms"], json!({"talker": "off"}));
+        assert_eq!(
+            tree["replay"]["kv"],
+            json!({"gpu_memory_gb": 80, "weights_gb": 12.5, "kv_bytes_per_token": 524288})
+        );
+        assert!(o.contains_key("replay.kv.weights_gb"));
+        // Without a node, the node's keys are left alone.
+        let mut tree = json!({});
+        assert!(apply(&[FlagSetting::max_step_ms("5")], &mut tree, None).is_empty());
+    }
+
+    #[test]
+    fn lists_have_as_many_parts_as_keys_and_values_are_typed_as_environment_values() {
+        assert!(FlagSetting::cost("1,2,3").is_err());
+        // Four coefficients, or five with `per_row_ms`; no other count.
+        assert!(FlagSetting::sim_cost("1,2,3,4,5,6").is_err());
+        assert!(FlagSetting::sim_cost("1,2,3,4,5").is_ok());
+        let e = FlagSetting::cost("1,2,3,4,5,6").unwrap_err();
+        assert!(e.contains("4 comma-separated numbers"), "{e}");
+        let e = FlagSetting::kv_memory("80,1").unwrap_err();
+        assert!(
+            e.contains("gpu_memory_gb,weights_gb,kv_bytes_per_token"),
+            "{e}"
+        );
+        assert_eq!(typed("45"), json!(45));
+        assert_eq!(typed("4.5"), json!(4.5));
+        assert_eq!(typed("true"), json!(true));
+        assert_eq!(typed("off"), json!("off"));
+        // Not finite: left as text, which every numeric setting refuses.
+        assert_eq!(typed("inf"), json!("inf"));
+        assert_eq!(typed("NaN"), json!("NaN"));
+    }
+}
