@@ -170,7 +170,7 @@ type ReplayInput = (Manifest, Settings, ReplayOptions, Trace);
 /// The demo model, the default config and the bundled trace's first requests, read before the
 /// count.
 fn replay_setup() -> ReplayInput {
-    let root = env!("CARGO_MANIFEST_DIR");
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let read = |p: &str| {
         std::fs::read_to_string(format!("{root}/{p}")).unwrap_or_else(|e| panic!("{p}: {e}"))
     };

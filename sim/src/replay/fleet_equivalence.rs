@@ -21,7 +21,7 @@ fn replay(
     step_log: &Path,
 ) -> (ReplayReport, String, Vec<u8>) {
     let load = LoadOptions {
-        config_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+        config_dir: Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("config"),
         configs: layers.to_vec(),
         env: Some(HashMap::new()),
         ..LoadOptions::default()
@@ -105,7 +105,7 @@ fn one_worker_in_the_fleet_loop_is_exact_with_kv_memory_a_prefix_cache_and_noise
         "[replay]\nprefix_cache = { blocks = 400, block_tokens = 512 }\ncost = { preset = \"llama2-7b-a100\", noise = 0.1 }\nspeculation = { tokens = 2, overshoot_rate = 0.3, seed = 7 }\n",
     )
     .unwrap();
-    let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
+    let trace = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .join("data/traces/mooncake_fast25_synthetic_trace.head2000.jsonl");
     let opts = ReplayOptions {
         trace: Some(trace),
@@ -131,7 +131,7 @@ fn every_series_of_a_fleet_carries_its_worker_label() {
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let load = LoadOptions {
-        config_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+        config_dir: Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("config"),
         env: Some(HashMap::new()),
         ..LoadOptions::default()
     };

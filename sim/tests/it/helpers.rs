@@ -4,9 +4,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The crate's root, where `config/` lives.
+/// The repository's root, where `config/`, `data/` and `docs/` live (this crate is `sim/`).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("sim/ is inside the repository")
+        .to_path_buf()
 }
 
 /// A file under `tests/fixtures/config/`.
@@ -72,7 +75,7 @@ pub fn row<'a>(rows: &'a serde_json::Value, node: &str, walk: &str) -> &'a serde
 /// crate, else the copies in `tests/fixtures/shared` (the checker, and each trace's first 400
 /// requests).
 pub fn shared(rel: &str) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = repo_root();
     let dir = std::env::var_os("MSTAR_SHARED_DIR")
         .map(PathBuf::from)
         .or_else(|| Some(root.join("../shared")).filter(|d| d.join(rel).exists()))

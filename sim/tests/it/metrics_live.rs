@@ -18,7 +18,7 @@ use mstar_chunking::metrics;
 use serde_json::Value;
 use tempfile::TempDir;
 
-const REPO: &str = env!("CARGO_MANIFEST_DIR");
+const REPO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 const DASHBOARD: &str = "dashboards/mstar-chunking.json";
 const ALERTS: &str = "dashboards/alerts.yml";
 const ALERTS_TEST: &str = "dashboards/alerts.test.yml";

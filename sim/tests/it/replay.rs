@@ -506,7 +506,7 @@ proptest::proptest! {
 #[test]
 fn bundled_trace_under_the_demo_model_and_default_config_shows_chunking() {
     // What `make run` replays: the demo model and the layered default config.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     let loaded = mstar_chunking_sim::config::load(&mstar_chunking_sim::config::LoadOptions {
         config_dir: root.join("config"),
         env: Some(Default::default()),
