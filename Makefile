@@ -21,18 +21,19 @@ capacity: ## Which setting gives the most capacity under a latency objective: to
 		--slo-tbt-p99 100 --slo-ttft-p90 2000 --trace-slo-ttft-p90 2000,2000,30000
 	python3 scripts/capacity_table.py $(CAPACITY_OUT)
 
-lint: ## rustfmt check, clippy with warnings as errors (every feature, the core alone, the engine, the Python package), docs complete
+lint: ## rustfmt check, clippy with warnings as errors (the component with every feature and alone, the simulator, the engine, the Python package), docs complete
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --all-features --all-targets -- -D warnings
-	$(CARGO) clippy --no-default-features --lib --tests -- -D warnings
+	$(CARGO) clippy -p mstar-chunking --no-default-features --lib --tests -- -D warnings
 	$(CARGO) clippy -p mstar-engine --all-targets -- -D warnings
 	$(CARGO) clippy -p mstar-chunking-py -- -D warnings
-	$(CARGO) rustdoc --lib --all-features -- -D missing_docs -D rustdoc::broken_intra_doc_links
+	$(CARGO) rustdoc -p mstar-chunking --lib --all-features -- -D missing_docs -D rustdoc::broken_intra_doc_links
+	$(CARGO) rustdoc -p mstar-chunking-sim --lib -- -D missing_docs -D rustdoc::broken_intra_doc_links
 
 fmt: ## Format the code
 	$(CARGO) fmt
 
-doc: ## Build the API docs
+doc: ## Build the API docs: the component (target/doc/mstar_chunking) and the simulator
 	$(CARGO) doc --no-deps --all-features
 
 # The vLLM venv (about 9.5 GB, most of it a download) installs in the background while the code
@@ -48,7 +49,7 @@ test: ## Install what the tests need, lint, then the whole test suite (crate, en
 	$(TIMED) check-core $(MAKE) check-core
 	$(TIMED) test-all-features $(CARGO) test --all-features --all-targets
 	$(TIMED) doc-tests $(CARGO) test --all-features --doc
-	$(TIMED) test-core $(CARGO) test --no-default-features --lib --tests
+	$(TIMED) test-core $(CARGO) test -p mstar-chunking --no-default-features --lib --tests
 	$(TIMED) test-engine $(MAKE) test-engine
 	$(TIMED) test-python $(MAKE) test-python
 	$(TIMED) test-ray $(MAKE) test-ray

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use mstar_chunking::manifest::Manifest;
-use mstar_chunking::config::{load, LoadOptions};
+use mstar_chunking_sim::config::{load, LoadOptions};
 
 fn scratch() -> &'static tempfile::TempDir {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();

@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use mstar_chunking::config::{load_settings, problem, LoadOptions, Settings, DEMO_MANIFEST_TOML};
+use mstar_chunking_sim::config::SimSections;
 use mstar_chunking::manifest::Manifest;
 use mstar_chunking::reload::{chunking_changes, fixed_changes};
 
@@ -36,8 +37,8 @@ fuzz_target!(|data: &[u8]| {
         mstar_env: None,
         env: Some(HashMap::new()),
     };
-    match load_settings(&opts, demo()) {
-        Ok((settings, _table)) => {
+    match load_settings::<SimSections>(&opts, demo()) {
+        Ok((settings, _replay, _table)) => {
             let running = Settings::default();
             let _ = fixed_changes(&running, &settings);
             let _ = chunking_changes(&running, &settings);

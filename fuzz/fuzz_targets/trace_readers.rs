@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mstar_chunking::replay::trace::{ReadOptions, Trace, TraceFormat};
+use mstar_chunking_sim::replay::trace::{ReadOptions, Trace, TraceFormat};
 
 fuzz_target!(|data: &[u8]| {
     for format in [TraceFormat::AzureCsv, TraceFormat::MooncakeJsonl] {
