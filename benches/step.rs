@@ -15,7 +15,7 @@
 //! A counting global allocator then reports allocations per step of each, written to
 //! `<criterion dir>/step-allocs.json` for `scripts/bench_table.py`.
 //!
-//! The workloads and the engine are in `benches/common` (shared with `benches/instructions.rs`).
+//! The workloads and the engine are in `benches/common` (shared with `sim/benches/instructions.rs`).
 
 use std::alloc::{GlobalAlloc, Layout, System as SystemAlloc};
 use std::path::PathBuf;

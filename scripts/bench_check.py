@@ -44,7 +44,7 @@ TOLERANCE = 0.03
 CHECKED = ["Ir", "TotalRW", "EstimatedCycles"]
 # Recorded for reading, not checked: small counts that move with memory layout.
 RECORDED = ["L1hits", "LLhits", "RamHits"]
-# Repetitions per benchmark run (benches/instructions.rs: PLANS, STEPS), for per-call figures.
+# Repetitions per benchmark run (sim/benches/instructions.rs: PLANS, STEPS), for per-call figures.
 REPETITIONS = {"planner": 100, "facade": 100, "replay_group": 1}
 
 
@@ -269,7 +269,7 @@ def check(results: dict[str, dict[str, int]], features: str | None) -> None:
 def write_baseline(results: dict[str, dict[str, int]]) -> None:
     BASELINE.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "note": "Callgrind counts of benches/instructions.rs; refresh with `make bench-baseline`. "
+        "note": "Callgrind counts of sim/benches/instructions.rs; refresh with `make bench-baseline`. "
         f"`make bench-check` fails when any of {', '.join(CHECKED)} rises more than "
         f"{TOLERANCE:.0%}; on another machine or toolchain it counts `commit` there instead.",
         "commit": recorded_commit(),

@@ -26,13 +26,12 @@
 //! - [`metrics`]: every exported metric, labelled per facade instance;
 //! - [`error`]: [`ChunkingError`] and its [`ErrorKind`].
 //!
-//! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
-//! file read; `manifest`, the model's file; `config`, the layered serving config; `reload`,
-//! hot reload), `replay` (`replay`, which drives the actors through a request trace on a
-//! simulated clock), `sweep` (`sweep`, replays over a grid of budgets
-//! and rates; with `replay`, `text`, how numbers read in reports), `prometheus`
-//! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, with the offline `fit` of a
-//! file, `logging` and the binary).
+//! The edges, behind cargo features: `config` ([`input`], the one bounded input path for every
+//! file read; [`manifest`], the model's file; [`config`], the layered serving config, which a
+//! program extends with sections of its own through [`config::ExtraSections`]; [`reload`], hot
+//! reload), `prometheus` ([`metrics_server`], the metrics endpoint's bounded HTTP server). The
+//! replay, sweeps and the `mstar-chunking` command are a crate of their own beside this one
+//! (`mstar-chunking-sim`), built on this crate's public API as an engine is.
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
 //!

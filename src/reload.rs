@@ -373,7 +373,7 @@ pub fn watch<X: ExtraSections>(reloader: Reloader<X>) -> Result<ConfigWatcher, S
 
 /// [`watch`] fed by a stand-in for the file watcher: each `()` sent on `events` is a change to
 /// the files, and each settled burst's [`WatchOutcome`] is sent on `outcomes`. No SIGHUP, no
-/// file watcher: a test steps it deterministically (`tests/it/reload.rs`).
+/// file watcher: a test steps it deterministically (`sim/tests/it/reload.rs`).
 #[cfg(any(test, feature = "test-hooks"))]
 pub fn watch_events<X: ExtraSections>(
     reloader: Reloader<X>,

@@ -1,6 +1,6 @@
 //! An engine's view of the step lifecycle (docs/step-lifecycle.md), through the
 //! public API only and with no cargo feature, as a crate depending on
-//! `mstar-chunking = { default-features = false }` sees it: a failed step, a dropped `assemble`
+//! `mstar-chunking = { default-features = false }` (the default features are the same core) sees it: a failed step, a dropped `assemble`
 //! future and an abandoned step skip no token; two facades in one process keep separate metric
 //! series; misuse of the runtime is an error, not a panic.
 

@@ -1,5 +1,5 @@
 //! The step workloads W1–W3 shared by `benches/step.rs` (criterion, wall clock) and
-//! `benches/instructions.rs` (Callgrind instruction counts): their queues in a steady state,
+//! `sim/benches/instructions.rs` (Callgrind instruction counts): their queues in a steady state,
 //! the pure planner's inputs, and an engine driving one step through the facade, with two
 //! round trips (`assemble`, `complete`) or one (`complete_and_assemble`).
 //!

@@ -1,5 +1,5 @@
 //! The facade setups and batch readers the public-API tests share (`tests/engine.rs`,
-//! `tests/one_trip.rs`, `tests/it/core.rs`). Each test binary uses only some of them.
+//! `tests/one_trip.rs`, `sim/tests/it/core.rs`). Each test binary uses only some of them.
 #![allow(dead_code)]
 
 use std::num::NonZeroU32;

@@ -510,7 +510,7 @@ def classify(own: dict[str, dict], ours: dict[str, dict], mode: str = "vllm-rule
     }
 
 
-# Words the repository's vocabulary check refuses in any tracked file (tests/it/vocabulary.rs);
+# Words the repository's vocabulary check refuses in any tracked file (sim/tests/it/vocabulary.rs);
 # a vLLM test name or error message holding one shows it abbreviated.
 REFUSED_WORDS = ["sess" + "ion", "iss" + "ue", "iss" + "ues", "cla" + "im", "cla" + "ims"]
 

@@ -418,7 +418,7 @@ struct Grid {
 }
 
 /// The axes of a sweep, each parsed from its flags (the arguments let at most one be given):
-/// adding an axis is its file in `src/sweep/`, its flag in [`SweepArgs`] and one line here.
+/// adding an axis is its file in `sim/src/sweep/`, its flag in [`SweepArgs`] and one line here.
 fn axes(
     args: &SweepArgs,
     setup: &crate::replay::ReplaySetup,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use mstar_chunking::reload::{watch, watch_events, Applied, ReloadError, Reloader, WatchOutcome};
 use mstar_chunking::ChunkingManagement;
-use mstar_chunking_sim::config::{load, LoadOptions, DEMO_MANIFEST_TOML};
+use mstar_chunking_sim::config::{load, LoadOptions, SimSections, DEMO_MANIFEST_TOML};
 
 fn options(dir: &Path) -> LoadOptions {
     std::fs::write(dir.join("model.toml"), DEMO_MANIFEST_TOML).unwrap();
@@ -25,14 +25,14 @@ fn write_layer(dir: &Path, mixed: &str) {
     std::fs::write(dir.join("layer.toml"), text).unwrap();
 }
 
-async fn start(opts: &LoadOptions) -> (ChunkingManagement, Reloader) {
+async fn start(opts: &LoadOptions) -> (ChunkingManagement, Reloader<SimSections>) {
     let loaded = load(opts).unwrap();
     let cm = ChunkingManagement::start("test", loaded.manifest.submodules()).unwrap();
     cm.set_policies(loaded.manifest.policies()).await.unwrap();
     cm.set_budgets(loaded.manifest.budget_settings(&loaded.settings.chunking))
         .await
         .unwrap();
-    let reloader = Reloader::new(cm.clone(), opts.clone(), loaded.manifest);
+    let reloader = Reloader::<SimSections>::new(cm.clone(), opts.clone(), loaded.manifest);
     (cm, reloader)
 }
 
