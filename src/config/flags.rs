@@ -17,7 +17,7 @@ use serde_json::Value;
 pub const FLAGS_LAYER: &str = "command-line flags";
 
 /// Where `{node}` appears in a flag's key: the node the program's sections name
-/// ([`super::ExtraSections::NODE_KEY`]), else the manifest's first node.
+/// (`ExtraSections::NODE_KEY`), else the manifest's first node.
 pub const NODE: &str = "{node}";
 
 /// The coefficients of a latency model, in the order `a,b,c,d[,e]` gives them (the fifth,

@@ -11,8 +11,11 @@ use super::decode::{
     first_yaml_alias, flatten, json_duplicate_key, line_of, non_decimal_integers, one_line,
 };
 use super::problem::{ConfigErrors, ConfigProblem};
-use super::DEFAULT_CONFIG_TOML;
 use crate::input::{read_text, MAX_CONFIG_BYTES};
+
+/// `config/default.toml`, built in so a program works from any directory (the base layer when
+/// `config/default.toml` is absent).
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
 
 /// Environment variables `MSTAR__SECTION__KEY` override the config files.
 pub const ENV_PREFIX: &str = "MSTAR__";

@@ -30,7 +30,7 @@ pub use crate::input::{InputError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 pub use budgets::{budget_rows, BudgetRow};
 pub use cost::CostSetting;
 pub use flags::FlagSetting;
-pub use layers::{KeyOrigins, LoadOptions, ENV_PREFIX};
+pub use layers::{KeyOrigins, LoadOptions, DEFAULT_CONFIG_TOML, ENV_PREFIX};
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use sections::{ChunkingSection, Listen, LogFormat, LogSection, MetricsSection, Settings};
 pub use spelling::{BudgetSetting, NodeBudgetSetting, NodeTimeSetting, PerNode, TimeSetting};
@@ -41,8 +41,6 @@ use crate::policy::ModelPolicies;
 use decode::{lookup, remove, render, segments, to_json};
 use layers::Layers;
 
-/// `config/default.toml`, built in so the binary works from any directory.
-pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
 /// `config/models/demo.toml`, built in as the default model manifest.
 pub const DEMO_MANIFEST_TOML: &str = include_str!("../../config/models/demo.toml");
 

@@ -1,7 +1,7 @@
 //! The typed sections of the serving config, as `config/default.toml` states them. Every key
 //! is optional and defaults to the built-in value; unknown keys are refused. What a value means
 //! and which values are refused is documented in `docs/config.md`. A program adds sections of
-//! its own beside these through [`super::ExtraSections`].
+//! its own beside these through `ExtraSections` (in this module's parent).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

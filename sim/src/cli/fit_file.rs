@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::replay::sections::NoiseBand;
+use crate::config::NoiseBand;
 use mstar_chunking::input::{self, InputError};
 use mstar_chunking::latency::fit::{fit_samples_with, FitError, FitErrors, FitReport, Sample};
 use mstar_chunking::latency::{

@@ -16,11 +16,11 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::config::flags::ReplayFlags;
 use crate::config::{
     self, BudgetRow, ConfigErrors, ConfigProblem, Listen, LoadOptions, LoadedConfig,
 };
 use crate::replay::arrivals::Arrivals;
-use crate::replay::flags::ReplayFlags;
 use crate::replay::TraceFormat;
 use mstar_chunking::budget::BudgetValue;
 

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::{load_trace, run_trace, ReplayOptions, ReplayReport};
+use crate::config::flags::ReplayFlags;
 use crate::config::{self, FlagSetting, LoadOptions};
-use crate::replay::flags::ReplayFlags;
 use mstar_chunking::ChunkingManagement;
 
 /// Replays `opts` under the repository's config (and `flags`), through the fleet's loop or

@@ -24,7 +24,6 @@ mod budgets;
 mod checks;
 pub mod disagg;
 mod error;
-pub mod flags;
 pub mod fleet;
 #[cfg(test)]
 mod fleet_equivalence;
@@ -37,7 +36,6 @@ pub mod priority;
 pub mod report;
 pub mod router;
 mod run;
-pub mod sections;
 pub mod settings;
 mod signals;
 pub(crate) mod sim;

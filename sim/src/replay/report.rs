@@ -409,7 +409,7 @@ pub struct CostLabel {
     pub noise: f64,
     /// The measured ÷ predicted ratios each step's time was drawn from, by band, when given.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub noise_bands: Option<Vec<crate::replay::sections::NoiseBand>>,
+    pub noise_bands: Option<Vec<crate::config::NoiseBand>>,
     /// Whether the component learned the model online.
     pub learn: bool,
 }

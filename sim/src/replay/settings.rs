@@ -2,7 +2,7 @@
 //! both call [`check`], so any config `check` accepts, `replay` runs. Every number is bounded so
 //! that every simulated time stays finite.
 
-use crate::replay::sections::ReplaySection;
+use crate::config::ReplaySection;
 use mstar_chunking::latency::presets;
 use mstar_chunking::latency::{LatencyModel, TERMS};
 use mstar_chunking::manifest::Manifest;
@@ -47,7 +47,7 @@ pub struct ReplaySetup {
     pub noise: f64,
     /// Or by a factor drawn from the measured ÷ predicted ratios of the band a step's price
     /// falls in (checked by [`check`]).
-    pub noise_bands: Option<std::sync::Arc<[crate::replay::sections::NoiseBand]>>,
+    pub noise_bands: Option<std::sync::Arc<[crate::config::NoiseBand]>>,
     /// Whether the component learns the cost online instead of being given it.
     pub learn: bool,
     /// Speculative tokens per decode row (0: plain decode).
@@ -264,11 +264,7 @@ pub(crate) fn ratio_at(ratios: &[f64], u: f64) -> f64 {
 
 /// The factor a step priced at `predicted_ms` takes from `bands` for the uniform draw `u`: the
 /// ratio at `u` of the first band whose `up_to_ms` is above the price (else the last band's).
-pub(crate) fn noise_factor(
-    bands: &[crate::replay::sections::NoiseBand],
-    predicted_ms: f64,
-    u: f64,
-) -> f64 {
+pub(crate) fn noise_factor(bands: &[crate::config::NoiseBand], predicted_ms: f64, u: f64) -> f64 {
     let band = bands
         .iter()
         .find(|b| b.up_to_ms.is_some_and(|up| predicted_ms < up))
@@ -281,7 +277,7 @@ pub(crate) fn noise_factor(
 /// [`MAX_NOISE_RATIOS`] finite ratios in [`NOISE_RATIO_RANGE`], non-decreasing (they are
 /// quantiles); and no `noise` band beside them.
 fn check_noise_bands(
-    bands: &[crate::replay::sections::NoiseBand],
+    bands: &[crate::config::NoiseBand],
     noise: f64,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) {
@@ -368,7 +364,7 @@ fn check_noise_bands(
 /// each coefficient a finite number of ms in `[0, MAX_COST_MS]`, not all 0, and a noise in
 /// `[0, MAX_NOISE]`.
 fn check_cost(
-    c: &crate::replay::sections::CostSection,
+    c: &crate::config::CostSection,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<LatencyModel> {
     if !(c.noise.is_finite() && (0.0..=MAX_NOISE).contains(&c.noise)) {
@@ -443,7 +439,7 @@ fn check_cost(
 /// the three at most; nothing: unlimited (`None`). Every value finite and in range, and at
 /// least one block left for the KV cache.
 fn check_kv(
-    k: &crate::replay::sections::KvSection,
+    k: &crate::config::KvSection,
     refuse: &mut impl FnMut(&'static str, Option<String>, String),
 ) -> Option<KvSetup> {
     let mut ok = true;
@@ -751,8 +747,8 @@ mod tests {
         assert_eq!(check(&model(), &r).unwrap_err()[0].key, "replay.cost.noise");
     }
 
-    fn band(up_to_ms: Option<f64>, ratios: &[f64]) -> crate::replay::sections::NoiseBand {
-        crate::replay::sections::NoiseBand {
+    fn band(up_to_ms: Option<f64>, ratios: &[f64]) -> crate::config::NoiseBand {
+        crate::config::NoiseBand {
             up_to_ms,
             ratios: ratios.to_vec(),
         }
@@ -761,7 +757,7 @@ mod tests {
     #[test]
     fn noise_bands_rise_hold_quantiles_in_range_and_exclude_the_noise_band() {
         let m = model();
-        let with = |bands: Vec<crate::replay::sections::NoiseBand>, noise: f64| {
+        let with = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
             let mut r = Settings::default().replay;
             r.cost.noise_bands = Some(bands);
             r.cost.noise = noise;
@@ -779,7 +775,7 @@ mod tests {
         );
         assert!(with(vec![band(None, &[0.01, 100.0])], 0.0).is_ok());
         assert!(with(vec![band(None, &vec![1.0; MAX_NOISE_RATIOS])], 0.0).is_ok());
-        let refused = |bands: Vec<crate::replay::sections::NoiseBand>, noise: f64| {
+        let refused = |bands: Vec<crate::config::NoiseBand>, noise: f64| {
             let problems = with(bands, noise).unwrap_err();
             assert_eq!(problems.len(), 1, "{problems:?}");
             assert_eq!(problems[0].key, "replay.cost.noise_bands");
@@ -923,13 +919,13 @@ mod tests {
         // 24 × 0.9 − 8 = 13.6 GiB / (128 KiB × 16) = 6963 blocks.
         assert_eq!(check(&m, &r).unwrap().kv.unwrap().blocks, 6963);
 
-        let refused = |f: fn(&mut crate::replay::sections::KvSection)| {
+        let refused = |f: fn(&mut crate::config::KvSection)| {
             let mut r = Settings::default().replay;
             f(&mut r.kv);
             let p = check(&m, &r).unwrap_err();
             (p[0].key, p[0].reason.clone())
         };
-        type Edit = fn(&mut crate::replay::sections::KvSection);
+        type Edit = fn(&mut crate::config::KvSection);
         let cases: [(Edit, &str, &str); 12] = [
             (|k| k.blocks = Some(0), "replay.kv.blocks", "from 1 to"),
             (

@@ -453,7 +453,7 @@ fn renders_a_replay_cost_table_that_the_replay_settings_take() {
     );
     let doc: toml::Table = toml::from_str(&text).unwrap();
     let cost = &doc["replay"]["cost"];
-    let parsed: crate::replay::sections::CostSection = cost.clone().try_into().unwrap();
+    let parsed: crate::config::CostSection = cost.clone().try_into().unwrap();
     assert_eq!(parsed.noise_bands.as_deref(), Some(&bands[..]));
     assert_close(
         [

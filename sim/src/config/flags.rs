@@ -3,8 +3,8 @@
 //! lower layer, `--sim-cost` replaces the coefficients or preset of `replay.cost` and keeps
 //! its `noise` and `learn`.
 
-use crate::config::flags::{split_cost, split_list, table, typed, COEFFICIENTS};
 use crate::config::FlagSetting;
+use mstar_chunking::config::flags::{split_cost, split_list, table, typed, COEFFICIENTS};
 use serde_json::Value;
 
 /// The keys of `replay.kv` that size the pool (one way at a time).
@@ -121,7 +121,7 @@ fn kv_unsized(mut flag: FlagSetting) -> FlagSetting {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::flags::apply;
+    use mstar_chunking::config::flags::apply;
     use serde_json::json;
 
     #[test]

@@ -1,11 +1,11 @@
 //! The `[replay]` section of the serving config: what the simulation runs (`docs/config-replay.md`).
 //! It joins the component's sections through [`ExtraSections`], decoded as strictly as they
-//! are; [`super::settings`] checks every value.
+//! are; [`crate::replay::settings`] checks every value.
 
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use crate::config::ExtraSections;
+use mstar_chunking::config::ExtraSections;
 
 /// The sections the simulator adds to the serving config: `[replay]`.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -48,7 +48,7 @@ pub struct ReplaySection {
 /// per_kv_token_ms·K + per_attention_pair_ms·A + per_row_ms·R`, from the coefficients or a preset, times a
 /// noise factor. Written as a table, or as a preset's name (`cost = "llama2-7b-a100"`).
 /// Unset coefficients are the built-in ones (8 ms + 0.02 ms a token, no KV or attention term);
-/// [`super::settings`] checks every value.
+/// [`crate::replay::settings`] checks every value.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CostSection {
     /// A latency model preset (`docs/presets.md`); then no coefficient is set.
@@ -184,7 +184,7 @@ impl Default for PrefixCacheSection {
 
 /// `[replay.fleet]`: how many instances of the component the replay runs side by side, and the
 /// router that sends each request to one of them (`docs/fleet.md`). Checked by
-/// [`super::settings`].
+/// [`crate::replay::settings`].
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FleetSection {
@@ -228,7 +228,7 @@ impl Default for FleetSection {
 
 /// `[replay.kv]`: the KV-cache memory the replay simulates (`docs/kv-memory.md`). No limit
 /// (`blocks`, `preset` or a memory budget) means unlimited memory. Checked by
-/// [`super::settings`].
+/// [`crate::replay::settings`].
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvSection {

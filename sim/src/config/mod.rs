@@ -1,11 +1,15 @@
 //! The serving config as the simulator reads it: the component's layered config
 //! ([`mstar_chunking::config`], every item re-exported here) with the `[replay]` section
-//! ([`crate::replay::sections`]) decoded from the same layers, as strictly.
+//! ([`sections`]) decoded from the same layers, as strictly, and the replay's command-line
+//! flags ([`flags`]).
+
+pub mod flags;
+pub mod sections;
 
 use std::ops::{Deref, DerefMut};
 
-pub use crate::replay::sections::*;
 pub use mstar_chunking::config::*;
+pub use sections::*;
 
 use mstar_chunking::budget::BudgetSettings;
 use mstar_chunking::manifest::Manifest;
