@@ -36,7 +36,6 @@ pub(crate) fn ser_opt_round<S: serde::Serializer>(
 }
 
 /// [`ser_round`] for every float of a list (the sweep's step-time percentiles).
-
 pub(crate) fn ser_vec_round<S: serde::Serializer>(v: &[f64], s: S) -> Result<S::Ok, S::Error> {
     s.collect_seq(v.iter().map(|x| x.is_finite().then(|| round3(*x))))
 }
