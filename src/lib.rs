@@ -26,10 +26,10 @@
 //! - [`metrics`]: every exported metric, labelled per facade instance;
 //! - [`error`]: [`ChunkingError`] and its [`ErrorKind`].
 //!
-//! The edges, behind cargo features: `config` ([`input`], the one bounded input path for every
-//! file read; [`manifest`], the model's file; [`config`], the layered serving config, which a
-//! program extends with sections of its own through [`config::ExtraSections`]; [`reload`], hot
-//! reload), `prometheus` ([`metrics_server`], the metrics endpoint's bounded HTTP server). The
+//! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
+//! file read; `manifest`, the model's file; `config`, the layered serving config, which a
+//! program extends with sections of its own through `config::ExtraSections`; `reload`, hot
+//! reload), `prometheus` (`metrics_server`, the metrics endpoint's bounded HTTP server). The
 //! replay, sweeps and the `mstar-chunking` command are a crate of their own beside this one
 //! (`mstar-chunking-sim`), built on this crate's public API as an engine is.
 //!
