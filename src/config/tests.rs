@@ -428,3 +428,144 @@ fn order_refusals_name_the_key_the_value_and_the_layer() {
         ["environment variable MSTAR__CHUNKING__MAX_WAIT_STEPS: `chunking.max_wait_steps` = 0: `max_wait_steps` must be at least 1, got 0 (docs/scheduling.md#the-order-of-waiting-prompts)"]
     );
 }
+
+/// A program's own section, `[sim]`, as the simulator adds `[replay]`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Sim {
+    sim: SimSection,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct SimSection {
+    node: Option<String>,
+    learn: bool,
+    level: u32,
+}
+
+impl ExtraSections for Sim {
+    const NAMES: &'static [&'static str] = &["sim"];
+    const NODE_KEY: Option<&'static str> = Some("sim.node");
+
+    fn learns_cost(&self) -> bool {
+        self.sim.learn
+    }
+}
+
+fn with_layer(model: &str, text: &str) -> (tempfile::TempDir, LoadOptions) {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = dir.path().join("layer.toml");
+    std::fs::write(&layer, text).unwrap();
+    let mut o = opts(model, &[]);
+    o.configs = vec![layer];
+    (dir, o)
+}
+
+#[test]
+fn a_programs_own_section_is_decoded_from_the_same_layers_and_refused_without_it() {
+    let (_dir, o) = with_layer("demo.toml", "[sim]\nlevel = 3\n");
+    let loaded = load_with::<Sim>(&o, &[]).unwrap();
+    assert_eq!(loaded.extra.sim.level, 3);
+    assert_eq!(loaded.settings, Settings::default());
+    // The component alone does not know `[sim]`: refused, naming it.
+    let p = problems(&o);
+    assert!(
+        p.iter()
+            .any(|l| l.contains("`sim`: unknown field `sim`, expected one of")),
+        "{p:#?}"
+    );
+    assert!(!NoExtraSections::default().learns_cost());
+    assert_eq!(NoExtraSections::NAMES, &[] as &[&str]);
+}
+
+#[test]
+fn the_programs_problems_are_reported_with_the_components_naming_key_and_layer() {
+    let (dir, o) = with_layer(
+        "demo.toml",
+        "[chunking]\nmin_chunk_tokens = \"x\"\n[sim]\nlevel = \"high\"\ncolour = 1\n",
+    );
+    let layer = dir.path().join("layer.toml").display().to_string();
+    let p = load_with::<Sim>(&o, &[]).unwrap_err().lines();
+    assert_eq!(p.len(), 3, "{p:#?}");
+    assert!(p[0].contains("`chunking.min_chunk_tokens`"), "{p:#?}");
+    assert!(
+        p.iter()
+            .any(|l| l.starts_with(&layer) && l.contains("`sim.level`") && l.contains("\"high\"")),
+        "{p:#?}"
+    );
+    assert!(
+        p.iter().any(|l| l.contains("`sim.colour`: unknown field")),
+        "{p:#?}"
+    );
+    // A reload reads them the same way.
+    let manifest = load_manifest(&repo_config().join("models/demo.toml")).unwrap();
+    assert_eq!(load_settings::<Sim>(&o, &manifest).unwrap_err().lines(), p);
+    let (_dir, o) = with_layer("demo.toml", "[sim]\nlevel = 2\n");
+    let (_, sim, _) = load_settings::<Sim>(&o, &manifest).unwrap();
+    assert_eq!(sim.sim.level, 2);
+}
+
+#[test]
+fn a_problem_the_budget_table_survives_still_refuses_a_reload() {
+    let o = opts("demo.toml", &[("MSTAR__CHUNKING__NO_SUCH_KEY", "1")]);
+    let manifest = load_manifest(&repo_config().join("models/demo.toml")).unwrap();
+    let e = load_settings::<NoExtraSections>(&o, &manifest).unwrap_err();
+    assert!(
+        e.lines().iter().any(|l| l.contains("no_such_key")),
+        "{:#?}",
+        e.lines()
+    );
+}
+
+#[test]
+fn a_flags_node_is_the_one_the_programs_section_names_else_the_models_first() {
+    let flags = [FlagSetting::max_step_ms("off")];
+    let (_dir, o) = with_layer("omni.toml", "[sim]\nnode = \"talker\"\n");
+    let loaded = load_with::<Sim>(&o, &flags).unwrap();
+    assert_eq!(
+        loaded
+            .settings
+            .chunking
+            .max_step_ms
+            .keys()
+            .collect::<Vec<_>>(),
+        ["talker"]
+    );
+    assert!(loaded.layers.iter().any(|l| l == flags::FLAGS_LAYER));
+    // Without the section's node: the model's first.
+    let (_dir, o) = with_layer("omni.toml", "[sim]\nlevel = 1\n");
+    let loaded = load_with::<Sim>(&o, &flags).unwrap();
+    assert_eq!(
+        loaded
+            .settings
+            .chunking
+            .max_step_ms
+            .keys()
+            .collect::<Vec<_>>(),
+        ["thinker"]
+    );
+    // Without flags, no flags' layer and nothing set.
+    let loaded = load_with::<Sim>(&o, &[]).unwrap();
+    assert!(loaded.settings.chunking.max_step_ms.is_empty());
+    assert!(!loaded.layers.iter().any(|l| l == flags::FLAGS_LAYER));
+}
+
+#[test]
+fn a_section_that_learns_the_cost_lets_a_time_budget_without_a_model_load() {
+    let text = "[chunking.max_step_ms]\nllm = 50\n";
+    let (_dir, o) = with_layer("demo.toml", text);
+    let p = problems(&o);
+    assert!(
+        p.iter().any(|l| l.contains("needs a latency model")),
+        "{p:#?}"
+    );
+    let (_dir, o) = with_layer("demo.toml", &format!("{text}[sim]\nlearn = true\n"));
+    let loaded = load_with::<Sim>(&o, &[]).unwrap();
+    assert!(loaded.table.settings().time.learn);
+    let manifest = load_manifest(&repo_config().join("models/demo.toml")).unwrap();
+    let (_, _, table) = load_settings::<Sim>(&o, &manifest).unwrap();
+    assert!(table.settings().time.learn);
+    let (_dir, o) = with_layer("demo.toml", &format!("{text}[sim]\nlearn = false\n"));
+    assert!(load_with::<Sim>(&o, &[]).is_err());
+}
