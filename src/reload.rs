@@ -512,4 +512,103 @@ mod tests {
             ["chunking.max_partial_prefills", "chunking.slots_per_row"]
         );
     }
+
+    /// A program's own section, `[sim]`, as the simulator adds `[replay]`.
+    #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct Sim {
+        sim: SimSection,
+    }
+
+    #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct SimSection {
+        learn: bool,
+    }
+
+    impl ExtraSections for Sim {
+        const NAMES: &'static [&'static str] = &["sim"];
+
+        fn learns_cost(&self) -> bool {
+            self.sim.learn
+        }
+    }
+
+    #[test]
+    fn a_reload_applies_the_new_layers_and_refuses_a_change_to_the_programs_sections() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = dir.path().join("layer.toml");
+        let write = |text: &str| std::fs::write(&layer, text).unwrap();
+        write("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let opts = LoadOptions {
+            model: Some(root.join("models/demo.toml")),
+            config_dir: root,
+            configs: vec![layer.clone()],
+            env: Some(std::collections::HashMap::new()),
+            ..LoadOptions::default()
+        };
+        actix::System::new().block_on(async {
+            let loaded = crate::config::load_with::<Sim>(&opts, &[]).unwrap();
+            let m = loaded.manifest;
+            let cm = ChunkingManagement::start("reload", m.submodules()).unwrap();
+            cm.set_policies(m.policies()).await.unwrap();
+            cm.set_budgets(loaded.table.settings().clone())
+                .await
+                .unwrap();
+            let reloader = Reloader::<Sim>::new(cm.clone(), opts.clone(), m);
+            assert_eq!(
+                cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+                Some(1024)
+            );
+            // A new budget applies, naming what changed.
+            write("[chunking.max_batch_tokens]\nllm = { mixed = 512 }\n");
+            let applied = reloader.reload().await.unwrap();
+            assert_eq!(applied.changed, ["chunking.max_batch_tokens.llm"]);
+            assert_eq!(
+                cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+                Some(512)
+            );
+            // A change to `[sim]` is refused whole: the budget beside it does not apply.
+            write("[chunking.max_batch_tokens]\nllm = { mixed = 256 }\n[sim]\nlearn = true\n");
+            match reloader.reload().await {
+                Err(ReloadError::FixedSection { sections }) => assert_eq!(sections, ["sim"]),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(
+                cm.max_batch_tokens("llm", "mixed").await.unwrap(),
+                Some(512)
+            );
+        });
+    }
+
+    #[test]
+    fn a_reloaded_section_that_learns_the_cost_keeps_a_time_budget_without_a_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = dir.path().join("layer.toml");
+        let write = |text: &str| std::fs::write(&layer, text).unwrap();
+        write("[chunking.max_step_ms]\nllm = 50\n[sim]\nlearn = true\n");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let opts = LoadOptions {
+            model: Some(root.join("models/demo.toml")),
+            config_dir: root,
+            configs: vec![layer.clone()],
+            env: Some(std::collections::HashMap::new()),
+            ..LoadOptions::default()
+        };
+        actix::System::new().block_on(async {
+            let loaded = crate::config::load_with::<Sim>(&opts, &[]).unwrap();
+            let m = loaded.manifest;
+            let cm = ChunkingManagement::start("reload", m.submodules()).unwrap();
+            cm.set_policies(m.policies()).await.unwrap();
+            cm.set_budgets(loaded.table.settings().clone())
+                .await
+                .unwrap();
+            let reloader = Reloader::<Sim>::new(cm.clone(), opts.clone(), m)
+                .running(loaded.settings, loaded.extra);
+            write("[chunking.max_step_ms]\nllm = 40\n[sim]\nlearn = true\n");
+            // Refused as a time budget without a latency model, were `learn` not honoured.
+            reloader.reload().await.unwrap();
+        });
+    }
 }
