@@ -534,29 +534,59 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_reload_applies_the_new_layers_and_refuses_a_change_to_the_programs_sections() {
-        let dir = tempfile::tempdir().unwrap();
-        let layer = dir.path().join("layer.toml");
-        let write = |text: &str| std::fs::write(&layer, text).unwrap();
-        write("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n");
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
-        let opts = LoadOptions {
-            model: Some(root.join("models/demo.toml")),
-            config_dir: root,
-            configs: vec![layer.clone()],
-            env: Some(std::collections::HashMap::new()),
-            ..LoadOptions::default()
-        };
-        actix::System::new().block_on(async {
-            let loaded = crate::config::load_with::<Sim>(&opts, &[]).unwrap();
-            let m = loaded.manifest;
+    /// The demo model's component started from one layer file, which `write` rewrites.
+    struct Running {
+        _dir: tempfile::TempDir,
+        layer: std::path::PathBuf,
+        opts: LoadOptions,
+    }
+
+    impl Running {
+        fn new(text: &str) -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let layer = dir.path().join("layer.toml");
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+            let opts = LoadOptions {
+                model: Some(root.join("models/demo.toml")),
+                config_dir: root,
+                configs: vec![layer.clone()],
+                env: Some(std::collections::HashMap::new()),
+                ..LoadOptions::default()
+            };
+            let r = Self {
+                _dir: dir,
+                layer,
+                opts,
+            };
+            r.write(text);
+            r
+        }
+
+        fn write(&self, text: &str) {
+            std::fs::write(&self.layer, text).unwrap();
+        }
+
+        /// The component under the layers as they are now, and what they loaded.
+        async fn start(&self) -> (ChunkingManagement, crate::config::LoadedConfig<Sim>) {
+            let loaded = crate::config::load_with::<Sim>(&self.opts, &[]).unwrap();
+            let m = &loaded.manifest;
             let cm = ChunkingManagement::start("reload", m.submodules()).unwrap();
             cm.set_policies(m.policies()).await.unwrap();
             cm.set_budgets(loaded.table.settings().clone())
                 .await
                 .unwrap();
-            let reloader = Reloader::<Sim>::new(cm.clone(), opts.clone(), m);
+            (cm, loaded)
+        }
+    }
+
+    #[test]
+    fn a_reload_applies_the_new_layers_and_refuses_a_change_to_the_programs_sections() {
+        let r = Running::new("[chunking.max_batch_tokens]\nllm = { mixed = 1024 }\n");
+        let write = |text: &str| r.write(text);
+        actix::System::new().block_on(async {
+            let (cm, loaded) = r.start().await;
+            let m = loaded.manifest;
+            let reloader = Reloader::<Sim>::new(cm.clone(), r.opts.clone(), m);
             assert_eq!(
                 cm.max_batch_tokens("llm", "mixed").await.unwrap(),
                 Some(1024)
@@ -584,27 +614,12 @@ mod tests {
 
     #[test]
     fn a_reloaded_section_that_learns_the_cost_keeps_a_time_budget_without_a_model() {
-        let dir = tempfile::tempdir().unwrap();
-        let layer = dir.path().join("layer.toml");
-        let write = |text: &str| std::fs::write(&layer, text).unwrap();
-        write("[chunking.max_step_ms]\nllm = 50\n[sim]\nlearn = true\n");
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
-        let opts = LoadOptions {
-            model: Some(root.join("models/demo.toml")),
-            config_dir: root,
-            configs: vec![layer.clone()],
-            env: Some(std::collections::HashMap::new()),
-            ..LoadOptions::default()
-        };
+        let r = Running::new("[chunking.max_step_ms]\nllm = 50\n[sim]\nlearn = true\n");
+        let write = |text: &str| r.write(text);
         actix::System::new().block_on(async {
-            let loaded = crate::config::load_with::<Sim>(&opts, &[]).unwrap();
+            let (cm, loaded) = r.start().await;
             let m = loaded.manifest;
-            let cm = ChunkingManagement::start("reload", m.submodules()).unwrap();
-            cm.set_policies(m.policies()).await.unwrap();
-            cm.set_budgets(loaded.table.settings().clone())
-                .await
-                .unwrap();
-            let reloader = Reloader::<Sim>::new(cm.clone(), opts.clone(), m)
+            let reloader = Reloader::<Sim>::new(cm.clone(), r.opts.clone(), m)
                 .running(loaded.settings, loaded.extra);
             write("[chunking.max_step_ms]\nllm = 40\n[sim]\nlearn = true\n");
             // Refused as a time budget without a latency model, were `learn` not honoured.

@@ -125,78 +125,75 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn flags_replace_their_setting_and_name_themselves_as_its_layer() {
+    fn the_replays_flags_replace_their_setting_and_name_themselves_as_its_layer() {
         let mut tree = json!({
-            "chunking": {"max_step_ms": {"llm": {"mixed": 45}}, "cost": {"llm": "llama2-7b-a100"}},
-            "replay": {"cost": {"preset": "llama2-7b-a100", "noise": 0.1},
-                       "kv": {"preset": "llama2-7b-a100", "block_tokens": 32}},
+            "replay": {"cost": {"preset": "llama2-7b-a100", "noise": 0.1, "per_row_ms": 1},
+                       "kv": {"preset": "llama2-7b-a100", "block_tokens": 32, "memory_utilization": 0.8}},
         });
         let flags = [
-            FlagSetting::max_step_ms("100"),
-            FlagSetting::cost("5, 0.06,0,1e-6").unwrap(),
             FlagSetting::sim_cost("8,0.02,0,0").unwrap(),
             FlagSetting::kv_blocks("500"),
-            FlagSetting::time_margin("0.98"),
-            FlagSetting::learn_cost(),
+            FlagSetting::workers("3"),
+            FlagSetting::router("least_kv"),
         ];
         let origins = apply(&flags, &mut tree, Some("llm"));
         assert_eq!(
             tree,
             json!({
-                "chunking": {"max_step_ms": {"llm": 100},
-                             "cost": {"llm": {"base_ms": 5, "per_token_ms": 0.06, "per_kv_token_ms": 0, "per_attention_pair_ms": 1e-6}},
-                             "time_margin": 0.98, "learn_cost": true},
                 "replay": {"cost": {"noise": 0.1, "base_ms": 8, "per_token_ms": 0.02, "per_kv_token_ms": 0, "per_attention_pair_ms": 0},
-                           "kv": {"block_tokens": 32, "blocks": 500}},
+                           "kv": {"block_tokens": 32, "blocks": 500},
+                           "fleet": {"workers": 3, "router": "least_kv"}},
             })
         );
-        assert_eq!(
-            origins["chunking.max_step_ms.llm"],
-            "command-line flag --max-step-ms"
-        );
         assert_eq!(origins["replay.kv.blocks"], "command-line flag --kv-blocks");
-        // A preset's name over a string preset; `{node}` is the node given.
-        let mut tree = json!({"replay": {"node": "talker", "cost": "llama2-7b-a100"}});
+        assert_eq!(origins["replay.fleet.router"], "command-line flag --router");
+        // A preset's name over a string preset; five coefficients keep `per_row_ms`; a memory
+        // budget keeps `memory_utilization`.
+        let mut tree = json!({"replay": {"cost": "llama2-7b-a100",
+                                         "kv": {"blocks": 9, "memory_utilization": 0.8}}});
         let o = apply(
             &[
                 FlagSetting::sim_cost("llama2-7b-h100").unwrap(),
-                FlagSetting::max_step_ms("off"),
                 FlagSetting::kv_memory("80,12.5,524288").unwrap(),
+                FlagSetting::prefill_workers("2"),
+                FlagSetting::decode_workers("4"),
+                FlagSetting::kv_link_gbps("100"),
+                FlagSetting::kv_link_latency_ms("2.5"),
             ],
             &mut tree,
-            Some("talker"),
+            None,
         );
         assert_eq!(tree["replay"]["cost"], json!({"preset": "llama2-7b-h100"}));
-        assert_eq!(tree["chunking"]["max_step_ms"], json!({"talker": "off"}));
         assert_eq!(
             tree["replay"]["kv"],
-            json!({"gpu_memory_gb": 80, "weights_gb": 12.5, "kv_bytes_per_token": 524288})
+            json!({"memory_utilization": 0.8, "gpu_memory_gb": 80, "weights_gb": 12.5, "kv_bytes_per_token": 524288})
+        );
+        assert_eq!(
+            tree["replay"]["fleet"],
+            json!({"prefill_workers": 2, "decode_workers": 4, "kv_link_gbps": 100, "kv_link_latency_ms": 2.5})
         );
         assert!(o.contains_key("replay.kv.weights_gb"));
-        // Without a node, the node's keys are left alone.
-        let mut tree = json!({});
-        assert!(apply(&[FlagSetting::max_step_ms("5")], &mut tree, None).is_empty());
+        let mut tree = json!({"replay": {"cost": {"preset": "x", "per_row_ms": 1}}});
+        apply(
+            &[FlagSetting::sim_cost("1,2,3,4,5").unwrap()],
+            &mut tree,
+            None,
+        );
+        assert_eq!(
+            tree["replay"]["cost"],
+            json!({"base_ms": 1, "per_token_ms": 2, "per_kv_token_ms": 3, "per_attention_pair_ms": 4, "per_row_ms": 5})
+        );
     }
 
     #[test]
-    fn lists_have_as_many_parts_as_keys_and_values_are_typed_as_environment_values() {
-        assert!(FlagSetting::cost("1,2,3").is_err());
+    fn the_replays_lists_have_as_many_parts_as_keys() {
         // Four coefficients, or five with `per_row_ms`; no other count.
         assert!(FlagSetting::sim_cost("1,2,3,4,5,6").is_err());
-        assert!(FlagSetting::sim_cost("1,2,3,4,5").is_ok());
-        let e = FlagSetting::cost("1,2,3,4,5,6").unwrap_err();
-        assert!(e.contains("4 comma-separated numbers"), "{e}");
+        assert!(FlagSetting::sim_cost("1,2,3").is_err());
         let e = FlagSetting::kv_memory("80,1").unwrap_err();
         assert!(
             e.contains("gpu_memory_gb,weights_gb,kv_bytes_per_token"),
             "{e}"
         );
-        assert_eq!(typed("45"), json!(45));
-        assert_eq!(typed("4.5"), json!(4.5));
-        assert_eq!(typed("true"), json!(true));
-        assert_eq!(typed("off"), json!("off"));
-        // Not finite: left as text, which every numeric setting refuses.
-        assert_eq!(typed("inf"), json!("inf"));
-        assert_eq!(typed("NaN"), json!("NaN"));
     }
 }
