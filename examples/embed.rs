@@ -70,7 +70,7 @@ impl Handler<Step> for Engine {
             // `row.input`; this one runs exactly what was scheduled.
             let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
             if batch.rows.is_empty() {
-                cm.complete(batch.step, ran).await?;
+                cm.complete(batch.step, ran, None).await?;
                 return Ok((false, None));
             }
             // Requests whose prompt finishes now generate tokens with decode rows from the
@@ -82,7 +82,7 @@ impl Handler<Step> for Engine {
                 }
             }
             let done = cm
-                .complete_and_assemble_with(batch.step, ran, None, next)
+                .complete_and_assemble(batch.step, ran, None, next)
                 .await?;
             Ok((true, Some(done.next?)))
         };

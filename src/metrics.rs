@@ -883,6 +883,7 @@ mod tests {
 
     use super::*;
     use crate::budget::BudgetTable;
+    use crate::order::AdmitOptions;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::scheduler::SchedulerState;
     use crate::snapshot::BudgetSnapshot;
@@ -1174,21 +1175,28 @@ mod tests {
     #[test]
     fn steps_chunks_tokens_and_deferred_rows_follow_the_scheduler() {
         let mut state = scheduler();
-        state.admit(1, "llm", "prefill", 250, 0).unwrap();
-        state.admit(2, "llm", "prefill", 120, 0).unwrap();
+        state
+            .queue_prompt(1, "llm", "prefill", 250, AdmitOptions::cached(0))
+            .unwrap();
+        state
+            .queue_prompt(2, "llm", "prefill", 120, AdmitOptions::cached(0))
+            .unwrap();
         let (mut ran_tokens, mut waiting, mut chunks, mut finals) = (Vec::new(), 0, 0, 0);
         let seen = recorded(|| {
             let m = inst().step(&n("llm"), &n("prefill"));
             // Until both prompts are through; bounded so a planner bug cannot hang the test.
             for _ in 0..20 {
-                let batch = state.assemble("llm", "prefill").unwrap().into_batch();
+                let batch = state
+                    .plan_step("llm", "prefill", None)
+                    .unwrap()
+                    .into_batch();
                 m.assembled(&batch, Duration::from_micros(30));
                 if batch.rows.is_empty() {
                     state.abandon(batch.step, &[]).unwrap();
                     break;
                 }
                 let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
-                let outcome = state.complete(batch.step, &ran, None).unwrap();
+                let outcome = state.close_step(batch.step, &ran, None).unwrap();
                 m.completed(&outcome);
                 ran_tokens.push(outcome.tokens.ran as f64);
                 waiting += u64::from(batch.waiting);

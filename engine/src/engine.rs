@@ -1138,7 +1138,7 @@ impl Engine {
         let sent = std::mem::take(&mut self.changes);
         let done = match self
             .cm
-            .complete_and_assemble_with(batch.step, ran, Some(ms), next)
+            .complete_and_assemble(batch.step, ran, Some(ms), next)
             .await
         {
             Ok(done) => done,

@@ -123,7 +123,7 @@ impl BenchWorkload {
                 }
             }
             let done = cm
-                .complete_and_assemble_with(batch.step, ran, None, next)
+                .complete_and_assemble(batch.step, ran, None, next)
                 .await?;
             batch = done.next?;
         }

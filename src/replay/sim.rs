@@ -590,7 +590,7 @@ impl<'a> Sim<'a> {
         };
         let done = self
             .cm
-            .complete_and_assemble_with(step, ran, ms, next)
+            .complete_and_assemble(step, ran, ms, next)
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
         if let Some(r) = ran_step {
@@ -646,7 +646,7 @@ impl<'a> Sim<'a> {
         match pending {
             Pending::Empty(step) => {
                 self.cm
-                    .complete(step, Vec::new())
+                    .complete(step, Vec::new(), None)
                     .await
                     .map_err(ReplayError::chunking("completing an empty step"))?;
             }
@@ -654,7 +654,7 @@ impl<'a> Sim<'a> {
                 let ran = std::mem::take(&mut r.ran);
                 let outcome = self
                     .cm
-                    .complete_measured(r.batch.step, ran, r.ms)
+                    .complete(r.batch.step, ran, Some(r.ms))
                     .await
                     .map_err(ReplayError::chunking("completing a step"))?;
                 self.account(*r, &outcome)?;
