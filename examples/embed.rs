@@ -1,6 +1,6 @@
 //! How an engine embeds mstar-chunking: an engine actor admits requests, "runs" each step's
 //! batch, reports the tokens each row ran and gets the next step's batch in the same round trip
-//! (`complete_and_assemble_with`), and aborts one request midway.
+//! (`complete_and_assemble` with a `NextStep`), and aborts one request midway.
 //!
 //! `cargo run --example embed` prints every step.
 

@@ -59,7 +59,7 @@ pub const HEAD_WAIT_SECONDS: &str = "mstar_chunking_head_wait_seconds";
 /// How many planned steps the head waiting prompt has waited through (gauge).
 pub const HEAD_WAIT_STEPS: &str = "mstar_chunking_head_wait_steps";
 
-/// Measured step time (histogram), from `complete_measured`.
+/// Measured step time (histogram), from a completion with a time or `measured_late`.
 pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
 /// How far the latency model's prediction was from the measured step time (histogram).
 pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_error_seconds";
@@ -785,7 +785,7 @@ impl StepMetrics {
     }
 
     /// Records a step's time measured after its completion
-    /// (`ChunkingManagement::measured`): its time, its prediction error and its time overrun,
+    /// (`ChunkingManagement::measured_late`): its time, its prediction error and its time overrun,
     /// as [`StepMetrics::completed`] records a time measured with the completion.
     pub(crate) fn measured_late(&self, m: &crate::scheduler::LateMeasurement) {
         self.step_seconds.record(m.measured_ms / 1000.0);

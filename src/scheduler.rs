@@ -2254,7 +2254,7 @@ mod tests {
         });
         let mut rid = 0;
         // Prompts of 20 to 100 tokens and one of 1,000, each step measured at 1 ms a token
-        // (`measured`) or not.
+        // (`close_step` with a time) or not.
         let mut step = |s: &mut SchedulerState, measured: bool| {
             rid += 1;
             let total = if measured {

@@ -282,7 +282,7 @@ impl Engine {
     }
 
     /// One whole step with one round trip: run the batch answered by the last completion (or
-    /// assemble one on the first step), then `complete_and_assemble_with`, which also admits a
+    /// assemble one on the first step), then `complete_and_assemble` with a `NextStep`, which also admits a
     /// new prompt for every one that finished.
     pub async fn step_one_trip(&mut self) {
         let batch = match self.pending.take() {

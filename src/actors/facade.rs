@@ -384,7 +384,27 @@ impl ChunkingManagement {
 
     /// As [`assemble`](Self::assemble), for a step planned at `now_ms` on the engine's clock
     /// (that of [`AdmitOptions::arrival_ms`]): `chunking.max_wait_ms` measures prompts' waits to
-    /// it.
+    /// it. A simulated engine's first step; its later ones are planned on its clock by
+    /// [`complete_and_assemble`](Self::complete_and_assemble) with [`Then::SameAt`] or
+    /// [`NextStep::at_ms`].
+    ///
+    /// ```
+    /// # use mstar_chunking::{AdmitOptions, BudgetSettings, ChunkingManagement, ChunkingPolicy, Order, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"]).order(Order::Priority).max_wait_ms(100.0)).await?;
+    /// let old = AdmitOptions { priority: 5, arrival_ms: Some(0.0), ..AdmitOptions::default() };
+    /// let new = AdmitOptions { priority: 0, arrival_ms: Some(150.0), ..AdmitOptions::default() };
+    /// cm.admit_with(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), old).await?;
+    /// cm.admit_with(2, "llm", "prefill", PreparedInput::tokens(vec![2; 300]), new).await?;
+    /// // At 150 ms on the engine's clock, request 1 has waited past the 100 ms bound.
+    /// let batch = cm.assemble_at("llm", "prefill", 150.0).await?;
+    /// assert_eq!(batch.rows[0].rid, 1);
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     /// As `assemble`.

@@ -9,7 +9,7 @@
 //!
 //! One message a step, as an engine's loop should be: a step is completed, the row changes it
 //! leads to (finished requests forgotten, prompts continuing on `decode`, new arrivals
-//! admitted) applied and the next step assembled in one `complete_and_assemble_with`, the
+//! admitted) applied and the next step assembled in one `complete_and_assemble`, the
 //! changes carried in its [`NextStep`]. Three documented fallbacks make calls of their own:
 //! the first step (nothing to complete yet: its admissions, then `assemble`), the last step
 //! and the one before a stop (completed alone: nothing comes next), and a step whose rows do
