@@ -51,7 +51,11 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// One step per node is in flight at a time (`docs/step-lifecycle.md`):
 /// [`assemble`](Self::assemble) plans it and answers the same batch again until it is
 /// [`complete`](Self::complete)d or [`abandon`](Self::abandon)ed, so a dropped future loses
-/// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row.
+/// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row. An
+/// engine's loop assembles its first step, then makes one call a step,
+/// [`complete_and_assemble`](Self::complete_and_assemble), which completes a step and answers
+/// the next one's batch; a step time learned after the completion goes to
+/// [`measured_late`](Self::measured_late).
 ///
 /// ```
 /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
