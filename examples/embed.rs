@@ -1,6 +1,6 @@
 //! How an engine embeds mstar-chunking: an engine actor admits requests, "runs" each step's
 //! batch, reports the tokens each row ran and gets the next step's batch in the same round trip
-//! (`complete_and_assemble_with`), and aborts one request midway.
+//! (`complete_and_assemble` with a `NextStep`), and aborts one request midway.
 //!
 //! `cargo run --example embed` prints every step.
 
@@ -70,7 +70,7 @@ impl Handler<Step> for Engine {
             // `row.input`; this one runs exactly what was scheduled.
             let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
             if batch.rows.is_empty() {
-                cm.complete(batch.step, ran).await?;
+                cm.complete(batch.step, ran, None).await?;
                 return Ok((false, None));
             }
             // Requests whose prompt finishes now generate tokens with decode rows from the
@@ -82,7 +82,7 @@ impl Handler<Step> for Engine {
                 }
             }
             let done = cm
-                .complete_and_assemble_with(batch.step, ran, None, next)
+                .complete_and_assemble(batch.step, ran, None, next)
                 .await?;
             Ok((true, Some(done.next?)))
         };

@@ -171,7 +171,7 @@ pub enum ChunkingError {
         /// The tokens reported.
         ran: u32,
     },
-    /// `complete_measured` with a step time that is not a finite number of ms ≥ 0.
+    /// A completion (`complete`, `complete_and_assemble`) or `measured_late` with a step time that is not a finite number of ms ≥ 0.
     #[error("step {step}: a measured step time must be a finite number of ms ≥ 0, got {ms}")]
     BadMeasurement {
         /// The step.

@@ -101,7 +101,8 @@ pub use policy::{ChunkingPolicy, SubmoduleCaps, NO_CHUNKING};
 pub use prepared::{ChunkInput, PreparedInput};
 pub use range::ChunkRange;
 pub use scheduler::{
-    Batch, BatchRow, Completed, LateMeasurement, LatencyModelReport, NextStep, RowKind, StepOutcome,
+    Batch, BatchRow, Completed, LateMeasurement, LatencyModelReport, NextStep, RowKind,
+    StepOutcome, Then,
 };
 
 /// The README's Rust examples run as doc-tests, so the embedding example stays true.

@@ -59,7 +59,7 @@ pub const HEAD_WAIT_SECONDS: &str = "mstar_chunking_head_wait_seconds";
 /// How many planned steps the head waiting prompt has waited through (gauge).
 pub const HEAD_WAIT_STEPS: &str = "mstar_chunking_head_wait_steps";
 
-/// Measured step time (histogram), from `complete_measured`.
+/// Measured step time (histogram), from a completion with a time or `measured_late`.
 pub const STEP_SECONDS: &str = "mstar_chunking_step_seconds";
 /// How far the latency model's prediction was from the measured step time (histogram).
 pub const STEP_PREDICTION_ERROR_SECONDS: &str = "mstar_chunking_step_prediction_error_seconds";
@@ -785,7 +785,7 @@ impl StepMetrics {
     }
 
     /// Records a step's time measured after its completion
-    /// (`ChunkingManagement::measured`): its time, its prediction error and its time overrun,
+    /// (`ChunkingManagement::measured_late`): its time, its prediction error and its time overrun,
     /// as [`StepMetrics::completed`] records a time measured with the completion.
     pub(crate) fn measured_late(&self, m: &crate::scheduler::LateMeasurement) {
         self.step_seconds.record(m.measured_ms / 1000.0);
@@ -883,6 +883,7 @@ mod tests {
 
     use super::*;
     use crate::budget::BudgetTable;
+    use crate::order::AdmitOptions;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::scheduler::SchedulerState;
     use crate::snapshot::BudgetSnapshot;
@@ -1174,21 +1175,28 @@ mod tests {
     #[test]
     fn steps_chunks_tokens_and_deferred_rows_follow_the_scheduler() {
         let mut state = scheduler();
-        state.admit(1, "llm", "prefill", 250, 0).unwrap();
-        state.admit(2, "llm", "prefill", 120, 0).unwrap();
+        state
+            .queue_prompt(1, "llm", "prefill", 250, AdmitOptions::cached(0))
+            .unwrap();
+        state
+            .queue_prompt(2, "llm", "prefill", 120, AdmitOptions::cached(0))
+            .unwrap();
         let (mut ran_tokens, mut waiting, mut chunks, mut finals) = (Vec::new(), 0, 0, 0);
         let seen = recorded(|| {
             let m = inst().step(&n("llm"), &n("prefill"));
             // Until both prompts are through; bounded so a planner bug cannot hang the test.
             for _ in 0..20 {
-                let batch = state.assemble("llm", "prefill").unwrap().into_batch();
+                let batch = state
+                    .plan_step("llm", "prefill", None)
+                    .unwrap()
+                    .into_batch();
                 m.assembled(&batch, Duration::from_micros(30));
                 if batch.rows.is_empty() {
                     state.abandon(batch.step, &[]).unwrap();
                     break;
                 }
                 let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
-                let outcome = state.complete(batch.step, &ran, None).unwrap();
+                let outcome = state.close_step(batch.step, &ran, None).unwrap();
                 m.completed(&outcome);
                 ran_tokens.push(outcome.tokens.ran as f64);
                 waiting += u64::from(batch.waiting);

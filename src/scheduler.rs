@@ -185,7 +185,7 @@ impl Batch {
 }
 
 /// What the engine changes between two steps of a node, sent with the completion of the first
-/// (`ChunkingManagement::complete_and_assemble_with`): the node and walk of the next step, and
+/// (`ChunkingManagement::complete_and_assemble`, [`Then::Next`]): the node and walk of the next step, and
 /// row changes applied in order after the completion and before the next step is planned, so
 /// the next batch sees them (a request that ended is not in it; a prompt that finished its
 /// prefill runs its first decode in it; a prompt that arrived may run its first chunk in it).
@@ -198,6 +198,36 @@ pub struct NextStep {
     pub(crate) changes: Vec<RowChange>,
     /// The step's time on the engine's clock, for the starvation bound (`at_ms`).
     pub(crate) now_ms: Option<f64>,
+}
+
+/// The step a one-trip completion assembles after it (`ChunkingManagement::complete_and_assemble`).
+/// A [`NextStep`] converts into one (`Then::Next`).
+///
+/// ```
+/// use mstar_chunking::{NextStep, Then};
+///
+/// let same = Then::Same; // the completed step's node and walk, no row changes
+/// let simulated = Then::SameAt(1_250.0); // the same, planned at 1,250 ms on the engine's clock
+/// let other: Then = NextStep::new("llm", "mixed").forget_request(7).into();
+/// assert!(matches!(other, Then::Next(_)));
+/// # let _ = (same, simulated);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum Then {
+    /// The completed step's node and walk, with no row changes: the engine's loop when nothing
+    /// joined or left the batch.
+    Same,
+    /// As `Same`, the next step planned at this time in ms on the engine's clock (that of
+    /// [`AdmitOptions::arrival_ms`]; `chunking.max_wait_ms` measures prompts' waits to it).
+    SameAt(f64),
+    /// The step this names, after its row changes (and at its time, [`NextStep::at_ms`]).
+    Next(NextStep),
+}
+
+impl From<NextStep> for Then {
+    fn from(next: NextStep) -> Self {
+        Self::Next(next)
+    }
 }
 
 /// One row change of a [`NextStep`].
@@ -533,10 +563,31 @@ pub(crate) struct Drained {
     pub(crate) rows: usize,
 }
 
-/// How many completed steps keep what a late measured time needs ([`SchedulerState::measured`]):
+/// How many completed steps keep what a late measured time needs ([`SchedulerState::take_late_measurement`]):
 /// enough for an engine whose batches run a few steps behind their completion (async
 /// scheduling, pipeline stages).
 pub const LATE_STEPS: usize = 16;
+
+/// What a completed step's measured time is read with, whether it comes with the completion
+/// or later ([`SchedulerState::take_measurement`]).
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    /// Whether the node's online fit learns from the step.
+    learns: bool,
+    /// The margin's quantile and the model the step was predicted with, if it plans with one.
+    margin: Option<(f64, LatencyModel)>,
+    /// The time budget the step was scheduled under.
+    max_step_ms: Option<f64>,
+    /// Why the plan already knew the step would run over its time budget, if it did.
+    time_over: Option<TimeOverrunReason>,
+}
+
+impl Timing {
+    /// Whether the fit or the margin reads the step's time (else only the overrun check does).
+    fn reads_time(&self) -> bool {
+        self.learns || self.margin.is_some()
+    }
+}
 
 /// A step completed without a measured time, as a late measurement reads it.
 #[derive(Debug, Clone)]
@@ -546,15 +597,11 @@ struct Unmeasured {
     walk: Name,
     /// What the step ran.
     features: StepFeatures,
-    learns: bool,
-    /// The margin's quantile and the model the step was predicted with, if it plans with one.
-    margin: Option<(f64, LatencyModel)>,
-    max_step_ms: Option<f64>,
+    timing: Timing,
     predicted_ms: Option<f64>,
-    time_over: Option<TimeOverrunReason>,
 }
 
-/// A step's time measured after its completion ([`SchedulerState::measured`]): what the time
+/// A step's time measured after its completion ([`SchedulerState::take_late_measurement`]): what the time
 /// budget check found, with the node's latency model after the fit learned from it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LateMeasurement {
@@ -620,7 +667,7 @@ pub struct SchedulerState {
     /// The latest steps completed without a measured time whose time the fit or the margin
     /// would read, oldest first (at most [`LATE_STEPS`]): an engine that learns a step's time
     /// after completing it (one step or more behind) reports it with
-    /// [`SchedulerState::measured`].
+    /// [`SchedulerState::take_late_measurement`].
     unmeasured: std::collections::VecDeque<Unmeasured>,
     next_step: u64,
     /// Per node, the steps on walks with a time budget planned without it, and the reason of
@@ -645,7 +692,7 @@ pub struct SchedulerState {
     /// (`serving::StepHooks::stranded`).
     stranded_said: rustc_hash::FxHashSet<(Name, Name, Name)>,
     /// Per node, the walk whose last step came out empty while rows waited on walks it does
-    /// not take (`serving::SchedulerState::assemble_step_at`): a second such step of the same
+    /// not take (`serving::SchedulerState::assemble`): a second such step of the same
     /// walk in a row is refused.
     stranded_last: FxHashMap<Name, Name>,
 }
@@ -692,28 +739,15 @@ impl SchedulerState {
             .or_insert_with(|| NodeQueues::new(node.clone()))
     }
 
-    /// Queues a prompt of `total` tokens with a `cached` prefix for `rid` at `node`.
+    /// Queues a prompt row of `total` tokens for `rid` at `node`, with what `options` says of
+    /// it (its cached prefix, priority and arrival time): the row alone, no input is held (the
+    /// serving layer's [`SchedulerState::admit`] also holds the prompt's prepared input). A
+    /// priority given where the node's order is not `priority` is kept (a later setting may
+    /// order by it) and warned about once per node: it does not change this node's order.
     ///
     /// # Errors
     /// Unknown node or walk, an empty prompt, or `(rid, node)` already queued.
-    pub fn admit(
-        &mut self,
-        rid: u64,
-        node: &str,
-        walk: &str,
-        total: u32,
-        cached: u32,
-    ) -> Result<(), ChunkingError> {
-        self.admit_with(rid, node, walk, total, AdmitOptions::cached(cached))
-    }
-
-    /// [`SchedulerState::admit`] with the prompt's priority and arrival time. A priority given
-    /// where the node's order is not `priority` is kept (a later setting may order by it) and
-    /// warned about once per node: it does not change this node's order.
-    ///
-    /// # Errors
-    /// As `admit`.
-    pub fn admit_with(
+    pub fn queue_prompt(
         &mut self,
         rid: u64,
         node: &str,
@@ -741,11 +775,13 @@ impl SchedulerState {
         Ok(())
     }
 
-    /// Keeps a continuing row of `rid` at `node` queued with an `estimate` of tokens a step.
+    /// Queues a continuing row of `rid` at `node` with an `estimate` of tokens a step and its
+    /// `context`, if given (or updates them): the row alone (the serving layer's
+    /// [`SchedulerState::continue_row`] also tells the hooks).
     ///
     /// # Errors
     /// Unknown node or walk, a zero estimate, or `rid` still prefilling there.
-    pub fn continue_row(
+    pub fn queue_continuing(
         &mut self,
         rid: u64,
         node: &str,
@@ -812,9 +848,11 @@ impl SchedulerState {
         select_model(online, configured)
     }
 
-    /// Drops every row of `rid` on every node (an aborted or finished request). Rows of `rid`
-    /// in a step in flight run, but do not advance. Returns how many prefill rows were dropped.
-    pub fn forget(&mut self, rid: u64) -> usize {
+    /// Drops every row of `rid` on every node (an aborted or finished request), its inputs
+    /// left alone (the serving layer's [`SchedulerState::forget_request`] drops them too). Rows
+    /// of `rid` in a step in flight run, but do not advance. Returns how many prefill rows
+    /// were dropped.
+    pub fn drop_rows(&mut self, rid: u64) -> usize {
         self.nodes
             .values_mut()
             .map(|q| q.forget(rid))
@@ -822,51 +860,37 @@ impl SchedulerState {
             .count()
     }
 
-    /// Drops the rows of `rid` on `node` only (its prepared input was released by hand).
-    pub(crate) fn forget_at(&mut self, rid: u64, node: &str) -> bool {
+    /// Drops the rows of `rid` on `node` only, its input there left alone (the serving layer's
+    /// [`SchedulerState::release`] releases it too); answers whether a prefill row was dropped.
+    pub(crate) fn drop_row(&mut self, rid: u64, node: &str) -> bool {
         self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
     }
 
-    /// The batch of the next step of `node`/`walk` (`assemble`'s, as a plain
-    /// batch): chunk rows carry no input, since cutting inputs is the actor shell's part.
+    /// [`SchedulerState::plan_step`]'s batch as a plain [`Batch`], its chunk rows without
+    /// input: cutting inputs is the serving layer's part ([`SchedulerState::assemble`]). The
+    /// plain state's step, which an engine-free test or benchmark drives.
     ///
     /// # Errors
-    /// As `assemble`.
-    pub fn assemble_batch(&mut self, node: &str, walk: &str) -> Result<Batch, ChunkingError> {
-        self.assemble(node, walk).map(Assembled::into_batch)
-    }
-
-    /// [`SchedulerState::assemble_batch`] of a step planned at `now_ms` on the engine's clock
-    /// (the starvation bound's `max_wait_ms` measures waits to it).
-    ///
-    /// # Errors
-    /// As `assemble`.
-    pub fn assemble_batch_at(
+    /// As `plan_step`.
+    pub fn plan_batch(
         &mut self,
         node: &str,
         walk: &str,
         now_ms: Option<f64>,
     ) -> Result<Batch, ChunkingError> {
-        self.assemble_at(node, walk, now_ms)
+        self.plan_step(node, walk, now_ms)
             .map(Assembled::into_batch)
     }
 
-    /// Assembles the next step of `node`/`walk`; while a step of `node`/`walk` is in flight,
-    /// answers that step again (see `docs/step-lifecycle.md`).
+    /// Plans the next step of `node`/`walk`, at `now_ms` on the engine's clock if given (for
+    /// the starvation bound, `chunking.max_wait_ms`); while a step of `node`/`walk` is in
+    /// flight, answers that step again, as it was (see `docs/step-lifecycle.md`). Its chunk
+    /// rows carry no input yet.
     ///
     /// # Errors
     /// Unknown node or walk, no policies bound, or a step of `node` in flight under another
     /// walk.
-    pub(crate) fn assemble(&mut self, node: &str, walk: &str) -> Result<Assembled, ChunkingError> {
-        self.assemble_at(node, walk, None)
-    }
-
-    /// [`SchedulerState::assemble`] of a step planned at `now_ms` on the engine's clock, for
-    /// the starvation bound (`chunking.max_wait_ms`); a step in flight is answered as it was.
-    ///
-    /// # Errors
-    /// As `assemble`.
-    pub(crate) fn assemble_at(
+    pub(crate) fn plan_step(
         &mut self,
         node: &str,
         walk: &str,
@@ -997,8 +1021,9 @@ impl SchedulerState {
 
     /// Drops everything for a shutdown: abandons every step in flight (and forgets each node's
     /// last empty one) and drops every row on every node; answers what was dropped. The
-    /// snapshot, the fits and the step numbering are kept.
-    pub(crate) fn drain(&mut self) -> Drained {
+    /// inputs are left alone (the serving layer's [`SchedulerState::drain`] clears them), and
+    /// the snapshot, the fits and the step numbering are kept.
+    pub(crate) fn drop_all(&mut self) -> Drained {
         let steps = self.in_flight.len();
         self.in_flight.clear();
         self.empty.clear();
@@ -1061,7 +1086,7 @@ impl SchedulerState {
         let (node, in_flight) = self.find_step(step)?;
         let f = self.take_step(&node, in_flight);
         for rid in drop_rids {
-            self.forget_at(*rid, &node);
+            self.drop_row(*rid, &node);
         }
         self.spare = f.plan;
         if let Some(batch) = f.batch {
@@ -1070,7 +1095,9 @@ impl SchedulerState {
         Ok(())
     }
 
-    /// Completes a step in flight: `ran[i]` is the tokens row `i` of its batch actually ran,
+    /// Closes a step in flight with what it ran (the serving layer's
+    /// [`SchedulerState::complete`] also releases the finished rows' inputs): `ran[i]` is the
+    /// tokens row `i` of its batch actually ran,
     /// and `measured_ms` the step's measured time, if the engine has one. A chunk row ran
     /// either nothing (0: it is planned again from the same place) or its planned tokens (it
     /// advances); continuing rows report what they ran. Checks the tokens against the budget
@@ -1081,7 +1108,7 @@ impl SchedulerState {
     /// The step is not in flight, `ran` does not have one entry per row, a chunk row reports
     /// neither 0 nor its planned tokens, or `measured_ms` is not a finite time ≥ 0; on error
     /// nothing changes and the step stays in flight.
-    pub fn complete(
+    pub fn close_step(
         &mut self,
         step: u64,
         ran: &[u32],
@@ -1153,39 +1180,43 @@ impl SchedulerState {
             tokens: tokens.ran,
             reason,
         });
-        // The step's own time budget: the plan's limit is divided by the time margin.
-        let max_step_ms = f.plan.time.and(f.params.max_step_ms);
         let time_inactive = self.time_in_force(&node, &f);
-        let time_overrun = measured_ms
-            .zip(max_step_ms)
-            .and_then(|(ms, max)| classify_time_overrun(ms, max, f.plan.time_over));
-        let learns = f.params.learn_cost;
-        let margin = f.params.margin_quantile.zip(f.plan.time);
-        if let Some(ms) = measured_ms.filter(|_| learns || margin.is_some()) {
-            // What the step ran (a chunk reported at 0 did not run): the online fit learns from
-            // it, and the time margin compares it with its prediction.
-            let features = ran_features(&f.plan, ran);
-            let margin = margin.map(|(q, time)| (q, time.model));
-            self.take_measurement(&node, &features, ms, learns, margin);
-        }
+        let timing = Timing {
+            learns: f.params.learn_cost,
+            margin: f
+                .params
+                .margin_quantile
+                .zip(f.plan.time)
+                .map(|(q, time)| (q, time.model)),
+            // The step's own time budget: the plan's limit is divided by the time margin.
+            max_step_ms: f.plan.time.and(f.params.max_step_ms),
+            time_over: f.plan.time_over,
+        };
         let predicted_ms = f.model.map(|m| f.plan.predicted_ms(&m));
-        if measured_ms.is_none() && (learns || margin.is_some()) {
-            if self.unmeasured.len() == LATE_STEPS {
-                self.unmeasured.pop_front();
+        // What the step ran (a chunk reported at 0 did not run): the online fit learns from it,
+        // and the time margin compares it with its prediction.
+        let features = || ran_features(&f.plan, ran);
+        let time_overrun = match measured_ms {
+            Some(ms) => self.take_measurement(&node, ms, &timing, features),
+            None => {
+                if timing.reads_time() {
+                    if self.unmeasured.len() == LATE_STEPS {
+                        self.unmeasured.pop_front();
+                    }
+                    self.unmeasured.push_back(Unmeasured {
+                        step,
+                        node: node.clone(),
+                        walk: f.params.walk.clone(),
+                        features: features(),
+                        timing,
+                        predicted_ms,
+                    });
+                }
+                None
             }
-            self.unmeasured.push_back(Unmeasured {
-                step,
-                node: node.clone(),
-                walk: f.params.walk.clone(),
-                features: ran_features(&f.plan, ran),
-                learns,
-                margin: margin.map(|(q, time)| (q, time.model)),
-                max_step_ms,
-                predicted_ms,
-                time_over: f.plan.time_over,
-            });
-        }
-        let time_margin = margin.map(|_| f.margin);
+        };
+        let max_step_ms = timing.max_step_ms;
+        let time_margin = timing.margin.map(|_| f.margin);
         self.spare = f.plan;
         if let Some(batch) = f.batch {
             self.spare_batch = Some(batch);
@@ -1244,7 +1275,11 @@ impl SchedulerState {
     /// # Errors
     /// `BadMeasurement` when `ms` is not a finite time ≥ 0; `UnknownStep` when the step is not
     /// one of those (never completed, completed with a time, measured already, or too old).
-    pub fn measured(&mut self, step: u64, ms: f64) -> Result<LateMeasurement, ChunkingError> {
+    pub fn take_late_measurement(
+        &mut self,
+        step: u64,
+        ms: f64,
+    ) -> Result<LateMeasurement, ChunkingError> {
         if crate::latency::measured_ms(ms).is_none() {
             return Err(ChunkingError::BadMeasurement { step, ms });
         }
@@ -1256,51 +1291,48 @@ impl SchedulerState {
         let Some(u) = self.unmeasured.remove(at) else {
             return Err(ChunkingError::UnknownStep { step });
         };
-        self.take_measurement(&u.node, &u.features, ms, u.learns, u.margin);
-        let time_overrun = u
-            .max_step_ms
-            .and_then(|max| classify_time_overrun(ms, max, u.time_over));
-        let model = match self.snapshot.as_ref() {
-            Some(s) => {
-                let table = s.table();
-                self.select(&u.node, table.settings().time.learn, table.cost(&u.node))
-            }
-            None => (None, ModelSource::None),
-        };
+        let time_overrun = self.take_measurement(&u.node, ms, &u.timing, || u.features);
         Ok(LateMeasurement {
             step,
-            time_margin: u.margin.map(|_| self.margin(&u.node).unwrap_or(1.0)),
+            time_margin: u.timing.margin.map(|_| self.margin(&u.node).unwrap_or(1.0)),
+            model: self.latency_model(&u.node),
             node: u.node,
             walk: u.walk,
             measured_ms: ms,
             predicted_ms: u.predicted_ms,
-            max_step_ms: u.max_step_ms,
+            max_step_ms: u.timing.max_step_ms,
             time_overrun,
-            model,
         })
     }
 
-    /// A step's measured time `ms`, taken in whether it came with the completion or later: the
-    /// node's online fit learns from what the step ran (`features`) when it `learns`, and the
-    /// time margin at its quantile compares `ms` with the step's prediction by `model`.
+    /// A step's measured time `ms`, taken in whether it came with the completion or later
+    /// ([`SchedulerState::take_late_measurement`]): when the fit or the margin reads it, the
+    /// node's online fit learns from what the step ran (`features`, computed only then) and the
+    /// time margin at its quantile compares `ms` with the step's prediction. Answers the time
+    /// overrun, if `ms` exceeds the step's time budget.
     fn take_measurement(
         &mut self,
         node: &Name,
-        features: &StepFeatures,
         ms: f64,
-        learns: bool,
-        margin: Option<(f64, LatencyModel)>,
-    ) {
-        if learns {
-            self.observe(node, features, ms);
+        timing: &Timing,
+        features: impl FnOnce() -> StepFeatures,
+    ) -> Option<TimeOverrunReason> {
+        if timing.reads_time() {
+            let features = features();
+            if timing.learns {
+                self.observe(node, &features, ms);
+            }
+            if let Some((q, model)) = timing.margin {
+                let predicted = model.predict_ms(&features);
+                self.margins
+                    .entry(node.clone())
+                    .or_default()
+                    .observe(ms, predicted, q);
+            }
         }
-        if let Some((q, model)) = margin {
-            let predicted = model.predict_ms(features);
-            self.margins
-                .entry(node.clone())
-                .or_default()
-                .observe(ms, predicted, q);
-        }
+        timing
+            .max_step_ms
+            .and_then(|max| classify_time_overrun(ms, max, timing.time_over))
     }
 
     /// The time margin steps planned under `params` divide their time budget by
@@ -1524,33 +1556,37 @@ mod tests {
     #[test]
     fn a_batch_counts_its_tokens_as_the_completion_does() {
         let mut s = learning_state();
-        s.admit(1, "llm", "prefill", 60, 0).unwrap();
-        s.admit(3, "llm", "prefill", 20, 0).unwrap();
-        let b = s.assemble_batch("llm", "prefill").unwrap();
+        s.queue_prompt(1, "llm", "prefill", 60, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_prompt(3, "llm", "prefill", 20, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_batch("llm", "prefill", None).unwrap();
         // The first chunk ran, the second did not run at all (0).
         let ran: Vec<u32> = vec![b.rows[0].tokens(), 0];
         assert_eq!(b.rows.len(), 2);
         let counted = b.step_tokens(&ran);
         assert_eq!(counted.ran, ran.iter().map(|&r| u64::from(r)).sum::<u64>());
         assert_eq!(counted.scheduled, b.scheduled_tokens);
-        assert_eq!(s.complete(b.step, &ran, None).unwrap().tokens, counted);
+        assert_eq!(s.close_step(b.step, &ran, None).unwrap().tokens, counted);
     }
 
     #[test]
     fn drain_abandons_the_steps_and_drops_every_row() {
         let mut s = learning_state();
-        s.admit(1, "llm", "prefill", 150, 0).unwrap();
-        s.admit(2, "llm", "prefill", 30, 0).unwrap();
-        s.continue_row(3, "llm", "decode", 1, None).unwrap();
-        let b = s.assemble_batch("llm", "prefill").unwrap();
-        let empty = s.assemble_batch("llm", "decode");
+        s.queue_prompt(1, "llm", "prefill", 150, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_prompt(2, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_continuing(3, "llm", "decode", 1, None).unwrap();
+        let b = s.plan_batch("llm", "prefill", None).unwrap();
+        let empty = s.plan_batch("llm", "decode", None);
         assert!(
             matches!(empty, Err(ChunkingError::StepInFlight { .. })),
             "{empty:?}"
         );
         assert_eq!(s.steps_in_flight(), 1);
         assert_eq!(
-            s.drain(),
+            s.drop_all(),
             Drained {
                 steps: 1,
                 requests: 3,
@@ -1560,15 +1596,15 @@ mod tests {
         assert_eq!((s.steps_in_flight(), s.prefill_rows()), (0, 0));
         assert_eq!(s.node("llm").unwrap().counts(), Default::default());
         assert!(matches!(
-            s.complete(b.step, &[100], None),
+            s.close_step(b.step, &[100], None),
             Err(ChunkingError::UnknownStep { .. })
         ));
         // A node's last empty step is forgotten too; step numbers go on after a drain.
-        let empty = s.assemble_batch("llm", "prefill").unwrap();
+        let empty = s.plan_batch("llm", "prefill", None).unwrap();
         assert!(empty.rows.is_empty() && empty.step > b.step);
-        assert_eq!(s.drain(), Drained::default());
+        assert_eq!(s.drop_all(), Drained::default());
         assert!(matches!(
-            s.complete(empty.step, &[], None),
+            s.close_step(empty.step, &[], None),
             Err(ChunkingError::UnknownStep { .. })
         ));
     }
@@ -1585,22 +1621,24 @@ mod tests {
     #[test]
     fn a_continuing_row_reads_its_prompt_and_what_it_ran() {
         let mut s = learning_state();
-        s.admit(1, "llm", "prefill", 80, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
-        s.complete(b.step, &[80], Some(10.0)).unwrap();
-        s.continue_row(1, "llm", "decode", 1, None).unwrap();
-        s.continue_row(2, "llm", "decode", 4, Some(1000)).unwrap();
+        s.queue_prompt(1, "llm", "prefill", 80, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
+        s.close_step(b.step, &[80], Some(10.0)).unwrap();
+        s.queue_continuing(1, "llm", "decode", 1, None).unwrap();
+        s.queue_continuing(2, "llm", "decode", 4, Some(1000))
+            .unwrap();
         assert_eq!(contexts(&s), vec![(1, 80), (2, 1000)]);
-        let b = s.assemble("llm", "decode").unwrap().into_batch();
+        let b = s.plan_step("llm", "decode", None).unwrap().into_batch();
         assert_eq!(
             b.rows.iter().map(|r| r.context).collect::<Vec<_>>(),
             vec![80, 1000]
         );
         // Row 2 speculated and ran 3 of its 4.
-        s.complete(b.step, &[1, 3], Some(10.0)).unwrap();
+        s.close_step(b.step, &[1, 3], Some(10.0)).unwrap();
         assert_eq!(contexts(&s), vec![(1, 81), (2, 1003)]);
         // A failed step (abandoned) grows nothing.
-        let b = s.assemble("llm", "decode").unwrap().into_batch();
+        let b = s.plan_step("llm", "decode", None).unwrap().into_batch();
         s.abandon(b.step, &[]).unwrap();
         assert_eq!(contexts(&s), vec![(1, 81), (2, 1003)]);
     }
@@ -1608,14 +1646,16 @@ mod tests {
     #[test]
     fn an_abandoned_step_advances_nothing_and_drops_the_named_rows() {
         let mut s = state();
-        s.admit(1, "llm", "prefill", 150, 0).unwrap();
-        s.admit(2, "llm", "prefill", 30, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.queue_prompt(1, "llm", "prefill", 150, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_prompt(2, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert_eq!(b.rows.len(), 1, "row 1 takes the whole budget");
         s.abandon(b.step, &[2]).unwrap();
         assert_eq!(s.steps_in_flight(), 0);
         assert_eq!(s.prefill_rows(), 1, "row 2 dropped");
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         let RowWork::Chunk { range, .. } = b.rows[0].work else {
             panic!("a chunk")
         };
@@ -1633,9 +1673,9 @@ mod tests {
     #[test]
     fn a_step_with_no_rows_can_be_completed() {
         let mut s = state();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert!(b.rows.is_empty());
-        let out = s.complete(b.step, &[], None).unwrap();
+        let out = s.close_step(b.step, &[], None).unwrap();
         assert_eq!((out.chunks, out.overrun), (0, None));
     }
 
@@ -1677,15 +1717,17 @@ mod tests {
                 .max_wait_steps(std::num::NonZeroU32::new(3).unwrap())
         });
         for rid in 1..=5 {
-            s.continue_row(rid, "llm", "prefill", 1, Some(10)).unwrap();
+            s.queue_continuing(rid, "llm", "prefill", 1, Some(10))
+                .unwrap();
         }
-        s.admit(9, "llm", "prefill", 1000, 0).unwrap();
+        s.queue_prompt(9, "llm", "prefill", 1000, AdmitOptions::cached(0))
+            .unwrap();
         let mut shapes = Vec::new();
         for _ in 0..8 {
-            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
             shapes.push(b.rows.iter().find(|r| r.rid == 9).map(chunk));
-            s.complete(b.step, &ran, None).unwrap();
+            s.close_step(b.step, &ran, None).unwrap();
         }
         assert_eq!(
             shapes,
@@ -1718,16 +1760,23 @@ mod tests {
             let total = 10 + (i * 37) % 60;
             let mut outs = Vec::new();
             for (s, with_ms) in [(&mut now, true), (&mut late, false)] {
-                s.admit(u64::from(i), "llm", "prefill", total, 0).unwrap();
-                let b = s.assemble("llm", "prefill").unwrap().into_batch();
+                s.queue_prompt(
+                    u64::from(i),
+                    "llm",
+                    "prefill",
+                    total,
+                    AdmitOptions::cached(0),
+                )
+                .unwrap();
+                let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
                 let ran = b.rows[0].tokens();
                 let ms = truth.predict_ms(&StepFeatures::EMPTY.with_chunk(0, ran)) * 1.3;
-                let out = s.complete(b.step, &[ran], with_ms.then_some(ms)).unwrap();
+                let out = s.close_step(b.step, &[ran], with_ms.then_some(ms)).unwrap();
                 let time_overrun = if with_ms {
                     out.time_overrun
                 } else {
                     assert_eq!(out.time_overrun, None, "not known yet");
-                    let m = s.measured(b.step, ms).unwrap();
+                    let m = s.take_late_measurement(b.step, ms).unwrap();
                     assert_eq!((m.step, m.measured_ms), (b.step, ms));
                     assert_eq!(
                         (m.predicted_ms, m.max_step_ms),
@@ -1735,12 +1784,12 @@ mod tests {
                     );
                     assert_eq!(m.model, s.latency_model("llm"));
                     assert_eq!(m.time_margin, s.margin("llm"));
-                    let again = s.measured(b.step, ms).unwrap_err();
+                    let again = s.take_late_measurement(b.step, ms).unwrap_err();
                     assert_eq!(again, ChunkingError::UnknownStep { step: b.step });
                     m.time_overrun
                 };
                 outs.push((b.step, time_overrun));
-                s.forget(u64::from(i));
+                s.drop_rows(u64::from(i));
             }
             assert_eq!(outs[0].1, outs[1].1, "step {i}");
         }
@@ -1748,30 +1797,39 @@ mod tests {
         assert_eq!(late.latency_model("llm").1, ModelSource::Online);
         assert_eq!(late.margin("llm"), now.margin("llm"));
         assert!(late.margin("llm").unwrap() > 1.0);
-        let bad = late.measured(1, f64::NAN).unwrap_err();
+        let bad = late.take_late_measurement(1, f64::NAN).unwrap_err();
         assert!(matches!(bad, ChunkingError::BadMeasurement { step: 1, .. }));
         assert_eq!(
-            late.measured(9_999, 1.0).unwrap_err(),
+            late.take_late_measurement(9_999, 1.0).unwrap_err(),
             ChunkingError::UnknownStep { step: 9_999 }
         );
         // Only the latest LATE_STEPS unmeasured steps are kept; a step completed with its time
         // is not kept at all.
         let mut steps = Vec::new();
         for i in 0..=LATE_STEPS as u64 {
-            late.admit(100 + i, "llm", "prefill", 10, 0).unwrap();
-            let b = late.assemble("llm", "prefill").unwrap().into_batch();
-            late.complete(b.step, &[10], None).unwrap();
+            late.queue_prompt(100 + i, "llm", "prefill", 10, AdmitOptions::cached(0))
+                .unwrap();
+            let b = late.plan_step("llm", "prefill", None).unwrap().into_batch();
+            late.close_step(b.step, &[10], None).unwrap();
             steps.push(b.step);
         }
-        assert!(late.measured(steps[0], 1.0).is_err(), "evicted");
-        assert!(late.measured(steps[1], 1.0).is_ok());
-        assert!(late.measured(steps[LATE_STEPS], 1.0).is_ok());
-        let mut plain = state();
-        plain.admit(1, "llm", "prefill", 10, 0).unwrap();
-        let b = plain.assemble("llm", "prefill").unwrap().into_batch();
-        plain.complete(b.step, &[10], None).unwrap();
         assert!(
-            plain.measured(b.step, 1.0).is_err(),
+            late.take_late_measurement(steps[0], 1.0).is_err(),
+            "evicted"
+        );
+        assert!(late.take_late_measurement(steps[1], 1.0).is_ok());
+        assert!(late.take_late_measurement(steps[LATE_STEPS], 1.0).is_ok());
+        let mut plain = state();
+        plain
+            .queue_prompt(1, "llm", "prefill", 10, AdmitOptions::cached(0))
+            .unwrap();
+        let b = plain
+            .plan_step("llm", "prefill", None)
+            .unwrap()
+            .into_batch();
+        plain.close_step(b.step, &[10], None).unwrap();
+        assert!(
+            plain.take_late_measurement(b.step, 1.0).is_err(),
             "nothing reads a time there"
         );
     }
@@ -1824,16 +1882,18 @@ mod tests {
         let model = ModelPolicies::new(subs, pols).unwrap().shared();
         let mut s = SchedulerState::with_table(BudgetTable::from_policies(model));
         assert_eq!(s.snapshot().unwrap().generation(), 1);
-        s.admit(1, "llm", "prefill", 150, 0).unwrap();
-        let b = s.assemble_batch("llm", "prefill").unwrap();
+        s.queue_prompt(1, "llm", "prefill", 150, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_batch("llm", "prefill", None).unwrap();
         assert_eq!((b.budget, chunk(&b.rows[0])), (Some(100), (0, 100)));
     }
 
     #[test]
     fn a_step_in_flight_is_answered_again_and_its_held_batch_returned() {
         let mut s = state_with(|s| s);
-        s.admit(1, "llm", "prefill", 150, 0).unwrap();
-        let Assembled::Planned(b) = s.assemble("llm", "prefill").unwrap() else {
+        s.queue_prompt(1, "llm", "prefill", 150, AdmitOptions::cached(0))
+            .unwrap();
+        let Assembled::Planned(b) = s.plan_step("llm", "prefill", None).unwrap() else {
             panic!("planned")
         };
         assert_eq!(
@@ -1844,13 +1904,13 @@ mod tests {
         assert_eq!(&**b.walk_of(&b.rows[0]), "prefill");
         assert_eq!(s.steps_in_flight(), 1);
         // Asked again before it is held: the same step, planned again.
-        let Assembled::Planned(again) = s.assemble("llm", "prefill").unwrap() else {
+        let Assembled::Planned(again) = s.plan_step("llm", "prefill", None).unwrap() else {
             panic!("planned")
         };
         assert_eq!(again, b);
         // Another walk of the node waits for the step.
         assert_eq!(
-            s.assemble("llm", "decode"),
+            s.plan_step("llm", "decode", None),
             Err(ChunkingError::StepInFlight {
                 node: "llm".into(),
                 walk: "prefill".into(),
@@ -1863,31 +1923,32 @@ mod tests {
             ..b.clone()
         }));
         assert!(matches!(
-            s.assemble("llm", "prefill").unwrap(),
+            s.plan_step("llm", "prefill", None).unwrap(),
             Assembled::Planned(_)
         ));
         let held = Arc::new(b.clone());
         s.hold(held.clone());
         s.hold(Arc::new(b.clone()));
-        let Assembled::InFlight(got) = s.assemble("llm", "prefill").unwrap() else {
+        let Assembled::InFlight(got) = s.plan_step("llm", "prefill", None).unwrap() else {
             panic!("in flight")
         };
         assert!(Arc::ptr_eq(&got, &held));
         assert_eq!(Assembled::InFlight(got).into_batch(), b);
         // The next step gets a new number.
-        s.complete(b.step, &[100], None).unwrap();
-        let next = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.close_step(b.step, &[100], None).unwrap();
+        let next = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert!(next.step > b.step, "{} after {}", next.step, b.step);
     }
 
     #[test]
     fn complete_refuses_a_bad_report_and_changes_nothing() {
         let mut s = state_with(|s| s);
-        s.admit(1, "llm", "prefill", 150, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.queue_prompt(1, "llm", "prefill", 150, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         let step = b.step;
         assert_eq!(
-            s.complete(step, &[], None),
+            s.close_step(step, &[], None),
             Err(ChunkingError::RanLengthMismatch {
                 step,
                 expected: 1,
@@ -1895,7 +1956,7 @@ mod tests {
             })
         );
         assert_eq!(
-            s.complete(step, &[50], None),
+            s.close_step(step, &[50], None),
             Err(ChunkingError::PartialChunk {
                 step,
                 rid: 1,
@@ -1906,7 +1967,7 @@ mod tests {
         for ms in [-1.0, -f64::MIN_POSITIVE, f64::INFINITY, f64::NAN] {
             assert!(
                 matches!(
-                    s.complete(step, &[100], Some(ms)),
+                    s.close_step(step, &[100], Some(ms)),
                     Err(ChunkingError::BadMeasurement { .. })
                 ),
                 "{ms}"
@@ -1915,7 +1976,7 @@ mod tests {
         assert_eq!(s.steps_in_flight(), 1);
         assert_eq!(s.node("llm").unwrap().prefill()[0].progress, 0);
         // 0 ms is a measurement.
-        let out = s.complete(step, &[100], Some(0.0)).unwrap();
+        let out = s.close_step(step, &[100], Some(0.0)).unwrap();
         assert_eq!(
             (
                 out.chunks,
@@ -1927,14 +1988,14 @@ mod tests {
         );
         assert_eq!(s.steps_in_flight(), 0);
         // A chunk reported at 0 did not run and is planned again from the same place.
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert_eq!(chunk(&b.rows[0]), (100, 150));
-        let out = s.complete(b.step, &[0], None).unwrap();
+        let out = s.close_step(b.step, &[0], None).unwrap();
         assert_eq!((out.chunks, out.final_chunks, out.unrun_chunks), (0, 0, 1));
         assert!(out.finished.is_empty());
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert_eq!(chunk(&b.rows[0]), (100, 150));
-        let out = s.complete(b.step, &[50], None).unwrap();
+        let out = s.close_step(b.step, &[50], None).unwrap();
         assert_eq!(
             (out.chunks, out.final_chunks, out.unrun_chunks, out.finished),
             (1, 1, 0, vec![1])
@@ -1945,22 +2006,23 @@ mod tests {
     #[test]
     fn an_empty_batch_is_not_in_flight_and_is_completed_or_abandoned_once() {
         let mut s = state_with(|s| s);
-        let empty = s.assemble("llm", "prefill").unwrap().into_batch();
+        let empty = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert!(empty.rows.is_empty());
         assert_eq!(s.steps_in_flight(), 0);
         // A row admitted meanwhile is planned by the next assemble, under any walk.
-        s.admit(1, "llm", "prefill", 30, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.queue_prompt(1, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert_eq!(b.rows.len(), 1);
         assert_eq!(s.steps_in_flight(), 1);
-        s.complete(empty.step, &[], None).unwrap();
+        s.close_step(empty.step, &[], None).unwrap();
         assert_eq!(
-            s.complete(empty.step, &[], None),
+            s.close_step(empty.step, &[], None),
             Err(ChunkingError::UnknownStep { step: empty.step })
         );
         assert_eq!(s.steps_in_flight(), 1, "the step with rows stays in flight");
-        s.complete(b.step, &[30], None).unwrap();
-        let empty = s.assemble("llm", "decode").unwrap().into_batch();
+        s.close_step(b.step, &[30], None).unwrap();
+        let empty = s.plan_step("llm", "decode", None).unwrap().into_batch();
         s.abandon(empty.step, &[]).unwrap();
         assert_eq!(
             s.abandon(empty.step, &[]),
@@ -1973,18 +2035,25 @@ mod tests {
         let mut s = state_with(|s| s);
         assert_eq!(s.node_names().count(), 0);
         assert!(s.node("llm").is_none());
-        s.admit(1, "llm", "prefill", 30, 0).unwrap();
-        s.admit(2, "llm", "prefill", 30, 0).unwrap();
-        s.admit(3, "llm", "prefill", 30, 0).unwrap();
-        s.continue_row(4, "llm", "decode", 1, Some(10)).unwrap();
+        s.queue_prompt(1, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_prompt(2, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_prompt(3, "llm", "prefill", 30, AdmitOptions::cached(0))
+            .unwrap();
+        s.queue_continuing(4, "llm", "decode", 1, Some(10)).unwrap();
         assert_eq!(s.prefill_rows(), 3);
         assert_eq!(s.node_names().map(|n| &**n).collect::<Vec<_>>(), ["llm"]);
-        assert_eq!(s.forget(1), 1);
-        assert_eq!(s.forget(4), 0, "a continuing row holds no prepared input");
+        assert_eq!(s.drop_rows(1), 1);
+        assert_eq!(
+            s.drop_rows(4),
+            0,
+            "a continuing row holds no prepared input"
+        );
         assert!(s.node("llm").unwrap().cont().is_empty());
-        assert!(s.forget_at(2, "llm"));
-        assert!(!s.forget_at(2, "llm"));
-        assert!(!s.forget_at(3, "ghost"));
+        assert!(s.drop_row(2, "llm"));
+        assert!(!s.drop_row(2, "llm"));
+        assert!(!s.drop_row(3, "ghost"));
         assert_eq!(s.prefill_rows(), 1);
     }
 
@@ -1997,9 +2066,10 @@ mod tests {
                 Some(m) => s.cost("llm", m),
                 None => s,
             });
-            s.continue_row(1, "llm", "decode", 2, Some(100)).unwrap();
-            let b = s.assemble("llm", "decode").unwrap().into_batch();
-            let out = s.complete(b.step, &[2], None).unwrap();
+            s.queue_continuing(1, "llm", "decode", 2, Some(100))
+                .unwrap();
+            let b = s.plan_step("llm", "decode", None).unwrap().into_batch();
+            let out = s.close_step(b.step, &[2], None).unwrap();
             assert_eq!(
                 contexts(&s),
                 [(1, if grows { 102 } else { 100 })],
@@ -2031,14 +2101,15 @@ mod tests {
         let mut rid = 0;
         let mut step = |s: &mut SchedulerState, slower: f64| {
             rid += 1;
-            s.admit(rid, "llm", "prefill", 1_000, 0).unwrap();
-            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            s.queue_prompt(rid, "llm", "prefill", 1_000, AdmitOptions::cached(0))
+                .unwrap();
+            let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
             let (start, end) = chunk(&b.rows[0]);
             let ran = end - start;
             let out = s
-                .complete(b.step, &[ran], Some(f64::from(ran) * slower))
+                .close_step(b.step, &[ran], Some(f64::from(ran) * slower))
                 .unwrap();
-            s.forget(rid);
+            s.drop_rows(rid);
             (ran, out)
         };
         // Until MIN_STEPS steps are seen, no margin: 60 tokens, and each 1.5x slower step is
@@ -2106,16 +2177,23 @@ mod tests {
         // every third is reported unrun (0 tokens), measured at the base alone.
         for i in 0..60u32 {
             let total = 10 + (i * 37) % 91;
-            s.admit(u64::from(i), "llm", "prefill", total, 0).unwrap();
-            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            s.queue_prompt(
+                u64::from(i),
+                "llm",
+                "prefill",
+                total,
+                AdmitOptions::cached(0),
+            )
+            .unwrap();
+            let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
             let unrun = i % 3 == 0;
             let ran = if unrun { 0 } else { total };
             let features = StepFeatures::EMPTY.with_chunk(0, ran);
             let out = s
-                .complete(b.step, &[ran], Some(truth.predict_ms(&features)))
+                .close_step(b.step, &[ran], Some(truth.predict_ms(&features)))
                 .unwrap();
             if unrun {
-                s.forget(u64::from(i));
+                s.drop_rows(u64::from(i));
             }
             if i + 1 < 50 {
                 assert_eq!(out.model.1, ModelSource::Config, "step {i}");
@@ -2150,11 +2228,12 @@ mod tests {
                 .max_step_ms("llm", 60.0)
                 .min_chunk_tokens(floor)
         });
-        s.admit(1, "llm", "prefill", 1_000, 0).unwrap();
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        s.queue_prompt(1, "llm", "prefill", 1_000, AdmitOptions::cached(0))
+            .unwrap();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert_eq!((b.max_step_ms, b.predicted_ms), (Some(60.0), Some(60.0)));
         assert_eq!(chunk(&b.rows[0]), (0, 60));
-        let out = s.complete(b.step, &[60], Some(60.0)).unwrap();
+        let out = s.close_step(b.step, &[60], Some(60.0)).unwrap();
         assert_eq!(out.model.1, ModelSource::Config);
         assert_eq!((out.max_step_ms, out.time_inactive), (Some(60.0), None));
         let report = s.latency_report("llm").unwrap();
@@ -2175,7 +2254,7 @@ mod tests {
         });
         let mut rid = 0;
         // Prompts of 20 to 100 tokens and one of 1,000, each step measured at 1 ms a token
-        // (`measured`) or not.
+        // (`close_step` with a time) or not.
         let mut step = |s: &mut SchedulerState, measured: bool| {
             rid += 1;
             let total = if measured {
@@ -2183,13 +2262,14 @@ mod tests {
             } else {
                 1_000
             };
-            s.admit(rid, "llm", "prefill", total as u32, 0).unwrap();
-            let b = s.assemble("llm", "prefill").unwrap().into_batch();
+            s.queue_prompt(rid, "llm", "prefill", total as u32, AdmitOptions::cached(0))
+                .unwrap();
+            let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
             let (start, end) = chunk(&b.rows[0]);
             let ran = end - start;
             let ms = measured.then_some(f64::from(ran));
-            let out = s.complete(b.step, &[ran], ms).unwrap();
-            s.forget(rid);
+            let out = s.close_step(b.step, &[ran], ms).unwrap();
+            s.drop_rows(rid);
             (b, out)
         };
         // No step measured yet: planned under the token budget alone (100 tokens of 1,000).
@@ -2232,15 +2312,20 @@ mod tests {
         );
         // A node without a time budget, or a step with no rows, is never counted.
         let mut plain = state_with(|s| s.learn_cost(true));
-        plain.admit(1, "llm", "prefill", 10, 0).unwrap();
-        let b = plain.assemble("llm", "prefill").unwrap().into_batch();
+        plain
+            .queue_prompt(1, "llm", "prefill", 10, AdmitOptions::cached(0))
+            .unwrap();
+        let b = plain
+            .plan_step("llm", "prefill", None)
+            .unwrap()
+            .into_batch();
         assert_eq!(
-            plain.complete(b.step, &[10], None).unwrap().time_inactive,
+            plain.close_step(b.step, &[10], None).unwrap().time_inactive,
             None
         );
-        let b = s.assemble("llm", "prefill").unwrap().into_batch();
+        let b = s.plan_step("llm", "prefill", None).unwrap().into_batch();
         assert!(b.rows.is_empty());
-        assert_eq!(s.complete(b.step, &[], None).unwrap().time_inactive, None);
+        assert_eq!(s.close_step(b.step, &[], None).unwrap().time_inactive, None);
         assert_eq!(s.latency_report("llm").unwrap().time_inactive_steps, 52);
     }
 }

@@ -111,22 +111,22 @@ fn an_empty_batch_does_not_hold_the_node() {
         assert_eq!(step.rows[0].tokens(), 1024);
         // The empty batch can still be completed with no rows (once), or abandoned; it changes
         // nothing and the real step stays in flight.
-        let out = cm.complete(empty.step, Vec::new()).await.unwrap();
+        let out = cm.complete(empty.step, Vec::new(), None).await.unwrap();
         assert_eq!((out.step, out.chunks, out.tokens.ran), (empty.step, 0, 0));
         assert!(matches!(
-            cm.complete(empty.step, Vec::new()).await,
+            cm.complete(empty.step, Vec::new(), None).await,
             Err(ChunkingError::UnknownStep { .. })
         ));
         assert_eq!(cm.assemble("llm", "mixed").await.unwrap(), step);
         // A row reported for an empty batch is refused like any other mismatch.
         let empty2 = {
-            cm.complete(step.step, vec![1024]).await.unwrap();
+            cm.complete(step.step, vec![1024], None).await.unwrap();
             let next = cm.assemble("llm", "mixed").await.unwrap();
-            cm.complete(next.step, vec![next.rows[0].tokens()])
+            cm.complete(next.step, vec![next.rows[0].tokens()], None)
                 .await
                 .unwrap();
             let last = cm.assemble("llm", "mixed").await.unwrap();
-            cm.complete(last.step, vec![last.rows[0].tokens()])
+            cm.complete(last.step, vec![last.rows[0].tokens()], None)
                 .await
                 .unwrap();
             cm.forget_request(1).await.unwrap();
@@ -134,7 +134,7 @@ fn an_empty_batch_does_not_hold_the_node() {
         };
         assert!(empty2.rows.is_empty());
         assert!(matches!(
-            cm.complete(empty2.step, vec![1]).await,
+            cm.complete(empty2.step, vec![1], None).await,
             Err(ChunkingError::RanLengthMismatch { .. })
         ));
         cm.abandon(empty2.step).await.unwrap();
@@ -177,7 +177,7 @@ fn two_models_in_one_tokio_process_chunk_as_configured() {
             };
             assert_eq!(range.tokens(), want, "{}", cm.model());
             let out = cm
-                .complete_measured(batch.step, vec![range.tokens()], 8.5)
+                .complete(batch.step, vec![range.tokens()], Some(8.5))
                 .await
                 .unwrap();
             assert_eq!(out.time_overrun, None);

@@ -45,7 +45,7 @@ async fn a_failed_step_runs_its_chunks_again_from_the_same_place() {
     cm.admit(1, "llm", "prefill", prompt(600), 0).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(chunks(&b)[0].1, ChunkRange::new(true, 0, 256, 600));
-    let out = cm.complete(b.step, vec![0]).await.unwrap();
+    let out = cm.complete(b.step, vec![0], None).await.unwrap();
     assert_eq!((out.chunks, out.unrun_chunks), (0, 1));
     assert!(out.finished.is_empty());
 
@@ -61,7 +61,9 @@ async fn a_failed_step_runs_its_chunks_again_from_the_same_place() {
         0,
         "the input view starts at token 0"
     );
-    cm.complete(again.step, planned(&again)).await.unwrap();
+    cm.complete(again.step, planned(&again), None)
+        .await
+        .unwrap();
     let next = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(chunks(&next)[0].1, ChunkRange::new(false, 256, 512, 600));
 }
@@ -73,7 +75,7 @@ async fn a_chunk_that_ran_part_of_its_tokens_is_refused_and_the_step_stays_in_fl
     cm.admit(2, "llm", "prefill", prompt(40), 0).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(planned(&b), vec![256]);
-    let err = cm.complete(b.step, vec![100]).await.unwrap_err();
+    let err = cm.complete(b.step, vec![100], None).await.unwrap_err();
     assert_eq!(
         err,
         ChunkingError::PartialChunk {
@@ -99,14 +101,14 @@ async fn a_chunk_that_ran_part_of_its_tokens_is_refused_and_the_step_stays_in_fl
     assert_eq!(cm.assemble("llm", "mixed").await.unwrap(), b);
     // Also more than planned, and a ran list of the wrong length.
     assert!(matches!(
-        cm.complete(b.step, vec![257]).await,
+        cm.complete(b.step, vec![257], None).await,
         Err(ChunkingError::PartialChunk { .. })
     ));
     assert!(matches!(
-        cm.complete(b.step, vec![256, 0]).await,
+        cm.complete(b.step, vec![256, 0], None).await,
         Err(ChunkingError::RanLengthMismatch { .. })
     ));
-    cm.complete(b.step, vec![256]).await.unwrap();
+    cm.complete(b.step, vec![256], None).await.unwrap();
     assert_eq!(cm.queue_stats().await.unwrap().mid_prefill_rows, 1);
 }
 
@@ -127,7 +129,7 @@ async fn an_abandoned_step_advances_and_releases_nothing_and_counts_no_overrun()
         Err(ChunkingError::UnknownStep { .. })
     ));
     assert!(matches!(
-        cm.complete(b.step, vec![300]).await,
+        cm.complete(b.step, vec![300], None).await,
         Err(ChunkingError::UnknownStep { .. })
     ));
     assert_eq!(cm.overrun_count("llm", "mixed", None).await.unwrap(), 0);
@@ -136,7 +138,7 @@ async fn an_abandoned_step_advances_and_releases_nothing_and_counts_no_overrun()
     cm.forget_request(7).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(chunks(&b), vec![(1, ChunkRange::new(true, 0, 100, 100))]);
-    let out = cm.complete(b.step, planned(&b)).await.unwrap();
+    let out = cm.complete(b.step, planned(&b), None).await.unwrap();
     assert_eq!(out.finished, vec![1]);
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
 }
@@ -164,7 +166,7 @@ async fn a_dropped_assemble_future_loses_nothing() {
         "the same input view, not a copy"
     );
     assert_eq!(chunks(&b)[0].1, ChunkRange::new(true, 0, 256, 300));
-    cm.complete(b.step, planned(&b)).await.unwrap();
+    cm.complete(b.step, planned(&b), None).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(chunks(&b)[0].1, ChunkRange::new(false, 256, 300, 300));
 }
@@ -342,7 +344,7 @@ fn a_tokio_engine_drives_the_actors_on_their_own_thread() {
                 .await?;
             engine.admit(1, "llm", "prefill", prompt(100), 0).await?;
             let b = engine.assemble("llm", "prefill").await?;
-            engine.complete(b.step, vec![64]).await?;
+            engine.complete(b.step, vec![64], None).await?;
             let b = engine.assemble("llm", "prefill").await?;
             Ok::<Arc<Batch>, ChunkingError>(b)
         })
@@ -452,22 +454,16 @@ async fn a_step_measured_over_its_time_budget_is_a_time_overrun_by_reason() {
     assert_eq!(planned(&b), vec![1000]);
     assert_eq!((b.max_step_ms, b.predicted_ms), (Some(15.0), Some(15.0)));
     assert!(matches!(
-        cm.complete_measured(b.step, vec![1000], f64::NAN).await,
+        cm.complete(b.step, vec![1000], Some(f64::NAN)).await,
         Err(ChunkingError::BadMeasurement { .. })
     ));
-    let out = cm
-        .complete_measured(b.step, vec![1000], 22.0)
-        .await
-        .unwrap();
+    let out = cm.complete(b.step, vec![1000], Some(22.0)).await.unwrap();
     assert_eq!(
         out.time_overrun,
         Some(mstar_chunking::overrun::TimeOverrunReason::Misprediction)
     );
     let b = cm.assemble("llm", "prefill").await.unwrap();
-    let out = cm
-        .complete_measured(b.step, planned(&b), 14.0)
-        .await
-        .unwrap();
+    let out = cm.complete(b.step, planned(&b), Some(14.0)).await.unwrap();
     assert_eq!(out.time_overrun, None);
 }
 
@@ -494,7 +490,7 @@ async fn the_online_fit_takes_over_from_no_model_once_trusted() {
         let ran = planned(&b);
         let tokens: u64 = ran.iter().map(|&t| u64::from(t)).sum();
         let ms = truth.base_ms() + truth.per_token_ms() * tokens as f64;
-        let out = cm.complete_measured(b.step, ran, ms).await.unwrap();
+        let out = cm.complete(b.step, ran, Some(ms)).await.unwrap();
         source = out.model.1;
         if source == ModelSource::Online {
             let learned = out.model.0.unwrap();
@@ -531,14 +527,14 @@ async fn a_time_margin_plans_against_the_budget_over_the_recent_ratio_and_shows_
     for _ in 0..MIN_STEPS {
         let b = cm.assemble("llm", "prefill").await.unwrap();
         assert_eq!(planned(&b), vec![60]);
-        let out = cm.complete_measured(b.step, vec![60], 90.0).await.unwrap();
+        let out = cm.complete(b.step, vec![60], Some(90.0)).await.unwrap();
         assert_eq!((out.max_step_ms, out.time_margin), (Some(60.0), Some(1.0)));
     }
     // 60 / 1.5 = 40 ms: 40 tokens, and the batch still names the budget.
     let b = cm.assemble("llm", "prefill").await.unwrap();
     assert_eq!(planned(&b), vec![40]);
     assert_eq!((b.max_step_ms, b.predicted_ms), (Some(60.0), Some(40.0)));
-    let out = cm.complete_measured(b.step, vec![40], 60.0).await.unwrap();
+    let out = cm.complete(b.step, vec![40], Some(60.0)).await.unwrap();
     assert_eq!((out.time_margin, out.time_overrun), (Some(1.5), None));
     assert_eq!(
         value(

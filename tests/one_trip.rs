@@ -28,7 +28,7 @@ async fn one_trip_per_step_cuts_a_prompt_as_two_trips_do() {
             break;
         }
         by_two.push((chunks(&b), continuing(&b)));
-        two.complete(b.step, planned(&b)).await.unwrap();
+        two.complete(b.step, planned(&b), None).await.unwrap();
         if by_two.len() == 5 {
             break;
         }
@@ -39,7 +39,12 @@ async fn one_trip_per_step_cuts_a_prompt_as_two_trips_do() {
     while !b.rows.is_empty() && by_one.len() < by_two.len() {
         by_one.push((chunks(&b), continuing(&b)));
         let done = one
-            .complete_and_assemble(b.step, planned(&b), Some(10.0), "llm", "mixed")
+            .complete_and_assemble(
+                b.step,
+                planned(&b),
+                Some(10.0),
+                NextStep::new("llm", "mixed"),
+            )
             .await
             .unwrap();
         assert_eq!(done.outcome.step, b.step);
@@ -65,7 +70,7 @@ async fn a_failed_step_reported_as_zero_runs_again_from_the_same_place() {
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(chunks(&b)[0].1, ChunkRange::new(true, 0, 256, 600));
     let done = cm
-        .complete_and_assemble(b.step, vec![0], None, "llm", "mixed")
+        .complete_and_assemble(b.step, vec![0], None, NextStep::new("llm", "mixed"))
         .await
         .unwrap();
     assert_eq!((done.outcome.chunks, done.outcome.unrun_chunks), (0, 1));
@@ -81,7 +86,7 @@ async fn a_refused_completion_changes_nothing_and_assembles_nothing() {
     cm.admit(1, "llm", "prefill", prompt(600), 0).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     let err = cm
-        .complete_and_assemble(b.step, vec![100], None, "llm", "mixed")
+        .complete_and_assemble(b.step, vec![100], None, NextStep::new("llm", "mixed"))
         .await
         .unwrap_err();
     assert!(
@@ -89,18 +94,23 @@ async fn a_refused_completion_changes_nothing_and_assembles_nothing() {
         "{err}"
     );
     let err = cm
-        .complete_and_assemble(b.step, vec![256], Some(f64::NAN), "llm", "mixed")
+        .complete_and_assemble(
+            b.step,
+            vec![256],
+            Some(f64::NAN),
+            NextStep::new("llm", "mixed"),
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, ChunkingError::BadMeasurement { .. }), "{err}");
     // A step of `llm` named with another node's next step.
     let err = cm
-        .complete_and_assemble(b.step, vec![256], None, "vision", "mixed")
+        .complete_and_assemble(b.step, vec![256], None, NextStep::new("vision", "mixed"))
         .await
         .unwrap_err();
     assert_eq!(err, ChunkingError::UnknownStep { step: b.step });
     let err = cm
-        .complete_and_assemble(b.step + 100, vec![256], None, "llm", "mixed")
+        .complete_and_assemble(b.step + 100, vec![256], None, NextStep::new("llm", "mixed"))
         .await
         .unwrap_err();
     assert_eq!(err, ChunkingError::UnknownStep { step: b.step + 100 });
@@ -119,8 +129,12 @@ async fn a_lost_answer_is_answered_again_and_the_step_completes_once() {
     cm.admit(1, "llm", "prefill", prompt(600), 0).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     {
-        let mut lost =
-            std::pin::pin!(cm.complete_and_assemble(b.step, vec![256], Some(3.0), "llm", "mixed"));
+        let mut lost = std::pin::pin!(cm.complete_and_assemble(
+            b.step,
+            vec![256],
+            Some(3.0),
+            NextStep::new("llm", "mixed")
+        ));
         let polled = lost.as_mut().poll(&mut Context::from_waker(Waker::noop()));
         assert!(polled.is_pending());
         // The Scheduler handled it: step N completed, step N+1 in flight.
@@ -128,11 +142,11 @@ async fn a_lost_answer_is_answered_again_and_the_step_completes_once() {
         assert_eq!((stats.steps_in_flight, stats.mid_prefill_rows), (1, 1));
     } // dropped with its answer
     let first = cm
-        .complete_and_assemble(b.step, vec![256], Some(3.0), "llm", "mixed")
+        .complete_and_assemble(b.step, vec![256], Some(3.0), NextStep::new("llm", "mixed"))
         .await
         .unwrap();
     let again = cm
-        .complete_and_assemble(b.step, vec![256], Some(3.0), "llm", "mixed")
+        .complete_and_assemble(b.step, vec![256], Some(3.0), NextStep::new("llm", "mixed"))
         .await
         .unwrap();
     assert_eq!(first, again, "the same outcome and the same next batch");
@@ -152,7 +166,7 @@ async fn a_lost_answer_is_answered_again_and_the_step_completes_once() {
         (vec![256], Some(4.0)),
     ] {
         let err = cm
-            .complete_and_assemble(b.step, ran, ms, "llm", "mixed")
+            .complete_and_assemble(b.step, ran, ms, NextStep::new("llm", "mixed"))
             .await
             .unwrap_err();
         assert_eq!(err, ChunkingError::CompletedDifferently { step: b.step });
@@ -165,27 +179,36 @@ async fn a_lost_answer_is_answered_again_and_the_step_completes_once() {
             next.step,
             planned(&next),
             None,
-            "llm",
-            "mixed"
+            NextStep::new("llm", "mixed")
         ));
         let polled = lost.as_mut().poll(&mut Context::from_waker(Waker::noop()));
         assert!(polled.is_pending());
     }
     let done = cm
-        .complete_and_assemble(next.step, planned(&next), None, "llm", "mixed")
+        .complete_and_assemble(
+            next.step,
+            planned(&next),
+            None,
+            NextStep::new("llm", "mixed"),
+        )
         .await
         .unwrap();
     let last = done.next.unwrap();
     assert_eq!(chunks(&last)[0].1, ChunkRange::new(false, 512, 600, 600));
     let done = cm
-        .complete_and_assemble(last.step, planned(&last), None, "llm", "mixed")
+        .complete_and_assemble(
+            last.step,
+            planned(&last),
+            None,
+            NextStep::new("llm", "mixed"),
+        )
         .await
         .unwrap();
     assert_eq!(done.outcome.finished, vec![1]);
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
     // The completion of an earlier step is no longer the node's last: not answered again.
     assert_eq!(
-        cm.complete_and_assemble(b.step, vec![256], Some(3.0), "llm", "mixed")
+        cm.complete_and_assemble(b.step, vec![256], Some(3.0), NextStep::new("llm", "mixed"))
             .await
             .unwrap_err(),
         ChunkingError::UnknownStep { step: b.step }
@@ -198,7 +221,7 @@ async fn the_next_step_can_be_abandoned() {
     cm.admit(1, "llm", "prefill", prompt(600), 0).await.unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     let next = cm
-        .complete_and_assemble(b.step, vec![256], None, "llm", "mixed")
+        .complete_and_assemble(b.step, vec![256], None, NextStep::new("llm", "mixed"))
         .await
         .unwrap()
         .next
@@ -228,7 +251,7 @@ async fn row_changes_land_before_the_next_step_is_planned() {
         .continue_row(1, "decode", 1);
     assert_eq!(next.changes(), 2);
     let done = cm
-        .complete_and_assemble_with(b.step, planned(&b), None, next.clone())
+        .complete_and_assemble(b.step, planned(&b), None, next.clone())
         .await
         .unwrap();
     assert_eq!(done.outcome.finished, vec![1]);
@@ -243,7 +266,7 @@ async fn row_changes_land_before_the_next_step_is_planned() {
         .continue_row(1, "decode", 0)
         .forget_request(1);
     let done = cm
-        .complete_and_assemble_with(b2.step, planned(&b2), None, refused.clone())
+        .complete_and_assemble(b2.step, planned(&b2), None, refused.clone())
         .await
         .unwrap();
     assert_eq!(done.outcome.step, b2.step);
@@ -256,7 +279,7 @@ async fn row_changes_land_before_the_next_step_is_planned() {
     assert_eq!((stats.steps_in_flight, stats.continuing_rows), (0, 1));
     // Repeated, the answer is the same, and still nothing is assembled.
     let again = cm
-        .complete_and_assemble_with(b2.step, planned(&b2), None, refused)
+        .complete_and_assemble(b2.step, planned(&b2), None, refused)
         .await
         .unwrap();
     assert_eq!(again, done);
@@ -276,7 +299,7 @@ async fn prompts_admitted_with_a_completion_run_in_the_next_step() {
         .admit(2, "prefill", prompt(300), 0)
         .admit(3, "prefill", prompt(50), 10);
     let done = cm
-        .complete_and_assemble_with(b.step, planned(&b), None, next)
+        .complete_and_assemble(b.step, planned(&b), None, next)
         .await
         .unwrap();
     let b2 = done.next.unwrap();
@@ -297,7 +320,7 @@ async fn prompts_admitted_with_a_completion_run_in_the_next_step() {
         .admit(5, "prefill", prompt(0), 0)
         .admit(6, "prefill", prompt(20), 0);
     let done = cm
-        .complete_and_assemble_with(b2.step, planned(&b2), None, next)
+        .complete_and_assemble(b2.step, planned(&b2), None, next)
         .await
         .unwrap();
     assert!(
@@ -315,7 +338,7 @@ async fn prompts_admitted_with_a_completion_run_in_the_next_step() {
     );
     // The next step's walk is checked before anything changes.
     let err = cm
-        .complete_and_assemble(b3.step, planned(&b3), None, "llm", "nowhere")
+        .complete_and_assemble(b3.step, planned(&b3), None, NextStep::new("llm", "nowhere"))
         .await
         .unwrap_err();
     assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
@@ -334,7 +357,7 @@ async fn a_continuing_row_carries_its_context_on_the_one_trip_step() {
     assert_eq!(row.range(), Some(ChunkRange::new(true, 0, 100, 100)));
     let next = NextStep::new("llm", "mixed").continue_row_with_context(1, "decode", 1, 101);
     let done = cm
-        .complete_and_assemble_with(b.step, planned(&b), None, next)
+        .complete_and_assemble(b.step, planned(&b), None, next)
         .await
         .unwrap();
     let b2 = done.next.unwrap();

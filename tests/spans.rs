@@ -115,12 +115,12 @@ async fn every_event_of_a_step_carries_the_step_span_and_a_request_its_rid() {
     assert!(matches!(batch.rows[0].work, RowWork::Continue { .. }));
     // A refused completion (one entry too many), then the row runs 10 tokens against a budget
     // of 4: an overrun.
-    let refused = cm.complete(batch.step, vec![1, 1]).await.unwrap_err();
+    let refused = cm.complete(batch.step, vec![1, 1], None).await.unwrap_err();
     assert!(
         matches!(refused, ChunkingError::RanLengthMismatch { .. }),
         "{refused}"
     );
-    let outcome = cm.complete(batch.step, vec![10]).await.unwrap();
+    let outcome = cm.complete(batch.step, vec![10], None).await.unwrap();
     assert!(outcome.overrun.is_some());
     // Asked after the completion: OverrunAccounting has recorded (and warned about) it.
     assert_eq!(cm.overrun_count("llm", "decode", None).await.unwrap(), 1);

@@ -21,8 +21,8 @@ use mstar_chunking::policy::ModelPolicies;
 use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::SchedulerState;
 use mstar_chunking::{
-    Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, RowWork,
-    SubmoduleCaps,
+    AdmitOptions, Batch, BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep,
+    PreparedInput, RowWork, SubmoduleCaps,
 };
 
 pub const NODE: &str = "llm";
@@ -110,27 +110,39 @@ pub fn planner_state(w: Workload) -> (SchedulerState, Arc<StepParams>) {
         .clone();
     for rid in 1..=w.decode_rows {
         state
-            .continue_row(rid, NODE, "decode", 1, None)
+            .queue_continuing(rid, NODE, "decode", 1, None)
             .expect("decode row");
     }
     let mut next_rid = FIRST_PROMPT_RID;
     for _ in 0..w.prompts {
         state
-            .admit(next_rid, NODE, "prefill", w.prompt_tokens, 0)
+            .queue_prompt(
+                next_rid,
+                NODE,
+                "prefill",
+                w.prompt_tokens,
+                AdmitOptions::cached(0),
+            )
             .expect("prompt");
         next_rid += 1;
     }
     let mut ran = Vec::new();
     for _ in 0..WARM_STEPS {
-        let batch = state.assemble_batch(NODE, STEP_WALK).expect("assemble");
+        let batch = state.plan_batch(NODE, STEP_WALK, None).expect("assemble");
         ran.clear();
         ran.extend(batch.rows.iter().map(|r| r.tokens()));
-        let outcome = state.complete(batch.step, &ran, None).expect("complete");
+        let outcome = state.close_step(batch.step, &ran, None).expect("complete");
         for &rid in &outcome.finished {
             // A finished prompt's request ends, as an engine's does (see `Engine`).
-            state.forget(rid);
+            state.drop_rows(rid);
             state
-                .admit(next_rid, NODE, "prefill", w.prompt_tokens, 0)
+                .queue_prompt(
+                    next_rid,
+                    NODE,
+                    "prefill",
+                    w.prompt_tokens,
+                    AdmitOptions::cached(0),
+                )
                 .expect("prompt");
             next_rid += 1;
         }
@@ -256,7 +268,11 @@ impl Engine {
         let ran: Vec<u32> = batch.rows.iter().map(|r| r.tokens()).collect();
         let step = batch.step;
         drop(black_box(batch));
-        let outcome = self.chunking.complete(step, ran).await.expect("complete");
+        let outcome = self
+            .chunking
+            .complete(step, ran, None)
+            .await
+            .expect("complete");
         for &rid in &outcome.finished {
             self.chunking.forget_request(rid).await.expect("forget");
             self.admit().await;
@@ -266,7 +282,7 @@ impl Engine {
     }
 
     /// One whole step with one round trip: run the batch answered by the last completion (or
-    /// assemble one on the first step), then `complete_and_assemble_with`, which also admits a
+    /// assemble one on the first step), then `complete_and_assemble` with a `NextStep`, which also admits a
     /// new prompt for every one that finished.
     pub async fn step_one_trip(&mut self) {
         let batch = match self.pending.take() {
@@ -296,7 +312,7 @@ impl Engine {
         drop(black_box(batch));
         let done = self
             .chunking
-            .complete_and_assemble_with(step, ran, None, next)
+            .complete_and_assemble(step, ran, None, next)
             .await
             .expect("complete_and_assemble");
         self.steps += 1;

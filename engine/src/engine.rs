@@ -9,7 +9,7 @@
 //! 3. runs the step in flight (a batch on the combined walk `mixed`: prefill chunks and decode
 //!    rows) as one model step;
 //! 4. samples a token for every final chunk and decode row, and sends the component **one
-//!    message**: `complete_and_assemble_with` with the measured wall time and a [`NextStep`]
+//!    message**: `complete_and_assemble` with the measured wall time and a [`NextStep`]
 //!    carrying the step's row changes (requests that ended: `forget_request`; prompts whose
 //!    final chunk ran: `continue_row_with_context` on `decode`; requests admitted:
 //!    `admit`), which answers the next step's batch.
@@ -1138,7 +1138,7 @@ impl Engine {
         let sent = std::mem::take(&mut self.changes);
         let done = match self
             .cm
-            .complete_and_assemble_with(batch.step, ran, Some(ms), next)
+            .complete_and_assemble(batch.step, ran, Some(ms), next)
             .await
         {
             Ok(done) => done,

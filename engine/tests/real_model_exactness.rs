@@ -108,7 +108,9 @@ async fn chunked_prefill(
             }])
             .unwrap();
         sizes.push(range.tokens());
-        cm.complete(batch.step, vec![range.tokens()]).await.unwrap();
+        cm.complete(batch.step, vec![range.tokens()], None)
+            .await
+            .unwrap();
         if range.is_final() {
             return (cache, out[0].clone().unwrap(), sizes);
         }

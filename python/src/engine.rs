@@ -14,7 +14,7 @@ use mstar_chunking::policy::Name;
 use mstar_chunking::scheduler::RowChangeRef;
 use mstar_chunking::{
     ActorThread, AdmitOptions, ChunkingError, ChunkingManagement, ChunkingPolicy, NextStep, Order,
-    Overrun, OverrunReason, PreparedInput, SubmoduleCaps,
+    Overrun, OverrunReason, PreparedInput, SubmoduleCaps, Then,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeWarning, PyValueError};
@@ -443,7 +443,7 @@ impl Engine {
         warn_priorities(py, &self.orders, &node, admits.iter().copied())?;
         let (done, count) = self.call(py, || async {
             let done = cm
-                .complete_and_assemble_with(step, ran, measured_ms, next)
+                .complete_and_assemble(step, ran, measured_ms, next)
                 .await?;
             let count = overrun_count_of(cm, &done.outcome).await?;
             Ok((done, count))
@@ -917,10 +917,7 @@ impl Engine {
         let ran = ran_of_step(py, step, ran)?;
         let measured_ms = measured_arg(py, measured_ms)?;
         let (outcome, count) = self.call(py, || async {
-            let outcome = match measured_ms {
-                None => cm.complete(step, ran).await?,
-                Some(ms) => cm.complete_measured(step, ran, ms).await?,
-            };
+            let outcome = cm.complete(step, ran, measured_ms).await?;
             let count = overrun_count_of(cm, &outcome).await?;
             Ok((outcome, count))
         })?;
@@ -953,16 +950,10 @@ impl Engine {
         let Some(next) = next.filter(|n| !n.is_none()) else {
             // The same node and walk as the step's, no row changes.
             let (done, count) = self.call(py, || async {
-                let done = match at_ms {
-                    None => {
-                        cm.complete_and_assemble_same(step, ran, measured_ms)
-                            .await?
-                    }
-                    Some(ms) => {
-                        cm.complete_and_assemble_same_at(step, ran, measured_ms, ms)
-                            .await?
-                    }
-                };
+                let then = at_ms.map_or(Then::Same, Then::SameAt);
+                let done = cm
+                    .complete_and_assemble(step, ran, measured_ms, then)
+                    .await?;
                 let count = overrun_count_of(cm, &done.outcome).await?;
                 Ok((done, count))
             })?;
@@ -1189,7 +1180,7 @@ impl Engine {
                 "measured_ms must be a finite number of ms >= 0, got None",
             ));
         };
-        let m = self.call(py, || cm.measured(step, ms))?;
+        let m = self.call(py, || cm.measured_late(step, ms))?;
         let d = PyDict::new(py);
         d.set_item("step", m.step)?;
         d.set_item("node", &*m.node)?;

@@ -16,7 +16,7 @@ use crate::boundary::{call, call_within, to_py_err, Failure};
 /// One benchmark workload's step loop on the Rust facade directly: node `llm` cutting
 /// `prefill` rows inside `mixed` under `budget` (align 16), `decode_rows` continuing rows
 /// (estimate 1) and `prompts` prompts of `prompt_tokens`, each replaced by a new one when its
-/// final chunk runs. Each step is one `complete_and_assemble_with` carrying the replacement
+/// final chunk runs. Each step is one `complete_and_assemble` carrying the replacement
 /// admissions. `warm` steps run first; answers the wall-clock and the process's CPU seconds
 /// (`time.process_time()`, the actors' thread included) of `steps` steps.
 ///
@@ -123,7 +123,7 @@ impl BenchWorkload {
                 }
             }
             let done = cm
-                .complete_and_assemble_with(batch.step, ran, None, next)
+                .complete_and_assemble(batch.step, ran, None, next)
                 .await?;
             batch = done.next?;
         }

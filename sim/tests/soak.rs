@@ -81,7 +81,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
             }
             let b = cm.assemble("llm", "mixed").await.unwrap();
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
-            let out = cm.complete(b.step, ran).await.unwrap();
+            let out = cm.complete(b.step, ran, None).await.unwrap();
             for row in &b.rows {
                 if let RowWork::Continue { .. } = row.work {
                     if let Some(left) = decoding.get_mut(&row.rid) {
@@ -135,7 +135,7 @@ fn soak_with_reloads_and_aborts_holds_nothing_at_the_end() {
         for _ in 0..100_000 {
             let b = cm.assemble("llm", "mixed").await.unwrap();
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
-            cm.complete(b.step, ran).await.unwrap();
+            cm.complete(b.step, ran, None).await.unwrap();
             if b.rows.is_empty() {
                 break;
             }

@@ -14,7 +14,7 @@ use super::policy_registry::{GetPolicies, PolicyRegistry, SetPolicies};
 use super::prepared_inputs::{PreparedInputs, PreparedTotals};
 use super::scheduler::{
     Abandon, AdmitPrepared, Assemble, BeginDrain, Complete, CompleteAndAssemble, ContinueRow,
-    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, Measured, Next,
+    Drain, DrainReport, ForgetRequest, ForgetRow, GetLatencyModel, GetPrepared, MeasuredLate,
     QueueStats, Scheduler, SchedulerStats,
 };
 #[cfg(any(test, feature = "test-hooks"))]
@@ -27,9 +27,9 @@ use crate::overrun::{Overrun, OverrunReason};
 use crate::policy::Name;
 use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
 use crate::prepared::PreparedInput;
-use crate::scheduler::{
-    Batch, Completed, LateMeasurement, LatencyModelReport, NextStep, StepOutcome,
-};
+#[cfg(doc)]
+use crate::scheduler::NextStep;
+use crate::scheduler::{Batch, Completed, LateMeasurement, LatencyModelReport, StepOutcome, Then};
 use crate::snapshot::BudgetSnapshot;
 
 /// How long the facade waits for an actor's answer before returning
@@ -51,7 +51,11 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// One step per node is in flight at a time (`docs/step-lifecycle.md`):
 /// [`assemble`](Self::assemble) plans it and answers the same batch again until it is
 /// [`complete`](Self::complete)d or [`abandon`](Self::abandon)ed, so a dropped future loses
-/// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row.
+/// nothing; `complete` takes 0 (did not run) or the planned tokens for each chunk row. An
+/// engine's loop assembles its first step, then makes one call a step,
+/// [`complete_and_assemble`](Self::complete_and_assemble), which completes a step and answers
+/// the next one's batch; a step time learned after the completion goes to
+/// [`measured_late`](Self::measured_late).
 ///
 /// ```
 /// use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
@@ -64,10 +68,10 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 ///     let batch = cm.assemble("llm", "prefill").await?;
 ///     assert_eq!(batch.rows[0].tokens(), 256);
 ///     // The GPU failed this step: nothing ran, and the same chunk is planned again.
-///     cm.complete(batch.step, vec![0]).await?;
+///     cm.complete(batch.step, vec![0], None).await?;
 ///     let again = cm.assemble("llm", "prefill").await?;
 ///     assert_eq!(again.rows[0].input.as_ref().unwrap().token_ids()[0], 0);
-///     cm.complete(again.step, vec![256]).await?;
+///     cm.complete(again.step, vec![256], None).await?;
 ///     Ok::<_, mstar_chunking::ChunkingError>(())
 /// })?;
 /// # Ok::<_, Box<dyn std::error::Error>>(())
@@ -384,7 +388,27 @@ impl ChunkingManagement {
 
     /// As [`assemble`](Self::assemble), for a step planned at `now_ms` on the engine's clock
     /// (that of [`AdmitOptions::arrival_ms`]): `chunking.max_wait_ms` measures prompts' waits to
-    /// it.
+    /// it. A simulated engine's first step; its later ones are planned on its clock by
+    /// [`complete_and_assemble`](Self::complete_and_assemble) with [`Then::SameAt`] or
+    /// [`NextStep::at_ms`].
+    ///
+    /// ```
+    /// # use mstar_chunking::{AdmitOptions, BudgetSettings, ChunkingManagement, ChunkingPolicy, Order, PreparedInput, SubmoduleCaps};
+    /// # actix::System::new().block_on(async {
+    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
+    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
+    /// cm.set_budgets(BudgetSettings::new(["prefill"]).order(Order::Priority).max_wait_ms(100.0)).await?;
+    /// let old = AdmitOptions { priority: 5, arrival_ms: Some(0.0), ..AdmitOptions::default() };
+    /// let new = AdmitOptions { priority: 0, arrival_ms: Some(150.0), ..AdmitOptions::default() };
+    /// cm.admit_with(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), old).await?;
+    /// cm.admit_with(2, "llm", "prefill", PreparedInput::tokens(vec![2; 300]), new).await?;
+    /// // At 150 ms on the engine's clock, request 1 has waited past the 100 ms bound.
+    /// let batch = cm.assemble_at("llm", "prefill", 150.0).await?;
+    /// assert_eq!(batch.rows[0].rid, 1);
+    /// # Ok::<_, mstar_chunking::ChunkingError>(())
+    /// # })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     /// As `assemble`.
@@ -411,11 +435,16 @@ impl ChunkingManagement {
         ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
-    /// Completes a step: `ran[i]` is the tokens row `i` of its batch actually ran. A chunk row
-    /// reports 0 (it did not run: it is planned again from the same place) or its planned
-    /// tokens (it advances, and its input is released after its final chunk); a continuing row
-    /// reports what it ran. Checks the step against the budget it was scheduled under and counts
-    /// an overrun.
+    /// Completes a step alone, with nothing assembled after it (the last step, or a step the
+    /// engine completes before it knows what to run next): `ran[i]` is the tokens row `i` of
+    /// its batch actually ran, `measured_ms` the step's measured wall time if the engine has
+    /// it. A chunk row reports 0 (it did not run: it is planned again from the same place) or
+    /// its planned tokens (it advances, and its input is released after its final chunk); a
+    /// continuing row reports what it ran. Checks the step against the budget it was scheduled
+    /// under and counts an overrun; with a time, also against its time budget (a time overrun,
+    /// by reason), and with `chunking.learn_cost` the node's latency model is fitted from it
+    /// (`docs/fitting.md`). A step run while the next one is planned is completed with
+    /// [`complete_and_assemble`](Self::complete_and_assemble) instead.
     ///
     /// ```
     /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
@@ -425,118 +454,67 @@ impl ChunkingManagement {
     /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 300]), 0).await?;
     /// let batch = cm.assemble("llm", "prefill").await?;
     /// // A chunk cannot run part of its tokens: refused, and the step stays in flight.
-    /// assert!(cm.complete(batch.step, vec![100]).await.is_err());
-    /// let outcome = cm.complete(batch.step, vec![256]).await?;
-    /// assert_eq!((outcome.chunks, outcome.overrun), (1, None));
+    /// assert!(cm.complete(batch.step, vec![100], None).await.is_err());
+    /// let outcome = cm.complete(batch.step, vec![256], Some(12.5)).await?;
+    /// assert_eq!((outcome.chunks, outcome.overrun, outcome.measured_ms), (1, None, Some(12.5)));
     /// # Ok::<_, mstar_chunking::ChunkingError>(())
     /// # })?;
     /// # Ok::<_, Box<dyn std::error::Error>>(())
     /// ```
     ///
     /// # Errors
-    /// The step is not in flight, `ran` does not have one entry per row, or a chunk row
-    /// reports neither 0 nor its planned tokens ([`ChunkingError::PartialChunk`]); then nothing
-    /// changes and the step stays in flight.
-    pub async fn complete(&self, step: u64, ran: Vec<u32>) -> Result<StepOutcome, ChunkingError> {
-        let msg = Complete {
-            step,
-            ran,
-            measured_ms: None,
-        };
-        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
-    }
-
-    /// As [`complete`](Self::complete), with the step's measured duration in ms: the step is
-    /// checked against the time budget it was scheduled under (a time overrun, by reason), and
-    /// with `chunking.learn_cost` on the node's latency model is fitted from it
-    /// (`docs/fitting.md`).
-    ///
-    /// # Errors
-    /// As `complete`, and [`ChunkingError::BadMeasurement`] for a time that is not a finite
-    /// number of ms ≥ 0 (nothing changes).
-    pub async fn complete_measured(
-        &self,
-        step: u64,
-        ran: Vec<u32>,
-        measured_ms: f64,
-    ) -> Result<StepOutcome, ChunkingError> {
-        let msg = Complete {
-            step,
-            ran,
-            measured_ms: Some(measured_ms),
-        };
-        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
-    }
-
-    /// Completes step `step` (as [`complete`](Self::complete), or
-    /// [`complete_measured`](Self::complete_measured) with `measured_ms`) and assembles the next
-    /// step of `node`/`walk` (as [`assemble`](Self::assemble)) in one round trip: the engine's
-    /// loop pays one actor round trip per step instead of two. `step` must be a step of `node`.
-    ///
-    /// Every guarantee of the two calls holds: a failed step reports 0 for its chunk rows; on a
-    /// refused completion nothing changes and no step is assembled. An answer lost on the way
-    /// (a dropped or timed-out future) is answered again by the same call: the completion is
-    /// applied once (the repeat gets the same outcome; with other `ran` counts it is refused
-    /// with [`ChunkingError::CompletedDifferently`]), and the next step is the one in flight,
-    /// the same batch. The next step can be [`abandon`](Self::abandon)ed as any other.
-    ///
-    /// ```
-    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
-    /// # actix::System::new().block_on(async {
-    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
-    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
-    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 600]), 0).await?;
-    /// let mut batch = cm.assemble("llm", "prefill").await?;
-    /// while !batch.rows.is_empty() {
-    ///     let ran = batch.rows.iter().map(|r| r.tokens()).collect();
-    ///     let done = cm.complete_and_assemble(batch.step, ran, Some(12.5), "llm", "prefill").await?;
-    ///     batch = done.next?;
-    /// }
-    /// # Ok::<_, mstar_chunking::ChunkingError>(())
-    /// # })?;
-    /// # Ok::<_, Box<dyn std::error::Error>>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As `complete` (then nothing changed), and [`ChunkingError::UnknownStep`] for a step of
-    /// another node. Once the completion is applied, the answer is `Ok`: an assembly that
-    /// failed is its [`Completed::next`].
-    pub async fn complete_and_assemble(
+    /// The step is not in flight, `ran` does not have one entry per row, a chunk row reports
+    /// neither 0 nor its planned tokens ([`ChunkingError::PartialChunk`]), or the time is not
+    /// a finite number of ms ≥ 0 ([`ChunkingError::BadMeasurement`]); then nothing changes and
+    /// the step stays in flight.
+    pub async fn complete(
         &self,
         step: u64,
         ran: Vec<u32>,
         measured_ms: Option<f64>,
-        node: &str,
-        walk: &str,
-    ) -> Result<Completed, ChunkingError> {
-        let next = NextStep {
-            node: self.node_name(node),
-            walk: walk.into(),
-            changes: Vec::new(),
-            now_ms: None,
+    ) -> Result<StepOutcome, ChunkingError> {
+        let msg = Complete {
+            step,
+            ran,
+            measured_ms,
         };
-        self.complete_and_assemble_with(step, ran, measured_ms, next)
-            .await
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
-    /// As [`complete_and_assemble`](Self::complete_and_assemble), with row changes applied
-    /// after the completion and before the next step is planned ([`NextStep`]): requests that
-    /// ended, prompts that continue as decode rows. A refused change stops the changes after it
-    /// and is [`Completed::next`]'s error (no step is assembled).
+    /// The engine's one call a step: completes step `step` (as [`complete`](Self::complete),
+    /// with what its rows ran and its measured time if known) and assembles the step `then`
+    /// names (as [`assemble`](Self::assemble)), in one round trip. `then` is
+    /// [`Then::Same`] (the completed step's node and walk, nothing joined or left),
+    /// [`Then::SameAt`] (the same, planned at a time on the engine's clock: simulated time), or
+    /// a [`NextStep`] (another node or walk, a time, and the row changes applied between the
+    /// two: requests that ended, prompts that continue as decode rows, prompts admitted).
+    ///
+    /// Every guarantee of the separate calls holds: a failed step reports 0 for its chunk rows;
+    /// on a refused completion nothing changes and no step is assembled. An answer lost on the
+    /// way (a dropped or timed-out future) is answered again by the same call: the completion
+    /// is applied once (the repeat gets the same outcome; with other `ran` counts or another
+    /// time it is refused with [`ChunkingError::CompletedDifferently`]), and the next step is
+    /// the one in flight, the same batch; with `Then::Same`, a repeat assembles the walk the
+    /// first call did. The next step can be [`abandon`](Self::abandon)ed as any other.
     ///
     /// ```
-    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, RowWork};
+    /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, NextStep, PreparedInput, SubmoduleCaps, RowWork, Then};
     /// # actix::System::new().block_on(async {
     /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill", "mixed"], false))])?;
     /// # cm.set_policies([(("llm", "mixed"), ChunkingPolicy::budget(256))]).await?;
     /// # cm.set_budgets(BudgetSettings::new(["prefill", "decode", "mixed"]).combined("mixed", ["prefill", "decode"])).await?;
-    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 100]), 0).await?;
-    /// let batch = cm.assemble("llm", "mixed").await?;
+    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 600]), 0).await?;
+    /// let mut batch = cm.assemble("llm", "mixed").await?;
+    /// // Nothing joins or leaves: the same node and walk, step after step.
+    /// while batch.rows.len() == 1 && batch.rows[0].is_chunk() && !batch.rows[0].is_final() {
+    ///     let ran = batch.rows.iter().map(|r| r.tokens()).collect();
+    ///     batch = cm.complete_and_assemble(batch.step, ran, Some(12.5), Then::Same).await?.next?;
+    /// }
     /// // The prompt's final chunk runs: it decodes from the very next step, beside a new prompt.
     /// let next = NextStep::new("llm", "mixed")
     ///     .continue_row(1, "decode", 1)
     ///     .admit(2, "prefill", PreparedInput::tokens(vec![2; 50]), 0);
-    /// let done = cm.complete_and_assemble_with(batch.step, vec![100], None, next).await?;
+    /// let done = cm.complete_and_assemble(batch.step, vec![88], None, next).await?;
     /// assert_eq!(done.outcome.finished, vec![1]);
     /// let next = done.next?;
     /// assert_eq!(next.rows[0].work, RowWork::Continue { estimate: 1 });
@@ -547,94 +525,28 @@ impl ChunkingManagement {
     /// ```
     ///
     /// # Errors
-    /// As `complete_and_assemble`.
-    pub async fn complete_and_assemble_with(
+    /// As `complete` (then nothing changed), and [`ChunkingError::UnknownStep`] for a step of
+    /// another node than the [`NextStep`]'s (with `Then::Same`, a step neither in flight nor
+    /// the step last completed on its node). Once the completion is applied, the answer is
+    /// `Ok`: a refused row change (the changes after it are not applied) or an assembly that
+    /// failed is its [`Completed::next`].
+    pub async fn complete_and_assemble(
         &self,
         step: u64,
         ran: Vec<u32>,
         measured_ms: Option<f64>,
-        next: NextStep,
+        then: impl Into<Then>,
     ) -> Result<Completed, ChunkingError> {
-        self.ask_complete_and_assemble(step, ran, measured_ms, Next::Named(next))
-            .await
-            .map(|done| *done)
-    }
-
-    /// As [`complete_and_assemble`](Self::complete_and_assemble), the next step being the
-    /// completed step's own node and walk, with no row changes: the engine's loop when nothing
-    /// joined or left the batch. A repeat of the call whose answer was lost assembles the walk
-    /// the first call did.
-    ///
-    /// ```
-    /// # use mstar_chunking::{ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
-    /// # actix::System::new().block_on(async {
-    /// # let cm = ChunkingManagement::start("demo", [("llm", SubmoduleCaps::new(["prefill"], false))])?;
-    /// # cm.set_policies([(("llm", "prefill"), ChunkingPolicy::budget(256))]).await?;
-    /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![1; 600]), 0).await?;
-    /// let mut batch = cm.assemble("llm", "prefill").await?;
-    /// let mut steps = 1;
-    /// while !batch.rows.is_empty() {
-    ///     let ran = batch.rows.iter().map(|r| r.tokens()).collect();
-    ///     batch = cm.complete_and_assemble_same(batch.step, ran, None).await?.next?;
-    ///     steps += 1;
-    /// }
-    /// assert_eq!(steps, 4, "256 + 256 + 88 tokens, then an empty step");
-    /// # Ok::<_, mstar_chunking::ChunkingError>(())
-    /// # })?;
-    /// # Ok::<_, Box<dyn std::error::Error>>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As `complete_and_assemble`; [`ChunkingError::UnknownStep`] when `step` is neither in
-    /// flight nor the step last completed on its node.
-    pub async fn complete_and_assemble_same(
-        &self,
-        step: u64,
-        ran: Vec<u32>,
-        measured_ms: Option<f64>,
-    ) -> Result<Completed, ChunkingError> {
-        let next = Next::Same { now_ms: None };
-        self.ask_complete_and_assemble(step, ran, measured_ms, next)
-            .await
-            .map(|done| *done)
-    }
-
-    /// As [`complete_and_assemble_same`](Self::complete_and_assemble_same), the next step
-    /// planned at `now_ms` on the engine's clock (as [`assemble_at`](Self::assemble_at)).
-    ///
-    /// # Errors
-    /// As `complete_and_assemble_same`.
-    pub async fn complete_and_assemble_same_at(
-        &self,
-        step: u64,
-        ran: Vec<u32>,
-        measured_ms: Option<f64>,
-        now_ms: f64,
-    ) -> Result<Completed, ChunkingError> {
-        let next = Next::Same {
-            now_ms: Some(now_ms),
-        };
-        self.ask_complete_and_assemble(step, ran, measured_ms, next)
-            .await
-            .map(|done| *done)
-    }
-
-    /// The one-trip message's answer, boxed (a `Completed` is a few hundred bytes). A plain
-    /// function returning `ask`'s future: no async layer of its own on the step's path.
-    fn ask_complete_and_assemble(
-        &self,
-        step: u64,
-        ran: Vec<u32>,
-        measured_ms: Option<f64>,
-        next: Next,
-    ) -> impl std::future::Future<Output = Result<Box<Completed>, ChunkingError>> + '_ {
         let msg = CompleteAndAssemble {
             step,
             ran,
             measured_ms,
-            next,
+            then: then.into(),
         };
+        // The answer is boxed (a `Completed` is a few hundred bytes).
         ask(&self.scheduler, "Scheduler", &self.timeout, msg)
+            .await
+            .map(|done| *done)
     }
 
     /// Abandons the step in flight `step`: it ran nothing. Step ids are unique within the
@@ -814,7 +726,7 @@ impl ChunkingManagement {
     /// assert_eq!(cm.begin_drain().await?, 1);
     /// let refused = cm.admit(2, "llm", "prefill", PreparedInput::tokens(vec![7; 10]), 0).await;
     /// assert_eq!(refused, Err(ChunkingError::Draining));
-    /// cm.complete(step.step, vec![256]).await?;
+    /// cm.complete(step.step, vec![256], None).await?;
     /// let report = cm.drain().await?;
     /// assert_eq!((report.steps_abandoned, report.requests, report.prepared_inputs), (0, 1, 1));
     /// assert_eq!(cm.prepared_totals().await?, (0, 0));
@@ -877,9 +789,9 @@ impl ChunkingManagement {
     /// Reports the measured time of step `step`, completed before its time was known: an
     /// engine with asynchronous scheduling completes step N when it schedules step N+1, and
     /// learns N's time later. The time budget check, the online fit and the time margin read
-    /// it as they read a time given with the completion (`complete_measured`); the step's
-    /// time overrun is counted then. Kept for the latest `LATE_STEPS` steps completed without
-    /// a time on nodes that learn their model or plan with a margin, one measurement each.
+    /// it as they read a time given with the completion; the step's time overrun is counted
+    /// then. Kept for the latest `LATE_STEPS` steps completed without a time on nodes that
+    /// learn their model or plan with a margin, one measurement each.
     ///
     /// ```
     /// # use mstar_chunking::{BudgetSettings, ChunkingManagement, ChunkingPolicy, PreparedInput, SubmoduleCaps};
@@ -889,10 +801,10 @@ impl ChunkingManagement {
     /// cm.set_budgets(BudgetSettings::new(["prefill"]).learn_cost(true)).await?;
     /// cm.admit(1, "llm", "prefill", PreparedInput::tokens(vec![7; 100]), 0).await?;
     /// let step = cm.assemble("llm", "prefill").await?.step;
-    /// cm.complete(step, vec![100]).await?; // scheduled ahead: its time is not known yet
-    /// let late = cm.measured(step, 12.5).await?;
+    /// cm.complete(step, vec![100], None).await?; // scheduled ahead: its time is not known yet
+    /// let late = cm.measured_late(step, 12.5).await?;
     /// assert_eq!((late.step, late.measured_ms), (step, 12.5));
-    /// assert!(cm.measured(step, 12.5).await.is_err(), "one measurement a step");
+    /// assert!(cm.measured_late(step, 12.5).await.is_err(), "one measurement a step");
     /// # Ok::<_, mstar_chunking::ChunkingError>(())
     /// # })?;
     /// # Ok::<_, Box<dyn std::error::Error>>(())
@@ -901,14 +813,13 @@ impl ChunkingManagement {
     /// # Errors
     /// `BadMeasurement` for a time that is not finite and ≥ 0; `UnknownStep` for a step not
     /// kept (never completed, completed with a time, measured already, or too old).
-    pub async fn measured(&self, step: u64, ms: f64) -> Result<LateMeasurement, ChunkingError> {
-        ask(
-            &self.scheduler,
-            "Scheduler",
-            &self.timeout,
-            Measured { step, ms },
-        )
-        .await
+    pub async fn measured_late(
+        &self,
+        step: u64,
+        ms: f64,
+    ) -> Result<LateMeasurement, ChunkingError> {
+        let msg = MeasuredLate { step, ms };
+        ask(&self.scheduler, "Scheduler", &self.timeout, msg).await
     }
 
     /// The latency model `node` plans its time budgets with: the model in force, where it

@@ -20,7 +20,7 @@ use crate::order::AdmitOptions;
 use crate::policy::Name;
 use crate::prepared::PreparedInput;
 use crate::scheduler::{
-    Batch, Completed, LateMeasurement, LatencyModelReport, NextStep, SchedulerState, StepOutcome,
+    Batch, Completed, LateMeasurement, LatencyModelReport, SchedulerState, StepOutcome, Then,
 };
 pub use crate::scheduler::{DrainReport, QueueStats};
 
@@ -73,7 +73,7 @@ super::supervised!(
         Drain,
         GetLatencyModel,
         GetPrepared,
-        Measured
+        MeasuredLate
     ]
 );
 
@@ -92,7 +92,7 @@ impl Handler<UseSnapshot> for Scheduler {
     }
 }
 
-/// Admits a prompt whole (`SchedulerState::admit_prepared`). PreparedInputs' accounting gets
+/// Admits a prompt whole (`SchedulerState::admit`). PreparedInputs' accounting gets
 /// the input's change before anything the caller asks it after this answer, as a mailbox is
 /// first in, first out.
 #[derive(Message)]
@@ -109,14 +109,9 @@ impl Handler<AdmitPrepared> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: AdmitPrepared, _: &mut Self::Context) -> Self::Result {
-        let admitted = self.state.admit_prepared_with(
-            m.rid,
-            &m.node,
-            &m.walk,
-            m.input,
-            m.options,
-            &mut self.shell,
-        );
+        let admitted =
+            self.state
+                .admit(m.rid, &m.node, &m.walk, m.input, m.options, &mut self.shell);
         self.send_input_changes();
         admitted
     }
@@ -138,7 +133,7 @@ impl Handler<ContinueRow> for Scheduler {
     type Result = Result<(), ChunkingError>;
 
     fn handle(&mut self, m: ContinueRow, _: &mut Self::Context) -> Self::Result {
-        self.state.continue_with(
+        self.state.continue_row(
             m.rid,
             &m.node,
             &m.walk,
@@ -176,14 +171,14 @@ impl Handler<ForgetRow> for Scheduler {
     type Result = Result<bool, ChunkingError>;
 
     fn handle(&mut self, m: ForgetRow, _: &mut Self::Context) -> Self::Result {
-        let had_prefill = self.state.forget_row(m.rid, &m.node, &mut self.shell);
+        let had_prefill = self.state.release(m.rid, &m.node, &mut self.shell);
         self.send_input_changes();
         Ok(had_prefill)
     }
 }
 
 /// Assembles the next step of `node`/`walk` with its chunks' views cut, or answers the node's
-/// step in flight again (`SchedulerState::assemble_step`): one message, no other actor waited
+/// step in flight again (`SchedulerState::assemble`): one message, no other actor waited
 /// on.
 #[derive(Message)]
 #[rtype(result = "Result<Arc<Batch>, ChunkingError>")]
@@ -200,7 +195,7 @@ impl Handler<Assemble> for Scheduler {
     fn handle(&mut self, m: Assemble, _: &mut Self::Context) -> Self::Result {
         let batch = self
             .state
-            .assemble_step_at(&m.node, &m.walk, m.now_ms, &mut self.shell);
+            .assemble(&m.node, &m.walk, m.now_ms, &mut self.shell);
         self.send_input_changes();
         batch
     }
@@ -248,14 +243,14 @@ impl Handler<Complete> for Scheduler {
     fn handle(&mut self, m: Complete, _: &mut Self::Context) -> Self::Result {
         let outcome = self
             .state
-            .complete_step(m.step, &m.ran, m.measured_ms, &mut self.shell);
+            .complete(m.step, &m.ran, m.measured_ms, &mut self.shell);
         self.send_input_changes();
         outcome
     }
 }
 
-/// Completes step `step` of `next.node`, applies `next`'s row changes and assembles the next
-/// step (`SchedulerState::complete_and_assemble`): one round trip per step for the engine,
+/// Completes step `step` and assembles the step `then` names, with its row changes applied
+/// between (`SchedulerState::complete_and_assemble`): one round trip per step for the engine,
 /// with a lost answer's repeat answered again.
 #[derive(Message)]
 #[rtype(result = "Result<Box<Completed>, ChunkingError>")]
@@ -263,30 +258,16 @@ pub(crate) struct CompleteAndAssemble {
     pub(crate) step: u64,
     pub(crate) ran: Vec<u32>,
     pub(crate) measured_ms: Option<f64>,
-    pub(crate) next: Next,
-}
-
-/// The step a [`CompleteAndAssemble`] assembles after the completion.
-pub(crate) enum Next {
-    /// As the engine names it, with its row changes.
-    Named(NextStep),
-    /// The completed step's node and walk, no row changes, at this time if given.
-    Same { now_ms: Option<f64> },
+    pub(crate) then: Then,
 }
 
 impl Handler<CompleteAndAssemble> for Scheduler {
     type Result = Result<Box<Completed>, ChunkingError>;
 
     fn handle(&mut self, m: CompleteAndAssemble, _: &mut Self::Context) -> Self::Result {
-        let (state, shell) = (&mut self.state, &mut self.shell);
-        let done = match m.next {
-            Next::Named(next) => {
-                state.complete_and_assemble(m.step, m.ran, m.measured_ms, next, shell)
-            }
-            Next::Same { now_ms } => {
-                state.complete_and_assemble_same(m.step, m.ran, m.measured_ms, now_ms, shell)
-            }
-        };
+        let done =
+            self.state
+                .complete_and_assemble(m.step, m.ran, m.measured_ms, m.then, &mut self.shell);
         self.send_input_changes();
         done.map(Box::new)
     }
@@ -319,7 +300,7 @@ impl Handler<Drain> for Scheduler {
     type Result = Result<DrainReport, ChunkingError>;
 
     fn handle(&mut self, _: Drain, _: &mut Self::Context) -> Self::Result {
-        let report = self.state.drain_all(&mut self.shell);
+        let report = self.state.drain(&mut self.shell);
         self.shell.spans = Spans::new(self.shell.instance.model_name().clone());
         self.shell.prepared.do_send(Guarded(ReleaseAll));
         tracing::info!(?report, "drained");
@@ -369,19 +350,19 @@ impl Handler<GetPrepared> for Scheduler {
     }
 }
 
-/// A step's time measured after its completion (`ChunkingManagement::measured`).
+/// A step's time measured after its completion (`ChunkingManagement::measured_late`).
 #[derive(Message)]
 #[rtype(result = "Result<LateMeasurement, ChunkingError>")]
-pub(crate) struct Measured {
+pub(crate) struct MeasuredLate {
     pub(crate) step: u64,
     pub(crate) ms: f64,
 }
 
-impl Handler<Measured> for Scheduler {
+impl Handler<MeasuredLate> for Scheduler {
     type Result = Result<LateMeasurement, ChunkingError>;
 
-    fn handle(&mut self, m: Measured, _: &mut Self::Context) -> Self::Result {
-        let late = self.state.measured(m.step, m.ms)?;
+    fn handle(&mut self, m: MeasuredLate, _: &mut Self::Context) -> Self::Result {
+        let late = self.state.take_late_measurement(m.step, m.ms)?;
         self.shell
             .step_metrics(&late.node, &late.walk)
             .measured_late(&late);
@@ -406,6 +387,7 @@ mod tests {
     use crate::planner::RowWork;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::prepared::PreparedInput;
+    use crate::scheduler::NextStep;
     use crate::snapshot::BudgetSnapshot;
 
     /// A Scheduler and its PreparedInputs for one node `llm` with a `prefill` budget of 8.
@@ -571,7 +553,7 @@ mod tests {
             step,
             ran,
             measured_ms: ms,
-            next: Next::Named(next),
+            then: Then::Next(next),
         })
     }
 

@@ -284,9 +284,10 @@ mod tests {
     use super::*;
     use crate::budget::BudgetTable;
     use crate::metrics::Instance;
+    use crate::order::AdmitOptions;
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::prepared::PreparedInput;
-    use crate::scheduler::NextStep;
+    use crate::scheduler::{NextStep, Then};
 
     /// A value's fields as ` name=value` pairs (a message as written).
     #[derive(Default)]
@@ -361,12 +362,10 @@ mod tests {
         let (llm, prefill) = (Name::from("llm"), Name::from("prefill"));
         let input = PreparedInput::tokens(vec![1; 8]);
         state
-            .admit_prepared(rid, &llm, &prefill, input, 0, shell)
+            .admit(rid, &llm, &prefill, input, AdmitOptions::cached(0), shell)
             .unwrap();
-        let b = state
-            .assemble_step_at("llm", "prefill", None, shell)
-            .unwrap();
-        state.complete_step(b.step, &[8], ms, shell).unwrap()
+        let b = state.assemble("llm", "prefill", None, shell).unwrap();
+        state.complete(b.step, &[8], ms, shell).unwrap()
     }
 
     fn test_shell() -> Shell {
@@ -404,12 +403,17 @@ mod tests {
                 for (rid, tokens) in [(7, 5), (8, 20)] {
                     let input = PreparedInput::tokens(vec![1; tokens]);
                     state
-                        .admit_prepared(rid, &llm, &prefill, input, 0, &mut shell)
+                        .admit(
+                            rid,
+                            &llm,
+                            &prefill,
+                            input,
+                            AdmitOptions::cached(0),
+                            &mut shell,
+                        )
                         .unwrap();
                 }
-                let first = state
-                    .assemble_step_at("llm", "prefill", None, &mut shell)
-                    .unwrap();
+                let first = state.assemble("llm", "prefill", None, &mut shell).unwrap();
                 let ran = first
                     .rows
                     .iter()
@@ -417,7 +421,7 @@ mod tests {
                     .collect();
                 let next = NextStep::new("llm", "prefill");
                 let done = state
-                    .complete_and_assemble(first.step, ran, None, next, &mut shell)
+                    .complete_and_assemble(first.step, ran, None, Then::Next(next), &mut shell)
                     .unwrap();
                 let second = done.next.unwrap().step;
                 shell.completion_refused(second, &why);

@@ -38,7 +38,7 @@ pub struct TimeSettings {
     pub max_step_ms: BTreeMap<Name, NodeTimeBudget>,
     /// Per node, the latency model from config (`chunking.cost.<node>`).
     pub cost: BTreeMap<Name, LatencyModel>,
-    /// Whether to fit each node's model online from the step times `complete_measured`
+    /// Whether to fit each node's model online from the step times `complete` or `complete_and_assemble`
     /// reports, and plan with it once it is trusted (`chunking.learn_cost`).
     pub learn: bool,
     /// The time margin's quantile (`docs/cost-model.md#the-time-margin`): with measured step

@@ -4,6 +4,12 @@
 //! what it does around the call (spans, metric handles, reports to the other actors) it does in
 //! [`StepHooks`], which the methods call at the points where the state changed.
 //!
+//! These methods carry the facade's verbs (`admit`, `continue_row`, `forget_request`,
+//! `release`, `assemble`, `complete`, `complete_and_assemble`, `drain`) and move prepared
+//! inputs and hooks; each wraps one of the plain state's methods in `scheduler.rs`, named for
+//! what it does to the queues and plans alone (`queue_prompt`, `queue_continuing`,
+//! `drop_rows`, `drop_row`, `plan_step`, `close_step`, `drop_all`).
+//!
 //! The state owns every prepared input ([`PreparedStore`]); each change to the store is also
 //! recorded as an [`InputChange`], which the actor sends to PreparedInputs' accounting after
 //! the call (`docs/actors.md#prepared-inputs`).
@@ -12,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{
-    Assembled, Batch, Completed, InFlight, NextStep, RowChange, SchedulerState, StepOutcome,
+    Assembled, Batch, Completed, InFlight, NextStep, RowChange, SchedulerState, StepOutcome, Then,
 };
 use crate::error::ChunkingError;
 use crate::order::AdmitOptions;
@@ -108,28 +114,13 @@ pub struct QueueStats {
 }
 
 impl SchedulerState {
-    /// [`SchedulerState::admit_prepared_with`] with a cached prefix only (the tests' form).
-    #[cfg(test)]
-    pub(crate) fn admit_prepared(
-        &mut self,
-        rid: u64,
-        node: &Name,
-        walk: &Name,
-        input: PreparedInput,
-        cached: u32,
-        hooks: &mut impl StepHooks,
-    ) -> Result<(), ChunkingError> {
-        let options = AdmitOptions::cached(cached);
-        self.admit_prepared_with(rid, node, walk, input, options, hooks)
-    }
-
     /// Admits a prompt whole: measures its input, queues its row (with its cached prefix,
     /// priority and arrival time) and holds the input. A refused admission (draining, a bad
     /// input, a second row of `(rid, node)`) queues and holds nothing.
     ///
     /// # Errors
-    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::admit_with`].
-    pub(crate) fn admit_prepared_with(
+    /// Draining, or as [`PreparedInput::measure`] and [`SchedulerState::queue_prompt`].
+    pub(crate) fn admit(
         &mut self,
         rid: u64,
         node: &Name,
@@ -158,11 +149,11 @@ impl SchedulerState {
         hooks: &mut impl StepHooks,
     ) -> Result<(), ChunkingError> {
         let total = input.measure(rid, node)?;
-        self.admit_with(rid, node, walk, total, options)?;
+        self.queue_prompt(rid, node, walk, total, options)?;
         // The queue refuses a second row of `(rid, node)`, and a row's input is dropped with
         // its row: an input is never held here already.
         if let Err(e) = self.inputs.insert(rid, node, input) {
-            self.forget_at(rid, node);
+            self.drop_row(rid, node);
             return Err(e);
         }
         self.input_changes.push(InputChange::Hold {
@@ -177,8 +168,8 @@ impl SchedulerState {
     /// Queues a continuing row of `rid` at `node` (or updates its estimate and context).
     ///
     /// # Errors
-    /// Draining, or as [`SchedulerState::continue_row`].
-    pub(crate) fn continue_with(
+    /// Draining, or as [`SchedulerState::queue_continuing`].
+    pub(crate) fn continue_row(
         &mut self,
         rid: u64,
         node: &Name,
@@ -190,7 +181,7 @@ impl SchedulerState {
         if self.draining {
             return Err(ChunkingError::Draining);
         }
-        self.continue_row(rid, node, walk, estimate, context)?;
+        self.queue_continuing(rid, node, walk, estimate, context)?;
         hooks.admitted(rid, node, walk);
         hooks.queues_changed(self, Some(node));
         Ok(())
@@ -204,15 +195,15 @@ impl SchedulerState {
 
     fn forget_everywhere(&mut self, rid: u64, hooks: &mut impl StepHooks) {
         hooks.forgotten(rid);
-        self.forget(rid);
+        self.drop_rows(rid);
         self.inputs.forget(rid);
         self.input_changes.push(InputChange::Forget(rid));
     }
 
-    /// Drops the row of `rid` at `node` and its input there; answers whether a prefill row
-    /// was dropped.
-    pub(crate) fn forget_row(&mut self, rid: u64, node: &Name, hooks: &mut impl StepHooks) -> bool {
-        let had_prefill = self.forget_at(rid, node);
+    /// Drops the row of `rid` at `node` and its input there (the request leaves the node);
+    /// answers whether a prefill row was dropped.
+    pub(crate) fn release(&mut self, rid: u64, node: &Name, hooks: &mut impl StepHooks) -> bool {
+        let had_prefill = self.drop_row(rid, node);
         self.release_inputs(node, &[rid]);
         hooks.queues_changed(self, Some(node));
         had_prefill
@@ -245,28 +236,14 @@ impl SchedulerState {
         Some(std::mem::replace(&mut self.input_changes, room))
     }
 
-    /// Plans the next step of `node`/`walk` (or finds it in flight) and cuts its chunks' views
-    /// from the inputs held. A chunk row without an input (a guard: the store and the queues
-    /// never disagree through the API) abandons the step and drops that row.
+    /// Plans the next step of `node`/`walk` (or finds it in flight) at `now_ms` on the
+    /// engine's clock if given, as [`SchedulerState::plan_step`] does, and cuts its chunks'
+    /// views from the inputs held. A chunk row without an input (a guard: the store and the
+    /// queues never disagree through the API) abandons the step and drops that row.
     ///
     /// # Errors
-    /// Draining, as [`SchedulerState::assemble`], or `MissingPreparedInput`.
-    #[cfg(test)]
-    pub(crate) fn assemble_step(
-        &mut self,
-        node: &str,
-        walk: &str,
-        hooks: &mut impl StepHooks,
-    ) -> Result<Arc<Batch>, ChunkingError> {
-        self.assemble_step_at(node, walk, None, hooks)
-    }
-
-    /// [`SchedulerState::assemble_step`] of a step planned at `now_ms` on the engine's clock
-    /// (for the starvation bound, [`SchedulerState::assemble_at`]).
-    ///
-    /// # Errors
-    /// As `assemble_step`.
-    pub(crate) fn assemble_step_at(
+    /// Draining, as [`SchedulerState::plan_step`], or `MissingPreparedInput`.
+    pub(crate) fn assemble(
         &mut self,
         node: &str,
         walk: &str,
@@ -277,7 +254,7 @@ impl SchedulerState {
             return Err(ChunkingError::Draining);
         }
         let started = Instant::now();
-        let mut batch = match self.assemble_at(node, walk, now_ms)? {
+        let mut batch = match self.plan_step(node, walk, now_ms)? {
             Assembled::InFlight(batch) => return Ok(batch),
             Assembled::Planned(batch) => batch,
         };
@@ -365,12 +342,12 @@ impl SchedulerState {
         }
     }
 
-    /// Completes step `step` as [`SchedulerState::complete`] does, and releases the inputs of
-    /// the rows that finished.
+    /// Completes step `step` as [`SchedulerState::close_step`] does, and releases the inputs
+    /// of the rows that finished.
     ///
     /// # Errors
-    /// As [`SchedulerState::complete`]; nothing changes.
-    pub(crate) fn complete_step(
+    /// As [`SchedulerState::close_step`]; nothing changes.
+    pub(crate) fn complete(
         &mut self,
         step: u64,
         ran: &[u32],
@@ -378,7 +355,7 @@ impl SchedulerState {
         hooks: &mut impl StepHooks,
     ) -> Result<StepOutcome, ChunkingError> {
         let outcome = self
-            .complete(step, ran, measured_ms)
+            .close_step(step, ran, measured_ms)
             .inspect_err(|e| hooks.completion_refused(step, e))?;
         self.completed_step(&outcome, hooks);
         hooks.queues_changed(self, Some(&outcome.node));
@@ -392,9 +369,12 @@ impl SchedulerState {
         }
     }
 
-    /// Completes step `step` of `next.node` (as [`SchedulerState::complete_step`]), applies
-    /// `next`'s row changes in order, and assembles the next step of `next.node`/`next.walk`
-    /// (as [`SchedulerState::assemble_step`]): the engine's one call per step.
+    /// Completes step `step` (as [`SchedulerState::complete`]) and assembles the step `then`
+    /// names (as [`SchedulerState::assemble`]): the engine's one call per step. With
+    /// [`Then::Next`], `step` must be of its node, and its row changes are applied in order
+    /// between the two; with [`Then::Same`] or [`Then::SameAt`], the next step is of the
+    /// completed step's node and walk, with no row changes (a repeat of a step completed last
+    /// on its node assembles the walk its first call did).
     ///
     /// A repeat for the step it completed last on the node (its answer was lost) is not applied
     /// again: it gets the same outcome, and the next step as `assemble` answers it then (the
@@ -402,17 +382,23 @@ impl SchedulerState {
     /// measured time is refused.
     ///
     /// # Errors
-    /// The step is not in flight on `next.node`, the next walk is not one the node serves, the
-    /// completion is refused (nothing changes), or a repeat differs. A refused row change or a
-    /// failed assembly is not an error: it is the answer's `next`.
+    /// The step is not in flight on the next step's node (or, with [`Then::Same`], neither in
+    /// flight nor the last step completed on its node), the next walk is not one the node
+    /// serves, the completion is refused (nothing changes), or a repeat differs. A refused row
+    /// change or a failed assembly is not an error: it is the answer's `next`.
     pub(crate) fn complete_and_assemble(
         &mut self,
         step: u64,
         ran: Vec<u32>,
         measured_ms: Option<f64>,
-        next: NextStep,
+        then: Then,
         hooks: &mut impl StepHooks,
     ) -> Result<Completed, ChunkingError> {
+        let next = match then {
+            Then::Next(next) => next,
+            Then::Same => self.same_next(step, None)?,
+            Then::SameAt(now_ms) => self.same_next(step, Some(now_ms))?,
+        };
         let (node, walk, now_ms) = (next.node.clone(), next.walk.clone(), next.now_ms);
         let (outcome, refused) = match self.completed.get(&*node) {
             Some(last) if last.step == step => {
@@ -434,7 +420,7 @@ impl SchedulerState {
                     }
                 }
                 let mut outcome = self
-                    .complete(step, &ran, measured_ms)
+                    .close_step(step, &ran, measured_ms)
                     .inspect_err(|e| hooks.completion_refused(step, e))?;
                 self.completed_step(&outcome, hooks);
                 let refused = self.apply_changes(next, hooks).err();
@@ -447,28 +433,9 @@ impl SchedulerState {
         };
         let next = match refused {
             Some(e) => Err(e),
-            None => self.assemble_step_at(&node, &walk, now_ms, hooks),
+            None => self.assemble(&node, &walk, now_ms, hooks),
         };
         Ok(Completed { outcome, next })
-    }
-
-    /// As [`SchedulerState::complete_and_assemble`], the next step being the same node and
-    /// walk as step `step`'s, with no row changes, at `now_ms` on the engine's clock if given.
-    /// A repeat of a step completed last on its node assembles the walk its first call did.
-    ///
-    /// # Errors
-    /// As `complete_and_assemble`; `UnknownStep` when `step` is neither in flight nor the last
-    /// step completed on its node.
-    pub(crate) fn complete_and_assemble_same(
-        &mut self,
-        step: u64,
-        ran: Vec<u32>,
-        measured_ms: Option<f64>,
-        now_ms: Option<f64>,
-        hooks: &mut impl StepHooks,
-    ) -> Result<Completed, ChunkingError> {
-        let next = self.same_next(step, now_ms)?;
-        self.complete_and_assemble(step, ran, measured_ms, next, hooks)
     }
 
     /// The next step of step `step`'s node and walk, with no row changes.
@@ -564,7 +531,7 @@ impl SchedulerState {
                     estimate,
                     context,
                 } => self
-                    .continue_row(rid, &node, &walk, estimate, context)
+                    .queue_continuing(rid, &node, &walk, estimate, context)
                     .inspect(|()| hooks.admitted(rid, &node, &walk)),
                 RowChange::Admit {
                     rid,
@@ -590,9 +557,9 @@ impl SchedulerState {
 
     /// Ends a drain: abandons the steps still in flight, drops every row and every input held;
     /// answers what was dropped.
-    pub(crate) fn drain_all(&mut self, hooks: &mut impl StepHooks) -> DrainReport {
+    pub(crate) fn drain(&mut self, hooks: &mut impl StepHooks) -> DrainReport {
         self.draining = true;
-        let drained = self.drain();
+        let drained = self.drop_all();
         self.completed.clear();
         let (prepared_inputs, prepared_tokens) = self.inputs.clear();
         // PreparedInputs' accounting is cleared whole (`ReleaseAll`), not change by change.
@@ -722,19 +689,47 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         let mut h = Recorded::default();
-        s.admit_prepared(3, &node, &walk, tokens(3, 1), 0, &mut h)
-            .unwrap();
-        let again = s.admit_prepared(3, &node, &walk, tokens(5, 9), 0, &mut h);
+        s.admit(
+            3,
+            &node,
+            &walk,
+            tokens(3, 1),
+            AdmitOptions::cached(0),
+            &mut h,
+        )
+        .unwrap();
+        let again = s.admit(
+            3,
+            &node,
+            &walk,
+            tokens(5, 9),
+            AdmitOptions::cached(0),
+            &mut h,
+        );
         assert!(matches!(
             again,
             Err(ChunkingError::AlreadyQueued { rid: 3, .. })
         ));
-        let empty = s.admit_prepared(4, &node, &walk, tokens(0, 0), 0, &mut h);
+        let empty = s.admit(
+            4,
+            &node,
+            &walk,
+            tokens(0, 0),
+            AdmitOptions::cached(0),
+            &mut h,
+        );
         assert!(matches!(
             empty,
             Err(ChunkingError::EmptyInput { rid: 4, .. })
         ));
-        let ghost = s.admit_prepared(5, &node, &Name::from("ghost"), tokens(2, 0), 0, &mut h);
+        let ghost = s.admit(
+            5,
+            &node,
+            &Name::from("ghost"),
+            tokens(2, 0),
+            AdmitOptions::cached(0),
+            &mut h,
+        );
         assert!(ghost.is_err());
         assert!(
             s.prepared(5, "llm").is_none(),
@@ -760,14 +755,21 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         for rid in [1, 2, 3] {
-            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
-                .unwrap();
+            s.admit(
+                rid,
+                &node,
+                &walk,
+                tokens(10, 0),
+                AdmitOptions::cached(0),
+                &mut (),
+            )
+            .unwrap();
         }
         s.take_input_changes();
         let mut h = Recorded::default();
         s.forget_request(1, &mut h);
-        assert!(s.forget_row(2, &node, &mut h));
-        assert!(!s.forget_row(2, &node, &mut h));
+        assert!(s.release(2, &node, &mut h));
+        assert!(!s.release(2, &node, &mut h));
         assert_eq!(
             h.0,
             [
@@ -795,13 +797,13 @@ mod tests {
         let (node, walk) = llm();
         for rid in [1, 2] {
             let input = PreparedInput::tokens((0..10).collect::<Vec<u32>>());
-            s.admit_prepared(rid, &node, &walk, input, 0, &mut ())
+            s.admit(rid, &node, &walk, input, AdmitOptions::cached(0), &mut ())
                 .unwrap();
         }
         s.take_input_changes();
         assert!(s.inputs.release(1, "llm"));
         let mut h = Recorded::default();
-        let err = s.assemble_step("llm", "prefill", &mut h).unwrap_err();
+        let err = s.assemble("llm", "prefill", None, &mut h).unwrap_err();
         assert!(
             matches!(err, ChunkingError::MissingPreparedInput { rid: 1, .. }),
             "{err}"
@@ -812,12 +814,12 @@ mod tests {
             s.take_input_changes().unwrap(),
             [InputChange::Release { rid: 1, node }]
         );
-        let batch = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let batch = s.assemble("llm", "prefill", None, &mut ()).unwrap();
         assert_eq!(batch.rows.len(), 1);
         assert_eq!(batch.rows[0].rid, 2);
         let input = batch.rows[0].input.as_ref().expect("the chunk is cut");
         assert_eq!(input.token_ids(), &[0, 1, 2, 3, 4, 5, 6, 7]);
-        let again = s.assemble_step("llm", "prefill", &mut h).unwrap();
+        let again = s.assemble("llm", "prefill", None, &mut h).unwrap();
         assert!(Arc::ptr_eq(&batch, &again), "the step in flight, again");
         assert_eq!((s.stats().prefill_rows, s.stats().steps_in_flight), (1, 1));
     }
@@ -826,15 +828,22 @@ mod tests {
     fn a_completion_releases_what_finished_and_a_refused_one_changes_nothing() {
         let mut s = state();
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
-            .unwrap();
-        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(8, 1),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let step = s.assemble("llm", "prefill", None, &mut ()).unwrap().step;
         s.take_input_changes();
         let mut h = Recorded::default();
-        assert!(s.complete_step(step, &[8, 8], None, &mut h).is_err());
+        assert!(s.complete(step, &[8, 8], None, &mut h).is_err());
         assert_eq!(h.0, [format!("completion refused {step}")]);
         assert_eq!(s.take_input_changes(), None);
-        let out = s.complete_step(step, &[8], Some(1.0), &mut h).unwrap();
+        let out = s.complete(step, &[8], Some(1.0), &mut h).unwrap();
         assert_eq!(out.finished, [1]);
         assert_eq!(
             h.0[1..],
@@ -854,15 +863,22 @@ mod tests {
     fn a_one_trip_step_is_answered_again_on_a_repeat_and_refused_when_it_differs() {
         let mut s = state();
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
-            .unwrap();
-        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(8, 1),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let step = s.assemble("llm", "prefill", None, &mut ()).unwrap().step;
         let next = NextStep::new("llm", "prefill")
             .admit(2, "prefill", tokens(5, 2), 0)
             .continue_row_with_context(9, "prefill", 1, 40);
         let mut h = Recorded::default();
         let done = s
-            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .complete_and_assemble(step, vec![8], Some(3.0), Then::Next(next.clone()), &mut h)
             .unwrap();
         assert_eq!(done.outcome.finished, [1]);
         let batch = done.next.clone().unwrap();
@@ -879,7 +895,7 @@ mod tests {
 
         // A repeat (the answer was lost) is answered again, changing nothing.
         let again = s
-            .complete_and_assemble(step, vec![8], Some(3.0), next.clone(), &mut h)
+            .complete_and_assemble(step, vec![8], Some(3.0), Then::Next(next.clone()), &mut h)
             .unwrap();
         assert_eq!(again.outcome, done.outcome);
         assert!(Arc::ptr_eq(&again.next.unwrap(), &batch));
@@ -887,7 +903,7 @@ mod tests {
         assert_eq!((s.inputs.rows(), s.inputs.tokens()), (1, 5));
         for (ran, ms) in [(vec![0], Some(3.0)), (vec![8], Some(4.0)), (vec![8], None)] {
             let err = s
-                .complete_and_assemble(step, ran, ms, next.clone(), &mut h)
+                .complete_and_assemble(step, ran, ms, Then::Next(next.clone()), &mut h)
                 .unwrap_err();
             assert!(
                 matches!(err, ChunkingError::CompletedDifferently { .. }),
@@ -898,23 +914,29 @@ mod tests {
         // is refused before anything changes.
         let plain = NextStep::new("llm", "prefill");
         let err = s
-            .complete_and_assemble(batch.step + 5, vec![1, 5], None, plain, &mut h)
+            .complete_and_assemble(batch.step + 5, vec![1, 5], None, Then::Next(plain), &mut h)
             .unwrap_err();
         assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
         let ghost = NextStep::new("llm", "ghost");
         let err = s
-            .complete_and_assemble(batch.step, vec![1, 5], None, ghost, &mut h)
+            .complete_and_assemble(batch.step, vec![1, 5], None, Then::Next(ghost), &mut h)
             .unwrap_err();
         assert!(matches!(err, ChunkingError::UnknownWalk { .. }), "{err}");
         assert_eq!(s.stats().steps_in_flight, 1, "still in flight");
         // The second step's completion is remembered in place of the first.
         let next = NextStep::new("llm", "prefill").forget_request(9);
         let done = s
-            .complete_and_assemble(batch.step, vec![1, 5], None, next.clone(), &mut h)
+            .complete_and_assemble(
+                batch.step,
+                vec![1, 5],
+                None,
+                Then::Next(next.clone()),
+                &mut h,
+            )
             .unwrap();
         assert_eq!(done.outcome.finished, [2]);
         assert_eq!(
-            s.complete_and_assemble(batch.step, vec![1, 5], None, next, &mut h)
+            s.complete_and_assemble(batch.step, vec![1, 5], None, Then::Next(next), &mut h)
                 .unwrap()
                 .outcome,
             done.outcome
@@ -923,7 +945,7 @@ mod tests {
             step,
             vec![8],
             Some(3.0),
-            NextStep::new("llm", "prefill"),
+            Then::Next(NextStep::new("llm", "prefill")),
             &mut h,
         );
         assert!(
@@ -937,15 +959,22 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         for rid in [1, 2] {
-            s.admit_prepared(rid, &node, &walk, tokens(24, rid as u32), 0, &mut ())
-                .unwrap();
+            s.admit(
+                rid,
+                &node,
+                &walk,
+                tokens(24, rid as u32),
+                AdmitOptions::cached(0),
+                &mut (),
+            )
+            .unwrap();
         }
-        let first = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let first = s.assemble("llm", "prefill", None, &mut ()).unwrap();
         let (room, rows_room) = (Arc::as_ptr(&first), first.rows.as_ptr());
         let step = first.step;
         drop(first);
         let done = s
-            .complete_and_assemble_same(step, vec![8], None, None, &mut ())
+            .complete_and_assemble(step, vec![8], None, Then::Same, &mut ())
             .unwrap();
         let second = done.next.unwrap();
         assert_eq!(Arc::as_ptr(&second), room, "the same Arc");
@@ -955,7 +984,7 @@ mod tests {
         // Kept by the engine, a batch is never written over: the next one has its own room.
         let kept = (*second).clone();
         let done = s
-            .complete_and_assemble_same(second.step, vec![8], None, None, &mut ())
+            .complete_and_assemble(second.step, vec![8], None, Then::Same, &mut ())
             .unwrap();
         let third = done.next.unwrap();
         assert!(!Arc::ptr_eq(&third, &second));
@@ -965,7 +994,7 @@ mod tests {
         let (room, step) = (Arc::as_ptr(&third), third.step);
         drop((second, third));
         s.abandon(step, &[]).unwrap();
-        let fourth = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        let fourth = s.assemble("llm", "prefill", None, &mut ()).unwrap();
         assert_eq!(Arc::as_ptr(&fourth), room);
         assert_eq!(fourth.rows[0].input.as_ref().unwrap().token_ids(), &[1; 8]);
     }
@@ -974,12 +1003,19 @@ mod tests {
     fn a_one_trip_step_without_a_next_step_assembles_the_same_node_and_walk() {
         let mut s = state();
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(20, 1), 0, &mut ())
-            .unwrap();
-        let first = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(20, 1),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let first = s.assemble("llm", "prefill", None, &mut ()).unwrap();
         let mut h = Recorded::default();
         let done = s
-            .complete_and_assemble_same(first.step, vec![8], None, Some(5.0), &mut h)
+            .complete_and_assemble(first.step, vec![8], None, Then::SameAt(5.0), &mut h)
             .unwrap();
         let second = done.next.unwrap();
         assert_eq!((&*second.node, &*second.walk), ("llm", "prefill"));
@@ -987,17 +1023,17 @@ mod tests {
         assert_eq!(s.stats().prefill_rows, 1, "no row changed");
         // A repeat is answered with the batch in flight.
         let again = s
-            .complete_and_assemble_same(first.step, vec![8], None, None, &mut h)
+            .complete_and_assemble(first.step, vec![8], None, Then::Same, &mut h)
             .unwrap();
         assert!(Arc::ptr_eq(&again.next.unwrap(), &second));
         // A step neither in flight nor last completed is unknown, and changes nothing.
         let err = s
-            .complete_and_assemble_same(second.step + 7, vec![8], None, None, &mut h)
+            .complete_and_assemble(second.step + 7, vec![8], None, Then::Same, &mut h)
             .unwrap_err();
         assert!(matches!(err, ChunkingError::UnknownStep { .. }), "{err}");
         assert_eq!(s.stats().steps_in_flight, 1);
         let done = s
-            .complete_and_assemble_same(second.step, vec![8], None, None, &mut h)
+            .complete_and_assemble(second.step, vec![8], None, Then::Same, &mut h)
             .unwrap();
         let third = done.next.unwrap();
         assert_eq!(third.rows[0].work.tokens(), 4, "the last 4 tokens");
@@ -1012,18 +1048,25 @@ mod tests {
             crate::budget::BudgetSettings::new(["prefill", "decode"]),
         );
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(20, 1), 0, &mut ())
-            .unwrap();
-        let s1 = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(20, 1),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let s1 = s.assemble("llm", "prefill", None, &mut ()).unwrap();
         let prefill = NextStep::new("llm", "prefill");
         let s2 = s
-            .complete_and_assemble(s1.step, vec![8], None, prefill, &mut ())
+            .complete_and_assemble(s1.step, vec![8], None, Then::Next(prefill), &mut ())
             .unwrap()
             .next
             .unwrap();
         let decode = NextStep::new("llm", "decode").continue_row(9, "decode", 1);
         let s3 = s
-            .complete_and_assemble(s2.step, vec![8], None, decode, &mut ())
+            .complete_and_assemble(s2.step, vec![8], None, Then::Next(decode), &mut ())
             .unwrap()
             .next
             .unwrap();
@@ -1031,7 +1074,7 @@ mod tests {
         // The repeat of the second completion answers the `decode` step in flight, not a
         // `prefill` one (the walk the node's first completion named).
         let again = s
-            .complete_and_assemble_same(s2.step, vec![8], None, None, &mut ())
+            .complete_and_assemble(s2.step, vec![8], None, Then::Same, &mut ())
             .unwrap();
         assert!(Arc::ptr_eq(&again.next.unwrap(), &s3));
     }
@@ -1040,16 +1083,23 @@ mod tests {
     fn a_refused_row_change_keeps_the_ones_before_it_and_is_the_next_steps_answer() {
         let mut s = state();
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(8, 1), 0, &mut ())
-            .unwrap();
-        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(8, 1),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let step = s.assemble("llm", "prefill", None, &mut ()).unwrap().step;
         let next = NextStep::new("llm", "prefill")
             .admit(2, "prefill", tokens(4, 2), 0)
             .admit(3, "prefill", tokens(0, 0), 0)
             .admit(4, "prefill", tokens(4, 4), 0);
         let mut h = Recorded::default();
         let done = s
-            .complete_and_assemble(step, vec![8], None, next.clone(), &mut h)
+            .complete_and_assemble(step, vec![8], None, Then::Next(next.clone()), &mut h)
             .unwrap();
         assert!(
             matches!(done.next, Err(ChunkingError::EmptyInput { rid: 3, .. })),
@@ -1060,7 +1110,7 @@ mod tests {
         assert!(s.prepared(2, "llm").is_some() && s.prepared(4, "llm").is_none());
         // Its repeat gets the same refusal, and changes nothing.
         let again = s
-            .complete_and_assemble(step, vec![8], None, next, &mut h)
+            .complete_and_assemble(step, vec![8], None, Then::Next(next), &mut h)
             .unwrap();
         assert_eq!(again.next, done.next);
         assert_eq!(s.stats().prefill_rows, 1);
@@ -1071,17 +1121,31 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         for rid in [1, 2] {
-            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
-                .unwrap();
+            s.admit(
+                rid,
+                &node,
+                &walk,
+                tokens(10, 0),
+                AdmitOptions::cached(0),
+                &mut (),
+            )
+            .unwrap();
         }
-        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
+        let step = s.assemble("llm", "prefill", None, &mut ()).unwrap().step;
         assert_eq!(s.begin_drain(), 1);
-        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        let refused = s.admit(
+            3,
+            &node,
+            &walk,
+            tokens(4, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        );
         assert!(matches!(refused, Err(ChunkingError::Draining)));
-        let refused = s.continue_with(5, &node, &walk, 1, None, &mut ());
+        let refused = s.continue_row(5, &node, &walk, 1, None, &mut ());
         assert!(matches!(refused, Err(ChunkingError::Draining)));
         assert!(matches!(
-            s.assemble_step("llm", "prefill", &mut ()),
+            s.assemble("llm", "prefill", None, &mut ()),
             Err(ChunkingError::Draining)
         ));
         let next =
@@ -1089,7 +1153,7 @@ mod tests {
                 .forget_request(2)
                 .admit(4, "prefill", tokens(4, 0), 0);
         let done = s
-            .complete_and_assemble(step, vec![8], None, next, &mut ())
+            .complete_and_assemble(step, vec![8], None, Then::Next(next), &mut ())
             .unwrap();
         assert!(
             matches!(done.next, Err(ChunkingError::Draining)),
@@ -1105,13 +1169,20 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         for rid in [1, 2] {
-            s.admit_prepared(rid, &node, &walk, tokens(10, 0), 0, &mut ())
-                .unwrap();
+            s.admit(
+                rid,
+                &node,
+                &walk,
+                tokens(10, 0),
+                AdmitOptions::cached(0),
+                &mut (),
+            )
+            .unwrap();
         }
-        s.continue_with(7, &node, &walk, 1, None, &mut ()).unwrap();
-        s.assemble_step("llm", "prefill", &mut ()).unwrap();
+        s.continue_row(7, &node, &walk, 1, None, &mut ()).unwrap();
+        s.assemble("llm", "prefill", None, &mut ()).unwrap();
         let mut h = Recorded::default();
-        let report = s.drain_all(&mut h);
+        let report = s.drain(&mut h);
         let want = DrainReport {
             steps_abandoned: 1,
             requests: 3,
@@ -1127,8 +1198,15 @@ mod tests {
             "the accounting is cleared whole"
         );
         assert_eq!(s.stats(), QueueStats::default());
-        assert_eq!(s.drain_all(&mut ()), DrainReport::default());
-        let refused = s.admit_prepared(3, &node, &walk, tokens(4, 0), 0, &mut ());
+        assert_eq!(s.drain(&mut ()), DrainReport::default());
+        let refused = s.admit(
+            3,
+            &node,
+            &walk,
+            tokens(4, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        );
         assert!(matches!(refused, Err(ChunkingError::Draining)));
     }
 
@@ -1143,35 +1221,49 @@ mod tests {
         );
         let (node, walk) = llm();
         let mut h = Recorded::default();
-        let empty = s.assemble_step("llm", "decode", &mut h).unwrap();
+        let empty = s.assemble("llm", "decode", None, &mut h).unwrap();
         assert!(empty.rows.is_empty());
         assert_eq!(h.0.len(), 1, "nothing waits: nothing said: {:?}", h.0);
-        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
-            .unwrap();
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(10, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
         h.0.clear();
         // Alternating with the prompt's walk, the empty `decode` steps are answered; the
         // prompt is said stranded once.
         for _ in 0..3 {
             assert!(s
-                .assemble_step("llm", "decode", &mut h)
+                .assemble("llm", "decode", None, &mut h)
                 .unwrap()
                 .rows
                 .is_empty());
-            let p = s.assemble_step("llm", "prefill", &mut ()).unwrap();
+            let p = s.assemble("llm", "prefill", None, &mut ()).unwrap();
             s.abandon(p.step, &[]).unwrap();
         }
         let said: Vec<&String> = h.0.iter().filter(|c| c.starts_with("stranded")).collect();
         assert_eq!(said, ["stranded llm prefill decode"], "once: {:?}", h.0);
         // Twice in a row with nothing else assembled between, it is refused, naming the walks
         // (each once: two prompts wait on `prefill`).
-        s.admit_prepared(2, &node, &walk, tokens(10, 0), 0, &mut ())
-            .unwrap();
+        s.admit(
+            2,
+            &node,
+            &walk,
+            tokens(10, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
         assert!(s
-            .assemble_step("llm", "decode", &mut h)
+            .assemble("llm", "decode", None, &mut h)
             .unwrap()
             .rows
             .is_empty());
-        let err = s.assemble_step("llm", "decode", &mut h).unwrap_err();
+        let err = s.assemble("llm", "decode", None, &mut h).unwrap_err();
         assert_eq!(err.kind(), crate::error::ErrorKind::RefusedSettings);
         assert!(
             matches!(&err, ChunkingError::StrandedRows { waiting, .. } if waiting.len() == 1),
@@ -1190,7 +1282,7 @@ mod tests {
             "no step stays behind the refusal"
         );
         assert!(
-            s.assemble_step("llm", "decode", &mut h).is_err(),
+            s.assemble("llm", "decode", None, &mut h).is_err(),
             "while it holds"
         );
         assert_eq!(
@@ -1200,10 +1292,10 @@ mod tests {
              combined walks) or assemble `llm`/`prefill` too"
         );
         // A step that runs something says nothing (a decode row beside the waiting prompt).
-        s.continue_with(9, &node, &Name::from("decode"), 1, None, &mut ())
+        s.continue_row(9, &node, &Name::from("decode"), 1, None, &mut ())
             .unwrap();
         h.0.clear();
-        let b = s.assemble_step("llm", "decode", &mut h).unwrap();
+        let b = s.assemble("llm", "decode", None, &mut h).unwrap();
         assert_eq!(b.rows.len(), 1);
         assert!(!h.0.iter().any(|c| c.starts_with("stranded")), "{:?}", h.0);
     }
@@ -1218,10 +1310,17 @@ mod tests {
             settings.clone(),
         );
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(3000, 0), 0, &mut ())
-            .unwrap();
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(3000, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
         for member in ["prefill", "decode"] {
-            let err = s.assemble_step("llm", member, &mut ()).unwrap_err();
+            let err = s.assemble("llm", member, None, &mut ()).unwrap_err();
             assert_eq!(
                 err,
                 ChunkingError::MemberWalk {
@@ -1233,7 +1332,7 @@ mod tests {
             assert!(err.to_string().contains("assemble `llm`/`mixed`"), "{err}");
             assert_eq!(err.kind(), crate::error::ErrorKind::InvalidRequest);
         }
-        let b = s.assemble_step("llm", "mixed", &mut ()).unwrap();
+        let b = s.assemble("llm", "mixed", None, &mut ()).unwrap();
         assert_eq!((b.rows.len(), b.budget), (1, Some(64)));
 
         // A member walk with a budget of its own plans its own steps; so does one on a node
@@ -1250,13 +1349,20 @@ mod tests {
             ],
             settings,
         );
-        let err = s.assemble_step("llm", "decode", &mut ()).unwrap_err();
+        let err = s.assemble("llm", "decode", None, &mut ()).unwrap_err();
         assert!(matches!(err, ChunkingError::MemberWalk { .. }), "{err}");
         for node in ["llm", "vision"] {
             let node = Name::from(node);
-            s.admit_prepared(1, &node, &walk, tokens(300, 0), 0, &mut ())
-                .unwrap();
-            let b = s.assemble_step(&node, "prefill", &mut ()).unwrap();
+            s.admit(
+                1,
+                &node,
+                &walk,
+                tokens(300, 0),
+                AdmitOptions::cached(0),
+                &mut (),
+            )
+            .unwrap();
+            let b = s.assemble(&node, "prefill", None, &mut ()).unwrap();
             assert_eq!(b.rows.len(), 1, "{node}");
             assert!(b.budget.is_some(), "{node}");
         }
@@ -1266,13 +1372,27 @@ mod tests {
     fn the_stats_count_prefill_mid_prefill_and_continuing_rows() {
         let mut s = state();
         let (node, walk) = llm();
-        s.admit_prepared(1, &node, &walk, tokens(10, 0), 0, &mut ())
-            .unwrap();
-        let step = s.assemble_step("llm", "prefill", &mut ()).unwrap().step;
-        s.complete_step(step, &[8], None, &mut ()).unwrap();
-        s.continue_with(5, &node, &walk, 1, None, &mut ()).unwrap();
-        s.admit_prepared(2, &node, &walk, tokens(3, 0), 0, &mut ())
-            .unwrap();
+        s.admit(
+            1,
+            &node,
+            &walk,
+            tokens(10, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
+        let step = s.assemble("llm", "prefill", None, &mut ()).unwrap().step;
+        s.complete(step, &[8], None, &mut ()).unwrap();
+        s.continue_row(5, &node, &walk, 1, None, &mut ()).unwrap();
+        s.admit(
+            2,
+            &node,
+            &walk,
+            tokens(3, 0),
+            AdmitOptions::cached(0),
+            &mut (),
+        )
+        .unwrap();
         let want = QueueStats {
             prefill_rows: 2,
             mid_prefill_rows: 1,

@@ -9,7 +9,7 @@
 //!
 //! One message a step, as an engine's loop should be: a step is completed, the row changes it
 //! leads to (finished requests forgotten, prompts continuing on `decode`, new arrivals
-//! admitted) applied and the next step assembled in one `complete_and_assemble_with`, the
+//! admitted) applied and the next step assembled in one `complete_and_assemble`, the
 //! changes carried in its [`NextStep`]. Three documented fallbacks make calls of their own:
 //! the first step (nothing to complete yet: its admissions, then `assemble`), the last step
 //! and the one before a stop (completed alone: nothing comes next), and a step whose rows do
@@ -590,7 +590,7 @@ impl<'a> Sim<'a> {
         };
         let done = self
             .cm
-            .complete_and_assemble_with(step, ran, ms, next)
+            .complete_and_assemble(step, ran, ms, next)
             .await
             .map_err(ReplayError::chunking("completing a step"))?;
         if let Some(r) = ran_step {
@@ -646,7 +646,7 @@ impl<'a> Sim<'a> {
         match pending {
             Pending::Empty(step) => {
                 self.cm
-                    .complete(step, Vec::new())
+                    .complete(step, Vec::new(), None)
                     .await
                     .map_err(ReplayError::chunking("completing an empty step"))?;
             }
@@ -654,7 +654,7 @@ impl<'a> Sim<'a> {
                 let ran = std::mem::take(&mut r.ran);
                 let outcome = self
                     .cm
-                    .complete_measured(r.batch.step, ran, r.ms)
+                    .complete(r.batch.step, ran, Some(r.ms))
                     .await
                     .map_err(ReplayError::chunking("completing a step"))?;
                 self.account(*r, &outcome)?;

@@ -81,7 +81,7 @@ async fn multi_step_prefill_with_a_cached_prefix() {
     for _ in 0..10 {
         let b = cm.assemble("llm", "mixed").await.unwrap();
         if b.rows.is_empty() {
-            cm.complete(b.step, vec![]).await.unwrap();
+            cm.complete(b.step, vec![], None).await.unwrap();
             break;
         }
         for row in &b.rows {
@@ -96,7 +96,7 @@ async fn multi_step_prefill_with_a_cached_prefix() {
             assert_eq!(cached, if seen.is_empty() { 300 } else { 0 });
             seen.push(range);
         }
-        let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+        let out = cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
         assert!(out.overrun.is_none());
     }
     assert_eq!(
@@ -133,7 +133,7 @@ async fn a_full_cache_hit_still_runs_the_last_token() {
     let b = cm.assemble("llm", "mixed").await.unwrap();
     let (_, range) = chunks(&b)[0];
     assert_eq!((range.start, range.end, range.stride), (63, 64, 64));
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
 }
 
 #[actix::test]
@@ -158,7 +158,7 @@ async fn combined_walk_with_caps() {
         "decode capped at 2, prefill at 64"
     );
     assert_eq!(b.waiting, 1);
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     // On a node that cannot cap member walks, a member walk's budget is refused and the
     // combined budget alone applies.
     let err = cm
@@ -220,7 +220,7 @@ async fn an_uncut_row_over_the_budget_runs_whole_and_warnings_follow_powers_of_t
                 .collect::<Vec<_>>(),
             vec![(i, 250)]
         );
-        let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+        let out = cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
         let o = out.overrun.expect("an overrun");
         assert_eq!(
             (o.budget, o.tokens, o.reason),
@@ -232,7 +232,7 @@ async fn an_uncut_row_over_the_budget_runs_whole_and_warnings_follow_powers_of_t
             chunks(&b).iter().map(|(rid, _)| *rid).collect::<Vec<_>>(),
             vec![100 + i]
         );
-        cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+        cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     }
     assert_eq!(
         cm.overrun_count("vision", "prefill", Some(OverrunReason::UncutRow))
@@ -261,7 +261,7 @@ async fn speculation_that_ran_over_its_estimate_is_an_estimate_overrun() {
     assert_eq!(b.rows.len(), 20);
     assert_eq!(b.scheduled_tokens, 80);
     // Every row ran 13 tokens instead of 4: 260 > 256.
-    let out = cm.complete(b.step, vec![13; 20]).await.unwrap();
+    let out = cm.complete(b.step, vec![13; 20], None).await.unwrap();
     let o = out.overrun.expect("an overrun");
     assert_eq!(
         (o.tokens, o.reason),
@@ -270,12 +270,12 @@ async fn speculation_that_ran_over_its_estimate_is_an_estimate_overrun() {
     // Continuing rows stay queued until finished.
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(b.rows.len(), 20);
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     cm.forget_request(3).await.unwrap();
     cm.forget_request(3).await.unwrap(); // ending a request twice is a no-op
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!(b.rows.len(), 19);
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
 }
 
 #[actix::test]
@@ -290,7 +290,7 @@ async fn forget_request_mid_prefill_drops_the_input_and_stops_its_chunks() {
         chunks(&b).iter().map(|(r, _)| *r).collect::<Vec<_>>(),
         vec![1]
     );
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     cm.forget_request(1).await.unwrap();
     assert_eq!(cm.prepared(1, "llm").await.unwrap(), None);
     let b = cm.assemble("llm", "mixed").await.unwrap();
@@ -299,7 +299,7 @@ async fn forget_request_mid_prefill_drops_the_input_and_stops_its_chunks() {
         vec![2],
         "no further chunks of 1"
     );
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
     cm.forget_request(1).await.unwrap();
     cm.forget_request(999).await.unwrap();
@@ -313,7 +313,7 @@ async fn forget_during_a_step_runs_the_step_but_does_not_advance_the_row() {
         .unwrap();
     let b = cm.assemble("llm", "mixed").await.unwrap();
     cm.forget_request(1).await.unwrap();
-    let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    let out = cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     assert!(out.finished.is_empty());
     assert_eq!(stats(&cm).await, (0, 0));
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
@@ -329,7 +329,7 @@ async fn forget_during_a_step_runs_the_step_but_does_not_advance_the_row() {
             stride: 10
         }
     );
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
 }
 
 #[actix::test]
@@ -352,7 +352,7 @@ async fn a_budget_change_between_assemble_and_complete_is_checked_against_the_ol
         cm.max_batch_tokens("llm", "mixed").await.unwrap(),
         Some(100)
     );
-    let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    let out = cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     assert!(
         out.overrun.is_none(),
         "256 tokens ran under the 256 the step was scheduled under"
@@ -363,7 +363,7 @@ async fn a_budget_change_between_assemble_and_complete_is_checked_against_the_ol
         (Some(100), 96),
         "the next step: 100, aligned to 16"
     );
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
 }
 
 #[actix::test]
@@ -382,7 +382,7 @@ async fn an_off_budget_or_no_chunking_node_runs_rows_whole() {
     let b = cm.assemble("llm", "mixed").await.unwrap();
     assert_eq!((b.budget, b.floor, b.caps.is_none()), (None, None, true));
     assert_eq!(b.scheduled_tokens, 5001);
-    let out = cm.complete(b.step, vec![1, 5000]).await.unwrap();
+    let out = cm.complete(b.step, vec![1, 5000], None).await.unwrap();
     assert!(out.overrun.is_none(), "no budget, no overrun");
 
     let mut s = settings(1, BTreeMap::new());
@@ -395,7 +395,7 @@ async fn an_off_budget_or_no_chunking_node_runs_rows_whole() {
         .unwrap();
     let b = cm.assemble("thinker", "mixed").await.unwrap();
     assert_eq!(chunks(&b)[0].1.tokens(), 700);
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
 }
 
 #[actix::test]
@@ -450,7 +450,7 @@ async fn every_message_order_gets_an_error_or_a_documented_no_op() {
         .await
         .is_err());
     assert!(matches!(
-        cm.complete(42, vec![]).await,
+        cm.complete(42, vec![], None).await,
         Err(ChunkingError::UnknownStep { step: 42 })
     ));
     assert!(matches!(
@@ -481,12 +481,12 @@ async fn every_message_order_gets_an_error_or_a_documented_no_op() {
         "the step in flight, again"
     );
     assert!(matches!(
-        cm.complete(b.step, vec![1, 2, 3]).await,
+        cm.complete(b.step, vec![1, 2, 3], None).await,
         Err(ChunkingError::RanLengthMismatch { .. })
     ));
-    cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+    cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
     assert!(matches!(
-        cm.complete(b.step, as_scheduled(&b)).await,
+        cm.complete(b.step, as_scheduled(&b), None).await,
         Err(ChunkingError::UnknownStep { .. })
     ));
     // Release and forget are idempotent and accept unknown rows.
@@ -497,7 +497,7 @@ async fn every_message_order_gets_an_error_or_a_documented_no_op() {
     assert!(!cm.release(1, "nope").await.unwrap());
     let b = cm.assemble("llm", "prefill").await.unwrap();
     assert!(b.rows.is_empty(), "the released row is gone");
-    cm.complete(b.step, vec![]).await.unwrap();
+    cm.complete(b.step, vec![], None).await.unwrap();
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));
 }
 
@@ -518,7 +518,7 @@ async fn check_budget_counts_a_step_run_outside_the_scheduler() {
             ..
         })
     ));
-    cm.complete(b.step, vec![2]).await.unwrap();
+    cm.complete(b.step, vec![2], None).await.unwrap();
 
     // An uncut row over the budget: the batch carries the plan's reason.
     cm.admit(9, "vision", "prefill", tokens(150), 0)
@@ -528,7 +528,7 @@ async fn check_budget_counts_a_step_run_outside_the_scheduler() {
     assert!(b.uncut_over_budget);
     let o = cm.check_budget(&b, &[150]).await.unwrap().expect("overrun");
     assert_eq!((o.budget, o.reason), (100, OverrunReason::UncutRow));
-    cm.complete(b.step, vec![150]).await.unwrap();
+    cm.complete(b.step, vec![150], None).await.unwrap();
 }
 
 #[actix::test]
@@ -558,7 +558,7 @@ async fn a_panicking_actor_is_restarted_with_its_state_and_no_row_is_lost() {
         if b.rows.is_empty() {
             break;
         }
-        let out = cm.complete(b.step, as_scheduled(&b)).await.unwrap();
+        let out = cm.complete(b.step, as_scheduled(&b), None).await.unwrap();
         finished.extend(out.finished);
     }
     finished.sort_unstable();

@@ -357,7 +357,7 @@ fn the_readmes_first_code_block_is_the_doc_tested_engine_loop() {
     );
     for needle in [
         "start_on_own_thread",
-        "complete_and_assemble_with",
+        "complete_and_assemble(",
         "is_final",
         "max_step_ms",
     ] {

@@ -52,7 +52,7 @@ async fn a_drain_refuses_new_work_lets_the_step_finish_and_leaves_nothing_held()
     // The step in flight completes; the next step it asks for is refused.
     let ran: Vec<u32> = step.rows.iter().map(|r| r.tokens()).collect();
     let done = cm
-        .complete_and_assemble_with(step.step, ran, None, NextStep::new("llm", "prefill"))
+        .complete_and_assemble(step.step, ran, None, NextStep::new("llm", "prefill"))
         .await
         .unwrap();
     assert!(done.outcome.finished.is_empty(), "rid 1 has 36 tokens left");
@@ -116,7 +116,7 @@ async fn a_drain_abandons_the_step_still_in_flight() {
     );
     // The abandoned step is gone: completing it now is refused.
     assert_eq!(
-        cm.complete(step.step, vec![64]).await.unwrap_err(),
+        cm.complete(step.step, vec![64], None).await.unwrap_err(),
         ChunkingError::UnknownStep { step: step.step }
     );
     assert_eq!(cm.prepared_totals().await.unwrap(), (0, 0));

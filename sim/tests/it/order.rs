@@ -32,14 +32,15 @@ fn ordered(order: Order) -> BudgetSettings {
 }
 
 fn admit(s: &mut SchedulerState, rid: u64, total: u32, options: AdmitOptions) {
-    s.admit_with(rid, "llm", "prefill", total, options).unwrap();
+    s.queue_prompt(rid, "llm", "prefill", total, options)
+        .unwrap();
 }
 
 /// Plans a step at `now_ms`, completes it as planned, and answers its rows (rid, tokens).
 fn step(s: &mut SchedulerState, now_ms: Option<f64>) -> Vec<(u64, u32)> {
-    let b = s.assemble_batch_at("llm", "prefill", now_ms).unwrap();
+    let b = s.plan_batch("llm", "prefill", now_ms).unwrap();
     let ran: Vec<u32> = b.rows.iter().map(|r| r.work.tokens()).collect();
-    s.complete(b.step, &ran, None).unwrap();
+    s.close_step(b.step, &ran, None).unwrap();
     b.rows.iter().map(|r| (r.rid, r.work.tokens())).collect()
 }
 

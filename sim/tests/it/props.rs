@@ -100,7 +100,7 @@ proptest! {
         let mut decode_left: HashMap<u64, u32> = HashMap::new();
         for (i, (est, steps)) in c.decodes.iter().enumerate() {
             let rid = decode_base + i as u64;
-            s.continue_row(rid, "llm", "decode", *est, None).unwrap();
+            s.queue_continuing(rid, "llm", "decode", *est, None).unwrap();
             decode_left.insert(rid, *steps);
         }
         let mut chunks: HashMap<u64, Vec<(ChunkRange, u32)>> = HashMap::new();
@@ -111,10 +111,11 @@ proptest! {
             prop_assert!((step as usize) < bound, "no progress after {step} steps");
             for (rid, (total, cached, arrival)) in c.prompts.iter().enumerate() {
                 if *arrival == step {
-                    s.admit(rid as u64, "llm", "prefill", *total, *cached).unwrap();
+                    let options = mstar_chunking::AdmitOptions::cached(*cached);
+                    s.queue_prompt(rid as u64, "llm", "prefill", *total, options).unwrap();
                 }
             }
-            let b = s.assemble_batch("llm", "mixed").unwrap();
+            let b = s.plan_batch("llm", "mixed", None).unwrap();
             let budget = u64::from(c.budget);
             let floor = c.min_chunk.min(c.budget).min(c.max_row.unwrap_or(u32::MAX));
             prop_assert_eq!(b.floor, Some(floor));
@@ -139,7 +140,7 @@ proptest! {
                 }
             }
             let ran: Vec<u32> = b.rows.iter().map(|r| r.tokens()).collect();
-            let out = s.complete(b.step, &ran, None).unwrap();
+            let out = s.close_step(b.step, &ran, None).unwrap();
             prop_assert!(out.overrun.is_none() || lone_over, "{:?}", out.overrun);
             done += out.finished.len();
             for r in &b.rows {
@@ -147,7 +148,7 @@ proptest! {
                     *left -= 1;
                     if *left == 0 {
                         prop_assert!(s.node("llm").unwrap().cont().iter().any(|c| c.rid == r.rid));
-                        s.forget(r.rid);
+                        s.drop_rows(r.rid);
                     }
                 }
             }

@@ -190,7 +190,7 @@ async fn complete(
             RowWork::Chunk { range, .. } => range.tokens(),
         })
         .collect();
-    let out = cm.complete(b.step, ran).await.unwrap();
+    let out = cm.complete(b.step, ran, None).await.unwrap();
     if !failed {
         m.apply(&b)?;
     } else {
