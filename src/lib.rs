@@ -28,7 +28,8 @@
 //!
 //! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
 //! file read; `manifest`, the model's file; `config`, the layered serving config; `reload`,
-//! hot reload), `replay` (`replay`, which drives the actors through a request trace on a
+//! hot reload), `step-log` (`step_log`, the step log's lines and file, which the replay writes
+//! and an engine can), `replay` (`replay`, which drives the actors through a request trace on a
 //! simulated clock), `sweep` (`sweep`, replays over a grid of budgets
 //! and rates; with `replay`, `text`, how numbers read in reports), `prometheus`
 //! (`metrics_server`, the metrics endpoint's bounded HTTP server), `cli` (`cli`, with the offline `fit` of a
@@ -94,6 +95,8 @@ pub mod replay;
 pub mod rows;
 pub mod scheduler;
 pub mod snapshot;
+#[cfg(feature = "step-log")]
+pub mod step_log;
 #[cfg(feature = "sweep")]
 pub mod sweep;
 #[cfg(any(feature = "replay", feature = "sweep"))]

@@ -19,14 +19,13 @@
 //! last batch was empty), and after a refused change (`flush_changes`).
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mstar_chunking::latency::LatencyModel;
+use mstar_chunking::step_log::{StepLine, StepLogFile};
 use mstar_chunking::{
     ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingError, ChunkingManagement,
     ChunkingPolicy, DrainReport, NextStep, PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
@@ -618,31 +617,30 @@ pub fn start(
     ))
 }
 
-/// The step log's file: written as the engine runs (so it can be read while the engine
-/// serves); the first write error closes it and is the engine thread's answer at exit.
+/// The step log's file ([`StepLogFile::create_live`]: written as the engine runs, so it can be
+/// read while the engine serves); the first write error closes it and is the engine thread's
+/// answer at exit.
 struct StepLog {
     path: PathBuf,
-    out: Option<BufWriter<File>>,
+    out: Option<StepLogFile>,
     error: Option<String>,
 }
 
 impl StepLog {
     fn create(path: &Path) -> Result<Self, String> {
         crate::files::check_output(path, "--step-log", &[])?;
-        let f = File::create(path).map_err(|e| format!("--step-log {}: {e}", path.display()))?;
+        let out = StepLogFile::create_live(path)
+            .map_err(|e| format!("--step-log {}: {e}", path.display()))?;
         Ok(StepLog {
             path: path.to_owned(),
-            out: Some(BufWriter::new(f)),
+            out: Some(out),
             error: None,
         })
     }
 
-    fn write(&mut self, line: &serde_json::Value) {
+    fn write(&mut self, line: &StepLine<'_>) {
         let Some(out) = self.out.as_mut() else { return };
-        let r = serde_json::to_writer(&mut *out, line)
-            .map_err(std::io::Error::from)
-            .and_then(|()| out.write_all(b"\n"));
-        if let Err(e) = r {
+        if let Err(e) = out.write(line) {
             self.fail(&e);
         }
     }
@@ -655,8 +653,8 @@ impl StepLog {
     }
 
     fn finish(mut self) -> Result<(), String> {
-        if let Some(mut out) = self.out.take() {
-            if let Err(e) = out.flush().and_then(|()| out.get_ref().sync_data()) {
+        if let Some(out) = self.out.take() {
+            if let Err(e) = out.finish() {
                 self.fail(&e);
             }
         }
@@ -1023,8 +1021,8 @@ impl Engine {
         let mut ran = vec![0u32; batch.rows.len()];
         // Each continuing row's true context for the step log: the KV it reads, its cache and
         // the token it runs (the component's `context` is an estimate it keeps only when a
-        // latency model reads it).
-        let mut contexts = vec![None; batch.rows.len()];
+        // latency model reads it); a row that does not run keeps the estimate.
+        let mut contexts: Vec<u64> = batch.rows.iter().map(|r| r.context).collect();
         let mut tokens: Vec<Vec<u32>> = Vec::with_capacity(batch.rows.len());
         let mut wants = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter().enumerate() {
@@ -1046,7 +1044,7 @@ impl Engine {
                     tokens.push(vec![t]);
                     wants.push(true);
                     ran[i] = 1;
-                    contexts[i] = Some(state.cache.len() as u64 + 1);
+                    contexts[i] = state.cache.len() as u64 + 1;
                 }
                 (RowWork::Chunk { .. }, None) => {
                     self.running.insert(row.rid, state);
@@ -1215,16 +1213,19 @@ impl Engine {
         }
     }
 
+    /// Writes the step's line: `ms` the measured wall time of the model step, each continuing
+    /// row's `context` the KV it read (as a replay logs its simulated engine's, so that `fit`
+    /// prices what the model really read), and the time margin the step was planned with.
     fn write_log(
         &mut self,
         t_ms: f64,
         ms: f64,
         batch: &Batch,
         outcome: &StepOutcome,
-        contexts: &[Option<u64>],
+        contexts: &[u64],
     ) {
         let Some(log) = self.log.as_mut() else { return };
-        log.write(&step_log_line(t_ms, ms, batch, outcome, contexts));
+        log.write(&StepLine::new(batch, outcome, t_ms, Some(ms), contexts).with_time_margin());
     }
 }
 
@@ -1232,70 +1233,4 @@ impl Engine {
 /// so an admitted request never runs out of memory mid-generation.
 pub fn reservation(req: &GenRequest) -> u64 {
     req.prompt.len() as u64 + u64::from(req.max_tokens)
-}
-
-fn round_ms(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
-}
-
-/// One step-log line in the shape of `replay --step-log` (docs/replay.md#the-step-log of the
-/// component), with `ms` the measured wall time of the model step and each continuing row's
-/// `context` the KV it read (`contexts`, by row; the batch's estimate where a row has none), as
-/// a replay logs its simulated engine's, so that `fit` prices what the model really read.
-pub fn step_log_line(
-    t_ms: f64,
-    ms: f64,
-    batch: &Batch,
-    outcome: &StepOutcome,
-    contexts: &[Option<u64>],
-) -> serde_json::Value {
-    use serde_json::json;
-    let rows: Vec<serde_json::Value> = batch
-        .rows
-        .iter()
-        .enumerate()
-        .map(|(i, r)| match r.work {
-            RowWork::Continue { estimate } => json!({
-                "rid": r.rid, "walk": batch.walk_of(r), "kind": "continue",
-                "tokens": estimate,
-                "context": contexts.get(i).copied().flatten().unwrap_or(r.context),
-            }),
-            RowWork::Chunk { range, cached } => {
-                let first = range.stride == range.end;
-                let mut v = json!({
-                    "rid": r.rid, "walk": batch.walk_of(r), "kind": "chunk",
-                    "tokens": range.tokens(), "start": range.start, "end": range.end,
-                    "total": range.total, "stride": range.stride, "final": range.is_final(),
-                });
-                if first {
-                    v["cached"] = json!(cached);
-                }
-                v
-            }
-        })
-        .collect();
-    let caps = batch.caps.as_deref().map(|c| {
-        c.iter()
-            .map(|(w, n)| (w.to_string(), json!(n)))
-            .collect::<serde_json::Map<_, _>>()
-    });
-    json!({
-        "step": batch.step,
-        "t_ms": round_ms(t_ms),
-        "node": &*batch.node,
-        "walk": &*batch.walk,
-        "budget": batch.budget,
-        "floor": batch.floor,
-        "caps": caps,
-        "rows": rows,
-        "scheduled_tokens": batch.scheduled_tokens,
-        "ran_tokens": outcome.tokens.ran,
-        "overrun": outcome.overrun.as_ref().map(|o| json!({"reason": o.reason.as_str()})),
-        "waiting": batch.waiting,
-        "ms": round_ms(ms),
-        "predicted_ms": outcome.predicted_ms.map(round_ms),
-        "max_step_ms": outcome.max_step_ms,
-        "time_margin": outcome.time_margin,
-        "time_overrun": outcome.time_overrun.map(|r| json!({"reason": r.as_str()})),
-    })
 }
