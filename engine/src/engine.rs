@@ -141,83 +141,18 @@ impl Default for EngineSettings {
 }
 
 /// A generation request, tokenised.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenRequest {
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
     /// Tokens to generate at most (≥ 1).
     pub max_tokens: u32,
-    /// Sampling temperature (0: greedy).
-    pub temperature: f32,
-    /// Nucleus sampling mass.
-    pub top_p: f32,
-    /// The most likely tokens sampled from (0: all).
-    pub top_k: u32,
-    /// Tokens below this fraction of the most likely one's probability are not drawn (0: off).
-    pub min_p: f32,
-    /// vLLM's repetition penalty over the prompt and the output (1: off).
-    pub repetition_penalty: f32,
-    /// OpenAI's presence penalty over the output (0: off).
-    pub presence_penalty: f32,
-    /// OpenAI's frequency penalty over the output (0: off).
-    pub frequency_penalty: f32,
-    /// Tokens generated before EOS or a stop token may be drawn (0: off).
-    pub min_tokens: u32,
-    /// Sampling seed.
-    pub seed: u64,
-    /// Keep generating past EOS.
-    pub ignore_eos: bool,
-    /// Tokens that end the request like EOS (`<|im_end|>` for a chat), unless `ignore_eos`.
-    pub stop_tokens: Vec<u32>,
-    /// Send each token's log-probability with this many most likely alternatives (0 to
-    /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
-    pub logprobs: Option<u8>,
-}
-
-impl Default for GenRequest {
-    /// An empty prompt sampled at temperature 1 with every other setting off.
-    fn default() -> Self {
-        let p = SamplingParams::default();
-        GenRequest {
-            prompt: Vec::new(),
-            max_tokens: 0,
-            temperature: p.temperature,
-            top_p: p.top_p,
-            top_k: p.top_k,
-            min_p: p.min_p,
-            repetition_penalty: p.repetition_penalty,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            min_tokens: p.min_tokens,
-            seed: 0,
-            ignore_eos: false,
-            stop_tokens: Vec::new(),
-            logprobs: None,
-        }
-    }
-}
-
-impl GenRequest {
-    /// The sampler's settings; `eos` and the stop tokens are what `min_tokens` holds back.
-    pub fn sampling(&self, eos: u32) -> SamplingParams {
-        let mut stop_tokens = vec![eos];
-        stop_tokens.extend(&self.stop_tokens);
-        SamplingParams {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            min_tokens: if self.ignore_eos { 0 } else { self.min_tokens },
-            stop_tokens,
-        }
-    }
+    /// How its tokens are drawn, what ends it and what is sent with each token.
+    pub sampling: SamplingParams,
 }
 
 /// The most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
-pub use crate::api::MAX_TOP_LOGPROBS;
+pub use crate::sampling::MAX_TOP_LOGPROBS;
 
 /// A generated token's log-probability under the model (the softmax of its logits, before
 /// temperature and top-p), and the most likely tokens at its position with theirs.
@@ -287,7 +222,7 @@ pub enum Event {
     Token {
         /// The token.
         id: u32,
-        /// Its log-probabilities ([`GenRequest::logprobs`]).
+        /// Its log-probabilities ([`SamplingParams::logprobs`]).
         logprobs: Option<Logprobs>,
     },
     /// The request ended.
@@ -935,7 +870,7 @@ impl Engine {
             let input = PreparedInput::tokens(w.req.prompt.clone());
             self.changes.admit.push((w.rid, input));
             let eos = self.model.tokenizer().eos();
-            let sampler = Sampler::with(w.req.seed, w.req.sampling(eos), &w.req.prompt);
+            let sampler = Sampler::for_request(w.req.sampling.clone(), eos, &w.req.prompt);
             self.running.insert(
                 w.rid,
                 Running {
@@ -1100,6 +1035,7 @@ impl Engine {
             let tok = s.sampler.sample(&l);
             let logprobs = s
                 .req
+                .sampling
                 .logprobs
                 .map(|k| Logprobs::of(&l, tok, usize::from(k.min(MAX_TOP_LOGPROBS))));
             s.generated += 1;
@@ -1108,8 +1044,9 @@ impl Engine {
             em::token(s.last_token.is_none(), since.as_secs_f64());
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token { id: tok, logprobs });
-            let ends = tok == self.model.tokenizer().eos() || s.req.stop_tokens.contains(&tok);
-            let done = if ends && !s.req.ignore_eos {
+            let p = &s.req.sampling;
+            let ends = tok == self.model.tokenizer().eos() || p.stop_tokens.contains(&tok);
+            let done = if ends && !p.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)
