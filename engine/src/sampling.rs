@@ -35,8 +35,9 @@ pub fn argmax(logits: &[f32]) -> u32 {
 pub const MAX_TOP_LOGPROBS: u8 = 20;
 
 /// A request's sampling settings, as vLLM's `SamplingParams` for what the engine implements:
-/// the one statement of them, which the API parses a request's fields into (refusing a value
-/// out of its range, named: `crate::api`) and the engine carries with each request
+/// the one statement of them, which the API parses a request's fields into
+/// ([`Settings`](crate::api::Settings): a value out of its range is refused, naming its field)
+/// and the engine carries with each request
 /// ([`GenRequest::sampling`](crate::engine::GenRequest::sampling)). The default is OpenAI's:
 /// temperature 1 with every other setting off.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,17 +62,19 @@ pub struct SamplingParams {
     /// its `max_tokens`); 0 is off.
     pub min_tokens: u32,
     /// The seed of the draws; `None`: a fresh one per request, so every request samples
-    /// differently. The API takes a negative int64 as its two's-complement bits.
+    /// differently. The API takes a negative int64 as its two's-complement bits, so every
+    /// int64 seeds a different draw.
     pub seed: Option<u64>,
     /// Keep generating past EOS and the stop tokens.
     pub ignore_eos: bool,
     /// Tokens that end the request as EOS does (`<|im_end|>` for a chat), unless `ignore_eos`;
     /// `min_tokens` holds them back, and EOS with them.
     pub stop_tokens: Vec<u32>,
-    /// Stop strings: the text ends before the first one it holds (the server looks for them).
+    /// Stop strings (at most [`MAX_STOPS`](crate::api::MAX_STOPS), none empty): the text ends
+    /// before the first one it holds (the server looks for them).
     pub stop: Vec<String>,
-    /// Choices generated for the prompt (1 to 8): each is a request of its own to the engine,
-    /// the `i`-th seeded `seed + i`.
+    /// Choices generated for the prompt (1 to [`MAX_N`](crate::api::MAX_N)): each is a request
+    /// of its own to the engine, the `i`-th seeded `seed + i`.
     pub n: u8,
     /// Send each token's log-probability with this many most likely alternatives (0 to
     /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
