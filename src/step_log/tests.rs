@@ -109,7 +109,7 @@ const ROWS: &str = r#""rows":[{"rid":3,"walk":"decode","kind":"continue","tokens
 #[test]
 fn a_line_has_every_key_in_order_with_times_to_the_microsecond() {
     let (b, o) = (batch(), outcome());
-    let line = StepLine::new(&b, &o, 1234.567_89, Some(2.000_49), &[41, 0, 0]);
+    let line = StepLine::new(&b, &o, 1_234.567_89, Some(2.000_49), &[41, 0, 0]);
     let head = r#"{"step":7,"t_ms":1234.568,"node":"llm","walk":"mixed","budget":64,"floor":16,"caps":{"prefill":48,"decode":16},"#;
     let tail = r#","scheduled_tokens":43,"ran_tokens":70,"overrun":{"reason":"other"},"waiting":2,"ms":2.0,"predicted_ms":12.346,"max_step_ms":50.0,"time_overrun":{"reason":"misprediction"}}"#;
     assert_eq!(text(&line), format!("{head}{ROWS}{tail}\n"));
