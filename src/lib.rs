@@ -29,8 +29,9 @@
 //! The edges, behind cargo features: `config` (`input`, the one bounded input path for every
 //! file read; `manifest`, the model's file; `config`, the layered serving config, which a
 //! program extends with sections of its own through `config::ExtraSections`; `reload`, hot
-//! reload), `prometheus` (`metrics_server`, the metrics endpoint's bounded HTTP server). The
-//! replay, sweeps and the `mstar-chunking` command are a crate of their own beside this one
+//! reload), `step-log` (`step_log`, the step log's lines and file, which the replay writes and
+//! an engine can), `prometheus` (`metrics_server`, the metrics endpoint's bounded HTTP server).
+//! The replay, sweeps and the `mstar-chunking` command are a crate of their own beside this one
 //! (`mstar-chunking-sim`), built on this crate's public API as an engine is.
 //!
 //! The actor shell ([`actors`]), one actor per piece of state:
@@ -85,6 +86,8 @@ pub mod reload;
 pub mod rows;
 pub mod scheduler;
 pub mod snapshot;
+#[cfg(feature = "step-log")]
+pub mod step_log;
 
 pub use actors::{ActorThread, ChunkingManagement, DrainReport, QueueStats};
 pub use budget::{

@@ -20,6 +20,9 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_json::value::RawValue;
 
+use crate::sampling::SamplingParams;
+pub use crate::sampling::MAX_TOP_LOGPROBS;
+
 /// Body bytes allowed per model position: a token id with its separator, or one character of a
 /// text prompt written as a JSON escape (`\u00e9`), with room to spare.
 pub const BODY_BYTES_PER_POSITION: usize = 32;
@@ -546,9 +549,6 @@ pub const MAX_STOP_BYTES: usize = 1024;
 /// The most alternatives a completion's `logprobs` may ask for: 20, as vLLM's default
 /// `--max-logprobs` allows (OpenAI's legacy API allowed 5), and as many as the engine gives.
 pub const MAX_LOGPROBS: u8 = MAX_TOP_LOGPROBS;
-/// The most alternatives a chat's `top_logprobs` may ask for (as OpenAI and vLLM: 0 to 20), and
-/// the most a token's log-probabilities list in the engine.
-pub const MAX_TOP_LOGPROBS: u8 = 20;
 /// The most choices (`n`) a request may ask for.
 pub const MAX_N: u8 = 8;
 
@@ -603,46 +603,23 @@ fn seed(raw: &RawValue) -> Result<u64, ApiError> {
     Err(ApiError::bad(Some("seed"), message))
 }
 
-/// The generation settings both endpoints share, parsed and checked.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Sampling {
+/// The settings both endpoints share, parsed and checked: how much to generate, how to answer,
+/// and the sampling ([`SamplingParams`], each field's range checked here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
     /// Tokens to generate at most (`max_tokens`, or its newer name `max_completion_tokens`).
     pub max_tokens: Option<u32>,
     /// Which of the two names set `max_tokens` (for a refusal naming it).
     pub max_tokens_field: &'static str,
-    /// Sampling temperature, 0 to 2 (default 1; 0 is greedy).
-    pub temperature: Option<f32>,
-    /// Nucleus mass, (0, 1] (default 1).
-    pub top_p: Option<f32>,
-    /// The most likely tokens sampled from (`top_k`; -1 and 0 are off, as 0 here).
-    pub top_k: u32,
-    /// `min_p`, 0 to 1 (0 is off).
-    pub min_p: f32,
-    /// `repetition_penalty`, above 0 (1 is off).
-    pub repetition_penalty: f32,
-    /// `presence_penalty`, -2 to 2 (0 is off).
-    pub presence_penalty: f32,
-    /// `frequency_penalty`, -2 to 2 (0 is off).
-    pub frequency_penalty: f32,
-    /// `min_tokens`: tokens generated before EOS, a stop token or a stop string ends the
-    /// request (0 is off; at most `max_tokens`).
-    pub min_tokens: u32,
-    /// Choices generated for the prompt (`n`, 1 to [`MAX_N`]).
-    pub n: u8,
-    /// Sampling seed (absent: a fresh one per request); a negative int64 is taken as its
-    /// two's-complement bits, so every int64 seeds a different draw.
-    pub seed: Option<u64>,
-    /// Stop strings (at most [`MAX_STOPS`], none empty).
-    pub stop: Vec<String>,
     /// Stream server-sent events.
     pub stream: bool,
     /// `stream_options.include_usage`: usage in a final chunk of its own.
     pub include_usage: bool,
-    /// Keep generating past EOS.
-    pub ignore_eos: bool,
+    /// The sampling fields (`logprobs` is each endpoint's own: set by its body's parse).
+    pub sampling: SamplingParams,
 }
 
-impl Sampling {
+impl Settings {
     /// Takes the shared fields out of `f`.
     ///
     /// # Errors
@@ -739,23 +716,27 @@ impl Sampling {
                 ));
             }
         }
-        Ok(Sampling {
+        Ok(Settings {
             max_tokens,
             max_tokens_field,
-            temperature: temperature.map(|t| t as f32),
-            top_p: top_p.map(|p| p as f32),
-            top_k,
-            min_p,
-            repetition_penalty,
-            presence_penalty,
-            frequency_penalty,
-            min_tokens,
-            n,
-            seed: f.take_with("seed", seed)?,
-            stop: f.take_with("stop", stops)?.unwrap_or_default(),
             stream,
             include_usage,
-            ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+            sampling: SamplingParams {
+                temperature: temperature.map_or(1.0, |t| t as f32),
+                top_p: top_p.map_or(1.0, |p| p as f32),
+                top_k,
+                min_p,
+                repetition_penalty,
+                presence_penalty,
+                frequency_penalty,
+                min_tokens,
+                n,
+                seed: f.take_with("seed", seed)?,
+                stop: f.take_with("stop", stops)?.unwrap_or_default(),
+                ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+                stop_tokens: Vec::new(),
+                logprobs: None,
+            },
         })
     }
 }
@@ -861,11 +842,9 @@ pub struct CompletionBody {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
-    /// The generation settings.
-    pub sampling: Sampling,
-    /// `logprobs`: each token's log-probability with this many alternatives (0 to
-    /// [`MAX_LOGPROBS`]).
-    pub logprobs: Option<u8>,
+    /// The generation settings; its `logprobs` is the body's `logprobs`, each token's
+    /// log-probability with this many alternatives (0 to [`MAX_LOGPROBS`]).
+    pub settings: Settings,
 }
 
 impl CompletionBody {
@@ -881,7 +860,7 @@ impl CompletionBody {
                 Prompt::parse(raw, limits.vocab, limits.max_positions)
             })?
             .ok_or_else(|| ApiError::bad(Some("prompt"), "`prompt` is required"))?;
-        let sampling = Sampling::take(&mut f)?;
+        let mut settings = Settings::take(&mut f)?;
         // `false` is no logprobs, as a chat's `logprobs: false`.
         let logprobs: Option<u8> = f
             .take_with("logprobs", |raw| match raw.get() {
@@ -908,11 +887,11 @@ impl CompletionBody {
                 }
             })
             .transpose()?;
+        settings.sampling.logprobs = logprobs;
         let body = CompletionBody {
             model: f.take("model", "a string")?,
             prompt,
-            sampling,
-            logprobs,
+            settings,
         };
         f.finish()?;
         Ok(body)
@@ -928,10 +907,9 @@ pub struct ChatBody {
     pub model: Option<String>,
     /// The conversation.
     pub messages: Vec<crate::chat::Message>,
-    /// The generation settings.
-    pub sampling: Sampling,
-    /// `logprobs: true` with `top_logprobs` alternatives (0 to 20); `None` without logprobs.
-    pub logprobs: Option<u8>,
+    /// The generation settings; its `logprobs` is the body's `logprobs: true` with
+    /// `top_logprobs` alternatives (0 to 20), `None` without logprobs.
+    pub settings: Settings,
 }
 
 impl ChatBody {
@@ -945,7 +923,7 @@ impl ChatBody {
         let messages = f
             .take_with("messages", |raw| messages(raw, limits.max_positions))?
             .ok_or_else(|| ApiError::bad(Some("messages"), "`messages` is required"))?;
-        let sampling = Sampling::take(&mut f)?;
+        let mut settings = Settings::take(&mut f)?;
         let logprobs: bool = f.take("logprobs", "a boolean")?.unwrap_or(false);
         let top: Option<u8> = f.take("top_logprobs", "a whole number from 0 to 20")?;
         if let Some(n) = top {
@@ -962,11 +940,11 @@ impl ChatBody {
                 ));
             }
         }
+        settings.sampling.logprobs = logprobs.then(|| top.unwrap_or(0));
         let body = ChatBody {
             model: f.take("model", "a string")?,
             messages,
-            sampling,
-            logprobs: logprobs.then(|| top.unwrap_or(0)),
+            settings,
         };
         f.finish()?;
         Ok(body)

@@ -19,14 +19,13 @@
 //! last batch was empty), and after a refused change (`flush_changes`).
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mstar_chunking::latency::LatencyModel;
+use mstar_chunking::step_log::{StepLine, StepLogFile};
 use mstar_chunking::{
     ActorThread, Batch, BudgetSettings, BudgetValue, ChunkingError, ChunkingManagement,
     ChunkingPolicy, DrainReport, NextStep, PreparedInput, RowWork, StepOutcome, SubmoduleCaps,
@@ -142,83 +141,18 @@ impl Default for EngineSettings {
 }
 
 /// A generation request, tokenised.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenRequest {
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
     /// Tokens to generate at most (≥ 1).
     pub max_tokens: u32,
-    /// Sampling temperature (0: greedy).
-    pub temperature: f32,
-    /// Nucleus sampling mass.
-    pub top_p: f32,
-    /// The most likely tokens sampled from (0: all).
-    pub top_k: u32,
-    /// Tokens below this fraction of the most likely one's probability are not drawn (0: off).
-    pub min_p: f32,
-    /// vLLM's repetition penalty over the prompt and the output (1: off).
-    pub repetition_penalty: f32,
-    /// OpenAI's presence penalty over the output (0: off).
-    pub presence_penalty: f32,
-    /// OpenAI's frequency penalty over the output (0: off).
-    pub frequency_penalty: f32,
-    /// Tokens generated before EOS or a stop token may be drawn (0: off).
-    pub min_tokens: u32,
-    /// Sampling seed.
-    pub seed: u64,
-    /// Keep generating past EOS.
-    pub ignore_eos: bool,
-    /// Tokens that end the request like EOS (`<|im_end|>` for a chat), unless `ignore_eos`.
-    pub stop_tokens: Vec<u32>,
-    /// Send each token's log-probability with this many most likely alternatives (0 to
-    /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
-    pub logprobs: Option<u8>,
-}
-
-impl Default for GenRequest {
-    /// An empty prompt sampled at temperature 1 with every other setting off.
-    fn default() -> Self {
-        let p = SamplingParams::default();
-        GenRequest {
-            prompt: Vec::new(),
-            max_tokens: 0,
-            temperature: p.temperature,
-            top_p: p.top_p,
-            top_k: p.top_k,
-            min_p: p.min_p,
-            repetition_penalty: p.repetition_penalty,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            min_tokens: p.min_tokens,
-            seed: 0,
-            ignore_eos: false,
-            stop_tokens: Vec::new(),
-            logprobs: None,
-        }
-    }
-}
-
-impl GenRequest {
-    /// The sampler's settings; `eos` and the stop tokens are what `min_tokens` holds back.
-    pub fn sampling(&self, eos: u32) -> SamplingParams {
-        let mut stop_tokens = vec![eos];
-        stop_tokens.extend(&self.stop_tokens);
-        SamplingParams {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            min_tokens: if self.ignore_eos { 0 } else { self.min_tokens },
-            stop_tokens,
-        }
-    }
+    /// How its tokens are drawn, what ends it and what is sent with each token.
+    pub sampling: SamplingParams,
 }
 
 /// The most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
-pub use crate::api::MAX_TOP_LOGPROBS;
+pub use crate::sampling::MAX_TOP_LOGPROBS;
 
 /// A generated token's log-probability under the model (the softmax of its logits, before
 /// temperature and top-p), and the most likely tokens at its position with theirs.
@@ -288,7 +222,7 @@ pub enum Event {
     Token {
         /// The token.
         id: u32,
-        /// Its log-probabilities ([`GenRequest::logprobs`]).
+        /// Its log-probabilities ([`SamplingParams::logprobs`]).
         logprobs: Option<Logprobs>,
     },
     /// The request ended.
@@ -618,31 +552,30 @@ pub fn start(
     ))
 }
 
-/// The step log's file: written as the engine runs (so it can be read while the engine
-/// serves); the first write error closes it and is the engine thread's answer at exit.
+/// The step log's file ([`StepLogFile::create_live`]: written as the engine runs, so it can be
+/// read while the engine serves); the first write error closes it and is the engine thread's
+/// answer at exit.
 struct StepLog {
     path: PathBuf,
-    out: Option<BufWriter<File>>,
+    out: Option<StepLogFile>,
     error: Option<String>,
 }
 
 impl StepLog {
     fn create(path: &Path) -> Result<Self, String> {
         crate::files::check_output(path, "--step-log", &[])?;
-        let f = File::create(path).map_err(|e| format!("--step-log {}: {e}", path.display()))?;
+        let out = StepLogFile::create_live(path)
+            .map_err(|e| format!("--step-log {}: {e}", path.display()))?;
         Ok(StepLog {
             path: path.to_owned(),
-            out: Some(BufWriter::new(f)),
+            out: Some(out),
             error: None,
         })
     }
 
-    fn write(&mut self, line: &serde_json::Value) {
+    fn write(&mut self, line: &StepLine<'_>) {
         let Some(out) = self.out.as_mut() else { return };
-        let r = serde_json::to_writer(&mut *out, line)
-            .map_err(std::io::Error::from)
-            .and_then(|()| out.write_all(b"\n"));
-        if let Err(e) = r {
+        if let Err(e) = out.write(line) {
             self.fail(&e);
         }
     }
@@ -655,8 +588,8 @@ impl StepLog {
     }
 
     fn finish(mut self) -> Result<(), String> {
-        if let Some(mut out) = self.out.take() {
-            if let Err(e) = out.flush().and_then(|()| out.get_ref().sync_data()) {
+        if let Some(out) = self.out.take() {
+            if let Err(e) = out.finish() {
                 self.fail(&e);
             }
         }
@@ -937,7 +870,7 @@ impl Engine {
             let input = PreparedInput::tokens(w.req.prompt.clone());
             self.changes.admit.push((w.rid, input));
             let eos = self.model.tokenizer().eos();
-            let sampler = Sampler::with(w.req.seed, w.req.sampling(eos), &w.req.prompt);
+            let sampler = Sampler::for_request(w.req.sampling.clone(), eos, &w.req.prompt);
             self.running.insert(
                 w.rid,
                 Running {
@@ -1023,8 +956,8 @@ impl Engine {
         let mut ran = vec![0u32; batch.rows.len()];
         // Each continuing row's true context for the step log: the KV it reads, its cache and
         // the token it runs (the component's `context` is an estimate it keeps only when a
-        // latency model reads it).
-        let mut contexts = vec![None; batch.rows.len()];
+        // latency model reads it); a row that does not run keeps the estimate.
+        let mut contexts: Vec<u64> = batch.rows.iter().map(|r| r.context).collect();
         let mut tokens: Vec<Vec<u32>> = Vec::with_capacity(batch.rows.len());
         let mut wants = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter().enumerate() {
@@ -1046,7 +979,7 @@ impl Engine {
                     tokens.push(vec![t]);
                     wants.push(true);
                     ran[i] = 1;
-                    contexts[i] = Some(state.cache.len() as u64 + 1);
+                    contexts[i] = state.cache.len() as u64 + 1;
                 }
                 (RowWork::Chunk { .. }, None) => {
                     self.running.insert(row.rid, state);
@@ -1102,6 +1035,7 @@ impl Engine {
             let tok = s.sampler.sample(&l);
             let logprobs = s
                 .req
+                .sampling
                 .logprobs
                 .map(|k| Logprobs::of(&l, tok, usize::from(k.min(MAX_TOP_LOGPROBS))));
             s.generated += 1;
@@ -1110,8 +1044,9 @@ impl Engine {
             em::token(s.last_token.is_none(), since.as_secs_f64());
             s.last_token = Some(now);
             let _ = s.events.send(Event::Token { id: tok, logprobs });
-            let ends = tok == self.model.tokenizer().eos() || s.req.stop_tokens.contains(&tok);
-            let done = if ends && !s.req.ignore_eos {
+            let p = &s.req.sampling;
+            let ends = tok == self.model.tokenizer().eos() || p.stop_tokens.contains(&tok);
+            let done = if ends && !p.ignore_eos {
                 Some(Finish::Stop)
             } else if s.generated >= s.req.max_tokens {
                 Some(Finish::Length)
@@ -1215,16 +1150,19 @@ impl Engine {
         }
     }
 
+    /// Writes the step's line: `ms` the measured wall time of the model step, each continuing
+    /// row's `context` the KV it read (as a replay logs its simulated engine's, so that `fit`
+    /// prices what the model really read), and the time margin the step was planned with.
     fn write_log(
         &mut self,
         t_ms: f64,
         ms: f64,
         batch: &Batch,
         outcome: &StepOutcome,
-        contexts: &[Option<u64>],
+        contexts: &[u64],
     ) {
         let Some(log) = self.log.as_mut() else { return };
-        log.write(&step_log_line(t_ms, ms, batch, outcome, contexts));
+        log.write(&StepLine::new(batch, outcome, t_ms, Some(ms), contexts).with_time_margin());
     }
 }
 
@@ -1232,70 +1170,4 @@ impl Engine {
 /// so an admitted request never runs out of memory mid-generation.
 pub fn reservation(req: &GenRequest) -> u64 {
     req.prompt.len() as u64 + u64::from(req.max_tokens)
-}
-
-fn round_ms(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
-}
-
-/// One step-log line in the shape of `replay --step-log` (docs/replay.md#the-step-log of the
-/// component), with `ms` the measured wall time of the model step and each continuing row's
-/// `context` the KV it read (`contexts`, by row; the batch's estimate where a row has none), as
-/// a replay logs its simulated engine's, so that `fit` prices what the model really read.
-pub fn step_log_line(
-    t_ms: f64,
-    ms: f64,
-    batch: &Batch,
-    outcome: &StepOutcome,
-    contexts: &[Option<u64>],
-) -> serde_json::Value {
-    use serde_json::json;
-    let rows: Vec<serde_json::Value> = batch
-        .rows
-        .iter()
-        .enumerate()
-        .map(|(i, r)| match r.work {
-            RowWork::Continue { estimate } => json!({
-                "rid": r.rid, "walk": batch.walk_of(r), "kind": "continue",
-                "tokens": estimate,
-                "context": contexts.get(i).copied().flatten().unwrap_or(r.context),
-            }),
-            RowWork::Chunk { range, cached } => {
-                let first = range.stride == range.end;
-                let mut v = json!({
-                    "rid": r.rid, "walk": batch.walk_of(r), "kind": "chunk",
-                    "tokens": range.tokens(), "start": range.start, "end": range.end,
-                    "total": range.total, "stride": range.stride, "final": range.is_final(),
-                });
-                if first {
-                    v["cached"] = json!(cached);
-                }
-                v
-            }
-        })
-        .collect();
-    let caps = batch.caps.as_deref().map(|c| {
-        c.iter()
-            .map(|(w, n)| (w.to_string(), json!(n)))
-            .collect::<serde_json::Map<_, _>>()
-    });
-    json!({
-        "step": batch.step,
-        "t_ms": round_ms(t_ms),
-        "node": &*batch.node,
-        "walk": &*batch.walk,
-        "budget": batch.budget,
-        "floor": batch.floor,
-        "caps": caps,
-        "rows": rows,
-        "scheduled_tokens": batch.scheduled_tokens,
-        "ran_tokens": outcome.tokens.ran,
-        "overrun": outcome.overrun.as_ref().map(|o| json!({"reason": o.reason.as_str()})),
-        "waiting": batch.waiting,
-        "ms": round_ms(ms),
-        "predicted_ms": outcome.predicted_ms.map(round_ms),
-        "max_step_ms": outcome.max_step_ms,
-        "time_margin": outcome.time_margin,
-        "time_overrun": outcome.time_overrun.map(|r| json!({"reason": r.as_str()})),
-    })
 }

@@ -30,27 +30,55 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// A request's sampling settings (vLLM's `SamplingParams` for what the engine implements).
+/// The most alternatives a token's log-probabilities list ([`SamplingParams::logprobs`]): 20,
+/// OpenAI's `top_logprobs` bound and vLLM's default `--max-logprobs`.
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// A request's sampling settings, as vLLM's `SamplingParams` for what the engine implements:
+/// the one statement of them, which the API parses a request's fields into
+/// ([`Settings`](crate::api::Settings): a value out of its range is refused, naming its field)
+/// and the engine carries with each request
+/// ([`GenRequest::sampling`](crate::engine::GenRequest::sampling)). The default is OpenAI's:
+/// temperature 1 with every other setting off.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; 0 or less is greedy.
+    /// Softmax temperature, 0 to 2; 0 is greedy.
     pub temperature: f32,
     /// Nucleus mass, (0, 1]; 1 keeps every token.
     pub top_p: f32,
-    /// The most likely tokens kept; 0 keeps every token.
+    /// The most likely tokens kept; 0 keeps every token (the API's -1 too).
     pub top_k: u32,
-    /// Tokens below this fraction of the most likely token's probability are dropped; 0 is off.
+    /// Tokens below this fraction of the most likely token's probability are dropped, 0 to 1;
+    /// 0 is off.
     pub min_p: f32,
-    /// Above 1 discourages, below 1 encourages tokens of the prompt and the output; 1 is off.
+    /// Above 1 discourages, below 1 encourages tokens of the prompt and the output (above 0);
+    /// 1 is off.
     pub repetition_penalty: f32,
-    /// Subtracted once from the logit of every token already generated; 0 is off.
+    /// Subtracted once from the logit of every token already generated, -2 to 2; 0 is off.
     pub presence_penalty: f32,
-    /// Subtracted from a token's logit per time it was generated; 0 is off.
+    /// Subtracted from a token's logit per time it was generated, -2 to 2; 0 is off.
     pub frequency_penalty: f32,
-    /// Tokens generated before a stop token may be drawn; 0 is off.
+    /// Tokens generated before EOS, a stop token or a stop string may end the request (at most
+    /// its `max_tokens`); 0 is off.
     pub min_tokens: u32,
-    /// The tokens `min_tokens` holds back (EOS and the request's stop tokens).
+    /// The seed of the draws; `None`: a fresh one per request, so every request samples
+    /// differently. The API takes a negative int64 as its two's-complement bits, so every
+    /// int64 seeds a different draw.
+    pub seed: Option<u64>,
+    /// Keep generating past EOS and the stop tokens.
+    pub ignore_eos: bool,
+    /// Tokens that end the request as EOS does (`<|im_end|>` for a chat), unless `ignore_eos`;
+    /// `min_tokens` holds them back, and EOS with them.
     pub stop_tokens: Vec<u32>,
+    /// Stop strings (at most [`MAX_STOPS`](crate::api::MAX_STOPS), none empty): the text ends
+    /// before the first one it holds (the server looks for them).
+    pub stop: Vec<String>,
+    /// Choices generated for the prompt (1 to [`MAX_N`](crate::api::MAX_N)): each is a request
+    /// of its own to the engine, the `i`-th seeded `seed + i`.
+    pub n: u8,
+    /// Send each token's log-probability with this many most likely alternatives (0 to
+    /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
+    pub logprobs: Option<u8>,
 }
 
 impl Default for SamplingParams {
@@ -64,7 +92,12 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             min_tokens: 0,
+            seed: None,
+            ignore_eos: false,
             stop_tokens: Vec::new(),
+            stop: Vec::new(),
+            n: 1,
+            logprobs: None,
         }
     }
 }
@@ -81,6 +114,8 @@ impl SamplingParams {
 pub struct Sampler {
     rng: SmallRng,
     params: SamplingParams,
+    /// The tokens `min_tokens` holds back: the stop tokens, and EOS for a request's sampler.
+    ends: Vec<u32>,
     /// Tokens of the prompt (only kept with a repetition penalty).
     prompt: Vec<bool>,
     /// How often each generated token was drawn (only kept with a penalty).
@@ -92,19 +127,32 @@ impl Sampler {
     /// A sampler at `temperature` and `top_p`, nothing else; `seed` makes its draws repeatable.
     pub fn new(seed: u64, temperature: f32, top_p: f32) -> Self {
         Self::with(
-            seed,
             SamplingParams {
                 temperature,
                 top_p,
+                seed: Some(seed),
                 ..SamplingParams::default()
             },
             &[],
         )
     }
 
-    /// A sampler with every setting of `params`; `prompt` is what the repetition penalty
-    /// counts besides the output.
-    pub fn with(seed: u64, params: SamplingParams, prompt: &[u32]) -> Self {
+    /// A sampler with every setting of `params` (seeded with its `seed`, else a fresh one);
+    /// `prompt` is what the repetition penalty counts besides the output. `min_tokens` holds
+    /// back the stop tokens.
+    pub fn with(params: SamplingParams, prompt: &[u32]) -> Self {
+        let ends = params.stop_tokens.clone();
+        Self::holding_back(params, ends, prompt)
+    }
+
+    /// A request's sampler: as [`with`](Self::with), and `min_tokens` holds back `eos` too.
+    pub fn for_request(params: SamplingParams, eos: u32, prompt: &[u32]) -> Self {
+        let mut ends = vec![eos];
+        ends.extend(&params.stop_tokens);
+        Self::holding_back(params, ends, prompt)
+    }
+
+    fn holding_back(params: SamplingParams, ends: Vec<u32>, prompt: &[u32]) -> Self {
         let mut seen = Vec::new();
         if params.repetition_penalty != 1.0 {
             for &t in prompt {
@@ -116,8 +164,9 @@ impl Sampler {
             }
         }
         Sampler {
-            rng: SmallRng::seed_from_u64(seed),
+            rng: SmallRng::seed_from_u64(params.seed.unwrap_or_else(rand::random)),
             params,
+            ends,
             prompt: seen,
             counts: HashMap::new(),
             generated: 0,
@@ -127,7 +176,8 @@ impl Sampler {
     /// The next token from `logits` (the model's, unchanged); it counts as generated.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let masked = self.generated < p.min_tokens && !p.stop_tokens.is_empty();
+        // Past EOS (`ignore_eos`), nothing ends the request early: nothing is held back.
+        let masked = !p.ignore_eos && self.generated < p.min_tokens && !self.ends.is_empty();
         let tok = if masked || p.penalised() {
             let mut l = logits.to_vec();
             self.adjust(&mut l, masked);
@@ -146,7 +196,7 @@ impl Sampler {
     fn adjust(&self, l: &mut [f32], masked: bool) {
         let p = &self.params;
         if masked {
-            for &t in &p.stop_tokens {
+            for &t in &self.ends {
                 if let Some(x) = l.get_mut(t as usize) {
                     *x = f32::NEG_INFINITY;
                 }
@@ -224,6 +274,17 @@ mod tests {
         SamplingParams::default()
     }
 
+    /// A sampler with `p`, seeded `seed`.
+    fn seeded(seed: u64, p: SamplingParams, prompt: &[u32]) -> Sampler {
+        Sampler::with(
+            SamplingParams {
+                seed: Some(seed),
+                ..p
+            },
+            prompt,
+        )
+    }
+
     /// Every token `s` draws in `n` tries.
     fn support(mut s: Sampler, logits: &[f32], n: usize) -> Vec<u32> {
         let mut d: Vec<u32> = (0..n).map(|_| s.sample(logits)).collect();
@@ -241,7 +302,7 @@ mod tests {
             stop_tokens: vec![3],
             ..params()
         };
-        let mut a = Sampler::with(7, neutral, &[1, 2, 3]);
+        let mut a = seeded(7, neutral, &[1, 2, 3]);
         let mut b = Sampler::new(7, 0.8, 0.9);
         for _ in 0..200 {
             assert_eq!(a.sample(&logits), b.sample(&logits));
@@ -251,7 +312,7 @@ mod tests {
     #[test]
     fn top_k_keeps_the_k_most_likely() {
         let logits = [0.0, 3.0, 1.0, 2.0, 2.5, -1.0];
-        let s = Sampler::with(
+        let s = seeded(
             1,
             SamplingParams {
                 top_k: 2,
@@ -261,7 +322,7 @@ mod tests {
         );
         assert_eq!(support(s, &logits, 500), vec![1, 4]);
         // k of the vocabulary or more keeps everything.
-        let s = Sampler::with(
+        let s = seeded(
             1,
             SamplingParams {
                 top_k: 6,
@@ -276,7 +337,7 @@ mod tests {
     fn min_p_drops_tokens_below_its_fraction_of_the_most_likely() {
         // Probabilities in proportion to e^l: e^0 / e^2 = 0.135 of the top token.
         let logits = [2.0, 0.0, 2.0_f32.ln() + 0.0, 1.9];
-        let s = Sampler::with(
+        let s = seeded(
             3,
             SamplingParams {
                 min_p: 0.2,
@@ -285,7 +346,7 @@ mod tests {
             &[],
         );
         assert_eq!(support(s, &logits, 2000), vec![0, 2, 3]);
-        let s = Sampler::with(
+        let s = seeded(
             3,
             SamplingParams {
                 min_p: 0.1,
@@ -295,7 +356,7 @@ mod tests {
         );
         assert_eq!(support(s, &logits, 2000), vec![0, 1, 2, 3]);
         // Applied after temperature: at 0.5 token 1 is e^-4 = 0.018 of the top token.
-        let s = Sampler::with(
+        let s = seeded(
             3,
             SamplingParams {
                 min_p: 0.1,
@@ -310,7 +371,7 @@ mod tests {
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() {
         let greedy = |r: f32, prompt: &[u32], logits: &[f32]| {
-            let mut s = Sampler::with(
+            let mut s = seeded(
                 0,
                 SamplingParams {
                     temperature: 0.0,
@@ -329,7 +390,7 @@ mod tests {
         // Below 1 it favours seen tokens.
         assert_eq!(greedy(0.5, &[1], &[3.0, 2.0]), 1);
         // Output tokens count too: once both were drawn, both are penalised (1.5 against 1.0).
-        let mut s = Sampler::with(
+        let mut s = seeded(
             0,
             SamplingParams {
                 temperature: 0.0,
@@ -345,7 +406,7 @@ mod tests {
     #[test]
     fn frequency_and_presence_penalties_count_the_output_only() {
         let run = |presence: f32, frequency: f32, prompt: &[u32]| {
-            let mut s = Sampler::with(
+            let mut s = seeded(
                 0,
                 SamplingParams {
                     temperature: 0.0,
@@ -368,7 +429,7 @@ mod tests {
 
     #[test]
     fn min_tokens_holds_the_stop_tokens_back_that_long() {
-        let mut s = Sampler::with(
+        let mut s = seeded(
             0,
             SamplingParams {
                 temperature: 0.0,
@@ -384,10 +445,49 @@ mod tests {
     }
 
     #[test]
+    fn a_requests_sampler_holds_back_eos_too_unless_it_ignores_eos() {
+        let l = [5.0, 1.0, 4.0];
+        let p = SamplingParams {
+            temperature: 0.0,
+            min_tokens: 2,
+            stop_tokens: vec![2],
+            ..params()
+        };
+        // EOS 0 and stop token 2 held back twice.
+        let mut s = Sampler::for_request(p.clone(), 0, &[]);
+        let d: Vec<u32> = (0..3).map(|_| s.sample(&l)).collect();
+        assert_eq!(d, vec![1, 1, 0]);
+        // Past EOS nothing ends the request, so nothing is held back.
+        let mut s = Sampler::for_request(
+            SamplingParams {
+                ignore_eos: true,
+                ..p
+            },
+            0,
+            &[],
+        );
+        assert_eq!(s.sample(&l), 0);
+    }
+
+    #[test]
+    fn without_a_seed_each_sampler_draws_its_own() {
+        let logits = [0.0_f32; 64];
+        let draws = |mut s: Sampler| (0..16).map(|_| s.sample(&logits)).collect::<Vec<_>>();
+        let a = draws(Sampler::with(params(), &[]));
+        let b = draws(Sampler::with(params(), &[]));
+        // 64^-16 of the time the same.
+        assert_ne!(a, b);
+        assert_eq!(
+            draws(seeded(3, params(), &[])),
+            draws(seeded(3, params(), &[]))
+        );
+    }
+
+    #[test]
     fn top_p_after_top_k_renormalises_over_the_kept_tokens() {
         // Two equal tokens and a tail: top_k 2 leaves {0, 1} at 0.5 each; top_p 0.5 keeps 0.
         let logits = [1.0, 1.0, 0.9, 0.9, 0.9];
-        let s = Sampler::with(
+        let s = seeded(
             2,
             SamplingParams {
                 top_k: 2,

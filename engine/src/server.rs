@@ -46,7 +46,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::api::{
     body_limit, check_model, model_not_found, ApiError, ChatBody, CompletionBody, DetokenizeBody,
-    ModelLimits, Prompt, Sampling, TokenizeBody, TokenizeInput,
+    ModelLimits, Prompt, Settings, TokenizeBody, TokenizeInput,
 };
 use crate::chat::{ChatTemplate, Message, CHATML};
 use crate::conns::{Conn, Connections, RequestGuard, Tracked};
@@ -232,25 +232,16 @@ pub fn chat_text(
 /// A completion's `max_tokens` when it gives none (OpenAI's default).
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
-/// What a generation needs besides its prompt.
-struct Plan {
-    /// The request's `max_tokens`, if given.
-    max_tokens: Option<u32>,
-    /// Without `max_tokens`, run to the context (a chat) rather than 16 tokens (a completion).
-    to_context: bool,
-    stop_tokens: Vec<u32>,
-    logprobs: Option<u8>,
-}
-
-/// The request for the engine: `prompt` with `sampling`, its length checked against the
-/// model's context. A chat (`prompt_field` `messages`) without `max_tokens` may run to the
-/// context (or the KV capacity, if smaller); a completion's default is 16 tokens.
+/// The request for the engine: `prompt` with `settings`, its length checked against the
+/// model's context. Without `max_tokens`, a chat (`prompt_field` `messages`, `to_context`)
+/// may run to the context (or the KV capacity, if smaller); a completion's default is 16
+/// tokens.
 fn gen_request(
     state: &AppState,
     prompt: Vec<u32>,
     prompt_field: &str,
-    sampling: &Sampling,
-    plan: Plan,
+    settings: Settings,
+    to_context: bool,
 ) -> Result<GenRequest, ApiError> {
     let context = state.engine.limits.max_positions as u64;
     let room = context.min(state.engine.kv_tokens);
@@ -270,13 +261,13 @@ fn gen_request(
             ),
         ));
     }
-    let max_tokens = match plan.max_tokens {
+    let max_tokens = match settings.max_tokens {
         Some(m) => u64::from(m),
-        None if plan.to_context => room - n,
+        None if to_context => room - n,
         None => DEFAULT_MAX_TOKENS.into(),
     };
     if n + max_tokens > context {
-        let field = sampling.max_tokens_field;
+        let field = settings.max_tokens_field;
         return Err(ApiError::bad(
             Some(field),
             format!(
@@ -285,31 +276,19 @@ fn gen_request(
             ),
         ));
     }
-    if u64::from(sampling.min_tokens) > max_tokens {
+    let min_tokens = settings.sampling.min_tokens;
+    if u64::from(min_tokens) > max_tokens {
         return Err(ApiError::bad(
             Some("min_tokens"),
             format!(
-                "`min_tokens` is {}: at most the {max_tokens} tokens the request may generate",
-                sampling.min_tokens
+                "`min_tokens` is {min_tokens}: at most the {max_tokens} tokens the request may generate"
             ),
         ));
     }
     Ok(GenRequest {
         prompt,
         max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
-        temperature: sampling.temperature.unwrap_or(1.0),
-        top_p: sampling.top_p.unwrap_or(1.0),
-        top_k: sampling.top_k,
-        min_p: sampling.min_p,
-        repetition_penalty: sampling.repetition_penalty,
-        presence_penalty: sampling.presence_penalty,
-        frequency_penalty: sampling.frequency_penalty,
-        min_tokens: sampling.min_tokens,
-        // Without a seed every request samples differently.
-        seed: sampling.seed.unwrap_or_else(rand::random),
-        ignore_eos: sampling.ignore_eos,
-        stop_tokens: plan.stop_tokens,
-        logprobs: plan.logprobs,
+        sampling: settings.sampling,
     })
 }
 
@@ -589,16 +568,14 @@ struct Generation {
 }
 
 impl Generation {
-    async fn start(
-        state: &AppState,
-        req: GenRequest,
-        stops: Vec<String>,
-    ) -> Result<Self, ApiError> {
+    async fn start(state: &AppState, req: GenRequest) -> Result<Self, ApiError> {
         let tok = state.engine.tokenizer.clone();
-        let mut ends = req.stop_tokens.clone();
+        let p = &req.sampling;
+        let mut ends = p.stop_tokens.clone();
         ends.push(tok.eos());
-        let ignore_eos = req.ignore_eos;
-        let min_tokens = req.min_tokens;
+        let stop = StopText::new(p.stop.clone());
+        let ignore_eos = p.ignore_eos;
+        let min_tokens = p.min_tokens;
         let (rid, rx) = state.engine.submit(req).await?;
         Ok(Generation {
             rid,
@@ -606,7 +583,7 @@ impl Generation {
             engine: state.engine.clone(),
             utf8: Utf8Stream::new(tok.clone()),
             tokenizer: tok,
-            stop: StopText::new(stops),
+            stop,
             ends,
             ignore_eos,
             min_tokens,
@@ -616,27 +593,17 @@ impl Generation {
         })
     }
 
-    /// `n` generations of `req`, seeded `seed`, `seed + 1`, ... when it has a seed. Each is
-    /// a request of its own to the engine (it prefills the prompt itself); if one is refused,
-    /// those started are dropped, and the engine aborts them at its next turn.
-    async fn start_n(
-        state: &AppState,
-        req: GenRequest,
-        seeded: bool,
-        stops: Vec<String>,
-        n: u8,
-    ) -> Result<Vec<Self>, ApiError> {
+    /// The `n` generations of `req` (its `sampling.n`), seeded `seed`, `seed + 1`, ... when it
+    /// has a seed (else each draws a fresh one). Each is a request of its own to the engine (it
+    /// prefills the prompt itself); if one is refused, those started are dropped, and the
+    /// engine aborts them at its next turn.
+    async fn start_n(state: &AppState, req: GenRequest) -> Result<Vec<Self>, ApiError> {
+        let n = req.sampling.n;
         let mut out = Vec::with_capacity(n.into());
         for i in 0..u64::from(n) {
             let mut r = req.clone();
-            if i > 0 {
-                r.seed = if seeded {
-                    req.seed.wrapping_add(i)
-                } else {
-                    rand::random()
-                };
-            }
-            out.push(Self::start(state, r, stops.clone()).await?);
+            r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i));
+            out.push(Self::start(state, r).await?);
         }
         Ok(out)
     }
@@ -1052,21 +1019,6 @@ async fn respond(
         .body(body))
 }
 
-/// The settings of a request's generations.
-fn gen_plan(
-    s: &Sampling,
-    max_tokens_default: bool,
-    stop_tokens: Vec<u32>,
-    logprobs: Option<u8>,
-) -> Plan {
-    Plan {
-        max_tokens: s.max_tokens,
-        to_context: max_tokens_default,
-        stop_tokens,
-        logprobs,
-    }
-}
-
 async fn completions(
     state: web::Data<AppState>,
     req: HttpRequest,
@@ -1077,24 +1029,18 @@ async fn completions(
     drop(raw);
     check_model(body.model.as_deref(), &state.model_name)?;
     let prompt = prompt_tokens(body.prompt, &state.engine.tokenizer)?;
-    let s = body.sampling;
-    let r = gen_request(
-        &state,
-        prompt,
-        "prompt",
-        &s,
-        gen_plan(&s, false, Vec::new(), body.logprobs),
-    )?;
-    let prompt_len = r.prompt.len() as u32;
-    let gens = Generation::start_n(&state, r, s.seed.is_some(), s.stop, s.n).await?;
+    let (stream, include_usage) = (body.settings.stream, body.settings.include_usage);
+    let r = gen_request(&state, prompt, "prompt", body.settings, false)?;
+    let (prompt_len, logprobs) = (r.prompt.len() as u32, r.sampling.logprobs.is_some());
+    let gens = Generation::start_n(&state, r).await?;
     let w = Writer::new(
         Shape::Completion,
         gens[0].rid,
         &state.model_name,
-        body.logprobs.is_some(),
-        s.include_usage,
+        logprobs,
+        include_usage,
     );
-    respond(gens, prompt_len, w, s.stream).await
+    respond(gens, prompt_len, w, stream).await
 }
 
 /// The token that ends an assistant's turn in ChatML.
@@ -1111,29 +1057,20 @@ async fn chat_completions(
     check_model(body.model.as_deref(), &state.model_name)?;
     let tok = &state.engine.tokenizer;
     let prompt = chat_tokens(&state.chat, &body.messages, true, tok)?;
-    let s = body.sampling;
-    let r = gen_request(
-        &state,
-        prompt,
-        "messages",
-        &s,
-        gen_plan(
-            &s,
-            true,
-            tok.token_id(IM_END).into_iter().collect(),
-            body.logprobs,
-        ),
-    )?;
-    let prompt_len = r.prompt.len() as u32;
-    let gens = Generation::start_n(&state, r, s.seed.is_some(), s.stop, s.n).await?;
+    let mut settings = body.settings;
+    let (stream, include_usage) = (settings.stream, settings.include_usage);
+    settings.sampling.stop_tokens = tok.token_id(IM_END).into_iter().collect();
+    let r = gen_request(&state, prompt, "messages", settings, true)?;
+    let (prompt_len, logprobs) = (r.prompt.len() as u32, r.sampling.logprobs.is_some());
+    let gens = Generation::start_n(&state, r).await?;
     let w = Writer::new(
         Shape::Chat,
         gens[0].rid,
         &state.model_name,
-        body.logprobs.is_some(),
-        s.include_usage,
+        logprobs,
+        include_usage,
     );
-    respond(gens, prompt_len, w, s.stream).await
+    respond(gens, prompt_len, w, stream).await
 }
 
 /// `POST /tokenize`: a prompt's (or a conversation's) token ids, as vLLM answers.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use mstar_engine::engine::{self, EngineSettings, EngineStats, GenRequest, StepHook};
 use mstar_engine::model::{Config, Model};
+use mstar_engine::sampling::SamplingParams;
 use mstar_engine::server::{Server, ServerLimits};
 use serde_json::{json, Value};
 
@@ -327,11 +328,13 @@ fn tiny_request(i: u64) -> GenRequest {
     GenRequest {
         prompt: vec![65; 8],
         max_tokens: 2,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: i,
-        ignore_eos: true,
-        ..GenRequest::default()
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: Some(i),
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
     }
 }
 
