@@ -93,7 +93,7 @@ fn later_layers_win_and_errors_name_the_layer_that_set_the_key() {
     assert_eq!(
         p,
         [format!(
-            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#refusals, rule 6)",
+            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)",
             a.display()
         )]
     );
@@ -112,7 +112,7 @@ fn a_negative_budget_is_refused_at_the_boundary_naming_key_and_layer() {
     );
     assert_eq!(
         problems(&o),
-        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#refusals, rule 6)"]
+        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"]
     );
     let l = load(&opts(
         "demo.toml",
@@ -350,7 +350,7 @@ fn a_time_budget_refusal_names_its_own_key_not_the_token_budget_key() {
         ],
     );
     let p = problems(&o);
-    let want = "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#refusals, rule 2)";
+    let want = "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#a-walk-this-deployment-does-not-run)";
     assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
     assert!(
         p.iter().all(|l| !l.contains("chunking.max_batch_tokens")),
