@@ -211,7 +211,7 @@ fn walk_caps_only_under_a_combined_walk_on_an_override_node() {
 }
 
 #[test]
-fn rule_1_unknown_node() {
+fn an_unknown_node() {
     let mut s = settings();
     s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(5)))]);
     let e = refused(s);
@@ -222,7 +222,7 @@ fn rule_1_unknown_node() {
 }
 
 #[test]
-fn rule_2_walk_not_served() {
+fn a_walk_this_deployment_does_not_run() {
     let mut s = settings();
     s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
     assert!(
@@ -231,7 +231,7 @@ fn rule_2_walk_not_served() {
 }
 
 #[test]
-fn rule_3_walk_not_budgeted_by_the_model() {
+fn a_budget_the_model_gives_no_meaning() {
     let mut s = settings();
     s.walks.insert(n("spec_verify"));
     s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
@@ -242,7 +242,7 @@ fn rule_3_walk_not_budgeted_by_the_model() {
 }
 
 #[test]
-fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
+fn a_node_wide_budget_on_a_node_without_budgets() {
     let subs = BTreeMap::from([(n("enc"), SubmoduleCaps::default())]);
     let model = ModelPolicies::new(subs, BTreeMap::new()).unwrap().shared();
     let mut s = BudgetSettings::defaults_for(&model);
@@ -252,7 +252,7 @@ fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
 }
 
 #[test]
-fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
+fn a_member_walks_budget_on_a_node_that_cannot_use_it_suggests_the_combined_walk() {
     let mut s = settings();
     s.overrides = per_walk("llm", &[("prefill", tok(512))]);
     let e = refused(s);
@@ -267,7 +267,7 @@ fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
 }
 
 #[test]
-fn rule_6_bad_values() {
+fn a_budget_or_floor_that_is_not_a_positive_whole_number() {
     assert_eq!(BudgetValue::tokens(0), None, "0 is not a budget");
     let mut s = settings();
     s.min_chunk_tokens = 0;
@@ -304,7 +304,7 @@ fn a_row_cap_below_an_align_is_refused() {
 }
 
 #[test]
-fn rule_7_unknown_nodes_in_lists_and_walk_in_two_combined_walks() {
+fn unknown_nodes_in_lists_and_a_walk_in_two_combined_walks() {
     let mut s = settings();
     s.override_mixed.insert(n("ghost"));
     s.no_chunking.insert(n("phantom"));

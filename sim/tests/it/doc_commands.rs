@@ -465,6 +465,67 @@ fn every_relative_link_and_anchor_resolves() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// What is wrong with the doc citations in a message (an error's text, a command's stderr): a
+/// rule cited by its number (`rule ` and a digit), or a `docs/<page>.md#<anchor>` whose page or
+/// heading does not exist. A message says what was wrong on its own, and points to a page's
+/// section only by the anchor of a heading.
+pub(crate) fn citation_problems(text: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (i, m) in text.match_indices("rule ") {
+        if text[i + m.len()..].starts_with(|c: char| c.is_ascii_digit()) {
+            let end = (i + 12).min(text.len());
+            problems.push(format!("cites a rule by its number: {:?}", &text[i..end]));
+        }
+    }
+    for (i, _) in text.match_indices("docs/") {
+        let rest = &text[i..];
+        let Some(md) = rest.find(".md") else { continue };
+        let page = &rest[..md + 3];
+        if !page[5..md].chars().all(|c| c.is_alphanumeric() || "-_/".contains(c)) {
+            continue;
+        }
+        let path = repo_root().join(page);
+        let Ok(body) = std::fs::read_to_string(&path) else {
+            problems.push(format!("`{page}`: no such page"));
+            continue;
+        };
+        let Some(frag) = rest[md + 3..].strip_prefix('#') else { continue };
+        let frag: String = frag
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
+            .collect();
+        if !anchors(&body).contains(&frag) {
+            problems.push(format!("`{page}#{frag}`: no heading with that anchor"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_rule_a_refusal_cites_is_a_heading_of_its_page_named_not_numbered() {
+    use mstar_chunking::budget::Rule;
+    for rule in Rule::ALL {
+        let cited = rule.to_string();
+        assert_eq!(cited, format!("{}#{}", rule.page(), rule.anchor()));
+        let problems = citation_problems(&format!("a refusal ({cited})"));
+        assert!(problems.is_empty(), "{cited}: {problems:?}");
+    }
+    // The check can fail: a number, a missing heading, a missing page.
+    assert_eq!(
+        citation_problems("x (docs/budgets.md#refusals, rule 6)"),
+        ["cites a rule by its number: \"rule 6)\""]
+    );
+    assert_eq!(
+        citation_problems("see docs/budgets.md#no-such-heading."),
+        ["`docs/budgets.md#no-such-heading`: no heading with that anchor"]
+    );
+    assert_eq!(
+        citation_problems("see docs/nowhere.md#x"),
+        ["`docs/nowhere.md`: no such page"]
+    );
+    assert!(citation_problems("docs/budgets.md#an-unknown-node; docs/vllm.md").is_empty());
+}
+
 #[test]
 fn anchors_follow_githubs_rule() {
     assert_eq!(
