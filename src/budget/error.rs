@@ -20,7 +20,7 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
-    /// A walk not in `walks` (`docs/budgets.md#a-walk-this-deployment-does-not-run`).
+    /// A walk not in `walks` (`docs/budgets.md#a-walk-not-served`).
     #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
     WalkNotServed {
         /// The per-node setting (`max_batch_tokens` or `max_step_ms`) that names the walk.
@@ -30,15 +30,14 @@ pub enum BudgetError {
         /// The walk.
         walk: Name,
     },
-    /// `combined_walk_of` names a walk not in `walks`
-    /// (`docs/budgets.md#a-walk-this-deployment-does-not-run`).
+    /// `combined_walk_of` names a walk not in `walks` (`docs/budgets.md#a-walk-not-served`).
     #[error("`combined_walk_of` names walk `{walk}`, which is not served by this deployment")]
     CombinedWalkNotServed {
         /// The walk.
         walk: Name,
     },
     /// A per-walk override of a walk the model does not budget on the node
-    /// (`docs/budgets.md#a-budget-the-model-gives-no-meaning`).
+    /// (`docs/budgets.md#a-walk-the-model-does-not-budget`).
     #[error("budget for `{node}`/`{walk}` would do nothing: the model does not budget `{walk}` on `{node}`")]
     WalkNotBudgeted {
         /// The node.
@@ -47,7 +46,7 @@ pub enum BudgetError {
         walk: Name,
     },
     /// A node-wide budget on a node that budgets no walk
-    /// (`docs/budgets.md#a-node-wide-budget-on-a-node-without-budgets`).
+    /// (`docs/budgets.md#a-node-that-budgets-nothing`).
     #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
     NodeBudgetsNothing {
         /// The per-node setting (`max_batch_tokens` or `max_step_ms`) set on the node.
@@ -56,7 +55,7 @@ pub enum BudgetError {
         node: Name,
     },
     /// A member walk's budget on a node that cannot cap member walks
-    /// (`docs/budgets.md#a-member-walks-budget-on-a-node-that-cannot-use-it`).
+    /// (`docs/budgets.md#a-member-walks-budget`).
     #[error("budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}` and `{node}` cannot cap member walks; set `{combined}` instead")]
     MemberWalk {
         /// The node.
@@ -67,9 +66,9 @@ pub enum BudgetError {
         combined: Name,
     },
     /// `min_chunk_tokens`, `max_row_tokens`, `max_partial_prefills` or `max_wait_steps` of 0
-    /// (`docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number` for the floor,
-    /// `docs/budgets.md#a-per-row-or-partial-prefill-limit-of-0` for the per-row and
-    /// partial-prefill limits, `docs/scheduling.md#the-order-of-waiting-prompts` for the wait).
+    /// (`docs/budgets.md#not-a-positive-whole-number` for the floor, `docs/budgets.md#a-limit-of-0`
+    /// for the per-row and partial-prefill limits, `docs/scheduling.md#the-order-of-waiting-prompts`
+    /// for the wait).
     #[error("`{setting}` must be at least 1, got 0")]
     ZeroSetting {
         /// The setting.
@@ -157,7 +156,7 @@ pub enum BudgetError {
     /// A served walk the node's submodule can cut, with no budget there and in no combined walk,
     /// on a node where another served walk with a budget runs standalone: that walk's steps
     /// would never run its rows, which would only run uncut in steps of their own
-    /// (`docs/budgets.md#a-walk-whose-rows-no-step-would-take`). The usual cause is a forgotten
+    /// (`docs/budgets.md#a-walk-no-step-would-take`). The usual cause is a forgotten
     /// `combined_walk_of`.
     #[error("walk `{walk}` on `{node}` runs inside no combined walk: `{combined}` steps would never run its rows, and `{walk}` steps would run them uncut (the model gives `{walk}` no budget on `{node}`); combine it (`combined_walk_of`: `{walk}` -> `{combined}`) or name `{node}` in `no_chunking`")]
     WalkNeverChunked {
@@ -324,8 +323,8 @@ impl Rule {
         Self::Budgets(None),
         Self::Budgets(Some(Refusal::UnknownNode)),
         Self::Budgets(Some(Refusal::WalkNotServed)),
-        Self::Budgets(Some(Refusal::NoMeaning)),
-        Self::Budgets(Some(Refusal::NodeWithoutBudgets)),
+        Self::Budgets(Some(Refusal::WalkNotBudgeted)),
+        Self::Budgets(Some(Refusal::NodeBudgetsNothing)),
         Self::Budgets(Some(Refusal::MemberWalk)),
         Self::Budgets(Some(Refusal::NotPositive)),
         Self::Budgets(Some(Refusal::WalkInTwoCombined)),
@@ -371,25 +370,25 @@ impl fmt::Display for Rule {
 pub enum Refusal {
     /// `An unknown node`: a setting names a node the model does not have.
     UnknownNode,
-    /// `A walk this deployment does not run`.
+    /// `A walk not served`: a walk this deployment does not run.
     WalkNotServed,
-    /// `A budget the model gives no meaning`: a walk the model does not budget on the node.
-    NoMeaning,
-    /// `A node-wide budget on a node without budgets`.
-    NodeWithoutBudgets,
-    /// `A member walk's budget on a node that cannot use it`.
+    /// `A walk the model does not budget` on the node.
+    WalkNotBudgeted,
+    /// `A node that budgets nothing`, given a node-wide budget.
+    NodeBudgetsNothing,
+    /// `A member walk's budget` on a node that cannot use it.
     MemberWalk,
-    /// `A budget or floor that is not a positive whole number`.
+    /// `Not a positive whole number`: a budget or the floor.
     NotPositive,
     /// `A walk in two combined walks`.
     WalkInTwoCombined,
-    /// `A budget below its policy's align`.
+    /// `A budget below its align`.
     BelowAlign,
     /// `max_row_tokens below an align`.
     RowCapBelowAlign,
-    /// `A per-row or partial-prefill limit of 0`.
+    /// `A limit of 0`: `max_row_tokens` or `max_partial_prefills`.
     ZeroLimit,
-    /// `A walk whose rows no step would take`.
+    /// `A walk no step would take`.
     WalkNeverChunked,
     /// `Slots that fill a budget`.
     SlotsFillBudget,
@@ -400,16 +399,16 @@ impl Refusal {
     pub fn anchor(self) -> &'static str {
         match self {
             Self::UnknownNode => "an-unknown-node",
-            Self::WalkNotServed => "a-walk-this-deployment-does-not-run",
-            Self::NoMeaning => "a-budget-the-model-gives-no-meaning",
-            Self::NodeWithoutBudgets => "a-node-wide-budget-on-a-node-without-budgets",
-            Self::MemberWalk => "a-member-walks-budget-on-a-node-that-cannot-use-it",
-            Self::NotPositive => "a-budget-or-floor-that-is-not-a-positive-whole-number",
+            Self::WalkNotServed => "a-walk-not-served",
+            Self::WalkNotBudgeted => "a-walk-the-model-does-not-budget",
+            Self::NodeBudgetsNothing => "a-node-that-budgets-nothing",
+            Self::MemberWalk => "a-member-walks-budget",
+            Self::NotPositive => "not-a-positive-whole-number",
             Self::WalkInTwoCombined => "a-walk-in-two-combined-walks",
-            Self::BelowAlign => "a-budget-below-its-policys-align",
+            Self::BelowAlign => "a-budget-below-its-align",
             Self::RowCapBelowAlign => "max_row_tokens-below-an-align",
-            Self::ZeroLimit => "a-per-row-or-partial-prefill-limit-of-0",
-            Self::WalkNeverChunked => "a-walk-whose-rows-no-step-would-take",
+            Self::ZeroLimit => "a-limit-of-0",
+            Self::WalkNeverChunked => "a-walk-no-step-would-take",
             Self::SlotsFillBudget => "slots-that-fill-a-budget",
         }
     }
@@ -488,8 +487,8 @@ impl BudgetError {
             Self::UnknownNode { .. } => b(R::UnknownNode),
             Self::WalkInTwoCombined { .. } => b(R::WalkInTwoCombined),
             Self::WalkNotServed { .. } | Self::CombinedWalkNotServed { .. } => b(R::WalkNotServed),
-            Self::WalkNotBudgeted { .. } => b(R::NoMeaning),
-            Self::NodeBudgetsNothing { .. } => b(R::NodeWithoutBudgets),
+            Self::WalkNotBudgeted { .. } => b(R::WalkNotBudgeted),
+            Self::NodeBudgetsNothing { .. } => b(R::NodeBudgetsNothing),
             Self::MemberWalk { .. } => b(R::MemberWalk),
             Self::ZeroSetting {
                 setting: K::MinChunkTokens,

@@ -212,7 +212,7 @@ impl BudgetTable {
     }
 
     /// A walk whose rows no step would take
-    /// (`docs/budgets.md#a-walk-whose-rows-no-step-would-take`): a served walk a node's submodule
+    /// (`docs/budgets.md#a-walk-no-step-would-take`): a served walk a node's submodule
     /// can cut, with no budget there (overrides exist only where the model budgets), that is
     /// neither a member of a combined walk nor one itself, is refused when the node has another
     /// served walk with a budget that is no member either: an engine assembling that walk (the

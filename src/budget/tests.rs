@@ -736,7 +736,7 @@ fn a_refusal_names_its_setting_node_walk_rule_and_value() {
     assert_eq!(zero.value().as_deref(), Some("0"));
     assert_eq!(
         zero.rule().to_string(),
-        "docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number"
+        "docs/budgets.md#not-a-positive-whole-number"
     );
     let row_cap = BudgetError::RowCapBelowAlign {
         max_row: 100,
@@ -821,14 +821,14 @@ fn every_refusal() -> Vec<(BudgetError, Rule)> {
                 node: node.clone(),
                 walk: walk.clone(),
             },
-            b(R::NoMeaning),
+            b(R::WalkNotBudgeted),
         ),
         (
             E::NodeBudgetsNothing {
                 setting: K::MaxBatchTokens,
                 node: node.clone(),
             },
-            b(R::NodeWithoutBudgets),
+            b(R::NodeBudgetsNothing),
         ),
         (
             E::MemberWalk {
@@ -899,10 +899,7 @@ fn every_refusal() -> Vec<(BudgetError, Rule)> {
             },
             Rule::TimeBudgets,
         ),
-        (
-            E::NoLatencyModel { node: node.clone() },
-            Rule::TimeBudgets,
-        ),
+        (E::NoLatencyModel { node: node.clone() }, Rule::TimeBudgets),
         (
             E::WalkNeverChunked {
                 node: node.clone(),
@@ -996,7 +993,10 @@ fn every_refusal_cites_its_rule_by_the_anchor_of_its_heading_never_a_number() {
     assert!(kinds.iter().all(|k| *k), "{kinds:?}");
     // Every rule a refusal may cite is cited by one; each is a heading of its page.
     for rule in Rule::ALL {
-        assert!(all.iter().any(|(_, r)| *r == rule), "{rule} is cited by none");
+        assert!(
+            all.iter().any(|(_, r)| *r == rule),
+            "{rule} is cited by none"
+        );
         let page = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rule.page()),
         )

@@ -427,7 +427,7 @@ mod tests {
             let e = parse(bad.clone()).unwrap_err();
             assert_eq!(
                 e,
-                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"),
+                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/budgets.md#not-a-positive-whole-number)"),
                 "{bad}"
             );
         }
@@ -473,7 +473,7 @@ mod tests {
         assert!(e.contains("invalid type: boolean `false`"), "{e}");
         let e = node(json!(0)).unwrap_err().to_string();
         assert!(
-            e.ends_with("got 0 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"),
+            e.ends_with("got 0 (docs/budgets.md#not-a-positive-whole-number)"),
             "{e}"
         );
     }

@@ -309,39 +309,39 @@ const BAD: &[Bad] = &[
     bad(
         "a walk this deployment does not run",
         "[chunking.max_batch_tokens]\nthinker = { spec_verify = 512 }\n",
-        &["{file}: `chunking.max_batch_tokens.thinker.spec_verify` = 512", "not served by this deployment (docs/budgets.md#a-walk-this-deployment-does-not-run)"],
+        &["{file}: `chunking.max_batch_tokens.thinker.spec_verify` = 512", "not served by this deployment (docs/budgets.md#a-walk-not-served)"],
     ),
     bad(
         "a budget the model gives no meaning",
         "[chunking.max_batch_tokens]\nvision = { mixed = 512 }\n",
-        &["{file}: `chunking.max_batch_tokens.vision.mixed` = 512", "the model does not budget `mixed` on `vision` (docs/budgets.md#a-budget-the-model-gives-no-meaning)"],
+        &["{file}: `chunking.max_batch_tokens.vision.mixed` = 512", "the model does not budget `mixed` on `vision` (docs/budgets.md#a-walk-the-model-does-not-budget)"],
     ),
     Bad {
         name: "a node-wide budget on a node without budgets",
         model: "tests/fixtures/config/models/encoder.toml",
         layer: Some(("toml", "[chunking.max_batch_tokens]\nenc = 1024\n")),
         env: &[],
-        expect: &["{file}: `chunking.max_batch_tokens.enc` = 1024", "budgets no walk on `enc` (docs/budgets.md#a-node-wide-budget-on-a-node-without-budgets)"],
+        expect: &["{file}: `chunking.max_batch_tokens.enc` = 1024", "budgets no walk on `enc` (docs/budgets.md#a-node-that-budgets-nothing)"],
     },
     bad(
         "a member walk's budget on a node that cannot use it",
         "[chunking.max_batch_tokens]\ntalker = { prefill = 1024 }\n",
-        &["{file}: `chunking.max_batch_tokens.talker.prefill` = 1024", "set `mixed` instead (docs/budgets.md#a-member-walks-budget-on-a-node-that-cannot-use-it)"],
+        &["{file}: `chunking.max_batch_tokens.talker.prefill` = 1024", "set `mixed` instead (docs/budgets.md#a-member-walks-budget)"],
     ),
     bad(
         "a zero budget",
         "[chunking.max_batch_tokens]\nthinker = { mixed = 0 }\n",
-        &["{file}: `chunking.max_batch_tokens.thinker.mixed` = 0", "positive whole number", "got 0 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"],
+        &["{file}: `chunking.max_batch_tokens.thinker.mixed` = 0", "positive whole number", "got 0 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
         "a negative node-wide budget",
         "[chunking.max_batch_tokens]\nthinker = -1\n",
-        &["{file}: `chunking.max_batch_tokens.thinker` = -1", "got -1 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"],
+        &["{file}: `chunking.max_batch_tokens.thinker` = -1", "got -1 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
         "min_chunk_tokens of 0",
         "[chunking]\nmin_chunk_tokens = 0\n",
-        &["{file}: `chunking.min_chunk_tokens` = 0", "at least 1, got 0 (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"],
+        &["{file}: `chunking.min_chunk_tokens` = 0", "at least 1, got 0 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
         "no_chunking names a node the model does not have",
@@ -374,7 +374,7 @@ const BAD: &[Bad] = &[
     bad(
         "a budget of \"none\"",
         "[chunking.max_batch_tokens]\nvision = \"none\"\n",
-        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/budgets.md#a-budget-or-floor-that-is-not-a-positive-whole-number)"],
+        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
         "a budget of 1.5",
@@ -461,7 +461,7 @@ const BAD: &[Bad] = &[
     bad_env(
         "env: a member walk's budget on a node that cannot use it",
         &[("MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL", "100")],
-        &["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL: `chunking.max_batch_tokens.talker.prefill` = 100", "set `mixed` instead (docs/budgets.md#a-member-walks-budget-on-a-node-that-cannot-use-it)"],
+        &["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL: `chunking.max_batch_tokens.talker.prefill` = 100", "set `mixed` instead (docs/budgets.md#a-member-walks-budget)"],
     ),
     bad_env(
         "env: MSTAR_ENV names a missing layer",

@@ -481,7 +481,10 @@ pub(crate) fn citation_problems(text: &str) -> Vec<String> {
         let rest = &text[i..];
         let Some(md) = rest.find(".md") else { continue };
         let page = &rest[..md + 3];
-        if !page[5..md].chars().all(|c| c.is_alphanumeric() || "-_/".contains(c)) {
+        if !page[5..md]
+            .chars()
+            .all(|c| c.is_alphanumeric() || "-_/".contains(c))
+        {
             continue;
         }
         let path = repo_root().join(page);
@@ -489,7 +492,9 @@ pub(crate) fn citation_problems(text: &str) -> Vec<String> {
             problems.push(format!("`{page}`: no such page"));
             continue;
         };
-        let Some(frag) = rest[md + 3..].strip_prefix('#') else { continue };
+        let Some(frag) = rest[md + 3..].strip_prefix('#') else {
+            continue;
+        };
         let frag: String = frag
             .chars()
             .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
