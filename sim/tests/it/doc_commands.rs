@@ -546,17 +546,19 @@ fn every_rule_a_refusal_cites_is_a_heading_of_its_page_named_not_numbered() {
     assert_eq!(anchor_problems(stranded, false).len(), 1);
 }
 
-/// The files whose messages and comments cite the docs: the crates' sources, the Python
-/// package and the tests.
+/// The files whose messages and comments cite the docs: the component's, the simulator's and
+/// the engine's sources, the Python package and the tests.
 fn cited_from() -> Vec<PathBuf> {
     let root = repo_root();
     let mut out = Vec::new();
     let mut dirs: Vec<PathBuf> = [
         "src",
+        "sim/src",
         "engine/src",
         "python/src",
         "python/mstar_chunking",
         "tests",
+        "sim/tests",
     ]
     .iter()
     .map(|d| root.join(d))
@@ -585,7 +587,7 @@ fn every_doc_anchor_the_code_cites_resolves() {
     let mut problems = Vec::new();
     for file in files {
         // This file's own checks cite missing anchors on purpose.
-        if file.ends_with("tests/it/doc_commands.rs") {
+        if file.ends_with("sim/tests/it/doc_commands.rs") {
             continue;
         }
         let text = std::fs::read_to_string(&file).unwrap();
