@@ -165,7 +165,8 @@ def _count(value: Any, key: str, *, allow_zero: bool = True) -> int:
 
 
 def _budget(value: Any, key: str) -> Optional[int]:
-    """A budget override: ``None`` (chunking off) or a positive token count (rule 6)."""
+    """A budget override: ``None`` (chunking off) or a positive token count
+    (``docs/budgets.md#not-a-positive-whole-number``)."""
     if value is None:
         return None
     return _count(value, key, allow_zero=False)

@@ -38,7 +38,7 @@ class InvalidRequestError(ChunkingError, ValueError):
 
 class RefusedSettingsError(ChunkingError, ValueError):
     """``set_budgets`` or ``set_policies`` refused the settings whole; the previous ones stay.
-    ``problems`` lists each, naming its node, walk and rule. For ``set_budgets``,
+    ``problems`` lists each, naming its node and walk. For ``set_budgets``,
     ``refusals`` holds each problem's ``(argument, node, walk)`` (``None`` where it names
     none), and ``argument``, ``node`` and ``walk`` are the first one's."""
 

@@ -12,7 +12,7 @@ pub enum BudgetError {
     /// `set_budgets` before `set_policies`.
     #[error("no model policies are bound yet: `set_budgets` runs after `set_policies`")]
     PoliciesNotSet,
-    /// A node the model does not have (rule 1; rule 7 for `override_mixed`/`no_chunking`).
+    /// A node the model does not have (`docs/budgets.md#an-unknown-node`).
     #[error("`{setting}` names node `{node}`, which the model does not have")]
     UnknownNode {
         /// The setting that names it.
@@ -20,7 +20,7 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
-    /// A walk not in `walks` (rule 2).
+    /// A walk not in `walks` (`docs/budgets.md#a-walk-not-served`).
     #[error("budget for `{node}`/`{walk}`: walk `{walk}` is not served by this deployment")]
     WalkNotServed {
         /// The per-node setting (`max_batch_tokens` or `max_step_ms`) that names the walk.
@@ -30,13 +30,14 @@ pub enum BudgetError {
         /// The walk.
         walk: Name,
     },
-    /// `combined_walk_of` names a walk not in `walks` (rule 2).
+    /// `combined_walk_of` names a walk not in `walks` (`docs/budgets.md#a-walk-not-served`).
     #[error("`combined_walk_of` names walk `{walk}`, which is not served by this deployment")]
     CombinedWalkNotServed {
         /// The walk.
         walk: Name,
     },
-    /// A per-walk override of a walk the model does not budget on the node (rule 3).
+    /// A per-walk override of a walk the model does not budget on the node
+    /// (`docs/budgets.md#a-walk-the-model-does-not-budget`).
     #[error("budget for `{node}`/`{walk}` would do nothing: the model does not budget `{walk}` on `{node}`")]
     WalkNotBudgeted {
         /// The node.
@@ -44,7 +45,8 @@ pub enum BudgetError {
         /// The walk.
         walk: Name,
     },
-    /// A node-wide budget on a node that budgets no walk (rule 4).
+    /// A node-wide budget on a node that budgets no walk
+    /// (`docs/budgets.md#a-node-that-budgets-nothing`).
     #[error("budget for `{node}` would do nothing: the model budgets no walk on `{node}`")]
     NodeBudgetsNothing {
         /// The per-node setting (`max_batch_tokens` or `max_step_ms`) set on the node.
@@ -52,7 +54,8 @@ pub enum BudgetError {
         /// The node.
         node: Name,
     },
-    /// A member walk's budget on a node that cannot cap member walks (rule 5).
+    /// A member walk's budget on a node that cannot cap member walks
+    /// (`docs/budgets.md#a-member-walks-budget`).
     #[error("budget for `{node}`/`{walk}` would do nothing: `{walk}` runs inside `{combined}` and `{node}` cannot cap member walks; set `{combined}` instead")]
     MemberWalk {
         /// The node.
@@ -62,7 +65,10 @@ pub enum BudgetError {
         /// The combined walk it runs inside.
         combined: Name,
     },
-    /// `min_chunk_tokens`, `max_row_tokens` or `max_partial_prefills` of 0 (rule 6).
+    /// `min_chunk_tokens`, `max_row_tokens`, `max_partial_prefills` or `max_wait_steps` of 0
+    /// (`docs/budgets.md#not-a-positive-whole-number` for the floor, `docs/budgets.md#a-limit-of-0`
+    /// for the per-row and partial-prefill limits, `docs/scheduling.md#the-order-of-waiting-prompts`
+    /// for the wait).
     #[error("`{setting}` must be at least 1, got 0")]
     ZeroSetting {
         /// The setting.
@@ -149,8 +155,9 @@ pub enum BudgetError {
     },
     /// A served walk the node's submodule can cut, with no budget there and in no combined walk,
     /// on a node where another served walk with a budget runs standalone: that walk's steps
-    /// would never run its rows, which would only run uncut in steps of their own (rule 11). The
-    /// usual cause is a forgotten `combined_walk_of`.
+    /// would never run its rows, which would only run uncut in steps of their own
+    /// (`docs/budgets.md#a-walk-no-step-would-take`). The usual cause is a forgotten
+    /// `combined_walk_of`.
     #[error("walk `{walk}` on `{node}` runs inside no combined walk: `{combined}` steps would never run its rows, and `{walk}` steps would run them uncut (the model gives `{walk}` no budget on `{node}`); combine it (`combined_walk_of`: `{walk}` -> `{combined}`) or name `{node}` in `no_chunking`")]
     WalkNeverChunked {
         /// The node.
@@ -209,7 +216,7 @@ pub enum BudgetError {
         /// The refused value.
         value: f64,
     },
-    /// A walk in two combined walks (rule 7).
+    /// A walk in two combined walks (`docs/budgets.md#a-walk-in-two-combined-walks`).
     #[error("walk `{walk}` is a member of two combined walks, `{first}` and `{second}`")]
     WalkInTwoCombined {
         /// The walk.
@@ -296,11 +303,12 @@ pub struct Subject<'a> {
     pub walk: Option<&'a Name>,
 }
 
-/// The documented rule a refusal breaks.
+/// The documented rule a refusal breaks; it displays as the page and the anchor of the heading
+/// that describes it (`docs/budgets.md#a-walk-in-two-combined-walks`), never a number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
-    /// `docs/budgets.md#refusals`, with the rule's number where it has one.
-    Budgets(Option<u8>),
+    /// A refusal of `docs/budgets.md#refusals`, by its heading there (`None`: the section).
+    Budgets(Option<Refusal>),
     /// `docs/cost-model.md#time-budgets`.
     TimeBudgets,
     /// `docs/cost-model.md#the-time-margin`.
@@ -309,14 +317,99 @@ pub enum Rule {
     Order,
 }
 
+impl Rule {
+    /// Every rule a refusal may cite, so a test can check each one's heading exists.
+    pub const ALL: [Rule; 16] = [
+        Self::Budgets(None),
+        Self::Budgets(Some(Refusal::UnknownNode)),
+        Self::Budgets(Some(Refusal::WalkNotServed)),
+        Self::Budgets(Some(Refusal::WalkNotBudgeted)),
+        Self::Budgets(Some(Refusal::NodeBudgetsNothing)),
+        Self::Budgets(Some(Refusal::MemberWalk)),
+        Self::Budgets(Some(Refusal::NotPositive)),
+        Self::Budgets(Some(Refusal::WalkInTwoCombined)),
+        Self::Budgets(Some(Refusal::BelowAlign)),
+        Self::Budgets(Some(Refusal::RowCapBelowAlign)),
+        Self::Budgets(Some(Refusal::ZeroLimit)),
+        Self::Budgets(Some(Refusal::WalkNeverChunked)),
+        Self::Budgets(Some(Refusal::SlotsFillBudget)),
+        Self::TimeBudgets,
+        Self::TimeMargin,
+        Self::Order,
+    ];
+
+    /// The page the rule is on, from the repository's root: `docs/budgets.md`.
+    pub fn page(self) -> &'static str {
+        match self {
+            Self::Budgets(_) => "docs/budgets.md",
+            Self::TimeBudgets | Self::TimeMargin => "docs/cost-model.md",
+            Self::Order => "docs/scheduling.md",
+        }
+    }
+
+    /// The anchor of the rule's heading on its page: `a-walk-in-two-combined-walks`.
+    pub fn anchor(self) -> &'static str {
+        match self {
+            Self::Budgets(Some(r)) => r.anchor(),
+            Self::Budgets(None) => "refusals",
+            Self::TimeBudgets => "time-budgets",
+            Self::TimeMargin => "the-time-margin",
+            Self::Order => "the-order-of-waiting-prompts",
+        }
+    }
+}
+
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.page(), self.anchor())
+    }
+}
+
+/// A refusal of `docs/budgets.md#refusals`, each with a heading of its own there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `An unknown node`: a setting names a node the model does not have.
+    UnknownNode,
+    /// `A walk not served`: a walk this deployment does not run.
+    WalkNotServed,
+    /// `A walk the model does not budget` on the node.
+    WalkNotBudgeted,
+    /// `A node that budgets nothing`, given a node-wide budget.
+    NodeBudgetsNothing,
+    /// `A member walk's budget` on a node that cannot use it.
+    MemberWalk,
+    /// `Not a positive whole number`: a budget or the floor.
+    NotPositive,
+    /// `A walk in two combined walks`.
+    WalkInTwoCombined,
+    /// `A budget below its align`.
+    BelowAlign,
+    /// `max_row_tokens below an align`.
+    RowCapBelowAlign,
+    /// `A limit of 0`: `max_row_tokens` or `max_partial_prefills`.
+    ZeroLimit,
+    /// `A walk no step would take`.
+    WalkNeverChunked,
+    /// `Slots that fill a budget`.
+    SlotsFillBudget,
+}
+
+impl Refusal {
+    /// The anchor of the refusal's heading in `docs/budgets.md` (GitHub's, from the heading).
+    pub fn anchor(self) -> &'static str {
         match self {
-            Self::Budgets(Some(n)) => write!(f, "docs/budgets.md#refusals, rule {n}"),
-            Self::Budgets(None) => f.write_str("docs/budgets.md#refusals"),
-            Self::TimeBudgets => f.write_str("docs/cost-model.md#time-budgets"),
-            Self::TimeMargin => f.write_str("docs/cost-model.md#the-time-margin"),
-            Self::Order => f.write_str("docs/scheduling.md#the-order-of-waiting-prompts"),
+            Self::UnknownNode => "an-unknown-node",
+            Self::WalkNotServed => "a-walk-not-served",
+            Self::WalkNotBudgeted => "a-walk-the-model-does-not-budget",
+            Self::NodeBudgetsNothing => "a-node-that-budgets-nothing",
+            Self::MemberWalk => "a-member-walks-budget",
+            Self::NotPositive => "not-a-positive-whole-number",
+            Self::WalkInTwoCombined => "a-walk-in-two-combined-walks",
+            Self::BelowAlign => "a-budget-below-its-align",
+            Self::RowCapBelowAlign => "max_row_tokens-below-an-align",
+            Self::ZeroLimit => "a-limit-of-0",
+            Self::WalkNeverChunked => "a-walk-no-step-would-take",
+            Self::SlotsFillBudget => "slots-that-fill-a-budget",
         }
     }
 }
@@ -380,13 +473,10 @@ impl BudgetError {
 
     /// The documented rule the refusal breaks.
     pub fn rule(&self) -> Rule {
+        use Refusal as R;
         use SettingKey as K;
-        let n = |n| Rule::Budgets(Some(n));
+        let b = |r| Rule::Budgets(Some(r));
         match self {
-            Self::UnknownNode {
-                setting: K::MaxBatchTokens,
-                ..
-            } => n(1),
             Self::UnknownNode {
                 setting: K::Order, ..
             }
@@ -394,19 +484,20 @@ impl BudgetError {
             | Self::ZeroSetting {
                 setting: K::MaxWaitSteps,
             } => Rule::Order,
-            Self::UnknownNode { .. } | Self::WalkInTwoCombined { .. } => n(7),
-            Self::WalkNotServed { .. } | Self::CombinedWalkNotServed { .. } => n(2),
-            Self::WalkNotBudgeted { .. } => n(3),
-            Self::NodeBudgetsNothing { .. } => n(4),
-            Self::MemberWalk { .. } => n(5),
+            Self::UnknownNode { .. } => b(R::UnknownNode),
+            Self::WalkInTwoCombined { .. } => b(R::WalkInTwoCombined),
+            Self::WalkNotServed { .. } | Self::CombinedWalkNotServed { .. } => b(R::WalkNotServed),
+            Self::WalkNotBudgeted { .. } => b(R::WalkNotBudgeted),
+            Self::NodeBudgetsNothing { .. } => b(R::NodeBudgetsNothing),
+            Self::MemberWalk { .. } => b(R::MemberWalk),
             Self::ZeroSetting {
                 setting: K::MinChunkTokens,
-            } => n(6),
-            Self::ZeroSetting { .. } => n(10),
-            Self::BelowAlign { .. } => n(8),
-            Self::RowCapBelowAlign { .. } => n(9),
-            Self::SlotsFillBudget { .. } => n(12),
-            Self::WalkNeverChunked { .. } => n(11),
+            } => b(R::NotPositive),
+            Self::ZeroSetting { .. } => b(R::ZeroLimit),
+            Self::BelowAlign { .. } => b(R::BelowAlign),
+            Self::RowCapBelowAlign { .. } => b(R::RowCapBelowAlign),
+            Self::SlotsFillBudget { .. } => b(R::SlotsFillBudget),
+            Self::WalkNeverChunked { .. } => b(R::WalkNeverChunked),
             Self::BadTimeBudget { .. }
             | Self::TimeBudgetDoesNothing { .. }
             | Self::TimeBudgetWithoutTokenBudget { .. }

@@ -16,7 +16,7 @@ mod error;
 mod settings;
 mod value;
 
-pub use error::{BudgetError, BudgetErrors, Rule, SettingKey, Subject};
+pub use error::{BudgetError, BudgetErrors, Refusal, Rule, SettingKey, Subject};
 pub use settings::{
     BudgetSettings, OrderSettings, TimeFloor, TimeSettings, DEFAULT_FLOOR_WAIT_STEPS,
 };
@@ -211,13 +211,15 @@ impl BudgetTable {
         }
     }
 
-    /// Rule 11: a served walk a node's submodule can cut, with no budget there (overrides exist
-    /// only where the model budgets, rule 3), that is neither a member of a combined walk nor
-    /// one itself, is refused when the node has another served walk with a budget that is no
-    /// member either: an engine assembling that walk (the `mixed` of `prefill` + `decode`) would
-    /// wait forever while the row queues, and the row would run only uncut. A node the model
-    /// budgets nothing on runs such rows uncut by the model's decision, as the Python class
-    /// documents; `no_chunking` nodes chunk nothing by the deployment's.
+    /// A walk whose rows no step would take
+    /// (`docs/budgets.md#a-walk-no-step-would-take`): a served walk a node's submodule
+    /// can cut, with no budget there (overrides exist only where the model budgets), that is
+    /// neither a member of a combined walk nor one itself, is refused when the node has another
+    /// served walk with a budget that is no member either: an engine assembling that walk (the
+    /// `mixed` of `prefill` + `decode`) would wait forever while the row queues, and the row would
+    /// run only uncut. A node the model budgets nothing on runs such rows uncut by the model's
+    /// decision, as the Python class documents; `no_chunking` nodes chunk nothing by the
+    /// deployment's.
     fn check_walks_chunked(
         model: &ModelPolicies,
         settings: &BudgetSettings,
@@ -395,7 +397,8 @@ impl BudgetTable {
         accepted
     }
 
-    /// Why a per-walk override of `node`/`walk` is refused (rules 2, 5 and 3), if it is.
+    /// Why a per-walk override of `node`/`walk` is refused, if it is: a walk not served, a member
+    /// walk's budget on a node that cannot use it, or a walk the model does not budget there.
     fn walk_refusal(
         model: &ModelPolicies,
         settings: &BudgetSettings,
@@ -522,10 +525,10 @@ impl BudgetTable {
 
 /// Expands per-node settings into `(node, walk) -> accepted value`, the one walk for all of
 /// `setting` (`max_batch_tokens`, `max_step_ms`): a node the model does not have is refused
-/// (rule 1); a node-wide value goes to every walk the model budgets on the node (none there:
-/// rule 4); a per-walk value goes to its walk unless `refusal` says why not. `accept` turns a
-/// written value into the accepted one, or refuses it (`None`, having said why); `refusal` sees
-/// the accepted value, if any.
+/// (`UnknownNode`); a node-wide value goes to every walk the model budgets on the node (none
+/// there: `NodeBudgetsNothing`); a per-walk value goes to its walk unless `refusal` says why
+/// not. `accept` turns a written value into the accepted one, or refuses it (`None`, having said
+/// why); `refusal` sees the accepted value, if any.
 fn expand<V: Copy, T: Copy>(
     model: &ModelPolicies,
     setting: SettingKey,

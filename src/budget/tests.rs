@@ -211,7 +211,7 @@ fn walk_caps_only_under_a_combined_walk_on_an_override_node() {
 }
 
 #[test]
-fn rule_1_unknown_node() {
+fn an_unknown_node() {
     let mut s = settings();
     s.overrides = BTreeMap::from([(n("ghost"), NodeBudget::All(tok(5)))]);
     let e = refused(s);
@@ -222,7 +222,7 @@ fn rule_1_unknown_node() {
 }
 
 #[test]
-fn rule_2_walk_not_served() {
+fn a_walk_this_deployment_does_not_run() {
     let mut s = settings();
     s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
     assert!(
@@ -231,7 +231,7 @@ fn rule_2_walk_not_served() {
 }
 
 #[test]
-fn rule_3_walk_not_budgeted_by_the_model() {
+fn a_budget_the_model_gives_no_meaning() {
     let mut s = settings();
     s.walks.insert(n("spec_verify"));
     s.overrides = per_walk("thinker", &[("spec_verify", tok(5))]);
@@ -242,7 +242,7 @@ fn rule_3_walk_not_budgeted_by_the_model() {
 }
 
 #[test]
-fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
+fn a_node_wide_budget_on_a_node_without_budgets() {
     let subs = BTreeMap::from([(n("enc"), SubmoduleCaps::default())]);
     let model = ModelPolicies::new(subs, BTreeMap::new()).unwrap().shared();
     let mut s = BudgetSettings::defaults_for(&model);
@@ -252,7 +252,7 @@ fn rule_4_node_wide_budget_on_a_node_that_budgets_nothing() {
 }
 
 #[test]
-fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
+fn a_member_walks_budget_on_a_node_that_cannot_use_it_suggests_the_combined_walk() {
     let mut s = settings();
     s.overrides = per_walk("llm", &[("prefill", tok(512))]);
     let e = refused(s);
@@ -267,7 +267,7 @@ fn rule_5_member_walk_on_a_node_that_cannot_cap_suggests_the_combined_walk() {
 }
 
 #[test]
-fn rule_6_bad_values() {
+fn a_budget_or_floor_that_is_not_a_positive_whole_number() {
     assert_eq!(BudgetValue::tokens(0), None, "0 is not a budget");
     let mut s = settings();
     s.min_chunk_tokens = 0;
@@ -304,7 +304,7 @@ fn a_row_cap_below_an_align_is_refused() {
 }
 
 #[test]
-fn rule_7_unknown_nodes_in_lists_and_walk_in_two_combined_walks() {
+fn unknown_nodes_in_lists_and_a_walk_in_two_combined_walks() {
     let mut s = settings();
     s.override_mixed.insert(n("ghost"));
     s.no_chunking.insert(n("phantom"));
@@ -734,7 +734,10 @@ fn a_refusal_names_its_setting_node_walk_rule_and_value() {
         subject(SettingKey::MinChunkTokens, None, None)
     );
     assert_eq!(zero.value().as_deref(), Some("0"));
-    assert_eq!(zero.rule().to_string(), "docs/budgets.md#refusals, rule 6");
+    assert_eq!(
+        zero.rule().to_string(),
+        "docs/budgets.md#not-a-positive-whole-number"
+    );
     let row_cap = BudgetError::RowCapBelowAlign {
         max_row: 100,
         node: llm.clone(),
@@ -748,7 +751,7 @@ fn a_refusal_names_its_setting_node_walk_rule_and_value() {
     assert_eq!(row_cap.value().as_deref(), Some("100"));
     assert_eq!(
         row_cap.rule().to_string(),
-        "docs/budgets.md#refusals, rule 9"
+        "docs/budgets.md#max_row_tokens-below-an-align"
     );
     let time = BudgetError::BadTimeBudget {
         node: llm.clone(),
@@ -778,6 +781,253 @@ fn a_refusal_names_its_setting_node_walk_rule_and_value() {
         BudgetError::PoliciesNotSet.rule().to_string(),
         "docs/budgets.md#refusals"
     );
+}
+
+/// One refusal of every kind (every setting for the kinds whose rule depends on it), with the
+/// rule it cites. The `match` in the test makes a new kind fail to compile until it is here.
+fn every_refusal() -> Vec<(BudgetError, Rule)> {
+    use BudgetError as E;
+    use Refusal as R;
+    use SettingKey as K;
+    let (node, walk, combined) = (n("llm"), n("prefill"), n("mixed"));
+    let b = |r| Rule::Budgets(Some(r));
+    let unknown = |setting| E::UnknownNode {
+        setting,
+        node: node.clone(),
+    };
+    let zero = |setting| E::ZeroSetting { setting };
+    vec![
+        (E::PoliciesNotSet, Rule::Budgets(None)),
+        (unknown(K::MaxBatchTokens), b(R::UnknownNode)),
+        (unknown(K::MaxStepMs), b(R::UnknownNode)),
+        (unknown(K::Cost), b(R::UnknownNode)),
+        (unknown(K::NoChunking), b(R::UnknownNode)),
+        (unknown(K::OverrideMixed), b(R::UnknownNode)),
+        (unknown(K::Order), Rule::Order),
+        (
+            E::WalkNotServed {
+                setting: K::MaxBatchTokens,
+                node: node.clone(),
+                walk: walk.clone(),
+            },
+            b(R::WalkNotServed),
+        ),
+        (
+            E::CombinedWalkNotServed { walk: walk.clone() },
+            b(R::WalkNotServed),
+        ),
+        (
+            E::WalkNotBudgeted {
+                node: node.clone(),
+                walk: walk.clone(),
+            },
+            b(R::WalkNotBudgeted),
+        ),
+        (
+            E::NodeBudgetsNothing {
+                setting: K::MaxBatchTokens,
+                node: node.clone(),
+            },
+            b(R::NodeBudgetsNothing),
+        ),
+        (
+            E::MemberWalk {
+                node: node.clone(),
+                walk: walk.clone(),
+                combined: combined.clone(),
+            },
+            b(R::MemberWalk),
+        ),
+        (zero(K::MinChunkTokens), b(R::NotPositive)),
+        (zero(K::MaxRowTokens), b(R::ZeroLimit)),
+        (zero(K::MaxPartialPrefills), b(R::ZeroLimit)),
+        (zero(K::MaxWaitSteps), Rule::Order),
+        (
+            E::BelowAlign {
+                node: node.clone(),
+                walk: walk.clone(),
+                budget: 8,
+                align: 16,
+            },
+            b(R::BelowAlign),
+        ),
+        (
+            E::RowCapBelowAlign {
+                max_row: 8,
+                node: node.clone(),
+                walk: walk.clone(),
+                align: 16,
+            },
+            b(R::RowCapBelowAlign),
+        ),
+        (
+            E::SlotsFillBudget {
+                slots: 8,
+                node: node.clone(),
+                walk: walk.clone(),
+                budget: 8,
+            },
+            b(R::SlotsFillBudget),
+        ),
+        (
+            E::BadTimeBudget {
+                node: node.clone(),
+                walk: None,
+                value: 0.0,
+            },
+            Rule::TimeBudgets,
+        ),
+        (
+            E::TimeBudgetDoesNothing {
+                node: node.clone(),
+                walk: walk.clone(),
+            },
+            Rule::TimeBudgets,
+        ),
+        (
+            E::TimeBudgetWithoutTokenBudget {
+                node: node.clone(),
+                walk: walk.clone(),
+            },
+            Rule::TimeBudgets,
+        ),
+        (
+            E::TimeMemberWalk {
+                node: node.clone(),
+                walk: walk.clone(),
+                combined: combined.clone(),
+            },
+            Rule::TimeBudgets,
+        ),
+        (E::NoLatencyModel { node: node.clone() }, Rule::TimeBudgets),
+        (
+            E::WalkNeverChunked {
+                node: node.clone(),
+                walk: walk.clone(),
+                combined: combined.clone(),
+            },
+            b(R::WalkNeverChunked),
+        ),
+        (
+            E::ZeroLatencyModel { node: node.clone() },
+            Rule::TimeBudgets,
+        ),
+        (
+            E::LatencyModelTooLarge {
+                node: node.clone(),
+                key: "base_ms",
+                value: 1e300,
+            },
+            Rule::TimeBudgets,
+        ),
+        (
+            E::TimeBudgetBelowBase {
+                node: node.clone(),
+                walk: walk.clone(),
+                max_step_ms: 1.0,
+                base_ms: 2.0,
+            },
+            Rule::TimeBudgets,
+        ),
+        (E::BadTimeMargin { value: 2.0 }, Rule::TimeMargin),
+        (E::TimeMarginWithoutBudget, Rule::TimeMargin),
+        (E::BadMaxWait { value: 0.0 }, Rule::Order),
+        (
+            E::WalkInTwoCombined {
+                walk: walk.clone(),
+                first: combined.clone(),
+                second: n("other"),
+            },
+            b(R::WalkInTwoCombined),
+        ),
+    ]
+}
+
+/// `rule ` followed by a digit: a rule cited by its number.
+fn cites_a_number(text: &str) -> bool {
+    text.match_indices("rule ")
+        .any(|(i, m)| text[i + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
+}
+
+#[test]
+fn every_refusal_cites_its_rule_by_the_anchor_of_its_heading_never_a_number() {
+    let all = every_refusal();
+    let mut kinds = [false; 24];
+    for (e, want) in &all {
+        // Every kind of refusal is sampled: a new one fails to compile here until it is.
+        let kind = match e {
+            BudgetError::PoliciesNotSet => 0,
+            BudgetError::UnknownNode { .. } => 1,
+            BudgetError::WalkNotServed { .. } => 2,
+            BudgetError::CombinedWalkNotServed { .. } => 3,
+            BudgetError::WalkNotBudgeted { .. } => 4,
+            BudgetError::NodeBudgetsNothing { .. } => 5,
+            BudgetError::MemberWalk { .. } => 6,
+            BudgetError::ZeroSetting { .. } => 7,
+            BudgetError::BelowAlign { .. } => 8,
+            BudgetError::RowCapBelowAlign { .. } => 9,
+            BudgetError::SlotsFillBudget { .. } => 10,
+            BudgetError::BadTimeBudget { .. } => 11,
+            BudgetError::TimeBudgetDoesNothing { .. } => 12,
+            BudgetError::TimeBudgetWithoutTokenBudget { .. } => 13,
+            BudgetError::TimeMemberWalk { .. } => 14,
+            BudgetError::NoLatencyModel { .. } => 15,
+            BudgetError::WalkNeverChunked { .. } => 16,
+            BudgetError::ZeroLatencyModel { .. } => 17,
+            BudgetError::LatencyModelTooLarge { .. } => 18,
+            BudgetError::TimeBudgetBelowBase { .. } => 19,
+            BudgetError::BadTimeMargin { .. } => 20,
+            BudgetError::TimeMarginWithoutBudget => 21,
+            BudgetError::BadMaxWait { .. } => 22,
+            BudgetError::WalkInTwoCombined { .. } => 23,
+        };
+        kinds[kind] = true;
+        assert_eq!(e.rule(), *want, "{e}");
+        assert!(Rule::ALL.contains(&e.rule()), "{e}: {:?}", e.rule());
+        // As the config loader reports it: the message, then the rule.
+        let message = format!("{e} ({})", e.rule());
+        assert!(!cites_a_number(&message), "{message}");
+        let rule = e.rule().to_string();
+        assert_eq!(rule, format!("{}#{}", want.page(), want.anchor()));
+    }
+    assert!(kinds.iter().all(|k| *k), "{kinds:?}");
+    // Every rule a refusal may cite is cited by one; each is a heading of its page.
+    for rule in Rule::ALL {
+        assert!(
+            all.iter().any(|(_, r)| *r == rule),
+            "{rule} is cited by none"
+        );
+        let page = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rule.page()),
+        )
+        .unwrap();
+        let headings: Vec<String> = page
+            .lines()
+            .filter_map(|l| l.strip_prefix("## ").or_else(|| l.strip_prefix("### ")))
+            .map(github_anchor)
+            .collect();
+        assert!(
+            headings.iter().any(|h| h == rule.anchor()),
+            "{rule}: no such heading in {}",
+            rule.page()
+        );
+        assert!(!cites_a_number(&rule.to_string()), "{rule}");
+    }
+    assert!(cites_a_number("see rule 6") && !cites_a_number("rule six, rules"));
+}
+
+/// GitHub's anchor for a heading: lower case, spaces as `-`, other punctuation than `-` and `_`
+/// dropped.
+fn github_anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => c.to_lowercase().next(),
+            _ => None,
+        })
+        .collect()
 }
 
 #[test]
@@ -985,7 +1235,10 @@ fn slots_per_row_at_or_above_a_budget_are_refused_naming_node_walk_and_budget() 
         "`slots_per_row` 128 fills the budget of 128 tokens of `llm`/`mixed`: no row there could run a token"
     );
     assert_eq!(e.value().as_deref(), Some("128"));
-    assert_eq!(e.rule().to_string(), "docs/budgets.md#refusals, rule 12");
+    assert_eq!(
+        e.rule().to_string(),
+        "docs/budgets.md#slots-that-fill-a-budget"
+    );
     // The thinker's decode budget (256) is over 128: only the llm's steps are named.
     s.slots_per_row = 0;
     assert!(BudgetTable::build(omni(), s).is_ok());

@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 
 use super::layers::KeyOrigins;
-use super::problem::ConfigProblem;
+use super::problem::{ConfigProblem, MAX_SHOWN_CHARS};
 use super::sections::ChunkingSection;
 use super::spelling::{NodeBudgetSetting, NodeTimeSetting, OrderSetting};
 use crate::budget::{
-    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, OrderSettings,
+    BudgetError, BudgetSettings, BudgetTable, NodeBudget, NodeTimeBudget, OrderSettings, Rule,
     SettingKey, Subject, TimeSettings,
 };
 use crate::manifest::Manifest;
@@ -158,6 +158,21 @@ pub fn budget_rows(manifest: &Manifest, table: &BudgetTable) -> Vec<BudgetRow> {
     rows
 }
 
+/// `message (rule)`, the message cut (with `…`) so that the whole fits in what a problem shows
+/// ([`MAX_SHOWN_CHARS`]): a long message never cuts the pointer to its rule's heading.
+pub(super) fn with_rule(message: &str, rule: Rule) -> String {
+    let rule = format!(" ({rule})");
+    let (len, rule_len) = (message.chars().count(), rule.chars().count());
+    if len + rule_len <= MAX_SHOWN_CHARS {
+        return format!("{message}{rule}");
+    }
+    let cut: String = message
+        .chars()
+        .take(MAX_SHOWN_CHARS.saturating_sub(rule_len + 1))
+        .collect();
+    format!("{cut}…{rule}")
+}
+
 /// A budget refusal as a problem naming its key, value and layer; a refusal of the model
 /// itself names the manifest.
 pub(super) fn budget_problem(
@@ -166,7 +181,7 @@ pub(super) fn budget_problem(
     model_origin: &str,
     origins: &KeyOrigins,
 ) -> ConfigProblem {
-    let reason = format!("{e} ({})", e.rule());
+    let reason = with_rule(&e.to_string(), e.rule());
     let from_model = |s: &Subject| {
         matches!(
             s.setting,

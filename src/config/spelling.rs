@@ -15,7 +15,7 @@ use std::marker::PhantomData;
 use serde::de::{self, Deserializer, Expected, Visitor};
 use serde::Deserialize;
 
-use crate::budget::{BudgetValue, TimeBudget};
+use crate::budget::{BudgetValue, Refusal, Rule, TimeBudget};
 use crate::latency::check_max_step_ms;
 use crate::order::Order;
 
@@ -185,7 +185,7 @@ impl<'de, T: Spelling + Deserialize<'de>> Deserialize<'de> for PerNode<T> {
 // === token budgets ===
 
 /// The rule a refused token budget spelling breaks.
-const BUDGET_RULE: &str = "docs/budgets.md#refusals, rule 6";
+const BUDGET_RULE: Rule = Rule::Budgets(Some(Refusal::NotPositive));
 
 /// One token budget as written in a config layer (`chunking.max_batch_tokens`): a positive
 /// whole number of tokens up to `u32::MAX`, as a number or a string of decimal digits, or
@@ -427,7 +427,7 @@ mod tests {
             let e = parse(bad.clone()).unwrap_err();
             assert_eq!(
                 e,
-                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/budgets.md#refusals, rule 6)"),
+                format!("expected a positive whole number of tokens (at most 4294967295) or \"off\", got {shown} (docs/budgets.md#not-a-positive-whole-number)"),
                 "{bad}"
             );
         }
@@ -473,7 +473,7 @@ mod tests {
         assert!(e.contains("invalid type: boolean `false`"), "{e}");
         let e = node(json!(0)).unwrap_err().to_string();
         assert!(
-            e.ends_with("got 0 (docs/budgets.md#refusals, rule 6)"),
+            e.ends_with("got 0 (docs/budgets.md#not-a-positive-whole-number)"),
             "{e}"
         );
     }

@@ -93,7 +93,7 @@ fn later_layers_win_and_errors_name_the_layer_that_set_the_key() {
     assert_eq!(
         p,
         [format!(
-            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#refusals, rule 6)",
+            "{}: `chunking.min_chunk_tokens` = 0: `min_chunk_tokens` must be at least 1, got 0 (docs/budgets.md#not-a-positive-whole-number)",
             a.display()
         )]
     );
@@ -112,7 +112,7 @@ fn a_negative_budget_is_refused_at_the_boundary_naming_key_and_layer() {
     );
     assert_eq!(
         problems(&o),
-        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#refusals, rule 6)"]
+        ["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__LLM__MIXED: `chunking.max_batch_tokens.llm.mixed` = -1: expected a positive whole number of tokens (at most 4294967295) or \"off\", got -1 (docs/budgets.md#not-a-positive-whole-number)"]
     );
     let l = load(&opts(
         "demo.toml",
@@ -350,7 +350,7 @@ fn a_time_budget_refusal_names_its_own_key_not_the_token_budget_key() {
         ],
     );
     let p = problems(&o);
-    let want = "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#refusals, rule 2)";
+    let want = "`chunking.max_step_ms.thinker.spec_verify` = 40: budget for `thinker`/`spec_verify`: walk `spec_verify` is not served by this deployment (docs/budgets.md#a-walk-not-served)";
     assert!(p.iter().any(|l| l.contains(want)), "{want} not in {p:#?}");
     assert!(
         p.iter().all(|l| !l.contains("chunking.max_batch_tokens")),
@@ -568,4 +568,24 @@ fn a_section_that_learns_the_cost_lets_a_time_budget_without_a_model_load() {
     assert!(table.settings().time.learn);
     let (_dir, o) = with_layer("demo.toml", &format!("{text}[sim]\nlearn = false\n"));
     assert!(load_with::<Sim>(&o, &[]).is_err());
+}
+
+#[test]
+fn a_long_refusal_is_cut_before_its_rule_never_through_it() {
+    use crate::budget::{Refusal, Rule};
+    use problem::{escape, MAX_SHOWN_CHARS};
+    let rule = Rule::Budgets(Some(Refusal::MemberWalk));
+    let tail = " (docs/budgets.md#a-member-walks-budget)";
+    assert_eq!(budgets::with_rule("short", rule), format!("short{tail}"));
+    // Exactly what a problem shows: whole.
+    let fits = "m".repeat(MAX_SHOWN_CHARS - tail.len());
+    assert_eq!(budgets::with_rule(&fits, rule), format!("{fits}{tail}"));
+    // One more: the message is cut, the rule kept, and the display cuts nothing further.
+    for long in [format!("{fits}x"), "é".repeat(3 * MAX_SHOWN_CHARS)] {
+        let shown = budgets::with_rule(&long, rule);
+        assert_eq!(shown.chars().count(), MAX_SHOWN_CHARS, "{shown}");
+        assert!(shown.ends_with(&format!("…{tail}")), "{shown}");
+        assert!(long.starts_with(shown.trim_end_matches(tail).trim_end_matches('…')));
+        assert_eq!(escape(&shown), shown);
+    }
 }

@@ -302,54 +302,54 @@ const fn bad_env(
 
 const BAD: &[Bad] = &[
     bad(
-        "rule 1: a node the model does not have",
+        "an unknown node",
         "[chunking.max_batch_tokens]\nghost = 4096\n",
-        &["{file}: `chunking.max_batch_tokens.ghost` = 4096", "node `ghost`, which the model does not have", "rule 1"],
+        &["{file}: `chunking.max_batch_tokens.ghost` = 4096", "node `ghost`, which the model does not have (docs/budgets.md#an-unknown-node)"],
     ),
     bad(
-        "rule 2: a walk not served",
+        "a walk this deployment does not run",
         "[chunking.max_batch_tokens]\nthinker = { spec_verify = 512 }\n",
-        &["{file}: `chunking.max_batch_tokens.thinker.spec_verify` = 512", "not served", "rule 2"],
+        &["{file}: `chunking.max_batch_tokens.thinker.spec_verify` = 512", "not served by this deployment (docs/budgets.md#a-walk-not-served)"],
     ),
     bad(
-        "rule 3: a walk the model does not budget on the node",
+        "a budget the model gives no meaning",
         "[chunking.max_batch_tokens]\nvision = { mixed = 512 }\n",
-        &["{file}: `chunking.max_batch_tokens.vision.mixed` = 512", "the model does not budget `mixed` on `vision`", "rule 3"],
+        &["{file}: `chunking.max_batch_tokens.vision.mixed` = 512", "the model does not budget `mixed` on `vision` (docs/budgets.md#a-walk-the-model-does-not-budget)"],
     ),
     Bad {
-        name: "rule 4: a node-wide budget on a node that budgets nothing",
+        name: "a node-wide budget on a node without budgets",
         model: "tests/fixtures/config/models/encoder.toml",
         layer: Some(("toml", "[chunking.max_batch_tokens]\nenc = 1024\n")),
         env: &[],
-        expect: &["{file}: `chunking.max_batch_tokens.enc` = 1024", "budgets no walk on `enc`", "rule 4"],
+        expect: &["{file}: `chunking.max_batch_tokens.enc` = 1024", "budgets no walk on `enc` (docs/budgets.md#a-node-that-budgets-nothing)"],
     },
     bad(
-        "rule 5: a member walk on a node that cannot cap",
+        "a member walk's budget on a node that cannot use it",
         "[chunking.max_batch_tokens]\ntalker = { prefill = 1024 }\n",
-        &["{file}: `chunking.max_batch_tokens.talker.prefill` = 1024", "set `mixed` instead", "rule 5"],
+        &["{file}: `chunking.max_batch_tokens.talker.prefill` = 1024", "set `mixed` instead (docs/budgets.md#a-member-walks-budget)"],
     ),
     bad(
-        "rule 6: a zero budget",
+        "a zero budget",
         "[chunking.max_batch_tokens]\nthinker = { mixed = 0 }\n",
-        &["{file}: `chunking.max_batch_tokens.thinker.mixed` = 0", "positive whole number", "rule 6"],
+        &["{file}: `chunking.max_batch_tokens.thinker.mixed` = 0", "positive whole number", "got 0 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
-        "rule 6: a negative node-wide budget",
+        "a negative node-wide budget",
         "[chunking.max_batch_tokens]\nthinker = -1\n",
-        &["{file}: `chunking.max_batch_tokens.thinker` = -1", "got -1", "rule 6"],
+        &["{file}: `chunking.max_batch_tokens.thinker` = -1", "got -1 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
-        "rule 6: min_chunk_tokens of 0",
+        "min_chunk_tokens of 0",
         "[chunking]\nmin_chunk_tokens = 0\n",
-        &["{file}: `chunking.min_chunk_tokens` = 0", "at least 1", "rule 6"],
+        &["{file}: `chunking.min_chunk_tokens` = 0", "at least 1, got 0 (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
-        "rule 7: no_chunking names a node the model does not have",
+        "no_chunking names a node the model does not have",
         "[chunking]\nno_chunking = [\"talker\", \"ghost\"]\n",
-        &["{file}: `chunking.no_chunking` = \"ghost\"", "rule 7"],
+        &["{file}: `chunking.no_chunking` = \"ghost\"", "which the model does not have (docs/budgets.md#an-unknown-node)"],
     ),
     Bad {
-        name: "rule 7: a walk in two combined walks",
+        name: "a walk in two combined walks",
         model: "tests/fixtures/config/models/two_combined.toml",
         layer: None,
         env: &[],
@@ -374,7 +374,7 @@ const BAD: &[Bad] = &[
     bad(
         "a budget of \"none\"",
         "[chunking.max_batch_tokens]\nvision = \"none\"\n",
-        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/budgets.md#refusals, rule 6)"],
+        &["{file}: `chunking.max_batch_tokens.vision` = \"none\"", "got \"none\" (docs/budgets.md#not-a-positive-whole-number)"],
     ),
     bad(
         "a budget of 1.5",
@@ -459,9 +459,9 @@ const BAD: &[Bad] = &[
         &["environment variable MSTAR__CHUNKING__MAX_BATCH: `chunking.max_batch`: unknown field `max_batch`"],
     ),
     bad_env(
-        "env: rule 5",
+        "env: a member walk's budget on a node that cannot use it",
         &[("MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL", "100")],
-        &["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL: `chunking.max_batch_tokens.talker.prefill` = 100", "rule 5"],
+        &["environment variable MSTAR__CHUNKING__MAX_BATCH_TOKENS__TALKER__PREFILL: `chunking.max_batch_tokens.talker.prefill` = 100", "set `mixed` instead (docs/budgets.md#a-member-walks-budget)"],
     ),
     bad_env(
         "env: MSTAR_ENV names a missing layer",
@@ -499,6 +499,9 @@ fn bad_configs_exit_2_naming_key_and_layer() {
         }
         if !r.stdout.is_empty() {
             failures.push(format!("{}: printed a table: {}", case.name, r.stdout));
+        }
+        for problem in crate::doc_commands::citation_problems(&r.stderr) {
+            failures.push(format!("{}: {problem}:\n{}", case.name, r.stderr));
         }
         for want in case.expect {
             let want = want.replace("{file}", &file);

@@ -465,6 +465,139 @@ fn every_relative_link_and_anchor_resolves() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// What is wrong with the doc citations in a message (an error's text, a command's stderr): a
+/// rule cited by its number (`rule ` and a digit), or a `docs/<page>.md#<anchor>` whose page or
+/// heading does not exist. A message says what was wrong on its own, and points to a page's
+/// section only by the anchor of a heading.
+pub(crate) fn citation_problems(text: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (i, m) in text.match_indices("rule ") {
+        if text[i + m.len()..].starts_with(|c: char| c.is_ascii_digit()) {
+            let end = (i + 12).min(text.len());
+            problems.push(format!("cites a rule by its number: {:?}", &text[i..end]));
+        }
+    }
+    problems.extend(anchor_problems(text, false));
+    problems
+}
+
+/// The `docs/<page>.md#<anchor>` citations in `text` whose page does not exist, or whose anchor
+/// is no heading of the page (nor, with `ids`, an explicit `<a id="…">` there).
+fn anchor_problems(text: &str, ids: bool) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (i, _) in text.match_indices("docs/") {
+        let rest = &text[i..];
+        let Some(md) = rest.find(".md") else { continue };
+        let page = &rest[..md + 3];
+        if !page[5..md]
+            .chars()
+            .all(|c| c.is_alphanumeric() || "-_/".contains(c))
+        {
+            continue;
+        }
+        let Ok(body) = std::fs::read_to_string(repo_root().join(page)) else {
+            problems.push(format!("`{page}`: no such page"));
+            continue;
+        };
+        let Some(frag) = rest[md + 3..].strip_prefix('#') else {
+            continue;
+        };
+        let frag: String = frag
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
+            .collect();
+        let explicit = ids && body.contains(&format!("<a id=\"{frag}\">"));
+        if !explicit && !anchors(&body).contains(&frag) {
+            problems.push(format!("`{page}#{frag}`: no heading with that anchor"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_rule_a_refusal_cites_is_a_heading_of_its_page_named_not_numbered() {
+    use mstar_chunking::budget::Rule;
+    for rule in Rule::ALL {
+        let cited = rule.to_string();
+        assert_eq!(cited, format!("{}#{}", rule.page(), rule.anchor()));
+        let page = std::fs::read_to_string(repo_root().join(rule.page())).unwrap();
+        let anchor = rule.anchor().to_owned();
+        assert!(anchors(&page).contains(&anchor), "{cited}: no such heading");
+        let problems = citation_problems(&format!("a refusal ({cited})"));
+        assert!(problems.is_empty(), "{cited}: {problems:?}");
+    }
+    // The check can fail: a number, a missing heading, a missing page.
+    assert_eq!(
+        citation_problems("x (docs/budgets.md#refusals, rule 6)"),
+        ["cites a rule by its number: \"rule 6)\""]
+    );
+    assert_eq!(
+        citation_problems("see docs/budgets.md#no-such-heading."),
+        ["`docs/budgets.md#no-such-heading`: no heading with that anchor"]
+    );
+    assert_eq!(
+        citation_problems("see docs/nowhere.md#x"),
+        ["`docs/nowhere.md`: no such page"]
+    );
+    assert!(citation_problems("docs/budgets.md#an-unknown-node; docs/vllm.md").is_empty());
+    // An explicit anchor counts in the code's comments, not in a message.
+    let stranded = "docs/failures.md#stranded-rows";
+    assert!(anchor_problems(stranded, true).is_empty());
+    assert_eq!(anchor_problems(stranded, false).len(), 1);
+}
+
+/// The files whose messages and comments cite the docs: the component's, the simulator's and
+/// the engine's sources, the Python package and the tests.
+fn cited_from() -> Vec<PathBuf> {
+    let root = repo_root();
+    let mut out = Vec::new();
+    let mut dirs: Vec<PathBuf> = [
+        "src",
+        "sim/src",
+        "engine/src",
+        "python/src",
+        "python/mstar_chunking",
+        "tests",
+        "sim/tests",
+    ]
+    .iter()
+    .map(|d| root.join(d))
+    .collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|e| ["rs", "py", "toml"].iter().any(|x| e == *x))
+            {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_doc_anchor_the_code_cites_resolves() {
+    let files = cited_from();
+    assert!(files.len() > 50, "{}", files.len());
+    let mut problems = Vec::new();
+    for file in files {
+        // This file's own checks cite missing anchors on purpose.
+        if file.ends_with("sim/tests/it/doc_commands.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        for p in anchor_problems(&text, true) {
+            problems.push(format!("{}: {p}", rel(&file)));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 #[test]
 fn anchors_follow_githubs_rule() {
     assert_eq!(
