@@ -64,6 +64,15 @@ REPEAT=${REPEAT:-1}
 # their turns; the load generator's timestamps are the TBT and TTFT measured).
 ENGINE_CPU=${ENGINE_CPU:-1}
 ENGINE_NICE=${ENGINE_NICE:-0}
+# Where the kernel groups tasks by session (sched_autogroup), a nice weighs a task only against
+# its own session's: another session's build at nice 19 takes the engine's core in turns with
+# it. The session's own nice is set to ENGINE_NICE as well (this script's session: the engine,
+# the load generator, the script, and whatever else runs in it), and put back on exit.
+SESSION_NICE=""
+if [[ $ENGINE_NICE != 0 && -e /proc/self/autogroup ]]; then
+  SESSION_NICE=$(sed 's/.*nice //' /proc/self/autogroup)
+  echo "$ENGINE_NICE" 2>/dev/null >/proc/self/autogroup || { echo "could not set the session's nice to $ENGINE_NICE" >&2; SESSION_NICE=""; }
+fi
 PORT=${PORT:-8327}
 CARGO=${CARGO:-cargo}
 mkdir -p "$OUT"
@@ -90,6 +99,7 @@ stop_server() {
 cleanup() {
   if [[ -n "$LOADGEN" ]]; then kill -TERM "$LOADGEN" 2>/dev/null || true; wait "$LOADGEN" 2>/dev/null || true; fi
   stop_server
+  if [[ -n "$SESSION_NICE" ]]; then echo "$SESSION_NICE" 2>/dev/null >/proc/self/autogroup || true; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT
