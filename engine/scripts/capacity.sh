@@ -4,21 +4,22 @@
 # checked on real compute. Writes everything under target/engine-capacity/ and prints the summary.
 #
 #   cal     a calibration run (token budget CAL_BUDGET) -> `fit --errors relative` (the planner's
-#           cost, which the replay's steps are also priced from), `fit --for replay` (the engine's
-#           spread around it), the decode-only median,
+#           cost), `fit --for replay` of its steps that run a decode row (the replay's cost and
+#           noise bands), the decode-only median,
 #           and the trace the engine ran (bench --write-trace, at rate CAL_RATE)
 #   obj     TBT p99 <= TBT_FACTOR x the decode-only median; TTFT p90 <= TTFT_FACTOR x the fitted
 #           time of the trace's p90 prompt prefilled alone; time budget X = TIME_SHARE x the TBT bound
-#   replay  `mstar-chunking sweep` of that trace priced by the fit: capacity of every token budget
-#           of REPLAY_BUDGETS, and of X in a sweep of its own
+#   replay  `mstar-chunking sweep` of that trace priced by the fit with its noise: capacity of
+#           every token budget of REPLAY_BUDGETS, and of X in a sweep of its own, each the median
+#           over REPLAY_SEEDS seeds of the noise
 #   engine  capacity of the replay's best two token budgets (or TOKEN_SETTINGS) and of X on the
 #           engine: from the replay's capacity, up or down by STEP until one rate meets and one
 #           misses, then bisection to TOL, at most MAX_PROBES probes a setting; each probe a
 #           fresh server and REQUESTS requests, bounded in time
 #
 # Knobs (environment): TRACE, REQUESTS, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, CAL_RATE,
-# CAL_BUDGET, TBT_FACTOR, TTFT_FACTOR, TIME_SHARE, FLOOR, TIME_MARGIN, REPLAY_BUDGETS, REPLAY_NOISE,
-# REPLAY_SEEDS (with REPLAY_NOISE=1),
+# CAL_BUDGET, TBT_FACTOR, TTFT_FACTOR, TIME_SHARE, FLOOR, TIME_MARGIN, REPLAY_BUDGETS, REPLAY_NOISE
+# (decode, all or off: the noise bands of the steps with a decode row, of every step, none), REPLAY_SEEDS,
 # TOKEN_SETTINGS, STEP, TOL, MAX_PROBES, REPEAT (1: the capacity found probed again),
 # ENGINE_CPU, ENGINE_NICE, PORT, OUT, STAGES (a subset of "cal replay engine summary"; later
 # stages read the earlier ones' files in OUT; the engine stage adds to OUT/probes.tsv and
@@ -52,7 +53,7 @@ FLOOR=${FLOOR:-4}
 TIME_MARGIN=${TIME_MARGIN:-0.99}
 # Fine near the largest chunk the TBT bound holds, so that the best token budget is well tuned.
 REPLAY_BUDGETS=${REPLAY_BUDGETS:-8,12,16,20,24,32,64,256}
-REPLAY_NOISE=${REPLAY_NOISE:-0}
+REPLAY_NOISE=${REPLAY_NOISE:-decode}
 REPLAY_SEEDS=${REPLAY_SEEDS:-21}
 TOKEN_SETTINGS=${TOKEN_SETTINGS:-}
 STEP=${STEP:-1.25}
@@ -139,8 +140,11 @@ if wants cal; then
   run "$OUT/cal" "$CAL_RATE" 1800 --budget "$CAL_BUDGET" --align 1 --min-chunk-tokens "$FLOOR"
   test -s "$OUT/cal/bench.json" || { echo "the calibration run did not finish" >&2; exit 1; }
   "$CHUNKING" fit --errors relative "$OUT/cal/steps.jsonl" --node llm | tee "$OUT/cal/fit.txt"
-  # The engine's spread around the fit, by price (kept as a record; REPLAY_NOISE=1 draws from
-  # the spread of the steps that run a decode row, whose times are the gaps TBT is made of).
+  # The replay's cost and noise bands from the steps that run a decode row, whose times are the
+  # gaps TBT is made of (REPLAY_NOISE=decode), or from every step (all). The steps that run
+  # prompt chunks alone (a busy period's first steps, a long prompt's last chunks) scatter past
+  # 1.1 x the fit two to four times as often; drawn onto steps of several decode rows, they set
+  # the replay's TBT p99 (engine/results/capacity-2026-12-06-fidelity.md).
   "$CHUNKING" fit --errors relative --for replay "$OUT/cal/steps.jsonl" --node llm >"$OUT/cal/replay-cost.txt"
   python3 engine/scripts/capacity.py decode-steps "$OUT/cal/steps.jsonl" "$OUT/cal/steps-decode.jsonl"
   "$CHUNKING" fit --errors relative --for replay "$OUT/cal/steps-decode.jsonl" --node llm >"$OUT/cal/replay-cost-decode.txt"
@@ -155,22 +159,17 @@ echo "objective: TBT p99 <= $TBT_MS ms, TTFT p90 <= $TTFT_MS ms; time budget X =
 
 if wants replay; then
   # The replay's config: the engine's floor, the planner's cost, and each step priced from the
-  # calibration's fit, without noise unless REPLAY_NOISE=1. Drawn per step, the calibration's
-  # spread puts the TBT p99 of a setting whose steps sit near the TBT bound 10-15% over the
-  # engine's, and from one calibration to the next anywhere in a third of capacity: the engine's
-  # slow steps are mostly ones that make one token gap or none (prompt chunks alone, one decode
-  # row), a draw lands on a step of six decode rows as readily, and the rare slow steps that set
-  # a p99 are a handful of a calibration's (engine/results/capacity-2026-12-06-fidelity.md).
-  # The time budget runs in a sweep of its own whose
-  # config sets it with the margin (a margin is refused where no node has a time budget, as in
-  # the token budgets' cells); its one cell runs under the token budget of 2048, as the engine's.
-  if [[ $REPLAY_NOISE == 1 ]]; then
-    cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost-decode.txt")
-    seeds=$REPLAY_SEEDS
-  else
-    cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt" | sed '/^\[\[replay.cost.noise_bands\]\]/,$d' | grep -v '^#')
-    seeds=1
-  fi
+  # calibration's fit with its noise bands (none with REPLAY_NOISE=off). The time budget runs in
+  # a sweep of its own whose config sets it with the margin (a margin is refused where no node
+  # has a time budget, as in the token budgets' cells); its one cell runs under the token budget
+  # of 2048, as the engine's.
+  case $REPLAY_NOISE in
+    decode) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost-decode.txt"); seeds=$REPLAY_SEEDS ;;
+    all) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt"); seeds=$REPLAY_SEEDS ;;
+    off) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt" | sed '/^\[\[replay.cost.noise_bands\]\]/,$d' | grep -v '^#')
+      seeds=1 ;;
+    *) echo "REPLAY_NOISE is decode, all or off, not '$REPLAY_NOISE'" >&2; exit 2 ;;
+  esac
   { printf '[chunking]\nmin_chunk_tokens = %s\n\n' "$FLOOR"
     sed -n '/^\[chunking.cost.llm\]/,$p' "$OUT/cal/fit.txt"; echo
     echo "$cost"; } >"$OUT/replay.toml"
@@ -181,8 +180,8 @@ if wants replay; then
       --config "$OUT/replay.toml" --trace "$OUT/cal/scaled.csv" --format generic --rates 0.5,1,2 \
       --slo-tbt-p99 "$TBT_MS" --slo-ttft-p90 "$TTFT_MS" "$@" >"$out.txt" 2>&1 || { cat "$out.txt" >&2; exit 1; }
   }
-  # With noise, once per noise seed: a TBT p99 rests on the few largest draws, so one seed moves
-  # a setting whose steps sit near the TBT bound by a third; the capacity is the median.
+  # Once per noise seed: a TBT p99 rests on the few largest draws, so one seed moves a setting
+  # whose steps sit near the TBT bound by a third; the capacity is the median over the seeds.
   echo "== replay: sweep of token budgets $REPLAY_BUDGETS and of $X_MS ms, $seeds seed(s) (load $(load1))"
   rm -rf "$OUT"/replay-seeds.txt "$OUT"/replay-tokens-s* "$OUT"/replay-time-s*
   for seed in $(seq 1 "$seeds"); do
