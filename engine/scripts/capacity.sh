@@ -65,14 +65,14 @@ REPEAT=${REPEAT:-1}
 # their turns; the load generator's timestamps are the TBT and TTFT measured).
 ENGINE_CPU=${ENGINE_CPU:-1}
 ENGINE_NICE=${ENGINE_NICE:-0}
-# Where the kernel groups tasks by session (sched_autogroup), a nice weighs a task only against
-# its own session's: another session's build at nice 19 takes the engine's core in turns with
-# it. The session's own nice is set to ENGINE_NICE as well (this script's session: the engine,
-# the load generator, the script, and whatever else runs in it), and put back on exit.
-SESSION_NICE=""
+# Where the kernel groups tasks into autogroups (sched_autogroup: one a login or setsid), a nice
+# weighs a task only against its own autogroup's: another autogroup's build at nice 19 takes the
+# engine's core in turns with it. This script's autogroup (the engine, the load generator, the
+# script, and whatever else runs in it) is set to ENGINE_NICE as well, and put back on exit.
+GROUP_NICE=""
 if [[ $ENGINE_NICE != 0 && -e /proc/self/autogroup ]]; then
-  SESSION_NICE=$(sed 's/.*nice //' /proc/self/autogroup)
-  echo "$ENGINE_NICE" 2>/dev/null >/proc/self/autogroup || { echo "could not set the session's nice to $ENGINE_NICE" >&2; SESSION_NICE=""; }
+  GROUP_NICE=$(sed 's/.*nice //' /proc/self/autogroup)
+  echo "$ENGINE_NICE" 2>/dev/null >/proc/self/autogroup || { echo "could not set the autogroup's nice to $ENGINE_NICE" >&2; GROUP_NICE=""; }
 fi
 PORT=${PORT:-8327}
 CARGO=${CARGO:-cargo}
@@ -100,7 +100,7 @@ stop_server() {
 cleanup() {
   if [[ -n "$LOADGEN" ]]; then kill -TERM "$LOADGEN" 2>/dev/null || true; wait "$LOADGEN" 2>/dev/null || true; fi
   stop_server
-  if [[ -n "$SESSION_NICE" ]]; then echo "$SESSION_NICE" 2>/dev/null >/proc/self/autogroup || true; fi
+  if [[ -n "$GROUP_NICE" ]]; then echo "$GROUP_NICE" 2>/dev/null >/proc/self/autogroup || true; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -143,7 +143,7 @@ if wants cal; then
   # The replay's cost and noise bands from the steps that run a decode row, whose times are the
   # gaps TBT is made of (REPLAY_NOISE=decode), or from every step (all). The steps that run
   # prompt chunks alone (a busy period's first steps, a long prompt's last chunks) scatter past
-  # 1.1 x the fit two to four times as often; drawn onto steps of several decode rows, they set
+  # 1.1 x the fit two to seven times as often; drawn onto steps of several decode rows, they set
   # the replay's TBT p99 (engine/results/capacity-2026-12-06-fidelity.md).
   "$CHUNKING" fit --errors relative --for replay "$OUT/cal/steps.jsonl" --node llm >"$OUT/cal/replay-cost.txt"
   python3 engine/scripts/capacity.py decode-steps "$OUT/cal/steps.jsonl" "$OUT/cal/steps-decode.jsonl"
