@@ -117,6 +117,36 @@ def replay_capacities(sweep_dir, cal_rate, label=None):
         print(f"{name} {cap:.4f}")
 
 
+def decode_steps(steps_in, steps_out):
+    """The steps of a step log that run at least one continuing (decode) row, the steps whose
+    times are the gaps between a request's tokens, written to `steps_out`; prints how many of
+    how many."""
+    kept = total = 0
+    with open(steps_in) as f, open(steps_out, "w") as out:
+        for line in f:
+            if not line.strip():
+                continue
+            total += 1
+            if any(r.get("kind") == "continue" for r in json.loads(line)["rows"]):
+                out.write(line)
+                kept += 1
+    print(f"{kept} of {total} steps run a decode row")
+
+
+def median_capacities(seeds_tsv):
+    """`LABEL CAPACITY` per setting: the median over the noise seeds of `seeds_tsv` (lines
+    `SEED LABEL CAPACITY`), in the order the settings first appear."""
+    caps = {}
+    for line in Path(seeds_tsv).read_text().splitlines():
+        _, name, cap = line.split()
+        caps.setdefault(name, []).append(float(cap))
+    for name, v in caps.items():
+        v.sort()
+        n = len(v)
+        med = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+        print(f"{name} {med:.4f}")
+
+
 def best_token_budgets(capacities, n):
     """The `n` token budgets with the most replayed capacity (the smallest of equals), as `a,b`."""
     rows = []
@@ -187,4 +217,5 @@ def summary(out, settings):
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     {"objective": objective, "probe": probe, "next": next_rate, "replay": replay_capacities,
-     "best-tokens": best_token_budgets, "capacity": capacity, "summary": summary}[cmd](*args)
+     "best-tokens": best_token_budgets,
+     "decode-steps": decode_steps, "median": median_capacities, "capacity": capacity, "summary": summary}[cmd](*args)

@@ -4,19 +4,22 @@
 # checked on real compute. Writes everything under target/engine-capacity/ and prints the summary.
 #
 #   cal     a calibration run (token budget CAL_BUDGET) -> `fit --errors relative` (the planner's
-#           cost), `fit --for replay` (the replay's cost and noise bands), the decode-only median,
+#           cost), `fit --for replay` of its steps that run a decode row (the replay's cost and
+#           noise bands), the decode-only median,
 #           and the trace the engine ran (bench --write-trace, at rate CAL_RATE)
 #   obj     TBT p99 <= TBT_FACTOR x the decode-only median; TTFT p90 <= TTFT_FACTOR x the fitted
 #           time of the trace's p90 prompt prefilled alone; time budget X = TIME_SHARE x the TBT bound
-#   replay  `mstar-chunking sweep` of that trace with the fitted cost and noise bands: capacity
-#           of every token budget of REPLAY_BUDGETS, and of X in a sweep of its own
+#   replay  `mstar-chunking sweep` of that trace priced by the fit with its noise: capacity of
+#           every token budget of REPLAY_BUDGETS, and of X in a sweep of its own, each the median
+#           over REPLAY_SEEDS seeds of the noise
 #   engine  capacity of the replay's best two token budgets (or TOKEN_SETTINGS) and of X on the
 #           engine: from the replay's capacity, up or down by STEP until one rate meets and one
 #           misses, then bisection to TOL, at most MAX_PROBES probes a setting; each probe a
 #           fresh server and REQUESTS requests, bounded in time
 #
 # Knobs (environment): TRACE, REQUESTS, LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT, CAL_RATE,
-# CAL_BUDGET, TBT_FACTOR, TTFT_FACTOR, TIME_SHARE, FLOOR, TIME_MARGIN, REPLAY_BUDGETS,
+# CAL_BUDGET, TBT_FACTOR, TTFT_FACTOR, TIME_SHARE, FLOOR, TIME_MARGIN, REPLAY_BUDGETS, REPLAY_NOISE
+# (decode, all or off: the noise bands of the steps with a decode row, of every step, none), REPLAY_SEEDS,
 # TOKEN_SETTINGS, STEP, TOL, MAX_PROBES, REPEAT (1: the capacity found probed again),
 # ENGINE_CPU, ENGINE_NICE, PORT, OUT, STAGES (a subset of "cal replay engine summary"; later
 # stages read the earlier ones' files in OUT; the engine stage adds to OUT/probes.tsv and
@@ -50,6 +53,8 @@ FLOOR=${FLOOR:-4}
 TIME_MARGIN=${TIME_MARGIN:-0.99}
 # Fine near the largest chunk the TBT bound holds, so that the best token budget is well tuned.
 REPLAY_BUDGETS=${REPLAY_BUDGETS:-8,12,16,20,24,32,64,256}
+REPLAY_NOISE=${REPLAY_NOISE:-decode}
+REPLAY_SEEDS=${REPLAY_SEEDS:-21}
 TOKEN_SETTINGS=${TOKEN_SETTINGS:-}
 STEP=${STEP:-1.25}
 TOL=${TOL:-0.05}
@@ -60,6 +65,15 @@ REPEAT=${REPEAT:-1}
 # their turns; the load generator's timestamps are the TBT and TTFT measured).
 ENGINE_CPU=${ENGINE_CPU:-1}
 ENGINE_NICE=${ENGINE_NICE:-0}
+# Where the kernel groups tasks into autogroups (sched_autogroup: one a login or setsid), a nice
+# weighs a task only against its own autogroup's: another autogroup's build at nice 19 takes the
+# engine's core in turns with it. This script's autogroup (the engine, the load generator, the
+# script, and whatever else runs in it) is set to ENGINE_NICE as well, and put back on exit.
+GROUP_NICE=""
+if [[ $ENGINE_NICE != 0 && -e /proc/self/autogroup ]]; then
+  GROUP_NICE=$(sed 's/.*nice //' /proc/self/autogroup)
+  echo "$ENGINE_NICE" 2>/dev/null >/proc/self/autogroup || { echo "could not set the autogroup's nice to $ENGINE_NICE" >&2; GROUP_NICE=""; }
+fi
 PORT=${PORT:-8327}
 CARGO=${CARGO:-cargo}
 mkdir -p "$OUT"
@@ -86,6 +100,7 @@ stop_server() {
 cleanup() {
   if [[ -n "$LOADGEN" ]]; then kill -TERM "$LOADGEN" 2>/dev/null || true; wait "$LOADGEN" 2>/dev/null || true; fi
   stop_server
+  if [[ -n "$GROUP_NICE" ]]; then echo "$GROUP_NICE" 2>/dev/null >/proc/self/autogroup || true; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -125,9 +140,18 @@ if wants cal; then
   run "$OUT/cal" "$CAL_RATE" 1800 --budget "$CAL_BUDGET" --align 1 --min-chunk-tokens "$FLOOR"
   test -s "$OUT/cal/bench.json" || { echo "the calibration run did not finish" >&2; exit 1; }
   "$CHUNKING" fit --errors relative "$OUT/cal/steps.jsonl" --node llm | tee "$OUT/cal/fit.txt"
+  # The replay's cost and noise bands from the steps that run a decode row, whose times are the
+  # gaps TBT is made of (REPLAY_NOISE=decode), or from every step (all). The steps that run
+  # prompt chunks alone (a busy period's first steps, a long prompt's last chunks) scatter past
+  # 1.1 x the fit two to seven times as often; drawn onto steps of several decode rows, they set
+  # the replay's TBT p99 (engine/results/capacity-2026-12-06-fidelity.md).
   "$CHUNKING" fit --errors relative --for replay "$OUT/cal/steps.jsonl" --node llm >"$OUT/cal/replay-cost.txt"
+  python3 engine/scripts/capacity.py decode-steps "$OUT/cal/steps.jsonl" "$OUT/cal/steps-decode.jsonl"
+  "$CHUNKING" fit --errors relative --for replay "$OUT/cal/steps-decode.jsonl" --node llm >"$OUT/cal/replay-cost-decode.txt"
   python3 engine/scripts/capacity.py objective "$OUT/cal" "$TBT_FACTOR" "$TTFT_FACTOR" "$TIME_SHARE" \
     >"$OUT/objective.env"
+  # The rate the calibration ran at, for the later stages (its trace's rates are relative to it).
+  echo "CAL_RATE=$CAL_RATE" >>"$OUT/objective.env"
 fi
 # shellcheck disable=SC2046
 export $(cat "$OUT/objective.env")
@@ -135,12 +159,20 @@ echo "objective: TBT p99 <= $TBT_MS ms, TTFT p90 <= $TTFT_MS ms; time budget X =
 
 if wants replay; then
   # The replay's config: the engine's floor, the planner's cost, and each step priced from the
-  # calibration's fit with its noise bands. The time budget runs in a sweep of its own whose
-  # config sets it with the margin (a margin is refused where no node has a time budget, as in
-  # the token budgets' cells); its one cell runs under the token budget of 2048, as the engine's.
+  # calibration's fit with its noise bands (none with REPLAY_NOISE=off). The time budget runs in
+  # a sweep of its own whose config sets it with the margin (a margin is refused where no node
+  # has a time budget, as in the token budgets' cells); its one cell runs under the token budget
+  # of 2048, as the engine's.
+  case $REPLAY_NOISE in
+    decode) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost-decode.txt"); seeds=$REPLAY_SEEDS ;;
+    all) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt"); seeds=$REPLAY_SEEDS ;;
+    off) cost=$(sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt" | sed '/^\[\[replay.cost.noise_bands\]\]/,$d' | grep -v '^#')
+      seeds=1 ;;
+    *) echo "REPLAY_NOISE is decode, all or off, not '$REPLAY_NOISE'" >&2; exit 2 ;;
+  esac
   { printf '[chunking]\nmin_chunk_tokens = %s\n\n' "$FLOOR"
     sed -n '/^\[chunking.cost.llm\]/,$p' "$OUT/cal/fit.txt"; echo
-    sed -n '/^\[replay.cost\]/,$p' "$OUT/cal/replay-cost.txt"; } >"$OUT/replay.toml"
+    echo "$cost"; } >"$OUT/replay.toml"
   printf '[chunking]\ntime_margin = %s\n\n[chunking.max_step_ms]\nllm = %s\n' "$TIME_MARGIN" "$X_MS" >"$OUT/replay-time.toml"
   sweep() {
     local out=$1; shift
@@ -148,11 +180,19 @@ if wants replay; then
       --config "$OUT/replay.toml" --trace "$OUT/cal/scaled.csv" --format generic --rates 0.5,1,2 \
       --slo-tbt-p99 "$TBT_MS" --slo-ttft-p90 "$TTFT_MS" "$@" >"$out.txt" 2>&1 || { cat "$out.txt" >&2; exit 1; }
   }
-  echo "== replay: sweep of token budgets $REPLAY_BUDGETS and of $X_MS ms (load $(load1))"
-  sweep "$OUT/replay-tokens" --budgets "$REPLAY_BUDGETS"
-  sweep "$OUT/replay-time" --config "$OUT/replay-time.toml" --budgets 2048
-  { python3 engine/scripts/capacity.py replay "$OUT/replay-tokens" "$CAL_RATE"
-    python3 engine/scripts/capacity.py replay "$OUT/replay-time" "$CAL_RATE" time; } | tee "$OUT/replay-capacity.txt"
+  # Once per noise seed: a TBT p99 rests on the few largest draws, so one seed moves a setting
+  # whose steps sit near the TBT bound by a third; the capacity is the median over the seeds.
+  echo "== replay: sweep of token budgets $REPLAY_BUDGETS and of $X_MS ms, $seeds seed(s) (load $(load1))"
+  rm -rf "$OUT"/replay-seeds.txt "$OUT"/replay-tokens-s* "$OUT"/replay-time-s*
+  for seed in $(seq 1 "$seeds"); do
+    export MSTAR__REPLAY__SPECULATION__SEED=$seed
+    sweep "$OUT/replay-tokens-s$seed" --budgets "$REPLAY_BUDGETS"
+    sweep "$OUT/replay-time-s$seed" --config "$OUT/replay-time.toml" --budgets 2048
+    { python3 engine/scripts/capacity.py replay "$OUT/replay-tokens-s$seed" "$CAL_RATE"
+      python3 engine/scripts/capacity.py replay "$OUT/replay-time-s$seed" "$CAL_RATE" time; } | sed "s/^/$seed /" >>"$OUT/replay-seeds.txt"
+  done
+  unset MSTAR__REPLAY__SPECULATION__SEED
+  python3 engine/scripts/capacity.py median "$OUT/replay-seeds.txt" | tee "$OUT/replay-capacity.txt"
 fi
 
 if wants engine || wants summary; then
