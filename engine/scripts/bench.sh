@@ -42,7 +42,7 @@ ENGINE_THREADS=${ENGINE_THREADS:-1}
 
 # ENGINE / CHUNKING: prebuilt binaries to use instead of building release ones.
 if [[ -z "${ENGINE:-}" || -z "${CHUNKING:-}" ]]; then
-  $CARGO build --release -p mstar-engine -p mstar-chunking --bins
+  $CARGO build --release -p mstar-engine -p mstar-chunking-sim --bins
   BIN=${CARGO_TARGET_DIR:-target}/release
   ENGINE=$BIN/mstar-engine
   CHUNKING=$BIN/mstar-chunking

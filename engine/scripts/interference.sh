@@ -39,7 +39,7 @@ CARGO=${CARGO:-cargo}
 mkdir -p "$OUT"
 
 if [[ -z "${ENGINE:-}" || -z "${CHUNKING:-}" ]]; then
-  $CARGO build --release -p mstar-engine -p mstar-chunking --bins
+  $CARGO build --release -p mstar-engine -p mstar-chunking-sim --bins
   BIN=${CARGO_TARGET_DIR:-target}/release
   ENGINE=$BIN/mstar-engine
   CHUNKING=$BIN/mstar-chunking
