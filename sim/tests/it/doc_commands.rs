@@ -10,6 +10,9 @@ use crate::helpers::repo_root;
 
 /// The README's size limit: the tour, not the reference.
 const README_MAX_BYTES: usize = 12 * 1024;
+/// A guide's size limit: a page a newcomer reads in minutes (reference material long by nature
+/// is split into pages; measurements live in dated `results/` files).
+const GUIDE_MAX_BYTES: usize = 16 * 1024;
 /// The info-string languages of command blocks.
 const SHELLS: [&str; 5] = ["sh", "bash", "shell", "console", "zsh"];
 /// A runnable block's bound on its run, generous for a debug build on a loaded machine.
@@ -324,6 +327,35 @@ fn binary_commands_join_continuations_and_keep_out_shell() {
     );
     assert_eq!(binary_commands("python3 check.py steps.jsonl\n"), None);
     assert_eq!(binary_commands("mstar-chunking replay > out.txt\n"), None);
+}
+
+#[test]
+fn every_guide_is_a_page_read_in_minutes() {
+    let root = repo_root();
+    let mut guides = pages();
+    for dir in ["docs/decisions", "engine", "python"] {
+        let mut more: Vec<PathBuf> = std::fs::read_dir(root.join(dir))
+            .expect("a guides directory is readable")
+            .map(|e| e.expect("an entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "md"))
+            .collect();
+        more.sort();
+        guides.extend(more);
+    }
+    guides.sort();
+    guides.dedup();
+    assert!(guides.len() > 40, "{guides:?}");
+    let long: Vec<String> = guides
+        .iter()
+        .filter_map(|p| {
+            let n = std::fs::metadata(p).unwrap().len() as usize;
+            (n > GUIDE_MAX_BYTES).then(|| format!("{} is {n} bytes", rel(p)))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "guides over {GUIDE_MAX_BYTES} bytes (split them, or move figures to results/): {long:?}"
+    );
 }
 
 #[test]
