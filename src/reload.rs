@@ -513,26 +513,7 @@ mod tests {
         );
     }
 
-    /// A program's own section, `[sim]`, as the simulator adds `[replay]`.
-    #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-    #[serde(deny_unknown_fields, default)]
-    struct Sim {
-        sim: SimSection,
-    }
-
-    #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-    #[serde(deny_unknown_fields, default)]
-    struct SimSection {
-        learn: bool,
-    }
-
-    impl ExtraSections for Sim {
-        const NAMES: &'static [&'static str] = &["sim"];
-
-        fn learns_cost(&self) -> bool {
-            self.sim.learn
-        }
-    }
+    use crate::config::tests::Sim;
 
     /// The demo model's component started from one layer file, which `write` rewrites.
     struct Running {

@@ -374,4 +374,4 @@ fn check_against(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -429,19 +429,21 @@ fn order_refusals_name_the_key_the_value_and_the_layer() {
     );
 }
 
-/// A program's own section, `[sim]`, as the simulator adds `[replay]`.
+/// A program's own section, `[sim]`, as the simulator adds `[replay]` (the reload's tests use
+/// it too).
 #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
-struct Sim {
-    sim: SimSection,
+pub(crate) struct Sim {
+    pub(crate) sim: SimSection,
 }
 
+/// `[sim]`: a node for flags, online learning, and a number.
 #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
-struct SimSection {
-    node: Option<String>,
-    learn: bool,
-    level: u32,
+pub(crate) struct SimSection {
+    pub(crate) node: Option<String>,
+    pub(crate) learn: bool,
+    pub(crate) level: u32,
 }
 
 impl ExtraSections for Sim {
