@@ -7,8 +7,8 @@
 //!
 //! ## A tour of the modules
 //!
-//! The functional core, plain structs without a runtime (all of it with
-//! `default-features = false`):
+//! The functional core, plain structs without a runtime (all of it with the default
+//! features):
 //! - [`range`]: [`ChunkRange`], the tokens a chunked row runs in one step, and its stride rule;
 //! - [`policy`]: the model's say: [`ChunkingPolicy`], [`NO_CHUNKING`], submodule capabilities;
 //! - [`budget`]: the deployment's say: [`BudgetSettings`] (token and time budgets), their

@@ -2,7 +2,7 @@
 //! names and values, and histogram buckets. Call sites use the handles and functions here, never
 //! string literals.
 //!
-//! The library records through the `metrics` facade and never installs a recorder: the binary
+//! The library records through the `metrics` facade and never installs a recorder: the `mstar-chunking` command
 //! installs the Prometheus exporter (`install_prometheus`, `prometheus` feature); an embedding engine may install its
 //! own recorder instead and then call [`describe_all`].
 //!

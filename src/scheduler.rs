@@ -741,7 +741,7 @@ impl SchedulerState {
 
     /// Queues a prompt row of `total` tokens for `rid` at `node`, with what `options` says of
     /// it (its cached prefix, priority and arrival time): the row alone, no input is held (the
-    /// serving layer's [`SchedulerState::admit`] also holds the prompt's prepared input). A
+    /// serving layer's `SchedulerState::admit` also holds the prompt's prepared input). A
     /// priority given where the node's order is not `priority` is kept (a later setting may
     /// order by it) and warned about once per node: it does not change this node's order.
     ///
@@ -777,7 +777,7 @@ impl SchedulerState {
 
     /// Queues a continuing row of `rid` at `node` with an `estimate` of tokens a step and its
     /// `context`, if given (or updates them): the row alone (the serving layer's
-    /// [`SchedulerState::continue_row`] also tells the hooks).
+    /// `SchedulerState::continue_row` also tells the hooks).
     ///
     /// # Errors
     /// Unknown node or walk, a zero estimate, or `rid` still prefilling there.
@@ -849,7 +849,7 @@ impl SchedulerState {
     }
 
     /// Drops every row of `rid` on every node (an aborted or finished request), its inputs
-    /// left alone (the serving layer's [`SchedulerState::forget_request`] drops them too). Rows
+    /// left alone (the serving layer's `SchedulerState::forget_request` drops them too). Rows
     /// of `rid` in a step in flight run, but do not advance. Returns how many prefill rows
     /// were dropped.
     pub fn drop_rows(&mut self, rid: u64) -> usize {
@@ -866,8 +866,8 @@ impl SchedulerState {
         self.nodes.get_mut(node).is_some_and(|q| q.forget(rid))
     }
 
-    /// [`SchedulerState::plan_step`]'s batch as a plain [`Batch`], its chunk rows without
-    /// input: cutting inputs is the serving layer's part ([`SchedulerState::assemble`]). The
+    /// `SchedulerState::plan_step`'s batch as a plain [`Batch`], its chunk rows without
+    /// input: cutting inputs is the serving layer's part (`SchedulerState::assemble`). The
     /// plain state's step, which an engine-free test or benchmark drives.
     ///
     /// # Errors
@@ -1096,7 +1096,7 @@ impl SchedulerState {
     }
 
     /// Closes a step in flight with what it ran (the serving layer's
-    /// [`SchedulerState::complete`] also releases the finished rows' inputs): `ran[i]` is the
+    /// `SchedulerState::complete` also releases the finished rows' inputs): `ran[i]` is the
     /// tokens row `i` of its batch actually ran,
     /// and `measured_ms` the step's measured time, if the engine has one. A chunk row ran
     /// either nothing (0: it is planned again from the same place) or its planned tokens (it

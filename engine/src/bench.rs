@@ -4,9 +4,9 @@
 //! p50/p90/p99/max in ms), plus throughput.
 //!
 //! Traces: the generic CSV (`arrival_ms,prompt_tokens,output_tokens[,hash_ids]`) and the Azure
-//! CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`), told apart by their header. The component
-//! reads these only behind its `replay` feature, which an engine built with default features
-//! off does not have, so this is a small reader of its own. `--write-trace` writes the scaled
+//! CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`), told apart by their header. The trace
+//! readers are the simulator's (`mstar-chunking-sim`), which an engine does not depend on, so
+//! this is a small reader of its own. `--write-trace` writes the scaled
 //! requests as a generic CSV, so `mstar-chunking replay` can simulate exactly what was sent.
 
 use std::path::{Path, PathBuf};

@@ -5,8 +5,8 @@
 //!   recent steps weigh more and memory stays constant; the coefficients are solved on demand,
 //!   non-negative, and the fit says when it can be trusted.
 //! - [`fit_samples`]: the offline fit, all steps weighted alike, with R² and error quantiles.
-//!   Reading step logs and CSVs for `mstar-chunking fit FILE` is in
-//!   `latency::fit_file` (`replay` feature).
+//!   Reading step logs and CSVs for `mstar-chunking fit FILE` is the simulator's
+//!   (`mstar-chunking-sim`, `cli::fit_file`).
 //!
 //! Both solve the same problem exactly: the least-squares coefficients under the constraint
 //! that every coefficient is `>= 0` (see `Normal::solve`). Plain `std` and `serde`: this is
