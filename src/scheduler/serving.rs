@@ -599,6 +599,18 @@ mod tests {
     use crate::policy::{ChunkingPolicy, ModelPolicies, SubmoduleCaps};
     use crate::snapshot::BudgetSnapshot;
 
+    /// Admits `input` as `rid`'s prompt with nothing cached and no priority or arrival time.
+    fn admit_uncached(
+        s: &mut SchedulerState,
+        rid: u64,
+        node: &Name,
+        walk: &Name,
+        input: PreparedInput,
+        hooks: &mut impl StepHooks,
+    ) -> Result<(), ChunkingError> {
+        s.admit(rid, node, walk, input, AdmitOptions::cached(0), hooks)
+    }
+
     /// One node `llm` serving `prefill` with a budget of 8.
     fn state() -> SchedulerState {
         let subs = BTreeMap::from([(Name::from("llm"), SubmoduleCaps::new(["prefill"], false))]);
@@ -689,47 +701,18 @@ mod tests {
         let mut s = state();
         let (node, walk) = llm();
         let mut h = Recorded::default();
-        s.admit(
-            3,
-            &node,
-            &walk,
-            tokens(3, 1),
-            AdmitOptions::cached(0),
-            &mut h,
-        )
-        .unwrap();
-        let again = s.admit(
-            3,
-            &node,
-            &walk,
-            tokens(5, 9),
-            AdmitOptions::cached(0),
-            &mut h,
-        );
+        admit_uncached(&mut s, 3, &node, &walk, tokens(3, 1), &mut h).unwrap();
+        let again = admit_uncached(&mut s, 3, &node, &walk, tokens(5, 9), &mut h);
         assert!(matches!(
             again,
             Err(ChunkingError::AlreadyQueued { rid: 3, .. })
         ));
-        let empty = s.admit(
-            4,
-            &node,
-            &walk,
-            tokens(0, 0),
-            AdmitOptions::cached(0),
-            &mut h,
-        );
+        let empty = admit_uncached(&mut s, 4, &node, &walk, tokens(0, 0), &mut h);
         assert!(matches!(
             empty,
             Err(ChunkingError::EmptyInput { rid: 4, .. })
         ));
-        let ghost = s.admit(
-            5,
-            &node,
-            &Name::from("ghost"),
-            tokens(2, 0),
-            AdmitOptions::cached(0),
-            &mut h,
-        );
+        let ghost = admit_uncached(&mut s, 5, &node, &Name::from("ghost"), tokens(2, 0), &mut h);
         assert!(ghost.is_err());
         assert!(
             s.prepared(5, "llm").is_none(),
