@@ -55,6 +55,13 @@ TIME_MARGIN=${TIME_MARGIN:-0.99}
 REPLAY_BUDGETS=${REPLAY_BUDGETS:-8,12,16,20,24,32,64,256}
 REPLAY_NOISE=${REPLAY_NOISE:-decode}
 REPLAY_SEEDS=${REPLAY_SEEDS:-21}
+case $REPLAY_NOISE in decode | all | off) ;; *)
+  echo "REPLAY_NOISE is decode, all or off, not '$REPLAY_NOISE'" >&2; exit 2 ;;
+esac
+# Each seed is two sweeps: at most 100, so that a typo cannot run for days.
+if ! [[ $REPLAY_SEEDS =~ ^[0-9]+$ ]] || ((10#$REPLAY_SEEDS < 1 || 10#$REPLAY_SEEDS > 100)); then
+  echo "REPLAY_SEEDS is a whole number from 1 to 100, not '$REPLAY_SEEDS'" >&2; exit 2
+fi
 TOKEN_SETTINGS=${TOKEN_SETTINGS:-}
 STEP=${STEP:-1.25}
 TOL=${TOL:-0.05}
@@ -152,6 +159,10 @@ if wants cal; then
     >"$OUT/objective.env"
   # The rate the calibration ran at, for the later stages (its trace's rates are relative to it).
   echo "CAL_RATE=$CAL_RATE" >>"$OUT/objective.env"
+fi
+if [[ ! -f "$OUT/objective.env" ]]; then
+  echo "no calibration in $OUT (objective.env): run the cal stage first (STAGES=cal, or the defaults)" >&2
+  exit 2
 fi
 # shellcheck disable=SC2046
 export $(cat "$OUT/objective.env")
